@@ -1,0 +1,89 @@
+"""The `ddpkit` command: a thin shell over the Python API.
+
+ddpkit run [--nproc auto|N] [--nnodes N --node-rank R --rdzv-endpoint HOST:PORT]
+           [--max-restarts K] [--port P] [--device auto|cpu|cuda] script.py args...
+ddpkit run -m package.module args...
+ddpkit demo [--nproc N] [--epochs E]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ddpkit.errors import DdpkitError
+
+
+def _nproc(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number, got {value!r}") from None
+
+
+def _add_launch_options(p: argparse.ArgumentParser, *, default_nproc: str | None) -> None:
+    p.add_argument("--nproc", type=_nproc, default=default_nproc, help="processes per node: auto or N")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (machines)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's rank, 0..nnodes-1")
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT where the nodes meet")
+    p.add_argument("--port", type=int, default=None, help="single node: rendezvous port (default: free)")
+    p.add_argument("--max-restarts", type=int, default=0, help="restart all workers up to K times")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddpkit", description="Data-parallel PyTorch, correct and fast.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="launch a script on N processes (torchrun-compatible)")
+    _add_launch_options(run, default_nproc="auto")
+    run.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
+    run.add_argument("target", help="script.py, or a module name with -m")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    demo = sub.add_parser("demo", help="train a CNN on scikit-learn's digits with DDP")
+    _add_launch_options(demo, default_nproc=None)
+    demo.add_argument("--epochs", type=int, default=12)
+    demo.add_argument("--out", default="ddpkit-demo", help="folder for the loss-curve PNG")
+    return parser
+
+
+def _launch_config(ns: argparse.Namespace, target: str, args: Sequence[str], module: bool):
+    from ddpkit.launch import LaunchConfig
+
+    return LaunchConfig(
+        target=target,
+        args=tuple(args),
+        module=module,
+        nproc=ns.nproc,
+        device=ns.device,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        rdzv_endpoint=ns.rdzv_endpoint,
+        port=ns.port,
+        max_restarts=ns.max_restarts,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        if ns.command == "run":
+            from ddpkit.launch import launch
+
+            return launch(_launch_config(ns, ns.target, ns.args, ns.module))
+        if ns.command == "demo":
+            from ddpkit.demo import launch_demo
+
+            return launch_demo(ns, _launch_config)
+    except DdpkitError as err:
+        print(f"ddpkit {ns.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

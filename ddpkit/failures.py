@@ -1,0 +1,65 @@
+"""Which rank failed first, and why: the error file torchrun's agent reads, with a precise time.
+
+When one rank raises, its peers fail moments later inside a collective ("connection closed by peer").
+torchrun's error files carry whole-second timestamps, so the agent cannot tell cause from effect.
+ddpkit writes the same file format with a sub-second `ddpkit_time`, and `ddpkit run` uses it to name
+the rank that failed first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import traceback
+from typing import Any
+
+
+def raised_at(exc: BaseException) -> float:
+    """When `exc` was first seen by a ddpkit session (before teardown), or now."""
+    return getattr(exc, "_ddpkit_time", None) or time.time()
+
+
+def record_failure(exc: BaseException, rank: int) -> None:
+    """Stamp `exc` with the time, and write it to the launcher's error file (TORCHELASTIC_ERROR_FILE)."""
+    now = time.time()
+    with contextlib.suppress(AttributeError):
+        exc._ddpkit_time = now  # type: ignore[attr-defined]
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(exc)),
+                "timestamp": str(int(now)),
+                "ddpkit_time": now,
+                "rank": rank,
+            },
+        }
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # reporting must never hide the user's own exception
+
+
+def failure_time(failure: Any) -> float:
+    """When a torchrun `ProcessFailure` happened, as precisely as its error file says."""
+    data = failure.error_file_data
+    if isinstance(data, dict):
+        extra = data.get("message", {})
+        extra = extra.get("extraInfo", {}) if isinstance(extra, dict) else {}
+        if "ddpkit_time" in extra:
+            return float(extra["ddpkit_time"])
+    return float(failure.timestamp)
+
+
+def failure_message(failure: Any) -> str:
+    data = failure.error_file_data
+    if isinstance(data, dict) and isinstance(data.get("message"), dict):
+        return str(data["message"].get("message", ""))
+    return ""

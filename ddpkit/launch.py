@@ -1,0 +1,175 @@
+"""`ddpkit run`: torchrun's elastic agent (torch.distributed.run), with ddpkit's defaults.
+
+    ddpkit run train.py                         # --nproc auto: one per GPU, or 1 on a CPU-only machine
+    ddpkit run --nproc 2 train.py --lr 0.1      # two CPU ranks with gloo, a free port picked by the OS
+    ddpkit run --nnodes 2 --node-rank 0 --nproc 4 --rdzv-endpoint host0:29400 train.py   # on host0
+    ddpkit run --nnodes 2 --node-rank 1 --nproc 4 --rdzv-endpoint host0:29400 train.py   # on host1
+    ddpkit run --max-restarts 3 train.py        # the agent restarts all workers after a failure
+
+What ddpkit adds to torchrun: the process count from the hardware, a rendezvous port the OS picks
+(single node), a clear error for a busy explicit port or a missing script, CPU threads per rank =
+cores // nproc, and the failing rank's exit code returned as the command's own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+
+from ddpkit.errors import DdpkitError, problem
+from ddpkit.failures import failure_message, failure_time
+from ddpkit.topology import Hardware, threads_per_process
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """What to start and how; validated on construction."""
+
+    target: str  # a script path, or a module name when `module` is True
+    args: tuple[str, ...] = ()
+    module: bool = False
+    nproc: int | str = "auto"
+    device: str = "auto"
+    nnodes: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    port: int | None = None
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.nproc != "auto" and (not isinstance(self.nproc, int) or self.nproc < 1):
+            raise problem(
+                f"--nproc {self.nproc} is not a process count",
+                "Pass --nproc auto (one per GPU, or 1 on CPU) or a whole number of at least 1",
+            )
+        if self.nnodes < 1:
+            raise problem(f"--nnodes {self.nnodes} is below 1", "Pass --nnodes 1 or more")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise problem(
+                f"--nnodes {self.nnodes} needs a meeting point for the nodes",
+                "Pass --rdzv-endpoint HOST:PORT with the same value on every node",
+            )
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise problem(
+                f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}",
+                "Give each node a distinct rank from 0 to --nnodes - 1",
+            )
+        if self.max_restarts < 0:
+            raise problem(f"--max-restarts {self.max_restarts} is negative", "Pass 0 or more")
+        if self.module:
+            if importlib.util.find_spec(self.target.split(".")[0]) is None:
+                raise problem(f"module {self.target!r} cannot be found", "Check the name and your PYTHONPATH")
+        elif not os.path.isfile(self.target):
+            raise problem(
+                f"script {self.target!r} does not exist",
+                "Check the path (relative to the current directory), or use -m for a module",
+            )
+
+
+def resolve_nproc(nproc: int | str, hardware: Hardware, device: str = "auto") -> int:
+    """`auto` is one process per GPU, or one process on a CPU-only machine (it uses every core)."""
+    if nproc != "auto":
+        return int(nproc)
+    return hardware.gpus if hardware.gpus > 0 and device != "cpu" else 1
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise problem(
+            f"rendezvous endpoint {endpoint!r} is not HOST:PORT", "Pass e.g. --rdzv-endpoint 10.0.0.1:29400"
+        )
+    return host, int(port)
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _is_local(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "0.0.0.0", socket.gethostname())
+
+
+def torchrun_argv(cfg: LaunchConfig, nproc: int) -> list[str]:
+    """The torchrun command line that implements `cfg` (also handy to print for users)."""
+    argv = [f"--nproc-per-node={nproc}", f"--max-restarts={cfg.max_restarts}"]
+    argv.append(f"--monitor-interval={cfg.monitor_interval}")
+    if cfg.nnodes == 1 and cfg.rdzv_endpoint is None:
+        if cfg.port is None:
+            argv.append("--standalone")  # c10d rendezvous on localhost:0, the OS picks the port
+        else:
+            if not port_is_free(cfg.port):
+                raise _busy(cfg.port)
+            argv += ["--master-addr=127.0.0.1", f"--master-port={cfg.port}"]  # MASTER_PORT is this port
+    else:
+        host, port = split_endpoint(cfg.rdzv_endpoint or f"127.0.0.1:{cfg.port}")
+        argv.append(f"--nnodes={cfg.nnodes}")
+        if cfg.node_rank is not None:
+            # Static rendezvous: node ranks are the user's, node 0 hosts the store at host:port.
+            if cfg.node_rank == 0 and _is_local(host) and not port_is_free(port):
+                raise _busy(port)
+            argv += [f"--node-rank={cfg.node_rank}", f"--master-addr={host}", f"--master-port={port}"]
+        else:
+            argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=ddpkit"]
+    if cfg.module:
+        argv.append("-m")
+    return [*argv, cfg.target, *cfg.args]
+
+
+def _busy(port: int) -> DdpkitError:
+    return problem(
+        f"port {port} is already in use on this machine",
+        "Pick another port, or leave --port out and ddpkit lets the OS choose a free one",
+    )
+
+
+def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
+    """Start the job through torchrun's agent and wait; return its exit code (0 on success)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    hardware = hardware or Hardware.detect()
+    nproc = resolve_nproc(cfg.nproc, hardware, cfg.device)
+    argv = torchrun_argv(cfg, nproc)
+    os.environ.update(cfg.extra_env)
+    if cfg.device != "auto":
+        os.environ["DDPKIT_DEVICE"] = cfg.device
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(hardware.cpu_cores, nproc)))
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as err:
+        return _report(err)
+    return 0
+
+
+def _report(err: Exception) -> int:
+    failures = getattr(err, "failures", {})
+    if not failures:
+        print(f"ddpkit run: the job failed: {err}", file=sys.stderr)
+        return 1
+    rank, first = min(failures.items(), key=lambda item: failure_time(item[1]))
+    code = first.exitcode
+    how = f"exit code {code}"
+    if code < 0:
+        how = f"signal {signal.Signals(-code).name}"
+        code = 128 - code
+    message = failure_message(first)
+    print(
+        f"ddpkit run: rank {rank} (local rank {first.local_rank}, pid {first.pid}) failed first with "
+        f"{how}{': ' + message if message else ''}; its traceback is above. {len(failures)} rank(s) "
+        "failed; the others were stopped.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return code

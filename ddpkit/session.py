@@ -1,0 +1,259 @@
+"""The session: the one place where ddpkit has process-group side effects.
+
+    with ddpkit.session(seed=0) as s:          # reads the launcher's env, picks the mode, joins the group
+        model = s.model(Net())                 # on s.device; DDP only when s.world_size > 1
+        train = s.loader(data, batch_size=64, shuffle=True)   # 64 is the global batch
+        ...
+        s.print("done")                        # printed once, by global rank 0
+
+Seeding: every rank starts from the same `seed`, so models are initialised identically; once the model
+is prepared, each rank's global generators move to a stream of its own (`rank_seed`), so dropout and
+augmentation differ across ranks while the sampler's shuffle stays shared.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddpkit import topology
+from ddpkit.data import ShardedLoader, make_loader, plan_batch
+from ddpkit.errors import problem
+from ddpkit.failures import record_failure
+from ddpkit.wrap import DDPOptions, wrap_model
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's (CPU and CUDA) global generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Session:
+    """A training session on one process; create it with `ddpkit.session(...)`."""
+
+    def __init__(
+        self,
+        plan: topology.Plan,
+        *,
+        seed: int = 0,
+        accumulation: int = 1,
+        timeout: float = 1800.0,
+        verbose: bool = True,
+    ) -> None:
+        if accumulation < 1:
+            raise problem(f"accumulation={accumulation} is below 1", "Pass 1 (no accumulation) or more")
+        if timeout <= 0:
+            raise problem(f"timeout={timeout} seconds is not positive", "Pass a timeout in seconds, e.g. 600")
+        self.plan = plan
+        self.seed = seed
+        self.accumulation = accumulation
+        self.timeout = timeout
+        self.verbose = verbose
+        self.device = torch.device(plan.device)
+        self._owns_group = False
+
+    # -- who am I -------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """Global rank: 0..world_size-1 over all nodes."""
+        return self.plan.ranks.rank
+
+    @property
+    def local_rank(self) -> int:
+        """Rank on this node: selects the GPU."""
+        return self.plan.ranks.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.ranks.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the one rank that prints and saves."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.plan.distributed
+
+    @property
+    def rank_seed(self) -> int:
+        """A seed distinct per rank, derived from `seed`, for per-rank randomness."""
+        return self.seed + 1_000_003 * (self.rank + 1)
+
+    # -- life cycle -----------------------------------------------------------------------------
+    def start(self) -> Session:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.distributed and not dist.is_initialized():
+            r = self.plan.ranks
+            kwargs: dict[str, Any] = {}
+            if r.launcher != "torchrun":  # torchrun's env:// (and agent store) is the default
+                kwargs["init_method"] = f"tcp://{r.master_addr}:{r.master_port}"
+            dist.init_process_group(
+                backend=self.plan.backend,
+                rank=r.rank,
+                world_size=r.world_size,
+                timeout=timedelta(seconds=self.timeout),
+                **kwargs,
+            )
+            self._owns_group = True
+        seed_everything(self.seed)
+        threads = torch.get_num_threads()
+        detail = f", {threads} CPU thread(s) per rank" if self.device.type == "cpu" else ""
+        self.print(f"ddpkit: {self.plan.describe()}{detail}")
+        return self
+
+    def close(self) -> None:
+        """Leave the process group (if this session created it). Safe to call twice."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    # -- output ---------------------------------------------------------------------------------
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on global rank 0 only, flushed at once."""
+        if self.is_main and self.verbose:
+            print(*args, **kwargs, flush=True)
+
+    def print_all(self, *args: Any) -> None:
+        """Print on every rank, prefixed with the global rank (for debugging)."""
+        print(f"[rank {self.rank}]", *args, flush=True)
+
+    # -- collectives ----------------------------------------------------------------------------
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def all_reduce(self, value: float | torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce a number or tensor over all ranks ("sum", "mean", "max", "min"); a new tensor."""
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        if op not in (*ops, "mean"):
+            raise problem(f"op={op!r} is not supported", "Use 'sum', 'mean', 'max' or 'min'")
+        tensor = torch.as_tensor(value, device=self.device).detach().clone()
+        if op == "mean" and not tensor.is_floating_point():
+            tensor = tensor.double()
+        if self.distributed:
+            dist.all_reduce(tensor, op=ops.get(op, dist.ReduceOp.SUM))
+            if op == "mean":
+                tensor /= self.world_size
+        return tensor
+
+    # -- building blocks ------------------------------------------------------------------------
+    def model(
+        self,
+        module: nn.Module,
+        *,
+        sync_batchnorm: bool = False,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        bucket_cap_mb: float | None = None,
+        gradient_as_bucket_view: bool = True,
+        broadcast_buffers: bool = True,
+    ) -> nn.Module:
+        """Move `module` to the device and wrap it in DDP when there is more than one rank.
+
+        DDP copies global rank 0's weights to every rank here, once. Build the optimizer from the
+        returned model's parameters, after this call.
+        """
+        options = DDPOptions(
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            broadcast_buffers=broadcast_buffers,
+        )
+        model, notes = wrap_model(
+            module,
+            device=self.device,
+            distributed=self.distributed,
+            options=options,
+            sync_batchnorm=sync_batchnorm,
+        )
+        for note in notes:
+            self.print(f"ddpkit: {note}")
+        seed_everything(self.rank_seed)
+        return model
+
+    def loader(
+        self,
+        dataset: Dataset,
+        batch_size: int | None = None,
+        *,
+        per_rank_batch_size: int | None = None,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        evaluation: bool = False,
+        **dataloader_kwargs: Any,
+    ) -> ShardedLoader:
+        """A sharded DataLoader; `batch_size` is the global batch (see `ddpkit.data`).
+
+        `evaluation=True` shards without padding so metrics summed over ranks are exact, and
+        ignores accumulation (the batch is split over ranks only).
+        """
+        batch = plan_batch(
+            batch_size,
+            per_rank_batch_size,
+            world_size=self.world_size,
+            accumulation=1 if evaluation else self.accumulation,
+        )
+        built = make_loader(
+            dataset,
+            batch,
+            rank=self.rank,
+            device=self.device,
+            seed=self.seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            evaluation=evaluation,
+            **dataloader_kwargs,
+        )
+        if not evaluation:
+            self.print(f"ddpkit: {batch.describe()}")
+        return built
+
+
+@contextmanager
+def session(
+    *,
+    seed: int = 0,
+    device: str = "auto",
+    backend: str = "auto",
+    accumulation: int = 1,
+    timeout: float = 1800.0,
+    verbose: bool = True,
+    env: Mapping[str, str] | None = None,
+    hardware: topology.Hardware | None = None,
+) -> Iterator[Session]:
+    """Open a `Session` for this process; the process group is torn down on exit, also on errors.
+
+    `device` ("auto", "cpu", "cuda") and `backend` ("auto", "gloo", "nccl") override the automatic
+    choice; `timeout` bounds every collective (seconds). `env` and `hardware` default to this
+    process's environment and machine.
+    """
+    plan = topology.resolve(
+        os.environ if env is None else env,
+        hardware or topology.Hardware.detect(),
+        device=device,
+        backend=backend,
+    )
+    s = Session(plan, seed=seed, accumulation=accumulation, timeout=timeout, verbose=verbose)
+    try:
+        yield s.start()
+    except BaseException as exc:
+        record_failure(exc, s.rank)  # lets `ddpkit run` name the rank that failed first
+        raise
+    finally:
+        s.close()

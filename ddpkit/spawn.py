@@ -1,0 +1,134 @@
+"""Run a function on N local ranks from Python (notebooks, tests): `ddpkit.spawn(fn, nproc=2)`.
+
+Each rank gets torchrun's environment contract (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), so
+`ddpkit.session()` and plain `init_process_group()` work inside `fn` unchanged. The parent hosts the
+rendezvous TCPStore on a port the OS picks, exactly as torchrun's agent does, so concurrent spawns
+never race for a port. Processes start with the "spawn" method: forking a parent that has already
+used torch's OpenMP thread pool hangs the child.
+
+`fn` must be importable by name (defined at module level of a file), as multiprocessing requires.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+from torch.distributed import TCPStore
+
+from ddpkit.errors import problem
+from ddpkit.failures import raised_at
+from ddpkit.topology import Hardware, threads_per_process
+
+
+class SpawnError(RuntimeError):
+    """A rank raised, died or timed out; the message starts with the first failing rank."""
+
+
+def _rank_main(
+    local_rank: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    env: dict[str, str],
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+    import torch
+
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    try:
+        results.put((local_rank, True, fn(*args), time.time()))
+    except BaseException as exc:  # report every failure to the parent, then die non-zero
+        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        results.put((local_rank, False, text, raised_at(exc)))
+        raise SystemExit(1) from None
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nproc: int = 2,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float = 300.0,
+    threads: int | None = None,
+) -> list[Any]:
+    """Run `fn(*args)` on `nproc` local ranks; return the per-rank results, in rank order.
+
+    If any rank raises, exits or exceeds `timeout` seconds, the others are terminated and
+    `SpawnError` names the first failing rank with its traceback. `threads` per rank defaults to
+    the CPU cores split evenly (OMP_NUM_THREADS, when set, wins).
+    """
+    if nproc < 1:
+        raise problem(f"nproc={nproc} is below 1", "Pass nproc=1 or more")
+    if getattr(fn, "__name__", "") == "<lambda>" or "<locals>" in getattr(fn, "__qualname__", ""):
+        raise problem(
+            f"{fn!r} cannot be sent to new processes (lambdas and nested functions are not importable)",
+            "Define the function at the top level of a .py module and pass that",
+        )
+    store = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
+    n_threads = threads or int(
+        os.environ.get("OMP_NUM_THREADS") or threads_per_process(Hardware.detect().cpu_cores, nproc)
+    )
+    env = {
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # ranks connect to the store this process hosts
+        "OMP_NUM_THREADS": str(n_threads),
+    }
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    procs = mp.start_processes(
+        _rank_main, args=(fn, tuple(args), env, results), nprocs=nproc, join=False, start_method="spawn"
+    )
+    try:
+        return _collect(procs, results, nproc, timeout)
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in procs.processes:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        del store
+
+
+def _collect(procs: Any, results: Any, nproc: int, timeout: float) -> list[Any]:
+    values: dict[int, Any] = {}
+    failures: list[tuple[float, int, str]] = []
+    deadline = time.monotonic() + timeout
+    while len(values) < nproc:
+        while not results.empty():
+            rank, ok, value, when = results.get()
+            if ok:
+                values[rank] = value
+            else:
+                failures.append((when, rank, value))
+        if failures:
+            # Peers of a failing rank fail moments later in a collective; name the one that was first.
+            time.sleep(0.5)
+            while not results.empty():
+                rank, ok, value, when = results.get()
+                if not ok:
+                    failures.append((when, rank, value))
+            _, rank, text = min(failures)
+            raise SpawnError(f"rank {rank} of {nproc} failed:\n{text}")
+        for rank, p in enumerate(procs.processes):
+            if rank not in values and not p.is_alive() and results.empty():
+                raise SpawnError(f"rank {rank} of {nproc} died with exit code {p.exitcode} before returning")
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(nproc)) - set(values))
+            raise SpawnError(f"ranks {missing} of {nproc} did not finish within {timeout:.0f} s; terminated")
+        time.sleep(0.01)
+    return [values[r] for r in range(nproc)]

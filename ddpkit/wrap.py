@@ -1,0 +1,98 @@
+"""Model preparation: to the device, SyncBatchNorm on request, DDP only when there are peers.
+
+DDP broadcasts global rank 0's parameters and buffers once, when it is constructed, and from then on
+averages gradients bucket by bucket during backward. In the single-process modes there is nothing to
+synchronise, so every DDP option gets a defined meaning there (logged once): it is accepted and has no
+effect, because a single replica already computes the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpkit.errors import problem
+
+
+@dataclass(frozen=True, kw_only=True)
+class DDPOptions:
+    """The DDP constructor options ddpkit passes through, with ddpkit's defaults.
+
+    `gradient_as_bucket_view` defaults to True (unlike DDP): gradients live inside the all-reduce
+    buckets instead of being copied in and out, which saves one gradient-sized copy of memory and a
+    copy per step, with the same numbers.
+    """
+
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    bucket_cap_mb: float | None = None  # None: DDP's default (25 MB)
+    gradient_as_bucket_view: bool = True
+    broadcast_buffers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
+            raise problem(
+                f"bucket_cap_mb={self.bucket_cap_mb} must be positive",
+                "Pass a size in megabytes such as 25, or None for DDP's default",
+            )
+
+    def ddp_kwargs(self) -> dict:
+        kwargs = asdict(self)
+        if kwargs["bucket_cap_mb"] is None:
+            del kwargs["bucket_cap_mb"]
+        if kwargs["broadcast_buffers"]:  # DDP's default; torch 2.13 deprecates passing it explicitly
+            del kwargs["broadcast_buffers"]
+        return kwargs
+
+
+def has_batchnorm(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+def wrap_model(
+    module: nn.Module,
+    *,
+    device: torch.device,
+    distributed: bool,
+    options: DDPOptions,
+    sync_batchnorm: bool = False,
+) -> tuple[nn.Module, list[str]]:
+    """Prepare `module` for training; return the model to train and notes worth logging once."""
+    if isinstance(module, DistributedDataParallel):
+        raise problem(
+            "the model is already wrapped in DistributedDataParallel",
+            "Pass the plain nn.Module; ddpkit wraps it when the world size is above 1",
+        )
+    notes: list[str] = []
+    module = module.to(device)
+    if not distributed:
+        if sync_batchnorm and has_batchnorm(module):
+            notes.append("sync_batchnorm: one process, BatchNorm already sees the whole batch; kept as is")
+        changed = {k: v for k, v in options.ddp_kwargs().items() if v != _DEFAULTS.get(k, True)}
+        if changed:
+            notes.append(f"DDP options {changed} have no effect with one process (no gradients to average)")
+        return module, notes
+    if sync_batchnorm:
+        module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    elif has_batchnorm(module):
+        notes.append(
+            "BatchNorm computes statistics per rank (per-rank batch); pass sync_batchnorm=True for "
+            "statistics over the global batch"
+        )
+    device_ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(module, device_ids=device_ids, **options.ddp_kwargs())
+    return ddp, notes
+
+
+_DEFAULTS = DDPOptions().ddp_kwargs()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP wrapper (or the model itself): state_dict keys without `module.`."""
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    compiled = getattr(model, "_orig_mod", None)  # torch.compile wrapper
+    return compiled if isinstance(compiled, nn.Module) else model

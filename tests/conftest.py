@@ -1,0 +1,57 @@
+"""Shared fixtures: long-lived rank pools, environment hygiene, helpers to run the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from rankpool import RankPool
+
+REPO = Path(__file__).resolve().parent.parent
+
+_pools: dict[int, RankPool] = {}
+
+
+def _pool(world: int) -> RankPool:
+    if world not in _pools:
+        _pools[world] = RankPool(world)
+    return _pools[world]
+
+
+@pytest.fixture(scope="session")
+def pool2() -> RankPool:
+    """Two gloo ranks shared by every test that asks (one process group for the whole run)."""
+    return _pool(2)
+
+
+@pytest.fixture(scope="session")
+def pool3() -> RankPool:
+    return _pool(3)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for pool in _pools.values():
+        pool.close()
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Tests may set launcher variables; none may leak into the next test."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None, env: dict | None = None):
+    """Run `ddpkit ...` as a user would, in a subprocess; return the CompletedProcess."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "ddpkit.cli", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env,
+    )  # fmt: skip

@@ -1,0 +1,99 @@
+"""A pool of long-lived gloo ranks that many tests share (starting a rank costs ~2 s of imports).
+
+Each worker process joins one process group at start, then runs `fn(*args)` for every request and
+sends back the result. `ddpkit.session()` inside `fn` finds the group already initialised and reuses
+it (and leaves it alone on exit). A failure or a timeout on any rank kills the whole pool; the next
+`run` starts a fresh one, so one broken test cannot poison the next.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+from torch.distributed import TCPStore
+
+
+def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+        OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    while True:
+        request = inbox.get()
+        if request is None:
+            break
+        fn, args = request
+        try:
+            outbox.put((rank, True, fn(*args)))
+        except BaseException as exc:
+            outbox.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class RankFailure(AssertionError):
+    """A rank raised or the pool timed out; carries the rank's traceback."""
+
+
+class RankPool:
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self._procs: list[Any] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self._inboxes = [ctx.SimpleQueue() for _ in range(self.world)]
+        self._outbox = ctx.SimpleQueue()
+        self._procs = [
+            ctx.Process(target=_serve, args=(r, self.world, self._store.port, self._inboxes[r], self._outbox))
+            for r in range(self.world)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> list[Any]:
+        """Run `fn(*args)` on every rank; return the results in rank order."""
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        for inbox in self._inboxes:
+            inbox.put((fn, args))
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world:
+            while not self._outbox.empty():
+                rank, ok, value = self._outbox.get()
+                if not ok:
+                    self.close()
+                    raise RankFailure(f"rank {rank} of {self.world} raised:\n{value}")
+                results[rank] = value
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
+            if dead and self._outbox.empty():
+                self.close()
+                raise RankFailure(f"rank(s) {dead} of {self.world} died")
+            if time.monotonic() > deadline:
+                self.close()
+                raise RankFailure(
+                    f"ranks {sorted(set(range(self.world)) - set(results))} timed out after {timeout} s"
+                )
+            time.sleep(0.002)
+        return [results[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        self._procs = []

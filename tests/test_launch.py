@@ -1,0 +1,208 @@
+"""`ddpkit run` and `ddpkit.spawn` as a user drives them: real processes, real torchrun agent."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from conftest import run_cli
+
+import ddpkit
+
+PLAIN_TORCHRUN_SCRIPT = """
+import json, os, sys
+import torch, torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+dist.init_process_group("gloo")                      # env:// as torchrun documents it
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+sampler = DistributedSampler(range(20), num_replicas=world, rank=rank, shuffle=True, seed=0)
+t = torch.tensor([float(rank + 1)])
+dist.all_reduce(t)
+out = {"rank": rank, "world": world, "local_rank": int(os.environ["LOCAL_RANK"]), "sum": t.item(),
+       "threads": torch.get_num_threads(), "indices": list(sampler), "args": sys.argv[1:],
+       "master": [os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]]}
+with open(os.path.join(os.environ["OUT_DIR"], f"rank{rank}.json"), "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+"""
+
+
+def _script(tmp_path: Path, body: str, name: str = "train.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _ranks(tmp_path: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+
+
+def test_plain_torchrun_script_runs_unchanged(tmp_path: Path) -> None:
+    script = _script(tmp_path, PLAIN_TORCHRUN_SCRIPT)
+    done = run_cli("run", "--nproc", "2", str(script), "--lr", "0.1", env={"OUT_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    ranks = _ranks(tmp_path)
+    assert [r["rank"] for r in ranks] == [0, 1] and {r["world"] for r in ranks} == {2}
+    assert {r["sum"] for r in ranks} == {3.0}
+    assert {r["threads"] for r in ranks} == {1}, "2 cores / 2 processes = 1 thread each"
+    assert set(ranks[0]["indices"]).isdisjoint(ranks[1]["indices"])
+    assert ranks[0]["args"] == ["--lr", "0.1"]
+    assert ranks[0]["master"][0] in ("localhost", "127.0.0.1") and int(ranks[0]["master"][1]) > 0
+
+
+def test_user_thread_setting_wins(tmp_path: Path) -> None:
+    script = _script(tmp_path, PLAIN_TORCHRUN_SCRIPT)
+    done = run_cli("run", "--nproc", "2", str(script), env={"OUT_DIR": str(tmp_path), "OMP_NUM_THREADS": "2"})
+    assert done.returncode == 0, done.stderr
+    assert {r["threads"] for r in _ranks(tmp_path)} == {2}
+
+
+def test_module_target_and_exit_code_come_back(tmp_path: Path) -> None:
+    (tmp_path / "exiting.py").write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    done = run_cli("run", "--nproc", "2", "-m", "exiting", cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 3
+    assert "rank 1" in done.stderr and "exit code 3" in done.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_one_machine_form_one_job(tmp_path: Path) -> None:
+    script = _script(tmp_path, PLAIN_TORCHRUN_SCRIPT)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", "2", "--nproc", "2",
+           "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
+    env = {**os.environ, "OUT_DIR": str(tmp_path)}
+    nodes = [
+        subprocess.Popen([*cmd, "--node-rank", str(r), str(script)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in (0, 1)
+    ]  # fmt: skip
+    try:
+        outputs = [n.communicate(timeout=90) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    assert [n.returncode for n in nodes] == [0, 0], outputs
+    ranks = _ranks(tmp_path)
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert {r["world"] for r in ranks} == {4} and {r["sum"] for r in ranks} == {10.0}
+    assert [r["local_rank"] for r in ranks] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "--nproc", "0", "x.py"], r"--nproc 0 is not a process count"),
+        (["run", "--nproc", "two", "x.py"], r"expected 'auto' or a whole number"),
+        (["run", "--nproc", "2", "missing.py"], r"script 'missing.py' does not exist"),
+        (["run", "-m", "no_such_module_xyz"], r"module 'no_such_module_xyz' cannot be found"),
+        (["run", "--nnodes", "2", "x.py"], r"needs a meeting point.*--rdzv-endpoint"),
+    ],
+)
+def test_bad_command_lines_are_clear_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    (tmp_path / "x.py").write_text("")
+    done = run_cli(*args, cwd=tmp_path, timeout=30)
+    assert done.returncode == 2
+    assert re.search(message, done.stderr), done.stderr
+
+
+def test_busy_explicit_port_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "x.py").write_text("")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = run_cli("run", "--nproc", "2", "--port", str(port), "x.py", cwd=tmp_path, timeout=30)
+    assert done.returncode == 2 and f"port {port} is already in use" in done.stderr
+
+
+def test_explicit_free_port_is_used(tmp_path: Path) -> None:
+    script = _script(tmp_path, PLAIN_TORCHRUN_SCRIPT)
+    port = _free_port()
+    done = run_cli("run", "--nproc", "2", "--port", str(port), str(script), env={"OUT_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert _ranks(tmp_path)[0]["master"][1] == str(port)
+
+
+def test_non_divisible_global_batch_stops_every_rank(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import torch, ddpkit
+        from torch.utils.data import TensorDataset
+        with ddpkit.session() as s:
+            s.loader(TensorDataset(torch.arange(100)), batch_size=31)
+        """,
+    )
+    done = run_cli("run", "--nproc", "2", str(script), timeout=60)
+    assert done.returncode != 0
+    assert "global batch 31 is not divisible by world size 2" in done.stderr
+    assert "e.g. 32" in done.stderr
+
+
+def test_a_rank_that_raises_stops_the_job_promptly(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import torch, ddpkit
+        with ddpkit.session(timeout=300) as s:
+            if s.rank == 1:
+                raise ValueError("bad batch on rank 1")
+            s.all_reduce(1.0)     # rank 0 waits here for a peer that never comes
+        """,
+    )
+    start = time.monotonic()
+    done = run_cli("run", "--nproc", "2", str(script), timeout=90)
+    assert done.returncode == 1
+    assert "ValueError: bad batch on rank 1" in done.stderr
+    assert "rank 1" in done.stderr.splitlines()[-1]
+    assert time.monotonic() - start < 30, "the waiting rank was not stopped"
+
+
+def test_device_override_reaches_the_script(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path, "import ddpkit\nwith ddpkit.session() as s:\n    s.print('DEVICE', s.device)\n"
+    )
+    done = run_cli("run", "--nproc", "1", "--device", "cpu", str(script), timeout=60)
+    assert done.returncode == 0 and "DEVICE cpu" in done.stdout
+
+
+def rank_info(offset: int) -> tuple[int, int, int]:
+    with ddpkit.session(verbose=False) as s:
+        return s.rank, s.world_size, int(s.all_reduce(s.rank + offset).item())
+
+
+def fails_on_rank_one() -> None:
+    with ddpkit.session(verbose=False) as s:
+        if s.rank == 1:
+            raise KeyError("missing column")
+        s.barrier()
+
+
+def test_spawn_returns_results_in_rank_order() -> None:
+    assert ddpkit.spawn(rank_info, nproc=2, args=(10,), timeout=60) == [(0, 2, 21), (1, 2, 21)]
+    assert not dist.is_initialized(), "the parent never joins the group"
+
+
+def test_spawn_names_the_failing_rank() -> None:
+    with pytest.raises(ddpkit.SpawnError, match=r"rank 1 of 2 failed:\nKeyError: 'missing column'"):
+        ddpkit.spawn(fails_on_rank_one, nproc=2, timeout=60)
+
+
+def test_spawn_refuses_what_cannot_be_sent() -> None:
+    with pytest.raises(ddpkit.DdpkitError, match="Define the function at the top level"):
+        ddpkit.spawn(lambda: 1, nproc=2)

@@ -1,0 +1,25 @@
+"""Notice when the public surface changes: the exported names and the CLI's options."""
+
+from __future__ import annotations
+
+import ddpkit
+from ddpkit.cli import build_parser
+
+
+def test_public_names() -> None:
+    assert sorted(ddpkit.__all__) == sorted([
+        "DdpkitError", "Hardware", "Plan", "Session", "SpawnError", "__version__",
+        "seed_everything", "session", "spawn", "unwrap",
+    ])  # fmt: skip
+
+
+def _options(command: str) -> set[str]:
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return {opt for action in sub.choices[command]._actions for opt in action.option_strings}
+
+
+def test_run_options_are_torchrun_compatible() -> None:
+    assert _options("run") == {
+        "-h", "--help", "--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--port",
+        "--max-restarts", "--device", "-m",
+    }  # fmt: skip
