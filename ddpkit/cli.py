@@ -14,6 +14,15 @@ from collections.abc import Sequence
 
 from ddpkit.errors import DdpkitError
 
+# Tools parse their own arguments; their modules are imported only when asked for (fast start-up).
+# Each module has `main(argv: list[str]) -> int`.
+TOOLS: dict[str, tuple[str, str]] = {
+    "verify": ("ddpkit.verify.cli", "check that DDP trains the same weights as one process"),
+    "doctor": ("ddpkit.doctor", "what this machine offers, and a 2-rank smoke test"),
+    "bench": ("ddpkit.bench.cli", "collectives, scaling and tuning benchmarks"),
+    "trace": ("ddpkit.trace", "per-rank timeline of forward, backward, buckets and all-reduce"),
+}
+
 
 def _nproc(value: str) -> int | str:
     if value == "auto":
@@ -43,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
     run.add_argument("target", help="script.py, or a module name with -m")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    for name, (_, summary) in TOOLS.items():
+        tool = sub.add_parser(name, help=summary, add_help=False)
+        tool.add_argument("tool_args", nargs=argparse.REMAINDER)
 
     demo = sub.add_parser("demo", help="train a CNN on scikit-learn's digits with DDP")
     _add_launch_options(demo, default_nproc=None)
@@ -75,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ddpkit.launch import launch
 
             return launch(_launch_config(ns, ns.target, ns.args, ns.module))
+        if ns.command in TOOLS:
+            import importlib
+
+            return importlib.import_module(TOOLS[ns.command][0]).main(list(ns.tool_args))
         if ns.command == "demo":
             from ddpkit.demo import launch_demo
 

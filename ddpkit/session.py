@@ -17,7 +17,6 @@ import os
 import random
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddpkit import topology
+from ddpkit import lifecycle, topology
 from ddpkit.data import ShardedLoader, make_loader, plan_batch
 from ddpkit.errors import problem
 from ddpkit.failures import record_failure
@@ -97,19 +96,7 @@ class Session:
     def start(self) -> Session:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if self.distributed and not dist.is_initialized():
-            r = self.plan.ranks
-            kwargs: dict[str, Any] = {}
-            if r.launcher != "torchrun":  # torchrun's env:// (and agent store) is the default
-                kwargs["init_method"] = f"tcp://{r.master_addr}:{r.master_port}"
-            dist.init_process_group(
-                backend=self.plan.backend,
-                rank=r.rank,
-                world_size=r.world_size,
-                timeout=timedelta(seconds=self.timeout),
-                **kwargs,
-            )
-            self._owns_group = True
+        self._owns_group = lifecycle.join_group(self.plan, self.timeout)
         seed_everything(self.seed)
         threads = torch.get_num_threads()
         detail = f", {threads} CPU thread(s) per rank" if self.device.type == "cpu" else ""
@@ -118,8 +105,8 @@ class Session:
 
     def close(self) -> None:
         """Leave the process group (if this session created it). Safe to call twice."""
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self._owns_group:
+            lifecycle.leave_group()
         self._owns_group = False
 
     # -- output ---------------------------------------------------------------------------------
@@ -150,6 +137,19 @@ class Session:
             if op == "mean":
                 tensor /= self.world_size
         return tensor
+
+    # -- checkpoints (ddpkit.checkpoint) -------------------------------------------------------
+    def save(self, path: str, **state: Any) -> Any:
+        """Save the training state atomically; see `ddpkit.checkpoint.save`."""
+        from ddpkit import checkpoint
+
+        return checkpoint.save(self, path, **state)
+
+    def load(self, path: str, **state: Any) -> Any:
+        """Restore state saved by `save` into the given objects; see `ddpkit.checkpoint.load`."""
+        from ddpkit import checkpoint
+
+        return checkpoint.load(self, path, **state)
 
     # -- building blocks ------------------------------------------------------------------------
     def model(
