@@ -6,6 +6,9 @@
         ...
         s.print("done")                        # printed once, by global rank 0
 
+Training steps (`ddpkit.stepping`): `with s.accumulate(model): s.backward(loss)`, then `s.step(opt)`,
+for mixed precision (`precision=`), gradient accumulation (`accumulation=`) and clipping (`max_norm=`).
+
 Seeding: every rank starts from the same `seed`, so models are initialised identically; once the model
 is prepared, each rank's global generators move to a stream of its own (`rank_seed`), so dropout and
 augmentation differ across ranks while the sampler's shuffle stays shared.
@@ -13,6 +16,7 @@ augmentation differ across ranks while the sampler's shuffle stays shared.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections.abc import Iterator, Mapping
@@ -29,6 +33,8 @@ from ddpkit import lifecycle, topology
 from ddpkit.data import ShardedLoader, make_loader, plan_batch
 from ddpkit.errors import problem
 from ddpkit.failures import record_failure
+from ddpkit.precision import PrecisionPlan, resolve_precision
+from ddpkit.stepping import MicroBatch, StepInfo, Stepper
 from ddpkit.wrap import DDPOptions, wrap_model
 
 
@@ -48,6 +54,7 @@ class Session:
         *,
         seed: int = 0,
         accumulation: int = 1,
+        precision: str | PrecisionPlan = "32",
         timeout: float = 1800.0,
         verbose: bool = True,
     ) -> None:
@@ -62,6 +69,9 @@ class Session:
         self.verbose = verbose
         self.device = torch.device(plan.device)
         self._owns_group = False
+        bf16 = self.device.type != "cuda" or torch.cuda.is_bf16_supported()
+        self.precision = resolve_precision(precision, self.device.type, bf16_supported=bf16)
+        self._stepper = Stepper(accumulation, self.precision, distributed=plan.distributed, report=self.print)
 
     # -- who am I -------------------------------------------------------------------------------
     @property
@@ -101,6 +111,10 @@ class Session:
         threads = torch.get_num_threads()
         detail = f", {threads} CPU thread(s) per rank" if self.device.type == "cpu" else ""
         self.print(f"ddpkit: {self.plan.describe()}{detail}")
+        if self.precision.note:
+            self.print(f"ddpkit: {self.precision.note}")
+        elif self.precision.name != "32":
+            self.print(f"ddpkit: {self.precision.describe()}")
         return self
 
     def close(self) -> None:
@@ -138,6 +152,84 @@ class Session:
                 tensor /= self.world_size
         return tensor
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if `flag` is true on any rank: stop decisions that cannot diverge."""
+        from ddpkit.metrics import stop_flag
+
+        return stop_flag(self, flag, "any")
+
+    def all_ranks(self, flag: bool) -> bool:
+        """True on every rank if `flag` is true on all ranks."""
+        from ddpkit.metrics import stop_flag
+
+        return stop_flag(self, flag, "all")
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's tensor concatenated along dim 0 in rank order (first dimensions may differ)."""
+        from ddpkit.metrics import gather
+
+        return gather(self, tensor)
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable object, in rank order."""
+        from ddpkit.metrics import gather_object
+
+        return gather_object(self, obj)
+
+    # -- training steps (ddpkit.stepping) ------------------------------------------------------
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the fp16 gradient scaler skipped (inf/nan gradients) in this session."""
+        return self._stepper.skipped
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The precision's autocast context (a no-op for "32"); `accumulate` enters it for you."""
+        return self._stepper.autocast()
+
+    def accumulate(self, model: nn.Module) -> contextlib.AbstractContextManager[MicroBatch]:
+        """One micro-batch: autocast, and DDP's `no_sync` unless it is the k-th of `accumulation`.
+
+        Run the forward and `s.backward(loss)` inside; call `s.step(opt)` after every block.
+        """
+        return self._stepper.accumulate(model)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()` with the loss divided by `accumulation` (and scaled for fp16)."""
+        self._stepper.backward(loss)
+
+    def step(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None) -> StepInfo:
+        """After each micro-batch: on the k-th, unscale, clip to `max_norm`, step, zero_grad.
+
+        On the first k-1 it does nothing and returns `StepInfo(stepped=False)`.
+        """
+        return self._stepper.step(optimizer, max_norm)
+
+    @contextmanager
+    def join(self, model: nn.Module, *joinables: Any) -> Iterator[None]:
+        """Train on per-rank iterables of different lengths without hanging (torch's `Join`).
+
+        A rank that runs out of batches shadows the others' gradient all-reduces until all are done;
+        each step averages the gradients of the ranks that still had a batch (not divided by the
+        full world size, so finished ranks do not shrink it). At exit, the last rank to finish
+        broadcasts its weights, so replicas are identical. Only DDP's own collectives are shadowed:
+        no other collective (s.all_reduce, SyncBatchNorm) may run inside.
+        """
+        from ddpkit.stepping import _ddp_of
+
+        ddp = _ddp_of(model)
+        if ddp is None:
+            if self.distributed:
+                raise problem(
+                    f"s.join got a {type(model).__name__}, not the DistributedDataParallel model",
+                    "Pass the model that s.model(...) returned",
+                )
+            yield  # one process: nobody to wait for
+            return
+        from torch.distributed.algorithms.join import Join
+
+        with Join([ddp, *joinables], divide_by_initial_world_size=False):
+            yield
+
     # -- checkpoints (ddpkit.checkpoint) -------------------------------------------------------
     def save(self, path: str, **state: Any) -> Any:
         """Save the training state atomically; see `ddpkit.checkpoint.save`."""
@@ -162,11 +254,15 @@ class Session:
         bucket_cap_mb: float | None = None,
         gradient_as_bucket_view: bool = True,
         broadcast_buffers: bool = True,
+        comm_hook: str | None = None,
+        comm_hook_options: Mapping[str, Any] | None = None,
     ) -> nn.Module:
         """Move `module` to the device and wrap it in DDP when there is more than one rank.
 
         DDP copies global rank 0's weights to every rank here, once. Build the optimizer from the
-        returned model's parameters, after this call.
+        returned model's parameters, after this call. `sync_batchnorm=True` computes BatchNorm
+        statistics over the global batch (CPU too); `comm_hook` names a gradient compression
+        ("fp16", "bf16", "powersgd"; see `ddpkit.comm_hooks`) with `comm_hook_options` for it.
         """
         options = DDPOptions(
             find_unused_parameters=find_unused_parameters,
@@ -181,6 +277,8 @@ class Session:
             distributed=self.distributed,
             options=options,
             sync_batchnorm=sync_batchnorm,
+            comm_hook=comm_hook,
+            comm_hook_options=comm_hook_options,
         )
         for note in notes:
             self.print(f"ddpkit: {note}")
@@ -232,6 +330,7 @@ def session(
     device: str = "auto",
     backend: str = "auto",
     accumulation: int = 1,
+    precision: str | PrecisionPlan = "32",
     timeout: float = 1800.0,
     verbose: bool = True,
     env: Mapping[str, str] | None = None,
@@ -240,8 +339,9 @@ def session(
     """Open a `Session` for this process; the process group is torn down on exit, also on errors.
 
     `device` ("auto", "cpu", "cuda") and `backend` ("auto", "gloo", "nccl") override the automatic
-    choice; `timeout` bounds every collective (seconds). `env` and `hardware` default to this
-    process's environment and machine.
+    choice; `timeout` bounds every collective (seconds). `precision` is "32", "bf16" or "16" (see
+    `ddpkit.precision`); `accumulation` is the number of micro-batches per optimizer step. `env` and
+    `hardware` default to this process's environment and machine.
     """
     plan = topology.resolve(
         os.environ if env is None else env,
@@ -249,7 +349,9 @@ def session(
         device=device,
         backend=backend,
     )
-    s = Session(plan, seed=seed, accumulation=accumulation, timeout=timeout, verbose=verbose)
+    s = Session(
+        plan, seed=seed, accumulation=accumulation, precision=precision, timeout=timeout, verbose=verbose
+    )
     try:
         yield s.start()
     except BaseException as exc:

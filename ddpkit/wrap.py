@@ -1,5 +1,9 @@
 """Model preparation: to the device, SyncBatchNorm on request, DDP only when there are peers.
 
+SyncBatchNorm: torch's `nn.SyncBatchNorm` on CUDA; on CPU, where DDP refuses torch's, ddpkit's own
+(`ddpkit.syncbn`), with the same statistics over the global batch. Communication hooks are registered by
+name right after wrapping (`ddpkit.comm_hooks`).
+
 DDP broadcasts global rank 0's parameters and buffers once, when it is constructed, and from then on
 averages gradients bucket by bucket during backward. In the single-process modes there is nothing to
 synchronise, so every DDP option gets a defined meaning there (logged once): it is accepted and has no
@@ -8,7 +12,9 @@ effect, because a single replica already computes the full-batch gradient.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,6 +65,8 @@ def wrap_model(
     distributed: bool,
     options: DDPOptions,
     sync_batchnorm: bool = False,
+    comm_hook: str | None = None,
+    comm_hook_options: Mapping[str, Any] | None = None,
 ) -> tuple[nn.Module, list[str]]:
     """Prepare `module` for training; return the model to train and notes worth logging once."""
     if isinstance(module, DistributedDataParallel):
@@ -74,9 +82,15 @@ def wrap_model(
         changed = {k: v for k, v in options.ddp_kwargs().items() if v != _DEFAULTS.get(k, True)}
         if changed:
             notes.append(f"DDP options {changed} have no effect with one process (no gradients to average)")
+        if comm_hook is not None:
+            notes.append(f"comm_hook={comm_hook!r} has no effect with one process (nothing to communicate)")
         return module, notes
-    if sync_batchnorm:
+    if sync_batchnorm and device.type == "cuda":
         module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    elif sync_batchnorm:
+        from ddpkit.syncbn import convert_sync_batchnorm
+
+        module = convert_sync_batchnorm(module)
     elif has_batchnorm(module):
         notes.append(
             "BatchNorm computes statistics per rank (per-rank batch); pass sync_batchnorm=True for "
@@ -84,6 +98,10 @@ def wrap_model(
         )
     device_ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(module, device_ids=device_ids, **options.ddp_kwargs())
+    if comm_hook is not None:
+        from ddpkit import comm_hooks
+
+        comm_hooks.register(ddp, comm_hook, comm_hook_options)
     return ddp, notes
 
 

@@ -1,0 +1,228 @@
+"""Exact distributed evaluation: reductions, gathers, metric accumulators and stop flags.
+
+    metrics = MetricSet(s, loss=Mean(), accuracy=Accuracy())
+    with torch.no_grad():
+        for x, y in s.loader(test_set, batch_size=512, evaluation=True):   # every sample once
+            out = model(x)
+            metrics["loss"].update(F.cross_entropy(out, y, reduction="none"))  # per-sample values
+            metrics["accuracy"].update(out, y)
+    result = metrics.compute()      # {"loss": ..., "accuracy": ...}, the same on every rank
+
+Why it is exact: each metric keeps float64 sums weighted by sample counts (never a mean of per-rank
+means, which is wrong when shards differ in size), and `compute` adds them over ranks in one
+all-reduce. Integer counts (accuracy) are exact in float64 up to 2**53; sums of losses differ from one
+process only by the order of float64 additions. Before the all-reduce, the ranks compare the names and
+kinds of their metrics; a mismatch is an error on every rank rather than a silent mix-up or a hang.
+
+Every function here is a collective: call it on every rank, the same number of times.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.errors import problem
+
+if TYPE_CHECKING:
+    from ddpkit.session import Session
+
+_MAX_DIMS = 8
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool,
+]  # fmt: skip
+
+
+# -- reductions ----------------------------------------------------------------------------------------
+def reduce_sum(s: Session, value: float | torch.Tensor) -> torch.Tensor:
+    """The sum over ranks of a number or tensor (float64 for Python numbers)."""
+    return s.all_reduce(_as_tensor(s, value), op="sum")
+
+
+def reduce_mean(s: Session, value: float | torch.Tensor, weight: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Mean over ranks weighted by `weight` (e.g. the rank's sample count): sum(w*v) / sum(w).
+
+    With the default weight 1 it is the plain mean over ranks; pass the number of samples behind each
+    rank's `value` to get the mean over samples.
+    """
+    v = _as_tensor(s, value).double()
+    w = torch.as_tensor(weight, dtype=torch.float64, device=v.device)
+    packed = s.all_reduce(torch.cat([(v * w).reshape(-1), w.reshape(1)]), op="sum")
+    return (packed[:-1] / packed[-1]).reshape(v.shape)
+
+
+def gather(s: Session, tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's tensor along dim 0, in rank order; first dimensions may differ.
+
+    Two collectives: the shapes (so ranks pad to the largest and trim), then the data.
+    """
+    if not s.distributed:
+        return tensor.clone()
+    if tensor.dim() == 0 or tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
+        raise problem(
+            f"gather got a tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype}",
+            f"Pass a tensor with 1 to {_MAX_DIMS} dimensions of a numeric dtype (or use gather_object)",
+        )
+    meta = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=s.device)
+    meta[0], meta[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+    meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+    metas = [torch.empty_like(meta) for _ in range(s.world_size)]
+    dist.all_gather(metas, meta)
+    rows = [m.tolist() for m in metas]
+    if any(r[:2] != rows[0][:2] or r[3:] != rows[0][3:] for r in rows):
+        described = "; ".join(
+            f"rank {i}: {_DTYPES[r[0]]} shape {tuple(r[2 : 2 + r[1]])}" for i, r in enumerate(rows)
+        )
+        raise problem(
+            f"gather needs the same dtype and trailing dimensions on every rank ({described})",
+            "Make every rank pass tensors that differ at most in their first dimension",
+        )
+    sizes = [r[2] for r in rows]
+    work = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor  # gloo has no bool
+    padded = work.new_zeros((max(sizes), *work.shape[1:]))
+    padded[: work.shape[0]] = work
+    parts = [torch.empty_like(padded) for _ in range(s.world_size)]
+    dist.all_gather(parts, padded.contiguous())
+    out = torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+    return out.to(tensor.dtype)
+
+
+def gather_object(s: Session, obj: Any) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order (pickled: for small things, not tensors)."""
+    if not s.distributed:
+        return [obj]
+    out: list[Any] = [None] * s.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def stop_flag(s: Session, flag: bool, mode: str = "any") -> bool:
+    """Agree on a stop decision: "any" rank or "all" ranks; the same answer everywhere, so no rank hangs."""
+    if mode not in ("any", "all"):
+        raise problem(f"mode={mode!r} is not 'any' or 'all'", "Pass mode='any' or mode='all'")
+    return bool(s.all_reduce(int(bool(flag)), op="max" if mode == "any" else "min").item())
+
+
+def _as_tensor(s: Session, value: float | torch.Tensor) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(s.device)
+    return torch.tensor(value, dtype=torch.float64, device=s.device)
+
+
+# -- metric accumulators -----------------------------------------------------------------------------
+class Metric:
+    """A metric as float64 sums that add over ranks; `value` turns the global sums into the metric."""
+
+    size = 1
+
+    def __init__(self) -> None:
+        self.state = torch.zeros(self.size, dtype=torch.float64)
+
+    def reset(self) -> None:
+        self.state.zero_()
+
+    def value(self, totals: torch.Tensor) -> float:
+        raise NotImplementedError
+
+    def _add(self, *values: float | torch.Tensor) -> None:
+        parts = [torch.as_tensor(v).detach() for v in values]
+        device = next((p.device for p in parts if p.device.type != "cpu"), self.state.device)
+        if self.state.device != device:  # stay on the GPU: no host sync per batch
+            self.state = self.state.to(device)
+        self.state += torch.stack([p.to(device, torch.float64) for p in parts])
+
+
+class Mean(Metric):
+    """Mean over samples: `update(per_sample_values)`, or `update(batch_mean, weight=batch_size)`."""
+
+    size = 2
+
+    def update(self, value: float | torch.Tensor, weight: float | None = None) -> None:
+        v = torch.as_tensor(value).detach()
+        if weight is None:
+            self._add(v.double().sum(), v.numel())
+        else:
+            self._add(v.double().sum() * weight, weight)
+
+    def value(self, totals: torch.Tensor) -> float:
+        return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+
+
+class Sum(Metric):
+    """A plain sum over every rank's updates."""
+
+    def update(self, value: float | torch.Tensor) -> None:
+        self._add(torch.as_tensor(value).detach().double().sum())
+
+    def value(self, totals: torch.Tensor) -> float:
+        return totals[0].item()
+
+
+class Accuracy(Metric):
+    """Fraction of correct predictions: `update(logits (N, C) or labels (N,), targets (N,))`."""
+
+    size = 2
+
+    def update(self, predictions: torch.Tensor, targets: torch.Tensor) -> None:
+        if predictions.dim() == targets.dim() + 1:
+            predictions = predictions.argmax(-1)
+        if predictions.shape != targets.shape:
+            raise problem(
+                f"Accuracy got predictions of shape {tuple(predictions.shape)} for targets of shape "
+                f"{tuple(targets.shape)}",
+                "Pass logits (N, C) or labels (N,) with targets (N,)",
+            )
+        self._add((predictions == targets).sum(), targets.numel())
+
+    def value(self, totals: torch.Tensor) -> float:
+        return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+
+
+class MetricSet:
+    """Named metrics that sync together when computed: one name check, one all-reduce."""
+
+    def __init__(self, s: Session, **metrics: Metric) -> None:
+        self.s = s
+        self.metrics = dict(sorted(metrics.items()))
+
+    def __getitem__(self, name: str) -> Metric:
+        return self.metrics[name]
+
+    def reset(self) -> None:
+        for metric in self.metrics.values():
+            metric.reset()
+
+    def compute(self) -> dict[str, float]:
+        """The global value of every metric, identical on every rank (a collective)."""
+        signature = [(name, type(m).__name__, m.size) for name, m in self.metrics.items()]
+        if self.s.distributed:
+            self._check_same_metrics(signature)
+        packed = torch.cat([m.state for m in self.metrics.values()]) if self.metrics else torch.zeros(0)
+        totals = self.s.all_reduce(packed.to(self.s.device)).cpu()
+        out, offset = {}, 0
+        for name, metric in self.metrics.items():
+            out[name] = metric.value(totals[offset : offset + metric.size])
+            offset += metric.size
+        return out
+
+    def _check_same_metrics(self, signature: list[tuple[str, str, int]]) -> None:
+        digest = zlib.crc32(repr(signature).encode())
+        mine = torch.tensor([digest, -digest], dtype=torch.int64, device=self.s.device)
+        if torch.equal(self.s.all_reduce(mine, op="max"), mine.new_tensor([digest, -digest])):
+            return  # max of digests and of their negatives agree: all ranks have this signature
+        every = gather_object(self.s, signature)  # every rank sees the mismatch, so all reach this call
+        described = "; ".join(f"rank {r}: {[f'{n} ({k})' for n, k, _ in sig]}" for r, sig in enumerate(every))
+        raise problem(
+            f"ranks report different metrics ({described})",
+            "Build the same metrics, under the same names, on every rank; a rank without samples keeps "
+            "its metrics at zero rather than leaving them out",
+        )
+
+
+def compute(s: Session, **metrics: Metric) -> dict[str, float]:
+    """Sync and compute metrics in one go: `compute(s, loss=mean_loss, accuracy=acc)`."""
+    return MetricSet(s, **metrics).compute()

@@ -1,0 +1,199 @@
+"""One optimizer step over k micro-batches: autocast, no_sync, loss scaling, unscale, clip, step.
+
+    for x, y in loader:                      # the loader's per-rank batch is global / (world x k)
+        with s.accumulate(model):            # autocast; DDP's no_sync on micro-batches 1..k-1
+            s.backward(loss_fn(model(x), y)) # loss / k (x the fp16 loss scale); autocast off for backward
+        info = s.step(opt, max_norm=1.0)     # on micro-batch k: unscale, clip, step, zero_grad
+
+Why this shape: every micro-batch is one `accumulate` block followed by one `s.step`, so the loop
+body never changes with k, and the group boundary lives in one place (here), not in the user's
+`if i % k` arithmetic. DDP all-reduces each bucket once, in the backward of the k-th micro-batch;
+the gradients of the first k-1 pile up locally in `.grad` under `no_sync`. Dividing each loss by k makes
+the summed gradient that of one batch of k x b samples (for a loss averaged over its batch).
+
+Groups of k may span an epoch boundary (each optimizer step always uses exactly k micro-batches);
+micro-batches left over at the very end of training (fewer than k) are not applied: `pending` says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpkit.errors import problem
+from ddpkit.precision import PrecisionPlan, make_scaler
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The micro-batch an `accumulate` block runs: `index` of `steps`; `sync` on the last one."""
+
+    index: int
+    steps: int
+
+    @property
+    def sync(self) -> bool:
+        """True when this micro-batch all-reduces gradients and `s.step` steps the optimizer."""
+        return self.index == self.steps - 1
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What `s.step(opt)` did.
+
+    `stepped`: the optimizer stepped (False on micro-batches 1..k-1). `skipped`: fp16 only, the
+    gradients held inf/nan, so the scaler skipped the update and lowered the loss scale.
+    `grad_norm`: total gradient norm before clipping (when `max_norm` is given), identical on every
+    rank because it is computed from the all-reduced gradients. `step`: optimizer steps so far.
+    """
+
+    stepped: bool
+    skipped: bool = False
+    grad_norm: torch.Tensor | None = None
+    step: int = 0
+
+
+def _ddp_of(model: nn.Module) -> DistributedDataParallel | None:
+    inner = getattr(model, "_orig_mod", model)  # torch.compile wrapper
+    return inner if isinstance(inner, DistributedDataParallel) else None
+
+
+class Stepper:
+    """The accumulation state machine behind `Session.accumulate/backward/step` (one per session)."""
+
+    def __init__(
+        self, accumulation: int, precision: PrecisionPlan, *, distributed: bool, report: Callable[[str], None]
+    ) -> None:
+        self.accumulation = accumulation
+        self.precision = precision
+        self.distributed = distributed
+        self.report = report
+        self.scaler = make_scaler(precision)
+        self.steps = 0  # optimizer steps taken (skipped fp16 steps included)
+        self.skipped = 0  # fp16 steps skipped for inf/nan gradients
+        self._micro = 0  # accumulate blocks finished since the last optimizer step
+        self._backwards = 0  # s.backward calls since the last optimizer step
+        self._block: MicroBatch | None = None  # the block being run
+        self._awaiting_step = False  # a block finished; s.step must come next
+        self._params: list[nn.Parameter] = []
+
+    @property
+    def pending(self) -> int:
+        """Micro-batches accumulated since the last optimizer step (0..k-1 between steps)."""
+        return self._micro
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        dtype = self.precision.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.precision.device_type, dtype=dtype)
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module) -> Iterator[MicroBatch]:
+        if self._block is not None:
+            raise problem(
+                "`s.accumulate` blocks are nested", "Run one block per micro-batch, one after the other"
+            )
+        if self._awaiting_step:
+            raise problem(
+                "a new `s.accumulate` block started before `s.step(opt)` was called for the previous one",
+                "Call s.step(opt) once after every block; it steps only on the last of the k micro-batches",
+            )
+        ddp = _ddp_of(model)
+        if self.distributed and ddp is None:
+            raise problem(
+                f"s.accumulate got a {type(model).__name__}, not the DistributedDataParallel model",
+                "Pass the model that s.model(...) returned, so that its gradient all-reduce can be deferred",
+            )
+        block = MicroBatch(self._micro, self.accumulation)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        defer = ddp.no_sync() if ddp is not None and not block.sync else contextlib.nullcontext()
+        self._block = block
+        try:
+            with defer, self.autocast():
+                yield block
+        finally:
+            self._block = None
+        self._micro += 1
+        self._awaiting_step = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        k = self.accumulation
+        if self._block is None and k > 1:
+            raise problem(
+                f"s.backward(loss) ran outside `with s.accumulate(model):` with accumulation={k}",
+                "Put the forward and s.backward in the block, so the first k-1 micro-batches skip the "
+                "gradient all-reduce and the step happens after k",
+            )
+        block = self._block
+        if block is not None and block.index > 0 and all(p.grad is None for p in self._params):
+            raise problem(
+                f"the gradients were cleared in the middle of an accumulation group (micro-batch "
+                f"{block.index + 1} of {k})",
+                "Remove opt.zero_grad() from the loop: s.step(opt) zeroes them after each optimizer step",
+            )
+        if k > 1:
+            loss = loss / k
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        with torch.autocast(self.precision.device_type, enabled=False):  # backward runs outside autocast
+            loss.backward()
+        self._backwards += 1
+
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> StepInfo:
+        k = self.accumulation
+        if not self._awaiting_step:
+            if k > 1 or self._backwards == 0:
+                raise problem(
+                    "s.step(opt) was called without a micro-batch since the last call",
+                    "Call it exactly once after each `with s.accumulate(model):` block that ran "
+                    "s.backward(loss)",
+                )
+            self._micro = k  # accumulation=1 without a block: s.backward(loss); s.step(opt)
+        self._awaiting_step = False
+        if self._micro < k:
+            return StepInfo(stepped=False, step=self.steps)
+        if self._backwards == 0:
+            raise problem(
+                f"no s.backward(loss) ran in the {k} micro-batch(es) before this s.step(opt)",
+                "Call s.backward(loss) instead of loss.backward(): it divides by the accumulation steps "
+                "and applies the fp16 loss scale",
+            )
+        self._micro = self._backwards = 0
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        norm = None
+        if max_norm is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            norm = nn.utils.clip_grad_norm_(params, max_norm)
+        skipped = False
+        if self.scaler is not None:
+            before = self.scaler.get_scale()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < before
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        if skipped:
+            self.skipped += 1
+            self.report(
+                f"ddpkit: optimizer step {self.steps} skipped: fp16 gradients held inf/nan; loss scale "
+                f"lowered to {self.scaler.get_scale():g} ({self.skipped} skipped so far)"  # type: ignore[union-attr]
+            )
+        return StepInfo(stepped=True, skipped=skipped, grad_norm=norm, step=self.steps)
+
+    def state_dict(self) -> dict:
+        """The loss scaler's state (fp16), for checkpoints."""
+        return {"scaler": self.scaler.state_dict() if self.scaler is not None else None, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.steps = int(state.get("steps", self.steps))
