@@ -1,0 +1,300 @@
+"""One training loop for both sides of the check: one process on the global batch, or a DDP rank.
+
+Both sides are written with ddpkit's public API, as a user's script would be: `ddpkit.session(seed)`,
+`s.model(...)`, `s.loader(...)` (a DistributedSampler also at world size 1, so the global order of
+every epoch is the same at every world size). The single run uses a world-size-1 session. What each
+run records is what the comparison and the diagnosis need: weights after every step, the gradients of
+the first step, a hash of every batch, and (DDP) which tensors differ between the replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import pickle
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ddpkit
+from ddpkit.data import to_device
+from ddpkit.errors import problem
+from ddpkit.verify.spec import VerifySpec, build_data, build_loss, build_model, build_optimizer, resolve
+
+
+@dataclass
+class Trajectory:
+    """What one run recorded. A DDP rank keeps the weights and gradients on global rank 0 only."""
+
+    rank: int = 0
+    world: int = 1
+    init_hash: str = ""  # the factory's weights, before s.model
+    start_hash: str = ""  # the weights just before the first step (after s.model, after_wrap, optimizer)
+    states: list[dict[str, torch.Tensor]] = field(default_factory=list)  # index 0: before the first step
+    params: list[str] = field(default_factory=list)  # which names in `states` are parameters
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)  # first step, after backward
+    losses: list[float] = field(default_factory=list)  # DDP: the mean over ranks
+    batch_hashes: list[list[str]] = field(default_factory=list)  # single: every rank's shard; DDP: own
+    replica_diff: list[dict[str, float]] = field(default_factory=list)  # per step: name -> spread
+    error: str | None = None
+    error_step: int | None = None
+    batchnorm: list[str] = field(default_factory=list)  # BatchNorm modules that are not synchronised
+    dropout: list[str] = field(default_factory=list)  # modules that draw random numbers in forward
+    random_forward: bool = False  # forward or loss drew from the global generator in the first step
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns as int64, so that equal bits <=> equal values (also -0.0, NaN)."""
+    t = t.detach().contiguous()
+    if t.is_floating_point() or t.is_complex():
+        t = t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
+    return t.reshape(-1).to(torch.int64)
+
+
+def digest(tensors: Any) -> str:
+    """A short hash of every tensor's shape and bits, in order (nested tuples, lists, dicts)."""
+    h = hashlib.sha1()
+    for t in _leaves(tensors):
+        h.update(str(tuple(t.shape)).encode())
+        h.update(bits(t).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _leaves(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for key in sorted(batch, key=str):
+            yield from _leaves(batch[key])
+    elif isinstance(batch, (tuple, list)):
+        for item in batch:
+            yield from _leaves(item)
+
+
+def map_rows(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply `fn` to every tensor of the batch that has rows (dim 0); keep the batch's structure."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch) if batch.dim() > 0 else batch
+    if isinstance(batch, dict):
+        return type(batch)({k: map_rows(v, fn) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(map_rows(v, fn) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_rows(v, fn) for v in batch)
+    return batch
+
+
+def shard(batch: Any, rank: int, world: int, *, interleaved: bool) -> Any:
+    """Rank `rank`'s rows of a global batch: every world-th row (the sampler's way) or a contiguous slice."""
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[0] % world:
+            raise problem(
+                f"a batch tensor has {t.shape[0]} rows, which do not split over {world} ranks",
+                f"Return global batches with a multiple of {world} rows",
+            )
+        if interleaved:
+            return t[rank::world]
+        size = t.shape[0] // world
+        return t[rank * size : (rank + 1) * size]
+
+    return map_rows(batch, take)
+
+
+def _state(net: nn.Module) -> dict[str, torch.Tensor]:
+    tensors = dict(net.named_parameters())
+    tensors.update(net.named_buffers())
+    return {name: t.detach().clone().cpu() for name, t in tensors.items()}
+
+
+def _modules_of_note(net: nn.Module) -> tuple[list[str], list[str]]:
+    norms = [
+        name
+        for name, m in net.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+    ]
+    drops = [
+        name or type(m).__name__
+        for name, m in net.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+    ]
+    return norms, drops
+
+
+def _stream(spec: VerifySpec, s: Any, world: int) -> Iterator[tuple[Any, list[str]]]:
+    """(the batch this process trains on, the hashes of every rank's shard of the global batch)."""
+    if spec.data is not None:
+        loader = s.loader(build_data(spec), batch_size=spec.batch_size, shuffle=spec.shuffle, drop_last=True)
+        while True:
+            for batch in loader:
+                if world == 1:
+                    shards = [
+                        digest(shard(batch, r, spec.nproc, interleaved=True)) for r in range(spec.nproc)
+                    ]
+                else:
+                    shards = [digest(batch)]
+                yield batch, shards
+    source = resolve(spec.batches, "batches")
+    step = 0
+    while True:
+        whole = source(step)
+        step += 1
+        parts = [shard(whole, r, spec.nproc, interleaved=False) for r in range(spec.nproc)]
+        if world == 1:
+            yield to_device(whole, s.device), [digest(p) for p in parts]
+        else:
+            yield to_device(parts[s.rank], s.device), [digest(parts[s.rank])]
+
+
+def _permute(batch: Any, step: int) -> Any:
+    """The same global batch with its rows in another (fixed, per step) order."""
+    rows = next(_leaves(batch)).shape[0]
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(10_007 + step))
+    return map_rows(batch, lambda t: t[order.to(t.device)] if t.shape[0] == rows else t)
+
+
+def _precision_batch(spec: VerifySpec, batch: Any) -> Any:
+    if spec.precision != "fp64":
+        return batch
+    return map_rows(batch, lambda t: t.double() if t.is_floating_point() else t)
+
+
+def _replica_diff(s: Any, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Names of the tensors whose bits differ between ranks, with their largest spread (max - min)."""
+    flat = torch.cat([bits(t) for t in tensors.values()]).to(s.device)
+    hi, lo = flat.clone(), flat
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    differ = (hi != lo).cpu()
+    names, offset = [], 0
+    for name, t in tensors.items():
+        if differ[offset : offset + t.numel()].any():
+            names.append(name)
+        offset += t.numel()
+    if not names:
+        return {}
+    values = torch.cat([tensors[n].detach().double().reshape(-1) for n in names]).to(s.device)
+    top, bottom = values.clone(), values.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    dist.all_reduce(bottom, op=dist.ReduceOp.MIN)
+    spread, out, offset = (top - bottom).cpu(), {}, 0
+    for n in names:
+        out[n] = float(spread[offset : offset + tensors[n].numel()].max())
+        offset += tensors[n].numel()
+    return out
+
+
+def train(spec: VerifySpec, s: Any, *, permuted: bool = False) -> Trajectory:
+    """Train `spec.steps` steps in session `s` (world size 1: the global batch; else this rank's shard)."""
+    world = s.world_size
+    keep = world == 1 or s.rank == 0
+    out = Trajectory(rank=s.rank, world=world)
+    loss_fn = build_loss(spec)
+    module = build_model(spec)
+    out.batchnorm, out.dropout = _modules_of_note(module)
+    out.init_hash = digest(list(module.state_dict().values()))
+    model = s.model(
+        module,
+        sync_batchnorm=spec.sync_batchnorm,
+        find_unused_parameters=spec.find_unused_parameters,
+        static_graph=spec.static_graph,
+    )
+    net = ddpkit.unwrap(model)
+    if spec.after_wrap is not None:
+        resolve(spec.after_wrap, "after_wrap")(net, s)
+    optimizer = build_optimizer(spec, model.parameters())
+    out.params = [name for name, _ in net.named_parameters()]
+    out.start_hash = digest(list(net.state_dict().values()))
+    stream = _stream(spec, s, world)
+    autocast = (
+        torch.autocast(s.device.type, dtype=spec.autocast_dtype)
+        if spec.autocast_dtype
+        else contextlib.nullcontext()
+    )
+    step = 0
+    try:
+        if world > 1:
+            out.replica_diff.append(_replica_diff(s, _live(net)))
+        if keep:
+            out.states.append(_state(net))
+        for step in range(1, spec.steps + 1):
+            batch, hashes = next(stream)
+            out.batch_hashes.append(hashes)
+            batch = _precision_batch(spec, _permute(batch, step) if permuted else batch)
+            rng = _rng_state(s.device) if step == 1 else None
+            with autocast:
+                loss = loss_fn(model, batch)
+            if rng is not None:
+                out.random_forward = any(
+                    not torch.equal(a, b) for a, b in zip(rng, _rng_state(s.device), strict=True)
+                )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if step == 1 and keep:
+                out.grads = {
+                    n: None if p.grad is None else p.grad.detach().clone().cpu()
+                    for n, p in net.named_parameters()
+                }
+            optimizer.step()
+            out.losses.append(float(s.all_reduce(loss.detach().float(), op="mean")))
+            if world > 1:
+                out.replica_diff.append(_replica_diff(s, _live(net)))
+            if keep:
+                out.states.append(_state(net))
+    except Exception as exc:
+        if world == 1:
+            raise
+        out.error = f"{type(exc).__name__}: {exc}"
+        out.error_step = step
+        out.error += "\n" + traceback.format_exc(limit=-3)
+    return out
+
+
+def _rng_state(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _live(net: nn.Module) -> dict[str, torch.Tensor]:
+    tensors = dict(net.named_parameters())
+    tensors.update(net.named_buffers())
+    return tensors
+
+
+def run_single(spec: VerifySpec, *, variant: str = "reference", threads: int = 1) -> Trajectory:
+    """The single-process run on the global batch, in this process; `variant` changes only the sum order.
+
+    "permuted" feeds each global batch with its rows in another order; "threads" runs with another
+    CPU thread count. Both change only how floating-point sums are grouped, which is the noise floor.
+    """
+    saved = torch.get_num_threads()
+    torch.set_num_threads(
+        threads if variant != "threads" else (threads * 2 if threads == 1 else threads // 2)
+    )
+    try:
+        with ddpkit.session(seed=spec.seed, device=spec.device, env={}, verbose=False) as s:
+            return train(spec, s, permuted=variant == "permuted")
+    finally:
+        torch.set_num_threads(saved)
+
+
+def ddp_rank(spec: VerifySpec) -> bytes:
+    """One DDP rank of the check, its `Trajectory` pickled; run by `ddpkit.spawn` on `spec.nproc` ranks.
+
+    Pickled here because tensors sent through a torch.multiprocessing queue travel as shared-memory
+    handles, which vanish when the rank exits before the parent has read them.
+    """
+    with ddpkit.session(seed=spec.seed, device=spec.device, timeout=spec.timeout, verbose=False) as s:
+        if s.world_size != spec.nproc:
+            raise problem(
+                f"the check runs on {s.world_size} rank(s) but nproc={spec.nproc}",
+                f"Launch {spec.nproc} ranks, or pass nproc={s.world_size}",
+            )
+        return pickle.dumps(train(spec, s))

@@ -1,0 +1,251 @@
+"""What to verify: the user's model, data, loss and optimizer, and the tolerances of the verdict.
+
+Everything the ranks need travels inside one `VerifySpec`, which is sent to new processes. So every
+callable in it must be importable by name: a top-level function, or a `"module:function"` string that
+each process imports for itself (what `ddpkit verify --model mypkg.models:make_net` passes).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddpkit.errors import problem
+
+PRECISIONS: dict[str, torch.dtype] = {
+    "fp64": torch.float64,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,  # autocast: parameters stay fp32, matmuls and convolutions run in bf16
+    "fp16": torch.float16,  # autocast, as bf16
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tolerance:
+    """How far DDP may be from one process, as a multiple of the measured noise floor.
+
+    The noise floor is how far the single-process run moves from itself when only the order of its
+    sums changes (the batch rows permuted, or another thread count). Per tensor and step, DDP passes if
+
+      ||ddp - single|| / ||single|| <= max(floor_multiple * floor_rel_norm, eps_multiple * eps)
+      max |ddp - single|            <= max(floor_multiple * floor_max_abs, eps_multiple * eps * max|single|)
+
+    where the floors are the largest the reference variants showed up to that step, and `eps` is the
+    machine epsilon of the parameters' dtype (fp32: 1.19e-7, fp64: 2.2e-16, bf16: 7.8e-3): the
+    minimum keeps a floor of zero (an exactly representable run) from demanding bitwise equality.
+    Integer buffers (BatchNorm's num_batches_tracked) must match exactly.
+    """
+
+    floor_multiple: float = 10.0
+    eps_multiple: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.floor_multiple < 1 or self.eps_multiple < 0:
+            raise problem(
+                f"tolerance floor_multiple={self.floor_multiple}, eps_multiple={self.eps_multiple} "
+                "would accept less than the noise floor itself",
+                "Use floor_multiple >= 1 (default 10) and eps_multiple >= 0 (default 8)",
+            )
+
+    def min_rel(self, dtype: torch.dtype) -> float:
+        return self.eps_multiple * torch.finfo(dtype).eps
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifySpec:
+    """One equivalence check: DDP over `nproc` ranks against one process on the global batch.
+
+    model:      () -> nn.Module, built in every process with the same seed.
+    data:       a map-style Dataset, or () -> Dataset; read with ddpkit's sharded loader (the global
+                batch `batch_size`, DistributedSampler, drop_last so every step is a full batch).
+    batches:    (step) -> the global batch of that step (tensor, tuple or dict of tensors, rows on
+                dim 0); rank r gets the r-th contiguous slice. Give `data` or `batches`, not both.
+    loss:       (model, batch) -> scalar tensor, or "cross_entropy" / "mse" for (x, y) batches.
+    optimizer:  (parameters) -> Optimizer, or "sgd" / "adamw" with `optimizer_options` (lr, ...).
+    after_wrap: optional (module, session) -> None, the code your script runs between s.model and
+                the first step (loading a checkpoint, re-initialising a head); runs in every process.
+    floor:      the reference variants whose spread is the noise floor: "permuted" (the global batch's
+                rows in another order) and/or "threads" (another CPU thread count).
+    """
+
+    model: Callable[[], nn.Module] | str
+    data: Dataset | Callable[[], Dataset] | str | None = None
+    batches: Callable[[int], Any] | str | None = None
+    loss: Callable[[nn.Module, Any], torch.Tensor] | str = "cross_entropy"
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | str = "sgd"
+    optimizer_options: Mapping[str, float] = field(default_factory=dict)
+    nproc: int = 2
+    steps: int = 10
+    batch_size: int = 32
+    shuffle: bool = True
+    precision: str = "fp32"
+    seed: int = 0
+    device: str = "cpu"
+    sync_batchnorm: bool = False
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    after_wrap: Callable[[nn.Module, Any], None] | str | None = None
+    floor: tuple[str, ...] = ("permuted",)
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if (self.data is None) == (self.batches is None):
+            raise problem(
+                "give exactly one of data (a Dataset or a function returning one) and batches "
+                "(a function step -> global batch)",
+                "Pass data=... for a data set read by a sharded loader, or batches=... for batches you build",
+            )
+        if self.nproc < 2:
+            raise problem(
+                f"nproc={self.nproc}: DDP with fewer than 2 ranks has nothing to compare",
+                "Pass nproc=2 or more",
+            )
+        if self.steps < 1:
+            raise problem(f"steps={self.steps} is below 1", "Pass steps=1 or more (default 10)")
+        if self.batch_size < self.nproc or self.batch_size % self.nproc:
+            nearest = self.nproc * max(1, round(self.batch_size / self.nproc))
+            raise problem(
+                f"global batch {self.batch_size} does not split evenly over {self.nproc} ranks",
+                f"Use a multiple of {self.nproc}, e.g. {nearest}",
+            )
+        if self.precision not in PRECISIONS:
+            raise problem(f"precision={self.precision!r} is not known", f"Use one of {', '.join(PRECISIONS)}")
+        unknown = set(self.floor) - {"permuted", "threads"}
+        if not self.floor or unknown:
+            raise problem(
+                f"floor={self.floor!r} names no known reference variant",
+                "Use 'permuted' and/or 'threads', e.g. floor=('permuted',)",
+            )
+        if isinstance(self.optimizer, str) and self.optimizer in OPTIMIZERS:
+            bad = set(self.optimizer_options) - {"lr", "momentum", "weight_decay", "eps", "betas"}
+            if bad:
+                raise problem(
+                    f"optimizer option(s) {sorted(bad)} are not known", "Use lr, momentum, weight_decay"
+                )
+        elif self.optimizer_options:
+            raise problem(
+                "optimizer_options apply to the built-in optimizers only",
+                "Set the options inside your optimizer factory, or use optimizer='sgd' / 'adamw'",
+            )
+        for name in ("model", "data", "batches", "loss", "optimizer", "after_wrap"):
+            _check_sendable(name, getattr(self, name))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the parameters are stored in (autocast keeps them fp32)."""
+        return torch.float64 if self.precision == "fp64" else torch.float32
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return PRECISIONS[self.precision] if self.precision in ("bf16", "fp16") else None
+
+
+def _check_sendable(name: str, value: Any) -> None:
+    if isinstance(value, str) or not callable(value) or isinstance(value, (nn.Module, Dataset)):
+        return
+    qualname = getattr(value, "__qualname__", "")
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        raise problem(
+            f"{name}={value!r} cannot be sent to the DDP ranks (lambdas and nested functions are not "
+            "importable in new processes)",
+            f"Define it at the top level of a .py module, or pass {name}='module:function'",
+        )
+
+
+def resolve(ref: Any, what: str) -> Any:
+    """A `module:function` string imported here (in this process), or the object itself."""
+    if not isinstance(ref, str):
+        return ref
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise problem(
+            f"{what} {ref!r} is not of the form module:function", f"Pass e.g. mypkg.train:make_{what}"
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise problem(
+            f"cannot import module {module_name!r} for {what} {ref!r}: {exc}",
+            "Run from the folder that contains it, or add that folder to PYTHONPATH",
+        ) from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise problem(f"module {module_name!r} has no {attr!r} (for {what} {ref!r})", "Check the name")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _xy(batch: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise problem(
+            f"the built-in loss {what!r} expects (input, target) batches, got {type(batch).__name__}",
+            "Pass loss=your_function(model, batch) -> scalar tensor",
+        )
+    return batch[0], batch[1]
+
+
+def cross_entropy(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The built-in "cross_entropy" loss: mean over the batch, as DDP's averaging expects."""
+    x, y = _xy(batch, "cross_entropy")
+    return F.cross_entropy(model(x), y)
+
+
+def mse(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The built-in "mse" loss: mean over the batch and the outputs."""
+    x, y = _xy(batch, "mse")
+    return F.mse_loss(model(x), y)
+
+
+LOSSES: dict[str, Callable[[nn.Module, Any], torch.Tensor]] = {"cross_entropy": cross_entropy, "mse": mse}
+OPTIMIZERS: dict[str, tuple[type, float]] = {
+    "sgd": (torch.optim.SGD, 0.1),
+    "adamw": (torch.optim.AdamW, 1e-3),
+    "adam": (torch.optim.Adam, 1e-3),
+}
+
+
+def build_loss(spec: VerifySpec) -> Callable[[nn.Module, Any], torch.Tensor]:
+    if isinstance(spec.loss, str) and ":" not in spec.loss:
+        if spec.loss not in LOSSES:
+            raise problem(f"loss {spec.loss!r} is not built in", "Use cross_entropy, mse or module:function")
+        return LOSSES[spec.loss]
+    return resolve(spec.loss, "loss")
+
+
+def build_optimizer(spec: VerifySpec, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    if isinstance(spec.optimizer, str) and ":" not in spec.optimizer:
+        if spec.optimizer not in OPTIMIZERS:
+            raise problem(
+                f"optimizer {spec.optimizer!r} is not built in", "Use sgd, adamw, adam or module:function"
+            )
+        cls, lr = OPTIMIZERS[spec.optimizer]
+        return cls(params, **{"lr": lr, **spec.optimizer_options})
+    return resolve(spec.optimizer, "optimizer")(params)
+
+
+def build_model(spec: VerifySpec) -> nn.Module:
+    model = resolve(spec.model, "model")()
+    if not isinstance(model, nn.Module):
+        raise problem(f"the model factory returned {type(model).__name__}", "Return an nn.Module")
+    return model.to(spec.dtype) if spec.precision == "fp64" else model
+
+
+def build_data(spec: VerifySpec) -> Dataset:
+    data = resolve(spec.data, "data")
+    if callable(data) and not isinstance(data, Dataset):
+        data = data()
+    needed = spec.batch_size * spec.steps
+    if len(data) < spec.batch_size:  # type: ignore[arg-type]
+        raise problem(
+            f"the data set has {len(data)} samples, fewer than the global batch {spec.batch_size}",  # type: ignore[arg-type]
+            f"Use a smaller batch_size or more data ({needed} samples give {spec.steps} distinct steps)",
+        )
+    return data
