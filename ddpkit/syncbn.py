@@ -7,8 +7,8 @@ GPU modules"), so ddpkit uses this module on CPU and torch's on CUDA (`wrap.py` 
 The statistics are exact two-pass ones, numerically stable for data far from zero:
   1. all-reduce [sum of x per channel, element count]  -> global mean
   2. all-reduce sum of (x - mean)^2 per channel        -> global (biased) variance
-Both all-reduces are `torch.distributed.nn.functional.all_reduce`, which is differentiable (its backward
-all-reduces the incoming gradients), so autograd yields the exact gradient of the global-batch
+Both all-reduces are differentiable (`_AllReduceSum`: the backward of a sum over ranks is the sum over
+ranks of the incoming gradients), so autograd yields the exact gradient of the global-batch
 normalisation: the same gradient as one process normalising the concatenated batch. Cost: two small
 all-reduces per layer in forward and two in backward (torch's CUDA kernel: one all-gather + one
 all-reduce). Running statistics follow `BatchNorm`: momentum (or cumulative average when momentum is
@@ -19,13 +19,32 @@ bring an empty batch; every rank must call forward equally often (it is a collec
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ddpkit.errors import problem
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the ranks of `group`, differentiable: every rank's output feeds every rank's loss, so the
+    gradient reaching each input is the sum of all ranks' output gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -69,7 +88,7 @@ class SyncBatchNorm(_BatchNorm):
         shape = [1, -1] + [1] * (x.dim() - 2)
         work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # statistics in fp32 at least
         count_local = work.new_tensor([x.numel() / max(1, x.size(1))])
-        first = dist_nn.all_reduce(torch.cat([work.sum(dims), count_local]), group=group)
+        first = _AllReduceSum.apply(torch.cat([work.sum(dims), count_local]), group)
         count = first[-1].detach()
         if count.item() <= 1:
             raise problem(
@@ -78,7 +97,7 @@ class SyncBatchNorm(_BatchNorm):
             )
         mean = first[:-1] / count
         centred = work - mean.view(shape)
-        var = dist_nn.all_reduce((centred * centred).sum(dims), group=group) / count
+        var = _AllReduceSum.apply((centred * centred).sum(dims), group) / count
         y = centred * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
