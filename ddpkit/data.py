@@ -6,10 +6,15 @@
   metric summed over ranks counts every sample exactly once (DistributedSampler would repeat some).
 - `batch_size` is the global batch: per-rank batch = global / (world size x accumulation steps).
 - Batches arrive on the session's device; worker processes get seeds distinct per rank and worker.
+- Resuming: `ShardedLoader.state_dict()` is the position inside the epoch (epoch, samples consumed
+  globally, the loader generator at the start of the pass); `load_state_dict` makes the next pass skip
+  the consumed samples in the sampler, so no batch is loaded twice and none is skipped, with or without
+  worker processes, also at another world size when the global batch stays the same.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -79,6 +84,22 @@ class EvalShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+class ResumableSampler(DistributedSampler):
+    """A `DistributedSampler` whose next pass can start part-way: it drops `skip` indices, once.
+
+    The order of epoch e is unchanged (a function of seed and e), so skipping indices reproduces the
+    rest of an interrupted epoch exactly, without loading the skipped samples.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self.skip = self.skip, 0
+        return itertools.islice(super().__iter__(), skip, None)
+
+
 def seed_worker(worker_id: int) -> None:
     """DataLoader worker init: numpy and `random` follow torch's per-worker seed (distinct per rank)."""
     seed = torch.initial_seed() % 2**32
@@ -100,13 +121,18 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
 
 
 class ShardedLoader:
-    """A DataLoader that sets the sampler's epoch on every new pass and yields batches on `device`."""
+    """A DataLoader that sets the sampler's epoch on every new pass and yields batches on `device`.
+
+    It also knows its position for checkpoints: `state_dict()` / `load_state_dict()`.
+    """
 
     def __init__(self, loader: DataLoader, *, device: torch.device, batch: BatchPlan) -> None:
         self.loader = loader
         self.device = device
         self.batch = batch
         self.epoch = 0
+        self._skip = 0  # per-rank samples the next pass skips (set by load_state_dict)
+        self._pass: dict[str, Any] | None = None  # the pass in progress: epoch, position, generator
 
     @property
     def sampler(self) -> Sampler:
@@ -120,12 +146,73 @@ class ShardedLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
+        generator = self.loader.generator
+        self._pass = {
+            "epoch": self.epoch,
+            "per_rank_samples": self._skip,
+            "generator": generator.get_state() if generator is not None else None,
+        }
         if isinstance(self.sampler, DistributedSampler):
             self.sampler.set_epoch(self.epoch)
+        if isinstance(self.sampler, ResumableSampler):
+            self.sampler.skip = self._skip
+        self._skip = 0
         self.epoch += 1
         non_blocking = self.device.type == "cuda" and self.loader.pin_memory
         for batch in self.loader:
+            self._pass["per_rank_samples"] += self.batch.per_rank
             yield to_device(batch, self.device, non_blocking)
+        self._pass = None
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The position: the epoch of the current (or next) pass and the samples it has consumed.
+
+        `samples` counts over all ranks (per-rank samples x world size), so it keeps its meaning at
+        another world size. `generator` (this rank's loader generator at the start of the pass) makes
+        worker seeds repeat; it is per rank.
+        """
+        world = self.batch.world_size
+        if self._pass is not None:
+            current = self._pass
+            epoch, per_rank, gen = current["epoch"], current["per_rank_samples"], current["generator"]
+        else:
+            generator = self.loader.generator
+            epoch, per_rank = self.epoch, self._skip
+            gen = generator.get_state() if generator is not None else None
+        return {
+            "epoch": epoch,
+            "samples": per_rank * world,
+            "world_size": world,
+            "per_rank_batch": self.batch.per_rank,
+            "global_batch": self.batch.per_rank * world,
+            "generator": gen,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Make the next pass continue epoch `state["epoch"]` after `state["samples"]` samples.
+
+        A `generator` of None (a rank that did not exist when the state was saved) keeps this
+        rank's own generator.
+        """
+        world, samples = self.batch.world_size, int(state["samples"])
+        if samples % world:
+            raise problem(
+                f"the saved data position ({samples} samples into epoch {state['epoch']}) cannot be split "
+                f"over world size {world}",
+                f"Resume with a world size that divides {samples}, or at the start of an epoch",
+            )
+        if samples and not isinstance(self.sampler, ResumableSampler):
+            raise problem(
+                "this loader cannot start part-way into an epoch (it was not built by ddpkit's training "
+                "loader)",
+                "Build it with session.loader(dataset, batch_size=...) without evaluation=True",
+            )
+        self.epoch = int(state["epoch"])
+        self._skip = samples // world
+        self._pass = None
+        if state.get("generator") is not None and self.loader.generator is not None:
+            self.loader.generator.set_state(state["generator"])
 
 
 def make_loader(
@@ -160,7 +247,7 @@ def make_loader(
     else:
         # Also at world size 1: the order of epoch e is then a pure function of (seed, e), the same
         # global order at every world size, which is what exact resume and `verify` rely on.
-        sampler = DistributedSampler(
+        sampler = ResumableSampler(
             dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
     generator = torch.Generator().manual_seed(seed + 7919 * (rank + 1))

@@ -21,9 +21,22 @@ def raised_at(exc: BaseException) -> float:
     return getattr(exc, "_ddpkit_time", None) or time.time()
 
 
-def record_failure(exc: BaseException, rank: int) -> None:
-    """Stamp `exc` with the time, and write it to the launcher's error file (TORCHELASTIC_ERROR_FILE)."""
-    now = time.time()
+_seen: list[float] = []  # this process's failures: a process that failed never gets the exit guard
+
+
+def failure_seen() -> bool:
+    """True once a session in this process has failed (see `ddpkit.lifecycle`'s exit guard)."""
+    return bool(_seen)
+
+
+def record_failure(exc: BaseException, rank: int, *, when: float | None = None) -> None:
+    """Stamp `exc` with the time, and write it to the launcher's error file (TORCHELASTIC_ERROR_FILE).
+
+    `when` keeps the time of an earlier exception that `exc` explains (a stall report raised after
+    the timeout it describes), so the launcher still orders failures by when they happened.
+    """
+    now = when or getattr(exc, "_ddpkit_time", None) or time.time()
+    _seen.append(now)
     with contextlib.suppress(AttributeError):
         exc._ddpkit_time = now  # type: ignore[attr-defined]
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")

@@ -32,7 +32,6 @@ from torch.utils.data import Dataset
 from ddpkit import lifecycle, topology
 from ddpkit.data import ShardedLoader, make_loader, plan_batch
 from ddpkit.errors import problem
-from ddpkit.failures import record_failure
 from ddpkit.precision import PrecisionPlan, resolve_precision
 from ddpkit.stepping import MicroBatch, StepInfo, Stepper
 from ddpkit.wrap import DDPOptions, wrap_model
@@ -106,7 +105,7 @@ class Session:
     def start(self) -> Session:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self._owns_group = lifecycle.join_group(self.plan, self.timeout)
+        self._owns_group = lifecycle.join_group(self.plan, lifecycle.limits_of(self))
         seed_everything(self.seed)
         threads = torch.get_num_threads()
         detail = f", {threads} CPU thread(s) per rank" if self.device.type == "cpu" else ""
@@ -332,6 +331,8 @@ def session(
     accumulation: int = 1,
     precision: str | PrecisionPlan = "32",
     timeout: float = 1800.0,
+    rendezvous_timeout: float = 600.0,
+    save_timeout: float = 3600.0,
     verbose: bool = True,
     env: Mapping[str, str] | None = None,
     hardware: topology.Hardware | None = None,
@@ -339,9 +340,10 @@ def session(
     """Open a `Session` for this process; the process group is torn down on exit, also on errors.
 
     `device` ("auto", "cpu", "cuda") and `backend` ("auto", "gloo", "nccl") override the automatic
-    choice; `timeout` bounds every collective (seconds). `precision` is "32", "bf16" or "16" (see
-    `ddpkit.precision`); `accumulation` is the number of micro-batches per optimizer step. `env` and
-    `hardware` default to this process's environment and machine.
+    choice; `timeout` bounds every collective, `rendezvous_timeout` the start-up meeting of the ranks
+    and `save_timeout` a checkpoint save (seconds; see `ddpkit.lifecycle.Limits`). `precision` is
+    "32", "bf16" or "16" (see `ddpkit.precision`); `accumulation` is the number of micro-batches per
+    optimizer step. `env` and `hardware` default to this process's environment and machine.
     """
     plan = topology.resolve(
         os.environ if env is None else env,
@@ -352,10 +354,11 @@ def session(
     s = Session(
         plan, seed=seed, accumulation=accumulation, precision=precision, timeout=timeout, verbose=verbose
     )
+    s.limits = lifecycle.Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)
     try:
         yield s.start()
     except BaseException as exc:
-        record_failure(exc, s.rank)  # lets `ddpkit run` name the rank that failed first
+        lifecycle.on_failure(s, exc)  # for `ddpkit run`: who failed first; a stalled collective, explained
         raise
     finally:
         s.close()
