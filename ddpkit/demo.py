@@ -4,7 +4,8 @@
     ddpkit run --nproc 3 -m ddpkit.demo  # any launcher works: this module is an ordinary script
     python -m ddpkit.demo                # one process
 
-Written only with ddpkit's public API, as a user's script would be.
+Written only with ddpkit's public API, as a user's script would be; the loop is `ddpkit.fit.fit`, and
+rank 0 writes its log to OUT/log.jsonl.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
+from ddpkit.fit import Callback, FitState, fit
+from ddpkit.metrics import Accuracy, MetricSet
 
 
 class DigitsCNN(nn.Module):
@@ -50,54 +53,60 @@ def digits_split(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDatas
     return TensorDataset(x[idx_train], y[idx_train]), TensorDataset(x[idx_test], y[idx_test])
 
 
-def evaluate(s: ddpkit.Session, model: nn.Module, loader: Any) -> float:
-    """Accuracy over the whole test split: each sample counted once, summed over ranks."""
-    model.eval()
-    correct = total = 0
-    with torch.no_grad():
-        for x, y in loader:
-            correct += (model(x).argmax(1) == y).sum().item()
-            total += len(y)
-    model.train()
-    counts = s.all_reduce(torch.tensor([correct, total], dtype=torch.float64))
-    return (counts[0] / counts[1]).item()
+def train_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
 
 
-def train(epochs: int = 12, batch_size: int = 64, lr: float = 3e-3, out: str = "ddpkit-demo") -> dict:
-    from tqdm import tqdm
+def eval_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], metrics: MetricSet) -> None:
+    x, y = batch
+    metrics["accuracy"].update(model(x), y)  # correct and total, summed over ranks: every digit once
 
+
+class EpochReport(Callback):
+    """One line per epoch, from global rank 0."""
+
+    def __init__(self, held_out: int) -> None:
+        self.held_out = held_out
+
+    def on_epoch_end(self, state: FitState) -> None:
+        loss = sum(state.epoch_losses) / max(1, len(state.epoch_losses))
+        state.s.print(
+            f"epoch {state.epoch}: train loss {loss:.4f}, test accuracy {state.metrics['accuracy']:.2%} "
+            f"({self.held_out} held-out digits)"
+        )
+
+
+def train(
+    epochs: int = 12, batch_size: int = 64, lr: float = 3e-3, out: str = "ddpkit-demo", precision: str = "32"
+) -> dict:
     start = time.perf_counter()
-    with ddpkit.session(seed=0) as s:
+    with ddpkit.session(seed=0, precision=precision) as s:
         train_set, test_set = digits_split()
         model = s.model(DigitsCNN())
         opt = torch.optim.Adam(model.parameters(), lr=lr)
-        train_loader = s.loader(train_set, batch_size=batch_size, shuffle=True)
-        test_loader = s.loader(test_set, batch_size=256, evaluation=True)
-        step_losses: list[float] = []
-        accuracy = 0.0
-        for epoch in range(epochs):
-            losses = []
-            for x, y in tqdm(train_loader, desc=f"epoch {epoch}", disable=not s.is_main, leave=False):
-                loss = F.cross_entropy(model(x), y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                losses.append(loss.detach())
-            epoch_losses = s.all_reduce(torch.stack(losses), op="mean").tolist()  # one collective
-            step_losses += epoch_losses
-            accuracy = evaluate(s, model, test_loader)
-            s.print(
-                f"epoch {epoch}: train loss {sum(epoch_losses) / len(epoch_losses):.4f}, "
-                f"test accuracy {accuracy:.2%} ({len(test_set)} held-out digits)"
-            )
+        result = fit(
+            s,
+            model,
+            opt,
+            s.loader(train_set, batch_size=batch_size, shuffle=True),
+            train_step,
+            epochs=epochs,
+            eval_loader=s.loader(test_set, batch_size=256, evaluation=True),
+            eval_step=eval_step,
+            metrics={"accuracy": Accuracy()},
+            callbacks=[EpochReport(len(test_set))],
+            log=os.path.join(out, "log.jsonl"),
+        )
+        accuracy = result.evals[-1]["accuracy"]
         seconds = time.perf_counter() - start
         if s.is_main:
-            path = plot_losses(step_losses, len(train_loader), out)
+            path = plot_losses(result.losses, result.steps // max(1, result.epochs), out)
             s.print(
                 f"demo: {accuracy:.2%} test accuracy in {seconds:.1f} s on {s.world_size} rank(s); "
                 f"loss curve {path}"
             )
-    return {"accuracy": accuracy, "seconds": seconds, "losses": step_losses}
+    return {"accuracy": accuracy, "seconds": seconds, "losses": result.losses}
 
 
 def plot_losses(losses: list[float], steps_per_epoch: int, out: str) -> str:
@@ -141,5 +150,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--out", default="ddpkit-demo")
+    parser.add_argument("--precision", default="32", help="32, bf16 or 16 (see ddpkit.precision)")
     cli = parser.parse_args()
-    train(epochs=cli.epochs, out=cli.out)
+    train(epochs=cli.epochs, out=cli.out, precision=cli.precision)
