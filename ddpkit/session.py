@@ -177,6 +177,11 @@ class Session:
 
     # -- training steps (ddpkit.stepping) ------------------------------------------------------
     @property
+    def stepper(self) -> Stepper:
+        """The step state (fp16 loss scale, optimizer steps); `s.save(..., stepper=s.stepper)` keeps it."""
+        return self._stepper
+
+    @property
     def skipped_steps(self) -> int:
         """Optimizer steps the fp16 gradient scaler skipped (inf/nan gradients) in this session."""
         return self._stepper.skipped

@@ -190,10 +190,13 @@ class Stepper:
         return StepInfo(stepped=True, skipped=skipped, grad_norm=norm, step=self.steps)
 
     def state_dict(self) -> dict:
-        """The loss scaler's state (fp16), for checkpoints."""
-        return {"scaler": self.scaler.state_dict() if self.scaler is not None else None, "steps": self.steps}
+        """The loss scale (fp16) and step counts, for checkpoints; save between optimizer steps, since
+        the gradients of a group in progress (`pending` > 0) are not part of it."""
+        scaler = self.scaler.state_dict() if self.scaler is not None else None
+        return {"scaler": scaler, "steps": self.steps, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.steps = int(state.get("steps", self.steps))
+        self.skipped = int(state.get("skipped", self.skipped))

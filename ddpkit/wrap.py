@@ -4,6 +4,10 @@ SyncBatchNorm: torch's `nn.SyncBatchNorm` on CUDA; on CPU, where DDP refuses tor
 (`ddpkit.syncbn`), with the same statistics over the global batch. Communication hooks are registered by
 name right after wrapping (`ddpkit.comm_hooks`).
 
+DataParallel is not a mode: one process driving several GPUs with threads copies the model to every
+GPU on every step and serialises on the Python interpreter; DDP (one process per GPU) replaced it.
+Benchmarks may show it for comparison; nothing in ddpkit uses it.
+
 DDP broadcasts global rank 0's parameters and buffers once, when it is constructed, and from then on
 averages gradients bucket by bucket during backward. In the single-process modes there is nothing to
 synchronise, so every DDP option gets a defined meaning there (logged once): it is accepted and has no

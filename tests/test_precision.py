@@ -49,6 +49,19 @@ def test_fp16_on_cpu_says_what_it_falls_back_to(capsys) -> None:
     assert "precision='16': float16 training needs CUDA" in out and "bfloat16 autocast instead" in out
 
 
+def test_the_loss_scale_survives_a_checkpoint_round_trip() -> None:
+    with ddpkit.session(precision=PrecisionPlan("16", "cpu"), env={}, hardware=ddpkit.Hardware(0, 2)) as s:
+        model = s.model(nn.Linear(3, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        s.backward(model(torch.randn(2, 3)).float().sum() * float("inf"))
+        assert s.step(opt).skipped
+        saved = s.stepper.state_dict()
+    assert saved["scaler"]["scale"] == 32768.0 and (saved["steps"], saved["skipped"]) == (1, 1)
+    with ddpkit.session(precision=PrecisionPlan("16", "cpu"), env={}, hardware=ddpkit.Hardware(0, 2)) as s:
+        s.stepper.load_state_dict(saved)
+        assert s.stepper.scaler.get_scale() == 32768.0 and s.skipped_steps == 1
+
+
 def _data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + rank)
     return torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
