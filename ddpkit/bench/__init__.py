@@ -1,0 +1,1 @@
+"""`ddpkit bench`: measure collectives, scaling and tuning options on this machine (see `cli`)."""

@@ -1,0 +1,125 @@
+"""`ddpkit bench tune`: try the ways to train the user's model on this machine; recommend the fastest.
+
+    ddpkit bench tune --workload mlp
+    ddpkit bench tune --workload mypkg.models:my_workload --nproc 2 --rounds 5
+
+Tried, each against hand-written DDP with torch's defaults (the baseline, ratio 1.00):
+- ddpkit's defaults (gradients as bucket views), bucket sizes 5 and 100 MB, static graph;
+- communication hooks: "shm" (exact shared-memory all-reduce, same machine only) and the lossy fp16 /
+  bf16 compressions (listed, never recommended unless --allow-lossy);
+- torch's ZeroRedundancyOptimizer (each rank updates 1/N of the parameters, then broadcasts them);
+- one process using every core (no DDP at all): on a small CPU machine often the fastest, because
+  processes x threads must not exceed the cores and a CPU all-reduce competes with compute for them.
+The recommendation is the configuration with the lowest median step time among the exact ones, with
+its gain and the spread that qualifies it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ddpkit.bench import report
+from ddpkit.bench.runner import LOSSY_HOOKS, Config, Stats, measure
+
+
+def candidates(nproc: int, cores: int, *, quick: bool = False) -> list[Config]:
+    """The configurations tune tries (the first is the baseline)."""
+    threads = max(1, cores // nproc)
+
+    def ddp(label: str, **options: Any) -> Config:
+        return Config(label=label, nproc=nproc, threads=threads, gradient_as_bucket_view=True, **options)
+
+    configs = [
+        Config(label="hand-written DDP (torch defaults)", nproc=nproc, threads=threads),
+        ddp("ddpkit defaults (bucket view)"),
+        ddp("shm hook", hook="shm"),
+    ]
+    if not quick:
+        configs += [
+            ddp("bucket 5 MB", bucket_cap_mb=5),
+            ddp("bucket 100 MB", bucket_cap_mb=100),
+            ddp("static graph", static_graph=True),
+            ddp("ZeRO optimizer", zero=True),
+            ddp("shm hook + ZeRO", hook="shm", zero=True),
+            ddp("fp16 compression", hook="fp16"),
+            ddp("bf16 compression", hook="bf16"),
+        ]
+    if cores > 1:
+        configs.append(Config(label=f"1 process x {cores} threads (no DDP)", nproc=1, threads=cores))
+    return configs
+
+
+def recommend(stats: dict[str, Stats], configs: list[Config], allow_lossy: bool) -> tuple[Config, float]:
+    """The fastest allowed config and its speed-up over the baseline (the first config)."""
+    baseline = stats[configs[0].label].median
+    allowed = [c for c in configs if allow_lossy or c.hook not in LOSSY_HOOKS]
+    best = min(allowed, key=lambda c: stats[c.label].median)
+    return best, baseline / stats[best.label].median
+
+
+def run(ns: argparse.Namespace) -> int:
+    cores = report.machine()["cores"]
+    nproc = ns.nproc or min(2, cores)
+    configs = candidates(nproc, cores, quick=ns.quick)
+    before = report.machine()["load_average"]
+    print(f"ddpkit bench tune: workload {ns.workload}, {len(configs)} configurations x {ns.rounds} rounds "
+          f"x >= {ns.block_seconds:g} s (interleaved)", flush=True)
+    stats = measure(ns.workload, configs, rounds=ns.rounds, steps=ns.steps, warmup=ns.warmup,
+                    target_s=ns.block_seconds,
+                    log=print if ns.verbose else None)
+    after = report.machine()["load_average"]
+    base = stats[configs[0].label].median
+    rows = []
+    for c in sorted(configs, key=lambda c: stats[c.label].median):
+        st = stats[c.label]
+        lossy = " (lossy)" if c.hook in LOSSY_HOOKS else ""
+        rows.append([c.label + lossy, st.median * 1e3, f"±{st.spread / 2:.0%}", base / st.median,
+                     c.describe()])
+    print(report.table(["configuration", "step ms (median)", "spread", "speed-up", "settings"], rows))
+    best, gain = recommend(stats, configs, ns.allow_lossy)
+    print(f"\nrecommendation: {best.label} -- {gain:.2f}x the step rate of hand-written DDP with torch's "
+          f"defaults ({stats[best.label].median * 1e3:.0f} ms vs {base * 1e3:.0f} ms per step)")
+    print(_how_to(best))
+    note = report.load_note(before, after, cores)
+    if note:
+        print(note)
+    data: dict[str, Any] = {
+        "workload": ns.workload, "machine": report.machine(), "load_before": before, "load_after": after,
+        "configs": [{**c.__dict__, **stats[c.label].as_dict()} for c in configs],
+        "recommendation": {"label": best.label, "speedup": gain},
+    }
+    if ns.json:
+        print(f"json: {report.write_json(ns.json, data)}")
+    return 0
+
+
+def _how_to(cfg: Config) -> str:
+    if cfg.nproc == 1:
+        return f"how: `python train.py`: one process, torch uses {cfg.threads} threads; no DDP"
+    opts = []
+    if cfg.bucket_cap_mb:
+        opts.append(f"bucket_cap_mb={cfg.bucket_cap_mb:g}")
+    if cfg.static_graph:
+        opts.append("static_graph=True")
+    if cfg.hook != "allreduce":
+        opts.append(f'comm_hook="{cfg.hook}"')
+    if not cfg.gradient_as_bucket_view:
+        opts.append("gradient_as_bucket_view=False")
+    how = f"how: s.model(net{', ' if opts else ''}{', '.join(opts)}) with `ddpkit run --nproc {cfg.nproc}`"
+    if cfg.zero:
+        how += "; optimizer: torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class=...)"
+    return how
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="mlp", help="cnn, mlp, gpt, or package.module:function")
+    p.add_argument("--nproc", type=int, default=None, help="DDP processes (default: 2, or 1 on one core)")
+    p.add_argument("--rounds", type=int, default=3, help="rotations through all configurations")
+    p.add_argument("--steps", type=int, default=3, help="at least this many timed steps per block")
+    p.add_argument("--block-seconds", type=float, default=1.0, help="at least this long per timed block")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="only the baseline, ddpkit, shm and one process")
+    p.add_argument("--allow-lossy", action="store_true", help="may recommend fp16/bf16 compression")
+    p.add_argument("--json", default=None, help="write the measurements here")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every block as it finishes")
