@@ -59,13 +59,18 @@ def _machine_id() -> str:
 
 
 def _alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (killed, not yet reaped by its parent) counts as dead."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def clean_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
