@@ -24,7 +24,7 @@ class Deviation:
 
     rel_norm: float  # ||b - a|| / ||a||
     max_abs: float  # max |b - a|
-    max_rel: float  # max |b - a| / |a| over the elements (|a| clamped at the smallest normal number)
+    max_rel: float  # max |b - a| / |a| over the elements (|a| at least eps * max|a|)
     norm: float  # ||b - a||
 
 
@@ -36,7 +36,10 @@ def deviation(a: torch.Tensor, b: torch.Tensor) -> Deviation:
         return Deviation(0.0, 0.0, 0.0, 0.0)
     norm = float(d.norm())
     ref = float(a64.norm())
-    tiny = torch.finfo(a.dtype).tiny if a.is_floating_point() else 1.0
+    # Elements below one ulp of the tensor's largest count as that: an exact zero in the reference (a
+    # gradient that vanished) would otherwise make any rounding an "infinite" relative difference.
+    eps = torch.finfo(a.dtype).eps if a.is_floating_point() else 1.0
+    tiny = max(eps * float(a64.abs().max()), torch.finfo(torch.float64).tiny)
     return Deviation(
         rel_norm=norm / ref if ref > 0 else (0.0 if norm == 0 else float("inf")),
         max_abs=float(d.max()),
@@ -83,15 +86,22 @@ def floors(
     return out
 
 
-def limit(tol: Tolerance, a: torch.Tensor, floor: tuple[float, float]) -> Limit:
-    """The tolerance for tensor `a` (the reference value) given its floor; exact for integer tensors."""
+def limit(tol: Tolerance, a: torch.Tensor, floor: tuple[float, float], update: Deviation | None) -> Limit:
+    """The tolerance for tensor `a` (the reference value) given its floor and the step's update to it.
+
+    Exact for integer tensors. `update` is the deviation of `a` from its value one step earlier (None
+    before the first step); see `Tolerance` for the formula.
+    """
     if not a.is_floating_point():
         return Limit(0.0, 0.0, 0.0, 0.0)
     eps_rel = tol.min_rel(a.dtype)
     scale = float(a.detach().abs().max()) if a.numel() else 0.0
+    size = float(a.detach().double().norm())
+    moved_rel = update.norm / size if update and size > 0 else 0.0
+    moved_abs = update.max_abs if update else 0.0
     return Limit(
-        rel_norm=max(tol.floor_multiple * floor[0], eps_rel),
-        max_abs=max(tol.floor_multiple * floor[1], eps_rel * scale),
+        rel_norm=max(tol.floor_multiple * floor[0], eps_rel, tol.update_fraction * moved_rel),
+        max_abs=max(tol.floor_multiple * floor[1], eps_rel * scale, tol.update_fraction * moved_abs),
         floor_rel_norm=floor[0],
         floor_max_abs=floor[1],
     )

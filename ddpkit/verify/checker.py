@@ -103,16 +103,17 @@ def _row(
     for step, state in enumerate(ddp.states):
         a, b = reference.states[step][name], state[name]
         dev = calibrate.deviation(a, b)
-        lim = calibrate.limit(spec.tolerance, a, floor_by_step[step][name])
+        update = calibrate.deviation(reference.states[step - 1][name], a) if step > 0 else None
+        lim = calibrate.limit(spec.tolerance, a, floor_by_step[step][name], update)
         step_excess = lim.excess(dev)
         if step_excess > 1 and first_over is None:
             first_over = step
         max_abs, max_rel = max(max_abs, dev.max_abs), max(max_rel, dev.max_rel)
         rel_norm, excess = max(rel_norm, dev.rel_norm), max(excess, step_excess)
-        if step > 0:
-            update = calibrate.deviation(reference.states[step - 1][name], a).norm
+        if update is not None:
+            moved = update.norm
             over_update = max(
-                over_update, dev.norm / update if update > 0 else (0.0 if dev.norm == 0 else math.inf)
+                over_update, dev.norm / moved if moved > 0 else (0.0 if dev.norm == 0 else math.inf)
             )
     if len(ddp.states) < len(reference.states) and first_over is None:
         first_over = len(ddp.states)  # the DDP run stopped early: the missing steps did not match

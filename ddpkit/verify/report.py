@@ -17,7 +17,7 @@ class TensorRow:
     dtype: str
     numel: int
     max_abs_diff: float  # over steps and elements
-    max_rel_diff: float  # over steps and elements, |ddp - single| / |single|
+    max_rel_diff: float  # over steps and elements, |ddp - single| / max(|single|, eps * max|single|)
     rel_norm: float  # over steps: ||ddp - single|| / ||single||
     floor_rel_norm: float  # the noise floor's rel norm at the last step
     excess: float  # over steps: deviation / tolerance; <= 1 passes
@@ -73,7 +73,8 @@ class Report:
             f"optimizer {c['optimizer']}, seed {c['seed']}",
             f"noise floor ({' + '.join(c['floor'])} reference runs): up to {self.floor['max_rel_norm']:.2g} "
             f"relative norm; tolerance {self.tolerance['floor_multiple']:g} x floor, at least "
-            f"{self.tolerance['eps_multiple']:g} eps ({self.tolerance['min_rel_norm']:.2g})",
+            f"{self.tolerance['eps_multiple']:g} eps ({self.tolerance['min_rel_norm']:.2g}) or "
+            f"{self.tolerance['update_fraction']:g} of the step's update",
             "",
         ]
         rows = self.tensors
