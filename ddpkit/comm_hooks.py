@@ -120,6 +120,14 @@ def register(
             "Pass comm_hook= to s.model(...), which wraps the model first",
         )
     factory = resolve(name)
-    state, hook = factory(process_group, **dict(options or {}))
+    try:
+        state, hook = factory(process_group, **dict(options or {}))
+    except TypeError as exc:
+        if not options:
+            raise
+        raise problem(
+            f"comm_hook={name!r} does not accept the options {sorted(options)} ({exc})",
+            "Drop comm_hook_options, or pass only the options that hook's factory takes",
+        ) from None
     model.register_comm_hook(state, hook)
     return state

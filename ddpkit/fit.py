@@ -235,8 +235,8 @@ def fit(
                 mean_loss = _agree(s, state, local_loss / k)
                 local_loss = torch.zeros_like(local_loss)
                 info = s.step(optimizer, max_norm=max_norm)
-                if scheduler is not None and scheduler_interval == "step":
-                    scheduler.step()
+                if scheduler is not None and scheduler_interval == "step" and not info.skipped:
+                    scheduler.step()  # not after a step the fp16 scaler skipped: the schedule follows updates
                 state.step, state.loss = info.step, mean_loss
                 state.losses.append(mean_loss)
                 state.epoch_losses.append(mean_loss)

@@ -201,8 +201,9 @@ class MetricSet:
         signature = [(name, type(m).__name__, m.size) for name, m in self.metrics.items()]
         if self.s.distributed:
             self._check_same_metrics(signature)
-        packed = torch.cat([m.state for m in self.metrics.values()]) if self.metrics else torch.zeros(0)
-        totals = self.s.all_reduce(packed.to(self.s.device)).cpu()
+        states = [m.state.to(self.s.device) for m in self.metrics.values()]  # un-updated ones: on the CPU
+        packed = torch.cat(states) if states else torch.zeros(0, dtype=torch.float64, device=self.s.device)
+        totals = self.s.all_reduce(packed).cpu()
         out, offset = {}, 0
         for name, metric in self.metrics.items():
             out[name] = metric.value(totals[offset : offset + metric.size])

@@ -72,6 +72,20 @@ def test_hooks_are_imported_only_when_asked_for(monkeypatch) -> None:
         comm_hooks.resolve("missing")
 
 
+def wrong_options() -> str:
+    with ddpkit.session(verbose=False) as s:
+        try:
+            s.model(_net(), comm_hook="fp16", comm_hook_options={"rank": 2})
+        except DdpkitError as exc:
+            return str(exc)
+        return "accepted"
+
+
+def test_options_a_hook_does_not_take_are_refused(pool2) -> None:
+    r0, _ = pool2.run(wrong_options)
+    assert r0.startswith("comm_hook='fp16' does not accept the options ['rank']")
+
+
 def test_one_process_ignores_the_hook_and_says_so(capsys) -> None:
     with ddpkit.session(env={}, hardware=ddpkit.Hardware(gpus=0, cpu_cores=2)) as s:
         model = s.model(_net(), comm_hook="fp16")
