@@ -54,7 +54,7 @@ class FitState:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     epoch: int = 0
-    step: int = 0  # optimizer steps done
+    step: int = 0  # optimizer steps done in this fit call
     loss: float = math.nan  # the last step's loss, mean over ranks and micro-batches
     epoch_losses: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)  # every step's loss
@@ -237,7 +237,8 @@ def fit(
                 info = s.step(optimizer, max_norm=max_norm)
                 if scheduler is not None and scheduler_interval == "step" and not info.skipped:
                     scheduler.step()  # not after a step the fp16 scaler skipped: the schedule follows updates
-                state.step, state.loss = info.step, mean_loss
+                state.step += 1  # this call's optimizer steps (s.stepper.steps counts the session's)
+                state.loss = mean_loss
                 state.losses.append(mean_loss)
                 state.epoch_losses.append(mean_loss)
                 emit("step_end")
