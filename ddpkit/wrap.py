@@ -62,6 +62,15 @@ def has_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
+def convert_batchnorm(module: nn.Module, device_type: str) -> nn.Module:
+    """BatchNorm layers to synchronised ones: torch's CUDA kernel on CUDA, ddpkit's elsewhere."""
+    if device_type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    from ddpkit.syncbn import convert_sync_batchnorm
+
+    return convert_sync_batchnorm(module)
+
+
 def wrap_model(
     module: nn.Module,
     *,
@@ -89,12 +98,8 @@ def wrap_model(
         if comm_hook is not None:
             notes.append(f"comm_hook={comm_hook!r} has no effect with one process (nothing to communicate)")
         return module, notes
-    if sync_batchnorm and device.type == "cuda":
-        module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    elif sync_batchnorm:
-        from ddpkit.syncbn import convert_sync_batchnorm
-
-        module = convert_sync_batchnorm(module)
+    if sync_batchnorm:
+        module = convert_batchnorm(module, device.type)
     elif has_batchnorm(module):
         notes.append(
             "BatchNorm computes statistics per rank (per-rank batch); pass sync_batchnorm=True for "

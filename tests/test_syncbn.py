@@ -10,6 +10,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from ddpkit.wrap import convert_batchnorm
 
 
 def _global_batch(n: int = 12, c: int = 3) -> torch.Tensor:
@@ -105,6 +106,11 @@ def test_sync_batchnorm_restores_equivalence_with_one_process(pool2) -> None:
     assert per_rank["gap"] > 1e-3, "per-rank statistics should break the equivalence"
     assert synced["gap"] < 1e-5 and synced["stats_gap"] < 1e-5
     print(f"BatchNorm gap {per_rank['gap']:.2e} -> SyncBatchNorm gap {synced['gap']:.2e}")
+
+
+def test_torch_syncbatchnorm_on_cuda_ddpkit_s_elsewhere() -> None:
+    assert isinstance(convert_batchnorm(_bn_net(), "cuda")[1], nn.SyncBatchNorm)
+    assert isinstance(convert_batchnorm(_bn_net(), "cpu")[1], SyncBatchNorm)
 
 
 def test_conversion_shares_parameters_and_acts_as_batchnorm_without_a_group() -> None:
