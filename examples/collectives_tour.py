@@ -24,7 +24,9 @@ def expected(rank: int, world: int) -> dict[str, list[float]]:
     return {
         "rank_world": [rank, world],
         "barrier": [1.0],
-        "recv_from_left": [float((rank - 1) % world) * 10],  # the ring: each rank sends 10 * rank to the right
+        "recv_from_left": [
+            float((rank - 1) % world) * 10
+        ],  # the ring: each rank sends 10 * rank to the right
         "broadcast": [1.0, 2.0, 3.0],  # rank 0's tensor, everywhere
         "all_reduce_sum": [float(sum(range(1, world + 1)))],  # 1 + 2 + ... + world
         "all_reduce_max": [float(world - 1)],
@@ -88,7 +90,9 @@ def main() -> None:
     for result in results:
         rank = result["got"]["rank_world"][0]
         for name, value in result["got"].items():
-            mark = "ok" if value == result["expected"][name] else f"WRONG, expected {result['expected'][name]}"
+            mark = (
+                "ok" if value == result["expected"][name] else f"WRONG, expected {result['expected'][name]}"
+            )
             print(f"rank {rank} {name:>15}: {value} {mark}", flush=True)
 
 

@@ -53,8 +53,8 @@ def spec(nproc: int = 4) -> VerifySpec:
 def main() -> Report:
     report = verify(spec())
     print(report.render())
-    weight = next(r for r in report.tensors if r.name == "weight")
-    print(f"\nDDP weight vs one process: max abs diff {weight.max_abs_diff:.3g}, relative norm {weight.rel_norm:.3g}")
+    w = next(r for r in report.tensors if r.name == "weight")
+    print(f"\nDDP weight vs one process: max abs diff {w.max_abs_diff:.3g}, relative norm {w.rel_norm:.3g}")
     return report
 
 

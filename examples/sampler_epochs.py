@@ -1,4 +1,4 @@
-"""Why DistributedSampler, and why set_epoch: duplicate work without the one, a repeated order without the other.
+"""Why DistributedSampler and set_epoch: duplicate work without the one, a repeated order without the other.
 
     python examples/sampler_epochs.py              # 2 gloo ranks on this machine
     ddpkit run --nproc 2 examples/sampler_epochs.py

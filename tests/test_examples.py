@@ -11,8 +11,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `examples.<name>` for this process and the rank pools started after
 
-from examples import cifar_cnn, linear_equivalence, manual_allreduce, sampler_epochs  # noqa: E402
 from ddpkit.verify import verify  # noqa: E402
+from examples import cifar_cnn, linear_equivalence, manual_allreduce, sampler_epochs  # noqa: E402
 
 
 def on_rank(module: str, function: str):
@@ -63,7 +63,11 @@ def test_sampler_and_set_epoch_duplicate_work_repeated_order_and_the_fix(pool2) 
     facts = sampler_epochs.summary(per_rank)
     assert facts["no_sampler"] == {"ranks_overlap": True, "all_samples_covered": True, "order_repeats": False}
     assert per_rank[0]["no_sampler"] == per_rank[1]["no_sampler"], "every rank reads the same 16 samples"
-    assert facts["no_set_epoch"] == {"ranks_overlap": False, "all_samples_covered": True, "order_repeats": True}
+    assert facts["no_set_epoch"] == {
+        "ranks_overlap": False,
+        "all_samples_covered": True,
+        "order_repeats": True,
+    }
     fixed = {"ranks_overlap": False, "all_samples_covered": True, "order_repeats": False}
     assert facts["set_epoch"] == facts["ddpkit_loader"] == fixed
     assert per_rank[0]["set_epoch"] == per_rank[0]["ddpkit_loader"], "s.loader shards as DistributedSampler"

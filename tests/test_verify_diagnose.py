@@ -155,3 +155,28 @@ def test_dropout_masks_differ_per_rank(pool2) -> None:
     report = check(pool2, model=dropout_net)
     assert not report.passed and codes(report) == ["random_forward"], report.render()
     assert "(1)" in report.diagnoses[0].message  # names the Dropout module
+
+
+def mlp_seeded_by_rank() -> nn.Module:
+    torch.manual_seed(int(os.environ.get("RANK", "0")))  # rank 0 happens to match the single run
+    return mlp()
+
+
+def test_per_rank_initialisation_hidden_by_the_broadcast_is_a_warning(pool2) -> None:
+    report = check(pool2, model=mlp_seeded_by_rank)
+    assert report.passed, report.render()
+    assert codes(report, "warning") == ["per_rank_init"] and codes(report) == []
+    assert "rank 0 happened to build the single run's weights" in report.diagnoses[0].message
+
+
+# -- replicas drifting apart during training --------------------------------------------------------
+def sgd_with_rank_scaled_lr(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1 * (1 + int(os.environ.get("RANK", "0"))))
+
+
+def test_replicas_drifting_apart_after_the_first_step(pool2) -> None:
+    report = check(pool2, optimizer=sgd_with_rank_scaled_lr)
+    assert not report.passed and not report.replicas_identical
+    assert report.replica_divergence["step"] == 1
+    assert codes(report) == ["replica_divergence"], report.render()
+    assert "a per-rank learning rate" in report.diagnoses[0].message

@@ -48,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--find-unused-parameters", action="store_true")
     p.add_argument("--static-graph", action="store_true")
     p.add_argument("--after-wrap", default=None, help="module:function(module, session) run after s.model")
-    p.add_argument("--floor", default="permuted", help="noise-floor variants: permuted, threads or both")
+    p.add_argument(
+        "--floor",
+        default="permuted,chunked",
+        help="noise-floor variants: permuted, chunked, threads (comma list)",
+    )
     p.add_argument("--floor-multiple", type=float, default=Tolerance().floor_multiple)
     p.add_argument("--eps-multiple", type=float, default=Tolerance().eps_multiple)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for the DDP run")

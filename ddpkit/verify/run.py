@@ -151,6 +151,46 @@ def _stream(spec: VerifySpec, s: Any, world: int) -> Iterator[tuple[Any, list[st
             yield to_device(parts[s.rank], s.device), [digest(parts[s.rank])]
 
 
+class Chunked(nn.Module):
+    """Forward a batch in `chunks` pieces and concatenate the outputs (a noise-floor variant).
+
+    The kernels then see smaller batches and the weight gradients are sums of per-piece gradients,
+    rounded the way DDP's shards round them (in bf16 autocast each piece's gradient is rounded to
+    bf16), while the loss still sees the whole batch, so a summed loss keeps its meaning.
+    """
+
+    def __init__(self, inner: nn.Module, chunks: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.chunks = chunks
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        rows = next(_leaves([args, kwargs])).shape[0]
+        pieces = []
+        for i in range(self.chunks):
+
+            def take(t: torch.Tensor, i: int = i) -> torch.Tensor:
+                return torch.tensor_split(t, self.chunks)[i] if t.shape[0] == rows else t
+
+            pieces.append(self.inner(*map_rows(list(args), take), **map_rows(kwargs, take)))
+        return _concat(pieces)
+
+
+def _concat(outputs: list[Any]) -> Any:
+    first = outputs[0]
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return torch.cat(outputs)
+    if isinstance(first, dict):
+        return type(first)({k: _concat([o[k] for o in outputs]) for k in first})
+    if isinstance(first, (tuple, list)):
+        return type(first)(_concat(list(parts)) for parts in zip(*outputs, strict=True))
+    raise problem(
+        f"the model returns {type(first).__name__}, which the 'chunked' noise-floor variant cannot "
+        "concatenate over pieces of the batch",
+        "Pass floor=('permuted',) (--floor permuted)",
+    )
+
+
 def _permute(batch: Any, step: int) -> Any:
     """The same global batch with its rows in another (fixed, per step) order."""
     rows = next(_leaves(batch)).shape[0]
@@ -189,8 +229,11 @@ def _replica_diff(s: Any, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
     return out
 
 
-def train(spec: VerifySpec, s: Any, *, permuted: bool = False) -> Trajectory:
-    """Train `spec.steps` steps in session `s` (world size 1: the global batch; else this rank's shard)."""
+def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) -> Trajectory:
+    """Train `spec.steps` steps in session `s` (world size 1: the global batch; else this rank's shard).
+
+    `permuted` and `chunks` select a noise-floor variant of the single run (see `run_single`).
+    """
     world = s.world_size
     keep = world == 1 or s.rank == 0
     out = Trajectory(rank=s.rank, world=world)
@@ -228,7 +271,7 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False) -> Trajectory:
             batch = _precision_batch(spec, _permute(batch, step) if permuted else batch)
             rng = _rng_state(s.device) if step == 1 else None
             with autocast:
-                loss = loss_fn(model, batch)
+                loss = loss_fn(Chunked(model, chunks) if chunks else model, batch)
             if rng is not None:
                 out.random_forward = any(
                     not torch.equal(a, b) for a, b in zip(rng, _rng_state(s.device), strict=True)
@@ -269,18 +312,19 @@ def _live(net: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def run_single(spec: VerifySpec, *, variant: str = "reference", threads: int = 1) -> Trajectory:
-    """The single-process run on the global batch, in this process; `variant` changes only the sum order.
+    """The single-process run on the global batch, in this process; a `variant` changes only sum orders.
 
-    "permuted" feeds each global batch with its rows in another order; "threads" runs with another
-    CPU thread count. Both change only how floating-point sums are grouped, which is the noise floor.
+    "permuted": each global batch with its rows in another order; "chunked": forward in nproc + 1
+    pieces (not DDP's shards); "threads": another CPU thread count.
     """
     saved = torch.get_num_threads()
-    torch.set_num_threads(
-        threads if variant != "threads" else (threads * 2 if threads == 1 else threads // 2)
-    )
+    if variant == "threads":
+        threads = threads * 2 if threads == 1 else threads // 2
+    torch.set_num_threads(threads)
     try:
         with ddpkit.session(seed=spec.seed, device=spec.device, env={}, verbose=False) as s:
-            return train(spec, s, permuted=variant == "permuted")
+            chunks = spec.nproc + 1 if variant == "chunked" else 0
+            return train(spec, s, permuted=variant == "permuted", chunks=chunks)
     finally:
         torch.set_num_threads(saved)
 

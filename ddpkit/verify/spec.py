@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 
 from ddpkit.errors import problem
 
+FLOOR_VARIANTS = ("permuted", "chunked", "threads")
 PRECISIONS: dict[str, torch.dtype] = {
     "fp64": torch.float64,
     "fp32": torch.float32,
@@ -32,7 +33,8 @@ class Tolerance:
     """How far DDP may be from one process, as a multiple of the measured noise floor.
 
     The noise floor is how far the single-process run moves from itself when only the order of its
-    sums changes (the batch rows permuted, or another thread count). Per tensor and step, DDP passes if
+    sums changes (rows permuted, the batch forwarded in pieces, another thread count). Per tensor and
+    step, DDP passes if
 
       ||ddp - single|| / ||single|| <= max(floor_multiple * floor_rel_norm, eps_multiple * eps,
                                            update_fraction * ||update|| / ||single||)
@@ -80,7 +82,8 @@ class VerifySpec:
     after_wrap: optional (module, session) -> None, the code your script runs between s.model and
                 the first step (loading a checkpoint, re-initialising a head); runs in every process.
     floor:      the reference variants whose spread is the noise floor: "permuted" (the global batch's
-                rows in another order) and/or "threads" (another CPU thread count).
+                rows in another order), "chunked" (forward in nproc + 1 pieces, skipped for models
+                with BatchNorm), "threads" (another CPU thread count).
     """
 
     model: Callable[[], nn.Module] | str
@@ -100,7 +103,7 @@ class VerifySpec:
     find_unused_parameters: bool = False
     static_graph: bool = False
     after_wrap: Callable[[nn.Module, Any], None] | str | None = None
-    floor: tuple[str, ...] = ("permuted",)
+    floor: tuple[str, ...] = ("permuted", "chunked")
     tolerance: Tolerance = field(default_factory=Tolerance)
     timeout: float = 300.0
 
@@ -126,11 +129,11 @@ class VerifySpec:
             )
         if self.precision not in PRECISIONS:
             raise problem(f"precision={self.precision!r} is not known", f"Use one of {', '.join(PRECISIONS)}")
-        unknown = set(self.floor) - {"permuted", "threads"}
+        unknown = set(self.floor) - set(FLOOR_VARIANTS)
         if not self.floor or unknown:
             raise problem(
                 f"floor={self.floor!r} names no known reference variant",
-                "Use 'permuted' and/or 'threads', e.g. floor=('permuted',)",
+                f"Use some of {', '.join(FLOOR_VARIANTS)}, e.g. floor=('permuted', 'chunked')",
             )
         if isinstance(self.optimizer, str) and self.optimizer in OPTIMIZERS:
             bad = set(self.optimizer_options) - {"lr", "momentum", "weight_decay", "eps", "betas"}
