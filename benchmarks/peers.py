@@ -1,0 +1,216 @@
+"""ddpkit next to hand-written DDP, Hugging Face Accelerate and Lightning Fabric: same workloads, one run.
+
+    .venv-bench/bin/python benchmarks/peers.py                       # cnn, mlp, gpt; about 20 minutes
+    .venv-bench/bin/python benchmarks/peers.py --workloads cnn --rounds 3 --cold-reps 2 --json runs/peers.json
+
+Needs the development extras (`pip install -c constraints.txt -e . accelerate lightning`, kept in a
+separate .venv-bench so the test environment stays clean).
+
+Warm step time: 2 CPU ranks x 1 thread with gloo. All four tools (plus ddpkit with its "shm" hook) are
+built in the same two processes, one block of >= --block-seconds each, in an order that rotates every
+round; one process with 1 and with 2 threads runs in its own processes in the same rotation. The ratio
+of two tools is taken per round (neighbouring blocks), then summarised as median [min, max].
+
+Cold start: each tool started by its own launcher, as its documentation says: torchrun for DDP,
+`ddpkit run`, `fabric run`, and torchrun for Accelerate because `accelerate launch --cpu
+--num_processes 2` starts ONE process (checked and reported on every run). Time to first step = wall
+time from starting the command to the end of global rank 0's first step; peak memory = ru_maxrss of
+each rank after the steps. Every rank reports its world size; a run whose world size is wrong fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import peers_worker as pw  # noqa: E402
+import torch  # noqa: E402
+
+import ddpkit  # noqa: E402
+from ddpkit import workloads  # noqa: E402
+
+DDP_VARIANTS = ("ddp", "ddpkit", "ddpkit-shm", "accelerate", "fabric")
+LABELS = {"single1": "1 process x 1 thr", "single2": "1 process x 2 thr", "ddp": "hand-written DDP",
+          "ddpkit": "ddpkit", "ddpkit-shm": "ddpkit + shm hook", "accelerate": "Accelerate",
+          "fabric": "Fabric"}
+
+
+def rank_main(spec: str, variants: list[str], block_s: float, warmup: int) -> dict[str, Any]:
+    """One rank: one timed block per variant, in the given order; rank 0's seconds per step."""
+    wl = workloads.load(spec)
+    data = wl.dataset(batches=8)
+    out: dict[str, Any] = {}
+    for variant in variants:
+        loop = pw.make(variant, wl, data)
+        for _ in range(warmup):
+            start = time.perf_counter()
+            pw.step(wl, loop)
+        steps = max(3, int(block_s / max(time.perf_counter() - start, 1e-6)) + 1)
+        if torch.distributed.is_initialized():  # every rank runs the same number of steps
+            n = torch.tensor(steps)
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+            steps = int(n)
+            torch.distributed.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            pw.step(wl, loop)
+        out[variant] = {"step_s": (time.perf_counter() - start) / steps, "world": loop.world,
+                        "threads": torch.get_num_threads()}
+        loop.close()
+        del loop
+    return out
+
+
+def warm(spec: str, rounds: int, block_s: float, log: Any) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {k: [] for k in ("single1", "single2", *DDP_VARIANTS)}
+    groups = [("ddp-group", 2, 1), ("single1", 1, 1), ("single2", 1, 2)]
+    for r in range(rounds):
+        for name, nproc, threads in groups[r % 3:] + groups[: r % 3]:
+            variants = list(DDP_VARIANTS[r % 5:] + DDP_VARIANTS[: r % 5]) if nproc > 1 else ["single"]
+            res = ddpkit.spawn(rank_main, nproc=nproc, args=(spec, variants, block_s, 2), threads=threads,
+                               timeout=1800)[0]
+            for variant, m in res.items():
+                key = name if variant == "single" else variant
+                if m["world"] != nproc or m["threads"] != threads:
+                    raise RuntimeError(f"{variant}: world {m['world']} x {m['threads']} threads, "
+                                       f"expected {nproc} x {threads}")
+                times[key].append(m["step_s"])
+        last = ", ".join(f"{k} {v[-1] * 1e3:.1f}" for k, v in times.items())
+        log(f"  {spec} round {r + 1}/{rounds} (ms): {last}")
+    return times
+
+
+def cold_command(variant: str, spec: str, steps: int) -> list[str]:
+    bin_dir = os.path.dirname(sys.executable)
+    script = [os.path.join(HERE, "peers_worker.py"), "--variant", variant, "--workload", spec,
+              "--steps", str(steps)]
+    torchrun = [os.path.join(bin_dir, "torchrun"), "--standalone", "--nproc-per-node", "2"]
+    return {
+        "single": [sys.executable, *script],
+        "ddp": [*torchrun, *script],
+        "ddpkit": [os.path.join(bin_dir, "ddpkit"), "run", "--nproc", "2", *script],
+        "accelerate": [*torchrun, *script],
+        "accelerate-launch": [os.path.join(bin_dir, "accelerate"), "launch", "--cpu", "--num_processes", "2",
+                              *script[:2], "accelerate", *script[3:]],
+        "fabric": [os.path.join(bin_dir, "fabric"), "run", "--accelerator", "cpu", "--strategy", "ddp",
+                   "--devices", "2", *script],
+    }[variant]
+
+
+def cold(variant: str, spec: str, steps: int) -> dict[str, Any]:
+    """Start the tool's launcher; time to rank 0's first step, peak memory and world size per rank."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1" if variant != "single" else "2", "PYTHONUNBUFFERED": "1"}
+    start = time.time()
+    proc = subprocess.run(cold_command(variant, spec, steps), capture_output=True, text=True, env=env,
+                          timeout=900)
+    ranks = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("PEERS ")]
+    if proc.returncode or not ranks:
+        tail = f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        raise RuntimeError(f"{variant} failed ({proc.returncode}):\n{tail}")
+    ranks.sort(key=lambda r: r["rank"])
+    return {"ttfs_s": ranks[0]["first_step_done"] - start, "worlds": [r["world"] for r in ranks],
+            "peak_rss_mb": [r["peak_rss_mb"] for r in ranks], "processes": len(ranks)}
+
+
+def ratio(times: dict[str, list[float]], a: str, b: str) -> tuple[float, float, float]:
+    r = [x / y for x, y in zip(times[a], times[b], strict=True)]
+    return statistics.median(r), min(r), max(r)
+
+
+def fmt_ratio(r: tuple[float, float, float]) -> str:
+    return f"{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="cnn,mlp,gpt")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--block-seconds", type=float, default=2.0)
+    p.add_argument("--cold-reps", type=int, default=3)
+    p.add_argument("--cold-workloads", default=None, help="default: --workloads")
+    p.add_argument("--json", default=None)
+    ns = p.parse_args()
+    specs = ns.workloads.split(",")
+    load0 = os.getloadavg()
+    cores = len(os.sched_getaffinity(0))
+    print(f"peers: torch {torch.__version__}, load average {load0[0]:.2f}, {cores} cores", flush=True)
+    result: dict[str, Any] = {"load_start": load0, "warm": {}, "cold": {}}
+    for spec in specs:
+        result["warm"][spec] = warm(spec, ns.rounds, ns.block_seconds, lambda m: print(m, flush=True))
+    check = cold("accelerate-launch", "cnn", 1)
+    result["accelerate_launch_processes"] = check["processes"]
+    print(f"`accelerate launch --cpu --num_processes 2` started {check['processes']} process(es), world size "
+          f"{check['worlds']}; Accelerate's cold start is measured under torchrun", flush=True)
+    for spec in (ns.cold_workloads or ns.workloads).split(","):
+        runs: dict[str, list[dict]] = {v: [] for v in ("single", "ddp", "ddpkit", "accelerate", "fabric")}
+        for rep in range(ns.cold_reps):
+            order = list(runs)[rep % 5:] + list(runs)[: rep % 5]
+            for variant in order:
+                r = cold(variant, spec, 3)
+                want = 1 if variant == "single" else 2
+                if r["worlds"] != [want] * want:
+                    raise RuntimeError(f"{variant} ran with world sizes {r['worlds']}, expected {want}")
+                runs[variant].append(r)
+        result["cold"][spec] = runs
+        print(f"  cold {spec}: " + ", ".join(f"{v} {statistics.median(x['ttfs_s'] for x in rs):.2f} s"
+                                               for v, rs in runs.items()), flush=True)
+    result["load_end"] = os.getloadavg()
+    print_tables(result)
+    if ns.json:
+        os.makedirs(os.path.dirname(ns.json) or ".", exist_ok=True)
+        with open(ns.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"json: {ns.json}")
+    return 0
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    from ddpkit.bench.report import table
+
+    keys = ["single1", "single2", *DDP_VARIANTS]
+    rows = []
+    for spec, t in result["warm"].items():
+        rows.append([spec] + [f"{statistics.median(t[k]) * 1e3:.1f} ±{_half_spread(t[k]):.0%}" for k in keys])
+    print("\nstep time, ms: median over rounds ±half the spread (max-min)/median")
+    print(table(["workload"] + [LABELS[k] for k in keys], rows))
+    rows = []
+    for spec, t in result["warm"].items():
+        rows.append([spec, fmt_ratio(ratio(t, "ddpkit", "ddp")), fmt_ratio(ratio(t, "ddpkit", "accelerate")),
+                     fmt_ratio(ratio(t, "ddpkit", "fabric")), fmt_ratio(ratio(t, "ddpkit-shm", "ddp")),
+                     fmt_ratio(ratio(t, "ddp", "single1"))])
+    print("\nstep-time ratios, per round, median [min, max] (below 1: the first is faster)")
+    print(table(["workload", "ddpkit / DDP", "ddpkit / Accelerate", "ddpkit / Fabric", "ddpkit+shm / DDP",
+                 "DDP / 1 proc x 1 thr"], rows))
+    rows = []
+    for spec, runs in result["cold"].items():
+        row: list[Any] = [spec]
+        for v in ("single", "ddp", "ddpkit", "accelerate", "fabric"):
+            ttfs = [r["ttfs_s"] for r in runs[v]]
+            mem = [m for r in runs[v] for m in r["peak_rss_mb"]]
+            row.append(f"{statistics.median(ttfs):.2f} s [{min(ttfs):.2f}, {max(ttfs):.2f}] / "
+                       f"{statistics.median(mem):.0f} MB")
+        rows.append(row)
+    print("\ncold start: time from command to first finished step, median [min, max] / peak RSS per rank")
+    print(table(["workload", "python (1 proc)", "torchrun + DDP", "ddpkit run", "torchrun + Accelerate",
+                 "fabric run"], rows))
+    end = result["load_end"][0]
+    print(f"load average at start {result['load_start'][0]:.2f}, at end {end:.2f}"
+          + (" -- busy machine: provisional figures" if max(end, result["load_start"][0]) > 1.0 else ""))
+
+
+def _half_spread(samples: list[float]) -> float:
+    return (max(samples) - min(samples)) / statistics.median(samples) / 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

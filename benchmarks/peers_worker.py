@@ -1,0 +1,147 @@
+"""One training loop, written the idiomatic way with each tool; used by benchmarks/peers.py.
+
+Variants: `single` (one process, no DDP), `ddp` (hand-written DDP, torch's defaults), `ddpkit` (ddpkit's
+defaults), `ddpkit-shm` (ddpkit with the "shm" communication hook), `accelerate` (Hugging Face
+Accelerate, `Accelerator(cpu=True)` + `prepare`), `fabric` (Lightning Fabric, strategy "ddp" on CPU).
+Only the set-up differs; the step is the same everywhere:
+
+    out = model(x); loss = criterion(out, y); opt.zero_grad(); backward(loss); opt.step()
+
+Run as a script by each tool's own launcher (cold start: time to the first finished step, peak memory):
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/peers_worker.py --variant ddp --workload cnn
+    ddpkit run --nproc 2 benchmarks/peers_worker.py --variant ddpkit --workload cnn
+    fabric run --accelerator cpu --strategy ddp --devices 2 benchmarks/peers_worker.py --variant fabric
+    accelerate launch --cpu --num_processes 2 ... (starts ONE process: peers.py uses torchrun for it)
+
+Each rank prints one line `PEERS {json}` with its rank, world size, threads, the wall time at which its
+first step finished, its step times and its peak resident memory (ru_maxrss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddpkit import workloads
+
+VARIANTS = ("single", "ddp", "ddpkit", "ddpkit-shm", "accelerate", "fabric")
+
+
+@dataclass
+class Loop:
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    batches: Iterator[Any]
+    backward: Callable[[torch.Tensor], None]
+    world: int
+    close: Callable[[], None] = lambda: None
+
+
+def _forever(loader: Any, sampler: Any = None) -> Iterator[Any]:
+    epoch = 0
+    while True:
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def make(variant: str, wl: workloads.Workload, data: Any) -> Loop:
+    torch.manual_seed(0)
+    if variant == "single":
+        model = wl.build()
+        loader = DataLoader(data, batch_size=wl.global_batch, shuffle=True)
+        return Loop(model, wl.optimizer(model.parameters()), _forever(loader), torch.Tensor.backward, 1)
+    if variant == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        model = DDP(wl.build())
+        sampler = DistributedSampler(data, shuffle=True, seed=0)
+        loader = DataLoader(data, batch_size=wl.global_batch // dist.get_world_size(), sampler=sampler)
+        return Loop(model, wl.optimizer(model.parameters()), _forever(loader, sampler), torch.Tensor.backward,
+                    dist.get_world_size())
+    if variant in ("ddpkit", "ddpkit-shm"):
+        import ddpkit
+
+        stack = contextlib.ExitStack()
+        s = stack.enter_context(ddpkit.session(seed=0, verbose=False))
+        model = s.model(wl.build(), comm_hook="shm" if variant == "ddpkit-shm" else None)
+        loader = s.loader(data, batch_size=wl.global_batch, shuffle=True)
+        return Loop(model, wl.optimizer(model.parameters()), _forever(loader), torch.Tensor.backward,
+                    s.world_size, stack.close)
+    if variant == "accelerate":
+        from accelerate import Accelerator
+
+        acc = Accelerator(cpu=True)
+        model = wl.build()
+        opt = wl.optimizer(model.parameters())
+        loader = DataLoader(data, batch_size=wl.global_batch // acc.num_processes, shuffle=True)
+        model, opt, loader = acc.prepare(model, opt, loader)
+        return Loop(model, opt, _forever(loader), acc.backward, acc.num_processes, acc.free_memory)
+    if variant == "fabric":
+        from lightning.fabric import Fabric
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        fabric = Fabric(accelerator="cpu", strategy="ddp", devices=world)
+        if os.environ.get("LT_CLI_USED") != "1":  # under `fabric run` the CLI has launched already
+            fabric.launch()
+        model = wl.build()
+        model, opt = fabric.setup(model, wl.optimizer(model.parameters()))
+        loader = fabric.setup_dataloaders(DataLoader(data, batch_size=wl.global_batch // world, shuffle=True))
+        return Loop(model, opt, _forever(loader), fabric.backward, fabric.world_size)
+    raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+
+
+def step(wl: workloads.Workload, loop: Loop) -> None:
+    x, y = next(loop.batches)
+    out = loop.model(x)
+    loss = wl.loss(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    loop.opt.zero_grad()
+    loop.backward(loss)
+    loop.opt.step()
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    p.add_argument("--workload", default="cnn")
+    p.add_argument("--steps", type=int, default=5)
+    ns = p.parse_args()
+    wl = workloads.load(ns.workload)
+    loop = make(ns.variant, wl, wl.dataset(batches=4))
+    times, first_done = [], 0.0
+    for i in range(ns.steps):
+        start = time.perf_counter()
+        step(wl, loop)
+        times.append(time.perf_counter() - start)
+        if i == 0:
+            first_done = time.time()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    report = {"rank": rank, "world": loop.world, "threads": torch.get_num_threads(),
+              "first_step_done": first_done, "step_s": times, "peak_rss_mb": peak_rss_mb()}
+    print("PEERS " + json.dumps(report), flush=True)
+    loop.close()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()

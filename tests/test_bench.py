@@ -1,0 +1,98 @@
+"""`ddpkit bench`: the arithmetic (sizes, busbw factors, spreads, recommendation) and one small real run of
+each subcommand. Timing claims live in benchmarks/ and docs/performance.md, not here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddpkit import workloads
+from ddpkit.bench import cli, collectives, report, scaling, tune
+from ddpkit.bench.runner import Config, Stats
+from ddpkit.errors import DdpkitError
+
+
+def test_sizes_and_nccl_tests_bus_bandwidth_factors() -> None:
+    assert collectives.parse_size("4KB") == 4096 and collectives.parse_size("1.5MB") == 3 * 2**19
+    assert collectives.sizes_between(4096, 2**20) == [4096, 16384, 65536, 262144, 1048576]
+    assert collectives.FACTORS["all_reduce"](2) == 1.0 and collectives.FACTORS["all_reduce"](4) == 1.5
+    assert collectives.FACTORS["all_gather"](4) == 0.75 and collectives.FACTORS["broadcast"](8) == 1.0
+    with pytest.raises(ValueError, match="4KB"):
+        collectives.parse_size("four")
+
+
+def test_stats_spread_and_communication_share() -> None:
+    st = Stats("x", samples=[0.9, 1.0, 1.2], no_sync=[0.7, 0.75, 0.8])
+    assert st.median == 1.0 and st.spread == pytest.approx(0.3)
+    assert st.comm_share == pytest.approx(0.25)
+    assert Stats("y", samples=[1.0]).comm_share is None
+
+
+def test_tune_never_recommends_lossy_hooks_unless_allowed() -> None:
+    configs = tune.candidates(2, 2)
+    assert configs[0].label.startswith("hand-written") and not configs[0].gradient_as_bucket_view
+    assert any(c.nproc == 1 and c.threads == 2 for c in configs) and any(c.zero for c in configs)
+    times = {c.label: 1.0 for c in configs}
+    times["fp16 compression"] = 0.5
+    times["shm hook"] = 0.8
+    stats = {k: Stats(k, samples=[v]) for k, v in times.items()}
+    best, gain = tune.recommend(stats, configs, allow_lossy=False)
+    assert best.label == "shm hook" and gain == pytest.approx(1.25)
+    assert tune.recommend(stats, configs, allow_lossy=True)[0].label == "fp16 compression"
+
+
+def test_scaling_plan_skips_counts_that_do_not_divide_the_global_batch() -> None:
+    configs, notes = scaling.plan(workloads.load("gpt"), 3, 1, 2, [5, 25], ["allreduce", "shm"])
+    labels = [c.label for c in configs]
+    assert labels == ["nproc 1", "nproc 2", "bucket 5 MB", "hook shm", "1 process x 2 threads"]
+    assert "nproc 3 skipped" in notes[0]
+
+
+def test_table_aligns_numbers_right() -> None:
+    text = report.table(["name", "ms"], [["a", 1.5], ["bb", 100.25]])
+    assert text.splitlines()[2] == "a     1.5" and text.splitlines()[3] == "bb    100"
+
+
+def test_user_workload_must_be_module_function_returning_a_workload() -> None:
+    with pytest.raises(DdpkitError, match="neither a named workload"):
+        workloads.load("resnet")
+    with pytest.raises(DdpkitError, match=r"not a ddpkit\.workloads\.Workload"):
+        workloads.load("ddpkit.workloads:make_mlp")
+    assert workloads.load("mlp").name == "mlp"
+    assert workloads.parameter_bytes(workloads.load("mlp").build()) == 37_801_994 * 4
+
+
+def test_collectives_small_run(tmp_path, capsys) -> None:
+    code = cli.main(["collectives", "--max-size", "16KB", "--rounds", "1", "--out", str(tmp_path),
+                     "--ops", "all_reduce,reduce_scatter,all_reduce[shm]"])
+    assert code == 0
+    data = json.loads((tmp_path / "collectives.json").read_text())
+    rows = data["worlds"]["2"]
+    assert {r["op"] for r in rows} == {"all_reduce", "reduce_scatter", "all_reduce[shm]"}
+    for r in rows:
+        factor = collectives.FACTORS[r["op"]](2)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor)
+    assert (tmp_path / "collectives.png").exists()
+    assert "memcpy GB/s" in capsys.readouterr().out
+
+
+def test_tune_and_scaling_small_runs(tmp_path, capsys) -> None:
+    assert cli.main(["tune", "--workload", "cnn", "--quick", "--rounds", "1", "--block-seconds", "0.05",
+                     "--json", str(tmp_path / "tune.json")]) == 0
+    out = capsys.readouterr().out
+    assert "recommendation:" in out and "speed-up" in out
+    assert json.loads((tmp_path / "tune.json").read_text())["recommendation"]["speedup"] > 0
+    assert cli.main(["scaling", "--workload", "cnn", "--max-nproc", "2", "--rounds", "1", "--block-seconds",
+                     "0.05", "--buckets", "1,25", "--hooks", "allreduce,shm", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "scaling.json").read_text())
+    assert [r["nproc"] for r in data["scaling"]] == [1, 2]
+    assert data["scaling"][0]["efficiency"] == pytest.approx(1.0)
+    assert data["scaling"][1]["comm_share"] is not None
+    assert {o["label"] for o in data["options"]} >= {"bucket 1 MB", "hook shm"}
+    assert (tmp_path / "scaling.png").stat().st_size > 1000
+
+
+def test_config_describe_names_what_differs() -> None:
+    cfg = Config(label="x", hook="fp16", gradient_as_bucket_view=True, zero=True)
+    assert cfg.describe() == "2 proc x 1 thr, bucket 25 MB, bucket view, hook fp16 (lossy), ZeRO optimizer"
