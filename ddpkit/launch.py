@@ -9,6 +9,13 @@
 What ddpkit adds to torchrun: the process count from the hardware, a rendezvous port the OS picks
 (single node), a clear error for a busy explicit port or a missing script, CPU threads per rank =
 cores // nproc, and the failing rank's exit code returned as the command's own.
+
+Restarts: after a failure the agent stops every worker and starts them all again (at most
+--max-restarts times); a script that calls `s.load(root, ...)` at start resumes from its newest valid
+checkpoint, so a killed worker costs only the steps since that checkpoint. When the budget is used
+up, one report names the rank that failed first, its exit code and message. Ctrl-C (SIGINT) or
+SIGTERM stops every worker (the agent signals them, then kills what is left after 30 s) and returns
+128 + the signal number.
 """
 
 from __future__ import annotations
@@ -136,6 +143,7 @@ def _busy(port: int) -> DdpkitError:
 
 def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
     """Start the job through torchrun's agent and wait; return its exit code (0 on success)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -149,11 +157,16 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as err:
-        return _report(err)
+        return _report(err, cfg.max_restarts)
+    except SignalException as err:
+        sig = signal.Signals(err.sigval)
+        print(f"ddpkit run: stopped by {sig.name}; every rank was signalled and has exited.",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 128 + int(sig)
     return 0
 
 
-def _report(err: Exception) -> int:
+def _report(err: Exception, max_restarts: int = 0) -> int:
     failures = getattr(err, "failures", {})
     if not failures:
         print(f"ddpkit run: the job failed: {err}", file=sys.stderr)
@@ -168,7 +181,8 @@ def _report(err: Exception) -> int:
     print(
         f"ddpkit run: rank {rank} (local rank {first.local_rank}, pid {first.pid}) failed first with "
         f"{how}{': ' + message if message else ''}; its traceback is above. {len(failures)} rank(s) "
-        "failed; the others were stopped.",
+        "failed; the others were stopped."
+        + (f" The restart budget (--max-restarts {max_restarts}) is used up." if max_restarts else ""),
         file=sys.stderr,
         flush=True,
     )
