@@ -311,11 +311,13 @@ def _live(net: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def run_single(spec: VerifySpec, *, variant: str = "reference", threads: int = 1) -> Trajectory:
+def run_single(
+    spec: VerifySpec, *, variant: str = "reference", threads: int = 1, pieces: int = 0
+) -> Trajectory:
     """The single-process run on the global batch, in this process; a `variant` changes only sum orders.
 
-    "permuted": each global batch with its rows in another order; "chunked": forward in nproc + 1
-    pieces (not DDP's shards); "threads": another CPU thread count.
+    "permuted": each global batch with its rows in another order; "chunked": forward in `pieces`
+    pieces (default nproc + 1, never DDP's shards); "threads": another CPU thread count.
     """
     saved = torch.get_num_threads()
     if variant == "threads":
@@ -323,7 +325,7 @@ def run_single(spec: VerifySpec, *, variant: str = "reference", threads: int = 1
     torch.set_num_threads(threads)
     try:
         with ddpkit.session(seed=spec.seed, device=spec.device, env={}, verbose=False) as s:
-            chunks = spec.nproc + 1 if variant == "chunked" else 0
+            chunks = (pieces or spec.nproc + 1) if variant == "chunked" else 0
             return train(spec, s, permuted=variant == "permuted", chunks=chunks)
     finally:
         torch.set_num_threads(saved)
