@@ -125,7 +125,7 @@ class ShmAllReduce:
         self,
         process_group: dist.ProcessGroup | None = None,
         *,
-        chunk_mb: float = 4.0,
+        chunk_mb: float = 16.0,
         timeout: float = 600.0,
     ) -> None:
         self.group = process_group if process_group is not None else dist.group.WORLD
@@ -211,19 +211,29 @@ class ShmAllReduce:
         return tensor
 
     def _wait(self, seq: int) -> None:
-        """Spin until every rank has published chunk `seq`; yield the CPU if it takes a while."""
+        """Wait until every rank has published chunk `seq`.
+
+        Spin first (ranks in lockstep arrive within microseconds), then sleep with a growing pause up to
+        1 ms: on a busy machine, where the late peer may be waiting for a core, a spinning rank would
+        take that core from it. Peers are checked for death and the timeout every ~10 ms of waiting.
+        """
         flags = self.segment.flags  # type: ignore[union-attr]
         spins = 0
-        deadline = 0.0
         while flags.min() < seq:
             spins += 1
-            if spins < 200:
-                continue
-            os.sched_yield()
-            if spins % 2000 == 0:
-                now = time.monotonic()
-                deadline = deadline or now + self.timeout
-                self._check_peers(now > deadline)
+            if spins > 500:
+                break
+        else:
+            return
+        start = last_check = time.monotonic()
+        pause = 20e-6
+        while flags.min() < seq:
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+            now = time.monotonic()
+            if now - last_check > 0.01:
+                last_check = now
+                self._check_peers(now - start > self.timeout)
 
     def _check_peers(self, timed_out: bool) -> None:
         seg = self.segment
@@ -261,7 +271,7 @@ def shm_allreduce_hook(state: ShmAllReduce, bucket: dist.GradBucket) -> torch.fu
 
 
 def shm_hook_factory(
-    process_group: dist.ProcessGroup | None = None, *, chunk_mb: float = 4.0, timeout: float = 600.0
+    process_group: dist.ProcessGroup | None = None, *, chunk_mb: float = 16.0, timeout: float = 600.0
 ) -> tuple[ShmAllReduce, Callable[[ShmAllReduce, dist.GradBucket], torch.futures.Future[torch.Tensor]]]:
     """`(state, hook)` for `ddp.register_comm_hook(state, hook)`. Collective: call it on every rank."""
     return ShmAllReduce(process_group, chunk_mb=chunk_mb, timeout=timeout), shm_allreduce_hook

@@ -9,7 +9,8 @@ Tried, each against hand-written DDP with torch's defaults (the baseline, ratio 
   bf16 compressions (listed, never recommended unless --allow-lossy);
 - torch's ZeroRedundancyOptimizer (each rank updates 1/N of the parameters, then broadcasts them);
 - one process using every core (no DDP at all): on a small CPU machine often the fastest, because
-  processes x threads must not exceed the cores and a CPU all-reduce competes with compute for them.
+  processes x threads must not exceed the cores and a CPU all-reduce competes with compute for them;
+- with --fused, the user's optimizer built with fused=True (reported apart: it changes the user's code).
 The recommendation is the configuration with the lowest median step time among the exact ones, with
 its gain and the spread that qualifies it.
 """
@@ -23,7 +24,7 @@ from ddpkit.bench import report
 from ddpkit.bench.runner import LOSSY_HOOKS, Config, Stats, measure
 
 
-def candidates(nproc: int, cores: int, *, quick: bool = False) -> list[Config]:
+def candidates(nproc: int, cores: int, *, quick: bool = False, fused: bool = False) -> list[Config]:
     """The configurations tune tries (the first is the baseline)."""
     threads = max(1, cores // nproc)
 
@@ -47,13 +48,19 @@ def candidates(nproc: int, cores: int, *, quick: bool = False) -> list[Config]:
         ]
     if cores > 1:
         configs.append(Config(label=f"1 process x {cores} threads (no DDP)", nproc=1, threads=cores))
+    if fused:  # changes the user's optimizer construction: reported apart from the DDP options
+        configs += [ddp("ddpkit defaults + fused optimizer", fused=True),
+                    ddp("shm hook + fused optimizer", hook="shm", fused=True)]
+        if cores > 1:
+            label = f"1 process x {cores} threads + fused optimizer"
+            configs.append(Config(label=label, nproc=1, threads=cores, fused=True))
     return configs
 
 
 def recommend(stats: dict[str, Stats], configs: list[Config], allow_lossy: bool) -> tuple[Config, float]:
     """The fastest allowed config and its speed-up over the baseline (the first config)."""
     baseline = stats[configs[0].label].median
-    allowed = [c for c in configs if allow_lossy or c.hook not in LOSSY_HOOKS]
+    allowed = [c for c in configs if (allow_lossy or c.hook not in LOSSY_HOOKS) and not c.fused]
     best = min(allowed, key=lambda c: stats[c.label].median)
     return best, baseline / stats[best.label].median
 
@@ -61,7 +68,7 @@ def recommend(stats: dict[str, Stats], configs: list[Config], allow_lossy: bool)
 def run(ns: argparse.Namespace) -> int:
     cores = report.machine()["cores"]
     nproc = ns.nproc or min(2, cores)
-    configs = candidates(nproc, cores, quick=ns.quick)
+    configs = candidates(nproc, cores, quick=ns.quick, fused=ns.fused)
     before = report.machine()["load_average"]
     print(f"ddpkit bench tune: workload {ns.workload}, {len(configs)} configurations x {ns.rounds} rounds "
           f"x >= {ns.block_seconds:g} s (interleaved)", flush=True)
@@ -73,7 +80,7 @@ def run(ns: argparse.Namespace) -> int:
     rows = []
     for c in sorted(configs, key=lambda c: stats[c.label].median):
         st = stats[c.label]
-        lossy = " (lossy)" if c.hook in LOSSY_HOOKS else ""
+        lossy = " (lossy)" if c.hook in LOSSY_HOOKS else " (your optimizer changes)" if c.fused else ""
         rows.append([c.label + lossy, st.median * 1e3, f"±{st.spread / 2:.0%}", base / st.median,
                      c.describe()])
     print(report.table(["configuration", "step ms (median)", "spread", "speed-up", "settings"], rows))
@@ -81,6 +88,12 @@ def run(ns: argparse.Namespace) -> int:
     print(f"\nrecommendation: {best.label} -- {gain:.2f}x the step rate of hand-written DDP with torch's "
           f"defaults ({stats[best.label].median * 1e3:.0f} ms vs {base * 1e3:.0f} ms per step)")
     print(_how_to(best))
+    changed = [c for c in configs if c.fused]
+    if changed:
+        top = min(changed, key=lambda c: stats[c.label].median)
+        gain_fused = base / stats[top.label].median
+        print(f"beyond ddpkit's options: {top.label} -- {gain_fused:.2f}x (construct your optimizer with "
+              "fused=True: one kernel per tensor, the same update up to float rounding)")
     note = report.load_note(before, after, cores)
     if note:
         print(note)
@@ -121,5 +134,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="only the baseline, ddpkit, shm and one process")
     p.add_argument("--allow-lossy", action="store_true", help="may recommend fp16/bf16 compression")
+    p.add_argument("--fused", action="store_true", help="also try your optimizer with fused=True")
     p.add_argument("--json", default=None, help="write the measurements here")
     p.add_argument("-v", "--verbose", action="store_true", help="print every block as it finishes")
