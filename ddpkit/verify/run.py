@@ -34,7 +34,6 @@ class Trajectory:
     rank: int = 0
     world: int = 1
     init_hash: str = ""  # the factory's weights, before s.model
-    start_hash: str = ""  # the weights just before the first step (after s.model, after_wrap, optimizer)
     states: list[dict[str, torch.Tensor]] = field(default_factory=list)  # index 0: before the first step
     params: list[str] = field(default_factory=list)  # which names in `states` are parameters
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)  # first step, after backward
@@ -116,7 +115,7 @@ def _modules_of_note(net: nn.Module) -> tuple[list[str], list[str]]:
     norms = [
         name
         for name, m in net.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and "SyncBatchNorm" not in type(m).__name__
     ]
     drops = [
         name or type(m).__name__
@@ -252,7 +251,6 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
         resolve(spec.after_wrap, "after_wrap")(net, s)
     optimizer = build_optimizer(spec, model.parameters())
     out.params = [name for name, _ in net.named_parameters()]
-    out.start_hash = digest(list(net.state_dict().values()))
     stream = _stream(spec, s, world)
     autocast = (
         torch.autocast(s.device.type, dtype=spec.autocast_dtype)
