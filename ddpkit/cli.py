@@ -82,16 +82,21 @@ def _launch_config(ns: argparse.Namespace, target: str, args: Sequence[str], mod
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOLS:  # before argparse, which would claim the tool's own options
+        import importlib
+
+        try:
+            return importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:])
+        except DdpkitError as err:
+            print(f"ddpkit {argv[0]}: error: {err}", file=sys.stderr)
+            return 2
     ns = build_parser().parse_args(argv)
     try:
         if ns.command == "run":
             from ddpkit.launch import launch
 
             return launch(_launch_config(ns, ns.target, ns.args, ns.module))
-        if ns.command in TOOLS:
-            import importlib
-
-            return importlib.import_module(TOOLS[ns.command][0]).main(list(ns.tool_args))
         if ns.command == "demo":
             from ddpkit.demo import launch_demo
 

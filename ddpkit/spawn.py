@@ -12,6 +12,7 @@ used torch's OpenMP thread pool hangs the child.
 from __future__ import annotations
 
 import os
+import pickle
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -43,7 +44,9 @@ def _rank_main(
 
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
-        results.put((local_rank, True, fn(*args), time.time()))
+        # Pickled by value: torch's queue would send tensors as shared-memory handles that vanish
+        # when this process exits before the parent reads them.
+        results.put((local_rank, True, pickle.dumps(fn(*args)), time.time()))
     except BaseException as exc:  # report every failure to the parent, then die non-zero
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         results.put((local_rank, False, text, raised_at(exc)))
@@ -112,7 +115,7 @@ def _collect(procs: Any, results: Any, nproc: int, timeout: float) -> list[Any]:
         while not results.empty():
             rank, ok, value, when = results.get()
             if ok:
-                values[rank] = value
+                values[rank] = pickle.loads(value)
             else:
                 failures.append((when, rank, value))
         if failures:

@@ -23,3 +23,13 @@ def test_run_options_are_torchrun_compatible() -> None:
         "-h", "--help", "--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--port",
         "--max-restarts", "--device", "-m",
     }  # fmt: skip
+
+
+def test_tools_receive_their_own_options(capsys) -> None:
+    import pytest
+
+    from ddpkit.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["verify", "--help"])
+    assert exit_info.value.code == 0 and "--model" in capsys.readouterr().out
