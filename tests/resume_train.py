@@ -56,7 +56,9 @@ def train(
         model = s.model(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3)))
         opt = torch.optim.AdamW(model.parameters(), lr=0.02)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
-        loader = s.loader(_data(), batch_size=GLOBAL_BATCH, shuffle=True, num_workers=workers)
+        # fork: in the pool's spawned processes the default would start each worker as a new interpreter
+        context = {"multiprocessing_context": "fork"} if workers else {}
+        loader = s.loader(_data(), batch_size=GLOBAL_BATCH, shuffle=True, num_workers=workers, **context)
         things = {"model": model, "optimizer": opt, "scheduler": sched}
         if position:
             things["loader"] = loader
@@ -119,7 +121,7 @@ def same(a: Any, b: Any, path: str = "") -> list[str]:
     if isinstance(a, (list, tuple)):
         if not isinstance(b, (list, tuple)) or len(a) != len(b):
             return [path]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in same(x, y, f"{path}/{i}")]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in same(x, y, f"{path}/{i}")]
     return [] if a == b else [path]
 
 
@@ -134,3 +136,13 @@ if __name__ == "__main__":
     result = train(a.ckpt, every=a.every, kill_at=a.kill_at, out=a.out, position=not a.no_position, verbose=True)
     assert result is not None
     torch.save({k: v for k, v in result.items() if k != "seen"}, Path(a.out, f"rank{result['rank']}.pt"))
+
+
+def stop_at(ckpt: str, stop: tuple[str, int], workers: int = 0) -> None:
+    """Train from scratch until `stop`, save there, return (for `RankPool.run`, which takes no kwargs)."""
+    return train(ckpt, stop, workers)
+
+
+def resume(ckpt: str, workers: int = 0, position: bool = True) -> dict[str, Any] | None:
+    """Resume from the newest checkpoint with scrambled RNGs and fresh objects; train to the end."""
+    return train(ckpt, None, workers, position=position, scramble=True)
