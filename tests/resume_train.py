@@ -138,6 +138,16 @@ if __name__ == "__main__":
     torch.save({k: v for k, v in result.items() if k != "seen"}, Path(a.out, f"rank{result['rank']}.pt"))
 
 
+_reference: list[dict[str, Any]] = []
+
+
+def reference(pool: Any) -> list[dict[str, Any]]:
+    """The uninterrupted 2-rank run in the rank pool, computed once per test session."""
+    if not _reference:
+        _reference.extend(pool.run(train, None))
+    return _reference
+
+
 def stop_at(ckpt: str, stop: tuple[str, int], workers: int = 0) -> None:
     """Train from scratch until `stop`, save there, return (for `RankPool.run`, which takes no kwargs)."""
     return train(ckpt, stop, workers)

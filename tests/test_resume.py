@@ -11,19 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from resume_train import EPOCHS, GLOBAL_BATCH, SAMPLES, resume, same, stop_at, train
+from resume_train import EPOCHS, GLOBAL_BATCH, SAMPLES, reference, resume, same, stop_at, train
 from safetensors.torch import load_file
 from torch import nn
 
 STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
-_cache: dict[str, list] = {}
-
-
-def reference(pool2) -> list[dict]:
-    """The uninterrupted 2-rank run (computed once)."""
-    if "ref" not in _cache:
-        _cache["ref"] = pool2.run(train, None)
-    return _cache["ref"]
 
 
 def test_two_uninterrupted_runs_agree_bitwise(pool2) -> None:
