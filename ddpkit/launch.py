@@ -177,7 +177,7 @@ def _report(err: Exception, max_restarts: int = 0) -> int:
     if code < 0:
         how = f"signal {signal.Signals(-code).name}"
         code = 128 - code
-    message = failure_message(first)
+    message = failure_message(first).rstrip(".")
     print(
         f"ddpkit run: rank {rank} (local rank {first.local_rank}, pid {first.pid}) failed first with "
         f"{how}{': ' + message if message else ''}; its traceback is above. {len(failures)} rank(s) "

@@ -200,3 +200,12 @@ def test_the_exit_guard_acts_only_when_the_exit_code_is_certainly_zero(body: str
     with contextlib.suppress(SystemExit):
         exec(code, scope)
     assert lifecycle.finished_with_zero(scope["FRAME"]) is zero
+
+
+@pytest.mark.parametrize("bad", ["rendezvous_timeout", "save_timeout", "timeout"])
+def test_time_limits_are_validated_and_named(bad: str) -> None:
+    from ddpkit import DdpkitError, session
+
+    with pytest.raises(DdpkitError, match=rf"{bad}=0 seconds is not positive"), session(env={}, **{bad: 0}):
+        pass
+    assert lifecycle.Limits() == lifecycle.Limits(rendezvous=600.0, collective=1800.0, save=3600.0)
