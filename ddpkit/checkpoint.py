@@ -124,9 +124,13 @@ def save(session: Any, path: str | Path, *, keep: int = 3, **state: Any) -> Path
     parts = _split(state)
     sync = _Sync(session, "save")
     if session.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        seq = files.next_seq(root)
-        files.tmp_dir(root, seq).mkdir()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            seq = files.next_seq(root)
+            files.tmp_dir(root, seq).mkdir()
+        except OSError as err:
+            sync.publish("dir", f"error: rank 0: {err}")  # the others stop waiting
+            raise
         sync.publish("dir", str(seq))
     else:
         seq = int(sync.wait_one(0, "dir", "rank 0 to start the checkpoint"))
@@ -280,8 +284,8 @@ def _choose(session: Any, root: Path) -> Found | None:
                     f"every checkpoint in {root} is damaged:\n  " + "\n  ".join(skipped) + "\nRestore one "
                     "from a backup, or delete the folder to start afresh (nothing usable is left)."
                 )
-    except CheckpointError as err:
-        sync.publish("choice", f"error: rank 0: {err}")
+    except Exception as err:
+        sync.publish("choice", f"error: rank 0: {err}")  # the others stop waiting, with the reason
         raise
     for line in skipped:
         session.print(f"ddpkit: skipped a damaged checkpoint: {line}")
