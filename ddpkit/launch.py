@@ -174,10 +174,14 @@ def _report(err: Exception, max_restarts: int = 0) -> int:
     rank, first = min(failures.items(), key=lambda item: failure_time(item[1]))
     code = first.exitcode
     how = f"exit code {code}"
-    if code < 0:
+    message = failure_message(first).rstrip(".")
+    if code < 0 and message and code in (-signal.SIGTERM, -signal.SIGKILL):
+        # It raised (its error file says what), then the agent stopped it while it was still exiting
+        # because a peer's exit was noticed first: report the exception, with Python's code for it.
+        how, code = f"an exception (then stopped by {signal.Signals(-code).name} while exiting)", 1
+    elif code < 0:
         how = f"signal {signal.Signals(-code).name}"
         code = 128 - code
-    message = failure_message(first).rstrip(".")
     print(
         f"ddpkit run: rank {rank} (local rank {first.local_rank}, pid {first.pid}) failed first with "
         f"{how}{': ' + message if message else ''}; its traceback is above. {len(failures)} rank(s) "
