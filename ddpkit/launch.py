@@ -175,10 +175,10 @@ def _report(err: Exception, max_restarts: int = 0) -> int:
     code = first.exitcode
     how = f"exit code {code}"
     message = failure_message(first).rstrip(".")
-    if code < 0 and message and code in (-signal.SIGTERM, -signal.SIGKILL):
-        # It raised (its error file says what), then the agent stopped it while it was still exiting
-        # because a peer's exit was noticed first: report the exception, with Python's code for it.
-        how, code = f"an exception (then stopped by {signal.Signals(-code).name} while exiting)", 1
+    if code < 0 and message:
+        # It raised (its error file says what), then ended by a signal while exiting: the agent's
+        # SIGTERM when a peer's exit was noticed first, or an abort in teardown. Report the exception.
+        how, code = f"an exception (the process then ended by {signal.Signals(-code).name} while exiting)", 1
     elif code < 0:
         how = f"signal {signal.Signals(-code).name}"
         code = 128 - code
