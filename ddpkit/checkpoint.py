@@ -15,7 +15,8 @@ What each keyword becomes (see `ddpkit.checkpoint_files` for the directory layou
 - a ddpkit loader or a `torch.Generator`: per rank (position in the epoch, generator state);
 - anything with `state_dict()`/`load_state_dict()` (optimizer, LR scheduler, GradScaler): saved from
   global rank 0, whose state every rank shares in data-parallel training;
-- anything else (step, epoch, best loss): a value, returned by `load` (passed to `load`, a default).
+- anything else (step, epoch, best loss): a value, returned by `load` (passed to `load`, a default);
+  a keyword set to None is left out (handy for optional objects such as a scaler).
 Every rank also saves its torch, CUDA, numpy and Python RNG states, and gets them back on `load`.
 
 `load(root)` resumes from the newest checkpoint that verifies, says which newer ones it skipped and
@@ -47,7 +48,6 @@ from ddpkit.wrap import unwrap
 
 __all__ = ["CheckpointError", "latest", "load", "save"]
 
-_SHARED = ("state.json", "state.safetensors")
 _counters: dict[str, int] = {}
 
 
