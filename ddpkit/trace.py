@@ -157,26 +157,31 @@ def chrome_trace(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+_BUCKET_COLORS = ("#7b68ee", "#8b4513", "#708090", "#c71585", "#20b2aa", "#b8860b")
+
+
 def plot(ranks: list[dict[str, Any]], path: str, title: str) -> str:
     from ddpkit.bench.report import pyplot
 
     plt = pyplot()
     colors = {"forward": "#3366cc", "backward": "#ff9933", "optimizer step": "#33aa55"}
     origin = min(e["start"] for r in ranks for e in r["events"])
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 1.1 * len(ranks)), dpi=110)
+    fig, ax = plt.subplots(figsize=(11, 1.6 + 1.1 * len(ranks)), dpi=110)
     labels = []
     for r in ranks:
         y = 2 * (len(ranks) - 1 - r["rank"])
         for e in r["events"]:
             row = y + 1 if e["track"] == "compute" else y
-            color = colors.get(e["name"], plt.cm.tab20b(2 + 4 * e.get("bucket", 0) % 20))
+            color = colors.get(e["name"], _BUCKET_COLORS[e.get("bucket", 0) % len(_BUCKET_COLORS)])
             ax.broken_barh([((e["start"] - origin) * 1e3, (e["end"] - e["start"]) * 1e3)], (row + 0.1, 0.8),
                            facecolors=color, edgecolors="white", linewidth=0.3)
         labels += [(y + 0.5, f"rank {r['rank']} all-reduce"), (y + 1.5, f"rank {r['rank']} compute")]
     ax.set_yticks([p for p, _ in labels], [t for _, t in labels], fontsize=8)
     ax.set(xlabel="ms", title=title)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), fontsize=7, loc="upper right", ncol=3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*colors.values(), _BUCKET_COLORS[0])]
+    names = [*colors, "all-reduce, launch to completion (a colour per bucket)"]
+    ax.legend(handles, names, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4,
+              frameon=False)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -77,14 +77,19 @@ def test_collectives_small_run(tmp_path, capsys) -> None:
     assert "memcpy GB/s" in capsys.readouterr().out
 
 
-def test_tune_and_scaling_small_runs(tmp_path, capsys) -> None:
+def test_tune_small_run(tmp_path, capsys) -> None:
     assert cli.main(["tune", "--workload", "cnn", "--quick", "--rounds", "1", "--block-seconds", "0.05",
                      "--json", str(tmp_path / "tune.json")]) == 0
     out = capsys.readouterr().out
     assert "recommendation:" in out and "speed-up" in out
     assert json.loads((tmp_path / "tune.json").read_text())["recommendation"]["speedup"] > 0
-    assert cli.main(["scaling", "--workload", "cnn", "--max-nproc", "2", "--rounds", "1", "--block-seconds",
-                     "0.05", "--buckets", "1,25", "--hooks", "allreduce,shm", "--out", str(tmp_path)]) == 0
+
+
+def test_scaling_small_run(tmp_path) -> None:
+    # 2 threads per rank: no extra "1 process x all cores" group, two process starts instead of three
+    assert cli.main(["scaling", "--workload", "cnn", "--max-nproc", "2", "--threads", "2", "--rounds", "1",
+                     "--block-seconds", "0.05", "--buckets", "1,25", "--hooks", "allreduce,shm",
+                     "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "scaling.json").read_text())
     assert [r["nproc"] for r in data["scaling"]] == [1, 2]
     assert data["scaling"][0]["efficiency"] == pytest.approx(1.0)
