@@ -8,8 +8,9 @@ from ddpkit.cli import build_parser
 
 def test_public_names() -> None:
     assert sorted(ddpkit.__all__) == sorted([
-        "DdpkitError", "Hardware", "Plan", "Session", "SpawnError", "__version__",
-        "seed_everything", "session", "spawn", "unwrap",
+        "Accuracy", "Callback", "CheckpointError", "DdpkitError", "FitResult", "FitState", "Hardware",
+        "Mean", "MetricSet", "Plan", "Session", "SpawnError", "StepInfo", "Sum", "__version__",
+        "evaluate", "fit", "seed_everything", "session", "spawn", "unwrap",
     ])  # fmt: skip
 
 
