@@ -49,6 +49,8 @@ def rank_main(spec: str, variants: list[str], block_s: float, warmup: int) -> di
     """One rank: one timed block per variant, in the given order; rank 0's seconds per step."""
     wl = workloads.load(spec)
     data = wl.dataset(batches=8)
+    if int(os.environ["WORLD_SIZE"]) > 1:  # the job's group, made once: no tool owns (and destroys) it
+        torch.distributed.init_process_group("gloo")
     out: dict[str, Any] = {}
     for variant in variants:
         loop = pw.make(variant, wl, data)
@@ -109,11 +111,18 @@ def cold_command(variant: str, spec: str, steps: int) -> list[str]:
 
 def cold(variant: str, spec: str, steps: int) -> dict[str, Any]:
     """Start the tool's launcher; time to rank 0's first step, peak memory and world size per rank."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1" if variant != "single" else "2", "PYTHONUNBUFFERED": "1"}
-    start = time.time()
-    proc = subprocess.run(cold_command(variant, spec, steps), capture_output=True, text=True, env=env,
-                          timeout=900)
-    ranks = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("PEERS ")]
+    import glob
+    import tempfile
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1" if variant != "single" else "2"}
+    with tempfile.TemporaryDirectory() as out:
+        start = time.time()
+        proc = subprocess.run([*cold_command(variant, spec, steps), "--out", out], capture_output=True,
+                              text=True, env=env, timeout=900)
+        ranks = []
+        for path in glob.glob(os.path.join(out, "rank*.json")):
+            with open(path) as f:
+                ranks.append(json.load(f))
     if proc.returncode or not ranks:
         tail = f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         raise RuntimeError(f"{variant} failed ({proc.returncode}):\n{tail}")
@@ -139,14 +148,21 @@ def main() -> int:
     p.add_argument("--cold-reps", type=int, default=3)
     p.add_argument("--cold-workloads", default=None, help="default: --workloads")
     p.add_argument("--json", default=None)
+    p.add_argument("--skip-warm", action="store_true")
+    p.add_argument("--skip-cold", action="store_true")
     ns = p.parse_args()
     specs = ns.workloads.split(",")
     load0 = os.getloadavg()
     cores = len(os.sched_getaffinity(0))
     print(f"peers: torch {torch.__version__}, load average {load0[0]:.2f}, {cores} cores", flush=True)
     result: dict[str, Any] = {"load_start": load0, "warm": {}, "cold": {}}
-    for spec in specs:
+    for spec in [] if ns.skip_warm else specs:
         result["warm"][spec] = warm(spec, ns.rounds, ns.block_seconds, lambda m: print(m, flush=True))
+        save(ns.json, result)
+    if ns.skip_cold:
+        result["load_end"] = os.getloadavg()
+        print_tables(result)
+        return 0
     check = cold("accelerate-launch", "cnn", 1)
     result["accelerate_launch_processes"] = check["processes"]
     print(f"`accelerate launch --cpu --num_processes 2` started {check['processes']} process(es), world size "
@@ -162,16 +178,23 @@ def main() -> int:
                     raise RuntimeError(f"{variant} ran with world sizes {r['worlds']}, expected {want}")
                 runs[variant].append(r)
         result["cold"][spec] = runs
+        save(ns.json, result)
         print(f"  cold {spec}: " + ", ".join(f"{v} {statistics.median(x['ttfs_s'] for x in rs):.2f} s"
                                                for v, rs in runs.items()), flush=True)
     result["load_end"] = os.getloadavg()
+    save(ns.json, result)
     print_tables(result)
     if ns.json:
-        os.makedirs(os.path.dirname(ns.json) or ".", exist_ok=True)
-        with open(ns.json, "w") as f:
-            json.dump(result, f, indent=1)
         print(f"json: {ns.json}")
     return 0
+
+
+def save(path: str | None, result: dict[str, Any]) -> None:
+    """Write what has been measured so far (a later failure does not lose it)."""
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def print_tables(result: dict[str, Any]) -> None:

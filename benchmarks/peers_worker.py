@@ -14,8 +14,9 @@ Run as a script by each tool's own launcher (cold start: time to the first finis
     fabric run --accelerator cpu --strategy ddp --devices 2 benchmarks/peers_worker.py --variant fabric
     accelerate launch --cpu --num_processes 2 ... (starts ONE process: peers.py uses torchrun for it)
 
-Each rank prints one line `PEERS {json}` with its rank, world size, threads, the wall time at which its
-first step finished, its step times and its peak resident memory (ru_maxrss).
+Each rank writes `<--out>/rank<r>.json` (or prints a line `PEERS {json}`) with its rank, world size,
+threads, the wall time at which its first step finished, its step times and its peak resident memory
+(ru_maxrss).
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def main() -> None:
     p.add_argument("--variant", choices=VARIANTS, required=True)
     p.add_argument("--workload", default="cnn")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", default=None, help="folder for rank<r>.json (default: print a PEERS line)")
     ns = p.parse_args()
     wl = workloads.load(ns.workload)
     loop = make(ns.variant, wl, wl.dataset(batches=4))
@@ -138,7 +140,11 @@ def main() -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     report = {"rank": rank, "world": loop.world, "threads": torch.get_num_threads(),
               "first_step_done": first_done, "step_s": times, "peak_rss_mb": peak_rss_mb()}
-    print("PEERS " + json.dumps(report), flush=True)
+    if ns.out:  # a file per rank: lines printed by several ranks into one pipe can interleave
+        with open(os.path.join(ns.out, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+    else:
+        print("PEERS " + json.dumps(report), flush=True)
     loop.close()
 
 

@@ -170,10 +170,15 @@ def plot(ranks: list[dict[str, Any]], path: str, title: str) -> str:
     labels = []
     for r in ranks:
         y = 2 * (len(ranks) - 1 - r["rank"])
+        n_buckets = max(1, len(r["buckets"]))
         for e in r["events"]:
-            row = y + 1 if e["track"] == "compute" else y
-            color = colors.get(e["name"], _BUCKET_COLORS[e.get("bucket", 0) % len(_BUCKET_COLORS)])
-            ax.broken_barh([((e["start"] - origin) * 1e3, (e["end"] - e["start"]) * 1e3)], (row + 0.1, 0.8),
+            if e["track"] == "compute":
+                color, bottom, height = colors[e["name"]], y + 1.1, 0.8
+            else:  # one lane per bucket: in-flight all-reduces overlap in time
+                b = e.get("bucket", 0)
+                color, height = _BUCKET_COLORS[b % len(_BUCKET_COLORS)], 0.8 / n_buckets
+                bottom = y + 0.1 + (n_buckets - 1 - b % n_buckets) * height
+            ax.broken_barh([((e["start"] - origin) * 1e3, (e["end"] - e["start"]) * 1e3)], (bottom, height),
                            facecolors=color, edgecolors="white", linewidth=0.3)
         labels += [(y + 0.5, f"rank {r['rank']} all-reduce"), (y + 1.5, f"rank {r['rank']} compute")]
     ax.set_yticks([p for p, _ in labels], [t for _, t in labels], fontsize=8)
