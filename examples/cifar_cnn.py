@@ -13,32 +13,14 @@ different images per step, drawn from the same shuffled order as the single proc
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import TensorDataset
 
 from ddpkit.verify import Report, VerifySpec, verify
+from ddpkit.workloads import TutorialCNN
 
-
-class Net(nn.Module):
-    """The tutorial's network: conv 3->6 (5x5), pool, conv 6->16 (5x5), pool, fc 400->120->84->10."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 6, 5)
-        self.pool = nn.MaxPool2d(2, 2)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(16 * 5 * 5, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pool(F.relu(self.conv1(x)))
-        x = self.pool(F.relu(self.conv2(x)))
-        x = torch.flatten(x, 1)
-        x = F.relu(self.fc1(x))
-        x = F.relu(self.fc2(x))
-        return self.fc3(x)
+# The tutorial's network: conv 3->6 (5x5), pool, conv 6->16 (5x5), pool, fc 400->120->84->10,
+# shared with the benchmarks' "cnn" workload so both measure the same model.
+Net = TutorialCNN
 
 
 def cifar_like(n: int = 1024, seed: int = 0) -> TensorDataset:
