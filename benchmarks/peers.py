@@ -161,6 +161,7 @@ def main() -> int:
         save(ns.json, result)
     if ns.skip_cold:
         result["load_end"] = os.getloadavg()
+        save(ns.json, result)
         print_tables(result)
         return 0
     check = cold("accelerate-launch", "cnn", 1)

@@ -99,7 +99,7 @@ def summarise(workload: workloads.Workload, configs: list[Config], stats: dict[s
                        "samples_per_s": workload.global_batch / st.median, "comm_share": st.comm_share,
                        "lossy": c.hook in LOSSY_HOOKS, "settings": c.describe()})
     top = curve[-1]
-    others.insert(0, {"label": "bucket 25 MB, hook allreduce (DDP defaults)",
+    others.insert(0, {"label": "ddpkit defaults (bucket 25 MB, allreduce)",
                       "step_ms": stats[top.label].median * 1e3, "spread": stats[top.label].spread,
                       "samples_per_s": workload.global_batch / stats[top.label].median,
                       "comm_share": stats[top.label].comm_share, "lossy": False, "settings": top.describe()})
@@ -135,12 +135,12 @@ def plot(data: dict[str, Any], path: str) -> str:
           title=f"{data['workload']}: throughput (labels: efficiency)")
     a.legend()
     opts = data["options"]
-    labels = [o["label"].replace(" (DDP defaults)", "\n(DDP defaults)") for o in opts]
+    labels = [o["label"].replace(" (bucket", "\n(bucket") for o in opts]
     colors = ["#cc6633" if o["lossy"] else "#3366cc" for o in opts]
     b.barh(range(len(opts)), [o["samples_per_s"] for o in opts], color=colors)
     b.set_yticks(range(len(opts)), labels, fontsize=8)
     b.invert_yaxis()
-    b.set(xlabel="samples / s", title="bucket sizes and hooks at the largest nproc (orange: lossy)")
+    b.set(xlabel="samples / s", title=f"at {n[-1]} ranks: buckets, hooks (orange: lossy)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
