@@ -27,6 +27,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
+from ddpkit import cpu_allocator
 from ddpkit.errors import DdpkitError, problem
 from ddpkit.failures import failure_message, failure_time
 from ddpkit.topology import Hardware, threads_per_process
@@ -154,6 +155,8 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
     if cfg.device != "auto":
         os.environ["DDPKIT_DEVICE"] = cfg.device
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(hardware.cpu_cores, nproc)))
+    if cfg.device == "cpu" or hardware.gpus == 0:
+        os.environ.update(cpu_allocator.rank_env())  # read by glibc and torch as each rank starts
     try:
         run(parse_args(argv))
     except ChildFailedError as err:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddpkit import lifecycle, topology
+from ddpkit import cpu_allocator, lifecycle, topology
 from ddpkit.data import ShardedLoader, make_loader, plan_batch
 from ddpkit.errors import problem
 from ddpkit.precision import PrecisionPlan, resolve_precision
@@ -105,6 +105,8 @@ class Session:
     def start(self) -> Session:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        else:
+            cpu_allocator.apply()  # reuse big blocks between steps instead of faulting them in again
         self._owns_group = lifecycle.join_group(self.plan, lifecycle.limits_of(self))
         seed_everything(self.seed)
         threads = torch.get_num_threads()

@@ -15,7 +15,7 @@ import os
 import pickle
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -60,12 +60,14 @@ def spawn(
     *,
     timeout: float = 300.0,
     threads: int | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` on `nproc` local ranks; return the per-rank results, in rank order.
 
     If any rank raises, exits or exceeds `timeout` seconds, the others are terminated and
     `SpawnError` names the first failing rank with its traceback. `threads` per rank defaults to
-    the CPU cores split evenly (OMP_NUM_THREADS, when set, wins).
+    the CPU cores split evenly (OMP_NUM_THREADS, when set, wins); `env` adds variables to the ranks'
+    environment.
     """
     if nproc < 1:
         raise problem(f"nproc={nproc} is below 1", "Pass nproc=1 or more")
@@ -80,7 +82,8 @@ def spawn(
     n_threads = threads or int(
         os.environ.get("OMP_NUM_THREADS") or threads_per_process(Hardware.detect().cpu_cores, nproc)
     )
-    env = {
+    rank_env = {
+        **(env or {}),
         "WORLD_SIZE": str(nproc),
         "LOCAL_WORLD_SIZE": str(nproc),
         "GROUP_RANK": "0",
@@ -92,7 +95,7 @@ def spawn(
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     procs = mp.start_processes(
-        _rank_main, args=(fn, tuple(args), env, results), nprocs=nproc, join=False, start_method="spawn"
+        _rank_main, args=(fn, tuple(args), rank_env, results), nprocs=nproc, join=False, start_method="spawn"
     )
     try:
         return _collect(procs, results, nproc, timeout)

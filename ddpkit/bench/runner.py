@@ -42,10 +42,12 @@ class Config:
     hook_options: dict[str, Any] = field(default_factory=dict)
     zero: bool = False  # torch's ZeroRedundancyOptimizer: each rank updates a shard, then broadcasts
     fused: bool = False  # the user's optimizer class with fused=True (one kernel per step, same math)
+    cpu_allocator: bool = False  # ddpkit's CPU allocator settings (ddpkit.cpu_allocator); False: glibc's
 
     @property
-    def group_key(self) -> tuple[int, int]:
-        return (self.nproc, self.threads)
+    def group_key(self) -> tuple[int, int, bool]:
+        """Configurations that can share one group of processes (the allocator is set per process)."""
+        return (self.nproc, self.threads, self.cpu_allocator)
 
     def describe(self) -> str:
         parts = [f"{self.nproc} proc x {self.threads} thr"]
@@ -60,6 +62,7 @@ class Config:
                 parts.append("ZeRO optimizer")
         if self.fused:
             parts.append("optimizer fused=True")
+        parts.append("memory kept (ddpkit)" if self.cpu_allocator else "glibc malloc")
         return ", ".join(parts)
 
 
@@ -218,8 +221,9 @@ def measure(
 ) -> dict[str, Stats]:
     """Time every config `rounds` times, rotating through groups and configs; return stats by label."""
     import ddpkit
+    from ddpkit import cpu_allocator
 
-    groups: dict[tuple[int, int], list[Config]] = {}
+    groups: dict[tuple[int, int, bool], list[Config]] = {}
     for cfg in configs:
         groups.setdefault(cfg.group_key, []).append(cfg)
     stats = {cfg.label: Stats(cfg.label) for cfg in configs}
@@ -229,13 +233,14 @@ def measure(
         for key in keys:
             members = groups[key]
             members = members[r % len(members) :] + members[: r % len(members)]
-            nproc, threads = key
+            nproc, threads, allocator = key
             results = ddpkit.spawn(
                 run_group,
                 nproc=nproc,
                 args=(spec, [asdict(c) for c in members], steps, max(1, warmup), no_sync, target_s),
                 threads=threads,
                 timeout=timeout,
+                env={} if allocator else {cpu_allocator.OPT_OUT: "default"},
             )[0]
             for res in results:
                 if res["world_size"] != nproc or res["threads_seen"] != threads:

@@ -32,19 +32,23 @@ def plan(workload: workloads.Workload, max_nproc: int, threads: int, cores: int,
             notes.append(f"nproc {n} skipped: global batch {workload.global_batch} is not divisible by it")
             continue
         counts.append(n)
-        configs.append(Config(label=f"nproc {n}", nproc=n, threads=threads, gradient_as_bucket_view=True))
+        configs.append(Config(label=f"nproc {n}", nproc=n, threads=threads, gradient_as_bucket_view=True,
+                              cpu_allocator=True))
     top = counts[-1]
     if top > 1:
         for mb in buckets:
             if mb != 25:
                 configs.append(Config(label=f"bucket {mb:g} MB", nproc=top, threads=threads,
-                                      gradient_as_bucket_view=True, bucket_cap_mb=mb))
+                                      gradient_as_bucket_view=True, bucket_cap_mb=mb,
+                                      cpu_allocator=True))
         for hook in hooks:
             if hook != "allreduce":
                 configs.append(Config(label=f"hook {hook}", nproc=top, threads=threads,
-                                      gradient_as_bucket_view=True, hook=hook))
+                                      gradient_as_bucket_view=True, hook=hook,
+                                      cpu_allocator=True))
     if cores > threads:
-        configs.append(Config(label=f"1 process x {cores} threads", nproc=1, threads=cores))
+        configs.append(Config(label=f"1 process x {cores} threads", nproc=1, threads=cores,
+                              cpu_allocator=True))
     return configs, notes
 
 

@@ -4,7 +4,8 @@
     ddpkit bench tune --workload mypkg.models:my_workload --nproc 2 --rounds 5
 
 Tried, each against hand-written DDP with torch's defaults (the baseline, ratio 1.00):
-- ddpkit's defaults (gradients as bucket views), bucket sizes 5 and 100 MB, static graph;
+- ddpkit's defaults (gradients as bucket views, CPU memory kept between steps: `ddpkit.cpu_allocator`),
+  each of the two alone, bucket sizes 5 and 100 MB, static graph;
 - communication hooks: "shm" (exact shared-memory all-reduce, same machine only) and the lossy fp16 /
   bf16 compressions (listed, never recommended unless --allow-lossy);
 - torch's ZeroRedundancyOptimizer (each rank updates 1/N of the parameters, then broadcasts them);
@@ -29,15 +30,18 @@ def candidates(nproc: int, cores: int, *, quick: bool = False, fused: bool = Fal
     threads = max(1, cores // nproc)
 
     def ddp(label: str, **options: Any) -> Config:
-        return Config(label=label, nproc=nproc, threads=threads, gradient_as_bucket_view=True, **options)
+        return Config(label=label, nproc=nproc, threads=threads,
+                      **{"gradient_as_bucket_view": True, "cpu_allocator": True, **options})
 
     configs = [
         Config(label="hand-written DDP (torch defaults)", nproc=nproc, threads=threads),
-        ddp("ddpkit defaults (bucket view)"),
+        ddp("ddpkit defaults (bucket view, memory kept)"),
         ddp("shm hook", hook="shm"),
     ]
     if not quick:
         configs += [
+            Config(label="torch defaults + memory kept", nproc=nproc, threads=threads, cpu_allocator=True),
+            ddp("bucket view, glibc malloc", cpu_allocator=False),
             ddp("bucket 5 MB", bucket_cap_mb=5),
             ddp("bucket 100 MB", bucket_cap_mb=100),
             ddp("static graph", static_graph=True),
@@ -47,13 +51,16 @@ def candidates(nproc: int, cores: int, *, quick: bool = False, fused: bool = Fal
             ddp("bf16 compression", hook="bf16"),
         ]
     if cores > 1:
-        configs.append(Config(label=f"1 process x {cores} threads (no DDP)", nproc=1, threads=cores))
+        configs.append(Config(label=f"1 process x {cores} threads (no DDP)", nproc=1, threads=cores,
+                              cpu_allocator=True))
+        if not quick:
+            configs.append(Config(label=f"1 process x {cores} threads, glibc malloc", nproc=1, threads=cores))
     if fused:  # changes the user's optimizer construction: reported apart from the DDP options
         configs += [ddp("ddpkit defaults + fused optimizer", fused=True),
                     ddp("shm hook + fused optimizer", hook="shm", fused=True)]
         if cores > 1:
             label = f"1 process x {cores} threads + fused optimizer"
-            configs.append(Config(label=label, nproc=1, threads=cores, fused=True))
+            configs.append(Config(label=label, nproc=1, threads=cores, fused=True, cpu_allocator=True))
     return configs
 
 
