@@ -110,7 +110,9 @@ def wrap_model(
     if comm_hook is not None:
         from ddpkit import comm_hooks
 
-        comm_hooks.register(ddp, comm_hook, comm_hook_options)
+        state = comm_hooks.register(ddp, comm_hook, comm_hook_options)
+        if getattr(state, "active", True) is False:  # e.g. "shm" across machines: say why, once
+            notes.append(f"comm_hook={comm_hook!r}: {state.reason}")
     return ddp, notes
 
 

@@ -100,4 +100,4 @@ def test_scaling_small_run(tmp_path) -> None:
 
 def test_config_describe_names_what_differs() -> None:
     cfg = Config(label="x", hook="fp16", gradient_as_bucket_view=True, zero=True)
-    assert cfg.describe() == "2 proc x 1 thr, bucket 25 MB, bucket view, hook fp16 (lossy), ZeRO optimizer"
+    assert cfg.describe() == "2 proc x 1 thr, bucket 25 MB, bucket view, hook fp16 (lossy), ZeRO optimizer, glibc malloc"

@@ -3,7 +3,9 @@ multi-chunk, nothing left in /dev/shm (also after kill -9), and a fallback to gl
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import os
 import signal
 import subprocess
@@ -86,17 +88,21 @@ def test_falls_back_to_gloo_across_machines(pool2) -> None:
         assert torch.equal(a, c)
 
 
-def fallback_reason() -> str:
+def fallback_note() -> str:
+    """What rank 0 prints when s.model(..., comm_hook="shm") cannot use shared memory."""
     real = shm_allreduce._machine_id
     shm_allreduce._machine_id = lambda: f"machine-{dist.get_rank()}"
+    out = io.StringIO()
     try:
-        return ShmAllReduce().reason
+        with contextlib.redirect_stdout(out), ddpkit.session(seed=0) as s:
+            s.model(nn.Linear(4, 2), comm_hook="shm")
+        return out.getvalue()
     finally:
         shm_allreduce._machine_id = real
 
 
 def test_fallback_says_why(pool2) -> None:
-    assert "2 machines: falling back to gloo" in pool2.run(fallback_reason)[0]
+    assert "comm_hook='shm': ranks on 2 machines: falling back to gloo" in pool2.run(fallback_note)[0]
 
 
 def test_stale_segments_of_dead_creators_are_removed(tmp_path) -> None:
