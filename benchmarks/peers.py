@@ -6,10 +6,14 @@
 Needs the development extras (`pip install -c constraints.txt -e . accelerate lightning`, kept in a
 separate .venv-bench so the test environment stays clean).
 
-Warm step time: 2 CPU ranks x 1 thread with gloo. All four tools (plus ddpkit with its "shm" hook) are
-built in the same two processes, one block of >= --block-seconds each, in an order that rotates every
-round; one process with 1 and with 2 threads runs in its own processes in the same rotation. The ratio
-of two tools is taken per round (neighbouring blocks), then summarised as median [min, max].
+Warm step time: 2 CPU ranks x 1 thread with gloo, one block of >= --block-seconds per tool, in an order
+that rotates every round. ddpkit sets the ranks' CPU allocator (`ddpkit.cpu_allocator`), a setting of
+the whole process, so the tools run in two pairs of processes per round: DDP, Accelerate and Fabric with
+glibc's defaults, as their users get them; ddpkit, ddpkit + "shm" hook and hand-written DDP with
+ddpkit's allocator settings ("DDP + kept memory": how much of ddpkit's lead is the allocator). One
+process with 1 and with 2 threads (glibc defaults) runs in its own processes in the same rotation. The
+ratio of two tools is taken per round (blocks minutes apart at most), then summarised as median
+[min, max].
 
 Cold start: each tool started by its own launcher, as its documentation says: torchrun for DDP,
 `ddpkit run`, `fabric run`, and torchrun for Accelerate because `accelerate launch --cpu
@@ -39,21 +43,30 @@ import torch  # noqa: E402
 import ddpkit  # noqa: E402
 from ddpkit import workloads  # noqa: E402
 
-DDP_VARIANTS = ("ddp", "ddpkit", "ddpkit-shm", "accelerate", "fabric")
+DDP_VARIANTS = ("ddp", "ddpkit", "ddpkit-shm", "ddp-kept", "accelerate", "fabric")
 LABELS = {"single1": "1 process x 1 thr", "single2": "1 process x 2 thr", "ddp": "hand-written DDP",
-          "ddpkit": "ddpkit", "ddpkit-shm": "ddpkit + shm hook", "accelerate": "Accelerate",
-          "fabric": "Fabric"}
+          "ddpkit": "ddpkit", "ddpkit-shm": "ddpkit + shm hook", "ddp-kept": "DDP + kept memory",
+          "accelerate": "Accelerate", "fabric": "Fabric"}
+# (name, processes, threads, variants, ddpkit's allocator settings): one spawn per group and round
+GROUPS = [("peers", 2, 1, ["ddp", "accelerate", "fabric"], False),
+          ("ddpkit", 2, 1, ["ddpkit", "ddpkit-shm", "ddp-kept"], True),
+          ("single1", 1, 1, ["single"], False),
+          ("single2", 1, 2, ["single"], False)]
 
 
-def rank_main(spec: str, variants: list[str], block_s: float, warmup: int) -> dict[str, Any]:
+def rank_main(spec: str, variants: list[str], block_s: float, warmup: int, kept: bool) -> dict[str, Any]:
     """One rank: one timed block per variant, in the given order; rank 0's seconds per step."""
+    if kept:
+        from ddpkit import cpu_allocator
+
+        cpu_allocator.apply()  # before any tensor; ddpkit's sessions would apply it at their start
     wl = workloads.load(spec)
     data = wl.dataset(batches=8)
     if int(os.environ["WORLD_SIZE"]) > 1:  # the job's group, made once: no tool owns (and destroys) it
         torch.distributed.init_process_group("gloo")
     out: dict[str, Any] = {}
     for variant in variants:
-        loop = pw.make(variant, wl, data)
+        loop = pw.make("ddp" if variant == "ddp-kept" else variant, wl, data)
         for _ in range(warmup):
             start = time.perf_counter()
             pw.step(wl, loop)
@@ -75,12 +88,12 @@ def rank_main(spec: str, variants: list[str], block_s: float, warmup: int) -> di
 
 def warm(spec: str, rounds: int, block_s: float, log: Any) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {k: [] for k in ("single1", "single2", *DDP_VARIANTS)}
-    groups = [("ddp-group", 2, 1), ("single1", 1, 1), ("single2", 1, 2)]
     for r in range(rounds):
-        for name, nproc, threads in groups[r % 3:] + groups[: r % 3]:
-            variants = list(DDP_VARIANTS[r % 5:] + DDP_VARIANTS[: r % 5]) if nproc > 1 else ["single"]
-            res = ddpkit.spawn(rank_main, nproc=nproc, args=(spec, variants, block_s, 2), threads=threads,
-                               timeout=1800)[0]
+        for name, nproc, threads, members, kept in GROUPS[r % 4:] + GROUPS[: r % 4]:
+            variants = members[r % len(members):] + members[: r % len(members)]
+            env = {} if kept else {"DDPKIT_CPU_ALLOCATOR": "default"}
+            res = ddpkit.spawn(rank_main, nproc=nproc, args=(spec, variants, block_s, 2, kept),
+                               threads=threads, timeout=1800, env=env)[0]
             for variant, m in res.items():
                 key = name if variant == "single" else variant
                 if m["world"] != nproc or m["threads"] != threads:
@@ -211,10 +224,10 @@ def print_tables(result: dict[str, Any]) -> None:
     for spec, t in result["warm"].items():
         rows.append([spec, fmt_ratio(ratio(t, "ddpkit", "ddp")), fmt_ratio(ratio(t, "ddpkit", "accelerate")),
                      fmt_ratio(ratio(t, "ddpkit", "fabric")), fmt_ratio(ratio(t, "ddpkit-shm", "ddp")),
-                     fmt_ratio(ratio(t, "ddp", "single1"))])
+                     fmt_ratio(ratio(t, "ddpkit", "ddp-kept"))])
     print("\nstep-time ratios, per round, median [min, max] (below 1: the first is faster)")
     print(table(["workload", "ddpkit / DDP", "ddpkit / Accelerate", "ddpkit / Fabric", "ddpkit+shm / DDP",
-                 "DDP / 1 proc x 1 thr"], rows))
+                 "ddpkit / (DDP + kept memory)"], rows))
     rows = []
     for spec, runs in result["cold"].items():
         row: list[Any] = [spec]
