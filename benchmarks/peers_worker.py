@@ -3,9 +3,10 @@
 Variants: `single` (one process, no DDP), `ddp` (hand-written DDP, torch's defaults), `ddpkit` (ddpkit's
 defaults), `ddpkit-shm` (ddpkit with the "shm" communication hook), `accelerate` (Hugging Face
 Accelerate, `Accelerator(cpu=True)` + `prepare`), `fabric` (Lightning Fabric, strategy "ddp" on CPU).
-Only the set-up differs; the step is the same everywhere:
+Only the set-up differs; the step is the same everywhere, each tool's own backward and step:
 
     out = model(x); loss = criterion(out, y); opt.zero_grad(); backward(loss); opt.step()
+    (ddpkit: s.backward(loss); s.step(opt), which shards the optimizer step over the ranks on CPU)
 
 Run as a script by each tool's own launcher (cold start: time to the first finished step, peak memory):
 
@@ -49,6 +50,7 @@ class Loop:
     backward: Callable[[torch.Tensor], None]
     world: int
     close: Callable[[], None] = lambda: None
+    update: Callable[[], Any] | None = None  # the optimizer step as the tool writes it (default opt.step)
 
 
 def _forever(loader: Any, sampler: Any = None) -> Iterator[Any]:
@@ -83,8 +85,9 @@ def make(variant: str, wl: workloads.Workload, data: Any) -> Loop:
         s = stack.enter_context(ddpkit.session(seed=0, verbose=False))
         model = s.model(wl.build(), comm_hook="shm" if variant == "ddpkit-shm" else None)
         loader = s.loader(data, batch_size=wl.global_batch, shuffle=True)
-        return Loop(model, wl.optimizer(model.parameters()), _forever(loader), torch.Tensor.backward,
-                    s.world_size, stack.close)
+        opt = wl.optimizer(model.parameters())
+        return Loop(model, opt, _forever(loader), s.backward, s.world_size, stack.close,
+                    update=lambda: s.step(opt))  # ddpkit's step: sharded over the ranks on CPU
     if variant == "accelerate":
         from accelerate import Accelerator
 
@@ -114,7 +117,7 @@ def step(wl: workloads.Workload, loop: Loop) -> None:
     loss = wl.loss(out.reshape(-1, out.shape[-1]), y.reshape(-1))
     loop.opt.zero_grad()
     loop.backward(loss)
-    loop.opt.step()
+    (loop.update or loop.opt.step)()
 
 
 def peak_rss_mb() -> float:

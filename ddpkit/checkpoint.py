@@ -14,7 +14,8 @@ What each keyword becomes (see `ddpkit.checkpoint_files` for the directory layou
   `model.load_state_dict(safetensors.torch.load_file(...))` reads them), written by global rank 0;
 - a ddpkit loader or a `torch.Generator`: per rank (position in the epoch, generator state);
 - anything with `state_dict()`/`load_state_dict()` (optimizer, LR scheduler, GradScaler): saved from
-  global rank 0, whose state every rank shares in data-parallel training;
+  global rank 0, whose state every rank shares in data-parallel training (an optimizer whose steps are
+  sharded, `ddpkit.sharding`, is gathered to rank 0 first, so the file always holds its full state);
 - anything else (step, epoch, best loss): a value, returned by `load` (passed to `load`, a default);
   a keyword set to None is left out (handy for optional objects such as a scaler).
 Every rank also saves its torch, CUDA, numpy and Python RNG states, and gets them back on `load`.
@@ -122,6 +123,7 @@ def save(session: Any, path: str | Path, *, keep: int = 3, **state: Any) -> Path
         raise problem(f"{root} is a checkpoint, not a folder of checkpoints",
                       f"Save to its parent folder {root.parent}")  # fmt: skip
     parts = _split(state)
+    gathered = _gather_sharded(parts["shared"])  # collective: every rank is here (before any wait)
     sync = _Sync(session, "save")
     if session.is_main:
         try:
@@ -142,7 +144,7 @@ def save(session: Any, path: str | Path, *, keep: int = 3, **state: Any) -> Path
         sync.publish(f"rank{session.rank}", f"error: rank {session.rank}: {err}")
         raise
     if session.is_main:
-        final = _write_shared_and_commit(session, root, seq, parts, listed, sync, keep)
+        final = _write_shared_and_commit(session, root, seq, parts, listed, sync, keep, gathered)
     else:
         final = Path(sync.wait_one(0, "done", f"rank 0 to write checkpoint {seq}"))
     session.print(f"ddpkit: saved {final}" + (f" (step {state['step']})" if "step" in state else ""))
@@ -162,8 +164,21 @@ def _write_rank(tmp: Path, rank: int, per_rank: Mapping[str, Any]) -> dict[str, 
     }
 
 
+def _gather_sharded(shared: Mapping[str, Any]) -> dict[str, Any]:
+    """The full state of optimizers whose steps are sharded (`ddpkit.sharding`), on rank 0."""
+    from ddpkit import sharding
+
+    out = {}
+    for name, obj in shared.items():
+        sharder = sharding.existing(obj) if isinstance(obj, torch.optim.Optimizer) else None
+        if sharder is not None:
+            out[name] = sharder.full_state_dict()
+    return out
+
+
 def _write_shared_and_commit(session: Any, root: Path, seq: int, parts: dict[str, dict[str, Any]],
-                             listed: dict[str, Any], sync: _Sync, keep: int) -> Path:  # fmt: skip
+                             listed: dict[str, Any], sync: _Sync, keep: int,
+                             gathered: Mapping[str, Any]) -> Path:  # fmt: skip
     tmp, final = files.tmp_dir(root, seq), files.final_dir(root, seq)
     try:
         entries: dict[str, Any] = dict(listed)
@@ -174,7 +189,8 @@ def _write_shared_and_commit(session: Any, root: Path, seq: int, parts: dict[str
             entries[f"{name}.safetensors"] = files.write_tensors(tmp / f"{name}.safetensors", weights)
         tensors = Tensors()
         tree = {
-            "objects": {n: files.encode(o.state_dict(), tensors, n) for n, o in parts["shared"].items()},
+            "objects": {n: files.encode(gathered[n] if n in gathered else o.state_dict(), tensors, n)
+                        for n, o in parts["shared"].items()},
             "values": {n: files.encode(v, tensors, f"values/{n}") for n, v in parts["values"].items()},
         }
         entries["state.safetensors"] = files.write_tensors(tmp / "state.safetensors", tensors)
@@ -257,8 +273,13 @@ def load(session: Any, path: str | Path, *, strict: bool = True, **state: Any) -
         unwrap(module).load_state_dict(found.read_tensors(f"{name}.safetensors"), strict=strict)
     shared = found.read_json("state.json")
     shared_tensors = found.read_tensors("state.safetensors")
+    from ddpkit import sharding
+
     for name, obj in parts["shared"].items():
         obj.load_state_dict(files.decode(shared["objects"][name], shared_tensors))
+        sharder = sharding.existing(obj) if isinstance(obj, torch.optim.Optimizer) else None
+        if sharder is not None:  # the checkpoint holds every parameter's state: keep this rank's share
+            sharder.drop_foreign_state()
     notes = _restore_per_rank(session, found, parts["per_rank"])
     values = {**parts["values"], **files.decode(shared["values"], shared_tensors)}
     _say_resumed(session, found, values, notes)

@@ -53,11 +53,16 @@ def record_failure(exc: BaseException, rank: int, *, when: float | None = None) 
             },
         }
     }
+    # Atomically: the agent reads the file as soon as this rank exits, and it may kill this rank (a peer
+    # died) in the middle of writing; a half-written file would crash the agent's JSON parser.
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(path, "w") as f:
+        with open(tmp, "w") as f:
             json.dump(data, f)
+        os.replace(tmp, path)
     except OSError:
-        pass  # reporting must never hide the user's own exception
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # reporting must never hide the user's own exception
 
 
 def failure_time(failure: Any) -> float:

@@ -56,7 +56,11 @@ class Session:
         precision: str | PrecisionPlan = "32",
         timeout: float = 1800.0,
         verbose: bool = True,
+        shard_optimizer: bool | str = "auto",
     ) -> None:
+        if shard_optimizer not in (True, False, "auto"):
+            raise problem(f"shard_optimizer={shard_optimizer!r} is not True, False or 'auto'",
+                          "Pass 'auto' (the default), True or False")  # fmt: skip
         if accumulation < 1:
             raise problem(f"accumulation={accumulation} is below 1", "Pass 1 (no accumulation) or more")
         if timeout <= 0:
@@ -70,7 +74,8 @@ class Session:
         self._owns_group = False
         bf16 = self.device.type != "cuda" or torch.cuda.is_bf16_supported()
         self.precision = resolve_precision(precision, self.device.type, bf16_supported=bf16)
-        self._stepper = Stepper(accumulation, self.precision, distributed=plan.distributed, report=self.print)
+        self._stepper = Stepper(accumulation, self.precision, distributed=plan.distributed, report=self.print,
+                                shard=shard_optimizer, device=self.device)
 
     # -- who am I -------------------------------------------------------------------------------
     @property
@@ -218,7 +223,8 @@ class Session:
         each step averages the gradients of the ranks that still had a batch (not divided by the
         full world size, so finished ranks do not shrink it). At exit, the last rank to finish
         broadcasts its weights, so replicas are identical. Only DDP's own collectives are shadowed:
-        no other collective (s.all_reduce, SyncBatchNorm) may run inside.
+        no other collective (s.all_reduce, SyncBatchNorm) may run inside, and `s.step` takes the whole
+        optimizer step on every rank (not sharded: a finished rank could not publish its share).
         """
         from ddpkit.stepping import _ddp_of
 
@@ -233,7 +239,7 @@ class Session:
             return
         from torch.distributed.algorithms.join import Join
 
-        with Join([ddp, *joinables], divide_by_initial_world_size=False):
+        with Join([ddp, *joinables], divide_by_initial_world_size=False), self._stepper.joining():
             yield
 
     # -- checkpoints (ddpkit.checkpoint) -------------------------------------------------------
@@ -341,6 +347,7 @@ def session(
     rendezvous_timeout: float = 600.0,
     save_timeout: float = 3600.0,
     verbose: bool = True,
+    shard_optimizer: bool | str = "auto",
     env: Mapping[str, str] | None = None,
     hardware: topology.Hardware | None = None,
 ) -> Iterator[Session]:
@@ -350,7 +357,9 @@ def session(
     choice; `timeout` bounds every collective, `rendezvous_timeout` the start-up meeting of the ranks
     and `save_timeout` a checkpoint save (seconds; see `ddpkit.lifecycle.Limits`). `precision` is
     "32", "bf16" or "16" (see `ddpkit.precision`); `accumulation` is the number of micro-batches per
-    optimizer step. `env` and `hardware` default to this process's environment and machine.
+    optimizer step. `shard_optimizer` lets each rank update only its share of the parameters in
+    `s.step` ("auto": torch's per-parameter optimizers on CPU ranks of one machine; see
+    `ddpkit.sharding`). `env` and `hardware` default to this process's environment and machine.
     """
     plan = topology.resolve(
         os.environ if env is None else env,
@@ -359,7 +368,8 @@ def session(
         backend=backend,
     )
     s = Session(
-        plan, seed=seed, accumulation=accumulation, precision=precision, timeout=timeout, verbose=verbose
+        plan, seed=seed, accumulation=accumulation, precision=precision, timeout=timeout, verbose=verbose,
+        shard_optimizer=shard_optimizer,
     )
     s.limits = lifecycle.Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)
     try:

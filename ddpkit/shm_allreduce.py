@@ -210,6 +210,24 @@ class ShmAllReduce:
                 part.add_(slots[k, :n])
         return tensor
 
+    def all_gather_(self, owned: list[list[torch.Tensor]]) -> None:
+        """Rank r's tensors `owned[r]` to every rank, in place (contiguous CPU tensors, the same shapes on
+        every rank). Each rank streams its own tensors' bytes through its slot, chunk by chunk, and copies
+        the others' slots into their tensors: the parameter publishing of `ddpkit.sharding`."""
+        seg = self.segment
+        if seg is None:
+            raise RuntimeError(f"ddpkit shm all-gather is not active: {self.reason}")
+        streams = [_ByteStream(ts) for ts in owned]
+        for start in range(0, max(st.nbytes for st in streams), self.chunk_bytes):
+            slots = seg.buffers[self.seq % 2]  # [world, chunk_bytes] bytes
+            streams[self.rank].copy_to(start, slots[self.rank])
+            self.seq += 1
+            seg.flags[self.rank] = self.seq
+            self._wait(self.seq)
+            for r, stream in enumerate(streams):
+                if r != self.rank:
+                    stream.copy_from(start, slots[r])
+
     def _wait(self, seq: int) -> None:
         """Wait until every rank has published chunk `seq`.
 
@@ -258,6 +276,30 @@ class ShmAllReduce:
 
     def __getstate__(self) -> None:
         raise TypeError("ShmAllReduce holds a process's mapping and cannot be pickled")
+
+
+class _ByteStream:
+    """Tensors seen as one run of bytes, so a chunk of the run can be copied out or in."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.parts = [t.reshape(-1).view(torch.uint8) for t in tensors]
+        self.nbytes = sum(p.numel() for p in self.parts)
+
+    def _pieces(self, start: int, length: int):  # -> (part slice, offset in the chunk)
+        end, offset = start + length, 0
+        for part in self.parts:
+            lo, hi = max(start, offset), min(end, offset + part.numel())
+            if lo < hi:
+                yield part[lo - offset : hi - offset], lo - start
+            offset += part.numel()
+
+    def copy_to(self, start: int, chunk: torch.Tensor) -> None:
+        for piece, at in self._pieces(start, chunk.numel()):
+            chunk[at : at + piece.numel()].copy_(piece)
+
+    def copy_from(self, start: int, chunk: torch.Tensor) -> None:
+        for piece, at in self._pieces(start, chunk.numel()):
+            piece.copy_(chunk[at : at + piece.numel()])
 
 
 def shm_allreduce_hook(state: ShmAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

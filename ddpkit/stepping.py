@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,9 +68,19 @@ class Stepper:
     """The accumulation state machine behind `Session.accumulate/backward/step` (one per session)."""
 
     def __init__(
-        self, accumulation: int, precision: PrecisionPlan, *, distributed: bool, report: Callable[[str], None]
+        self,
+        accumulation: int,
+        precision: PrecisionPlan,
+        *,
+        distributed: bool,
+        report: Callable[[str], None],
+        shard: bool | str = False,
+        device: torch.device | None = None,
     ) -> None:
         self.accumulation = accumulation
+        self.shard = shard  # ddpkit.sharding: each rank steps its share of the parameters
+        self.device = device or torch.device("cpu")
+        self._in_join = False
         self.precision = precision
         self.distributed = distributed
         self.report = report
@@ -172,13 +183,17 @@ class Stepper:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             norm = nn.utils.clip_grad_norm_(params, max_norm)
         skipped = False
-        if self.scaler is not None:
-            before = self.scaler.get_scale()
-            self.scaler.step(optimizer)
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < before
+        sharder = self._sharder(optimizer)
+        scaler = self.scaler
+        update: Callable[[], Any] = optimizer.step if scaler is None else lambda: scaler.step(optimizer)
+        before = scaler.get_scale() if scaler is not None else 0.0
+        if sharder is not None:
+            sharder.step(update)
         else:
-            optimizer.step()
+            update()
+        if scaler is not None:
+            scaler.update()
+            skipped = scaler.get_scale() < before
         optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         if skipped:
@@ -188,6 +203,31 @@ class Stepper:
                 f"lowered to {self.scaler.get_scale():g} ({self.skipped} skipped so far)"  # type: ignore[union-attr]
             )
         return StepInfo(stepped=True, skipped=skipped, grad_norm=norm, step=self.steps)
+
+    def _sharder(self, optimizer: torch.optim.Optimizer) -> Any:
+        if not self.distributed or self.shard is False:
+            return None
+        from ddpkit import sharding
+
+        if self._in_join:
+            if sharding.existing(optimizer) is not None:
+                raise problem(
+                    "s.join began after sharded optimizer steps: inside it, a rank that ran out of data "
+                    "cannot update its share of the parameters",
+                    "Enter `with s.join(model):` before the first s.step, or pass shard_optimizer=False "
+                    "to ddpkit.session",
+                )
+            return None
+        return sharding.choose(optimizer, self.shard, self.device)
+
+    @contextlib.contextmanager
+    def joining(self) -> Iterator[None]:
+        """Inside `s.join`: whole optimizer steps on every rank (see `_sharder`)."""
+        self._in_join = True
+        try:
+            yield
+        finally:
+            self._in_join = False
 
     def state_dict(self) -> dict:
         """The loss scale (fp16) and step counts, for checkpoints; save between optimizer steps, since

@@ -35,10 +35,10 @@ def test_tune_never_recommends_lossy_hooks_unless_allowed() -> None:
     assert any(c.nproc == 1 and c.threads == 2 for c in configs) and any(c.zero for c in configs)
     times = {c.label: 1.0 for c in configs}
     times["fp16 compression"] = 0.5
-    times["shm hook"] = 0.8
+    times["ddpkit defaults + shm hook"] = 0.8
     stats = {k: Stats(k, samples=[v]) for k, v in times.items()}
     best, gain = tune.recommend(stats, configs, allow_lossy=False)
-    assert best.label == "shm hook" and gain == pytest.approx(1.25)
+    assert best.label == "ddpkit defaults + shm hook" and gain == pytest.approx(1.25)
     assert tune.recommend(stats, configs, allow_lossy=True)[0].label == "fp16 compression"
 
 
@@ -94,6 +94,7 @@ def test_scaling_small_run(tmp_path) -> None:
     assert [r["nproc"] for r in data["scaling"]] == [1, 2]
     assert data["scaling"][0]["efficiency"] == pytest.approx(1.0)
     assert data["scaling"][1]["comm_share"] is not None
+    assert 0 < data["scaling"][1]["efficiency_without_comm"] < 2
     assert {o["label"] for o in data["options"]} >= {"bucket 1 MB", "hook shm"}
     assert (tmp_path / "scaling.png").stat().st_size > 1000
 

@@ -13,14 +13,17 @@ from ddpkit import cpu_allocator
 
 pytestmark = pytest.mark.skipif(not cpu_allocator.enabled({}), reason="Linux with glibc only")
 
-# Page faults while allocating and filling a 64 MB tensor a second time (as every training step does
-# with its gradients and temporaries), inside a CPU session.
+# Page faults over 5 "steps" that each allocate, fill and free two 64 MB tensors (as every training step
+# does with its gradients and temporaries), after 3 such steps of warm-up, inside a CPU session.
+# Measured: glibc 163850 (4 KB pages, every step), huge pages alone 5440, ddpkit 0 (once in a while 544).
 PROBE = """
 import resource, torch, ddpkit
 with ddpkit.session(verbose=False, env={}):
     faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    x = torch.ones(16 << 20); del x
-    before = faults(); x = torch.ones(16 << 20); del x
+    for step in range(8):
+        if step == 3:
+            before = faults()
+        x = torch.ones(16 << 20); y = torch.ones(16 << 20); del x, y
     print(faults() - before)
 """
 
@@ -33,11 +36,11 @@ def _faults(**env: str) -> int:
 
 
 def test_session_reuses_big_blocks_instead_of_faulting_them_in():
-    assert _faults() < 64  # 64 MB in 4 KB pages would be 16384 faults
+    assert _faults() < 2000  # the same memory again: no new pages (THP alone would still fault 5440)
 
 
 def test_opt_out_keeps_glibc_behaviour():
-    assert _faults(DDPKIT_CPU_ALLOCATOR="default") > 8000
+    assert _faults(DDPKIT_CPU_ALLOCATOR="default") > 50_000
 
 
 def test_rank_env_leaves_the_users_own_values_alone():

@@ -43,6 +43,7 @@ class Config:
     zero: bool = False  # torch's ZeroRedundancyOptimizer: each rank updates a shard, then broadcasts
     fused: bool = False  # the user's optimizer class with fused=True (one kernel per step, same math)
     cpu_allocator: bool = False  # ddpkit's CPU allocator settings (ddpkit.cpu_allocator); False: glibc's
+    shard: bool = False  # ddpkit.sharding: each rank steps its share of the parameters, then publishes
 
     @property
     def group_key(self) -> tuple[int, int, bool]:
@@ -60,13 +61,15 @@ class Config:
                 parts.append(f"hook {self.hook}" + (" (lossy)" if self.hook in LOSSY_HOOKS else ""))
             if self.zero:
                 parts.append("ZeRO optimizer")
+            if self.shard:
+                parts.append("sharded step")
         if self.fused:
             parts.append("optimizer fused=True")
         parts.append("memory kept (ddpkit)" if self.cpu_allocator else "glibc malloc")
         return ", ".join(parts)
 
 
-def _build(workload: Any, cfg: Config, s: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _build(workload: Any, cfg: Config, s: Any) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(0)
     model = s.model(
         workload.build(),
@@ -84,7 +87,26 @@ def _build(workload: Any, cfg: Config, s: Any) -> tuple[torch.nn.Module, torch.o
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(opt), **defaults)
+    if cfg.shard and s.world_size > 1:
+        from ddpkit import sharding
+
+        sharder = sharding.choose(opt, True, s.device)  # what s.step(opt) does with shard_optimizer="auto"
+        if sharder is not None:
+            return model, _Sharded(opt, sharder)
     return model, opt
+
+
+class _Sharded:
+    """An optimizer whose `step` is ddpkit's sharded step (the benchmark loop calls opt.step())."""
+
+    def __init__(self, opt: torch.optim.Optimizer, sharder: Any) -> None:
+        self.opt, self.sharder = opt, sharder
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.sharder.step(self.opt.step)
 
 
 def fused(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 from typing import Any
 
 from ddpkit import workloads
@@ -89,10 +90,15 @@ def summarise(workload: workloads.Workload, configs: list[Config], stats: dict[s
     rows = []
     for c in curve:
         st = stats[c.label]
+        # The same steps without any all-reduce (no_sync): ranks run independently, so this efficiency
+        # is what the machine allows (shared memory bandwidth, the optimizer step every rank repeats)
+        # before communication costs anything.
+        alone = statistics.median(st.no_sync) if st.no_sync else None
         rows.append({
             "nproc": c.nproc, "threads": c.threads, "step_ms": st.median * 1e3, "spread": st.spread,
             "samples_per_s": workload.global_batch / st.median, "speedup": t1 / st.median,
             "efficiency": t1 / (c.nproc * st.median), "comm_share": st.comm_share,
+            "efficiency_without_comm": t1 / (c.nproc * alone) if alone else None,
         })  # fmt: skip
     others = []
     for c in configs:
@@ -117,9 +123,14 @@ def _pct(v: float | None) -> str:
 
 def print_tables(data: dict[str, Any]) -> None:
     rows = [[r["nproc"], r["threads"], r["step_ms"], f"±{r['spread'] / 2:.0%}", r["samples_per_s"],
-             r["speedup"], r["efficiency"], _pct(r["comm_share"])] for r in data["scaling"]]
+             r["speedup"], r["efficiency"], _pct(r["comm_share"]),
+             "" if r.get("efficiency_without_comm") is None else f"{r['efficiency_without_comm']:.3f}"]
+            for r in data["scaling"]]
     print(report.table(["nproc", "threads", "step ms", "spread", "samples/s", "speed-up", "efficiency",
-                        "comm share"], rows))
+                        "comm share", "efficiency without comm"], rows))
+    print("(efficiency without comm: the same steps with no all-reduce, ranks running independently --\n"
+          " the ceiling this machine sets before any communication, from memory bandwidth shared by the\n"
+          " ranks and the optimizer step each rank repeats)")
     print()
     rows = [[o["label"] + (" (lossy)" if o["lossy"] else ""), o["step_ms"], f"±{o['spread'] / 2:.0%}",
              o["samples_per_s"], _pct(o["comm_share"])] for o in data["options"]]
@@ -133,6 +144,9 @@ def plot(data: dict[str, Any], path: str) -> str:
     thr = [r["samples_per_s"] for r in data["scaling"]]
     a.plot(n, thr, "o-", label="measured", color="#3366cc")
     a.plot(n, [thr[0] * k for k in n], "--", color="#999999", label="ideal (linear)")
+    ceiling = [r.get("efficiency_without_comm") or 1.0 for r in data["scaling"]]
+    a.plot(n, [thr[0] * k * e for k, e in zip(n, ceiling, strict=True)], ":", color="#339966",
+           label="without communication")
     for k, t, r in zip(n, thr, data["scaling"], strict=True):
         a.annotate(f"{r['efficiency']:.2f}", (k, t), textcoords="offset points", xytext=(4, -12), fontsize=8)
     a.set(xlabel="processes (ranks)", ylabel="samples / s", xticks=n,

@@ -4,8 +4,9 @@
     ddpkit bench tune --workload mypkg.models:my_workload --nproc 2 --rounds 5
 
 Tried, each against hand-written DDP with torch's defaults (the baseline, ratio 1.00):
-- ddpkit's defaults (gradients as bucket views, CPU memory kept between steps: `ddpkit.cpu_allocator`),
-  each of the two alone, bucket sizes 5 and 100 MB, static graph;
+- ddpkit's defaults (gradients as bucket views, CPU memory kept between steps: `ddpkit.cpu_allocator`,
+  the optimizer step sharded over the ranks: `ddpkit.sharding`), parts of them alone, bucket sizes 5
+  and 100 MB, static graph;
 - communication hooks: "shm" (exact shared-memory all-reduce, same machine only) and the lossy fp16 /
   bf16 compressions (listed, never recommended unless --allow-lossy);
 - torch's ZeroRedundancyOptimizer (each rank updates 1/N of the parameters, then broadcasts them);
@@ -35,20 +36,21 @@ def candidates(nproc: int, cores: int, *, quick: bool = False, fused: bool = Fal
 
     configs = [
         Config(label="hand-written DDP (torch defaults)", nproc=nproc, threads=threads),
-        ddp("ddpkit defaults (bucket view, memory kept)"),
-        ddp("shm hook", hook="shm"),
+        ddp("ddpkit defaults (bucket view, memory kept, sharded step)", shard=True),
+        ddp("ddpkit defaults + shm hook", hook="shm", shard=True),
     ]
     if not quick:
         configs += [
             Config(label="torch defaults + memory kept", nproc=nproc, threads=threads, cpu_allocator=True),
             ddp("bucket view, glibc malloc", cpu_allocator=False),
-            ddp("bucket 5 MB", bucket_cap_mb=5),
-            ddp("bucket 100 MB", bucket_cap_mb=100),
-            ddp("static graph", static_graph=True),
+            ddp("bucket view + memory kept (no sharded step)"),
+            ddp("bucket 5 MB", bucket_cap_mb=5, shard=True),
+            ddp("bucket 100 MB", bucket_cap_mb=100, shard=True),
+            ddp("static graph", static_graph=True, shard=True),
             ddp("ZeRO optimizer", zero=True),
             ddp("shm hook + ZeRO", hook="shm", zero=True),
-            ddp("fp16 compression", hook="fp16"),
-            ddp("bf16 compression", hook="bf16"),
+            ddp("fp16 compression", hook="fp16", shard=True),
+            ddp("bf16 compression", hook="bf16", shard=True),
         ]
     if cores > 1:
         configs.append(Config(label=f"1 process x {cores} threads (no DDP)", nproc=1, threads=cores,
@@ -56,8 +58,8 @@ def candidates(nproc: int, cores: int, *, quick: bool = False, fused: bool = Fal
         if not quick:
             configs.append(Config(label=f"1 process x {cores} threads, glibc malloc", nproc=1, threads=cores))
     if fused:  # changes the user's optimizer construction: reported apart from the DDP options
-        configs += [ddp("ddpkit defaults + fused optimizer", fused=True),
-                    ddp("shm hook + fused optimizer", hook="shm", fused=True)]
+        configs += [ddp("ddpkit defaults + fused optimizer", fused=True, shard=True),
+                    ddp("shm hook + fused optimizer", hook="shm", fused=True, shard=True)]
         if cores > 1:
             label = f"1 process x {cores} threads + fused optimizer"
             configs.append(Config(label=label, nproc=1, threads=cores, fused=True, cpu_allocator=True))
@@ -127,6 +129,8 @@ def _how_to(cfg: Config) -> str:
     if not cfg.gradient_as_bucket_view:
         opts.append("gradient_as_bucket_view=False")
     how = f"how: s.model(net{', ' if opts else ''}{', '.join(opts)}) with `ddpkit run --nproc {cfg.nproc}`"
+    if not cfg.shard and not cfg.zero:
+        how += "; ddpkit.session(shard_optimizer=False)"
     if cfg.zero:
         how += "; optimizer: torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class=...)"
     return how

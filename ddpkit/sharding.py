@@ -1,0 +1,160 @@
+"""The optimizer step, sharded: each rank updates only the parameters it owns, then owners publish them.
+
+    with ddpkit.session(shard_optimizer="auto") as s:   # the default
+        ...
+        s.step(opt)        # this rank steps its share of the parameters; every rank ends with all of them
+
+Why: after DDP's all-reduce every rank holds the same averaged gradients and, in plain DDP, repeats the
+same optimizer update on every parameter. On CPU ranks that repeated update competes for the cores with
+everything else (AdamW on the 37.8M-parameter `mlp` takes longer than its forward pass). Here rank r
+steps only the parameters it owns (a greedy split by size, whole tensors), so optimizer state exists
+only there too, and then every rank receives the owners' new values: through shared memory when the
+ranks share a machine (`ddpkit.shm_allreduce`), else by broadcasts from each owner.
+
+How, without touching the user's optimizer: during `optimizer.step()` the gradients of the parameters
+this rank does not own are set aside (`p.grad = None`), which every torch optimizer skips. The update
+of each parameter is the same computation the unsharded step would do, by the same kernels on the
+same values, so the weights are bitwise those of the unsharded step (tests/test_sharding.py).
+
+"auto" shards the step of torch's per-parameter optimizers (SGD, Adam, AdamW, ...) on CPU ranks that
+share a machine; True shards any optimizer but L-BFGS and SparseAdam (for per-parameter update rules
+only: one that reads other parameters, e.g. a global trust ratio, must not be sharded); False never.
+Checkpoints hold the full optimizer state (gathered at save, `full_state_dict`), so they load at any
+world size, sharded or not. Only `s.step(opt)` shards: call it rather than `opt.step()` throughout.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.errors import problem
+
+PER_PARAMETER = {
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD",
+    "Adafactor",
+}  # fmt: skip
+NEVER = {"LBFGS", "SparseAdam"}
+_BROADCAST_BUCKET = 256 * 2**20
+
+_registry: weakref.WeakKeyDictionary[torch.optim.Optimizer, ShardedStep | None] = weakref.WeakKeyDictionary()
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def partition(sizes: list[int], world: int) -> list[int]:
+    """Owner rank of each tensor: largest first, to the least-loaded rank (ties: lower index, rank)."""
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+class ShardedStep:
+    """One optimizer's split over the ranks of `group`, and the publishing of updated parameters."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group: Any, shm: Any | None) -> None:
+        self.optimizer = optimizer
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.shm = shm  # a ShmAllReduce whose segment carries the parameters, or None: broadcasts
+        self.params = _params(optimizer)
+        self.owner = partition([p.numel() for p in self.params], self.world)
+        pairs = list(zip(self.params, self.owner, strict=True))
+        self.owned = [[p for p, o in pairs if o == r] for r in range(self.world)]
+        self.drop_foreign_state()
+
+    def drop_foreign_state(self) -> None:
+        """Forget optimizer state of parameters other ranks own (after a full load, or at the start)."""
+        mine = {id(p) for p in self.owned[self.rank]}
+        for p in self.params:
+            if id(p) not in mine:
+                self.optimizer.state.pop(p, None)
+
+    def step(self, run: Callable[[], Any]) -> Any:
+        """`run()` (the optimizer step) on this rank's parameters only, then publish them to every rank."""
+        if _params(self.optimizer) != self.params:
+            raise problem(
+                "the optimizer's parameters changed after sharded steps began (add_param_group?)",
+                "Build the optimizer with all its parameters before the first s.step, or pass "
+                "shard_optimizer=False to ddpkit.session",
+            )
+        mine = {id(p) for p in self.owned[self.rank]}
+        aside = [(p, p.grad) for p in self.params if id(p) not in mine and p.grad is not None]
+        for p, _ in aside:
+            p.grad = None
+        try:
+            result = run()
+        finally:
+            for p, g in aside:
+                p.grad = g
+        self.publish()
+        return result
+
+    def publish(self) -> None:
+        """Every rank gets the values of the parameters each owner just updated."""
+        with torch.no_grad():
+            if self.shm is not None:
+                self.shm.all_gather_([[p.detach() for p in ps] for ps in self.owned])
+                return
+            for r, ps in enumerate(self.owned):
+                if ps:
+                    src = dist.get_global_rank(self.group, r)
+                    dist._broadcast_coalesced(self.group, [p.detach() for p in ps], _BROADCAST_BUCKET, src)
+
+    def full_state_dict(self) -> dict[str, Any] | None:
+        """The unsharded `optimizer.state_dict()` on rank 0 (None elsewhere). Collective."""
+        own = self.optimizer.state_dict()
+        parts: list[Any] = [None] * self.world if self.rank == 0 else None  # type: ignore[assignment]
+        dist.gather_object(own["state"], parts, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        if self.rank != 0:
+            return None
+        merged: dict[int, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return {"state": dict(sorted(merged.items())), "param_groups": own["param_groups"]}
+
+
+def choose(optimizer: torch.optim.Optimizer, mode: bool | str, device: torch.device) -> ShardedStep | None:
+    """The optimizer's ShardedStep, made on its first step (collective: every rank calls it), or None."""
+    if optimizer in _registry:
+        return _registry[optimizer]
+    name = type(optimizer).__name__
+    decided: ShardedStep | None = None
+    if mode is True and name in NEVER:
+        raise problem(f"shard_optimizer=True cannot shard {name} (its step is not per parameter)",
+                      "Pass shard_optimizer='auto' or False to ddpkit.session")  # fmt: skip
+    wanted = mode is True or (mode == "auto" and device.type == "cpu" and name in PER_PARAMETER)
+    if wanted and dist.is_initialized() and dist.get_world_size() > 1:
+        shm = _shared_memory(optimizer, device)
+        if shm is not None or mode is True:
+            decided = ShardedStep(optimizer, dist.group.WORLD, shm)
+    _registry[optimizer] = decided
+    return decided
+
+
+def existing(optimizer: torch.optim.Optimizer) -> ShardedStep | None:
+    """The ShardedStep of an optimizer that has taken sharded steps, if any (no collective)."""
+    return _registry.get(optimizer)
+
+
+def _shared_memory(optimizer: torch.optim.Optimizer, device: torch.device) -> Any | None:
+    """A shared-memory channel when every rank is on this machine and the parameters can use it."""
+    from ddpkit.shm_allreduce import ShmAllReduce
+
+    params = _params(optimizer)
+    usable = device.type == "cpu" and all(p.is_contiguous() and p.device.type == "cpu" for p in params)
+    state = ShmAllReduce() if usable else None  # collective; usable is the same on every rank
+    if state is None or not state.active:
+        return None
+    return state
