@@ -168,7 +168,9 @@ def main() -> int:
     load0 = os.getloadavg()
     cores = len(os.sched_getaffinity(0))
     print(f"peers: torch {torch.__version__}, load average {load0[0]:.2f}, {cores} cores", flush=True)
-    result: dict[str, Any] = {"load_start": load0, "warm": {}, "cold": {}}
+    from ddpkit.bench.report import cpu_steal
+
+    result: dict[str, Any] = {"load_start": load0, "warm": {}, "cold": {}, "steal_start": cpu_steal()}
     for spec in [] if ns.skip_warm else specs:
         result["warm"][spec] = warm(spec, ns.rounds, ns.block_seconds, lambda m: print(m, flush=True))
         save(ns.json, result)
@@ -240,9 +242,10 @@ def print_tables(result: dict[str, Any]) -> None:
     print("\ncold start: time from command to first finished step, median [min, max] / peak RSS per rank")
     print(table(["workload", "python (1 proc)", "torchrun + DDP", "ddpkit run", "torchrun + Accelerate",
                  "fabric run"], rows))
-    end = result["load_end"][0]
-    print(f"load average at start {result['load_start'][0]:.2f}, at end {end:.2f}"
-          + (" -- busy machine: provisional figures" if max(end, result["load_start"][0]) > 1.0 else ""))
+    from ddpkit.bench.report import cpu_steal, load_note
+
+    print(load_note(result["load_start"], result["load_end"], len(os.sched_getaffinity(0)),
+                    (result.get("steal_start"), cpu_steal())))
 
 
 def _half_spread(samples: list[float]) -> float:

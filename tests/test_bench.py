@@ -102,3 +102,11 @@ def test_scaling_small_run(tmp_path) -> None:
 def test_config_describe_names_what_differs() -> None:
     cfg = Config(label="x", hook="fp16", gradient_as_bucket_view=True, zero=True)
     assert cfg.describe() == "2 proc x 1 thr, bucket 25 MB, bucket view, hook fp16 (lossy), ZeRO optimizer, glibc malloc"
+
+
+def test_load_note_judges_the_start_and_the_steal_not_the_runs_own_load() -> None:
+    quiet = report.load_note([0.2, 0, 0], [2.0, 0, 0], 2, ((1000, 10), (2000, 20)))
+    assert "steal 1%" in quiet and "provisional" not in quiet
+    assert "provisional" in report.load_note([0.2, 0, 0], [2.0, 0, 0], 2, ((1000, 10), (2000, 200)))
+    assert "provisional" in report.load_note([1.5, 0, 0], [2.0, 0, 0], 2)
+    assert report.cpu_steal() is None or report.cpu_steal()[0] > 0

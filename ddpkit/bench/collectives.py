@@ -125,7 +125,7 @@ def run(ns: argparse.Namespace) -> int:
         return 2
     counts = [int(n) for n in ns.nproc.split(",")]
     cores = report.machine()["cores"]
-    before = report.machine()["load_average"]
+    before, steal0 = report.machine()["load_average"], report.cpu_steal()
     results: dict[str, Any] = {"machine": report.machine(), "sizes": sizes, "worlds": {}}
     memcpy = {size: memcpy_seconds(size, ns.threads) for size in sizes}
     results["memcpy_GBps"] = {size: size / t / 1e9 for size, t in memcpy.items()}
@@ -151,9 +151,9 @@ def run(ns: argparse.Namespace) -> int:
         headers = ["size"] + [h for op in ops for h in (f"{op} us", "busbw")] + ["memcpy GB/s"]
         print(report.table(headers, table_rows))
         print("(busbw in GB/s; algbw = busbw / factor, in the JSON; medians over rounds)")
-    after = report.machine()["load_average"]
+    after, steal1 = report.machine()["load_average"], report.cpu_steal()
     results.update(load_before=before, load_after=after)
-    note = report.load_note(before, after, cores)
+    note = report.load_note(before, after, cores, (steal0, steal1))
     if note:
         print(note)
     os.makedirs(ns.out, exist_ok=True)

@@ -54,13 +54,35 @@ def machine() -> dict[str, Any]:
     }
 
 
-def load_note(before: Sequence[float] | None, after: Sequence[float] | None, cores: int) -> str:
-    """One line on machine load; flags results as provisional when others competed for the cores."""
+def cpu_steal() -> tuple[int, int] | None:
+    """(total, stolen) CPU ticks since boot from /proc/stat; stolen = time the hypervisor gave this
+    machine's virtual CPUs to someone else. None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return sum(fields), fields[7] if len(fields) > 7 else 0
+
+
+def load_note(before: Sequence[float] | None, after: Sequence[float] | None, cores: int,
+              steal: tuple[tuple[int, int] | None, tuple[int, int] | None] = (None, None)) -> str:
+    """One line on how quiet the machine was; flags the figures as provisional when others competed.
+
+    Two signs: a load average above half the cores *before* the run (the run's own ranks raise it
+    afterwards, so the end value is shown, not judged), and CPU steal above 5 % during the run (a virtual
+    machine whose host lent its cores to others: every timing stretches unevenly).
+    """
     if not before or not after:
         return ""
-    worst = max(before[0], after[0])
-    text = f"load average {before[0]:.2f} at start, {after[0]:.2f} at end, {cores} cores"
-    if worst > 0.5 * cores:
+    text = f"load average {before[0]:.2f} at start, {after[0]:.2f} at end (this run included), {cores} cores"
+    busy = before[0] > 0.5 * cores
+    start, end = steal
+    if start and end and end[0] > start[0]:
+        share = (end[1] - start[1]) / (end[0] - start[0])
+        text += f"; CPU steal {share:.0%} of the run"
+        busy = busy or share > 0.05
+    if busy:
         text += " -- the machine was busy: treat these figures as provisional"
     return text
 

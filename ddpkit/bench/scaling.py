@@ -65,17 +65,17 @@ def run(ns: argparse.Namespace) -> int:
     if ns.threads * max_nproc > cores:
         print(f"ddpkit bench scaling: note: {max_nproc} x {ns.threads} threads exceeds {cores} cores; the "
               "largest counts oversubscribe the CPU and will not scale")
-    before = report.machine()["load_average"]
+    before, steal0 = report.machine()["load_average"], report.cpu_steal()
     print(f"ddpkit bench scaling: workload {workload.name}, global batch {workload.global_batch}, "
           f"{len(configs)} configurations x {ns.rounds} rounds x >= {ns.block_seconds:g} s", flush=True)
     stats = measure(ns.workload, configs, rounds=ns.rounds, steps=ns.steps, warmup=ns.warmup,
                     target_s=ns.block_seconds,
                     no_sync=True, log=print if ns.verbose else None)
-    after = report.machine()["load_average"]
+    after, steal1 = report.machine()["load_average"], report.cpu_steal()
     data = summarise(workload, configs, stats)
     data.update(machine=report.machine(), load_before=before, load_after=after, notes=notes)
     print_tables(data)
-    note = report.load_note(before, after, cores)
+    note = report.load_note(before, after, cores, (steal0, steal1))
     if note:
         print(note)
     os.makedirs(ns.out, exist_ok=True)

@@ -78,13 +78,13 @@ def run(ns: argparse.Namespace) -> int:
     cores = report.machine()["cores"]
     nproc = ns.nproc or min(2, cores)
     configs = candidates(nproc, cores, quick=ns.quick, fused=ns.fused)
-    before = report.machine()["load_average"]
+    before, steal0 = report.machine()["load_average"], report.cpu_steal()
     print(f"ddpkit bench tune: workload {ns.workload}, {len(configs)} configurations x {ns.rounds} rounds "
           f"x >= {ns.block_seconds:g} s (interleaved)", flush=True)
     stats = measure(ns.workload, configs, rounds=ns.rounds, steps=ns.steps, warmup=ns.warmup,
                     target_s=ns.block_seconds,
                     log=print if ns.verbose else None)
-    after = report.machine()["load_average"]
+    after, steal1 = report.machine()["load_average"], report.cpu_steal()
     base = stats[configs[0].label].median
     rows = []
     for c in sorted(configs, key=lambda c: stats[c.label].median):
@@ -103,7 +103,7 @@ def run(ns: argparse.Namespace) -> int:
         gain_fused = base / stats[top.label].median
         print(f"beyond ddpkit's options: {top.label} -- {gain_fused:.2f}x (construct your optimizer with "
               "fused=True: one kernel per tensor, the same update up to float rounding)")
-    note = report.load_note(before, after, cores)
+    note = report.load_note(before, after, cores, (steal0, steal1))
     if note:
         print(note)
     data: dict[str, Any] = {
