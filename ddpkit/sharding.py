@@ -74,6 +74,13 @@ class ShardedStep:
         self.owned = [[p for p, o in pairs if o == r] for r in range(self.world)]
         self.drop_foreign_state()
 
+    def describe(self) -> str:
+        shares = [sum(p.numel() for p in ps) for ps in self.owned]
+        total = sum(shares) or 1
+        via = "shared memory" if self.shm is not None else "broadcasts"
+        return (f"optimizer step sharded over {self.world} ranks ({type(self.optimizer).__name__}; largest "
+                f"share {max(shares) / total:.0%} of the parameters); new values published through {via}")
+
     def drop_foreign_state(self) -> None:
         """Forget optimizer state of parameters other ranks own (after a full load, or at the start)."""
         mine = {id(p) for p in self.owned[self.rank]}
@@ -141,6 +148,11 @@ def choose(optimizer: torch.optim.Optimizer, mode: bool | str, device: torch.dev
             decided = ShardedStep(optimizer, dist.group.WORLD, shm)
     _registry[optimizer] = decided
     return decided
+
+
+def decided(optimizer: torch.optim.Optimizer) -> bool:
+    """True once `choose` has run for this optimizer (sharded or not)."""
+    return optimizer in _registry
 
 
 def existing(optimizer: torch.optim.Optimizer) -> ShardedStep | None:

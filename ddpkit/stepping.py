@@ -218,7 +218,11 @@ class Stepper:
                     "to ddpkit.session",
                 )
             return None
-        return sharding.choose(optimizer, self.shard, self.device)
+        new = not sharding.decided(optimizer)
+        sharder = sharding.choose(optimizer, self.shard, self.device)
+        if new and sharder is not None:
+            self.report(f"ddpkit: {sharder.describe()}")
+        return sharder
 
     @contextlib.contextmanager
     def joining(self) -> Iterator[None]:

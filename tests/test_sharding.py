@@ -3,6 +3,9 @@ full state in checkpoints, the broadcast path across machines, and a clear error
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -148,3 +151,17 @@ def _plan():
     from ddpkit import topology
 
     return topology.resolve({}, topology.Hardware(gpus=0, cpu_cores=2))
+
+
+def printed_at_first_step() -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), ddpkit.session(seed=0) as s:
+        model = s.model(_net())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _train(s, model, opt, 2)
+    return out.getvalue()
+
+
+def test_rank_0_says_once_that_the_step_is_sharded(pool2) -> None:
+    text = pool2.run(printed_at_first_step)[0]
+    assert text.count("optimizer step sharded over 2 ranks (AdamW") == 1 and "shared memory" in text
