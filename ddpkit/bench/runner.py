@@ -182,9 +182,10 @@ def run_group(
             if no_sync and s.world_size > 1:  # the same steps without any all-reduce
                 s.barrier()
                 start = time.perf_counter()
+                alone = opt.opt if isinstance(opt, _Sharded) else opt  # no publishing either: independent
                 with model.no_sync():  # type: ignore[operator]
                     for _ in range(n_steps):
-                        _step(workload, model, opt, batch)
+                        _step(workload, model, alone, batch)
                 _sync(s.device)
                 result["no_sync_step_s"] = (time.perf_counter() - start) / n_steps
             out.append(result)

@@ -34,19 +34,19 @@ def plan(workload: workloads.Workload, max_nproc: int, threads: int, cores: int,
             continue
         counts.append(n)
         configs.append(Config(label=f"nproc {n}", nproc=n, threads=threads, gradient_as_bucket_view=True,
-                              cpu_allocator=True))
+                              cpu_allocator=True, shard=n > 1))
     top = counts[-1]
     if top > 1:
         for mb in buckets:
             if mb != 25:
                 configs.append(Config(label=f"bucket {mb:g} MB", nproc=top, threads=threads,
                                       gradient_as_bucket_view=True, bucket_cap_mb=mb,
-                                      cpu_allocator=True))
+                                      cpu_allocator=True, shard=True))
         for hook in hooks:
             if hook != "allreduce":
                 configs.append(Config(label=f"hook {hook}", nproc=top, threads=threads,
                                       gradient_as_bucket_view=True, hook=hook,
-                                      cpu_allocator=True))
+                                      cpu_allocator=True, shard=True))
     if cores > threads:
         configs.append(Config(label=f"1 process x {cores} threads", nproc=1, threads=cores,
                               cpu_allocator=True))
@@ -109,7 +109,7 @@ def summarise(workload: workloads.Workload, configs: list[Config], stats: dict[s
                        "samples_per_s": workload.global_batch / st.median, "comm_share": st.comm_share,
                        "lossy": c.hook in LOSSY_HOOKS, "settings": c.describe()})
     top = curve[-1]
-    others.insert(0, {"label": "ddpkit defaults (bucket 25 MB, allreduce)",
+    others.insert(0, {"label": "ddpkit defaults (bucket 25 MB, allreduce, sharded step)",
                       "step_ms": stats[top.label].median * 1e3, "spread": stats[top.label].spread,
                       "samples_per_s": workload.global_batch / stats[top.label].median,
                       "comm_share": stats[top.label].comm_share, "lossy": False, "settings": top.describe()})
