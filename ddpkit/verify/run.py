@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit import sharding
 from ddpkit.data import to_device
 from ddpkit.errors import problem
 from ddpkit.verify.spec import VerifySpec, build_data, build_loss, build_model, build_optimizer, resolve
@@ -251,8 +250,6 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
     if spec.after_wrap is not None:
         resolve(spec.after_wrap, "after_wrap")(net, s)
     optimizer = build_optimizer(spec, model.parameters())
-    # ddpkit's own step, as `s.step` takes it: sharded over the ranks where "auto" shards (bitwise the same)
-    sharder = sharding.choose(optimizer, "auto", s.device) if world > 1 else None
     out.params = [name for name, _ in net.named_parameters()]
     stream = _stream(spec, s, world)
     autocast = (
@@ -284,10 +281,7 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
                     n: None if p.grad is None else p.grad.detach().clone().cpu()
                     for n, p in net.named_parameters()
                 }
-            if sharder is not None:
-                sharder.step(optimizer.step)
-            else:
-                optimizer.step()
+            optimizer.step()  # every rank steps everything (plain DDP), so per-rank optimizer bugs show
             out.losses.append(float(s.all_reduce(loss.detach().float(), op="mean")))
             if world > 1:
                 out.replica_diff.append(_replica_diff(s, _live(net)))
