@@ -90,7 +90,7 @@ class ShardedStep:
 
     def step(self, run: Callable[[], Any]) -> Any:
         """`run()` (the optimizer step) on this rank's parameters only, then publish them to every rank."""
-        if _params(self.optimizer) != self.params:
+        if [id(p) for p in _params(self.optimizer)] != [id(p) for p in self.params]:
             raise problem(
                 "the optimizer's parameters changed after sharded steps began (add_param_group?)",
                 "Build the optimizer with all its parameters before the first s.step, or pass "

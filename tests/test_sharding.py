@@ -165,3 +165,21 @@ def printed_at_first_step() -> str:
 def test_rank_0_says_once_that_the_step_is_sharded(pool2) -> None:
     text = pool2.run(printed_at_first_step)[0]
     assert text.count("optimizer step sharded over 2 ranks (AdamW") == 1 and "shared memory" in text
+
+
+def param_group_added_after_sharded_steps() -> str:
+    with ddpkit.session(seed=0, verbose=False) as s:
+        model = s.model(_net())
+        opt = torch.optim.SGD(list(model.parameters())[:-1], lr=0.1)
+        _train(s, model, opt, 1)
+        opt.add_param_group({"params": [list(model.parameters())[-1]]})
+        try:
+            _train(s, model, opt, 1)
+        except DdpkitError as err:
+            return str(err)
+        return "no error"
+
+
+def test_parameters_added_after_sharded_steps_is_a_clear_error(pool2) -> None:
+    for message in pool2.run(param_group_added_after_sharded_steps):
+        assert "parameters changed after sharded steps began" in message
