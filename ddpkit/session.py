@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -133,7 +134,11 @@ class Session:
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on global rank 0 only, flushed at once."""
         if self.is_main and self.verbose:
-            print(*args, **kwargs, flush=True)
+            bars = sys.modules.get("tqdm")
+            if bars is not None and getattr(bars.tqdm, "_instances", None) and not kwargs:
+                bars.tqdm.write(" ".join(map(str, args)))  # above the progress bar, not inside it
+            else:
+                print(*args, **kwargs, flush=True)
 
     def print_all(self, *args: Any) -> None:
         """Print on every rank, prefixed with the global rank (for debugging)."""

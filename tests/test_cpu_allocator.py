@@ -13,14 +13,15 @@ from ddpkit import cpu_allocator
 
 pytestmark = pytest.mark.skipif(not cpu_allocator.enabled({}), reason="Linux with glibc only")
 
-# Page faults over 5 "steps" that each allocate, fill and free two 64 MB tensors (as every training step
+# Page faults over 20 "steps" that each allocate, fill and free two 64 MB tensors (as every training step
 # does with its gradients and temporaries), after 3 such steps of warm-up, inside a CPU session.
-# Measured: glibc 163850 (4 KB pages, every step), huge pages alone 5440, ddpkit 0 (once in a while 544).
+# Measured: glibc ~655,000 (4 KB pages, every step), huge pages alone 21,760, ddpkit 544-3,264 (the heap
+# grows now and then, 2 MB-aligned blocks do not always fit the freed ones).
 PROBE = """
 import resource, torch, ddpkit
 with ddpkit.session(verbose=False, env={}):
     faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for step in range(8):
+    for step in range(23):
         if step == 3:
             before = faults()
         x = torch.ones(16 << 20); y = torch.ones(16 << 20); del x, y
@@ -36,11 +37,11 @@ def _faults(**env: str) -> int:
 
 
 def test_session_reuses_big_blocks_instead_of_faulting_them_in():
-    assert _faults() < 2000  # the same memory again: no new pages (THP alone would still fault 5440)
+    assert _faults() < 8000  # mostly the same memory again (huge pages alone would fault 21,760)
 
 
 def test_opt_out_keeps_glibc_behaviour():
-    assert _faults(DDPKIT_CPU_ALLOCATOR="default") > 50_000
+    assert _faults(DDPKIT_CPU_ALLOCATOR="default") > 200_000
 
 
 def test_rank_env_leaves_the_users_own_values_alone():
