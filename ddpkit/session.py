@@ -76,7 +76,7 @@ class Session:
         bf16 = self.device.type != "cuda" or torch.cuda.is_bf16_supported()
         self.precision = resolve_precision(precision, self.device.type, bf16_supported=bf16)
         self._stepper = Stepper(accumulation, self.precision, distributed=plan.distributed, report=self.print,
-                                shard=shard_optimizer, device=self.device)
+                                shard=shard_optimizer, device=self.device, timeout=timeout)
 
     # -- who am I -------------------------------------------------------------------------------
     @property

@@ -132,7 +132,9 @@ class ShardedStep:
         return {"state": dict(sorted(merged.items())), "param_groups": own["param_groups"]}
 
 
-def choose(optimizer: torch.optim.Optimizer, mode: bool | str, device: torch.device) -> ShardedStep | None:
+def choose(
+    optimizer: torch.optim.Optimizer, mode: bool | str, device: torch.device, *, timeout: float = 1800.0
+) -> ShardedStep | None:
     """The optimizer's ShardedStep, made on its first step (collective: every rank calls it), or None."""
     if optimizer in _registry:
         return _registry[optimizer]
@@ -143,7 +145,7 @@ def choose(optimizer: torch.optim.Optimizer, mode: bool | str, device: torch.dev
                       "Pass shard_optimizer='auto' or False to ddpkit.session")  # fmt: skip
     wanted = mode is True or (mode == "auto" and device.type == "cpu" and name in PER_PARAMETER)
     if wanted and dist.is_initialized() and dist.get_world_size() > 1:
-        shm = _shared_memory(optimizer, device)
+        shm = _shared_memory(optimizer, device, timeout)
         if shm is not None or mode is True:
             decided = ShardedStep(optimizer, dist.group.WORLD, shm)
     _registry[optimizer] = decided
@@ -160,13 +162,13 @@ def existing(optimizer: torch.optim.Optimizer) -> ShardedStep | None:
     return _registry.get(optimizer)
 
 
-def _shared_memory(optimizer: torch.optim.Optimizer, device: torch.device) -> Any | None:
+def _shared_memory(optimizer: torch.optim.Optimizer, device: torch.device, timeout: float) -> Any | None:
     """A shared-memory channel when every rank is on this machine and the parameters can use it."""
     from ddpkit.shm_allreduce import ShmAllReduce
 
     params = _params(optimizer)
     usable = device.type == "cpu" and all(p.is_contiguous() and p.device.type == "cpu" for p in params)
-    state = ShmAllReduce() if usable else None  # collective; usable is the same on every rank
+    state = ShmAllReduce(timeout=timeout) if usable else None  # collective; `usable` is equal on all ranks
     if state is None or not state.active:
         return None
     return state

@@ -76,11 +76,13 @@ class Stepper:
         report: Callable[[str], None],
         shard: bool | str = False,
         device: torch.device | None = None,
+        timeout: float = 1800.0,
     ) -> None:
         self.accumulation = accumulation
         self.shard = shard  # ddpkit.sharding: each rank steps its share of the parameters
         self.device = device or torch.device("cpu")
         self._in_join = False
+        self.timeout = timeout  # a publishing rank waits this long for its peers, like a collective
         self.precision = precision
         self.distributed = distributed
         self.report = report
@@ -219,7 +221,7 @@ class Stepper:
                 )
             return None
         new = not sharding.decided(optimizer)
-        sharder = sharding.choose(optimizer, self.shard, self.device)
+        sharder = sharding.choose(optimizer, self.shard, self.device, timeout=self.timeout)
         if new and sharder is not None:
             self.report(f"ddpkit: {sharder.describe()}")
         return sharder
