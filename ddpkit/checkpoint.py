@@ -168,12 +168,8 @@ def _gather_sharded(shared: Mapping[str, Any]) -> dict[str, Any]:
     """The full state of optimizers whose steps are sharded (`ddpkit.sharding`), on rank 0."""
     from ddpkit import sharding
 
-    out = {}
-    for name, obj in shared.items():
-        sharder = sharding.existing(obj) if isinstance(obj, torch.optim.Optimizer) else None
-        if sharder is not None:
-            out[name] = sharder.full_state_dict()
-    return out
+    return {name: sharder.full_state_dict() for name, obj in shared.items()
+            if (sharder := sharding.existing(obj)) is not None}  # fmt: skip
 
 
 def _write_shared_and_commit(session: Any, root: Path, seq: int, parts: dict[str, dict[str, Any]],
@@ -277,7 +273,7 @@ def load(session: Any, path: str | Path, *, strict: bool = True, **state: Any) -
 
     for name, obj in parts["shared"].items():
         obj.load_state_dict(files.decode(shared["objects"][name], shared_tensors))
-        sharder = sharding.existing(obj) if isinstance(obj, torch.optim.Optimizer) else None
+        sharder = sharding.existing(obj)
         if sharder is not None:  # the checkpoint holds every parameter's state: keep this rank's share
             sharder.drop_foreign_state()
     notes = _restore_per_rank(session, found, parts["per_rank"])

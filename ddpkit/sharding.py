@@ -69,9 +69,10 @@ class ShardedStep:
         self.world = dist.get_world_size(group)
         self.shm = shm  # a ShmAllReduce whose segment carries the parameters, or None: broadcasts
         self.params = _params(optimizer)
-        self.owner = partition([p.numel() for p in self.params], self.world)
-        pairs = list(zip(self.params, self.owner, strict=True))
+        self.ids = [id(p) for p in self.params]
+        pairs = list(zip(self.params, partition([p.numel() for p in self.params], self.world), strict=True))
         self.owned = [[p for p, o in pairs if o == r] for r in range(self.world)]
+        self.foreign = [p for p, o in pairs if o != self.rank]  # their gradients are set aside in step()
         self.drop_foreign_state()
 
     def describe(self) -> str:
@@ -83,21 +84,18 @@ class ShardedStep:
 
     def drop_foreign_state(self) -> None:
         """Forget optimizer state of parameters other ranks own (after a full load, or at the start)."""
-        mine = {id(p) for p in self.owned[self.rank]}
-        for p in self.params:
-            if id(p) not in mine:
-                self.optimizer.state.pop(p, None)
+        for p in self.foreign:
+            self.optimizer.state.pop(p, None)
 
     def step(self, run: Callable[[], Any]) -> Any:
         """`run()` (the optimizer step) on this rank's parameters only, then publish them to every rank."""
-        if [id(p) for p in _params(self.optimizer)] != [id(p) for p in self.params]:
+        if [id(p) for p in _params(self.optimizer)] != self.ids:
             raise problem(
                 "the optimizer's parameters changed after sharded steps began (add_param_group?)",
                 "Build the optimizer with all its parameters before the first s.step, or pass "
                 "shard_optimizer=False to ddpkit.session",
             )
-        mine = {id(p) for p in self.owned[self.rank]}
-        aside = [(p, p.grad) for p in self.params if id(p) not in mine and p.grad is not None]
+        aside = [(p, p.grad) for p in self.foreign if p.grad is not None]
         for p, _ in aside:
             p.grad = None
         try:
@@ -133,9 +131,16 @@ class ShardedStep:
 
 
 def choose(
-    optimizer: torch.optim.Optimizer, mode: bool | str, device: torch.device, *, timeout: float = 1800.0
+    optimizer: torch.optim.Optimizer,
+    mode: bool | str,
+    device: torch.device,
+    *,
+    timeout: float = 1800.0,
+    report: Callable[[str], None] | None = None,
 ) -> ShardedStep | None:
-    """The optimizer's ShardedStep, made on its first step (collective: every rank calls it), or None."""
+    """The optimizer's ShardedStep, made on its first step (collective: every rank calls it), or None.
+
+    `report` is told once, when the step starts being sharded."""
     if optimizer in _registry:
         return _registry[optimizer]
     name = type(optimizer).__name__
@@ -148,18 +153,15 @@ def choose(
         shm = _shared_memory(optimizer, device, timeout)
         if shm is not None or mode is True:
             decided = ShardedStep(optimizer, dist.group.WORLD, shm)
+            if report is not None:
+                report(f"ddpkit: {decided.describe()}")
     _registry[optimizer] = decided
     return decided
 
 
-def decided(optimizer: torch.optim.Optimizer) -> bool:
-    """True once `choose` has run for this optimizer (sharded or not)."""
-    return optimizer in _registry
-
-
-def existing(optimizer: torch.optim.Optimizer) -> ShardedStep | None:
-    """The ShardedStep of an optimizer that has taken sharded steps, if any (no collective)."""
-    return _registry.get(optimizer)
+def existing(obj: Any) -> ShardedStep | None:
+    """The ShardedStep of an optimizer taking sharded steps; None for anything else (no collective)."""
+    return _registry.get(obj) if isinstance(obj, torch.optim.Optimizer) else None
 
 
 def _shared_memory(optimizer: torch.optim.Optimizer, device: torch.device, timeout: float) -> Any | None:

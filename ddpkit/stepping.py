@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpkit import sharding
 from ddpkit.errors import problem
 from ddpkit.precision import PrecisionPlan, make_scaler
 
@@ -209,8 +210,6 @@ class Stepper:
     def _sharder(self, optimizer: torch.optim.Optimizer) -> Any:
         if not self.distributed or self.shard is False:
             return None
-        from ddpkit import sharding
-
         if self._in_join:
             if sharding.existing(optimizer) is not None:
                 raise problem(
@@ -220,11 +219,7 @@ class Stepper:
                     "to ddpkit.session",
                 )
             return None
-        new = not sharding.decided(optimizer)
-        sharder = sharding.choose(optimizer, self.shard, self.device, timeout=self.timeout)
-        if new and sharder is not None:
-            self.report(f"ddpkit: {sharder.describe()}")
-        return sharder
+        return sharding.choose(optimizer, self.shard, self.device, timeout=self.timeout, report=self.report)
 
     @contextlib.contextmanager
     def joining(self) -> Iterator[None]:

@@ -53,6 +53,15 @@ def train(shard, steps: int = 5, fake_machines: bool = False, save_to: str | Non
         shm_allreduce._machine_id = real
 
 
+def _error_of(call) -> str:
+    """The message of the ddpkit error `call()` raises, or "no error"."""
+    try:
+        call()
+    except DdpkitError as err:
+        return str(err)
+    return "no error"
+
+
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
@@ -103,12 +112,12 @@ def join_after_sharded_steps() -> str:
         model = s.model(_net())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         _train(s, model, opt, 1)
-        try:
+
+        def in_join() -> None:
             with s.join(model):
                 _train(s, model, opt, 1)
-        except DdpkitError as err:
-            return str(err)
-        return "no error"
+
+        return _error_of(in_join)
 
 
 def test_join_after_sharded_steps_is_a_clear_error(pool2) -> None:
@@ -173,11 +182,7 @@ def param_group_added_after_sharded_steps() -> str:
         opt = torch.optim.SGD(list(model.parameters())[:-1], lr=0.1)
         _train(s, model, opt, 1)
         opt.add_param_group({"params": [list(model.parameters())[-1]]})
-        try:
-            _train(s, model, opt, 1)
-        except DdpkitError as err:
-            return str(err)
-        return "no error"
+        return _error_of(lambda: _train(s, model, opt, 1))
 
 
 def test_parameters_added_after_sharded_steps_is_a_clear_error(pool2) -> None:

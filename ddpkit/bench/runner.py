@@ -90,7 +90,7 @@ def _build(workload: Any, cfg: Config, s: Any) -> tuple[torch.nn.Module, Any]:
     if cfg.shard and s.world_size > 1:
         from ddpkit import sharding
 
-        sharder = sharding.choose(opt, True, s.device)  # what s.step(opt) does with shard_optimizer="auto"
+        sharder = sharding.choose(opt, "auto", s.device)  # what s.step(opt) does by default
         if sharder is not None:
             return model, _Sharded(opt, sharder)
     return model, opt
