@@ -338,13 +338,21 @@ def _restore_per_rank(session: Any, found: Found, per_rank: Mapping[str, Any]) -
 
 
 def _describe_position(name: str, old: Mapping[str, Any], loader: ShardedLoader) -> str:
-    """The data position, and what a change of world size or batch did to it."""
-    now, per_rank = loader.batch.per_rank * loader.batch.world_size, loader.batch.per_rank
+    """The data position, and what a change of world size, accumulation or batch did to it.
+
+    Like is compared with like: the true global batch (per rank x world x accumulation), so trading
+    accumulation steps for ranks keeps it. Checkpoints from before `accumulation` was saved stored
+    per rank x world as their global batch, which is the true one when they did not accumulate.
+    """
+    batch = loader.batch
+    now, was_accumulation = batch.global_size, int(old.get("accumulation", 1))
+    split = f"{batch.world_size} x {batch.per_rank} x {batch.accumulation}"
+    was = f"{old['world_size']} x {old['per_rank_batch']} x {was_accumulation}"
     text = f"{name} at epoch {old['epoch']}, sample {old['samples']}"
     if old["global_batch"] != now:
         return f"{text}; the global batch changed {old['global_batch']} -> {now}, so the rest differs"
-    if old["world_size"] != loader.batch.world_size:
-        return f"{text}, global batch {now} kept ({old['per_rank_batch']} -> {per_rank} per rank)"
+    if (old["world_size"], was_accumulation) != (batch.world_size, batch.accumulation):
+        return f"{text}, global batch {now} kept (ranks x per rank x accumulation: {was} -> {split})"
     return text
 
 

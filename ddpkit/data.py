@@ -169,8 +169,9 @@ class ShardedLoader:
         """The position: the epoch of the current (or next) pass and the samples it has consumed.
 
         `samples` counts over all ranks (per-rank samples x world size), so it keeps its meaning at
-        another world size. `generator` (this rank's loader generator at the start of the pass) makes
-        worker seeds repeat; it is per rank.
+        another world size. `global_batch` is the true global batch (per rank x world x accumulation),
+        so trading accumulation for ranks keeps it. `generator` (this rank's loader generator at the
+        start of the pass) makes worker seeds repeat; it is per rank.
         """
         world = self.batch.world_size
         if self._pass is not None:
@@ -185,7 +186,8 @@ class ShardedLoader:
             "samples": per_rank * world,
             "world_size": world,
             "per_rank_batch": self.batch.per_rank,
-            "global_batch": self.batch.per_rank * world,
+            "accumulation": self.batch.accumulation,
+            "global_batch": self.batch.global_size,
             "generator": gen,
         }
 

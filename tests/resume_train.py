@@ -29,7 +29,7 @@ import ddpkit
 EPOCHS, SAMPLES, GLOBAL_BATCH = 3, 96, 12
 
 
-def _data() -> TensorDataset:
+def make_data() -> TensorDataset:
     g = torch.Generator().manual_seed(42)
     x = torch.randn(SAMPLES, 6, generator=g)
     return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long(), torch.arange(SAMPLES))
@@ -58,7 +58,7 @@ def train(
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
         # fork: in the pool's spawned processes the default would start each worker as a new interpreter
         context = {"multiprocessing_context": "fork"} if workers else {}
-        loader = s.loader(_data(), batch_size=GLOBAL_BATCH, shuffle=True, num_workers=workers, **context)
+        loader = s.loader(make_data(), batch_size=GLOBAL_BATCH, shuffle=True, num_workers=workers, **context)
         things = {"model": model, "optimizer": opt, "scheduler": sched}
         if position:
             things["loader"] = loader

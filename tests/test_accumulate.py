@@ -13,6 +13,8 @@ from torch.utils.data import TensorDataset
 import ddpkit
 from ddpkit.errors import DdpkitError
 
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
+
 
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))

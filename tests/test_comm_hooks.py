@@ -13,6 +13,8 @@ import ddpkit
 from ddpkit import comm_hooks
 from ddpkit.errors import DdpkitError
 
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
+
 
 def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))

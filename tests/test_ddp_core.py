@@ -14,6 +14,8 @@ import ddpkit
 from ddpkit.data import plan_batch
 from ddpkit.errors import DdpkitError
 
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
+
 
 def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 3))

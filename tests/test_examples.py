@@ -14,6 +14,8 @@ sys.path.insert(0, str(REPO))  # `examples.<name>` for this process and the rank
 from ddpkit.verify import verify  # noqa: E402
 from examples import cifar_cnn, linear_equivalence, manual_allreduce, sampler_epochs  # noqa: E402
 
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
+
 
 def on_rank(module: str, function: str):
     """Run examples.<module>.<function>() on a pool rank (whose sys.path may predate this file)."""

@@ -1,5 +1,10 @@
 """Exact distributed evaluation on gloo: 101 and 1000 samples at world 2 and 3 give the one-process
-metric; gathers of uneven tensors and objects; mismatched metric names and stop flags."""
+metric; gathers of uneven tensors and objects; mismatched metric names and stop flags.
+
+What is exact by construction is the bookkeeping: every sample counted once, none padded in. The float
+values a model computes for a batch of 16 and for a batch of 1000 take different kernel paths, which
+differ in the last bits on some CPUs (ATEN_CPU_CAPABILITY=default, AVX2, AVX-512), so those are compared
+within float32 rounding, never bitwise."""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ from torch.utils.data import TensorDataset
 import ddpkit
 from ddpkit.errors import DdpkitError
 from ddpkit.metrics import Accuracy, Mean, MetricSet, Sum, gather, gather_object, reduce_mean, reduce_sum
+
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
 
 
 def _problem(n: int) -> tuple[nn.Module, TensorDataset]:
@@ -26,10 +33,13 @@ def _update(metrics: MetricSet, model: nn.Module, x: torch.Tensor, y: torch.Tens
     metrics["batch_mean_loss"].update(nn.functional.cross_entropy(out, y), weight=len(y))
     metrics["accuracy"].update(out, y)
     metrics["samples"].update(len(y))
+    metrics["label_mean"].update(y.double())  # integers: exact in float64 whatever the sharding
 
 
 def _metric_set(s: ddpkit.Session) -> MetricSet:
-    return MetricSet(s, loss=Mean(), batch_mean_loss=Mean(), accuracy=Accuracy(), samples=Sum())
+    return MetricSet(
+        s, loss=Mean(), batch_mean_loss=Mean(), accuracy=Accuracy(), samples=Sum(), label_mean=Mean()
+    )
 
 
 def evaluate(n: int) -> dict:
@@ -54,14 +64,17 @@ def one_process(n: int) -> dict:
 
 @pytest.mark.parametrize("n", [101, 1000])
 @pytest.mark.parametrize("world", [2, 3])
-def test_evaluation_equals_one_process_exactly(n: int, world: int, pool2, pool3) -> None:
+def test_evaluation_equals_one_process(n: int, world: int, pool2, pool3) -> None:
     results = (pool2 if world == 2 else pool3).run(evaluate, n)
     want = one_process(n)
-    assert all(r == results[0] for r in results), "ranks disagree"
+    assert all(r == results[0] for r in results), "ranks disagree"  # one all-reduce: same bits everywhere
     got = results[0]
-    assert got["samples"] == n and got["accuracy"] == want["accuracy"]  # counts: exact
-    # per-sample float32 losses summed in float64: exact here, whatever the order of the additions
-    assert got["loss"] == want["loss"]
+    # the bookkeeping is exact: every sample counted once, padding excluded
+    assert got["samples"] == n and got["label_mean"] == want["label_mean"]
+    # a prediction may flip only on a near-tie between logits that differ in the last bits
+    assert abs(got["accuracy"] - want["accuracy"]) <= 1 / n
+    # per-sample float32 losses from batches of 16 vs one batch of n: a few float32 ulps apart
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
     # batch means weighted by their sample counts: the float32 rounding of each batch mean remains
     assert got["batch_mean_loss"] == pytest.approx(want["loss"], rel=1e-6)
 

@@ -14,6 +14,8 @@ import ddpkit
 from ddpkit.errors import DdpkitError
 from ddpkit.precision import PrecisionPlan, make_scaler, resolve_precision
 
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
+
 
 @pytest.mark.parametrize(
     ("requested", "device", "bf16_ok", "name", "dtype", "scaler", "note"),

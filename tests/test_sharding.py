@@ -16,6 +16,8 @@ from ddpkit import sharding, shm_allreduce
 from ddpkit.errors import DdpkitError
 from ddpkit.shm_allreduce import ShmAllReduce
 
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
+
 
 def _net() -> nn.Module:
     torch.manual_seed(0)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
 import ddpkit
 from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
 from ddpkit.wrap import convert_batchnorm
+
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
 
 
 def _global_batch(n: int = 12, c: int = 3) -> torch.Tensor:

@@ -14,6 +14,8 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
+
 SIZES = {2: [40, 21], 3: [31, 17, 13]}  # 61 samples; batches of 4: [10, 6] and [8, 5, 4] per rank
 
 

@@ -16,6 +16,8 @@ from ddpkit.errors import DdpkitError
 from ddpkit.verify import Tolerance, VerifySpec, cli, verify
 from ddpkit.verify.calibrate import deviation, floors, limit
 
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
+
 
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))

@@ -16,6 +16,8 @@ from torch.utils.data import TensorDataset
 
 from ddpkit.verify import Report, VerifySpec, verify
 
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
+
 
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
