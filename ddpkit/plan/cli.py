@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="ddpkit's sharded optimizer step (auto: on for CPU ranks of one machine)",
     )
+    p.add_argument(
+        "--contention",
+        choices=("measured", "formula"),
+        default="measured",
+        help="CPU ranks on this machine: profile n ranks computing at once (measured), or assume compute "
+        "slows by max(1, ranks x threads / cores) (formula)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu", help="device to profile on")
     p.add_argument(
         "--threads", type=int, default=None, help="CPU threads for the profile (default: as a rank)"
@@ -100,13 +107,21 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
     batches = planner.per_rank_batches(
         counts, batch=ns.batch_size or wl.global_batch, global_batch=ns.global_batch
     )
+    link = links.load(ns.link, counts=counts, threads=threads, intra=ns.intra, nics_per_node=ns.nics_per_node)
+    beside: dict[int, profile.Profile] = {}
     if ns.profile:
         with open(ns.profile) as f:
-            profiles = {int(b): profile.Profile.from_dict(d) for b, d in json.load(f)["profiles"].items()}
+            saved = json.load(f)
+        profiles = {int(b): profile.Profile.from_dict(d) for b, d in saved["profiles"].items()}
+        if ns.contention == "measured":
+            beside = {int(n): profile.Profile.from_dict(d) for n, d in saved.get("beside", {}).items()}
     else:
         wanted = planner.batches_to_profile(list(batches.values()))
         profiles = profile.measure(spec, wanted, threads=threads, device=ns.device, steps=ns.steps)
-    link = links.load(ns.link, counts=counts, threads=threads, intra=ns.intra, nics_per_node=ns.nics_per_node)
+        if link.shares_cores and ns.contention == "measured":
+            for n in (c for c in counts if c > 1):
+                got = profile.measure(spec, [batches[n]], ranks=n, threads=threads, steps=ns.steps)
+                beside[n] = got[batches[n]]
     per_node = max(counts) if measured else ns.gpus_per_node
     sharded = ns.sharded_step == "on" or (ns.sharded_step == "auto" and link.shares_cores)
     opts = Options(
@@ -124,6 +139,7 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
         algorithm=ns.algorithm,
         compute_scale=ns.compute_scale,
         batches=batches,
+        beside=beside,
     )
     curve = pl.curve(counts, opts)
     top = curve[-1]
@@ -143,6 +159,7 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
         "options": opts.__dict__.copy(),
         "machine": machine(),
         "profiles": {str(b): p.as_dict() for b, p in profiles.items()},
+        "beside": {str(n): p.as_dict() for n, p in beside.items()},
     }
     if top.n > 1:
         base_opts = replace(opts, hook="none")
@@ -155,7 +172,7 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
     plan["advice"] = advice.advise(
         pl, top.n, opts, top, strong=strong, device_memory_gb=None if measured else ns.device_memory
     )
-    plan["assumptions"] = _assumptions(link, profiles, ns)
+    plan["assumptions"] = _assumptions(link, profiles, ns, bool(beside))
     return plan
 
 
@@ -177,7 +194,7 @@ def _hook_verdict(rows: list[dict[str, Any]]) -> str:
     return f"{name} is predicted {gain:+.0%} faster than the plain all-reduce (lossy: see the advice)"
 
 
-def _assumptions(link: Any, profiles: dict[int, Any], ns: argparse.Namespace) -> list[str]:
+def _assumptions(link: Any, profiles: dict[int, Any], ns: argparse.Namespace, beside: bool) -> list[str]:
     out = [
         "every rank computes as fast as the profiled device, with no jitter and no straggler: a real job "
         "waits for its slowest rank at every all-reduce",
@@ -196,11 +213,16 @@ def _assumptions(link: Any, profiles: dict[int, Any], ns: argparse.Namespace) ->
             "--compute-scale",
         )
     if link.shares_cores:
+        compute = (
+            "per-rank compute is profiled with n ranks computing at once (shared cores, memory bandwidth), "
+            "and each step waits for the slowest of them"
+            if beside
+            else "per-rank compute slows by max(1, ranks x threads / cores)"
+        )
         out.insert(
             0,
-            f"CPU ranks on this machine share its {link.cores} cores: per-rank compute slows by "
-            "max(1, ranks x threads / cores), and with no core left over communication is added "
-            "to compute instead of overlapping it",
+            f"CPU ranks on this machine share its {link.cores} cores: {compute}; with no core left over, "
+            "communication is added to compute instead of overlapping it",
         )
     return out
 

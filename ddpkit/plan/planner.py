@@ -55,9 +55,11 @@ class Planner:
     algorithm: str = "auto"
     compute_scale: float = 1.0  # the target device is this many times faster than the profiled one
     batches: dict[int, int] = field(default_factory=dict)  # per-rank batch at each n
+    beside: dict[int, prof.Profile] = field(default_factory=dict)  # n -> profiled with n ranks at once
 
-    def profile_at(self, batch: int) -> prof.Profile:
-        p = prof.interpolate(self.profiles, batch)
+    def profile_at(self, batch: int, n: int = 1) -> prof.Profile:
+        p = self.beside[n] if n in self.beside and self.beside[n].batch == batch else None
+        p = p or prof.interpolate(self.profiles, batch)
         return p.scaled(1 / self.compute_scale) if self.compute_scale != 1.0 else p
 
     def cluster(self, n: int) -> Cluster:
@@ -71,7 +73,7 @@ class Planner:
 
     def predict(self, n: int, opts: Options, batch_factor: float = 1.0) -> Prediction:
         batch = max(1, round(self.batches[n] * batch_factor))
-        return step(self.profile_at(batch), self.cluster(n), opts)
+        return step(self.profile_at(batch, n), self.cluster(n), opts)
 
     def curve(self, counts: Sequence[int], opts: Options) -> list[Prediction]:
         base = self.predict(1, replace(opts, accumulation=1, hook="none", strategy="ddp"))

@@ -57,6 +57,9 @@ class Profile:
     params: tuple[Param, ...]  # in the order their gradients became ready
     state_bytes: int  # optimizer state
     spread: float = 0.0  # (max - min) / median of the step time over the timed steps
+    ranks: int = 1  # profiled while this many ranks computed at once on the machine (no communication)
+    straggler_s: float = 0.0  # with ranks > 1: how long the slowest rank's step outlasts the average
+    step_s: tuple[float, ...] = ()  # each timed step's forward + backward + optimizer
 
     @property
     def param_bytes(self) -> int:
@@ -96,7 +99,7 @@ class Profile:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
         params = tuple(Param(**{**p, "shape": tuple(p["shape"])}) for p in data["params"])
-        return cls(**{**data, "params": params})
+        return cls(**{**data, "params": params, "step_s": tuple(data.get("step_s", ()))})
 
 
 def assign_buckets(
@@ -152,19 +155,37 @@ def measure(
     spec: str,
     batches: Sequence[int],
     *,
+    ranks: int = 1,
     threads: int = 1,
     device: str = "cpu",
     steps: int = 6,
     warmup: int = 3,
     timeout: float = 600.0,
 ) -> dict[int, Profile]:
-    """Profile workload `spec` (a name or package.module:function) at each per-device batch."""
+    """Profile workload `spec` (a name or package.module:function) at each per-device batch.
+
+    With `ranks` > 1, that many processes on this machine profile at once, each on its own (no
+    communication, steps started together): what a rank computes while the others compute beside it
+    on shared cores and memory. Rank 0's profile is returned, with `straggler_s`, the median over
+    steps of (slowest rank's step - the ranks' mean step): what every all-reduce waits for."""
     import ddpkit
 
     out = ddpkit.spawn(
-        _rank, nproc=1, args=(spec, list(batches), steps, warmup, device), threads=threads, timeout=timeout
-    )[0]
-    return {int(b): Profile.from_dict(d) for b, d in out.items()}
+        _rank,
+        nproc=ranks,
+        args=(spec, list(batches), steps, warmup, device),
+        threads=threads,
+        timeout=timeout,
+    )
+    result = {}
+    for b, d in out[0].items():
+        p = Profile.from_dict(d)
+        if ranks > 1:
+            per_step = list(zip(*(r[b]["step_s"] for r in out), strict=True))
+            wait = statistics.median(max(t) - sum(t) / len(t) for t in per_step)
+            p = replace(p, ranks=ranks, straggler_s=wait)
+        result[int(b)] = p
+    return result
 
 
 def _rank(spec: str, batches: list[int], steps: int, warmup: int, device: str) -> dict[int, dict[str, Any]]:
@@ -179,10 +200,13 @@ def _rank(spec: str, batches: list[int], steps: int, warmup: int, device: str) -
         for batch in batches:
             torch.manual_seed(0)
             module = wl.build()
-            model = s.model(module)
+            # Alone: wrapped as a user's script would be (no DDP at world 1). Beside other ranks: the
+            # bare module, so that the ranks compute side by side without communicating.
+            model = s.model(module) if s.world_size == 1 else module.to(s.device)
             opt = wl.optimizer(model.parameters())
-            x, y = wl.sample(torch.Generator().manual_seed(1), batch)
-            prof = _profile(wl, model, opt, (x.to(s.device), y.to(s.device)), s.device, steps, warmup)
+            x, y = wl.sample(torch.Generator().manual_seed(1 + s.rank), batch)
+            sync = s.barrier if s.world_size > 1 else None
+            prof = _profile(wl, model, opt, (x.to(s.device), y.to(s.device)), s.device, steps, warmup, sync)
             out[batch] = replace(
                 prof, workload=wl.name, device=s.device.type, threads=torch.get_num_threads(), batch=batch
             ).as_dict()
@@ -213,7 +237,9 @@ class _Clock:
         return b - a
 
 
-def _profile(wl: Any, model: Any, opt: Any, batch: Any, device: Any, steps: int, warmup: int) -> Profile:
+def _profile(
+    wl: Any, model: Any, opt: Any, batch: Any, device: Any, steps: int, warmup: int, sync: Any = None
+) -> Profile:
     import torch
 
     clock = _Clock(device)
@@ -227,6 +253,8 @@ def _profile(wl: Any, model: Any, opt: Any, batch: Any, device: Any, steps: int,
     try:
         for step in range(warmup + steps):
             marks.clear()
+            if sync is not None:
+                sync()
             t0 = clock.mark()
             loss = wl.step_loss(model, batch)
             t1 = clock.mark()
@@ -286,5 +314,6 @@ def _profile(wl: Any, model: Any, opt: Any, batch: Any, device: Any, steps: int,
         copy_s=med(copy),
         params=tuple(params),
         state_bytes=state,
+        step_s=tuple(totals),
         spread=(max(totals) - min(totals)) / med(totals),
     )

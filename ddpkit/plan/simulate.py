@@ -22,8 +22,11 @@ optimizer step once the last all-reduce is done:
     start_i = max(ready_i, end_{i-1}),  end_i = start_i + cost_i
     step    = forward + max(backward, end_last) + optimizer,  exposed = max(0, end_last - backward)
 
-CPU ranks on one machine share its cores: compute slows by max(1, ranks·threads/cores), and when no
-core is left over for the communication threads, communication cannot overlap compute (it is added).
+CPU ranks on one machine share its cores: compute slows by max(1, ranks·threads/cores) -- or, better,
+the profile is taken with n ranks computing at once (`profile.measure(ranks=n)`), which also captures
+shared memory bandwidth and hyper-threads, and how long the slowest rank keeps the others waiting
+(added to the step); when no core is left over for the communication threads, communication cannot
+overlap compute (it is added).
 """
 
 from __future__ import annotations
@@ -188,7 +191,8 @@ def _stream(ready: list[float], costs: list[float]) -> float:
 def step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
     """Predict one optimizer step on `cluster.n` ranks of `profile.batch` samples each."""
     n = cluster.n
-    slow = cluster.compute_slowdown(profile.threads)
+    measured_beside = n > 1 and profile.ranks == n  # profiled with n ranks computing at once
+    slow = 1.0 if measured_beside else cluster.compute_slowdown(profile.threads)
     p = profile.scaled(slow) if slow != 1.0 else profile
     optimizer = p.optimizer_s
     if opts.sharded_step and n > 1:
@@ -231,6 +235,8 @@ def step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
     k = max(1, opts.accumulation)
     micro = p.forward_s + p.backward_s
     total = (k - 1) * micro + forward_end + backward + optimizer
+    if measured_beside:  # every step's first all-reduce waits for the slowest rank
+        total += profile.straggler_s
     exposed = total - (k * micro + optimizer)
     samples = profile.batch * n * k
     return Prediction(
