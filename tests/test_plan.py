@@ -68,7 +68,8 @@ def test_auto_picks_the_tree_for_small_messages_and_the_ring_for_large_ones_acro
     # Two steps of the ring cross nodes; its bandwidth is the smaller of NVLink and the node's 8 NICs.
     t, _ = Cluster(n=16, per_node=8, link=link, algorithm="ring").allreduce(1 << 30)
     beta = min(link.intra.beta_Bps, 8 * link.inter.beta_Bps)
-    assert t == pytest.approx(28 * link.intra.alpha_s + 2 * link.inter.alpha_s + 30 / 16 * (1 << 30) / beta)
+    latency = link.launch_s + 28 * link.intra.alpha_s + 2 * link.inter.alpha_s
+    assert t == pytest.approx(latency + 30 / 16 * (1 << 30) / beta)
 
 
 def test_assign_buckets_matches_torchs_bucket_assignment() -> None:
@@ -234,3 +235,14 @@ def test_cli_names_the_fix_when_the_link_has_no_inter_node_level(tmp_path, capsy
     rc = cli.main(["--workload", "cnn", "--max-gpus", "16", "--link", "nvlink4", "--profile", str(coll)])
     out = capsys.readouterr().out
     assert rc == 2 and "--link ib-ndr" in out
+
+
+def test_a_measured_link_uses_the_measured_curve_between_sizes(tmp_path) -> None:
+    coll = tmp_path / "coll.json"
+    _collectives_json(coll, n_list=(2,))
+    link = links.load(f"measured:{coll}", counts=[2])
+    c = Cluster(n=2, per_node=2, link=link)
+    assert c.allreduce(MB)[0] == pytest.approx(ring_allreduce(MB, 2, 50e-6, 1e9))  # a measured size
+    between = (ring_allreduce(MB, 2, 50e-6, 1e9) + ring_allreduce(16 * MB, 2, 50e-6, 1e9)) / 2
+    assert c.allreduce(8.5 * MB)[0] == pytest.approx(between)
+    assert c.allreduce(64 * MB)[0] == pytest.approx(ring_allreduce(64 * MB, 2, 50e-6, 1e9))  # extrapolated

@@ -12,6 +12,7 @@ this machine's ranks, one fit per world size.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -24,6 +25,8 @@ from ddpkit.errors import problem
 
 GB = 1e9
 EFFICIENCY = 0.8  # share of the nominal rate a tuned collective library reaches (assumption)
+LAUNCH_S = 8e-6  # NCCL's base latency of a collective, ring/Simple 8.4 µs (src/graph/tuning.cc)
+LAUNCH_SOURCE = "NCCL's base latency per collective, src/graph/tuning.cc"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +39,21 @@ class Level:
     beta_Bps: float
     source: str
     fits: dict[int, tuple[float, float]] = field(default_factory=dict)
+    curves: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)  # n -> (bytes, s) measured
+
+    def measured_allreduce(self, n: int, nbytes: float) -> float | None:
+        """The measured all-reduce time at n ranks, linear between the measured sizes (beyond the largest:
+        its time plus the fitted bandwidth's); None where n was not measured."""
+        points = sorted(self.curves.get(n, ()))
+        if len(points) < 2:
+            return None
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (s0, t0), (s1, t1) in itertools.pairwise(points):
+            if nbytes <= s1:
+                return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0)
+        s1, t1 = points[-1]
+        return t1 + 2 * (n - 1) / n * (nbytes - s1) / self.at(n)[1]
 
     def at(self, n: int) -> tuple[float, float]:
         """(α, β) for a collective over n ranks: the fit at n, else the nearest measured n, else the pair."""
@@ -56,6 +74,7 @@ class Link:
     nics_per_node: int = 1
     shares_cores: bool = False
     cores: int = 0  # with shares_cores: the cores the ranks share
+    launch_s: float = 0.0  # fixed cost of every collective (a fit folds it into α)
 
     def describe(self) -> list[str]:
         lines = []
@@ -74,6 +93,8 @@ class Link:
                 )
         if self.inter is not None:
             lines.append(f"{self.nics_per_node} NIC(s) per node; traffic between nodes shares them")
+        if self.launch_s:
+            lines.append(f"{self.launch_s * 1e6:g} µs per collective on top ({LAUNCH_SOURCE})")
         return lines
 
 
@@ -139,6 +160,7 @@ def preset(name: str, *, intra: str | None = None, nics_per_node: int | None = N
         intra=LEVELS[intra_name],
         inter=LEVELS[inter_name] if inter_name else None,
         nics_per_node=nics_per_node or max(1, nics),
+        launch_s=LAUNCH_S,
     )
 
 
@@ -164,11 +186,12 @@ def fit_alpha_beta(points: Sequence[tuple[int, float]], n: int) -> tuple[float, 
 
 def from_collectives(data: dict[str, Any], *, source: str, cores: int) -> Link:
     """A one-node Link fitted from `ddpkit bench collectives` JSON (its all_reduce rows per world size)."""
-    fits = {}
+    fits, curves = {}, {}
     for n_text, rows in data.get("worlds", {}).items():
         points = [(int(r["bytes"]), float(r["seconds"])) for r in rows if r["op"] == "all_reduce"]
         if int(n_text) >= 2 and len(points) >= 2:
             fits[int(n_text)] = fit_alpha_beta(points, int(n_text))
+            curves[int(n_text)] = tuple(sorted(points))
     if not fits:
         raise problem(
             f"{source} has no all_reduce measurements at 2 or more ranks",
@@ -180,7 +203,9 @@ def from_collectives(data: dict[str, Any], *, source: str, cores: int) -> Link:
         alpha_s=a,
         beta_Bps=b,
         fits=fits,
-        source=f"fitted to all_reduce times from ddpkit bench collectives ({source})",
+        curves=curves,
+        source=f"all_reduce times from ddpkit bench collectives ({source}): at a measured world size the "
+        "measured curve is used (linear between sizes), elsewhere the fit",
     )
     return Link(name="measured", intra=level, shares_cores=True, cores=cores or data["machine"]["cores"])
 

@@ -7,11 +7,13 @@ paper's code are here, so this module keeps what can be kept: the models' real p
 the order and timing of their gradients in backward (profiled on this CPU), scaled so that a step
 takes what a V100 takes (`V100_STEP_S`, an assumption stated in the docs), over that link.
 
-    python -m ddpkit.plan.paper            # profiles both models (~1 minute), prints the tables
+    python -m ddpkit.plan.paper [profiles.json]   # profile both models (~1 minute; or reuse the file)
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from dataclasses import replace
 
@@ -22,6 +24,7 @@ from torch import nn
 from ddpkit import workloads
 from ddpkit.plan import links
 from ddpkit.plan.planner import Planner
+from ddpkit.plan.profile import Profile
 from ddpkit.plan.simulate import Options
 
 # A V100's fp32 step at 32 samples per GPU (assumed from commonly published throughputs: ResNet-50
@@ -46,7 +49,11 @@ def paper_link() -> links.Link:
         source="one 100 Gb/s NIC per server, as the paper describes its cluster, x 80% (assumed)",
     )
     return links.Link(
-        name="paper: 8 x V100 + 1 x 100 Gb/s per server", intra=nvlink2, inter=nic, nics_per_node=1
+        name="paper: 8 x V100 + 1 x 100 Gb/s per server",
+        intra=nvlink2,
+        inter=nic,
+        nics_per_node=1,
+        launch_s=links.LAUNCH_S,
     )
 
 
@@ -137,20 +144,35 @@ def bert_workload() -> workloads.Workload:
     )
 
 
-def planner_for(name: str, profile_batch: int = 2, threads: int = 2) -> Planner:
-    """Profile on this CPU at a small batch, then scale the step to a V100's at 32 samples."""
-    from ddpkit.plan import profile
-
-    spec = f"ddpkit.plan.paper:{name}_workload"
-    p = profile.measure(spec, [profile_batch], threads=threads, steps=3, warmup=2)[profile_batch]
-    scale = V100_STEP_S[name] / (p.forward_s + p.backward_s)
-    target = replace(p.scaled(scale), batch=PAPER_BATCH)
+def planner_for(name: str, cpu_profile: Profile) -> Planner:
+    """Scale a CPU profile so that forward + backward take a V100's time at 32 samples."""
+    scale = V100_STEP_S[name] / (cpu_profile.forward_s + cpu_profile.backward_s)
+    target = replace(cpu_profile.scaled(scale), batch=PAPER_BATCH)
     return Planner(
         profiles={PAPER_BATCH: target},
         link=paper_link(),
         per_node=8,
         batches=dict.fromkeys(COUNTS, PAPER_BATCH),
     )
+
+
+def cpu_profiles(path: str | None, batch: int = 2, threads: int = 2) -> dict[str, Profile]:
+    """Both models profiled on this CPU at a small batch; read from / written to `path` when given."""
+    from ddpkit.plan import profile
+
+    if path and os.path.exists(path):
+        with open(path) as f:
+            return {k: Profile.from_dict(v) for k, v in json.load(f).items()}
+    out = {
+        name: profile.measure(
+            f"ddpkit.plan.paper:{name}_workload", [batch], threads=threads, steps=3, warmup=2
+        )[batch]
+        for name in V100_STEP_S
+    }
+    if path:
+        with open(path, "w") as f:
+            json.dump({k: v.as_dict() for k, v in out.items()}, f)
+    return out
 
 
 def report(name: str, pl: Planner) -> list[str]:
@@ -182,12 +204,13 @@ def report(name: str, pl: Planner) -> list[str]:
     return lines
 
 
-def main() -> int:
-    for name in ("resnet50", "bert"):
-        print("\n".join(report(name, planner_for(name))))
+def main(argv: list[str]) -> int:
+    profiles = cpu_profiles(argv[0] if argv else None)
+    for name, p in profiles.items():
+        print("\n".join(report(name, planner_for(name, p))))
         print()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

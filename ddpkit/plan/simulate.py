@@ -92,6 +92,9 @@ class Cluster:
             return 0.0, "-"
         a_in, a_out, beta = self._levels()
         m = self.nodes
+        measured = self.link.intra.measured_allreduce(self.n, nbytes) if m == 1 else None
+        if measured is not None and self.algorithm == "auto":
+            return measured + self.link.launch_s, "measured"
         if m == 1:
             ring = ring_allreduce(nbytes, self.n, a_in, beta)
             tree = tree_allreduce(nbytes, self.n, a_in, beta * TREE_BANDWIDTH, depth=self.n - 1)
@@ -100,7 +103,7 @@ class Cluster:
             ring = (steps - 2 * (m - 1)) * a_in + 2 * (m - 1) * a_out + steps / self.n * nbytes / beta
             depth = (min(self.per_node, self.n) - 1) * a_in + log2_ceil(m) * a_out
             tree = 2 * depth + 2 * nbytes / (beta * TREE_BANDWIDTH)
-        options = {"ring": ring, "tree": tree}
+        options = {"ring": ring + self.link.launch_s, "tree": tree + self.link.launch_s}
         if self.algorithm != "auto":
             return options[self.algorithm], self.algorithm
         name = min(options, key=options.__getitem__)
@@ -110,7 +113,7 @@ class Cluster:
         if self.n <= 1 or nbytes <= 0:
             return 0.0
         a_in, a_out, beta = self._levels()
-        return ring_allgather(nbytes, self.n, max(a_in, a_out), beta)
+        return self.link.launch_s + ring_allgather(nbytes, self.n, max(a_in, a_out), beta)
 
     def compute_slowdown(self, threads: int) -> float:
         """How much slower each rank computes because the ranks share this machine's cores."""
