@@ -178,14 +178,40 @@ def measure(
         timeout=timeout,
     )
     result = {}
-    for b, d in out[0].items():
-        p = Profile.from_dict(d)
+    for b in out[0]:
+        each = [Profile.from_dict(r[b]) for r in out]
+        p = _mean(each)
         if ranks > 1:
-            per_step = list(zip(*(r[b]["step_s"] for r in out), strict=True))
+            per_step = list(zip(*(q.step_s for q in each), strict=True))
             wait = statistics.median(max(t) - sum(t) / len(t) for t in per_step)
             p = replace(p, ranks=ranks, straggler_s=wait)
         result[int(b)] = p
     return result
+
+
+def _mean(profiles: list[Profile]) -> Profile:
+    """The ranks' average profile (times of each parameter matched by name): the typical rank, to which
+    the straggler wait is added (rank 0 alone can be lucky or unlucky with the shared cores)."""
+    k = len(profiles)
+
+    def avg(get: Any) -> float:
+        return sum(get(q) for q in profiles) / k
+
+    ready = {
+        p.name: avg(lambda q, name=p.name: next(x.ready_s for x in q.params if x.name == name))
+        for p in profiles[0].params
+    }
+    params = tuple(
+        sorted((replace(p, ready_s=ready[p.name]) for p in profiles[0].params), key=lambda x: x.ready_s)
+    )
+    return replace(
+        profiles[0],
+        forward_s=avg(lambda q: q.forward_s),
+        backward_s=avg(lambda q: q.backward_s),
+        optimizer_s=avg(lambda q: q.optimizer_s),
+        copy_s=avg(lambda q: q.copy_s),
+        params=params,
+    )
 
 
 def _rank(spec: str, batches: list[int], steps: int, warmup: int, device: str) -> dict[int, dict[str, Any]]:
