@@ -246,3 +246,10 @@ def test_a_measured_link_uses_the_measured_curve_between_sizes(tmp_path) -> None
     between = (ring_allreduce(MB, 2, 50e-6, 1e9) + ring_allreduce(16 * MB, 2, 50e-6, 1e9)) / 2
     assert c.allreduce(8.5 * MB)[0] == pytest.approx(between)
     assert c.allreduce(64 * MB)[0] == pytest.approx(ring_allreduce(64 * MB, 2, 50e-6, 1e9))  # extrapolated
+
+
+def test_the_paper_models_have_their_published_sizes() -> None:
+    from ddpkit.plan import paper
+
+    assert sum(p.numel() for p in paper.resnet50().parameters()) == 25_557_032  # torchvision's ResNet-50
+    assert 109e6 < sum(p.numel() for p in paper.Bert().parameters()) < 110e6  # BERT-base
