@@ -113,7 +113,9 @@ class Cluster:
         if self.n <= 1 or nbytes <= 0:
             return 0.0
         a_in, a_out, beta = self._levels()
-        return self.link.launch_s + ring_allgather(nbytes, self.n, max(a_in, a_out), beta)
+        m = self.nodes  # as for the ring all-reduce: the m-1 node-crossing steps pay the network's α
+        latency = (self.n - m) * a_in + (m - 1) * a_out
+        return self.link.launch_s + latency + ring_allgather(nbytes, self.n, 0.0, beta)
 
     def compute_slowdown(self, threads: int) -> float:
         """How much slower each rank computes because the ranks share this machine's cores."""

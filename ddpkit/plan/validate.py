@@ -8,7 +8,7 @@ divisible by 1, 2, 3 and 4:
         --link measured:runs/coll/collectives.json --json runs/plan-mlp.json
     ddpkit bench scaling --workload ddpkit.plan.validate:mlp48 --max-nproc 4 --buckets 25 \\
         --hooks allreduce --out runs/scaling-mlp
-    python -m ddpkit.plan.validate runs/plan-mlp.json runs/scaling-mlp/scaling.json
+    python -m ddpkit.plan.validate runs/scaling-mlp/scaling.json plan=runs/plan-mlp.json
 """
 
 from __future__ import annotations
@@ -33,46 +33,54 @@ def gpt24() -> workloads.Workload:
     return replace(workloads.NAMED["gpt"], name="gpt24", global_batch=24)
 
 
-def compare(plan: dict[str, Any], scaling: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per N present in both: predicted and measured step time (ms), error, efficiencies."""
+def compare(plans: dict[str, dict[str, Any]], scaling: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per N in the measurement: measured step (ms, spread), and each plan's prediction and error."""
     measured = {r["nproc"]: r for r in scaling["scaling"]}
     rows = []
-    for r in plan["curve"]:
-        m = measured.get(r["n"])
-        if m is None:
-            continue
-        pred = r["step_s"] * 1e3
-        rows.append(
-            {
-                "workload": plan["workload"],
-                "n": r["n"],
-                "predicted_ms": pred,
-                "measured_ms": m["step_ms"],
-                "spread": m["spread"],
-                "error": pred / m["step_ms"] - 1,
-                "predicted_efficiency": r["efficiency"],
-                "measured_efficiency": m["efficiency"],
-                "exposed_ms": r["exposed_s"] * 1e3,
-                "measured_comm_share": m["comm_share"],
-            }
-        )
+    for n, m in sorted(measured.items()):
+        row: dict[str, Any] = {
+            "workload": scaling["workload"],
+            "n": n,
+            "measured_ms": m["step_ms"],
+            "spread": m["spread"],
+            "measured_efficiency": m["efficiency"],
+        }
+        for label, plan in plans.items():
+            r = next((r for r in plan["curve"] if r["n"] == n), None)
+            if r is not None:
+                row[label] = {
+                    "ms": r["step_s"] * 1e3,
+                    "error": r["step_s"] * 1e3 / m["step_ms"] - 1,
+                    "efficiency": r["efficiency"],
+                    "exposed_ms": r["exposed_s"] * 1e3,
+                }
+        rows.append(row)
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| workload | N | predicted ms | measured ms (spread) | error | efficiency pred. / meas. |",
-        "|---|---|---|---|---|---|",
-    ]
+def markdown(rows: list[dict[str, Any]], labels: list[str]) -> str:
+    head = (
+        "| workload | N | measured ms (spread) | " + " | ".join(f"{lb}: ms (error)" for lb in labels) + " |"
+    )
+    lines = [head, "|---|---|---|" + "---|" * len(labels)]
     for r in rows:
+        cells = [f"{r[lb]['ms']:.1f} ({r[lb]['error']:+.0%})" if lb in r else "" for lb in labels]
         lines.append(
-            f"| {r['workload']} | {r['n']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} "
-            f"(±{r['spread'] / 2:.0%}) | {r['error']:+.0%} | {r['predicted_efficiency']:.2f} / "
-            f"{r['measured_efficiency']:.2f} |"
+            f"| {r['workload']} | {r['n']} | {r['measured_ms']:.1f} (±{r['spread'] / 2:.0%}) | "
+            + " | ".join(cells)
+            + " |"
         )
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    with open(sys.argv[1]) as f1, open(sys.argv[2]) as f2:
-        print(markdown(compare(json.load(f1), json.load(f2))))
+if (
+    __name__ == "__main__"
+):  # python -m ddpkit.plan.validate scaling.json label=plan.json [label=plan.json ...]
+    with open(sys.argv[1]) as f:
+        scaling_data = json.load(f)
+    plans = {}
+    for arg in sys.argv[2:]:
+        label, _, path = arg.partition("=")
+        with open(path) as f:
+            plans[label] = json.load(f)
+    print(markdown(compare(plans, scaling_data), list(plans)))
