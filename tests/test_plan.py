@@ -233,8 +233,8 @@ def test_cli_names_the_fix_when_the_link_has_no_inter_node_level(tmp_path, capsy
     p = _profile([0.02], [MB], batch=64)
     coll.write_text(json.dumps({"profiles": {"64": p.as_dict()}}))
     rc = cli.main(["--workload", "cnn", "--max-gpus", "16", "--link", "nvlink4", "--profile", str(coll)])
-    out = capsys.readouterr().out
-    assert rc == 2 and "--link ib-ndr" in out
+    err = capsys.readouterr().err
+    assert rc == 2 and "--link ib-ndr" in err
 
 
 def test_a_measured_link_uses_the_measured_curve_between_sizes(tmp_path) -> None:

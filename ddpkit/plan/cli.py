@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -246,6 +247,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.makedirs(os.path.dirname(os.path.abspath(ns.plot)), exist_ok=True)
             print(f"plot: {report.plot(plan, ns.plot)}")
     except DdpkitError as err:
-        print(f"ddpkit plan: error: {err}")
+        print(f"ddpkit plan: error: {err}", file=sys.stderr)
         return 2
     return 0
