@@ -21,6 +21,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "doctor": ("ddpkit.doctor", "what this machine offers, and a 2-rank smoke test"),
     "bench": ("ddpkit.bench.cli", "collectives, scaling and tuning benchmarks"),
     "trace": ("ddpkit.trace", "per-rank timeline of forward, backward, buckets and all-reduce"),
+    "plan": ("ddpkit.plan.cli", "predict step time and efficiency at N devices from one device's profile"),
 }
 
 

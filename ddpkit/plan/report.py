@@ -1,0 +1,134 @@
+"""The plan as a table on the terminal, as JSON, and as a PNG of efficiency against N."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ddpkit.bench.report import pyplot, table
+
+
+def curve_table(rows: list[dict[str, Any]]) -> str:
+    return table(
+        [
+            "N",
+            "nodes",
+            "batch/rank",
+            "step ms",
+            "compute ms",
+            "comm ms",
+            "exposed ms",
+            "samples/s",
+            "speed-up",
+            "efficiency",
+            "all-reduce",
+        ],
+        [
+            [
+                r["n"],
+                r["nodes"],
+                r["per_rank_batch"],
+                r["step_s"] * 1e3,
+                (r["forward_s"] + r["backward_s"] + r["optimizer_s"]) * 1e3,
+                r["comm_s"] * 1e3,
+                r["exposed_s"] * 1e3,
+                r["samples_per_s"],
+                r["samples_per_s"] / rows[0]["samples_per_s"],
+                f"{r['efficiency']:.3f}",
+                r["algorithm"],
+            ]
+            for r in rows
+        ],
+    )
+
+
+def sweep_table(title: str, rows: list[dict[str, Any]], label: Any) -> str:
+    return table(
+        [title, "step ms", "exposed ms", "samples/s"],
+        [[label(r), r["step_s"] * 1e3, r["exposed_s"] * 1e3, r["samples_per_s"]] for r in rows],
+    )
+
+
+def text(plan: dict[str, Any]) -> str:
+    out = [f"ddpkit plan: {plan['workload']}, {plan['scaling']}, profiled on {plan['profiled_on']}"]
+    out += [f"  link {line}" for line in plan["link"]]
+    out.append("")
+    out.append(curve_table(plan["curve"]))
+    n = plan["curve"][-1]["n"]
+    if n > 1:
+        out.append("")
+        out.append(
+            sweep_table(
+                f"bucket cap at N={n}", plan["buckets"], lambda r: f"{r['options']['bucket_cap_mb']:g} MB"
+            )
+        )
+        out.append(f"  best predicted: bucket_cap_mb={plan['best_bucket_mb']:g}")
+        out.append("")
+        out.append(sweep_table(f"hook at N={n}", plan["hooks"], _hook_label))
+        out.append(f"  {plan['hook_verdict']}")
+    out.append("")
+    out.append("advice:")
+    for item in plan["advice"]:
+        extra = f": {item['gain']}" if item["gain"] else ""
+        cost = f" (cost: {item['cost']})" if item["cost"] and item["cost"] != "none" else ""
+        out.append(f"  - {item['what']}{extra}{cost}")
+    out.append("")
+    out.append("assumptions:")
+    out += [f"  - {a}" for a in plan["assumptions"]]
+    return "\n".join(out)
+
+
+def _hook_label(r: dict[str, Any]) -> str:
+    o = r["options"]
+    return o["hook"] + (f" rank {o['powersgd_rank']}" if o["hook"] == "powersgd" else "")
+
+
+def write_json(plan: dict[str, Any], path: str) -> None:
+    text_ = json.dumps(plan, indent=1, default=_default)
+    if path == "-":
+        print(text_)
+        return
+    with open(path, "w") as f:
+        f.write(text_ + "\n")
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    raise TypeError(f"cannot write {type(value).__name__} as JSON")
+
+
+def plot(plan: dict[str, Any], path: str) -> str:
+    """Efficiency against N (log2 axis), with the exposed-communication share on a second axis."""
+    plt = pyplot()
+    rows = plan["curve"]
+    ns = [r["n"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    ax.plot(ns, [r["efficiency"] for r in rows], "o-", color="#3366cc", label="predicted efficiency")
+    for label, series in plan.get("measured", {}).items():
+        ax.plot([int(k) for k in series], list(series.values()), "s--", label=f"measured: {label}")
+    ax.plot(
+        ns,
+        [r["exposed_s"] / r["step_s"] for r in rows],
+        "^:",
+        color="#cc6633",
+        label="exposed communication / step",
+    )
+    ax.axhline(1.0, color="#999999", lw=0.8)
+    ax.set(
+        xscale="log",
+        xlabel="devices N",
+        ylabel="efficiency  |  share of step",
+        ylim=(0, 1.05),
+        title=f"{plan['workload']} over {plan['link_name']}: predicted scaling",
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

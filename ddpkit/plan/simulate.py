@@ -1,0 +1,265 @@
+"""Replay one profiled step on N ranks: cost models of the collectives, and the overlap with backward.
+
+Collectives (n ranks, S bytes, per-step latency α, per-rank bandwidth β; Thakur et al. 2005, and
+nccl-tests' PERFORMANCE.md for the bus-bandwidth factors):
+
+    ring all-reduce      2(n-1)·α + 2(n-1)/n · S/β      reduce-scatter, then all-gather, around a ring
+    tree all-reduce      2·depth·α + 2·S/β              reduce up and broadcast down a pipelined tree
+    all-gather (ring)    (n-1)·α + (n-1)/n · S/β        S = the gathered (full) size
+    reduce-scatter       (n-1)·α + (n-1)/n · S/β        S = the input (full) size
+
+Across nodes (g ranks per node, m nodes) the latencies follow NCCL's tuning model (src/graph/tuning.cc):
+a ring pays the network's α on its 2(m-1) steps that cross nodes and the node's α on the others; a
+tree is a chain inside each node and a binary tree between nodes, latency 2((g-1)·α_intra + ⌈log2 m⌉·
+α_inter), at 0.9 of the ring's bandwidth. The bandwidth across nodes is the smaller of a rank's
+intra-node β and the node's NICs together (nics·β_inter: each of NCCL's rings crosses a node boundary
+through its own NIC). "auto" takes the faster, as NCCL's tuner does per message size.
+
+The step: forward, then backward during which each bucket's all-reduce is launched once its last
+gradient is ready, on one communication stream (a bucket waits for the one before it), then the
+optimizer step once the last all-reduce is done:
+
+    start_i = max(ready_i, end_{i-1}),  end_i = start_i + cost_i
+    step    = forward + max(backward, end_last) + optimizer,  exposed = max(0, end_last - backward)
+
+CPU ranks on one machine share its cores: compute slows by max(1, ranks·threads/cores) -- or, better,
+the profile is taken with n ranks computing at once (`profile.measure(ranks=n)`), which also captures
+shared memory bandwidth and hyper-threads, and how long the slowest rank keeps the others waiting
+(added to the step); when no core is left over for the communication threads, communication cannot
+overlap compute (it is added).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ddpkit.plan.links import Link, log2_ceil
+from ddpkit.plan.profile import Bucket, Profile
+
+ALGORITHMS = ("auto", "ring", "tree")
+HOOKS = ("none", "fp16", "bf16", "powersgd")
+STRATEGIES = ("ddp", "fsdp")
+TREE_BANDWIDTH = 0.9  # NCCL's tuner rates a tree's bus bandwidth at 0.9 of the ring's (src/graph/tuning.cc)
+
+
+# -- collectives on one level ----------------------------------------------------------------------
+def ring_allreduce(nbytes: float, n: int, alpha: float, beta: float) -> float:
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
+
+
+def tree_allreduce(nbytes: float, n: int, alpha: float, beta: float, depth: int | None = None) -> float:
+    if n <= 1:
+        return 0.0
+    return 2 * (log2_ceil(n) if depth is None else depth) * alpha + 2 * nbytes / beta
+
+
+def ring_allgather(nbytes: float, n: int, alpha: float, beta: float) -> float:
+    """All-gather into `nbytes` (the full output); reduce-scatter of an `nbytes` input costs the same."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * alpha + (n - 1) / n * nbytes / beta
+
+
+# -- the cluster -----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """n ranks, `per_node` of them per node, over `link`; which all-reduce algorithm to assume."""
+
+    n: int
+    per_node: int
+    link: Link
+    algorithm: str = "auto"
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.n / self.per_node)
+
+    def _levels(self) -> tuple[float, float, float]:
+        """(α inside a node, α between nodes, bottleneck β per rank)."""
+        a_in, b_in = self.link.intra.at(self.n)
+        if self.nodes == 1 or self.link.inter is None:
+            return a_in, a_in, b_in
+        a_out, b_out = self.link.inter.at(self.nodes)
+        return a_in, a_out, min(b_in, self.link.nics_per_node * b_out)
+
+    def allreduce(self, nbytes: float) -> tuple[float, str]:
+        """Seconds for an all-reduce of `nbytes` on every rank, and the algorithm that gives them."""
+        if self.n <= 1 or nbytes <= 0:
+            return 0.0, "-"
+        a_in, a_out, beta = self._levels()
+        m = self.nodes
+        measured = self.link.intra.measured_allreduce(self.n, nbytes) if m == 1 else None
+        if measured is not None and self.algorithm == "auto":
+            return measured + self.link.launch_s, "measured"
+        if m == 1:
+            ring = ring_allreduce(nbytes, self.n, a_in, beta)
+            tree = tree_allreduce(nbytes, self.n, a_in, beta * TREE_BANDWIDTH, depth=self.n - 1)
+        else:  # NCCL's tuning model: the ring's 2(m-1) steps that cross nodes pay the network's latency
+            steps = 2 * (self.n - 1)
+            ring = (steps - 2 * (m - 1)) * a_in + 2 * (m - 1) * a_out + steps / self.n * nbytes / beta
+            depth = (min(self.per_node, self.n) - 1) * a_in + log2_ceil(m) * a_out
+            tree = 2 * depth + 2 * nbytes / (beta * TREE_BANDWIDTH)
+        options = {"ring": ring + self.link.launch_s, "tree": tree + self.link.launch_s}
+        if self.algorithm != "auto":
+            return options[self.algorithm], self.algorithm
+        name = min(options, key=options.__getitem__)
+        return options[name], name
+
+    def allgather(self, nbytes: float) -> float:
+        if self.n <= 1 or nbytes <= 0:
+            return 0.0
+        a_in, a_out, beta = self._levels()
+        m = self.nodes  # as for the ring all-reduce: the m-1 node-crossing steps pay the network's α
+        latency = (self.n - m) * a_in + (m - 1) * a_out
+        return self.link.launch_s + latency + ring_allgather(nbytes, self.n, 0.0, beta)
+
+    def compute_slowdown(self, threads: int) -> float:
+        """How much slower each rank computes because the ranks share this machine's cores."""
+        if not self.link.shares_cores or not self.link.cores:
+            return 1.0
+        return max(1.0, self.n * threads / self.link.cores)
+
+    def overlaps(self, threads: int) -> bool:
+        """Whether communication can run beside compute: always on devices with their own copy engines
+        or NICs; on shared CPU cores only when a core is left over for the communication threads."""
+        if self.n <= 1 or not self.link.shares_cores or not self.link.cores:
+            return True
+        return self.n * threads < self.link.cores
+
+
+# -- the step --------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """What the simulated run uses: bucket cap, hook, strategy, accumulation, sharded optimizer step."""
+
+    bucket_cap_mb: float = 25.0
+    hook: str = "none"
+    powersgd_rank: int = 1
+    strategy: str = "ddp"
+    accumulation: int = 1
+    sharded_step: bool = False  # ddpkit's sharded optimizer step (CPU ranks): each rank steps 1/n
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    n: int
+    per_rank_batch: int
+    step_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    comm_s: float  # all communication time of the step (hidden or not)
+    exposed_s: float  # what communication adds to the step
+    buckets: int
+    algorithm: str
+    samples_per_s: float = 0.0
+    efficiency: float = 1.0
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def bucket_bytes(profile: Profile, bucket: Bucket, opts: Options) -> list[float]:
+    """Bytes of each collective a bucket needs under the hook: one all-reduce, or PowerSGD's two
+    (P and Q of the compressible matrices) plus one for what it leaves uncompressed."""
+    if opts.hook in ("fp16", "bf16"):
+        return [bucket.bytes / 2]
+    if opts.hook != "powersgd":
+        return [float(bucket.bytes)]
+    r = opts.powersgd_rank
+    p_bytes = q_bytes = plain = 0.0
+    for i in bucket.params:
+        prm = profile.params[i]
+        rows = prm.shape[0] if prm.shape else 1
+        cols = prm.bytes // 4 // max(rows, 1)
+        if len(prm.shape) >= 2 and (rows + cols) * r * 2 < rows * cols:  # torch's min_compression_rate 2
+            p_bytes += rows * r * 4
+            q_bytes += cols * r * 4
+        else:
+            plain += prm.bytes
+    return [b for b in (plain, p_bytes, q_bytes) if b > 0]
+
+
+def _stream(ready: list[float], costs: list[float]) -> float:
+    """When the last of the collectives, launched at `ready` in order on one stream, finishes."""
+    end = 0.0
+    for r, c in zip(ready, costs, strict=True):
+        end = max(r, end) + c
+    return end
+
+
+def step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
+    """Predict one optimizer step on `cluster.n` ranks of `profile.batch` samples each."""
+    n = cluster.n
+    measured_beside = n > 1 and profile.ranks == n  # profiled with n ranks computing at once
+    slow = 1.0 if measured_beside else cluster.compute_slowdown(profile.threads)
+    p = profile.scaled(slow) if slow != 1.0 else profile
+    optimizer = p.optimizer_s
+    if opts.sharded_step and n > 1:
+        optimizer = p.optimizer_s / n + p.copy_s * (n - 1) / n
+    buckets = p.buckets(opts.bucket_cap_mb)
+    algos: set[str] = set()
+    forward_comm = 0.0
+    if opts.strategy == "fsdp":
+        # All-gather each unit's parameters before use (forward and again in backward, prefetched one
+        # unit ahead), reduce-scatter its gradients when ready: 3 x (n-1)/n x S against DDP's 2.
+        gathers = [cluster.allgather(b.bytes) for b in buckets]
+        costs = [g + cluster.allgather(b.bytes) for g, b in zip(gathers, buckets, strict=True)]
+        total_bytes = sum(b.bytes for b in buckets) or 1
+        comm_t = comp_t = 0.0
+        for g, b in zip(reversed(gathers), reversed(buckets), strict=True):  # forward: the other order
+            comm_t += g  # gathers are issued back to back (prefetch); a unit computes once it has its own
+            comp_t = max(comp_t, comm_t) + p.forward_s * b.bytes / total_bytes  # compute ~ parameter bytes
+        forward_comm, forward_end = sum(gathers), comp_t
+        algos.add("ring")
+    else:
+        costs = []
+        for b in buckets:
+            c = 0.0
+            for nbytes in bucket_bytes(p, b, opts):
+                t, algo = cluster.allreduce(nbytes)
+                c += t
+                algos.add(algo)
+            costs.append(c)
+        forward_end = p.forward_s
+    ready = [b.ready_s for b in buckets]
+    comm = sum(costs) + (forward_comm if opts.strategy == "fsdp" else 0.0)
+    if n <= 1:
+        comm_end, comm, forward_end = 0.0, 0.0, p.forward_s
+    elif cluster.overlaps(profile.threads):
+        comm_end = _stream(ready, costs)
+    else:  # no core left for communication: it runs instead of compute, not beside it
+        comm_end = p.backward_s + sum(costs)
+        forward_end = p.forward_s + (forward_comm if opts.strategy == "fsdp" else 0.0)
+    backward = max(p.backward_s, comm_end)
+    k = max(1, opts.accumulation)
+    micro = p.forward_s + p.backward_s
+    total = (k - 1) * micro + forward_end + backward + optimizer
+    if measured_beside:  # every step's first all-reduce waits for the slowest rank
+        total += profile.straggler_s
+    exposed = total - (k * micro + optimizer)
+    samples = profile.batch * n * k
+    return Prediction(
+        n=n,
+        per_rank_batch=profile.batch,
+        step_s=total,
+        forward_s=p.forward_s * k,
+        backward_s=p.backward_s * k,
+        optimizer_s=optimizer,
+        comm_s=comm,
+        exposed_s=max(0.0, exposed),
+        buckets=len(buckets),
+        algorithm="/".join(sorted(algos - {"-"})) or "-",
+        samples_per_s=samples / total,
+        options=opts.__dict__.copy(),
+    )
+
+
+def with_efficiency(preds: list[Prediction], base: Prediction) -> list[Prediction]:
+    """Scaling efficiency: throughput at n over n times the one-rank throughput (1.0 is linear)."""
+    return [replace(q, efficiency=q.samples_per_s / (q.n * base.samples_per_s)) for q in preds]

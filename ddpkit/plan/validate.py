@@ -1,0 +1,86 @@
+"""Checking the plan against measurement on this machine (docs/planning.md).
+
+The named workloads' global batches (64, 64, 16) are not divisible by 3, so `ddpkit bench scaling`
+would skip 3 ranks; these are the same workloads with a global batch of 48 (cnn, mlp) and 24 (gpt),
+divisible by 1, 2, 3 and 4:
+
+    ddpkit plan --workload ddpkit.plan.validate:mlp48 --counts 1,2,3,4 --global-batch 48 \\
+        --link measured:runs/coll/collectives.json --json runs/plan-mlp.json
+    ddpkit bench scaling --workload ddpkit.plan.validate:mlp48 --max-nproc 4 --buckets 25 \\
+        --hooks allreduce --out runs/scaling-mlp
+    python -m ddpkit.plan.validate runs/scaling-mlp/scaling.json plan=runs/plan-mlp.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from typing import Any
+
+from ddpkit import workloads
+
+
+def cnn48() -> workloads.Workload:
+    return replace(workloads.NAMED["cnn"], name="cnn48", global_batch=48)
+
+
+def mlp48() -> workloads.Workload:
+    return replace(workloads.NAMED["mlp"], name="mlp48", global_batch=48)
+
+
+def gpt24() -> workloads.Workload:
+    return replace(workloads.NAMED["gpt"], name="gpt24", global_batch=24)
+
+
+def compare(plans: dict[str, dict[str, Any]], scaling: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per N in the measurement: measured step (ms, spread), and each plan's prediction and error."""
+    measured = {r["nproc"]: r for r in scaling["scaling"]}
+    rows = []
+    for n, m in sorted(measured.items()):
+        row: dict[str, Any] = {
+            "workload": scaling["workload"],
+            "n": n,
+            "measured_ms": m["step_ms"],
+            "spread": m["spread"],
+            "measured_efficiency": m["efficiency"],
+        }
+        for label, plan in plans.items():
+            r = next((r for r in plan["curve"] if r["n"] == n), None)
+            if r is not None:
+                row[label] = {
+                    "ms": r["step_s"] * 1e3,
+                    "error": r["step_s"] * 1e3 / m["step_ms"] - 1,
+                    "efficiency": r["efficiency"],
+                    "exposed_ms": r["exposed_s"] * 1e3,
+                }
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], labels: list[str]) -> str:
+    head = (
+        "| workload | N | measured ms (spread) | " + " | ".join(f"{lb}: ms (error)" for lb in labels) + " |"
+    )
+    lines = [head, "|---|---|---|" + "---|" * len(labels)]
+    for r in rows:
+        cells = [f"{r[lb]['ms']:.1f} ({r[lb]['error']:+.0%})" if lb in r else "" for lb in labels]
+        lines.append(
+            f"| {r['workload']} | {r['n']} | {r['measured_ms']:.1f} (±{r['spread'] / 2:.0%}) | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+if (
+    __name__ == "__main__"
+):  # python -m ddpkit.plan.validate scaling.json label=plan.json [label=plan.json ...]
+    with open(sys.argv[1]) as f:
+        scaling_data = json.load(f)
+    plans = {}
+    for arg in sys.argv[2:]:
+        label, _, path = arg.partition("=")
+        with open(path) as f:
+            plans[label] = json.load(f)
+    print(markdown(compare(plans, scaling_data), list(plans)))
