@@ -65,8 +65,11 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def share_env() -> dict[str, str]:
-    """Two ranks on the GPU(s) at hand: shared over gloo on CUDA; plain gloo ranks in the rehearsal."""
-    return {"DDPKIT_SHARE_GPU": "1"} if device() == "cuda" else {"DDPKIT_DEVICE": "cpu"}
+    """Two ranks sharing the first visible GPU over gloo; plain gloo CPU ranks in the rehearsal."""
+    if device() != "cuda":
+        return {"DDPKIT_DEVICE": "cpu"}
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    return {"DDPKIT_SHARE_GPU": "1", "CUDA_VISIBLE_DEVICES": first}
 
 
 # -- small models and data, importable by the ranks and by `ddpkit verify` -----------------------------
@@ -298,7 +301,7 @@ def check_shared_ddp(ctx: Context) -> str:
     root = ctx.out / "shared-ckpt"
     r0, r1 = ddpkit.spawn(_shared_rank, nproc=2, args=(str(root),), env=share_env(), timeout=300)
     if device() == "cuda":
-        assert (r0["backend"], r0["device"], r1["device"]) == ("gloo", "cuda:0", f"cuda:{1 % ctx.gpus}"), r0
+        assert (r0["backend"], r0["device"], r1["device"]) == ("gloo", "cuda:0", "cuda:0"), r0
         assert r0["device_ids"] == [0] and r0["bn"] == "SyncBatchNorm", (r0["device_ids"], r0["bn"])
     assert r0["skipped"] == r1["skipped"] == [True, False, False], (r0["skipped"], r1["skipped"])
     assert _same(r0["weights"], r1["weights"]), "replicas differ (weights or SyncBatchNorm statistics)"

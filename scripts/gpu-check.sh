@@ -16,4 +16,13 @@ elif [[ -x .venv/bin/python ]]; then
 else
     py=python3
 fi
+# ddpkit's own dependencies are not installed by --no-deps: name the missing ones before anything fails.
+"$py" - <<'PY'
+import importlib.util
+needs = {"torch": "torch", "numpy": "numpy", "safetensors": "safetensors", "tqdm": "tqdm",
+         "sklearn": "scikit-learn (the demo)", "matplotlib": "matplotlib (the demo's plot, trace)"}
+missing = [name for mod, name in needs.items() if importlib.util.find_spec(mod) is None]
+if missing:
+    print("gpu-check: missing package(s): " + ", ".join(missing) + "; the checks that need them will fail")
+PY
 exec "$py" -m ddpkit.gpucheck "$@"
