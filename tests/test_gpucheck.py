@@ -62,3 +62,10 @@ def test_a_failing_check_fails_the_command(tmp_path, monkeypatch, capsys) -> Non
     assert gpucheck.main(["--only", "auto-single-gpu,broken", "--keep", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "FAIL  broken" in out and "planted failure" in out and "1 passed, 1 failed" in out
+
+
+@needs_no_cuda
+def test_gpu_overhead_benchmark_skips_without_cuda() -> None:
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_overhead.py")], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0 and "skipped: no CUDA device" in out.stdout, out.stdout + out.stderr
