@@ -1,7 +1,7 @@
 """The `ddpkit` command: a thin shell over the Python API.
 
 ddpkit run [--nproc auto|N] [--nnodes N --node-rank R --rdzv-endpoint HOST:PORT]
-           [--max-restarts K] [--port P] [--device auto|cpu|cuda] script.py args...
+           [--max-restarts K] [--port P] [--device auto|cpu|cuda] [--share-gpu] script.py args...
 ddpkit run -m package.module args...
 ddpkit demo [--nproc N] [--epochs E]
 """
@@ -42,6 +42,7 @@ def _add_launch_options(p: argparse.ArgumentParser, *, default_nproc: str | None
     p.add_argument("--port", type=int, default=None, help="single node: rendezvous port (default: free)")
     p.add_argument("--max-restarts", type=int, default=0, help="restart all workers up to K times")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--share-gpu", action="store_true", help="ranks share GPUs (gloo; debugging)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +75,7 @@ def _launch_config(ns: argparse.Namespace, target: str, args: Sequence[str], mod
         module=module,
         nproc=ns.nproc,
         device=ns.device,
+        share_gpu=ns.share_gpu,
         nnodes=ns.nnodes,
         node_rank=ns.node_rank,
         rdzv_endpoint=ns.rdzv_endpoint,

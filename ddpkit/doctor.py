@@ -5,8 +5,9 @@
 
 Readable in ten seconds: one line per fact, `ok` / `FAIL` / `note` in front. Healthy means: a process
 group backend is available, `auto` resolves to a plan without error, a free port can be bound, and two
-local processes (ddpkit.spawn, gloo on the CPU; NCCL too when there are two GPUs) agree on an
-all-reduce within the timeout.
+local processes (ddpkit.spawn, gloo on the CPU; NCCL too when there are two GPUs, or two ranks
+sharing the GPU over gloo when there is one) agree on an all-reduce within the timeout. The launcher
+line says which launcher `ddpkit.environments` detected, and why a plan was chosen.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "NCCL_", "GLOO_", "DDPKIT_", "PMI_", "OMPI_")
 LAUNCHER_VARS = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-    "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TORCH_DISTRIBUTED_DEBUG",
+    "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TORCH_DISTRIBUTED_DEBUG", "MPI_LOCALRANKID",
+    "MPI_LOCALNRANKS", "KUBERNETES_SERVICE_HOST",
 )  # fmt: skip
 
 
@@ -39,14 +41,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _smoke(device: str) -> dict[str, Any]:
+def _smoke(device: str, share_gpu: bool = False) -> dict[str, Any]:
     """Rank body: all-reduce rank + 1 over the group; every rank must see 1 + 2 + ... + n."""
     import torch
     import torch.distributed as dist
 
     import ddpkit
 
-    with ddpkit.session(device=device, verbose=False) as s:
+    with ddpkit.session(device=device, verbose=False, share_gpu=share_gpu) as s:
         value = torch.tensor([float(s.rank + 1)], device=s.device)
         start = time.perf_counter()
         dist.all_reduce(value)
@@ -54,20 +56,24 @@ def _smoke(device: str) -> dict[str, Any]:
         return {"value": value.item(), "backend": s.plan.backend, "world": s.world_size, "seconds": seconds}
 
 
-def smoke_test(device: str, nproc: int = 2, timeout: float = 60.0) -> tuple[bool, str]:
+def smoke_test(
+    device: str, nproc: int = 2, timeout: float = 60.0, share_gpu: bool = False
+) -> tuple[bool, str]:
     import ddpkit
 
     start = time.perf_counter()
     try:
-        out = ddpkit.spawn(_smoke, nproc=nproc, args=(device,), timeout=timeout, threads=1)
+        out = ddpkit.spawn(_smoke, nproc=nproc, args=(device, share_gpu), timeout=timeout, threads=1)
     except Exception as err:  # the report names the failure; the exit code says unhealthy
         first = str(err).strip().splitlines()
         return False, f"{type(err).__name__}: {first[0] if first else ''}"
     want = nproc * (nproc + 1) / 2
     ok = all(r["value"] == want and r["world"] == nproc for r in out)
-    detail = (f"{nproc} ranks, backend {out[0]['backend']}, all_reduce = {out[0]['value']:g} "
-              f"(want {want:g}) in {out[0]['seconds'] * 1e3:.1f} ms; {time.perf_counter() - start:.1f} s "
-              "with process start")
+    detail = (
+        f"{nproc} ranks, backend {out[0]['backend']}, all_reduce = {out[0]['value']:g} "
+        f"(want {want:g}) in {out[0]['seconds'] * 1e3:.1f} ms; {time.perf_counter() - start:.1f} s "
+        "with process start"
+    )
     return ok, detail
 
 
@@ -76,7 +82,7 @@ def facts(env: dict[str, str]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from ddpkit import __version__, topology
+    from ddpkit import __version__, environments, topology
     from ddpkit.errors import DdpkitError
     from ddpkit.launch import resolve_nproc
 
@@ -90,9 +96,13 @@ def facts(env: dict[str, str]) -> dict[str, Any]:
             nccl_version = None
     try:
         plan = topology.resolve(env, hw)
-        plan_text, plan_error = plan.describe(), None
+        plan_text, plan_error, notes = plan.describe(), None, list(plan.notes)
     except DdpkitError as err:
-        plan_text, plan_error = None, str(err)
+        plan_text, plan_error, notes = None, str(err), []
+    try:
+        launcher = environments.describe(environments.detect(env))
+    except DdpkitError as err:
+        launcher = f"unreadable launcher variables ({str(err).splitlines()[0]})"
     nproc = resolve_nproc("auto", hw)
     return {
         "ddpkit": __version__,
@@ -104,24 +114,27 @@ def facts(env: dict[str, str]) -> dict[str, Any]:
         "gpus": gpus,
         "cpu_cores": hw.cpu_cores,
         "torch_threads": torch.get_num_threads(),
-        "backends": {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(),
-                     "mpi": dist.is_mpi_available()},
+        "backends": {
+            "gloo": dist.is_gloo_available(),
+            "nccl": dist.is_nccl_available(),
+            "mpi": dist.is_mpi_available(),
+        },
         "nccl_version": nccl_version,
         "plan": plan_text,
         "plan_error": plan_error,
-        "why": _why(hw, env),
+        "plan_notes": notes,
+        "launcher": launcher,
+        "why": _why(hw, env, launcher),
         "run_auto": f"`ddpkit run train.py` starts {nproc} process(es) x "
-                    f"{topology.threads_per_process(hw.cpu_cores, nproc)} CPU thread(s)"
-                    + (f"; `--nproc 2` gives 2 x {topology.threads_per_process(hw.cpu_cores, 2)}"
-                       if not hw.gpus else ""),
+        f"{topology.threads_per_process(hw.cpu_cores, nproc)} CPU thread(s)"
+        + (f"; `--nproc 2` gives 2 x {topology.threads_per_process(hw.cpu_cores, 2)}" if not hw.gpus else ""),
         "shm": _shm(),
         "env": launcher_env(env),
     }
 
 
-def _why(hw: Any, env: dict[str, str]) -> str:
-    launcher = ("torchrun-style variables (RANK, WORLD_SIZE)" if "RANK" in env and "WORLD_SIZE" in env
-                else "Slurm variables" if "SLURM_PROCID" in env else "no launcher variables: one process")
+def _why(hw: Any, env: dict[str, str], launcher: str) -> str:
+    """Why auto chose the plan: the launcher (`ddpkit.environments`) and the device."""
     if env.get("DDPKIT_DEVICE"):
         device = f"DDPKIT_DEVICE={env['DDPKIT_DEVICE']}"
     elif hw.gpus:
@@ -161,6 +174,8 @@ def report(f: dict[str, Any], smoke: list[tuple[str, bool, str]], port: int | No
         healthy = False
     else:
         say("ok", f"mode auto: {f['plan']} ({f['why']})")
+    for note in f["plan_notes"]:
+        say("note", note)
     say("ok", f["run_auto"])
     say("ok" if "GiB free" in f["shm"] else "note", f"shared memory: {f['shm']}")
     env = ", ".join(f"{k}={v}" for k, v in f["env"].items()) or "none set"
@@ -190,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         smoke.append(("gloo, CPU", *smoke_test("cpu", 2, ns.timeout)))
         if len(f["gpus"]) >= 2 and f["backends"]["nccl"]:
             smoke.append(("NCCL, 2 GPUs", *smoke_test("cuda", 2, ns.timeout)))
+        elif len(f["gpus"]) == 1:  # NCCL needs 2 GPUs; CUDA tensors over gloo, 2 ranks on cuda:0
+            smoke.append(("gloo, 2 ranks sharing cuda:0", *smoke_test("cuda", 2, ns.timeout, share_gpu=True)))
     lines, healthy = report(f, smoke, port)
     if ns.json:
         f.update(free_port=port, healthy=healthy)

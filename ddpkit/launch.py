@@ -5,6 +5,7 @@
     ddpkit run --nnodes 2 --node-rank 0 --nproc 4 --rdzv-endpoint host0:29400 train.py   # on host0
     ddpkit run --nnodes 2 --node-rank 1 --nproc 4 --rdzv-endpoint host0:29400 train.py   # on host1
     ddpkit run --max-restarts 3 train.py        # the agent restarts all workers after a failure
+    ddpkit run --nproc 2 --share-gpu train.py   # 2 ranks on one GPU over gloo: correctness, not speed
 
 What ddpkit adds to torchrun: the process count from the hardware, a rendezvous port the OS picks
 (single node), a clear error for a busy explicit port or a missing script, CPU threads per rank =
@@ -42,6 +43,7 @@ class LaunchConfig:
     module: bool = False
     nproc: int | str = "auto"
     device: str = "auto"
+    share_gpu: bool = False  # more local ranks than GPUs, round-robin over gloo (ddpkit.topology)
     nnodes: int = 1
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
@@ -154,6 +156,8 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
     os.environ.update(cfg.extra_env)
     if cfg.device != "auto":
         os.environ["DDPKIT_DEVICE"] = cfg.device
+    if cfg.share_gpu:
+        os.environ["DDPKIT_SHARE_GPU"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(hardware.cpu_cores, nproc)))
     if cfg.device == "cpu" or hardware.gpus == 0:
         os.environ.update(cpu_allocator.rank_env())  # read by glibc and torch as each rank starts

@@ -118,6 +118,8 @@ class Session:
         threads = torch.get_num_threads()
         detail = f", {threads} CPU thread(s) per rank" if self.device.type == "cpu" else ""
         self.print(f"ddpkit: {self.plan.describe()}{detail}")
+        for note in self.plan.notes:  # the Slurm batch-script trap; ranks sharing a GPU
+            self.print(f"ddpkit: {note}")
         if self.precision.note:
             self.print(f"ddpkit: {self.precision.note}")
         elif self.precision.name != "32":
@@ -353,6 +355,7 @@ def session(
     save_timeout: float = 3600.0,
     verbose: bool = True,
     shard_optimizer: bool | str = "auto",
+    share_gpu: bool = False,
     env: Mapping[str, str] | None = None,
     hardware: topology.Hardware | None = None,
 ) -> Iterator[Session]:
@@ -364,13 +367,16 @@ def session(
     "32", "bf16" or "16" (see `ddpkit.precision`); `accumulation` is the number of micro-batches per
     optimizer step. `shard_optimizer` lets each rank update only its share of the parameters in
     `s.step` ("auto": torch's per-parameter optimizers on CPU ranks of one machine; see
-    `ddpkit.sharding`). `env` and `hardware` default to this process's environment and machine.
+    `ddpkit.sharding`). `share_gpu=True` lets more local ranks than GPUs share them round-robin over
+    gloo, for debugging multi-GPU code on one card (see `ddpkit.topology`). `env` and `hardware`
+    default to this process's environment and machine.
     """
     plan = topology.resolve(
         os.environ if env is None else env,
         hardware or topology.Hardware.detect(),
         device=device,
         backend=backend,
+        share_gpu=share_gpu,
     )
     s = Session(
         plan, seed=seed, accumulation=accumulation, precision=precision, timeout=timeout, verbose=verbose,

@@ -3,27 +3,30 @@
 Nothing here touches a process group, a GPU or `os.environ`: the functions take a mapping of
 environment variables and a `Hardware` description, so every combination is a table test.
 
-Launchers are detected in this priority order (first match wins):
-
-1. torchrun / `ddpkit run` / any env:// launcher: RANK and WORLD_SIZE are set. torchrun inside
-   `srun` also sets them, and its values are the ones the process group must use.
-2. Slurm: SLURM_PROCID and SLURM_NTASKS > 1 (one task per process, `srun python train.py`),
-   unless the job is an interactive shell (SLURM_JOB_NAME=bash), where the script runs alone.
-3. Nothing: one process.
+Who this process is comes from the launcher's variables, read by one small detector per launcher
+(`ddpkit.environments`: torchrun, Kubernetes PyTorchJob, env:// by hand, mpirun, srun, the sbatch
+script itself, plain python), tried in a stated priority order.
 
 Then the device: an explicit `device=` wins (`ddpkit run --device cpu` passes it to every rank as
 DDPKIT_DEVICE, read here when the script leaves device="auto"); otherwise no GPU means CPU (gloo
 when world > 1), and a GPU means CUDA (NCCL when world > 1, device cuda:LOCAL_RANK).
+
+Sharing GPUs (`share_gpu=True`, `ddpkit run --share-gpu`, passed to the ranks as DDPKIT_SHARE_GPU=1):
+for debugging multi-GPU code on fewer GPUs than ranks. Local ranks go to the visible GPUs round-robin
+(cuda:LOCAL_RANK % GPUs) and talk through gloo, which all-reduces and broadcasts CUDA tensors (NCCL
+refuses two ranks on one device: "Duplicate GPU detected"). The `ddp-gpu` code paths then run for
+real (DDP with device_ids, CUDA buckets, torch's SyncBatchNorm): for correctness, not speed.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from ddpkit import environments
+from ddpkit.environments import Ranks
 from ddpkit.errors import problem
 
 Mode = Literal["single-cpu", "single-gpu", "ddp-cpu", "ddp-gpu"]
@@ -51,20 +54,6 @@ class Hardware:
 
 
 @dataclass(frozen=True)
-class Ranks:
-    """Who this process is, as a launcher described it."""
-
-    launcher: str  # "torchrun", "slurm" or "none"
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-
-
-@dataclass(frozen=True)
 class Plan:
     """The resolved decision: how this process trains. Printed once at start by global rank 0."""
 
@@ -72,6 +61,8 @@ class Plan:
     device: str  # "cpu" or "cuda:<local rank>"
     backend: str | None  # None when there is no process group (world size 1)
     ranks: Ranks
+    notes: tuple[str, ...] = ()  # warnings to print once at start (global rank 0)
+    shared_gpu: bool = False  # several local ranks on one GPU, over gloo (`share_gpu=True`)
 
     @property
     def distributed(self) -> bool:
@@ -80,73 +71,14 @@ class Plan:
     def describe(self) -> str:
         r = self.ranks
         comm = f"backend {self.backend}" if self.backend else "no process group"
+        if self.shared_gpu:
+            comm += f", {r.local_world_size} local ranks sharing the GPU(s) round-robin"
         return f"mode {self.mode}, world size {r.world_size} ({r.launcher}), device {self.device}, {comm}"
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
-    value = env.get(name)
-    if value is None or value == "":
-        if default is None:
-            raise problem(f"{name} is not set", "Launch with `ddpkit run` or torchrun, which set it")
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise problem(
-            f"{name}={value!r} is not an integer",
-            f"Unset {name} or set it to an integer",
-            source="environment",
-        ) from None
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm node list: "node[03-05,9],gpu1" -> "node03"."""
-    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        return "127.0.0.1"
-    prefix, _, ranges = match.groups()
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
 def detect_ranks(env: Mapping[str, str]) -> Ranks:
-    """Read the launcher's contract from `env` (see the module docstring for the order)."""
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = _int(env, "WORLD_SIZE")
-        rank = _int(env, "RANK")
-        local_world = _int(env, "LOCAL_WORLD_SIZE", world)
-        ranks = Ranks(
-            launcher="torchrun",
-            rank=rank,
-            world_size=world,
-            local_rank=_int(env, "LOCAL_RANK", rank % max(local_world, 1)),
-            local_world_size=local_world,
-            node_rank=_int(env, "GROUP_RANK", rank // max(local_world, 1)),
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int(env, "MASTER_PORT", 29500),
-        )
-    elif (
-        "SLURM_PROCID" in env
-        and _int(env, "SLURM_NTASKS", 1) > 1
-        and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
-    ):
-        world = _int(env, "SLURM_NTASKS")
-        nodes = _int(env, "SLURM_NNODES", 1)
-        job_id = _int(env, "SLURM_JOB_ID", 0)
-        ranks = Ranks(
-            launcher="slurm",
-            rank=_int(env, "SLURM_PROCID"),
-            world_size=world,
-            local_rank=_int(env, "SLURM_LOCALID", 0),
-            local_world_size=max(1, world // max(nodes, 1)),
-            node_rank=_int(env, "SLURM_NODEID", 0),
-            master_addr=env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_NODELIST", "")),
-            # A port every task of the job derives identically, away from the well-known range.
-            master_port=_int(env, "MASTER_PORT", 15000 + job_id % 20000),
-        )
-    else:
-        return Ranks(launcher="none")
+    """Read the launcher's contract from `env` (`ddpkit.environments`, first detector that answers)."""
+    ranks = environments.detect(env)
     _check_ranks(ranks)
     return ranks
 
@@ -169,21 +101,34 @@ def _check_ranks(r: Ranks) -> None:
 
 
 def resolve(
-    env: Mapping[str, str], hardware: Hardware, *, device: str = "auto", backend: str = "auto"
+    env: Mapping[str, str],
+    hardware: Hardware,
+    *,
+    device: str = "auto",
+    backend: str = "auto",
+    share_gpu: bool = False,
 ) -> Plan:
     """Combine the launcher's ranks, the hardware and the user's overrides into a `Plan`."""
     if device == "auto":
         device = env.get("DDPKIT_DEVICE", "auto")
+    share_gpu = share_gpu or env.get("DDPKIT_SHARE_GPU", "") not in ("", "0")
     if device not in DEVICES:
         raise problem(f"device={device!r} is not one of {DEVICES}", "Pass device='auto', 'cpu' or 'cuda'")
     if backend not in BACKENDS:
         raise problem(f"backend={backend!r} is not one of {BACKENDS}", "Pass 'auto', 'gloo' or 'nccl'")
     ranks = detect_ranks(env)
+    notes = (ranks.note,) if ranks.note else ()
     use_gpu = hardware.gpus > 0 if device == "auto" else device == "cuda"
     if use_gpu and hardware.gpus == 0:
         raise problem(
             "device='cuda' was asked for but this machine has no visible GPU",
             "Pass device='cpu' (or --device cpu), or check CUDA_VISIBLE_DEVICES and the driver",
+        )
+    if share_gpu and not use_gpu:
+        raise problem(
+            "share_gpu=True (--share-gpu) puts ranks on a shared GPU, but this plan runs on the CPU ("
+            + ("device='cpu' was asked for)" if device == "cpu" else "no visible GPU)"),
+            "Drop --share-gpu / share_gpu=True: without a GPU the ranks train on the CPU with gloo",
         )
     if backend == "nccl" and not use_gpu:
         raise problem(
@@ -197,19 +142,28 @@ def resolve(
             device="cpu",
             backend=("gloo" if backend == "auto" else backend) if world > 1 else None,
             ranks=ranks,
+            notes=notes,
         )
+    shared = share_gpu and world > 1 and ranks.local_world_size > hardware.gpus
+    if shared:
+        return _shared_plan(ranks, hardware, backend, notes)
+    if share_gpu:
+        notes += (f"share_gpu: {ranks.local_world_size} local rank(s) on {hardware.gpus} GPU(s), so every "
+                  "rank has a GPU of its own and nothing is shared",)  # fmt: skip
     if world > 1 and backend in ("auto", "nccl") and ranks.local_world_size > hardware.gpus:
         raise problem(
             f"{ranks.local_world_size} processes on this node (world size {world}) but only "
             f"{hardware.gpus} GPU(s): NCCL needs one GPU per process",
             f"Start at most {hardware.gpus} process(es) per node (--nproc {hardware.gpus} or "
-            "--nproc auto), or pass --device cpu to train with gloo on the CPU",
+            "--nproc auto), pass --share-gpu (session(share_gpu=True)) to let ranks share a GPU over gloo "
+            "for debugging, or pass --device cpu to train with gloo on the CPU",
             source=ranks.launcher,
         )
     if ranks.local_rank >= hardware.gpus:
         raise problem(
             f"LOCAL_RANK {ranks.local_rank} but only {hardware.gpus} GPU(s) are visible",
-            "Start at most one process per GPU (--nproc auto), or check CUDA_VISIBLE_DEVICES",
+            "Start at most one process per GPU (--nproc auto), check CUDA_VISIBLE_DEVICES (each rank "
+            "must see all of this node's GPUs), or pass --share-gpu to place ranks on the GPUs round-robin",
             source=ranks.launcher,
         )
     return Plan(
@@ -217,6 +171,32 @@ def resolve(
         device=f"cuda:{ranks.local_rank}",
         backend=("nccl" if backend == "auto" else backend) if world > 1 else None,
         ranks=ranks,
+        notes=notes,
+    )
+
+
+def _shared_plan(ranks: Ranks, hardware: Hardware, backend: str, notes: tuple[str, ...]) -> Plan:
+    """More local ranks than GPUs, by request: round-robin placement, gloo for the CUDA tensors."""
+    if backend == "nccl":
+        raise problem(
+            f"share_gpu puts {ranks.local_world_size} local ranks on {hardware.gpus} GPU(s), and NCCL "
+            'refuses two ranks on one GPU ("Duplicate GPU detected")',
+            "Leave backend='auto' (gloo, which handles CUDA tensors), or start one process per GPU",
+            source=ranks.launcher,
+        )
+    per_gpu = -(-ranks.local_world_size // hardware.gpus)
+    notes += (
+        f"share_gpu: {ranks.local_world_size} local ranks share {hardware.gpus} GPU(s) (up to {per_gpu} "
+        "per GPU, round-robin) and communicate through gloo: for checking multi-GPU code for "
+        "correctness, not for speed",
+    )
+    return Plan(
+        mode="ddp-gpu",
+        device=f"cuda:{ranks.local_rank % hardware.gpus}",
+        backend="gloo",
+        ranks=ranks,
+        notes=notes,
+        shared_gpu=True,
     )
 
 

@@ -95,6 +95,8 @@ def _rank(spec: str, hook: str, bucket_cap_mb: float | None, warmup: int, steps:
             model.register_comm_hook(TracedHook(*inner, rec, names), traced_hook)  # type: ignore[operator]
         opt = wl.optimizer(model.parameters())
         x, y = wl.sample(torch.Generator().manual_seed(1 + s.rank), wl.global_batch // s.world_size)
+        x, y = x.to(s.device), y.to(s.device)
+        sync = torch.cuda.synchronize if s.device.type == "cuda" else lambda: None  # times mean GPU work
         for i in range(warmup + steps):
             rec.enabled = i >= warmup
             rec.step = i - warmup
@@ -102,10 +104,13 @@ def _rank(spec: str, hook: str, bucket_cap_mb: float | None, warmup: int, steps:
             t0 = _now()
             out = model(x)
             loss = wl.loss(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+            sync()
             t1 = _now()
             s.backward(loss)
+            sync()
             t2 = _now()
             s.step(opt)  # ddpkit's step: on CPU ranks of one machine, sharded (ddpkit.sharding)
+            sync()
             t3 = _now()
             rec.add("forward", "compute", t0, t1)
             rec.add("backward", "compute", t1, t2)

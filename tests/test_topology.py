@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from ddpkit.environments import first_slurm_host
 from ddpkit.errors import DdpkitError
-from ddpkit.topology import Hardware, detect_ranks, first_slurm_host, resolve, threads_per_process
+from ddpkit.topology import Hardware, detect_ranks, resolve, threads_per_process
 
 CPU = Hardware(gpus=0, cpu_cores=2)
 ONE_GPU = Hardware(gpus=1, cpu_cores=16)
@@ -24,7 +25,8 @@ def slurm(procid: int, ntasks: int, localid: int, nnodes: int = 1, **extra: str)
     return {
         "SLURM_PROCID": str(procid), "SLURM_NTASKS": str(ntasks), "SLURM_LOCALID": str(localid),
         "SLURM_NNODES": str(nnodes), "SLURM_NODEID": str(procid // (ntasks // nnodes)),
-        "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", **extra,
+        "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train",
+        "SLURM_STEP_ID": "0", **extra,
     }  # fmt: skip
 
 
@@ -86,6 +88,12 @@ CONTRADICTIONS = [
     ("LOCAL_RANK beyond GPUs", torchrun(0, 1, 0, 1) | {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}, TWO_GPUS,
      {"backend": "gloo"}, r"LOCAL_RANK 3 but only 2 GPU"),
     ("unknown device", {}, CPU, {"device": "tpu"}, r"device='tpu' is not one of"),
+    ("more ranks than GPUs names --share-gpu", torchrun(2, 3), ONE_GPU, {}, r"3 processes.*only 1 GPU.*--nproc 1.*--share-gpu.*--device cpu"),
+    ("LOCAL_RANK beyond GPUs names the fix", torchrun(0, 1, 0, 1) | {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, ONE_GPU,
+     {"backend": "gloo"}, r"LOCAL_RANK 1 but only 1 GPU.*--nproc auto.*CUDA_VISIBLE_DEVICES.*--share-gpu"),
+    ("share_gpu without a GPU", torchrun(0, 2), CPU, {"share_gpu": True}, r"share_gpu=True.*no visible GPU.*Drop --share-gpu"),
+    ("share_gpu with --device cpu", torchrun(0, 2), ONE_GPU, {"share_gpu": True, "device": "cpu"}, r"device='cpu' was asked"),
+    ("share_gpu with nccl", torchrun(0, 2), ONE_GPU, {"share_gpu": True, "backend": "nccl"}, r"Duplicate GPU detected.*backend='auto'"),
 ]  # fmt: skip
 
 
@@ -100,3 +108,31 @@ def test_contradictions_are_clear_errors(name, env, hw, kwargs, message) -> None
 )
 def test_threads_per_process(cores: int, nproc: int, threads: int) -> None:
     assert threads_per_process(cores, nproc) == threads
+
+
+# (name, env, hardware, expected device, backend, shared); all with share_gpu=True
+SHARED = [
+    ("2 ranks, 1 GPU", torchrun(1, 2), ONE_GPU, "cuda:0", "gloo", True),
+    ("3 ranks, 2 GPUs: round-robin", torchrun(2, 3), TWO_GPUS, "cuda:0", "gloo", True),
+    ("3 ranks, 2 GPUs, local rank 1", torchrun(1, 3), TWO_GPUS, "cuda:1", "gloo", True),
+    ("2 ranks, 2 GPUs: nothing to share, NCCL", torchrun(1, 2), TWO_GPUS, "cuda:1", "nccl", False),
+    ("1 process: plain single GPU", {}, ONE_GPU, "cuda:0", None, False),
+    ("DDPKIT_SHARE_GPU=1 from ddpkit run", {**torchrun(1, 2), "DDPKIT_SHARE_GPU": "1"}, ONE_GPU, "cuda:0",
+     "gloo", True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "env", "hw", "dev", "backend", "shared"), SHARED)
+def test_share_gpu_places_ranks_round_robin_over_gloo(name, env, hw, dev, backend, shared) -> None:
+    plan = resolve(env, hw, share_gpu="DDPKIT_SHARE_GPU" not in env)
+    assert (plan.device, plan.backend, plan.shared_gpu) == (dev, backend, shared), name
+    assert plan.mode == ("ddp-gpu" if plan.distributed else "single-gpu")
+    if shared:
+        assert any("correctness, not for speed" in n for n in plan.notes)
+        assert "sharing the GPU" in plan.describe()
+
+
+def test_share_gpu_is_opt_in() -> None:
+    with pytest.raises(DdpkitError, match="NCCL needs one GPU per process"):
+        resolve(torchrun(1, 2), ONE_GPU)
+    assert resolve({**torchrun(1, 2), "DDPKIT_SHARE_GPU": "0"}, ONE_GPU, device="cpu").mode == "ddp-cpu"
