@@ -64,7 +64,7 @@ def _reader_class() -> type:
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             path = Path(self.path) / ".metadata"
-            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+            metadata = MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -88,7 +88,7 @@ _ALLOWED = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class MetadataUnpickler(pickle.Unpickler):
     """Builds DCP's metadata dataclasses, torch sizes, dtypes, layouts and memory formats; nothing else."""
 
     def find_class(self, module: str, name: str) -> Any:

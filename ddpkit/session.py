@@ -89,6 +89,8 @@ class Session:
             timeout=self.limits.collective,
         )
         self._strategy: Strategy | None = None  # set by s.model
+        self._default_strategy = strategies.make(strategy, self, precision=self.precision.name)
+        self._stepper.strategy = self._default_strategy
 
     # -- who am I -------------------------------------------------------------------------------
     @property
@@ -306,9 +308,7 @@ class Session:
     @property
     def strategy(self) -> Strategy:
         """The strategy of the model `s.model` prepared (before that: the session's default one)."""
-        if self._strategy is None:
-            return strategies.make(self.strategy_choice, self, precision=self.precision.name)
-        return self._strategy
+        return self._strategy or self._default_strategy
 
     def loader(
         self,

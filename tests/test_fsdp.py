@@ -86,3 +86,25 @@ def test_verify_fsdp_against_one_process(pool2, pool3, world: int) -> None:
     )
     report = verify(spec, runner=(pool2 if world == 2 else pool3).run)
     assert report.passed and report.replicas_identical, report.render()
+
+
+class _Planted:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo planted > /dev/null",))
+
+
+def test_dcp_metadata_reader_refuses_anything_but_dcp_classes(tmp_path: Path) -> None:
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from ddpkit.checkpoint_dcp import MetadataUnpickler
+    from ddpkit.checkpoint_files import CheckpointError
+
+    good = MetadataUnpickler(io.BytesIO(pickle.dumps(Metadata(state_dict_metadata={})))).load()
+    assert isinstance(good, Metadata)
+    with pytest.raises(CheckpointError, match="refused unread"):
+        MetadataUnpickler(io.BytesIO(pickle.dumps(_Planted()))).load()
