@@ -123,7 +123,7 @@ def save(session: Any, path: str | Path, *, keep: int = 3, **state: Any) -> Path
         raise problem(f"{root} is a checkpoint, not a folder of checkpoints",
                       f"Save to its parent folder {root.parent}")  # fmt: skip
     parts = _split(state)
-    sharded = _split_sharded(session, parts)
+    sharded = checkpoint_dcp.split(session, parts)
     # collectives, while every rank is here (before any wait): whole optimizer states of sharded
     # steps, and the full weights of modules whose strategy shards them without a sharded checkpoint
     gathered = _gather_sharded(session, parts["shared"])
@@ -199,27 +199,6 @@ def export(session: Any, path: str | Path, model: nn.Module) -> Path | None:
     session.barrier()
     session.print(f"ddpkit: exported {len(weights)} tensors of the full model to {target}")
     return target if session.is_main else None
-
-
-def _split_sharded(session: Any, parts: dict[str, dict[str, Any]]) -> tuple[tuple[str, Any], dict] | None:
-    """Under a strategy that shards state (FSDP): take its model and that model's optimizers out of
-    `parts`; they go through torch.distributed.checkpoint. None otherwise."""
-    strategy = session.strategy
-    if not strategy.shards_state:
-        return None
-    models = [(n, m) for n, m in parts["modules"].items() if strategy.owns(m)]
-    if not models:
-        return None
-    if len(models) > 1:
-        raise problem(f"{len(models)} sharded models were passed ({', '.join(n for n, _ in models)})",
-                      "Save one FSDP model per checkpoint (wrap the others into one nn.Module)")  # fmt: skip
-    name, model = models[0]
-    optimizers = {n: o for n, o in parts["shared"].items() if isinstance(o, torch.optim.Optimizer)}
-    paired = checkpoint_dcp.pair_optimizers(model, optimizers)
-    for n in paired:
-        del parts["shared"][n]
-    del parts["modules"][name]
-    return (name, model), paired
 
 
 def _gather_sharded(session: Any, shared: Mapping[str, Any]) -> dict[str, Any]:
@@ -314,7 +293,7 @@ def load(session: Any, path: str | Path, *, strict: bool = True, **state: Any) -
     """
     _require_safe_torch()
     parts = _split(state)
-    sharded = _split_sharded(session, parts)
+    sharded = checkpoint_dcp.split(session, parts)
     found = _choose(session, Path(path))
     if found is None:
         session.print(f"ddpkit: no checkpoint in {path} yet: starting fresh")
@@ -330,7 +309,7 @@ def load(session: Any, path: str | Path, *, strict: bool = True, **state: Any) -
             "Pass only what was saved, or save it from now on (an older checkpoint cannot gain it)",
         )
     if sharded is not None:
-        _load_sharded(session, found, sharded, strict=strict)
+        checkpoint_dcp.load_into(session, found, sharded, strict=strict)
     for name, module in parts["modules"].items():
         weights = found.read_tensors(f"{name}.safetensors")
         if session.strategy.owns(module):
@@ -346,25 +325,6 @@ def load(session: Any, path: str | Path, *, strict: bool = True, **state: Any) -
     values = {**parts["values"], **files.decode(shared["values"], shared_tensors)}
     _say_resumed(session, found, values, notes)
     return values
-
-
-def _load_sharded(session: Any, found: Found, sharded: tuple[tuple[str, Any], dict], *, strict: bool) -> None:
-    """Model and optimizer shards through DCP, at any world size; or full weights saved without FSDP."""
-    (name, model), optimizers = sharded
-    if found.manifest.get("strategy") != "fsdp":  # saved by DDP or one process: full weights, sharded here
-        if optimizers:
-            raise problem(
-                f"{found.path} was saved with strategy={found.manifest.get('strategy', 'ddp')!r}; its "
-                f"optimizer state ({', '.join(optimizers)}) cannot be loaded into FSDP's sharded optimizer",
-                "Load only the model (the weights reshard) and start the optimizer afresh, or resume with "
-                "the strategy it was saved with",
-            )
-        session.strategy.load_full_state(model, found.read_tensors(f"{name}.safetensors"), strict=strict)
-        return
-    state_dicts = session.strategy.sharded_state(model, optimizers)
-    state = {name: state_dicts.pop("model"), **state_dicts}
-    checkpoint_dcp.load(state, found.path)
-    session.strategy.load_sharded_state(model, optimizers, {"model": state.pop(name), **state})
 
 
 def _choose(session: Any, root: Path) -> Found | None:

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from ddpkit.checkpoint_files import CheckpointError, describe_file
+from ddpkit.checkpoint_files import CheckpointError, Found, describe_file
+from ddpkit.errors import problem
 
 DIRECTORY = "dcp"
 NAME = re.compile(r"^dcp/(\.metadata|__\d+_\d+\.distcp)$")
@@ -111,3 +112,43 @@ def pair_optimizers(model: Any, optimizers: Mapping[str, torch.optim.Optimizer])
     own = {id(p) for p in model.parameters()}
     return {n: o for n, o in optimizers.items()
             if any(id(p) in own for g in o.param_groups for p in g["params"])}  # fmt: skip
+
+
+def split(session: Any, parts: dict[str, dict[str, Any]]) -> tuple[tuple[str, Any], dict] | None:
+    """Under a strategy that shards state (FSDP): take its model and that model's optimizers out of
+    `parts`; they go through torch.distributed.checkpoint. None otherwise."""
+    strategy = session.strategy
+    if not strategy.shards_state:
+        return None
+    models = [(n, m) for n, m in parts["modules"].items() if strategy.owns(m)]
+    if not models:
+        return None
+    if len(models) > 1:
+        raise problem(f"{len(models)} sharded models were passed ({', '.join(n for n, _ in models)})",
+                      "Save one FSDP model per checkpoint (wrap the others into one nn.Module)")  # fmt: skip
+    name, model = models[0]
+    optimizers = {n: o for n, o in parts["shared"].items() if isinstance(o, torch.optim.Optimizer)}
+    paired = pair_optimizers(model, optimizers)
+    for n in paired:
+        del parts["shared"][n]
+    del parts["modules"][name]
+    return (name, model), paired
+
+
+def load_into(session: Any, found: Found, sharded: tuple[tuple[str, Any], dict], *, strict: bool) -> None:
+    """Model and optimizer shards through DCP, at any world size; or full weights saved without FSDP."""
+    (name, model), optimizers = sharded
+    if found.manifest.get("strategy") != "fsdp":  # saved by DDP or one process: full weights, sharded here
+        if optimizers:
+            raise problem(
+                f"{found.path} was saved with strategy={found.manifest.get('strategy', 'ddp')!r}; its "
+                f"optimizer state ({', '.join(optimizers)}) cannot be loaded into FSDP's sharded optimizer",
+                "Load only the model (the weights reshard) and start the optimizer afresh, or resume with "
+                "the strategy it was saved with",
+            )
+        session.strategy.load_full_state(model, found.read_tensors(f"{name}.safetensors"), strict=strict)
+        return
+    state_dicts = session.strategy.sharded_state(model, optimizers)
+    state = {name: state_dicts.pop("model"), **state_dicts}
+    load(state, found.path)
+    session.strategy.load_sharded_state(model, optimizers, {"model": state.pop(name), **state})
