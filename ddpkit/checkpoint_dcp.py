@@ -82,6 +82,7 @@ _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.
 _ALLOWED = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # layouts are pickled as this lookup by name
     ("collections", "OrderedDict"),
     ("builtins", "set"),
     ("builtins", "frozenset"),

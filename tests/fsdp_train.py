@@ -33,7 +33,7 @@ def data(n: int = 96, seed: int = 0) -> torch.utils.data.TensorDataset:
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole (DTensors gathered: a collective), on every rank."""
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in ddpkit.unwrap(model).named_parameters():
         t = p.detach()
         out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
     return out

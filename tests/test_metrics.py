@@ -61,8 +61,9 @@ def test_evaluation_equals_one_process_exactly(n: int, world: int, pool2, pool3)
     assert all(r == results[0] for r in results), "ranks disagree"
     got = results[0]
     assert got["samples"] == n and got["accuracy"] == want["accuracy"]  # counts: exact
-    # per-sample float32 losses summed in float64: exact here, whatever the order of the additions
-    assert got["loss"] == want["loss"]
+    # per-sample float32 losses summed in float64; the losses themselves come from a batch of 16 on the
+    # ranks and of n here (another kernel path, another rounding of the logits), so: a tolerance
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-7)
     # batch means weighted by their sample counts: the float32 rounding of each batch mean remains
     assert got["batch_mean_loss"] == pytest.approx(want["loss"], rel=1e-6)
 
