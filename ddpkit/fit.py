@@ -41,7 +41,6 @@ from torch import nn
 from ddpkit.errors import problem
 from ddpkit.metrics import Metric, MetricSet
 from ddpkit.session import Session
-from ddpkit.wrap import unwrap
 
 TrainStep = Callable[[nn.Module, Any], torch.Tensor]
 EvalStep = Callable[[nn.Module, Any, MetricSet], None]
@@ -114,11 +113,11 @@ def evaluate(
     module.eval()
     try:
         with torch.no_grad(), s.autocast():
-            if module is unwrap(model):
+            if s.strategy.collective_forward and s.distributed:
+                _in_lockstep(s, module, loader, eval_step, metric_set)
+            else:
                 for batch in loader:
                     eval_step(module, batch, metric_set)
-            else:
-                _in_lockstep(s, module, loader, eval_step, metric_set)
     finally:
         module.train(was_training)
     return metric_set.compute()

@@ -32,6 +32,7 @@ class Strategy:
     shards_state: ClassVar[bool] = False  # model and optimizer state live in shards (checkpoints via DCP)
     allows_sharded_step: ClassVar[bool] = False  # ddpkit.sharding may split the optimizer step
     grads_between_micro_batches: ClassVar[bool] = True  # skipped-sync gradients sit in `p.grad`
+    collective_forward: ClassVar[bool] = False  # the eval module's forward is a collective (FSDP)
 
     def __init__(self) -> None:
         self.notes: list[str] = []  # things worth logging once, gathered while wrapping

@@ -71,6 +71,7 @@ class FSDP(Strategy):
     name = "fsdp"
     shards_state = True
     grads_between_micro_batches = False  # FSDP keeps unsharded gradients aside until the synced one
+    collective_forward = True  # each block's forward all-gathers its parameters
 
     def __init__(self, options: FSDPOptions | None, ranks: Ranks, precision: str) -> None:
         super().__init__()
