@@ -83,6 +83,8 @@ _ALLOWED = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # layouts are pickled as this lookup by name
+    ("pathlib", "PosixPath"),  # the checkpoint's own path, recorded by the writer
+    ("pathlib", "PurePosixPath"),
     ("collections", "OrderedDict"),
     ("builtins", "set"),
     ("builtins", "frozenset"),
