@@ -20,6 +20,7 @@ order they fire in (reverse registration order after DDP rebuilds buckets on the
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -118,7 +119,8 @@ def _rank(spec: str, hook: str, bucket_cap_mb: float | None, warmup: int, steps:
         return {"rank": s.rank, "world": s.world_size, "events": rec.events, "buckets": rec.buckets}
 
 
-_FSDP_KINDS = {"FSDP::all_gather (": "all-gather", "FSDP::post_backward_reduce (": "reduce-scatter"}
+_FSDP_KINDS = {"all_gather": "all-gather", "post_backward_reduce": "reduce-scatter"}
+_FSDP_LABEL = re.compile(r"^FSDP::(all_gather|post_backward_reduce)(?: \((.*?)\))?(?: \[pg=\d+\])?$")
 
 
 def _fsdp_steps(s: Any, wl: Any, model: Any, rec: Recorder, warmup: int, steps: int) -> dict[str, Any]:
@@ -156,10 +158,10 @@ def _fsdp_steps(s: Any, wl: Any, model: Any, rec: Recorder, warmup: int, steps: 
     units: dict[str, int] = {}
     step_starts = sorted(e["start"] for e in rec.events if e["name"] == "forward")
     for e in sorted(events, key=lambda e: e.time_range.start):
-        kind = next((k for prefix, k in _FSDP_KINDS.items() if e.name.startswith(prefix)), None)
-        if kind is None:
+        label = _FSDP_LABEL.match(e.name)
+        if label is None:
             continue
-        fqn = e.name.split("(", 1)[1].rstrip(")") or "root"
+        kind, fqn = _FSDP_KINDS[label.group(1)], label.group(2) or "root"
         index = units.setdefault(fqn, len(units))
         start, end = e.time_range.start / 1e6 + offset, e.time_range.end / 1e6 + offset
         rec.step = max(0, sum(1 for t in step_starts if t <= start) - 1)
