@@ -298,6 +298,9 @@ class Session:
                 "Use one strategy per session (pass strategy= to ddpkit.session)",
             )
         model = chosen.wrap(module, self.device)
+        if self._stepper.shard is True and not chosen.allows_sharded_step and self.distributed:
+            chosen.notes.append(f"shard_optimizer=True has no effect with strategy={chosen.name!r}: the "
+                                "optimizer state is already sharded")  # fmt: skip
         for note in chosen.notes:
             self.print(f"ddpkit: {note}")
         self._strategy = chosen
