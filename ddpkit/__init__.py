@@ -16,6 +16,7 @@ from ddpkit.metrics import Accuracy, Mean, MetricSet, Sum
 from ddpkit.session import Session, seed_everything, session
 from ddpkit.spawn import SpawnError, spawn
 from ddpkit.stepping import StepInfo
+from ddpkit.strategy import FSDPOptions
 from ddpkit.topology import Hardware, Plan
 from ddpkit.wrap import unwrap
 
@@ -26,6 +27,7 @@ __all__ = [
     "Callback",
     "CheckpointError",
     "DdpkitError",
+    "FSDPOptions",
     "FitResult",
     "FitState",
     "Hardware",

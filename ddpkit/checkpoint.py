@@ -40,14 +40,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from ddpkit import checkpoint_dcp, lifecycle
 from ddpkit import checkpoint_files as files
-from ddpkit import lifecycle
 from ddpkit.checkpoint_files import CheckpointError, Found, Tensors
 from ddpkit.data import ShardedLoader
 from ddpkit.errors import problem
 from ddpkit.wrap import unwrap
 
-__all__ = ["CheckpointError", "latest", "load", "save"]
+__all__ = ["CheckpointError", "export", "latest", "load", "save"]
 
 _counters: dict[str, int] = {}
 
@@ -123,13 +123,19 @@ def save(session: Any, path: str | Path, *, keep: int = 3, **state: Any) -> Path
         raise problem(f"{root} is a checkpoint, not a folder of checkpoints",
                       f"Save to its parent folder {root.parent}")  # fmt: skip
     parts = _split(state)
-    gathered = _gather_sharded(parts["shared"])  # collective: every rank is here (before any wait)
+    sharded = checkpoint_dcp.split(session, parts)
+    # collectives, while every rank is here (before any wait): whole optimizer states of sharded
+    # steps, and the full weights of modules whose strategy shards them without a sharded checkpoint
+    gathered = _gather_sharded(session, parts["shared"])
+    weights = {name: _full_weights(session, module) for name, module in parts["modules"].items()}
     sync = _Sync(session, "save")
     if session.is_main:
         try:
             root.mkdir(parents=True, exist_ok=True)
             seq = files.next_seq(root)
             files.tmp_dir(root, seq).mkdir()
+            if sharded is not None:
+                (files.tmp_dir(root, seq) / checkpoint_dcp.DIRECTORY).mkdir()
         except OSError as err:
             sync.publish("dir", f"error: rank 0: {err}")  # the others stop waiting
             raise
@@ -138,13 +144,20 @@ def save(session: Any, path: str | Path, *, keep: int = 3, **state: Any) -> Path
         seq = int(sync.wait_one(0, "dir", "rank 0 to start the checkpoint"))
     tmp = files.tmp_dir(root, seq)
     try:
-        listed = _write_rank(tmp, session.rank, parts["per_rank"])
+        listed = {}
+        if sharded is not None:  # a collective; DCP reports an error on any rank to every rank
+            model, optimizers = sharded
+            state_dicts = session.strategy.sharded_state(model[1], optimizers)
+            listed.update(checkpoint_dcp.save({model[0]: state_dicts.pop("model"), **state_dicts}, tmp,
+                                              session.rank))  # fmt: skip
+        listed.update(_write_rank(tmp, session.rank, parts["per_rank"]))
         sync.publish(f"rank{session.rank}", json.dumps(listed))
     except Exception as err:
         sync.publish(f"rank{session.rank}", f"error: rank {session.rank}: {err}")
         raise
     if session.is_main:
-        final = _write_shared_and_commit(session, root, seq, parts, listed, sync, keep, gathered)
+        final = _write_shared_and_commit(session, root, seq, parts, listed, sync, keep, gathered, weights,
+                                         sharded)  # fmt: skip
     else:
         final = Path(sync.wait_one(0, "done", f"rank 0 to write checkpoint {seq}"))
     session.print(f"ddpkit: saved {final}" + (f" (step {state['step']})" if "step" in state else ""))
@@ -164,29 +177,54 @@ def _write_rank(tmp: Path, rank: int, per_rank: Mapping[str, Any]) -> dict[str, 
     }
 
 
-def _gather_sharded(shared: Mapping[str, Any]) -> dict[str, Any]:
-    """The full state of optimizers whose steps are sharded (`ddpkit.sharding`), on rank 0."""
-    from ddpkit import sharding
+def _full_weights(session: Any, module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's full weights (on rank 0 at least); a collective where the strategy shards them."""
+    strategy = session.strategy
+    return strategy.full_state(module) if strategy.owns(module) else unwrap(module).state_dict()
 
-    return {name: sharder.full_state_dict() for name, obj in shared.items()
-            if (sharder := sharding.existing(obj)) is not None}  # fmt: skip
+
+def export(session: Any, path: str | Path, model: nn.Module) -> Path | None:
+    """Write the full weights of `model` to one plain safetensors file (for inference); every rank calls
+    it (under FSDP the shards are gathered to global rank 0, which writes). The path on rank 0."""
+    weights = _full_weights(session, model)  # collective where sharded
+    target = Path(path)
+    if session.is_main:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tensors = Tensors()
+        for key, value in weights.items():
+            tensors[key] = files.own_storage(value.detach(), tensors)
+        partial = target.with_name(f".{target.name}.tmp")
+        files.write_tensors(partial, tensors)
+        partial.replace(target)
+    session.barrier()
+    session.print(f"ddpkit: exported {len(weights)} tensors of the full model to {target}")
+    return target if session.is_main else None
+
+
+def _gather_sharded(session: Any, shared: Mapping[str, Any]) -> dict[str, Any]:
+    """The full state of optimizers whose steps are sharded (`ddpkit.sharding`), on rank 0."""
+    return {name: session.stepper.optimizer_state(obj) for name, obj in shared.items()
+            if session.stepper.sharded_step(obj) is not None}  # fmt: skip
 
 
 def _write_shared_and_commit(session: Any, root: Path, seq: int, parts: dict[str, dict[str, Any]],
-                             listed: dict[str, Any], sync: _Sync, keep: int,
-                             gathered: Mapping[str, Any]) -> Path:  # fmt: skip
+                             listed: dict[str, Any], sync: _Sync, keep: int, gathered: Mapping[str, Any],
+                             weights: Mapping[str, Mapping[str, torch.Tensor]],
+                             sharded: tuple[tuple[str, Any], dict] | None) -> Path:  # fmt: skip
     tmp, final = files.tmp_dir(root, seq), files.final_dir(root, seq)
     try:
         entries: dict[str, Any] = dict(listed)
-        for name, module in parts["modules"].items():
-            weights = Tensors()
-            for key, value in unwrap(module).state_dict().items():
-                weights[key] = files._own_storage(value.detach(), weights)
-            entries[f"{name}.safetensors"] = files.write_tensors(tmp / f"{name}.safetensors", weights)
+        for name, state_dict in weights.items():
+            tensors_of = Tensors()
+            for key, value in state_dict.items():
+                tensors_of[key] = files.own_storage(value.detach(), tensors_of)
+            entries[f"{name}.safetensors"] = files.write_tensors(tmp / f"{name}.safetensors", tensors_of)
         tensors = Tensors()
         tree = {
-            "objects": {n: files.encode(gathered[n] if n in gathered else o.state_dict(), tensors, n)
-                        for n, o in parts["shared"].items()},
+            "objects": {
+                n: files.encode(gathered[n] if n in gathered else o.state_dict(), tensors, n)
+                for n, o in parts["shared"].items()
+            },
             "values": {n: files.encode(v, tensors, f"values/{n}") for n, v in parts["values"].items()},
         }
         entries["state.safetensors"] = files.write_tensors(tmp / "state.safetensors", tensors)
@@ -195,11 +233,13 @@ def _write_shared_and_commit(session: Any, root: Path, seq: int, parts: dict[str
             answer = sync.wait_one(r, f"rank{r}", f"rank {r} to write its part of checkpoint {seq}")
             entries.update(json.loads(answer))
         values = tree["values"]
+        objects = {kind: sorted(parts[kind]) for kind in ("modules", "per_rank", "shared", "values")}
+        if sharded is not None:
+            objects["sharded"] = sorted([sharded[0][0], *sharded[1]])
         files.write_manifest(tmp, {
             "seq": seq, "created": time.time(), "torch": torch.__version__, "world_size": session.world_size,
             "step": values.get("step") if isinstance(values.get("step"), int) else None,
-            "objects": {kind: sorted(parts[kind]) for kind in ("modules", "per_rank", "shared", "values")},
-            "files": entries,
+            "strategy": session.strategy.name, "objects": objects, "files": entries,
         })  # fmt: skip
         files.commit(tmp, final)
         files.prune(root, keep, seq)
@@ -216,7 +256,7 @@ class _Sync:
 
     def __init__(self, session: Any, what: str) -> None:
         self.session = session
-        self.timeout = lifecycle.limits_of(session).save
+        self.timeout = session.limits.save
         self.store = None
         if session.distributed:
             self.store, prefix = lifecycle.coordination()
@@ -253,6 +293,7 @@ def load(session: Any, path: str | Path, *, strict: bool = True, **state: Any) -
     """
     _require_safe_torch()
     parts = _split(state)
+    sharded = checkpoint_dcp.split(session, parts)
     found = _choose(session, Path(path))
     if found is None:
         session.print(f"ddpkit: no checkpoint in {path} yet: starting fresh")
@@ -260,22 +301,26 @@ def load(session: Any, path: str | Path, *, strict: bool = True, **state: Any) -
     manifest = found.manifest
     saved = {name for names in manifest["objects"].values() for name in names}
     wanted = set(parts["modules"]) | set(parts["per_rank"]) | set(parts["shared"])
+    if sharded is not None:
+        wanted |= {sharded[0][0], *sharded[1]}
     if wanted - saved:
         raise problem(
             f"{found.path} has no {', '.join(sorted(wanted - saved))} (it holds {', '.join(sorted(saved))})",
             "Pass only what was saved, or save it from now on (an older checkpoint cannot gain it)",
         )
+    if sharded is not None:
+        checkpoint_dcp.load_into(session, found, sharded, strict=strict)
     for name, module in parts["modules"].items():
-        unwrap(module).load_state_dict(found.read_tensors(f"{name}.safetensors"), strict=strict)
+        weights = found.read_tensors(f"{name}.safetensors")
+        if session.strategy.owns(module):
+            session.strategy.load_full_state(module, weights, strict=strict)
+        else:
+            unwrap(module).load_state_dict(weights, strict=strict)
     shared = found.read_json("state.json")
     shared_tensors = found.read_tensors("state.safetensors")
-    from ddpkit import sharding
-
     for name, obj in parts["shared"].items():
         obj.load_state_dict(files.decode(shared["objects"][name], shared_tensors))
-        sharder = sharding.existing(obj)
-        if sharder is not None:  # the checkpoint holds every parameter's state: keep this rank's share
-            sharder.drop_foreign_state()
+        session.stepper.loaded_optimizer_state(obj)  # a sharded step keeps only this rank's share
     notes = _restore_per_rank(session, found, parts["per_rank"])
     values = {**parts["values"], **files.decode(shared["values"], shared_tensors)}
     _say_resumed(session, found, values, notes)

@@ -7,6 +7,7 @@
         state.json                  their structure and the plain values (step, epoch, ...)
         rank-00001.safetensors      per-rank tensors (RNG states, loader generator)
         rank-00001.json             per-rank structure (numpy and Python RNG, loader position)
+        dcp/                        under FSDP: model and optimizer shards (`ddpkit.checkpoint_dcp`)
         manifest.json               written last: every file's size and SHA-256, plus its own checksum
       .ckpt-000005.tmp/             a checkpoint being written (or left by a crash): never read
 
@@ -38,7 +39,7 @@ FORMAT = "ddpkit-checkpoint/1"
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^ckpt-(\d{6,})$")
 _TMP = re.compile(r"^\.ckpt-(\d{6,})\.tmp$")
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$|^dcp/(\.metadata|__\d+_\d+\.distcp)$")
 
 
 class CheckpointError(DdpkitError):
@@ -51,7 +52,7 @@ def encode(obj: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
     if isinstance(obj, torch.Tensor):
         while path in tensors:  # keys such as 1 and "1" in one dict must not collide
             path += "'"
-        tensors[path] = _own_storage(obj.detach(), tensors)
+        tensors[path] = own_storage(obj.detach(), tensors)
         return {"__tensor__": path}
     if isinstance(obj, np.ndarray):
         return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
@@ -85,7 +86,7 @@ class Tensors(dict):
         self.storages: set[int] = set()
 
 
-def _own_storage(t: torch.Tensor, others: dict[str, torch.Tensor]) -> torch.Tensor:
+def own_storage(t: torch.Tensor, others: dict[str, torch.Tensor]) -> torch.Tensor:
     """safetensors refuses tensors that share memory (tied weights, views): copy those, and GPU tensors."""
     if t.device.type != "cpu" or not t.is_contiguous():
         return t.to("cpu", copy=True).contiguous()
@@ -142,17 +143,18 @@ def _fsync(path: Path) -> None:
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Write a safetensors file, fsync it; return its size and SHA-256 for the manifest."""
     save_file(tensors, str(path), metadata={"format": FORMAT})
-    return _finish(path)
+    return describe_file(path)
 
 
 def write_json(path: Path, data: Any) -> dict[str, Any]:
     """Write JSON (NaN and infinities allowed, floats exact), fsync it; return size and SHA-256."""
     with open(path, "w") as f:
         json.dump(data, f, allow_nan=True)
-    return _finish(path)
+    return describe_file(path)
 
 
-def _finish(path: Path) -> dict[str, Any]:
+def describe_file(path: Path) -> dict[str, Any]:
+    """Fsync a written file; its size and SHA-256 for the manifest."""
     _fsync(path)
     return {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
 
@@ -162,6 +164,9 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     body = dict(manifest, format=FORMAT)
     body["self_sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
     write_json(directory / MANIFEST, body)
+    for sub in directory.iterdir():
+        if sub.is_dir():
+            _fsync(sub)
     _fsync(directory)
 
 

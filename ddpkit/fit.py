@@ -19,7 +19,8 @@
 
 Every decision that ends a loop is taken from all-reduced values, so all ranks leave together and
 nobody waits in a collective the others never reach. Evaluation runs on the unwrapped module: DDP's
-forward may broadcast buffers (a collective), and evaluation shards may differ by one batch.
+forward may broadcast buffers (a collective), and evaluation shards may differ by one batch. Under
+FSDP the forward itself all-gathers, so the ranks evaluate in lockstep (`_in_lockstep`).
 Rank 0 alone shows the progress bar (tqdm) and writes the log (`.jsonl` or `.csv`).
 """
 
@@ -40,7 +41,6 @@ from torch import nn
 from ddpkit.errors import problem
 from ddpkit.metrics import Metric, MetricSet
 from ddpkit.session import Session
-from ddpkit.wrap import unwrap
 
 TrainStep = Callable[[nn.Module, Any], torch.Tensor]
 EvalStep = Callable[[nn.Module, Any, MetricSet], None]
@@ -108,16 +108,43 @@ def evaluate(
     """
     metric_set = metrics if isinstance(metrics, MetricSet) else MetricSet(s, **metrics)
     metric_set.reset()
-    module = unwrap(model)
+    module = s.strategy.eval_module(model)
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad(), s.autocast():
-            for batch in loader:
-                eval_step(module, batch, metric_set)
+            if s.strategy.collective_forward and s.distributed:
+                _in_lockstep(s, module, loader, eval_step, metric_set)
+            else:
+                for batch in loader:
+                    eval_step(module, batch, metric_set)
     finally:
         module.train(was_training)
     return metric_set.compute()
+
+
+def _in_lockstep(
+    s: Session, module: nn.Module, loader: Iterable, eval_step: EvalStep, metrics: MetricSet
+) -> None:
+    """Evaluate a model whose forward is a collective (FSDP): every rank runs as many forwards as the
+    rank with the most batches; a rank out of batches repeats its last one into scratch metrics."""
+    scratch = MetricSet(s, **{n: type(m)() for n, m in metrics.metrics.items()})
+    batches, last = iter(loader), None
+    while True:
+        batch = next(batches, None)
+        if s.all_ranks(batch is None):
+            return
+        if batch is not None:
+            eval_step(module, batch, metrics)
+            last = batch
+        elif last is None:
+            raise problem(
+                f"rank {s.rank} has no evaluation batch while others do; under FSDP every rank must run "
+                "the forward",
+                "Use an evaluation set with at least one batch per rank",
+            )
+        else:
+            eval_step(module, last, scratch)
 
 
 class _Log:

@@ -66,22 +66,15 @@ class Limits:
                 raise problem(f"{flag}={value} seconds is not positive", f"Pass {flag}= in seconds, e.g. 600")
 
 
-def limits_of(session: Any) -> Limits:
-    """The session's limits (set by `ddpkit.session`), or the defaults with its collective timeout."""
-    return getattr(session, "limits", None) or Limits(collective=float(session.timeout))
-
-
 _watchdog: Watchdog | None = None
 _coordination: tuple[Any, Any, str] | None = None  # (group, store, key prefix)
 
 
-def join_group(plan: Plan, limits: Limits | float) -> bool:
+def join_group(plan: Plan, limits: Limits) -> bool:
     """Initialise the default process group for `plan`; return True if this call created it."""
     global _watchdog
     if not plan.distributed or dist.is_initialized():
         return False
-    if not isinstance(limits, Limits):
-        limits = Limits(collective=float(limits))
     r = plan.ranks
     init_method = "env://" if r.launcher == "torchrun" else f"tcp://{r.master_addr}:{r.master_port}"
     store, _, _ = next(
@@ -160,7 +153,7 @@ def on_failure(session: Any, exc: BaseException) -> None:
         report = _watchdog.gather(mine, deadline=min(10.0, 3 * _watchdog.poll + 2))
     except Exception:
         return  # reporting must never hide the original error
-    limit = limits_of(session).collective
+    limit = session.limits.collective
     err = DdpkitError(
         f"rank {session.rank}: a collective failed ({mine['state']} at {mine['where']}): "
         f"{str(exc).strip()[:300]}\n{report}\nFix the rank(s) named above; if they were only slow, raise "

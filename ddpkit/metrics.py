@@ -14,103 +14,18 @@ all-reduce. Integer counts (accuracy) are exact in float64 up to 2**53; sums of 
 process only by the order of float64 additions. Before the all-reduce, the ranks compare the names and
 kinds of their metrics; a mismatch is an error on every rank rather than a silent mix-up or a hang.
 
-Every function here is a collective: call it on every rank, the same number of times.
+`compute` is a collective: call it on every rank, the same number of times. The reductions, gathers
+and stop flags it builds on live in `ddpkit.collectives`.
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
+from ddpkit.collectives import Ranks, all_reduce, gather_object
 from ddpkit.errors import problem
-
-if TYPE_CHECKING:
-    from ddpkit.session import Session
-
-_MAX_DIMS = 8
-_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool,
-]  # fmt: skip
-
-
-# -- reductions ----------------------------------------------------------------------------------------
-def reduce_sum(s: Session, value: float | torch.Tensor) -> torch.Tensor:
-    """The sum over ranks of a number or tensor (float64 for Python numbers)."""
-    return s.all_reduce(_as_tensor(s, value), op="sum")
-
-
-def reduce_mean(s: Session, value: float | torch.Tensor, weight: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """Mean over ranks weighted by `weight` (e.g. the rank's sample count): sum(w*v) / sum(w).
-
-    With the default weight 1 it is the plain mean over ranks; pass the number of samples behind each
-    rank's `value` to get the mean over samples.
-    """
-    v = _as_tensor(s, value).double()
-    w = torch.as_tensor(weight, dtype=torch.float64, device=v.device)
-    packed = s.all_reduce(torch.cat([(v * w).reshape(-1), w.reshape(1)]), op="sum")
-    return (packed[:-1] / packed[-1]).reshape(v.shape)
-
-
-def gather(s: Session, tensor: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's tensor along dim 0, in rank order; first dimensions may differ.
-
-    Two collectives: the shapes (so ranks pad to the largest and trim), then the data.
-    """
-    if not s.distributed:
-        return tensor.clone()
-    if tensor.dim() == 0 or tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
-        raise problem(
-            f"gather got a tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype}",
-            f"Pass a tensor with 1 to {_MAX_DIMS} dimensions of a numeric dtype (or use gather_object)",
-        )
-    meta = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=s.device)
-    meta[0], meta[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-    meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-    metas = [torch.empty_like(meta) for _ in range(s.world_size)]
-    dist.all_gather(metas, meta)
-    rows = [m.tolist() for m in metas]
-    if any(r[:2] != rows[0][:2] or r[3:] != rows[0][3:] for r in rows):
-        described = "; ".join(
-            f"rank {i}: {_DTYPES[r[0]]} shape {tuple(r[2 : 2 + r[1]])}" for i, r in enumerate(rows)
-        )
-        raise problem(
-            f"gather needs the same dtype and trailing dimensions on every rank ({described})",
-            "Make every rank pass tensors that differ at most in their first dimension",
-        )
-    sizes = [r[2] for r in rows]
-    work = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor  # gloo has no bool
-    padded = work.new_zeros((max(sizes), *work.shape[1:]))
-    padded[: work.shape[0]] = work
-    parts = [torch.empty_like(padded) for _ in range(s.world_size)]
-    dist.all_gather(parts, padded.contiguous())
-    out = torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
-    return out.to(tensor.dtype)
-
-
-def gather_object(s: Session, obj: Any) -> list[Any]:
-    """Every rank's picklable `obj`, in rank order (pickled: for small things, not tensors)."""
-    if not s.distributed:
-        return [obj]
-    out: list[Any] = [None] * s.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def stop_flag(s: Session, flag: bool, mode: str = "any") -> bool:
-    """Agree on a stop decision: "any" rank or "all" ranks; the same answer everywhere, so no rank hangs."""
-    if mode not in ("any", "all"):
-        raise problem(f"mode={mode!r} is not 'any' or 'all'", "Pass mode='any' or mode='all'")
-    return bool(s.all_reduce(int(bool(flag)), op="max" if mode == "any" else "min").item())
-
-
-def _as_tensor(s: Session, value: float | torch.Tensor) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(s.device)
-    return torch.tensor(value, dtype=torch.float64, device=s.device)
 
 
 # -- metric accumulators -----------------------------------------------------------------------------
@@ -185,7 +100,7 @@ class Accuracy(Metric):
 class MetricSet:
     """Named metrics that sync together when computed: one name check, one all-reduce."""
 
-    def __init__(self, s: Session, **metrics: Metric) -> None:
+    def __init__(self, s: Ranks, **metrics: Metric) -> None:
         self.s = s
         self.metrics = dict(sorted(metrics.items()))
 
@@ -203,7 +118,7 @@ class MetricSet:
             self._check_same_metrics(signature)
         states = [m.state.to(self.s.device) for m in self.metrics.values()]  # un-updated ones: on the CPU
         packed = torch.cat(states) if states else torch.zeros(0, dtype=torch.float64, device=self.s.device)
-        totals = self.s.all_reduce(packed).cpu()
+        totals = all_reduce(self.s, packed).cpu()
         out, offset = {}, 0
         for name, metric in self.metrics.items():
             out[name] = metric.value(totals[offset : offset + metric.size])
@@ -213,7 +128,7 @@ class MetricSet:
     def _check_same_metrics(self, signature: list[tuple[str, str, int]]) -> None:
         digest = zlib.crc32(repr(signature).encode())
         mine = torch.tensor([digest, -digest], dtype=torch.int64, device=self.s.device)
-        if torch.equal(self.s.all_reduce(mine, op="max"), mine.new_tensor([digest, -digest])):
+        if torch.equal(all_reduce(self.s, mine, op="max"), mine.new_tensor([digest, -digest])):
             return  # max of digests and of their negatives agree: all ranks have this signature
         every = gather_object(self.s, signature)  # every rank sees the mismatch, so all reach this call
         described = "; ".join(f"rank {r}: {[f'{n} ({k})' for n, k, _ in sig]}" for r, sig in enumerate(every))
@@ -224,6 +139,6 @@ class MetricSet:
         )
 
 
-def compute(s: Session, **metrics: Metric) -> dict[str, float]:
+def compute(s: Ranks, **metrics: Metric) -> dict[str, float]:
     """Sync and compute metrics in one go: `compute(s, loss=mean_loss, accuracy=acc)`."""
     return MetricSet(s, **metrics).compute()

@@ -30,12 +30,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddpkit import cpu_allocator, lifecycle, topology
+from ddpkit import collectives, cpu_allocator, lifecycle, topology
+from ddpkit import strategy as strategies
 from ddpkit.data import ShardedLoader, make_loader, plan_batch
 from ddpkit.errors import problem
+from ddpkit.lifecycle import Limits
 from ddpkit.precision import PrecisionPlan, resolve_precision
 from ddpkit.stepping import MicroBatch, StepInfo, Stepper
-from ddpkit.wrap import DDPOptions, wrap_model
+from ddpkit.strategy import FSDPOptions, Strategy
+from ddpkit.wrap import DDPOptions
 
 
 def seed_everything(seed: int) -> None:
@@ -55,28 +58,39 @@ class Session:
         seed: int = 0,
         accumulation: int = 1,
         precision: str | PrecisionPlan = "32",
-        timeout: float = 1800.0,
+        limits: Limits | None = None,
         verbose: bool = True,
         shard_optimizer: bool | str = "auto",
+        strategy: str | FSDPOptions = "auto",
     ) -> None:
         if shard_optimizer not in (True, False, "auto"):
             raise problem(f"shard_optimizer={shard_optimizer!r} is not True, False or 'auto'",
                           "Pass 'auto' (the default), True or False")  # fmt: skip
         if accumulation < 1:
             raise problem(f"accumulation={accumulation} is below 1", "Pass 1 (no accumulation) or more")
-        if timeout <= 0:
-            raise problem(f"timeout={timeout} seconds is not positive", "Pass a timeout in seconds, e.g. 600")
+        strategies.check_name(strategy)
         self.plan = plan
         self.seed = seed
         self.accumulation = accumulation
-        self.timeout = timeout
+        self.limits = limits or Limits()  # built once (ddpkit.session), passed down explicitly
+        self.strategy_choice = strategy  # what s.model uses unless it is given its own
         self.verbose = verbose
         self.device = torch.device(plan.device)
         self._owns_group = False
         bf16 = self.device.type != "cuda" or torch.cuda.is_bf16_supported()
         self.precision = resolve_precision(precision, self.device.type, bf16_supported=bf16)
-        self._stepper = Stepper(accumulation, self.precision, distributed=plan.distributed, report=self.print,
-                                shard=shard_optimizer, device=self.device, timeout=timeout)
+        self._stepper = Stepper(
+            accumulation,
+            self.precision,
+            distributed=plan.distributed,
+            report=self.print,
+            shard=shard_optimizer,
+            device=self.device,
+            timeout=self.limits.collective,
+        )
+        self._strategy: Strategy | None = None  # set by s.model
+        self._default_strategy = strategies.make(strategy, self, precision=self.precision.name)
+        self._stepper.strategy = self._default_strategy
 
     # -- who am I -------------------------------------------------------------------------------
     @property
@@ -113,7 +127,7 @@ class Session:
             torch.cuda.set_device(self.device)
         else:
             cpu_allocator.apply()  # reuse big blocks between steps instead of faulting them in again
-        self._owns_group = lifecycle.join_group(self.plan, lifecycle.limits_of(self))
+        self._owns_group = lifecycle.join_group(self.plan, self.limits)
         seed_everything(self.seed)
         threads = torch.get_num_threads()
         detail = f", {threads} CPU thread(s) per rank" if self.device.type == "cpu" else ""
@@ -153,41 +167,23 @@ class Session:
 
     def all_reduce(self, value: float | torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce a number or tensor over all ranks ("sum", "mean", "max", "min"); a new tensor."""
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        if op not in (*ops, "mean"):
-            raise problem(f"op={op!r} is not supported", "Use 'sum', 'mean', 'max' or 'min'")
-        tensor = torch.as_tensor(value, device=self.device).detach().clone()
-        if op == "mean" and not tensor.is_floating_point():
-            tensor = tensor.double()
-        if self.distributed:
-            dist.all_reduce(tensor, op=ops.get(op, dist.ReduceOp.SUM))
-            if op == "mean":
-                tensor /= self.world_size
-        return tensor
+        return collectives.all_reduce(self, value, op)
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on any rank: stop decisions that cannot diverge."""
-        from ddpkit.metrics import stop_flag
-
-        return stop_flag(self, flag, "any")
+        return collectives.stop_flag(self, flag, "any")
 
     def all_ranks(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on all ranks."""
-        from ddpkit.metrics import stop_flag
-
-        return stop_flag(self, flag, "all")
+        return collectives.stop_flag(self, flag, "all")
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's tensor concatenated along dim 0 in rank order (first dimensions may differ)."""
-        from ddpkit.metrics import gather
-
-        return gather(self, tensor)
+        return collectives.gather(self, tensor)
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable object, in rank order."""
-        from ddpkit.metrics import gather_object
-
-        return gather_object(self, obj)
+        return collectives.gather_object(self, obj)
 
     # -- training steps (ddpkit.stepping) ------------------------------------------------------
     @property
@@ -232,21 +228,9 @@ class Session:
         broadcasts its weights, so replicas are identical. Only DDP's own collectives are shadowed:
         no other collective (s.all_reduce, SyncBatchNorm) may run inside, and `s.step` takes the whole
         optimizer step on every rank (not sharded: a finished rank could not publish its share).
+        Under FSDP it is an error (every rank takes part in every block's all-gather).
         """
-        from ddpkit.stepping import _ddp_of
-
-        ddp = _ddp_of(model)
-        if ddp is None:
-            if self.distributed:
-                raise problem(
-                    f"s.join got a {type(model).__name__}, not the DistributedDataParallel model",
-                    "Pass the model that s.model(...) returned",
-                )
-            yield  # one process: nobody to wait for
-            return
-        from torch.distributed.algorithms.join import Join
-
-        with Join([ddp, *joinables], divide_by_initial_world_size=False), self._stepper.joining():
+        with self.strategy.join(model, joinables), self._stepper.joining():
             yield
 
     # -- checkpoints (ddpkit.checkpoint) -------------------------------------------------------
@@ -262,11 +246,18 @@ class Session:
 
         return checkpoint.load(self, path, **state)
 
+    def export(self, path: str, model: nn.Module) -> Any:
+        """The full weights of `model` as one plain safetensors file; see `ddpkit.checkpoint.export`."""
+        from ddpkit import checkpoint
+
+        return checkpoint.export(self, path, model)
+
     # -- building blocks ------------------------------------------------------------------------
     def model(
         self,
         module: nn.Module,
         *,
+        strategy: str | FSDPOptions | None = None,
         sync_batchnorm: bool = False,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
@@ -276,11 +267,14 @@ class Session:
         comm_hook: str | None = None,
         comm_hook_options: Mapping[str, Any] | None = None,
     ) -> nn.Module:
-        """Move `module` to the device and wrap it in DDP when there is more than one rank.
+        """Move `module` to the device and prepare it for data-parallel training.
 
-        DDP copies global rank 0's weights to every rank here, once. Build the optimizer from the
-        returned model's parameters, after this call. `sync_batchnorm=True` computes BatchNorm
-        statistics over the global batch (CPU too); `comm_hook` names a gradient compression
+        `strategy` (default: the session's, "auto"): "ddp" replicates the model and wraps it in DDP,
+        which copies global rank 0's weights to every rank here, once; "fsdp" shards parameters,
+        gradients and optimizer state over the ranks with FSDP2 (`FSDPOptions` for its settings; see
+        `ddpkit.strategy.fsdp`). With one process the model is used as is. Build the optimizer from
+        the returned model's parameters, after this call. DDP only: `sync_batchnorm=True` computes
+        BatchNorm statistics over the global batch (CPU too); `comm_hook` names a gradient compression
         ("fp16", "bf16", "powersgd"; see `ddpkit.comm_hooks`) with `comm_hook_options` for it.
         """
         options = DDPOptions(
@@ -290,19 +284,36 @@ class Session:
             gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers,
         )
-        model, notes = wrap_model(
-            module,
-            device=self.device,
-            distributed=self.distributed,
-            options=options,
+        chosen = strategies.make(
+            self.strategy_choice if strategy is None else strategy,
+            self,
+            precision=self.precision.name,
+            ddp=options,
             sync_batchnorm=sync_batchnorm,
             comm_hook=comm_hook,
             comm_hook_options=comm_hook_options,
         )
-        for note in notes:
+        if self._strategy is not None and self._strategy.name != chosen.name:
+            raise problem(
+                f"this session already prepared a model with strategy={self._strategy.name!r}, now "
+                f"{chosen.name!r} was asked for",
+                "Use one strategy per session (pass strategy= to ddpkit.session)",
+            )
+        model = chosen.wrap(module, self.device)
+        if self._stepper.shard is True and not chosen.allows_sharded_step and self.distributed:
+            chosen.notes.append(f"shard_optimizer=True has no effect with strategy={chosen.name!r}: the "
+                                "optimizer state is already sharded")  # fmt: skip
+        for note in chosen.notes:
             self.print(f"ddpkit: {note}")
+        self._strategy = chosen
+        self._stepper.strategy = chosen
         seed_everything(self.rank_seed)
         return model
+
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy of the model `s.model` prepared (before that: the session's default one)."""
+        return self._strategy or self._default_strategy
 
     def loader(
         self,
@@ -356,6 +367,7 @@ def session(
     verbose: bool = True,
     shard_optimizer: bool | str = "auto",
     share_gpu: bool = False,
+    strategy: str | FSDPOptions = "auto",
     env: Mapping[str, str] | None = None,
     hardware: topology.Hardware | None = None,
 ) -> Iterator[Session]:
@@ -367,10 +379,13 @@ def session(
     "32", "bf16" or "16" (see `ddpkit.precision`); `accumulation` is the number of micro-batches per
     optimizer step. `shard_optimizer` lets each rank update only its share of the parameters in
     `s.step` ("auto": torch's per-parameter optimizers on CPU ranks of one machine; see
-    `ddpkit.sharding`). `share_gpu=True` lets more local ranks than GPUs share them round-robin over
-    gloo, for debugging multi-GPU code on one card (see `ddpkit.topology`). `env` and `hardware`
+    `ddpkit.sharding`; not under FSDP, which shards the optimizer state itself). `strategy` is what
+    `s.model` does with the model: "auto" (DDP with more than one process), "ddp" or "fsdp" (FSDP2,
+    `ddpkit.strategy.fsdp`). `share_gpu=True` lets more local ranks than GPUs share them round-robin
+    over gloo, for debugging multi-GPU code on one card (see `ddpkit.topology`). `env` and `hardware`
     default to this process's environment and machine.
     """
+    limits = Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)  # validated here
     plan = topology.resolve(
         os.environ if env is None else env,
         hardware or topology.Hardware.detect(),
@@ -379,10 +394,15 @@ def session(
         share_gpu=share_gpu,
     )
     s = Session(
-        plan, seed=seed, accumulation=accumulation, precision=precision, timeout=timeout, verbose=verbose,
+        plan,
+        seed=seed,
+        accumulation=accumulation,
+        precision=precision,
+        limits=limits,
+        verbose=verbose,
         shard_optimizer=shard_optimizer,
+        strategy=strategy,
     )
-    s.limits = lifecycle.Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)
     try:
         yield s.start()
     except BaseException as exc:

@@ -25,7 +25,6 @@ world size, sharded or not. Only `s.step(opt)` shards: call it rather than `opt.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,8 +39,6 @@ PER_PARAMETER = {
 }  # fmt: skip
 NEVER = {"LBFGS", "SparseAdam"}
 _BROADCAST_BUCKET = 256 * 2**20
-
-_registry: weakref.WeakKeyDictionary[torch.optim.Optimizer, ShardedStep | None] = weakref.WeakKeyDictionary()
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -138,11 +135,10 @@ def choose(
     timeout: float = 1800.0,
     report: Callable[[str], None] | None = None,
 ) -> ShardedStep | None:
-    """The optimizer's ShardedStep, made on its first step (collective: every rank calls it), or None.
+    """A ShardedStep for the optimizer, or None when its step stays whole (collective: every rank calls it).
 
-    `report` is told once, when the step starts being sharded."""
-    if optimizer in _registry:
-        return _registry[optimizer]
+    The caller (the session's `Stepper`) calls it once per optimizer, at its first step, and keeps the
+    answer; `report` is told when the step starts being sharded."""
     name = type(optimizer).__name__
     decided: ShardedStep | None = None
     if mode is True and name in NEVER:
@@ -155,13 +151,7 @@ def choose(
             decided = ShardedStep(optimizer, dist.group.WORLD, shm)
             if report is not None:
                 report(f"ddpkit: {decided.describe()}")
-    _registry[optimizer] = decided
     return decided
-
-
-def existing(obj: Any) -> ShardedStep | None:
-    """The ShardedStep of an optimizer taking sharded steps; None for anything else (no collective)."""
-    return _registry.get(obj) if isinstance(obj, torch.optim.Optimizer) else None
 
 
 def _shared_memory(optimizer: torch.optim.Optimizer, device: torch.device, timeout: float) -> Any | None:

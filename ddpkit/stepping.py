@@ -1,4 +1,4 @@
-"""One optimizer step over k micro-batches: autocast, no_sync, loss scaling, unscale, clip, step.
+"""One optimizer step over k micro-batches: autocast, skipped sync, loss scaling, unscale, clip, step.
 
     for x, y in loader:                      # the loader's per-rank batch is global / (world x k)
         with s.accumulate(model):            # autocast; DDP's no_sync on micro-batches 1..k-1
@@ -8,7 +8,9 @@
 Why this shape: every micro-batch is one `accumulate` block followed by one `s.step`, so the loop
 body never changes with k, and the group boundary lives in one place (here), not in the user's
 `if i % k` arithmetic. DDP all-reduces each bucket once, in the backward of the k-th micro-batch;
-the gradients of the first k-1 pile up locally in `.grad` under `no_sync`. Dividing each loss by k makes
+the gradients of the first k-1 pile up locally in `.grad` under `no_sync`. What "skip the sync" and
+"clip" mean is the strategy's (`ddpkit.strategy`: DDP's `no_sync`, FSDP's
+`set_requires_gradient_sync(False)` and a norm over sharded gradients). Dividing each loss by k makes
 the summed gradient that of one batch of k x b samples (for a loss averaged over its batch).
 
 Groups of k may span an epoch boundary (each optimizer step always uses exactly k micro-batches);
@@ -18,17 +20,18 @@ micro-batches left over at the very end of training (fewer than k) are not appli
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit import sharding
 from ddpkit.errors import problem
 from ddpkit.precision import PrecisionPlan, make_scaler
+from ddpkit.strategy import Strategy
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,6 @@ class StepInfo:
     step: int = 0
 
 
-def _ddp_of(model: nn.Module) -> DistributedDataParallel | None:
-    inner = getattr(model, "_orig_mod", model)  # torch.compile wrapper
-    return inner if isinstance(inner, DistributedDataParallel) else None
-
-
 class Stepper:
     """The accumulation state machine behind `Session.accumulate/backward/step` (one per session)."""
 
@@ -78,9 +76,14 @@ class Stepper:
         shard: bool | str = False,
         device: torch.device | None = None,
         timeout: float = 1800.0,
+        strategy: Strategy | None = None,
     ) -> None:
         self.accumulation = accumulation
+        self.strategy = strategy or Strategy()  # the session sets the one its model was prepared with
         self.shard = shard  # ddpkit.sharding: each rank steps its share of the parameters
+        self._sharded: weakref.WeakKeyDictionary[torch.optim.Optimizer, sharding.ShardedStep | None] = (
+            weakref.WeakKeyDictionary()
+        )  # the decision for each optimizer, made at its first step
         self.device = device or torch.device("cpu")
         self._in_join = False
         self.timeout = timeout  # a publishing rank waits this long for its peers, like a collective
@@ -118,15 +121,11 @@ class Stepper:
                 "a new `s.accumulate` block started before `s.step(opt)` was called for the previous one",
                 "Call s.step(opt) once after every block; it steps only on the last of the k micro-batches",
             )
-        ddp = _ddp_of(model)
-        if self.distributed and ddp is None:
-            raise problem(
-                f"s.accumulate got a {type(model).__name__}, not the DistributedDataParallel model",
-                "Pass the model that s.model(...) returned, so that its gradient all-reduce can be deferred",
-            )
+        if self.distributed:
+            self.strategy.expect(model, "s.accumulate")
         block = MicroBatch(self._micro, self.accumulation)
         self._params = [p for p in model.parameters() if p.requires_grad]
-        defer = ddp.no_sync() if ddp is not None and not block.sync else contextlib.nullcontext()
+        defer = self.strategy.skip_sync(model) if not block.sync else contextlib.nullcontext()
         self._block = block
         try:
             with defer, self.autocast():
@@ -145,7 +144,12 @@ class Stepper:
                 "gradient all-reduce and the step happens after k",
             )
         block = self._block
-        if block is not None and block.index > 0 and all(p.grad is None for p in self._params):
+        if (
+            block is not None
+            and block.index > 0
+            and self.strategy.grads_between_micro_batches
+            and all(p.grad is None for p in self._params)
+        ):
             raise problem(
                 f"the gradients were cleared in the middle of an accumulation group (micro-batch "
                 f"{block.index + 1} of {k})",
@@ -184,7 +188,7 @@ class Stepper:
         norm = None
         if max_norm is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            norm = nn.utils.clip_grad_norm_(params, max_norm)
+            norm = self.strategy.clip(params, max_norm)
         skipped = False
         sharder = self._sharder(optimizer)
         scaler = self.scaler
@@ -207,11 +211,27 @@ class Stepper:
             )
         return StepInfo(stepped=True, skipped=skipped, grad_norm=norm, step=self.steps)
 
-    def _sharder(self, optimizer: torch.optim.Optimizer) -> Any:
-        if not self.distributed or self.shard is False:
+    def sharded_step(self, optimizer: Any) -> sharding.ShardedStep | None:
+        """The optimizer's sharded step (`ddpkit.sharding`) once it takes sharded steps, else None."""
+        return self._sharded.get(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
+
+    def optimizer_state(self, optimizer: Any) -> dict | None:
+        """The full `state_dict()` of an optimizer, gathered when its step is sharded (collective then:
+        every rank calls it; rank 0 gets the state, the others None)."""
+        sharded = self.sharded_step(optimizer)
+        return optimizer.state_dict() if sharded is None else sharded.full_state_dict()
+
+    def loaded_optimizer_state(self, optimizer: Any) -> None:
+        """After loading a full optimizer state: keep only this rank's share when the step is sharded."""
+        sharded = self.sharded_step(optimizer)
+        if sharded is not None:
+            sharded.drop_foreign_state()
+
+    def _sharder(self, optimizer: torch.optim.Optimizer) -> sharding.ShardedStep | None:
+        if not self.distributed or self.shard is False or not self.strategy.allows_sharded_step:
             return None
         if self._in_join:
-            if sharding.existing(optimizer) is not None:
+            if self.sharded_step(optimizer) is not None:
                 raise problem(
                     "s.join began after sharded optimizer steps: inside it, a rank that ran out of data "
                     "cannot update its share of the parameters",
@@ -219,7 +239,11 @@ class Stepper:
                     "to ddpkit.session",
                 )
             return None
-        return sharding.choose(optimizer, self.shard, self.device, timeout=self.timeout, report=self.report)
+        if optimizer not in self._sharded:
+            self._sharded[optimizer] = sharding.choose(
+                optimizer, self.shard, self.device, timeout=self.timeout, report=self.report
+            )
+        return self._sharded[optimizer]
 
     @contextlib.contextmanager
     def joining(self) -> Iterator[None]:

@@ -1,6 +1,7 @@
 """`ddpkit trace`: a per-rank timeline of a few training steps, and what DDP's buckets do in them.
 
     ddpkit trace --workload mlp                     # 2 CPU ranks, 3 traced steps after 2 warm-up steps
+    ddpkit trace --workload gpt --strategy fsdp     # FSDP2: each block's all-gather and reduce-scatter
     ddpkit trace --workload gpt --hook shm --explain --out runs/trace-gpt
 
 Recorded on every rank: forward, backward and optimizer step, and each gradient bucket's all-reduce from
@@ -19,6 +20,7 @@ order they fire in (reverse registration order after DDP rebuilds buckets on the
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -74,16 +76,20 @@ def traced_hook(state: TracedHook, bucket: dist.GradBucket) -> torch.futures.Fut
     return fut.then(done)
 
 
-def _rank(spec: str, hook: str, bucket_cap_mb: float | None, warmup: int, steps: int) -> dict[str, Any]:
+def _rank(spec: str, hook: str, bucket_cap_mb: float | None, warmup: int, steps: int,
+          strategy: str = "ddp") -> dict[str, Any]:  # fmt: skip
     import ddpkit
     from ddpkit import comm_hooks, workloads
 
     wl = workloads.load(spec)
     rec = Recorder()
-    with ddpkit.session(seed=0, verbose=False) as s:
+    with ddpkit.session(seed=0, verbose=False, strategy=strategy) as s:
         torch.manual_seed(0)
         module = wl.build()
         names = {id(p): n for n, p in module.named_parameters()}
+        if strategy == "fsdp":
+            model = s.model(module)
+            return _fsdp_steps(s, wl, model, rec, warmup, steps)
         model = s.model(module, bucket_cap_mb=bucket_cap_mb)
         if s.world_size > 1:
             if hook == "allreduce":
@@ -116,6 +122,57 @@ def _rank(spec: str, hook: str, bucket_cap_mb: float | None, warmup: int, steps:
             rec.add("backward", "compute", t1, t2)
             rec.add("optimizer step", "compute", t2, t3)
         return {"rank": s.rank, "world": s.world_size, "events": rec.events, "buckets": rec.buckets}
+
+
+_FSDP_KINDS = {"all_gather": "all-gather", "post_backward_reduce": "reduce-scatter"}
+_FSDP_LABEL = re.compile(r"^FSDP::(all_gather|post_backward_reduce)(?: \((.*?)\))?(?: \[pg=\d+\])?$")
+
+
+def _fsdp_steps(s: Any, wl: Any, model: Any, rec: Recorder, warmup: int, steps: int) -> dict[str, Any]:
+    """FSDP: the phases by the clock, and each block's all-gather and reduce-scatter from the labels FSDP2
+    gives them in torch's profiler, moved onto the same clock through the first traced forward."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    opt = wl.optimizer(model.parameters())
+    x, y = wl.sample(torch.Generator().manual_seed(1 + s.rank), wl.global_batch // s.world_size)
+    first_forward = 0.0
+    prof = profile(activities=[ProfilerActivity.CPU])
+    for i in range(warmup + steps):
+        rec.enabled = i >= warmup
+        rec.step = i - warmup
+        if i == warmup:
+            prof.__enter__()
+        s.barrier()
+        t0 = _now()
+        with record_function("ddpkit::forward"):
+            out = model(x)
+        loss = wl.loss(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        t1 = _now()
+        s.backward(loss)
+        t2 = _now()
+        s.step(opt)
+        t3 = _now()
+        first_forward = t0 if i == warmup else first_forward
+        rec.add("forward", "compute", t0, t1)
+        rec.add("backward", "compute", t1, t2)
+        rec.add("optimizer step", "compute", t2, t3)
+    prof.__exit__(None, None, None)
+    events = prof.events()
+    anchor = min(e.time_range.start for e in events if e.name == "ddpkit::forward")
+    offset = first_forward - anchor / 1e6
+    units: dict[str, int] = {}
+    step_starts = sorted(e["start"] for e in rec.events if e["name"] == "forward")
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        label = _FSDP_LABEL.match(e.name)
+        if label is None:
+            continue
+        kind, fqn = _FSDP_KINDS[label.group(1)], label.group(2) or "root"
+        index = units.setdefault(fqn, len(units))
+        start, end = e.time_range.start / 1e6 + offset, e.time_range.end / 1e6 + offset
+        rec.step = max(0, sum(1 for t in step_starts if t <= start) - 1)
+        rec.add(f"{kind} {fqn}", kind, start, end, bucket=index)
+    buckets = {i: {"bytes": 0, "params": [fqn]} for fqn, i in units.items()}
+    return {"rank": s.rank, "world": s.world_size, "events": rec.events, "buckets": buckets}
 
 
 def overlap(events: list[dict[str, Any]]) -> dict[str, float]:
@@ -218,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--hook", default="allreduce", help="allreduce (DDP's default), shm, fp16, bf16, powersgd")
     p.add_argument("--bucket-cap-mb", type=float, default=None)
+    p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
+                   help="fsdp: each block's all-gather and reduce-scatter, not buckets")  # fmt: skip
     p.add_argument("--warmup", type=int, default=2, help="untraced steps first (DDP rebuilds buckets)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--explain", action="store_true", help="list the buckets: parameters, bytes, order")
@@ -226,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.nproc < 2:
         print("ddpkit trace: --nproc must be 2 or more: with one process there is no all-reduce to trace")
         return 2
-    args = (ns.workload, ns.hook, ns.bucket_cap_mb, max(1, ns.warmup), ns.steps)
+    args = (ns.workload, ns.hook, ns.bucket_cap_mb, max(1, ns.warmup), ns.steps, ns.strategy)
     ranks = ddpkit.spawn(_rank, nproc=ns.nproc, args=args, threads=1, timeout=600)
     for r in ranks:  # JSON keys: bucket indices arrive as ints from the ranks
         r["buckets"] = {int(k): v for k, v in r["buckets"].items()}

@@ -8,7 +8,7 @@ from ddpkit.cli import build_parser
 
 def test_public_names() -> None:
     assert sorted(ddpkit.__all__) == sorted([
-        "Accuracy", "Callback", "CheckpointError", "DdpkitError", "FitResult", "FitState", "Hardware",
+        "Accuracy", "Callback", "CheckpointError", "DdpkitError", "FSDPOptions", "FitResult", "FitState", "Hardware",
         "Mean", "MetricSet", "Plan", "Session", "SpawnError", "StepInfo", "Sum", "__version__",
         "evaluate", "fit", "seed_everything", "session", "spawn", "unwrap",
     ])  # fmt: skip

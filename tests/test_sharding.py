@@ -41,7 +41,7 @@ def train(shard, steps: int = 5, fake_machines: bool = False, save_to: str | Non
             model = s.model(_net())
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
             _train(s, model, opt, steps)
-            sharder = sharding.existing(opt)
+            sharder = s.stepper.sharded_step(opt)
             if save_to:
                 s.save(save_to, model=model, optimizer=opt)
             return {

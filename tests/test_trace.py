@@ -44,3 +44,14 @@ def test_chrome_trace_is_microseconds_from_the_first_event() -> None:
              {"rank": 1, "events": [_ev("forward", "compute", 1.25, 2.0)]}]
     xs = [e for e in trace.chrome_trace(ranks)["traceEvents"] if e["ph"] == "X"]
     assert [(e["pid"], e["ts"], e["dur"]) for e in xs] == [(0, 0.0, 5e5), (1, 2.5e5, 7.5e5)]
+
+
+def test_trace_under_fsdp_shows_each_blocks_all_gather_and_reduce_scatter(tmp_path) -> None:
+    code = trace.main(
+        ["--workload", "cnn", "--strategy", "fsdp", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)]
+    )
+    assert code == 0
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    names = {e["name"] for e in events if e["ph"] == "X" and e["pid"] == 1}
+    assert any(n.startswith("all-gather") for n in names)
+    assert any(n.startswith("reduce-scatter") for n in names)

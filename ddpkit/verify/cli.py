@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
+    p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp", help="the N-rank side (default ddp)")
     p.add_argument("--sync-batchnorm", action="store_true", help="s.model(..., sync_batchnorm=True)")
     p.add_argument("--find-unused-parameters", action="store_true")
     p.add_argument("--static-graph", action="store_true")
@@ -83,6 +84,7 @@ def spec_from_args(ns: argparse.Namespace) -> VerifySpec:
         sync_batchnorm=ns.sync_batchnorm,
         find_unused_parameters=ns.find_unused_parameters,
         static_graph=ns.static_graph,
+        strategy=ns.strategy,
         after_wrap=ns.after_wrap,
         floor=tuple(v.strip() for v in ns.floor.split(",") if v.strip()),
         tolerance=Tolerance(floor_multiple=ns.floor_multiple, eps_multiple=ns.eps_multiple),

@@ -105,10 +105,14 @@ def shard(batch: Any, rank: int, world: int, *, interleaved: bool) -> Any:
     return map_rows(batch, take)
 
 
-def _state(net: nn.Module) -> dict[str, torch.Tensor]:
-    tensors = dict(net.named_parameters())
-    tensors.update(net.named_buffers())
-    return {name: t.detach().clone().cpu() for name, t in tensors.items()}
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's full value: FSDP's sharded DTensors are gathered (a collective: every rank calls it)."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _state(net: nn.Module, sharded: bool = False) -> dict[str, torch.Tensor]:
+    return {name: t.clone().cpu() for name, t in _live(net, sharded).items()}
 
 
 def _modules_of_note(net: nn.Module) -> tuple[list[str], list[str]]:
@@ -240,13 +244,14 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
     module = build_model(spec)
     out.batchnorm, out.dropout = _modules_of_note(module)
     out.init_hash = digest(list(module.state_dict().values()))
-    model = s.model(
-        module,
-        sync_batchnorm=spec.sync_batchnorm,
-        find_unused_parameters=spec.find_unused_parameters,
-        static_graph=spec.static_graph,
-    )
+    ddp_options = {
+        "sync_batchnorm": spec.sync_batchnorm,
+        "find_unused_parameters": spec.find_unused_parameters,
+        "static_graph": spec.static_graph,
+    }
+    model = s.model(module, strategy=spec.strategy, **(ddp_options if spec.strategy == "ddp" else {}))
     net = ddpkit.unwrap(model)
+    sharded = s.strategy.shards_state  # FSDP: gather whole tensors on every rank before comparing
     if spec.after_wrap is not None:
         resolve(spec.after_wrap, "after_wrap")(net, s)
     optimizer = build_optimizer(spec, model.parameters())
@@ -260,9 +265,11 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
     step = 0
     try:
         if world > 1:
-            out.replica_diff.append(_replica_diff(s, _live(net)))
-        if keep:
-            out.states.append(_state(net))
+            out.replica_diff.append(_replica_diff(s, _live(net, sharded)))
+        if keep or sharded:
+            state = _state(net, sharded)
+            if keep:
+                out.states.append(state)
         for step in range(1, spec.steps + 1):
             batch, hashes = next(stream)
             out.batch_hashes.append(hashes)
@@ -276,17 +283,21 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
                 )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            if step == 1 and keep:
-                out.grads = {
-                    n: None if p.grad is None else p.grad.detach().clone().cpu()
+            if step == 1 and (keep or sharded):
+                grads = {
+                    n: None if p.grad is None else _whole(p.grad).clone().cpu()
                     for n, p in net.named_parameters()
                 }
+                if keep:
+                    out.grads = grads
             optimizer.step()  # every rank steps everything (plain DDP), so per-rank optimizer bugs show
             out.losses.append(float(s.all_reduce(loss.detach().float(), op="mean")))
             if world > 1:
-                out.replica_diff.append(_replica_diff(s, _live(net)))
-            if keep:
-                out.states.append(_state(net))
+                out.replica_diff.append(_replica_diff(s, _live(net, sharded)))
+            if keep or sharded:
+                state = _state(net, sharded)
+                if keep:
+                    out.states.append(state)
     except Exception as exc:
         if world == 1:
             raise
@@ -303,10 +314,10 @@ def _rng_state(device: torch.device) -> list[torch.Tensor]:
     return states
 
 
-def _live(net: nn.Module) -> dict[str, torch.Tensor]:
+def _live(net: nn.Module, sharded: bool = False) -> dict[str, torch.Tensor]:
     tensors = dict(net.named_parameters())
     tensors.update(net.named_buffers())
-    return tensors
+    return {n: _whole(t) for n, t in tensors.items()} if sharded else tensors
 
 
 def run_single(
@@ -335,7 +346,9 @@ def ddp_rank(spec: VerifySpec) -> bytes:
     Pickled here because tensors sent through a torch.multiprocessing queue travel as shared-memory
     handles, which vanish when the rank exits before the parent has read them.
     """
-    with ddpkit.session(seed=spec.seed, device=spec.device, timeout=spec.timeout, verbose=False) as s:
+    with ddpkit.session(
+        seed=spec.seed, device=spec.device, timeout=spec.timeout, verbose=False, strategy=spec.strategy
+    ) as s:
         if s.world_size != spec.nproc:
             raise problem(
                 f"the check runs on {s.world_size} rank(s) but nproc={spec.nproc}",

@@ -102,6 +102,7 @@ class VerifySpec:
     sync_batchnorm: bool = False
     find_unused_parameters: bool = False
     static_graph: bool = False
+    strategy: str = "ddp"  # or "fsdp": FSDP2 over nproc ranks against the same single process
     after_wrap: Callable[[nn.Module, Any], None] | str | None = None
     floor: tuple[str, ...] = ("permuted", "chunked")
     tolerance: Tolerance = field(default_factory=Tolerance)
@@ -118,6 +119,17 @@ class VerifySpec:
             raise problem(
                 f"nproc={self.nproc}: DDP with fewer than 2 ranks has nothing to compare",
                 "Pass nproc=2 or more",
+            )
+        if self.strategy not in ("ddp", "fsdp"):
+            raise problem(
+                f"strategy={self.strategy!r} is not 'ddp' or 'fsdp'", "Pass strategy='ddp' or 'fsdp'"
+            )
+        if self.strategy == "fsdp" and (
+            self.sync_batchnorm or self.find_unused_parameters or self.static_graph
+        ):
+            raise problem(
+                "sync_batchnorm, find_unused_parameters and static_graph are DDP-only options",
+                "Leave them out with --strategy fsdp",
             )
         if self.steps < 1:
             raise problem(f"steps={self.steps} is below 1", "Pass steps=1 or more (default 10)")

@@ -1,0 +1,92 @@
+"""What "data parallel" means for one kind of training: the interface every strategy implements.
+
+    strategy = ddpkit.strategy.make("fsdp", distributed=True, ...)   # session.model does this
+    model = strategy.wrap(net)                 # to the device; DDP, FSDP2 or nothing
+    with strategy.skip_sync(model):            # micro-batches 1..k-1 of an accumulation group
+        loss.backward()
+    norm = strategy.clip(params, max_norm)     # the total norm, identical on every rank
+    weights = strategy.full_state(model)       # checkpoints: the full weights on global rank 0
+
+Everything that differs between one device, DDP and FSDP lives behind this seam, so that the session,
+the stepper, checkpoints, verify and trace ask the strategy instead of testing for DDP. Strategies are
+named by plain strings ("single", "ddp", "fsdp"), which is also what `plan` and `doctor` speak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ddpkit.errors import problem
+from ddpkit.wrap import unwrap
+
+
+class Strategy:
+    """The single-device behaviour; DDP and FSDP override what differs."""
+
+    name: ClassVar[str] = "single"
+    shards_state: ClassVar[bool] = False  # model and optimizer state live in shards (checkpoints via DCP)
+    allows_sharded_step: ClassVar[bool] = False  # ddpkit.sharding may split the optimizer step
+    grads_between_micro_batches: ClassVar[bool] = True  # skipped-sync gradients sit in `p.grad`
+    collective_forward: ClassVar[bool] = False  # the eval module's forward is a collective (FSDP)
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []  # things worth logging once, gathered while wrapping
+
+    def describe(self) -> str:
+        return self.name
+
+    # -- the model ----------------------------------------------------------------------------------
+    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+        """Prepare `module` for training on `device`; the model the user trains."""
+        return module.to(device)
+
+    def owns(self, model: nn.Module) -> bool:
+        """True if `model` is what `wrap` returned (a check against passing the inner module)."""
+        return True
+
+    def expect(self, model: nn.Module, where: str) -> None:
+        """Raise a clear error when `model` is not the wrapped model (its gradients would not sync)."""
+        if not self.owns(model):
+            raise problem(
+                f"{where} got a {type(model).__name__}, not the {self.describe()} model",
+                "Pass the model that s.model(...) returned, so that its gradient synchronisation is handled",
+            )
+
+    def eval_module(self, model: nn.Module) -> nn.Module:
+        """The module to evaluate with: no collective in its forward (so per-rank shards may differ)."""
+        return unwrap(model)
+
+    # -- a training step ----------------------------------------------------------------------------
+    def skip_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Inside: backward accumulates gradients locally (micro-batches 1..k-1)."""
+        return contextlib.nullcontext()
+
+    def clip(self, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip gradients to a total 2-norm of `max_norm`; the norm before clipping."""
+        return nn.utils.clip_grad_norm_(list(params), max_norm)
+
+    def join(self, model: nn.Module, joinables: tuple[Any, ...]) -> contextlib.AbstractContextManager:
+        """Inside: ranks may run out of batches at different times without hanging."""
+        return contextlib.nullcontext()  # one process: nobody to wait for
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The full weights (keys without `module.`) on global rank 0; a collective where sharded."""
+        return unwrap(model).state_dict()
+
+    def load_full_state(self, model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool) -> None:
+        """Load full weights read on every rank (a collective where sharded)."""
+        unwrap(model).load_state_dict(state, strict=strict)
+
+    def sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> dict:
+        """Model and optimizer state as this rank's shards, for torch.distributed.checkpoint."""
+        raise NotImplementedError(f"the {self.name} strategy keeps whole state")
+
+    def load_sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],
+                           state: dict) -> None:  # fmt: skip
+        raise NotImplementedError(f"the {self.name} strategy keeps whole state")

@@ -1,0 +1,71 @@
+"""DistributedDataParallel: every rank holds the whole model; gradients are all-reduced in backward.
+
+DDP broadcasts global rank 0's parameters and buffers once, when it is built. Micro-batches skip the
+all-reduce with DDP's `no_sync`; the clipped norm is the same everywhere because every rank clips the
+same averaged gradients; checkpoints save rank 0's replica; `join` shadows the all-reduces of ranks
+that ran out of data (torch's `Join`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpkit.strategy.base import Strategy
+from ddpkit.wrap import DDPOptions, wrap_model
+
+
+def ddp_of(model: nn.Module) -> DistributedDataParallel | None:
+    """The DDP wrapper of `model` (also under torch.compile), or None."""
+    inner = getattr(model, "_orig_mod", model)  # torch.compile wrapper
+    return inner if isinstance(inner, DistributedDataParallel) else None
+
+
+class DDP(Strategy):
+    name = "ddp"
+    allows_sharded_step = True
+
+    def __init__(
+        self,
+        options: DDPOptions | None = None,
+        *,
+        sync_batchnorm: bool = False,
+        comm_hook: str | None = None,
+        comm_hook_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.options = options or DDPOptions()
+        self.sync_batchnorm = sync_batchnorm
+        self.comm_hook = comm_hook
+        self.comm_hook_options = comm_hook_options
+
+    def describe(self) -> str:
+        return "DistributedDataParallel"
+
+    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+        model, notes = wrap_model(
+            module, device=device, distributed=True, options=self.options, sync_batchnorm=self.sync_batchnorm,
+            comm_hook=self.comm_hook, comm_hook_options=self.comm_hook_options,
+        )  # fmt: skip
+        self.notes.extend(notes)
+        return model
+
+    def owns(self, model: nn.Module) -> bool:
+        return ddp_of(model) is not None
+
+    def skip_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        ddp = ddp_of(model)
+        return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def join(self, model: nn.Module, joinables: tuple[Any, ...]) -> Iterator[None]:
+        from torch.distributed.algorithms.join import Join
+
+        self.expect(model, "s.join")
+        with Join([ddp_of(model), *joinables], divide_by_initial_world_size=False):
+            yield

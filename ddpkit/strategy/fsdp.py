@@ -1,0 +1,244 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`): each rank holds 1/N of the parameters, gradients and
+optimizer state; blocks are all-gathered for their forward and backward, gradients reduce-scattered.
+
+    model = s.model(net, strategy="fsdp")                                  # blocks found by size
+    model = s.model(net, strategy=FSDPOptions(blocks=(Block,), cpu_offload=True))
+
+Blocks: each module of a class in `blocks` becomes its own FSDP unit (one all-gather per block, so only
+one block is whole at a time); without `blocks`, every module whose parameters not yet in a unit reach
+`min_block_params` becomes one, children first. The root takes what is left.
+
+FSDP2 does not broadcast rank 0's weights as DDP does: every rank must build the same ones (ddpkit
+seeds every rank alike). `wrap` compares a checksum of every parameter and buffer across ranks before
+sharding and stops with the name of the first one that differs.
+
+Precision: "bf16" computes in bf16 (`MixedPrecisionPolicy(param_dtype=bf16)`) and reduces gradients in
+fp32; "16" (fp16 with a loss scale) is refused: the scaler's inf check would be per shard, so ranks
+could disagree about skipping a step. Micro-batches skip the reduce-scatter with
+`set_requires_gradient_sync(False)`; the clipped norm is the all-reduced norm of the sharded gradients,
+identical on every rank. `ddpkit.sharding` does not apply: the optimizer state is already sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.collectives import Ranks, same_everywhere
+from ddpkit.errors import problem
+from ddpkit.strategy.base import Strategy
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPOptions:
+    """How FSDP2 shards the model; pass it as `s.model(net, strategy=FSDPOptions(...))`.
+
+    `blocks`: module classes that become one FSDP unit each (e.g. your transformer block); None: by
+    size, every module holding at least `min_block_params` parameters not yet in a unit.
+    `reshard_after_forward`: free the gathered block after its forward (less memory, one more
+    all-gather in backward). `cpu_offload`: keep the sharded parameters, gradients and optimizer step
+    on the CPU (GPU ranks; on CPU ranks it changes nothing).
+    """
+
+    blocks: tuple[type[nn.Module], ...] | None = None
+    min_block_params: int = 1_000_000
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.min_block_params < 1:
+            raise problem(f"min_block_params={self.min_block_params} is below 1",
+                          "Pass a parameter count such as 1_000_000")  # fmt: skip
+        if self.blocks is not None and not all(isinstance(b, type) and issubclass(b, nn.Module)
+                                               for b in self.blocks):  # fmt: skip
+            raise problem(f"blocks={self.blocks!r} holds something that is not an nn.Module class",
+                          "Pass module classes, e.g. blocks=(TransformerBlock,)")  # fmt: skip
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
+
+
+class FSDP(Strategy):
+    name = "fsdp"
+    shards_state = True
+    grads_between_micro_batches = False  # FSDP keeps unsharded gradients aside until the synced one
+    collective_forward = True  # each block's forward all-gathers its parameters
+
+    def __init__(self, options: FSDPOptions | None, ranks: Ranks, precision: str) -> None:
+        super().__init__()
+        if precision == "16":
+            raise problem(
+                "precision='16' (fp16 with a loss scale) is not supported with strategy='fsdp': each rank "
+                "would check only its shard of the gradients for inf/nan, and ranks could disagree",
+                "Pass precision='bf16' (no loss scale needed) or '32' to ddpkit.session",
+            )
+        self.options = options or FSDPOptions()
+        self.ranks = ranks
+        self.precision = precision
+        self.units: list[str] = []
+
+    def describe(self) -> str:
+        return "FSDP2 (fully_shard)"
+
+    # -- the model ----------------------------------------------------------------------------------
+    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if is_fsdp(module):
+            raise problem("the model is already sharded with fully_shard",
+                          "Pass the plain nn.Module; ddpkit shards it")  # fmt: skip
+        module = module.to(device)
+        check_identical(module, self.ranks)
+        opts = self.options
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mp = MixedPrecisionPolicy()
+        if self.precision == "bf16":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        offload: OffloadPolicy = OffloadPolicy()
+        if opts.cpu_offload and device.type != "cpu":
+            offload = CPUOffloadPolicy()
+        elif opts.cpu_offload:
+            self.notes.append("cpu_offload=True changes nothing on CPU ranks (the shards are on the CPU)")
+        kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload,
+                      reshard_after_forward=opts.reshard_after_forward)  # fmt: skip
+        for name in self._choose_units(module):
+            fully_shard(module.get_submodule(name), **kwargs)
+        fully_shard(module, **kwargs)
+        total, world = sum(p.numel() for p in module.parameters()), dist.get_world_size()
+        self.notes.append(
+            f"FSDP2: {len(self.units)} block(s) sharded on their own + the root, over {world} ranks "
+            f"({total / 1e6:.1f}M parameters, about {total / world / 1e6:.1f}M per rank)"
+        )
+        return module
+
+    def _choose_units(self, module: nn.Module) -> list[str]:
+        """Names of the submodules that become FSDP units, children before parents."""
+        opts = self.options
+        chosen: list[str] = []
+        if opts.blocks is not None:
+            chosen = [n for n, m in module.named_modules() if n and isinstance(m, opts.blocks)]
+            if not chosen:
+                names = ", ".join(b.__name__ for b in opts.blocks)
+                raise problem(
+                    f"blocks=({names}) matches no module of the {type(module).__name__}",
+                    "Name the class of the repeated blocks, or leave blocks=None to shard by size",
+                )
+        else:
+            taken: set[int] = set()
+
+            def visit(name: str, m: nn.Module) -> None:
+                for child_name, child in m.named_children():
+                    visit(f"{name}.{child_name}" if name else child_name, child)
+                if not name:
+                    return
+                free = [p for p in m.parameters() if id(p) not in taken]
+                if sum(p.numel() for p in free) >= opts.min_block_params:
+                    chosen.append(name)
+                    taken.update(id(p) for p in free)
+
+            visit("", module)
+        nested = [n for n in chosen if any(n.startswith(f"{o}.") for o in chosen)]  # children first
+        self.units = nested + [n for n in chosen if n not in nested]
+        return self.units
+
+    def owns(self, model: nn.Module) -> bool:
+        return is_fsdp(model)
+
+    def eval_module(self, model: nn.Module) -> nn.Module:
+        return model  # its forward all-gathers: evaluation must keep the ranks in step (ddpkit.fit does)
+
+    # -- a training step ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def skip_sync(self, model: nn.Module) -> Iterator[None]:
+        inner = getattr(model, "_orig_mod", model)
+        inner.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            inner.set_requires_gradient_sync(True)
+
+    def clip(self, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        params = list(params)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # the shards' norms combined: one all-reduce, the same everywhere
+        nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def join(self, model: nn.Module, joinables: tuple[Any, ...]) -> contextlib.AbstractContextManager:
+        raise problem(
+            "s.join is not supported with strategy='fsdp': every rank takes part in each block's all-gather, "
+            "so a rank cannot stop early",
+            "Give every rank the same number of batches (s.loader shards evenly; pass drop_last=True for "
+            "an exact split)",
+        )
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)  # collective; empty except on rank 0
+
+    def load_full_state(self, model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(
+            model, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict)
+        )
+
+    def sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state = {"model": get_model_state_dict(model)}
+        for name, opt in optimizers.items():
+            state[name] = get_optimizer_state_dict(model, opt)
+        return state
+
+    def load_sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],
+                           state: dict) -> None:  # fmt: skip
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(model, state["model"])
+        for name, opt in optimizers.items():
+            set_optimizer_state_dict(model, opt, state[name])
+
+
+def checksums(module: nn.Module) -> tuple[list[str], torch.Tensor]:
+    """An exact integer checksum of each parameter and buffer: its bits summed as integers."""
+    names, sums = [], []
+    views = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    with torch.no_grad():
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            bits = t.detach().contiguous().view(views[t.element_size()]).reshape(-1)
+            names.append(name)
+            sums.append(int(bits.sum(dtype=torch.int64)) + 31 * int(bits[::7].sum(dtype=torch.int64)))
+    return names, torch.tensor(sums, dtype=torch.int64)
+
+
+def check_identical(module: nn.Module, ranks: Ranks) -> None:
+    """Stop before sharding when the ranks built different weights (FSDP2 does not broadcast them)."""
+    names, sums = checksums(module)
+    agree = same_everywhere(ranks, sums)
+    if bool(agree.all()):
+        return
+    first = names[int((~agree).nonzero()[0])]
+    raise problem(
+        f"the ranks built different initial weights ({int((~agree).sum())} of {len(names)} tensors differ, "
+        f"first {first!r}); FSDP2 does not copy global rank 0's weights to the others as DDP does",
+        "Build the model on every rank from the same seed (ddpkit.session(seed=...) seeds all ranks alike; "
+        "do not draw per-rank random numbers before s.model), or load the same weights everywhere",
+    )

@@ -1,0 +1,33 @@
+"""One process: the model on its device, nothing to synchronise.
+
+Every DDP option gets a defined meaning here (logged once): accepted, without effect, because a single
+replica already computes the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddpkit.strategy.base import Strategy
+from ddpkit.wrap import DDPOptions, wrap_model
+
+
+class Single(Strategy):
+    name = "single"
+
+    def __init__(self, options: DDPOptions | None = None, *, sync_batchnorm: bool = False,
+                 comm_hook: str | None = None, asked: str | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.options = options or DDPOptions()
+        self.sync_batchnorm = sync_batchnorm
+        self.comm_hook = comm_hook
+        self.asked = asked  # "ddp" or "fsdp" asked for with one process: said once
+
+    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+        if self.asked is not None:
+            self.notes.append(f"strategy={self.asked!r} with one process: trained as is (nothing to shard)")
+        model, notes = wrap_model(module, device=device, distributed=False, options=self.options,
+                                  sync_batchnorm=self.sync_batchnorm, comm_hook=self.comm_hook)  # fmt: skip
+        self.notes.extend(notes)
+        return model
