@@ -47,8 +47,14 @@ def record_failure(
     with contextlib.suppress(AttributeError):
         exc._ddpkit_time = now  # type: ignore[attr-defined]
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or isinstance(exc, (KeyboardInterrupt, SystemExit)):
-        return
+    if path and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        write_error_file(path, exc, rank, now, stalled=stalled)
+
+
+def write_error_file(
+    path: str, exc: BaseException, rank: int, now: float, *, stalled: str | None = None
+) -> None:
+    """torchrun's error-file format, with ddpkit's sub-second time and the stall headline in extraInfo."""
     data = {
         "message": {
             "message": f"{type(exc).__name__}: {exc}",
