@@ -94,7 +94,9 @@ def test_a_stalled_rank_fails_the_job_within_the_timeout_and_is_named(tmp_path: 
     assert re.search(r"rank 1: running \(not in a collective\) at .*job.py:6 in <module>: time.sleep\(60\)",
                      done.stderr), done.stderr[-3000:]  # fmt: skip
     assert re.search(r"rank 0: in all_reduce at .*job.py:7 in <module>: s.all_reduce\(2.0\)", done.stderr)
-    assert re.match(rf"ddpkit run: {culprit}.*\. Then rank 0 .* timed out", _headline(done.stderr)), done.stderr
+    assert re.match(rf"ddpkit run: {culprit}.*\. Then rank 0 .* timed out", _headline(done.stderr)), (
+        done.stderr
+    )
     assert elapsed < 3 + 30, f"took {elapsed:.0f} s"  # start-up (~7 s), the 3 s timeout, the report
 
 
