@@ -4,6 +4,10 @@ When one rank raises, its peers fail moments later inside a collective ("connect
 torchrun's error files carry whole-second timestamps, so the agent cannot tell cause from effect.
 ddpkit writes the same file format with a sub-second `ddpkit_time`, and `ddpkit run` uses it to name
 the rank that failed first.
+
+A timeout is different: the rank that failed first is the one that waited, not the cause. Its error
+file then carries `ddpkit_stalled`, the stall report's headline naming the rank(s) that never came to
+the collective, and `ddpkit run` leads with that (`stall_report`).
 """
 
 from __future__ import annotations
@@ -29,19 +33,28 @@ def failure_seen() -> bool:
     return bool(_seen)
 
 
-def record_failure(exc: BaseException, rank: int, *, when: float | None = None) -> None:
+def record_failure(
+    exc: BaseException, rank: int, *, when: float | None = None, stalled: str | None = None
+) -> None:
     """Stamp `exc` with the time, and write it to the launcher's error file (TORCHELASTIC_ERROR_FILE).
 
     `when` keeps the time of an earlier exception that `exc` explains (a stall report raised after
     the timeout it describes), so the launcher still orders failures by when they happened.
+    `stalled` is that report's headline: which rank(s) did not reach the collective, and where.
     """
     now = when or getattr(exc, "_ddpkit_time", None) or time.time()
     _seen.append(now)
     with contextlib.suppress(AttributeError):
         exc._ddpkit_time = now  # type: ignore[attr-defined]
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or isinstance(exc, (KeyboardInterrupt, SystemExit)):
-        return
+    if path and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        write_error_file(path, exc, rank, now, stalled=stalled)
+
+
+def write_error_file(
+    path: str, exc: BaseException, rank: int, now: float, *, stalled: str | None = None
+) -> None:
+    """torchrun's error-file format, with ddpkit's sub-second time and the stall headline in extraInfo."""
     data = {
         "message": {
             "message": f"{type(exc).__name__}: {exc}",
@@ -50,6 +63,7 @@ def record_failure(exc: BaseException, rank: int, *, when: float | None = None) 
                 "timestamp": str(int(now)),
                 "ddpkit_time": now,
                 "rank": rank,
+                **({"ddpkit_stalled": stalled} if stalled else {}),
             },
         }
     }
@@ -67,13 +81,33 @@ def record_failure(exc: BaseException, rank: int, *, when: float | None = None) 
 
 def failure_time(failure: Any) -> float:
     """When a torchrun `ProcessFailure` happened, as precisely as its error file says."""
-    data = failure.error_file_data
-    if isinstance(data, dict):
-        extra = data.get("message", {})
-        extra = extra.get("extraInfo", {}) if isinstance(extra, dict) else {}
-        if "ddpkit_time" in extra:
-            return float(extra["ddpkit_time"])
+    extra = _extra(failure)
+    if "ddpkit_time" in extra:
+        return float(extra["ddpkit_time"])
     return float(failure.timestamp)
+
+
+def stall_report(failures: dict[int, Any]) -> tuple[int, Any, str] | None:
+    """(rank, failure, headline) of the first failure that is a timeout explained by a stall report.
+
+    Only when no rank raised an error of its own before it: a rank that crashed is the cause, and is
+    named as the first to fail. Failures without a message (the agent's SIGTERM to a rank that was
+    stalled) do not count as earlier errors.
+    """
+    for rank, failure in sorted(failures.items(), key=lambda item: failure_time(item[1])):
+        headline = _extra(failure).get("ddpkit_stalled")
+        if headline:
+            return rank, failure, str(headline)
+        if failure_message(failure):
+            return None
+    return None
+
+
+def _extra(failure: Any) -> dict:
+    data = failure.error_file_data
+    message = data.get("message") if isinstance(data, dict) else None
+    extra = message.get("extraInfo") if isinstance(message, dict) else None
+    return extra if isinstance(extra, dict) else {}
 
 
 def failure_message(failure: Any) -> str:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from ddpkit import cpu_allocator
 from ddpkit.errors import DdpkitError, problem
-from ddpkit.failures import failure_message, failure_time
+from ddpkit.failures import failure_message, failure_time, stall_report
 from ddpkit.topology import Hardware, threads_per_process
 
 
@@ -179,6 +179,9 @@ def _report(err: Exception, max_restarts: int = 0) -> int:
         print(f"ddpkit run: the job failed: {err}", file=sys.stderr)
         return 1
     rank, first = min(failures.items(), key=lambda item: failure_time(item[1]))
+    stalled = stall_report(failures)  # a timeout: lead with the rank(s) that never came, not the first victim
+    if stalled is not None:
+        rank, first, _ = stalled
     code = first.exitcode
     how = f"exit code {code}"
     message = failure_message(first).rstrip(".")
@@ -189,8 +192,11 @@ def _report(err: Exception, max_restarts: int = 0) -> int:
     elif code < 0:
         how = f"signal {signal.Signals(-code).name}"
         code = 128 - code
+    lead = f"{stalled[2]}. Then " if stalled else ""
+    verb = "timed out waiting and ended with" if stalled else "failed first with"
+    message = "" if stalled else message  # the timeout's own message is the report above
     print(
-        f"ddpkit run: rank {rank} (local rank {first.local_rank}, pid {first.pid}) failed first with "
+        f"ddpkit run: {lead}rank {rank} (local rank {first.local_rank}, pid {first.pid}) {verb} "
         f"{how}{': ' + message if message else ''}; its traceback is above. {len(failures)} rank(s) "
         "failed; the others were stopped."
         + (f" The restart budget (--max-restarts {max_restarts}) is used up." if max_restarts else ""),

@@ -154,13 +154,14 @@ def on_failure(session: Any, exc: BaseException) -> None:
     except Exception:
         return  # reporting must never hide the original error
     limit = session.limits.collective
+    culprit = f"{report.headline}\n" if report.headline else ""  # first: who stalled the others, where
     err = DdpkitError(
-        f"rank {session.rank}: a collective failed ({mine['state']} at {mine['where']}): "
-        f"{str(exc).strip()[:300]}\n{report}\nFix the rank(s) named above; if they were only slow, raise "
-        f"timeout= in ddpkit.session(...) (now {limit:.0f} s)."
+        f"{culprit}rank {session.rank}: a collective failed ({mine['state']} at {mine['where']}): "
+        f"{str(exc).strip()[:300]}\n{report.ranks}\nFix the rank(s) named above; if they were only slow, "
+        f"raise timeout= in ddpkit.session(...) (now {limit:.0f} s)."
     )
     err._ddpkit_time = failures.raised_at(exc)  # type: ignore[attr-defined]
-    failures.record_failure(err, session.rank, when=failures.raised_at(exc))
+    failures.record_failure(err, session.rank, when=failures.raised_at(exc), stalled=report.headline)
     raise err from exc
 
 

@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -37,26 +38,64 @@ _COLLECTIVE_FILES = (os.path.join("torch", "distributed"),)
 
 
 # -- one rank's position --------------------------------------------------------------------------
+_NOT_IN_COLLECTIVE = "running (not in a collective)"
+_BACKWARD = "in backward: DDP's gradient all-reduce"
+# DDP calls its collectives from its own Python methods straight into C++ (the reducer's bucket rebuild,
+# dist._broadcast_coalesced): no torch.distributed function is on the stack, so they are told by file.
+_DDP_FILES = (
+    os.path.join("torch", "nn", "parallel", "distributed.py"),
+    os.path.join("torch", "distributed", "utils.py"),
+)
+
+
 def describe(frames: Sequence[traceback.FrameSummary]) -> dict[str, Any]:
-    """Classify a stack (outermost first): which collective or phase, and the innermost user line."""
-    state = "running (not in a collective)"
-    for fr in reversed(frames):
+    """Classify a stack (outermost first): which collective or phase, and the innermost user line.
+
+    `collective` is True when the rank waits for its peers (a torch.distributed call, one of DDP's
+    collectives, or backward, where DDP all-reduces gradients): a rank that is not, while others
+    are, is the one that stalls them.
+    """
+    state, collective = _ddp_collective(frames), True
+    for fr in reversed(frames if state is None else ()):
         name, path = fr.name, fr.filename
         if any(part in path for part in _COLLECTIVE_FILES) and not name.startswith("_"):
             state = f"in {name}"
             break
         if os.path.join("torch", "autograd") in path:
-            state = "in backward (DDP all-reduces gradients there)"
+            state = _BACKWARD
             break
         if os.path.join("torch", "utils", "data") in path:
-            state = "waiting for data (DataLoader)"
+            state, collective = "waiting for data (DataLoader)", False
             break
         if path.startswith(_DDPKIT_DIR) and Path(path).stem.startswith("checkpoint"):
-            state = "in a checkpoint save/load"
+            state, collective = "in a checkpoint save/load", False
             break
+    if state is None:
+        state, collective = _NOT_IN_COLLECTIVE, False
     user = next((fr for fr in reversed(frames) if _is_user(fr.filename)), frames[-1] if frames else None)
     where = f"{user.filename}:{user.lineno} in {user.name}: {(user.line or '').strip()}" if user else "?"
-    return {"state": state, "where": where, "stack": [_line(fr) for fr in frames[-8:]]}
+    at = f"{os.path.basename(user.filename)}:{user.lineno}" if user else "?"
+    return {"state": state, "collective": collective, "where": where, "at": at,
+            "stack": [_line(fr) for fr in frames[-8:]]}  # fmt: skip
+
+
+def _ddp_collective(frames: Sequence[traceback.FrameSummary]) -> str | None:
+    """The DDP collective the innermost frame waits in, if it is one of DDP's own call sites."""
+    if not frames or not frames[-1].filename.endswith(_DDP_FILES):
+        return None
+    inner, line = frames[-1], frames[-1].line or ""
+    ddp = {fr.name for fr in frames if fr.filename.endswith(_DDP_FILES[0])}
+    if "__init__" in ddp:
+        return "in DDP's construction: its shape check and weight broadcast"
+    if "_sync_final_model" in ddp:
+        return "in DDP's join: its final weight broadcast"
+    if "_rebuild_buckets" in line or (not line and inner.name == "_pre_forward"):
+        return "in DDP's forward: its bucket rebuild"
+    if "broadcast" in line or inner.name.startswith(
+        ("_sync", "_default_broadcast", "_distributed_broadcast")
+    ):
+        return "in DDP's forward: its buffer broadcast"
+    return None
 
 
 def _is_user(path: str) -> bool:
@@ -123,7 +162,7 @@ class Watchdog:
 
     def _watch_main_thread(self) -> None:
         position = main_thread_position()
-        if not position["state"].startswith("in ") or "checkpoint" in position["state"]:
+        if not position["collective"]:
             self._waiting_since, self._warned = None, False
             return
         spot = position["state"] + position["where"]
@@ -134,10 +173,11 @@ class Watchdog:
         if waited >= self.warn_after and not self._warned:
             self._warned = True
             report = self.gather(position, deadline=min(10.0, 3 * self.poll + 2))
-            print(f"ddpkit: rank {self.rank} has waited {waited:.0f} s {position['state']}.\n{report}",
+            lead = f"ddpkit: {report.headline}\n" if report.headline else "ddpkit: "
+            print(f"{lead}rank {self.rank} has waited {waited:.0f} s {position['state']}.\n{report.ranks}",
                   file=sys.stderr, flush=True)  # fmt: skip
 
-    def gather(self, mine: dict[str, Any], deadline: float) -> str:
+    def gather(self, mine: dict[str, Any], deadline: float) -> Report:
         """Ask every rank where it stands (through the store) and format the answers."""
         n = int(self.store.add(f"{self.prefix}/where/count", 1))
         self.store.set(f"{self.prefix}/where/request", str(n))
@@ -152,23 +192,66 @@ class Watchdog:
                     if answer["n"] >= n:
                         answers[r] = answer
             time.sleep(0.05)
-        return format_report(answers, self.world_size, mine["state"])
+        return format_report(answers, self.world_size)
 
 
-def format_report(answers: dict[int, dict[str, Any]], world_size: int, waited_in: str) -> str:
-    """One line per rank, and the ranks that are not where the waiting rank is."""
-    lines, stalled = [], []
-    for r in range(world_size):
-        a = answers.get(r)
-        if a is None:
-            lines.append(f"  rank {r}: did not answer (blocked in native code holding the GIL, or gone)")
-            stalled.append(r)
-            continue
-        lines.append(f"  rank {r}: {a['state']} at {a['where']}")
-        if a["state"] != waited_in:
-            stalled.append(r)
-    head = "Where every rank stands:"
-    if stalled and len(stalled) < world_size:
-        names = ", ".join(str(r) for r in stalled)
-        head = f"Rank(s) {names} never entered the collective the others wait in ({waited_in}). " + head
-    return "\n".join([head, *lines])
+# -- the report -----------------------------------------------------------------------------------
+_SILENT = "did not answer (blocked in native code holding the GIL, or gone)"
+
+
+@dataclass(frozen=True)
+class Report:
+    """Every rank's position (`ranks`); `headline` names the culprit when the positions show one.
+
+    The culprit of a timeout is the rank that is NOT in a collective while others wait in one; the
+    rank whose collective timed out first is only its first victim, so the headline comes first.
+    """
+
+    headline: str | None
+    ranks: str
+
+    @property
+    def text(self) -> str:
+        return f"{self.headline}\n{self.ranks}" if self.headline else self.ranks
+
+
+def format_report(answers: dict[int, dict[str, Any]], world_size: int) -> Report:
+    """The headline (who stalls the others), then one line per rank."""
+    lines = [f"  rank {r}: {_position(r, answers)}" for r in range(world_size)]
+    return Report(_culprit(answers, world_size), "\n".join(["Where every rank stands:", *lines]))
+
+
+def _position(rank: int, answers: dict[int, dict[str, Any]]) -> str:
+    a = answers.get(rank)
+    return f"{a['state']} at {a['where']}" if a else _SILENT
+
+
+def _culprit(answers: dict[int, dict[str, Any]], world_size: int) -> str | None:
+    """The ranks not in a collective while others wait in one; or that the waits do not match."""
+    waiting = {r: a for r, a in sorted(answers.items()) if a.get("collective")}
+    behind = [r for r in range(world_size) if r not in waiting]
+    if waiting and behind:
+        spots = {(a["state"].removeprefix("in "), a["at"]) for a in waiting.values()}
+        if len(spots) == 1:
+            waited = "{}, at {}".format(*spots.pop())
+        else:
+            waited = "; ".join(
+                f"rank {r}: {a['state'].removeprefix('in ')} at {a['at']}" for r, a in waiting.items()
+            )
+        where = "; ".join(f"rank {r} is at {answers[r]['where']}" if r in answers else f"rank {r} {_SILENT}"
+                          for r in behind)  # fmt: skip
+        verb = "waits" if len(waiting) == 1 else "wait"
+        return (
+            f"{_ranks(behind)} did not reach the collective that {_ranks(waiting)} {verb} in ({waited}): "
+            + where
+        )
+    if len({a["state"] for a in waiting.values()}) > 1:
+        spots = "; ".join(f"rank {r} {a['state']} at {a['at']}" for r, a in waiting.items())
+        return (f"every rank waits in a collective, but not in the same one ({spots}): every rank must call "
+                "the same collectives in the same order")  # fmt: skip
+    return None
+
+
+def _ranks(ranks: Any) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)

@@ -54,8 +54,9 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_like_an_uninterrupted_one(
     assert done.returncode == 0, done.stderr[-3000:]
     # Who is reported depends on who exits first: rank 1 (SIGKILL) or rank 0, whose shared-memory wait
     # notices the dead peer within ~10 ms and names it.
-    assert ("failed (exitcode: -9) local_rank: 1" in done.stderr
-            or ("rank 1 (pid" in done.stderr and "died" in done.stderr)), "rank 1 was not killed"
+    assert "failed (exitcode: -9) local_rank: 1" in done.stderr or (
+        "rank 1 (pid" in done.stderr and "died" in done.stderr
+    ), "rank 1 was not killed"
     assert "resumed from" in done.stdout and "(step 12)" in done.stdout, done.stdout
     killed_at, killed_step = (out / "killed.txt").read_text().split()
     resumed_at, resumed_step = (out / "resumed.txt").read_text().split()
@@ -87,13 +88,54 @@ def test_a_stalled_rank_fails_the_job_within_the_timeout_and_is_named(tmp_path: 
     done = run_cli("run", "--nproc", "2", str(script), timeout=90)
     elapsed = time.monotonic() - start
     assert done.returncode == 1, done.stderr[-3000:]
-    assert "Rank(s) 1 never entered the collective the others wait in (in all_reduce)" in done.stderr
+    culprit = (r"rank 1 did not reach the collective that rank 0 waits in \(all_reduce, at job.py:7\): "
+               r"rank 1 is at \S*job.py:6 in <module>: time.sleep\(60\)")  # fmt: skip
+    assert re.search(rf"DdpkitError: {culprit}", done.stderr), done.stderr[-3000:]  # the error's first line
     assert re.search(r"rank 1: running \(not in a collective\) at .*job.py:6 in <module>: time.sleep\(60\)",
                      done.stderr), done.stderr[-3000:]  # fmt: skip
     assert re.search(r"rank 0: in all_reduce at .*job.py:7 in <module>: s.all_reduce\(2.0\)", done.stderr)
-    last = done.stderr.strip().splitlines()
-    assert any(line.startswith("ddpkit run: rank 0") and "a collective failed" in line for line in last)
+    assert re.match(rf"ddpkit run: {culprit}.*\. Then rank 0 .* timed out", _headline(done.stderr)), (
+        done.stderr
+    )
     assert elapsed < 3 + 30, f"took {elapsed:.0f} s"  # start-up (~7 s), the 3 s timeout, the report
+
+
+def _headline(stderr: str) -> str:
+    heads = [line for line in stderr.splitlines() if line.startswith("ddpkit run:")]
+    assert len(heads) == 1, stderr[-3000:]
+    return heads[0]
+
+
+# Rank 0 waits in a collective DDP issues itself, from C++ (the bucket rebuild in the second forward):
+# no torch.distributed function is on its stack. The timeout (8 s) is far above a step's time under load.
+DDP_STALL = """
+import time, torch, ddpkit
+from torch import nn
+with ddpkit.session(timeout=8, verbose=False) as s:
+    model = s.model(nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        if s.rank == 1 and step == 1:
+            time.sleep(120)
+        s.backward(model(torch.randn(8, 4)).sum())
+        s.step(opt)
+"""
+
+
+def test_a_rank_missing_from_ddps_own_collective_is_named_first(tmp_path: Path) -> None:
+    script = _script(tmp_path, DDP_STALL)
+    start = time.monotonic()
+    done = run_cli("run", "--nproc", "2", str(script), timeout=120)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 1, done.stderr[-3000:]
+    culprit = (r"rank 1 did not reach the collective that rank 0 waits in \(DDP's forward: its bucket rebuild, "
+               r"at job.py:10\): rank 1 is at \S*job.py:9 in <module>: time.sleep\(120\)")  # fmt: skip
+    assert re.search(rf"DdpkitError: {culprit}\n", done.stderr), done.stderr[-3000:]  # the error's first line
+    assert re.match(rf"ddpkit run: {culprit}\. Then rank 0 .* timed out", _headline(done.stderr)), done.stderr
+    assert re.search(r"rank 0: in DDP's forward: its bucket rebuild at \S*job.py:10 in <module>", done.stderr)
+    assert elapsed < 8 + 60, (
+        f"took {elapsed:.0f} s"
+    )  # the sleeper is stopped when rank 0 fails, not after 120 s
 
 
 BUDGET = """
@@ -190,12 +232,20 @@ def test_negative_control_native_threads_abort_a_plain_exit(tmp_path: Path) -> N
     body = FINISHES.split("# Threads")[1].split("\n", 2)[2]
     script = _script(tmp_path, "import threading, time, torch\ntorch.set_num_threads(1)\n" + body)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == -signal.SIGABRT and "terminate called" in done.stderr, (done.returncode, done.stderr)
+    assert done.returncode == -signal.SIGABRT and "terminate called" in done.stderr, (
+        done.returncode,
+        done.stderr,
+    )
 
 
 @pytest.mark.parametrize(
     ("body", "zero"),
-    [("x = 1\n", True), ("if x:\n    y = 2\n", True), ("raise SystemExit(3)\n", False), ("sys.exit(0)\n", False)],
+    [
+        ("x = 1\n", True),
+        ("if x:\n    y = 2\n", True),
+        ("raise SystemExit(3)\n", False),
+        ("sys.exit(0)\n", False),
+    ],
 )
 def test_the_exit_guard_acts_only_when_the_exit_code_is_certainly_zero(body: str, zero: bool) -> None:
     scope = {"__name__": "__main__", "sys": sys, "x": 1}
