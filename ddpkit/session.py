@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddpkit import cpu_allocator, lifecycle, topology
+from ddpkit import compiling, cpu_allocator, lifecycle, topology
 from ddpkit.data import ShardedLoader, make_loader, plan_batch
 from ddpkit.errors import problem
 from ddpkit.precision import PrecisionPlan, resolve_precision
@@ -273,6 +273,7 @@ class Session:
         broadcast_buffers: bool = True,
         comm_hook: str | None = None,
         comm_hook_options: Mapping[str, Any] | None = None,
+        compile: bool | Mapping[str, Any] = False,
     ) -> nn.Module:
         """Move `module` to the device and wrap it in DDP when there is more than one rank.
 
@@ -280,6 +281,8 @@ class Session:
         returned model's parameters, after this call. `sync_batchnorm=True` computes BatchNorm
         statistics over the global batch (CPU too); `comm_hook` names a gradient compression
         ("fp16", "bf16", "powersgd"; see `ddpkit.comm_hooks`) with `comm_hook_options` for it.
+        `compile=True` (or a dict of torch.compile arguments) compiles the module, then wraps it
+        (see `ddpkit.compiling`).
         """
         options = DDPOptions(
             find_unused_parameters=find_unused_parameters,
@@ -288,15 +291,22 @@ class Session:
             gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers,
         )
-        model, notes = wrap_model(
-            module,
-            device=self.device,
-            distributed=self.distributed,
-            options=options,
-            sync_batchnorm=sync_batchnorm,
-            comm_hook=comm_hook,
-            comm_hook_options=comm_hook_options,
-        )
+        def wrap(module: nn.Module) -> tuple[nn.Module, list[str]]:
+            return wrap_model(
+                module,
+                device=self.device,
+                distributed=self.distributed,
+                options=options,
+                sync_batchnorm=sync_batchnorm,
+                comm_hook=comm_hook,
+                comm_hook_options=comm_hook_options,
+            )
+
+        compiler = compiling.CompileOptions.parse(compile)
+        if compiler is None:
+            model, notes = wrap(module)
+        else:
+            model, notes = compiling.apply(module, compiler, wrap, distributed=self.distributed)
         for note in notes:
             self.print(f"ddpkit: {note}")
         seed_everything(self.rank_seed)

@@ -61,8 +61,12 @@ class StepInfo:
 
 
 def _ddp_of(model: nn.Module) -> DistributedDataParallel | None:
-    inner = getattr(model, "_orig_mod", model)  # torch.compile wrapper
-    return inner if isinstance(inner, DistributedDataParallel) else None
+    while not isinstance(model, DistributedDataParallel):  # DDP inside torch.compile's wrapper(s)
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
+    return model
 
 
 class Stepper:

@@ -245,6 +245,7 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
         sync_batchnorm=spec.sync_batchnorm,
         find_unused_parameters=spec.find_unused_parameters,
         static_graph=spec.static_graph,
+        compile=spec.compile and world > 1,  # DDP + compile against one eager process
     )
     net = ddpkit.unwrap(model)
     if spec.after_wrap is not None:

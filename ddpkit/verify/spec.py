@@ -102,6 +102,7 @@ class VerifySpec:
     sync_batchnorm: bool = False
     find_unused_parameters: bool = False
     static_graph: bool = False
+    compile: bool = False  # the DDP side runs s.model(..., compile=True); the reference stays eager
     after_wrap: Callable[[nn.Module, Any], None] | str | None = None
     floor: tuple[str, ...] = ("permuted", "chunked")
     tolerance: Tolerance = field(default_factory=Tolerance)

@@ -1,0 +1,123 @@
+"""torch.compile as an option of `s.model`: the order that is right for DDP, and one cache per machine.
+
+    model = s.model(Net(), compile=True)                       # torch.compile's defaults (Inductor)
+    model = s.model(Net(), compile={"mode": "max-autotune"})   # any torch.compile keyword arguments
+
+The order: ddpkit compiles your module and then wraps it in DDP (`DDP(torch.compile(net))`), the order
+of torch's "where to apply torch.compile" guidance. Measured on 2 CPU ranks (benchmarks/compile_orders.py,
+docs/performance.md "torch.compile"), the other orders bring nothing here and cost more:
+- compiling outside DDP (`torch.compile(DDP(net))`) lets TorchDynamo's DDPOptimizer split the graph at
+  bucket boundaries so that the all-reduce of a bucket can overlap the backward of the next. The
+  compiled graphs are the same kernels; the steady step was no faster on gloo (the all-reduce is a CPU
+  copy that competes with the backward for the same cores, so there is little to overlap), it compiles
+  one graph per bucket, and its guards cover DDP's Python state (no_sync recompiles).
+- compiled autograd with DDP's python reducer (`optimize_ddp="python_reducer"`) traces the backward
+  and the all-reduces into one graph; it is the newest path, changes process-wide Dynamo config (not
+  ours to leave changed), and is no faster on CPU ranks (measured).
+Inner compilation keeps DDP's own reducer in eager Python, so everything that talks to DDP works
+unchanged: `s.accumulate` (no_sync), communication hooks, `s.join`, static_graph, the sharded step.
+
+Compile once per machine, not once per rank and run: before the first compilation ddpkit points
+Inductor's caches (FX graph cache, AOTAutograd cache, the compiled C++ kernels) at one directory shared
+by the job's ranks and kept between runs: `$TORCHINDUCTOR_CACHE_DIR` when you set it, else
+`~/.cache/ddpkit/inductor` (`$XDG_CACHE_HOME` respected). torch keys every entry by the graph, the torch
+version and the machine, so a stale entry is never used; a warm cache turns the first step's
+compilation into loading (measured in docs/performance.md). The variable is set in this process only,
+the same variable torch itself sets (to /tmp/torchinductor_<user>) the first time it compiles.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.errors import problem
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """What `s.model(..., compile=...)` asked for: the keyword arguments passed to `torch.compile`."""
+
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        accepted = set(inspect.signature(torch.compile).parameters) - {"model"}
+        unknown = sorted(set(self.kwargs) - accepted)
+        if unknown:
+            raise problem(
+                f"compile={dict(self.kwargs)!r} has keys torch.compile does not take: {unknown}",
+                f"Use keyword arguments of torch.compile ({', '.join(sorted(accepted))}), or compile=True",
+            )
+
+    @classmethod
+    def parse(cls, value: bool | Mapping[str, Any] | None) -> CompileOptions | None:
+        """None for compile=False/None; the options for True or a dict of torch.compile arguments."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, Mapping):
+            return cls(dict(value))
+        raise problem(
+            f"compile={value!r} is neither True/False nor a dict of torch.compile arguments",
+            'Pass compile=True, or e.g. compile={"mode": "max-autotune"}',
+        )
+
+    def describe(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        return f"torch.compile({args or 'defaults'})"
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where Inductor's caches go: `$TORCHINDUCTOR_CACHE_DIR` if set, else ~/.cache/ddpkit/inductor."""
+    env = os.environ if env is None else env
+    if env.get(CACHE_ENV):
+        return Path(env[CACHE_ENV])
+    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "ddpkit" / "inductor"
+
+
+def set_up_cache() -> str:
+    """Point this process's Inductor caches at the shared directory (before the first compilation)."""
+    path = cache_dir()
+    chosen = "yours" if os.environ.get(CACHE_ENV) else "shared by the job's ranks, kept between runs"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"Inductor cache: {path} is not writable ({err}); torch's default used"
+    os.environ[CACHE_ENV] = str(path)
+    return f"Inductor cache {path} ({chosen})"
+
+
+def already_compiled(module: nn.Module) -> bool:
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def apply(
+    module: nn.Module,
+    options: CompileOptions,
+    wrap: Callable[[nn.Module], tuple[nn.Module, list[str]]],
+    *,
+    distributed: bool,
+) -> tuple[nn.Module, list[str]]:
+    """Compile `module`, then `wrap` it (to the device, DDP when distributed); return it and notes.
+
+    `wrap` is what `s.model` does without compile (ddpkit.wrap.wrap_model with the user's options).
+    """
+    if already_compiled(module):
+        model, notes = wrap(module)
+        return model, [*notes, "compile: the module is already compiled (torch.compile); kept as it is"]
+    cache = set_up_cache()
+    compiled = torch.compile(module, **options.kwargs)
+    model, notes = wrap(compiled)
+    where = "then wrapped in DDP (DDP(torch.compile(module)))" if distributed else "(one process: no DDP)"
+    return model, [*notes, f"compile: {options.describe()} on the module, {where}; {cache}"]
