@@ -11,7 +11,9 @@ Each mode runs in fresh processes (`ddpkit.spawn`, so nothing compiled in one mo
   graph at bucket boundaries;
 - ca: outer, with compiled autograd and DDP's python reducer (`optimize_ddp="python_reducer"`).
 `--cache cold` gives every run an empty Inductor cache directory; `warm` fills it with one run first
-and then times a second run against it. First step: the wall time of the first forward, backward and
+and then times a second run against it; `keep` uses one directory for every mode and invocation
+(repeat the modes for interleaved rounds of steady steps: `--modes eager,inner,outer,eager,...`).
+First step: the wall time of the first forward, backward and
 optimizer step (compilation included) on global rank 0; steady step: the median of the next `--steps`
 steps and their spread (max - min) / median. Prints one JSON line per mode (the load next to it).
 """
@@ -69,8 +71,9 @@ def body(spec: str, mode: str, steps: int) -> dict:
 
 
 def run(spec: str, mode: str, steps: int, nproc: int, cache: str) -> dict:
+    keep = os.path.join(tempfile.gettempdir(), "ddpkit-bench-inductor")  # --cache keep: shared by modes
     with tempfile.TemporaryDirectory(prefix="ddpkit-inductor-") as tmp:
-        env = {"TORCHINDUCTOR_CACHE_DIR": tmp}
+        env = {"TORCHINDUCTOR_CACHE_DIR": keep if cache == "keep" else tmp}
         if cache == "warm" and mode != "eager":
             ddpkit.spawn(body, nproc=nproc, args=(spec, mode, 1), threads=1, env=env, timeout=1200)
         before = os.getloadavg()[0]
@@ -93,7 +96,7 @@ def main() -> None:
     p.add_argument("--modes", default="eager,inner,outer")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--cache", choices=("cold", "warm"), default="cold")
+    p.add_argument("--cache", choices=("cold", "warm", "keep"), default="cold")
     ns = p.parse_args()
     for mode in ns.modes.split(","):
         print(json.dumps(run(ns.workload, mode, ns.steps, ns.nproc, ns.cache)), flush=True)

@@ -65,11 +65,11 @@ def save_train_resume(order: str, root: str, resume_order: str, env: dict | None
     with ddpkit.session(seed=0, verbose=False, env=env, hardware=HW if env is not None else None) as s:
         model = build(s, order)
         train(s, model)
-        s.save(root, model=model)
+        path = s.save(root, model=model)
         saved = {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()}
         fresh = build(s, resume_order)
         s.load(root, model=fresh)
-        with safe_open(str(Path(root) / "ckpt-000000" / "model.safetensors"), "pt") as f:
+        with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
             keys = sorted(f.keys())
         resumed = ddpkit.unwrap(fresh).state_dict()
         return {
