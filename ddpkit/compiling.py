@@ -4,18 +4,21 @@
     model = s.model(Net(), compile={"mode": "max-autotune"})   # any torch.compile keyword arguments
 
 The order: ddpkit compiles your module and then wraps it in DDP (`DDP(torch.compile(net))`), the order
-of torch's "where to apply torch.compile" guidance. Measured on 2 CPU ranks (benchmarks/compile_orders.py,
-docs/performance.md "torch.compile"), the other orders bring nothing here and cost more:
+of torch's "where to apply torch.compile" guidance. Measured on 2 CPU ranks in interleaved rounds
+(benchmarks/compile_orders.py; docs/performance.md, "torch.compile"), with the same losses in every order:
 - compiling outside DDP (`torch.compile(DDP(net))`) lets TorchDynamo's DDPOptimizer split the graph at
-  bucket boundaries so that the all-reduce of a bucket can overlap the backward of the next. The
-  compiled graphs are the same kernels; the steady step was no faster on gloo (the all-reduce is a CPU
-  copy that competes with the backward for the same cores, so there is little to overlap), it compiles
-  one graph per bucket, and its guards cover DDP's Python state (no_sync recompiles).
+  bucket boundaries so that a bucket's all-reduce can overlap the backward of the next. On gloo it was
+  slower on the cnn in every round (13.8 vs 12.0 ms) and on gpt within the noise (471-744 vs 580-635
+  ms): the CPU all-reduce competes with the backward for the same cores, so there is little to overlap.
+  It also compiles one graph per bucket and guards on DDP's Python state.
 - compiled autograd with DDP's python reducer (`optimize_ddp="python_reducer"`) traces the backward
-  and the all-reduces into one graph; it is the newest path, changes process-wide Dynamo config (not
-  ours to leave changed), and is no faster on CPU ranks (measured).
-Inner compilation keeps DDP's own reducer in eager Python, so everything that talks to DDP works
-unchanged: `s.accumulate` (no_sync), communication hooks, `s.join`, static_graph, the sharded step.
+  and the all-reduces into one graph: it ran on gloo but was the slowest (cnn 29 vs 19 ms), and it
+  needs process-wide Dynamo settings that are not ddpkit's to leave changed.
+Inner compilation returns a plain `DistributedDataParallel` whose reducer runs in eager Python, so
+everything that talks to DDP works unchanged: `s.accumulate` (no_sync), communication hooks, `s.join`,
+static_graph, the sharded step, `ddpkit trace`. ddpkit's CPU SyncBatchNorm works too; Dynamo breaks the
+graph at its all-reduce (compiled in pieces, the same statistics). On these CPU ranks compile itself did
+not pay (cnn 16 % slower, mlp and gpt equal within the spread); on a GPU it usually does.
 
 Compile once per machine, not once per rank and run: before the first compilation ddpkit points
 Inductor's caches (FX graph cache, AOTAutograd cache, the compiled C++ kernels) at one directory shared
@@ -119,5 +122,5 @@ def apply(
     cache = set_up_cache()
     compiled = torch.compile(module, **options.kwargs)
     model, notes = wrap(compiled)
-    where = "then wrapped in DDP (DDP(torch.compile(module)))" if distributed else "(one process: no DDP)"
-    return model, [*notes, f"compile: {options.describe()} on the module, {where}; {cache}"]
+    where = ", then wrapped in DDP (DDP(torch.compile(module)))" if distributed else " (one process: no DDP)"
+    return model, [*notes, f"compile: {options.describe()} on the module{where}; {cache}"]
