@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, run_cli
 from safetensors import safe_open
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -146,13 +147,20 @@ def test_compile_options_are_checked_and_the_cache_directory_is_shared(
     assert (tmp_path / "ddpkit" / "inductor").is_dir()
 
 
-def test_verify_compile_matches_one_eager_process(pool2) -> None:
-    def data() -> TensorDataset:
-        g = torch.Generator().manual_seed(0)
-        return TensorDataset(torch.randn(128, 8, generator=g), torch.randint(0, 4, (128,), generator=g))
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(128, 8, generator=g), torch.randint(0, 4, (128,), generator=g))
 
+
+def test_verify_compile_matches_one_eager_process(pool2) -> None:
     spec = VerifySpec(
-        model=net, data=data(), optimizer="adamw", steps=4, batch_size=16, compile=True, floor=("permuted",)
+        model=net,
+        data=dataset(),
+        optimizer="adamw",
+        steps=4,
+        batch_size=16,
+        compile=True,
+        floor=("permuted",),
     )
     report = verify(spec, runner=functools.partial(pool2.run, timeout=180))
     assert report.passed, report.render()
@@ -161,3 +169,11 @@ def test_verify_compile_matches_one_eager_process(pool2) -> None:
 def test_bench_tune_offers_compile() -> None:
     configs = tune.candidates(2, 2)
     assert any(c.compile for c in configs)
+
+
+def test_verify_compile_flag_on_the_command_line() -> None:
+    args = ["--model", "test_compile:net", "--data", "test_compile:dataset", "--optimizer", "adamw"]
+    args += ["--steps", "3", "--batch-size", "16", "--floor", "permuted", "--compile", "--json", "-"]
+    out = run_cli("verify", *args, cwd=REPO / "tests", timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert '"compile": true' in out.stdout
