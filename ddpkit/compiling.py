@@ -120,7 +120,21 @@ def apply(
         model, notes = wrap(module)
         return model, [*notes, "compile: the module is already compiled (torch.compile); kept as it is"]
     cache = set_up_cache()
-    compiled = torch.compile(module, **options.kwargs)
+    kwargs, scalar = _honour_aten_capability(dict(options.kwargs))
+    compiled = torch.compile(module, **kwargs)
     model, notes = wrap(compiled)
+    if scalar:
+        notes.append("compile: ATEN_CPU_CAPABILITY=default: scalar Inductor C++ kernels (cpp.simdlen=1)")
     where = ", then wrapped in DDP (DDP(torch.compile(module)))" if distributed else " (one process: no DDP)"
     return model, [*notes, f"compile: {options.describe()} on the module{where}; {cache}"]
+
+
+def _honour_aten_capability(kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """ATEN_CPU_CAPABILITY=default: scalar Inductor kernels. torch 2.13 still emits `at::vec` code then,
+    which fails to compile ("'at::vec' has not been declared"); simdlen=1 is what the variable asks for."""
+    if os.environ.get("ATEN_CPU_CAPABILITY") != "default" or "mode" in kwargs:
+        return kwargs, False
+    extra = dict(kwargs.get("options") or {})
+    if "cpp.simdlen" in extra:
+        return kwargs, False
+    return {**kwargs, "options": {**extra, "cpp.simdlen": 1}}, True
