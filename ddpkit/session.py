@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddpkit import collectives, cpu_allocator, lifecycle, topology
+from ddpkit import collectives, compiling, cpu_allocator, lifecycle, topology
 from ddpkit import strategy as strategies
 from ddpkit.data import ShardedLoader, make_loader, plan_batch
 from ddpkit.errors import problem
@@ -266,6 +266,7 @@ class Session:
         broadcast_buffers: bool = True,
         comm_hook: str | None = None,
         comm_hook_options: Mapping[str, Any] | None = None,
+        compile: bool | Mapping[str, Any] = False,
     ) -> nn.Module:
         """Move `module` to the device and prepare it for data-parallel training.
 
@@ -276,6 +277,8 @@ class Session:
         the returned model's parameters, after this call. DDP only: `sync_batchnorm=True` computes
         BatchNorm statistics over the global batch (CPU too); `comm_hook` names a gradient compression
         ("fp16", "bf16", "powersgd"; see `ddpkit.comm_hooks`) with `comm_hook_options` for it.
+        `compile=True` (or a dict of torch.compile arguments) compiles the module, then wraps it
+        (see `ddpkit.compiling`).
         """
         options = DDPOptions(
             find_unused_parameters=find_unused_parameters,
@@ -299,7 +302,21 @@ class Session:
                 f"{chosen.name!r} was asked for",
                 "Use one strategy per session (pass strategy= to ddpkit.session)",
             )
-        model = chosen.wrap(module, self.device)
+        compiler = compiling.CompileOptions.parse(compile)
+        if compiler is None:
+            model = chosen.wrap(module, self.device)
+        elif chosen.name == "fsdp":
+            raise problem(
+                "compile=... is not supported with strategy='fsdp' yet (ddpkit compiles before wrapping, "
+                "and FSDP2 must shard the plain module)",
+                "Drop compile=, or compile after sharding yourself: torch.compile(s.model(net, "
+                "strategy='fsdp'))",
+            )
+        else:
+            model, notes = compiling.apply(
+                module, compiler, lambda m: (chosen.wrap(m, self.device), []), distributed=self.distributed
+            )
+            chosen.notes.extend(notes)
         if self._stepper.shard is True and not chosen.allows_sharded_step and self.distributed:
             chosen.notes.append(f"shard_optimizer=True has no effect with strategy={chosen.name!r}: the "
                                 "optimizer state is already sharded")  # fmt: skip

@@ -120,8 +120,15 @@ _DEFAULTS = DDPOptions().ddp_kwargs()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DDP wrapper (or the model itself): state_dict keys without `module.`."""
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    compiled = getattr(model, "_orig_mod", None)  # torch.compile wrapper
-    return compiled if isinstance(compiled, nn.Module) else model
+    """The user's module inside any nesting of DDP and torch.compile wrappers: keys without `module.`.
+
+    Both orders users write are covered: `DDP(torch.compile(net))` (compile inside, torch's guidance
+    and `s.model(net, compile=True)`) and `torch.compile(DDP(net))` (compile outside).
+    """
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model

@@ -44,6 +44,7 @@ class Config:
     fused: bool = False  # the user's optimizer class with fused=True (one kernel per step, same math)
     cpu_allocator: bool = False  # ddpkit's CPU allocator settings (ddpkit.cpu_allocator); False: glibc's
     shard: bool = False  # ddpkit.sharding: each rank steps its share of the parameters, then publishes
+    compile: bool = False  # s.model(..., compile=True): Inductor; compilation happens in the warm-up steps
 
     @property
     def group_key(self) -> tuple[int, int, bool]:
@@ -63,6 +64,8 @@ class Config:
                 parts.append("ZeRO optimizer")
             if self.shard:
                 parts.append("sharded step")
+        if self.compile:
+            parts.append("torch.compile")
         if self.fused:
             parts.append("optimizer fused=True")
         parts.append("memory kept (ddpkit)" if self.cpu_allocator else "glibc malloc")
@@ -78,6 +81,7 @@ def _build(workload: Any, cfg: Config, s: Any) -> tuple[torch.nn.Module, Any]:
         static_graph=cfg.static_graph,
         comm_hook=None if cfg.hook == "allreduce" or s.world_size == 1 else cfg.hook,
         comm_hook_options=cfg.hook_options or None,
+        compile=cfg.compile,
     )
     opt = workload.optimizer(model.parameters())
     if cfg.fused:

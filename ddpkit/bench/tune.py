@@ -9,6 +9,8 @@ Tried, each against hand-written DDP with torch's defaults (the baseline, ratio 
   and 100 MB, static graph;
 - communication hooks: "shm" (exact shared-memory all-reduce, same machine only) and the lossy fp16 /
   bf16 compressions (listed, never recommended unless --allow-lossy);
+- torch.compile (`s.model(net, compile=True)`; compiled in the warm-up steps, from Inductor's cache after
+  the first round; see `ddpkit.compiling`);
 - torch's ZeroRedundancyOptimizer (each rank updates 1/N of the parameters, then broadcasts them);
 - one process using every core (no DDP at all): on a small CPU machine often the fastest, because
   processes x threads must not exceed the cores and a CPU all-reduce competes with compute for them;
@@ -47,6 +49,7 @@ def candidates(nproc: int, cores: int, *, quick: bool = False, fused: bool = Fal
             ddp("bucket 5 MB", bucket_cap_mb=5, shard=True),
             ddp("bucket 100 MB", bucket_cap_mb=100, shard=True),
             ddp("static graph", static_graph=True, shard=True),
+            ddp("ddpkit defaults + torch.compile", compile=True, shard=True),
             ddp("ZeRO optimizer", zero=True),
             ddp("shm hook + ZeRO", hook="shm", zero=True),
             ddp("fp16 compression", hook="fp16", shard=True),
@@ -128,6 +131,8 @@ def _how_to(cfg: Config) -> str:
         opts.append(f'comm_hook="{cfg.hook}"')
     if not cfg.gradient_as_bucket_view:
         opts.append("gradient_as_bucket_view=False")
+    if cfg.compile:
+        opts.append("compile=True")
     how = f"how: s.model(net{', ' if opts else ''}{', '.join(opts)}) with `ddpkit run --nproc {cfg.nproc}`"
     if not cfg.shard and not cfg.zero:
         how += "; ddpkit.session(shard_optimizer=False)"

@@ -21,9 +21,13 @@ from ddpkit.wrap import DDPOptions, wrap_model
 
 
 def ddp_of(model: nn.Module) -> DistributedDataParallel | None:
-    """The DDP wrapper of `model` (also under torch.compile), or None."""
-    inner = getattr(model, "_orig_mod", model)  # torch.compile wrapper
-    return inner if isinstance(inner, DistributedDataParallel) else None
+    """The DDP wrapper of `model` (also under any number of torch.compile wrappers), or None."""
+    while not isinstance(model, DistributedDataParallel):
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
+    return model
 
 
 class DDP(Strategy):

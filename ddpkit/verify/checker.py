@@ -183,5 +183,6 @@ def _config(spec: VerifySpec) -> dict[str, Any]:
         "device": spec.device,
         "sync_batchnorm": spec.sync_batchnorm,
         "find_unused_parameters": spec.find_unused_parameters,
+        "compile": spec.compile,
         "floor": list(spec.floor),
     }

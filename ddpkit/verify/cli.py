@@ -4,6 +4,7 @@
     ddpkit verify --model nets:make_net --data data:train --optimizer adamw --lr 3e-4 --steps 20
     ddpkit verify --model nets:make_net --batches data:batch_of_step --loss mse --json report.json
     ddpkit verify ... --sync-batchnorm            # check the fix the diagnosis suggests
+    ddpkit verify ... --compile                   # DDP + torch.compile against one eager process
 
 `module:function` references are imported from the current folder (or PYTHONPATH) in every process.
 Exit status: 0 when DDP matches, 1 when it does not (the report says why), 2 for a usage error.
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-batchnorm", action="store_true", help="s.model(..., sync_batchnorm=True)")
     p.add_argument("--find-unused-parameters", action="store_true")
     p.add_argument("--static-graph", action="store_true")
+    p.add_argument("--compile", action="store_true", help="DDP side: s.model(..., compile=True)")
     p.add_argument("--after-wrap", default=None, help="module:function(module, session) run after s.model")
     p.add_argument(
         "--floor",
@@ -85,6 +87,7 @@ def spec_from_args(ns: argparse.Namespace) -> VerifySpec:
         find_unused_parameters=ns.find_unused_parameters,
         static_graph=ns.static_graph,
         strategy=ns.strategy,
+        compile=ns.compile,
         after_wrap=ns.after_wrap,
         floor=tuple(v.strip() for v in ns.floor.split(",") if v.strip()),
         tolerance=Tolerance(floor_multiple=ns.floor_multiple, eps_multiple=ns.eps_multiple),

@@ -249,6 +249,8 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
         "find_unused_parameters": spec.find_unused_parameters,
         "static_graph": spec.static_graph,
     }
+    if spec.strategy == "ddp":
+        ddp_options["compile"] = spec.compile and world > 1  # DDP + compile against one eager process
     model = s.model(module, strategy=spec.strategy, **(ddp_options if spec.strategy == "ddp" else {}))
     net = ddpkit.unwrap(model)
     sharded = s.strategy.shards_state  # FSDP: gather whole tensors on every rank before comparing

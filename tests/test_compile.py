@@ -1,0 +1,179 @@
+"""torch.compile with ddpkit: both user orders give clean checkpoints, `s.model(compile=True)` trains like
+eager DDP, the Inductor cache directory, and `verify --compile`.
+
+Compiling is slow on a small machine, so one tiny model (the same graph everywhere, so Inductor's cache
+serves every test after the first compilation) and, where only the wrappers matter (unwrap, checkpoint
+keys, no_sync), torch.compile's "aot_eager" backend: Dynamo and AOTAutograd, no C++ compiler.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, run_cli
+from safetensors import safe_open
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+from ddpkit import compiling
+from ddpkit.bench import tune
+from ddpkit.errors import DdpkitError
+from ddpkit.verify import VerifySpec, verify
+
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
+
+HW = ddpkit.Hardware(gpus=0, cpu_cores=2)
+FAST = {"backend": "aot_eager"}  # the wrappers and autograd of torch.compile, without Inductor's C++
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def batches(rank: int, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(rank)
+    return [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
+
+
+def build(s: ddpkit.Session, order: str) -> nn.Module:
+    """The model as each way of writing it builds it."""
+    if order == "compile-inside":  # torch's guidance: compile the module, then wrap it
+        return s.model(torch.compile(net(), **FAST))
+    if order == "compile-outside":  # compile whatever s.model returned (DDP at world > 1)
+        return torch.compile(s.model(net()), **FAST)
+    if order == "option":
+        return s.model(net(), compile=FAST)
+    if order == "inductor":
+        return s.model(net(), compile=True)
+    return s.model(net())
+
+
+def train(s: ddpkit.Session, model: nn.Module, steps: int = 4, **step: object) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for x, y in batches(s.rank, steps):
+        with s.accumulate(model):
+            s.backward(nn.functional.cross_entropy(model(x), y))
+        s.step(opt, **step)
+
+
+def save_train_resume(order: str, root: str, resume_order: str, env: dict | None = None) -> dict:
+    with ddpkit.session(seed=0, verbose=False, env=env, hardware=HW if env is not None else None) as s:
+        model = build(s, order)
+        train(s, model)
+        path = s.save(root, model=model)
+        saved = {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()}
+        fresh = build(s, resume_order)
+        s.load(root, model=fresh)
+        with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+            keys = sorted(f.keys())
+        resumed = ddpkit.unwrap(fresh).state_dict()
+        return {
+            "keys": keys,
+            "wrappers": [type(model).__name__, type(ddpkit.unwrap(model)).__name__],
+            "resumed_equal": all(torch.equal(saved[k], resumed[k]) for k in saved),
+            "forward": fresh(batches(0, 1)[0][0]).detach(),
+        }
+
+
+CLEAN = ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+@pytest.mark.parametrize(("order", "resume"), [("compile-inside", "plain"), ("compile-outside", "option")])
+def test_both_orders_save_clean_keys_and_resume_at_world_1(order: str, resume: str, tmp_path: Path) -> None:
+    out = save_train_resume(order, str(tmp_path), resume, env={})
+    assert out["keys"] == CLEAN and out["wrappers"] == ["OptimizedModule", "Sequential"]
+    assert out["resumed_equal"]
+
+
+@pytest.mark.parametrize(("order", "resume"), [("compile-inside", "option"), ("compile-outside", "plain")])
+def test_both_orders_save_clean_keys_and_resume_at_world_2(order: str, resume: str, tmp_path, pool2) -> None:
+    ranks = pool2.run(save_train_resume, order, str(tmp_path), resume, timeout=120)
+    outer = "OptimizedModule" if order == "compile-outside" else "DistributedDataParallel"
+    for out in ranks:
+        assert out["keys"] == CLEAN and out["wrappers"] == [outer, "Sequential"]
+        assert out["resumed_equal"]
+    assert torch.equal(ranks[0]["forward"], ranks[1]["forward"])  # replicas: identical by construction
+
+
+def final_weights(order: str, accumulation: int, hook: str | None) -> dict:
+    with ddpkit.session(seed=0, accumulation=accumulation, verbose=order == "inductor") as s:
+        model = build(s, order) if hook is None else s.model(net(), comm_hook=hook, compile=True)
+        with s.join(model):  # the compiled model's DDP is found for torch's Join too
+            train(s, model, steps=2 * accumulation, max_norm=0.5)
+        return {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()}
+
+
+def test_compile_option_trains_like_eager_ddp_with_accumulation_clipping_and_hooks(pool2) -> None:
+    eager = pool2.run(final_weights, "plain", 2, None)[0]
+    compiled = pool2.run(final_weights, "inductor", 2, None, timeout=180)
+    outside = pool2.run(final_weights, "compile-outside", 2, None, timeout=120)[0]
+    shm = pool2.run(final_weights, "inductor", 1, "shm", timeout=120)[0]
+    shm_eager = pool2.run(final_weights, "plain", 1, None)[0]
+    assert all(torch.equal(compiled[0][k], compiled[1][k]) for k in eager)  # replicas identical
+    for got, want in ((compiled[0], eager), (outside, eager), (shm, shm_eager)):
+        for k in want:  # Inductor's fused kernels round differently from eager's: a tolerance, not bits
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+
+
+def test_unwrap_returns_the_module_through_nested_compile_wrappers() -> None:
+    module = net()
+    assert ddpkit.unwrap(torch.compile(module, **FAST)) is module
+    assert ddpkit.unwrap(module) is module
+
+
+def test_compile_options_are_checked_and_the_cache_directory_is_shared(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    with pytest.raises(DdpkitError, match=r"keys torch.compile does not take: \['bogus'\]"):
+        compiling.CompileOptions.parse({"bogus": 1})
+    with pytest.raises(DdpkitError, match="neither True/False nor a dict"):
+        compiling.CompileOptions.parse("yes")  # type: ignore[arg-type]
+    assert compiling.CompileOptions.parse(False) is None
+    assert compiling.cache_dir({"XDG_CACHE_HOME": "/c"}) == Path("/c/ddpkit/inductor")
+    assert compiling.cache_dir({"TORCHINDUCTOR_CACHE_DIR": "/mine", "XDG_CACHE_HOME": "/c"}) == Path("/mine")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with ddpkit.session(env={}, hardware=HW) as s:
+        s.model(net(), compile=FAST)
+    said = "compile: torch.compile(backend='aot_eager') on the module (one process: no DDP); Inductor cache"
+    assert said in capsys.readouterr().out
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "ddpkit" / "inductor")
+    assert (tmp_path / "ddpkit" / "inductor").is_dir()
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(128, 8, generator=g), torch.randint(0, 4, (128,), generator=g))
+
+
+def test_verify_compile_matches_one_eager_process(pool2) -> None:
+    spec = VerifySpec(
+        model=net,
+        data=dataset(),
+        optimizer="adamw",
+        steps=4,
+        batch_size=16,
+        compile=True,
+        floor=("permuted",),
+    )
+    report = verify(spec, runner=functools.partial(pool2.run, timeout=180))
+    assert report.passed, report.render()
+
+
+def test_bench_tune_offers_compile() -> None:
+    configs = tune.candidates(2, 2)
+    assert any(c.compile for c in configs)
+
+
+def test_verify_compile_flag_on_the_command_line() -> None:
+    args = ["--model", "test_compile:net", "--data", "test_compile:dataset", "--optimizer", "adamw"]
+    args += ["--steps", "3", "--batch-size", "16", "--floor", "permuted", "--compile", "--json", "-"]
+    out = run_cli("verify", *args, cwd=REPO / "tests", timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert '"compile": true' in out.stdout
