@@ -82,7 +82,9 @@ def test_tune_small_run(tmp_path, capsys) -> None:
                      "--json", str(tmp_path / "tune.json")]) == 0
     out = capsys.readouterr().out
     assert "recommendation:" in out and "speed-up" in out
-    assert json.loads((tmp_path / "tune.json").read_text())["recommendation"]["speedup"] > 0
+    assert "memory: model state" in out and "DDP fits; FSDP not needed" in out  # the cnn is tiny
+    data = json.loads((tmp_path / "tune.json").read_text())
+    assert data["recommendation"]["speedup"] > 0 and data["memory"]["fsdp"] is False
 
 
 def test_scaling_small_run(tmp_path) -> None:

@@ -15,8 +15,9 @@ Tried, each against hand-written DDP with torch's defaults (the baseline, ratio 
 - one process using every core (no DDP at all): on a small CPU machine often the fastest, because
   processes x threads must not exceed the cores and a CPU all-reduce competes with compute for them;
 - with --fused, the user's optimizer built with fused=True (reported apart: it changes the user's code).
-The recommendation is the configuration with the lowest median step time among the exact ones, with
-its gain and the spread that qualifies it.
+Then one line on memory: whether the replicated model state fits this machine's memory per rank, or
+FSDP (`strategy="fsdp"`) is needed (`ddpkit.strategy.choice`). The recommendation is the configuration
+with the lowest median step time among the exact ones, with its gain and the spread that qualifies it.
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import torch
+from torch import nn
+
+from ddpkit import workloads
 from ddpkit.bench import report
 from ddpkit.bench.runner import LOSSY_HOOKS, Config, Stats, measure
+from ddpkit.strategy import choice
 
 
 def candidates(nproc: int, cores: int, *, quick: bool = False, fused: bool = False) -> list[Config]:
@@ -106,6 +112,8 @@ def run(ns: argparse.Namespace) -> int:
         gain_fused = base / stats[top.label].median
         print(f"beyond ddpkit's options: {top.label} -- {gain_fused:.2f}x (construct your optimizer with "
               "fused=True: one kernel per tensor, the same update up to float rounding)")
+    memory = memory_verdict(ns.workload, nproc)
+    print(f"memory: {memory.text}")
     note = report.load_note(before, after, cores, (steal0, steal1))
     if note:
         print(note)
@@ -113,10 +121,20 @@ def run(ns: argparse.Namespace) -> int:
         "workload": ns.workload, "machine": report.machine(), "load_before": before, "load_after": after,
         "configs": [{**c.__dict__, **stats[c.label].as_dict()} for c in configs],
         "recommendation": {"label": best.label, "speedup": gain},
+        "memory": {"model_state_bytes": memory.state_bytes, "device_bytes": memory.device_bytes,
+                   "fsdp": memory.fsdp},
     }
     if ns.json:
         print(f"json: {report.write_json(ns.json, data)}")
     return 0
+
+
+def memory_verdict(workload: str, nproc: int) -> choice.MemoryVerdict:
+    """Whether the workload's replicated model state fits one rank's share of this machine (or FSDP)."""
+    w = workloads.load(workload)
+    optimizer = w.optimizer(nn.Linear(1, 1).parameters())  # the kind of optimizer, for its state size
+    state = choice.model_state_bytes(w.build(), choice.optimizer_slots(optimizer))
+    return choice.verdict(state, choice.device_bytes(torch.device("cpu"), nproc), nproc)
 
 
 def _how_to(cfg: Config) -> str:

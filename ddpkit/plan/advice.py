@@ -13,6 +13,7 @@ from typing import Any
 
 from ddpkit.plan.planner import Planner
 from ddpkit.plan.simulate import Options, Prediction
+from ddpkit.strategy.choice import verdict
 
 HIDDEN_SHARE = 0.05  # communication adding less than this share of the step counts as hidden
 HOOK_COST = {  # measured in tests/test_comm_hooks.py, tabulated in ddpkit/comm_hooks.py
@@ -93,7 +94,7 @@ def advise(
         cap = device_memory_gb * 1e9
         fsdp = planner.predict(n, replace(opts, strategy="fsdp"))
         sharded = state / n + max((b.bytes for b in p.buckets(opts.bucket_cap_mb)), default=0) * 2
-        if state > 0.8 * cap:
+        if verdict(int(state), int(cap), n).fsdp:
             add(
                 f"FSDP: model state {state / 1e9:.1f} GB does not fit {device_memory_gb:g} GB per device "
                 f"(activations not counted); sharded it is {sharded / 1e9:.2f} GB per device",
