@@ -43,15 +43,25 @@ import torch  # noqa: E402
 import ddpkit  # noqa: E402
 from ddpkit import workloads  # noqa: E402
 
+COLD = ("single", "ddp", "ddpkit", "accelerate", "fabric")
 DDP_VARIANTS = ("ddp", "ddpkit", "ddpkit-shm", "ddp-kept", "accelerate", "fabric")
-LABELS = {"single1": "1 process x 1 thr", "single2": "1 process x 2 thr", "ddp": "hand-written DDP",
-          "ddpkit": "ddpkit", "ddpkit-shm": "ddpkit + shm hook", "ddp-kept": "DDP + kept memory",
-          "accelerate": "Accelerate", "fabric": "Fabric"}
+LABELS = {
+    "single1": "1 process x 1 thr",
+    "single2": "1 process x 2 thr",
+    "ddp": "hand-written DDP",
+    "ddpkit": "ddpkit",
+    "ddpkit-shm": "ddpkit + shm hook",
+    "ddp-kept": "DDP + kept memory",
+    "accelerate": "Accelerate",
+    "fabric": "Fabric",
+}
 # (name, processes, threads, variants, ddpkit's allocator settings): one spawn per group and round
-GROUPS = [("peers", 2, 1, ["ddp", "accelerate", "fabric"], False),
-          ("ddpkit", 2, 1, ["ddpkit", "ddpkit-shm", "ddp-kept"], True),
-          ("single1", 1, 1, ["single"], False),
-          ("single2", 1, 2, ["single"], False)]
+GROUPS = [
+    ("peers", 2, 1, ["ddp", "accelerate", "fabric"], False),
+    ("ddpkit", 2, 1, ["ddpkit", "ddpkit-shm", "ddp-kept"], True),
+    ("single1", 1, 1, ["single"], False),
+    ("single2", 1, 2, ["single"], False),
+]
 
 
 def rank_main(spec: str, variants: list[str], block_s: float, warmup: int, kept: bool) -> dict[str, Any]:
@@ -79,8 +89,11 @@ def rank_main(spec: str, variants: list[str], block_s: float, warmup: int, kept:
         start = time.perf_counter()
         for _ in range(steps):
             pw.step(wl, loop)
-        out[variant] = {"step_s": (time.perf_counter() - start) / steps, "world": loop.world,
-                        "threads": torch.get_num_threads()}
+        out[variant] = {
+            "step_s": (time.perf_counter() - start) / steps,
+            "world": loop.world,
+            "threads": torch.get_num_threads(),
+        }
         loop.close()
         del loop
     return out
@@ -89,16 +102,24 @@ def rank_main(spec: str, variants: list[str], block_s: float, warmup: int, kept:
 def warm(spec: str, rounds: int, block_s: float, log: Any) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {k: [] for k in ("single1", "single2", *DDP_VARIANTS)}
     for r in range(rounds):
-        for name, nproc, threads, members, kept in GROUPS[r % 4:] + GROUPS[: r % 4]:
-            variants = members[r % len(members):] + members[: r % len(members)]
+        for name, nproc, threads, members, kept in GROUPS[r % 4 :] + GROUPS[: r % 4]:
+            variants = members[r % len(members) :] + members[: r % len(members)]
             env = {} if kept else {"DDPKIT_CPU_ALLOCATOR": "default"}
-            res = ddpkit.spawn(rank_main, nproc=nproc, args=(spec, variants, block_s, 2, kept),
-                               threads=threads, timeout=1800, env=env)[0]
+            res = ddpkit.spawn(
+                rank_main,
+                nproc=nproc,
+                args=(spec, variants, block_s, 2, kept),
+                threads=threads,
+                timeout=1800,
+                env=env,
+            )[0]
             for variant, m in res.items():
                 key = name if variant == "single" else variant
                 if m["world"] != nproc or m["threads"] != threads:
-                    raise RuntimeError(f"{variant}: world {m['world']} x {m['threads']} threads, "
-                                       f"expected {nproc} x {threads}")
+                    raise RuntimeError(
+                        f"{variant}: world {m['world']} x {m['threads']} threads, "
+                        f"expected {nproc} x {threads}"
+                    )
                 times[key].append(m["step_s"])
         last = ", ".join(f"{k} {v[-1] * 1e3:.1f}" for k, v in times.items())
         log(f"  {spec} round {r + 1}/{rounds} (ms): {last}")
@@ -107,18 +128,42 @@ def warm(spec: str, rounds: int, block_s: float, log: Any) -> dict[str, list[flo
 
 def cold_command(variant: str, spec: str, steps: int) -> list[str]:
     bin_dir = os.path.dirname(sys.executable)
-    script = [os.path.join(HERE, "peers_worker.py"), "--variant", variant, "--workload", spec,
-              "--steps", str(steps)]
+    script = [
+        os.path.join(HERE, "peers_worker.py"),
+        "--variant",
+        variant,
+        "--workload",
+        spec,
+        "--steps",
+        str(steps),
+    ]
     torchrun = [os.path.join(bin_dir, "torchrun"), "--standalone", "--nproc-per-node", "2"]
     return {
         "single": [sys.executable, *script],
         "ddp": [*torchrun, *script],
         "ddpkit": [os.path.join(bin_dir, "ddpkit"), "run", "--nproc", "2", *script],
         "accelerate": [*torchrun, *script],
-        "accelerate-launch": [os.path.join(bin_dir, "accelerate"), "launch", "--cpu", "--num_processes", "2",
-                              *script[:2], "accelerate", *script[3:]],
-        "fabric": [os.path.join(bin_dir, "fabric"), "run", "--accelerator", "cpu", "--strategy", "ddp",
-                   "--devices", "2", *script],
+        "accelerate-launch": [
+            os.path.join(bin_dir, "accelerate"),
+            "launch",
+            "--cpu",
+            "--num_processes",
+            "2",
+            *script[:2],
+            "accelerate",
+            *script[3:],
+        ],
+        "fabric": [
+            os.path.join(bin_dir, "fabric"),
+            "run",
+            "--accelerator",
+            "cpu",
+            "--strategy",
+            "ddp",
+            "--devices",
+            "2",
+            *script,
+        ],
     }[variant]
 
 
@@ -130,8 +175,13 @@ def cold(variant: str, spec: str, steps: int) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1" if variant != "single" else "2"}
     with tempfile.TemporaryDirectory() as out:
         start = time.time()
-        proc = subprocess.run([*cold_command(variant, spec, steps), "--out", out], capture_output=True,
-                              text=True, env=env, timeout=900)
+        proc = subprocess.run(
+            [*cold_command(variant, spec, steps), "--out", out],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=900,
+        )
         ranks = []
         for path in glob.glob(os.path.join(out, "rank*.json")):
             with open(path) as f:
@@ -140,8 +190,20 @@ def cold(variant: str, spec: str, steps: int) -> dict[str, Any]:
         tail = f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         raise RuntimeError(f"{variant} failed ({proc.returncode}):\n{tail}")
     ranks.sort(key=lambda r: r["rank"])
-    return {"ttfs_s": ranks[0]["first_step_done"] - start, "worlds": [r["world"] for r in ranks],
-            "peak_rss_mb": [r["peak_rss_mb"] for r in ranks], "processes": len(ranks)}
+    ph = ranks[0]["phases"]
+    phases = {
+        "launcher": ph["started"] - start,
+        "imports": ph["imported"] - ph["started"],
+        "set_up": ph["set_up"] - ph["data"],
+        "first_step": ranks[0]["first_step_done"] - ph["set_up"],
+    }
+    return {
+        "ttfs_s": ranks[0]["first_step_done"] - start,
+        "worlds": [r["world"] for r in ranks],
+        "peak_rss_mb": [r["peak_rss_mb"] for r in ranks],
+        "processes": len(ranks),
+        "phases": phases,
+    }
 
 
 def ratio(times: dict[str, list[float]], a: str, b: str) -> tuple[float, float, float]:
@@ -160,6 +222,7 @@ def main() -> int:
     p.add_argument("--block-seconds", type=float, default=2.0)
     p.add_argument("--cold-reps", type=int, default=3)
     p.add_argument("--cold-workloads", default=None, help="default: --workloads")
+    p.add_argument("--cold-variants", default=",".join(COLD), help=f"a subset of {','.join(COLD)}")
     p.add_argument("--json", default=None)
     p.add_argument("--skip-warm", action="store_true")
     p.add_argument("--skip-cold", action="store_true")
@@ -179,14 +242,19 @@ def main() -> int:
         save(ns.json, result)
         print_tables(result)
         return 0
-    check = cold("accelerate-launch", "cnn", 1)
-    result["accelerate_launch_processes"] = check["processes"]
-    print(f"`accelerate launch --cpu --num_processes 2` started {check['processes']} process(es), world size "
-          f"{check['worlds']}; Accelerate's cold start is measured under torchrun", flush=True)
+    variants = [v for v in COLD if v in ns.cold_variants.split(",")]
+    if "accelerate" in variants:
+        check = cold("accelerate-launch", "cnn", 1)
+        result["accelerate_launch_processes"] = check["processes"]
+        print(
+            f"`accelerate launch --cpu --num_processes 2` started {check['processes']} process(es), world "
+            f"size {check['worlds']}; Accelerate's cold start is measured under torchrun",
+            flush=True,
+        )
     for spec in (ns.cold_workloads or ns.workloads).split(","):
-        runs: dict[str, list[dict]] = {v: [] for v in ("single", "ddp", "ddpkit", "accelerate", "fabric")}
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
         for rep in range(ns.cold_reps):
-            order = list(runs)[rep % 5:] + list(runs)[: rep % 5]
+            order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
             for variant in order:
                 r = cold(variant, spec, 3)
                 want = 1 if variant == "single" else 2
@@ -195,8 +263,11 @@ def main() -> int:
                 runs[variant].append(r)
         result["cold"][spec] = runs
         save(ns.json, result)
-        print(f"  cold {spec}: " + ", ".join(f"{v} {statistics.median(x['ttfs_s'] for x in rs):.2f} s"
-                                               for v, rs in runs.items()), flush=True)
+        print(
+            f"  cold {spec}: "
+            + ", ".join(f"{v} {statistics.median(x['ttfs_s'] for x in rs):.2f} s" for v, rs in runs.items()),
+            flush=True,
+        )
     result["load_end"] = os.getloadavg()
     save(ns.json, result)
     print_tables(result)
@@ -224,28 +295,63 @@ def print_tables(result: dict[str, Any]) -> None:
     print(table(["workload"] + [LABELS[k] for k in keys], rows))
     rows = []
     for spec, t in result["warm"].items():
-        rows.append([spec, fmt_ratio(ratio(t, "ddpkit", "ddp")), fmt_ratio(ratio(t, "ddpkit", "accelerate")),
-                     fmt_ratio(ratio(t, "ddpkit", "fabric")), fmt_ratio(ratio(t, "ddpkit-shm", "ddp")),
-                     fmt_ratio(ratio(t, "ddpkit", "ddp-kept"))])
+        rows.append(
+            [
+                spec,
+                fmt_ratio(ratio(t, "ddpkit", "ddp")),
+                fmt_ratio(ratio(t, "ddpkit", "accelerate")),
+                fmt_ratio(ratio(t, "ddpkit", "fabric")),
+                fmt_ratio(ratio(t, "ddpkit-shm", "ddp")),
+                fmt_ratio(ratio(t, "ddpkit", "ddp-kept")),
+            ]
+        )
     print("\nstep-time ratios, per round, median [min, max] (below 1: the first is faster)")
-    print(table(["workload", "ddpkit / DDP", "ddpkit / Accelerate", "ddpkit / Fabric", "ddpkit+shm / DDP",
-                 "ddpkit / (DDP + kept memory)"], rows))
-    rows = []
+    print(
+        table(
+            [
+                "workload",
+                "ddpkit / DDP",
+                "ddpkit / Accelerate",
+                "ddpkit / Fabric",
+                "ddpkit+shm / DDP",
+                "ddpkit / (DDP + kept memory)",
+            ],
+            rows,
+        )
+    )
+    cold_labels = {
+        "single": "python (1 proc)",
+        "ddp": "torchrun + DDP",
+        "ddpkit": "ddpkit run",
+        "accelerate": "torchrun + Accelerate",
+        "fabric": "fabric run",
+    }
     for spec, runs in result["cold"].items():
-        row: list[Any] = [spec]
-        for v in ("single", "ddp", "ddpkit", "accelerate", "fabric"):
-            ttfs = [r["ttfs_s"] for r in runs[v]]
-            mem = [m for r in runs[v] for m in r["peak_rss_mb"]]
-            row.append(f"{statistics.median(ttfs):.2f} s [{min(ttfs):.2f}, {max(ttfs):.2f}] / "
-                       f"{statistics.median(mem):.0f} MB")
-        rows.append(row)
-    print("\ncold start: time from command to first finished step, median [min, max] / peak RSS per rank")
-    print(table(["workload", "python (1 proc)", "torchrun + DDP", "ddpkit run", "torchrun + Accelerate",
-                 "fabric run"], rows))
+        rows = []
+        for v, rs in runs.items():
+            ttfs = [r["ttfs_s"] for r in rs]
+            mem = [m for r in rs for m in r["peak_rss_mb"]]
+            med = statistics.median(ttfs)
+            row: list[Any] = [cold_labels[v], f"{med:.2f} s [{min(ttfs):.2f}, {max(ttfs):.2f}]"]
+            row.append(f"{statistics.median(mem):.0f} MB [{min(mem):.0f}, {max(mem):.0f}]")
+            for phase in ("launcher", "imports", "set_up", "first_step"):
+                row.append(f"{statistics.median(r['phases'][phase] for r in rs):.2f}")
+            rows.append(row)
+        print(
+            f"\ncold start, {spec}: command to rank 0's first finished step, median [min, max] of "
+            f"{len(rs)}; peak RSS per rank; phases of rank 0 (medians, s)"
+        )
+        print(table(["tool", "first step", "peak RSS", "launcher", "imports", "set-up", "first step"], rows))
     from ddpkit.bench.report import cpu_steal, load_note
 
-    print(load_note(result["load_start"], result["load_end"], len(os.sched_getaffinity(0)),
-                    (result.get("steal_start"), cpu_steal())))
+    print(
+        load_note(
+            result["load_start"],
+            result["load_end"],
+            len(os.sched_getaffinity(0)),
+            (result.get("steal_start"), cpu_steal()),
+        )
+    )
 
 
 def _half_spread(samples: list[float]) -> float:

@@ -33,11 +33,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
+STARTED = time.time()  # the script's first lines: launcher cost = this minus the command's start
 
-from ddpkit import workloads
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+from ddpkit import workloads  # noqa: E402
+
+IMPORTED = time.time()  # torch and the benchmark's own imports (each tool imports its own in make())
 
 VARIANTS = ("single", "ddp", "ddpkit", "ddpkit-shm", "accelerate", "fabric")
 
@@ -76,8 +80,13 @@ def make(variant: str, wl: workloads.Workload, data: Any) -> Loop:
         model = DDP(wl.build())
         sampler = DistributedSampler(data, shuffle=True, seed=0)
         loader = DataLoader(data, batch_size=wl.global_batch // dist.get_world_size(), sampler=sampler)
-        return Loop(model, wl.optimizer(model.parameters()), _forever(loader, sampler), torch.Tensor.backward,
-                    dist.get_world_size())
+        return Loop(
+            model,
+            wl.optimizer(model.parameters()),
+            _forever(loader, sampler),
+            torch.Tensor.backward,
+            dist.get_world_size(),
+        )
     if variant in ("ddpkit", "ddpkit-shm"):
         import ddpkit
 
@@ -86,8 +95,9 @@ def make(variant: str, wl: workloads.Workload, data: Any) -> Loop:
         model = s.model(wl.build(), comm_hook="shm" if variant == "ddpkit-shm" else None)
         loader = s.loader(data, batch_size=wl.global_batch, shuffle=True)
         opt = wl.optimizer(model.parameters())
-        return Loop(model, opt, _forever(loader), s.backward, s.world_size, stack.close,
-                    update=lambda: s.step(opt))  # ddpkit's step: sharded over the ranks on CPU
+        return Loop(
+            model, opt, _forever(loader), s.backward, s.world_size, stack.close, update=lambda: s.step(opt)
+        )  # ddpkit's step: sharded over the ranks on CPU
     if variant == "accelerate":
         from accelerate import Accelerator
 
@@ -132,7 +142,10 @@ def main() -> None:
     p.add_argument("--out", default=None, help="folder for rank<r>.json (default: print a PEERS line)")
     ns = p.parse_args()
     wl = workloads.load(ns.workload)
-    loop = make(ns.variant, wl, wl.dataset(batches=4))
+    data = wl.dataset(batches=4)
+    made_at = time.time()
+    loop = make(ns.variant, wl, data)
+    set_up = time.time()
     times, first_done = [], 0.0
     for i in range(ns.steps):
         start = time.perf_counter()
@@ -141,8 +154,15 @@ def main() -> None:
         if i == 0:
             first_done = time.time()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    report = {"rank": rank, "world": loop.world, "threads": torch.get_num_threads(),
-              "first_step_done": first_done, "step_s": times, "peak_rss_mb": peak_rss_mb()}
+    report = {
+        "rank": rank,
+        "world": loop.world,
+        "threads": torch.get_num_threads(),
+        "first_step_done": first_done,
+        "step_s": times,
+        "phases": {"started": STARTED, "imported": IMPORTED, "data": made_at, "set_up": set_up},
+        "peak_rss_mb": peak_rss_mb(),
+    }
     if ns.out:  # a file per rank: lines printed by several ranks into one pipe can interleave
         with open(os.path.join(ns.out, f"rank{rank}.json"), "w") as f:
             json.dump(report, f)

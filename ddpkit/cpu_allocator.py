@@ -1,21 +1,30 @@
-"""Keep big CPU tensors' memory from step to step instead of faulting it in again every step.
+"""Keep big CPU tensors' memory from step to step, for models big enough to gain from it, and only those.
 
-Why: glibc's malloc serves every block above 32 MiB with a fresh `mmap` and hands it back to the kernel
-on `free`. A model with 64 MB weight matrices therefore page-faults (and the kernel zeroes) every such
-gradient, activation and optimizer temporary again at every step, 4 KB at a time: on the `mlp`
-workload, one process, 1.45 million page faults and 3.3 s of system time in 11 steps. Two settings
-remove most of it:
+Why: glibc's malloc serves every block above 32 MiB (its largest mmap threshold) with a fresh `mmap` and
+hands it back to the kernel on `free`. A model with 64 MB weight matrices therefore page-faults (and the
+kernel zeroes) every such gradient, activation and optimizer temporary again at every step, 4 KB at a
+time: on the `mlp` workload, one process, 1.45 million page faults and 3.3 s of system time in 11 steps.
+Two settings remove most of it:
 
 - malloc keeps freed memory for reuse (`M_MMAP_MAX=0`, `M_TRIM_THRESHOLD=1 GiB`), so a step reuses the
   blocks of the step before;
-- torch backs its blocks of 2 MB and more with transparent huge pages (`THP_MEM_ALLOC_ENABLE=1`, which
-  torch reads at its first large allocation), so the faults that remain map 2 MB each.
+- torch backs its blocks of 2 MB and more with transparent huge pages (`THP_MEM_ALLOC_ENABLE=1`), so
+  the faults that remain map 2 MB each and big matrices need fewer TLB entries.
 
-Measured on `mlp`, one process x 1 thread: 650 ms -> 403 ms per step, peak RSS 1.04-1.11 GB either way
-(docs/performance.md). `ddpkit run` and `ddpkit.spawn` put both in the ranks' environment, which covers
-every allocation from the start; a session on the CPU applies them again at start for plain `torchrun`
-or `python` (allocations made before then keep the old behaviour). Linux with glibc only; elsewhere
-nothing changes. Opt out with DDPKIT_CPU_ALLOCATOR=default.
+Measured on `mlp`, 2 ranks x 1 thread: 722 ms per step with neither, 574 with malloc's alone, 477 with
+both, and less peak memory than plain DDP. But on a model whose tensors are all below 32 MiB (the `gpt`
+workload: 1-16 MB blocks) glibc already reuses its blocks, there is nothing to win, and huge pages cost
+memory: every 2 MB-aligned region that anything touches is faulted in whole (+40-65 MB peak RSS per
+rank, 6-10 %). So the decision is made per model, in `s.model` (`fit_to`):
+
+- a parameter of 32 MiB or more: keep memory (mallopt) and keep the huge pages;
+- otherwise: glibc's own behaviour, and no huge pages for this process from then on
+  (`prctl(PR_SET_THP_DISABLE)`, when the kernel gives them only on request): what plain DDP gets.
+
+torch reads THP_MEM_ALLOC_ENABLE once, at the process's first tensor, long before the model exists, so
+`ddpkit run` puts it in the ranks' environment and a CPU session sets it at start (`prepare`, for plain
+`torchrun` or `python`); the per-model decision then switches huge pages off where they do not pay.
+Linux with glibc only; elsewhere nothing changes. Opt out with DDPKIT_CPU_ALLOCATOR=default.
 """
 
 from __future__ import annotations
@@ -23,14 +32,23 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 OPT_OUT = "DDPKIT_CPU_ALLOCATOR"
+KEEP_FROM_BYTES = 32 << 20  # glibc's largest mmap threshold: blocks this big are mmapped, faulted every step
 _M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
 _M_MMAP_MAX = -4
 _KEEP_BYTES = 1 << 30
+_PR_SET_THP_DISABLE = 41  # <linux/prctl.h>
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
-_applied = False
+# Process-wide settings mirrored here (they outlive sessions by nature, like the process's malloc):
+_applied = False  # mallopt is one-way: applied once
+_thp_off = False  # this module switched huge pages off (and may switch them on again)
 
 
 def _glibc() -> bool:
@@ -44,28 +62,55 @@ def enabled(env: Mapping[str, str] | None = None) -> bool:
 
 
 def rank_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Variables for a rank's environment (read at process start by glibc and torch); user values win."""
+    """Variables for a rank's environment, read by torch at its first tensor; user values win.
+
+    Only huge pages: they must be asked for before any tensor exists. Keeping memory is decided later,
+    per model (`fit_to`), since mallopt works at any time."""
     env = os.environ if env is None else env
-    if not enabled(env):
+    if not enabled(env) or "THP_MEM_ALLOC_ENABLE" in env:
         return {}
-    wanted = {
-        "MALLOC_MMAP_MAX_": "0",
-        "MALLOC_TRIM_THRESHOLD_": str(_KEEP_BYTES),
-        "THP_MEM_ALLOC_ENABLE": "1",
-    }
-    return {k: v for k, v in wanted.items() if k not in env}
+    return {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def prepare() -> None:
+    """At a CPU session's start: ask torch for huge pages (effective if no tensor was made yet)."""
+    if enabled():
+        os.environ.update(rank_env())
+
+
+def worthwhile(tensors: Iterable[torch.Tensor], threshold: int = KEEP_FROM_BYTES) -> bool:
+    """True when some tensor is big enough for glibc to map and unmap it at every step (>= 32 MiB)."""
+    return any(t.numel() * t.element_size() >= threshold for t in tensors)
+
+
+def fit_to(module: torch.nn.Module) -> str:
+    """Decide for the model about to be trained: "kept" (memory kept, huge pages) or "default"
+    (glibc's behaviour, no huge pages from now on) or "off" (opted out / not glibc)."""
+    if not enabled():
+        return "off"
+    global _thp_off
+    if worthwhile(module.parameters()):
+        apply()
+        if _thp_off and _huge_pages(True):
+            _thp_off = False
+        return "kept"
+    if not _applied and os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and _thp_on_request():
+        _thp_off = _huge_pages(False) or _thp_off  # only torch's requests would have given them: stop those
+    return "default"
 
 
 def apply() -> bool:
-    """Apply the settings to this running process (idempotent); True when they are in effect."""
+    """Keep freed memory in this running process from now on (idempotent); True when in effect.
+
+    The environment's values win (glibc read them at start; repeating them changes nothing)."""
     global _applied
     if _applied:
         return True
     if not enabled():
         return False
+    os.environ.update(rank_env())  # for a process that has made no tensor yet
     env = os.environ
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # torch reads it at its first allocation >= 2 MB
-    try:  # the environment's values win (glibc read them at start; repeating them changes nothing)
+    try:
         libc = ctypes.CDLL(None)
         ok = libc.mallopt(_M_MMAP_MAX, int(env.get("MALLOC_MMAP_MAX_", 0))) == 1
         ok = libc.mallopt(_M_TRIM_THRESHOLD, int(env.get("MALLOC_TRIM_THRESHOLD_", _KEEP_BYTES))) == 1 and ok
@@ -73,3 +118,28 @@ def apply() -> bool:
         ok = False
     _applied = ok
     return ok
+
+
+def _thp_on_request() -> bool:
+    """True when the kernel gives huge pages only to memory that asks for them ("madvise" mode)."""
+    try:
+        with open(_THP_MODE) as f:
+            return "[madvise]" in f.read()
+    except OSError:
+        return False
+
+
+def _huge_pages(allowed: bool) -> bool:
+    """Allow or forbid transparent huge pages for this process's new page faults; True if done."""
+    try:
+        return ctypes.CDLL(None).prctl(_PR_SET_THP_DISABLE, 0 if allowed else 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def huge_pages_disabled() -> bool:
+    """Whether this process's huge pages are switched off (PR_GET_THP_DISABLE), for tests and doctor."""
+    try:
+        return ctypes.CDLL(None).prctl(_PR_SET_THP_DISABLE + 1, 0, 0, 0, 0) == 1
+    except (OSError, AttributeError):
+        return False

@@ -9,7 +9,9 @@
 
 What ddpkit adds to torchrun: the process count from the hardware, a rendezvous port the OS picks
 (single node), a clear error for a busy explicit port or a missing script, CPU threads per rank =
-cores // nproc, and the failing rank's exit code returned as the command's own.
+cores // nproc (and one warning when CPU ranks x threads exceed the cores), and the failing rank's
+exit code returned as the command's own. This module imports only the standard library until
+`launch()` hands over to torch.distributed.run, so `ddpkit run` starts as fast as `torchrun`.
 
 Restarts: after a failure the agent stops every worker and starts them all again (at most
 --max-restarts times); a script that calls `s.load(root, ...)` at start resumes from its newest valid
@@ -137,6 +139,20 @@ def torchrun_argv(cfg: LaunchConfig, nproc: int) -> list[str]:
     return [*argv, cfg.target, *cfg.args]
 
 
+def oversubscription(nproc: int, threads: str, cores: int) -> str | None:
+    """A warning when CPU ranks x threads exceed this node's cores, or None when they fit."""
+    per_rank = int(threads) if threads.isdigit() and int(threads) > 0 else 1
+    if nproc * per_rank <= cores:
+        return None
+    return (
+        f"ddpkit run: warning: {nproc} processes x {per_rank} thread(s) on {cores} CPU core(s): the ranks "
+        "take turns on the cores and every all-reduce waits for the one descheduled last (measured on 2 "
+        "cores: 2 x 2 threads 1.75-2.7x slower per step than 2 x 1). "
+        f"Use --nproc {max(1, cores // per_rank)} or fewer, or OMP_NUM_THREADS so that processes x "
+        "threads <= cores."
+    )
+
+
 def _busy(port: int) -> DdpkitError:
     return problem(
         f"port {port} is already in use on this machine",
@@ -160,7 +176,10 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         os.environ["DDPKIT_SHARE_GPU"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(hardware.cpu_cores, nproc)))
     if cfg.device == "cpu" or hardware.gpus == 0:
-        os.environ.update(cpu_allocator.rank_env())  # read by glibc and torch as each rank starts
+        os.environ.update(cpu_allocator.rank_env())  # read by torch as each rank starts
+        note = oversubscription(nproc, os.environ["OMP_NUM_THREADS"], hardware.cpu_cores)
+        if note:
+            print(note, file=sys.stderr, flush=True)
     try:
         run(parse_args(argv))
     except ChildFailedError as err:

@@ -126,7 +126,7 @@ class Session:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
-            cpu_allocator.apply()  # reuse big blocks between steps instead of faulting them in again
+            cpu_allocator.prepare()  # huge pages asked for before any tensor; s.model decides per model
         self._owns_group = lifecycle.join_group(self.plan, self.limits)
         seed_everything(self.seed)
         threads = torch.get_num_threads()
@@ -287,6 +287,8 @@ class Session:
             gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers,
         )
+        if self.device.type == "cpu":
+            cpu_allocator.fit_to(module)  # keep memory between steps only where the model gains from it
         chosen = strategies.make(
             self.strategy_choice if strategy is None else strategy,
             self,

@@ -17,8 +17,10 @@ of each parameter is the same computation the unsharded step would do, by the sa
 same values, so the weights are bitwise those of the unsharded step (tests/test_sharding.py).
 
 "auto" shards the step of torch's per-parameter optimizers (SGD, Adam, AdamW, ...) on CPU ranks that
-share a machine; True shards any optimizer but L-BFGS and SparseAdam (for per-parameter update rules
-only: one that reads other parameters, e.g. a global trust ratio, must not be sharded); False never.
+share a machine, once there are enough parameters for it to pay (`AUTO_MIN_PARAMETERS`, measured by
+benchmarks/shard_breakeven.py; below it the step stays whole, silently); True shards any optimizer but
+L-BFGS and SparseAdam (for per-parameter update rules only: one that reads other parameters, e.g. a
+global trust ratio, must not be sharded); False never.
 Checkpoints hold the full optimizer state (gathered at save, `full_state_dict`), so they load at any
 world size, sharded or not. Only `s.step(opt)` shards: call it rather than `opt.step()` throughout.
 """
@@ -39,6 +41,14 @@ PER_PARAMETER = {
 }  # fmt: skip
 NEVER = {"LBFGS", "SparseAdam"}
 _BROADCAST_BUCKET = 256 * 2**20
+# Below this many parameters the plain step is as fast as the sharded one (publishing costs a barrier
+# and a copy per step). benchmarks/shard_breakeven.py, 2 ranks: AdamW sharded / plain 0.91 at 1M
+# parameters (spread crossing 1), 0.73 at 4M; SGD with momentum (one cheap pass) 1.18 at 4M, 1.00 at 17M.
+AUTO_MIN_PARAMETERS = 4_000_000
+AUTO_MIN_PARAMETERS_BY_OPTIMIZER = {"SGD": 16_000_000}
+# Publishing streams parameters through 2 buffers x ranks slots of this size; every byte of them ends
+# up in each rank's resident memory, so they are smaller than the shm hook's 16 MiB (same speed).
+PUBLISH_CHUNK_MB = 4.0
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -76,8 +86,10 @@ class ShardedStep:
         shares = [sum(p.numel() for p in ps) for ps in self.owned]
         total = sum(shares) or 1
         via = "shared memory" if self.shm is not None else "broadcasts"
-        return (f"optimizer step sharded over {self.world} ranks ({type(self.optimizer).__name__}; largest "
-                f"share {max(shares) / total:.0%} of the parameters); new values published through {via}")
+        return (
+            f"optimizer step sharded over {self.world} ranks ({type(self.optimizer).__name__}; largest "
+            f"share {max(shares) / total:.0%} of the parameters); new values published through {via}"
+        )
 
     def drop_foreign_state(self) -> None:
         """Forget optimizer state of parameters other ranks own (after a full load, or at the start)."""
@@ -144,7 +156,13 @@ def choose(
     if mode is True and name in NEVER:
         raise problem(f"shard_optimizer=True cannot shard {name} (its step is not per parameter)",
                       "Pass shard_optimizer='auto' or False to ddpkit.session")  # fmt: skip
-    wanted = mode is True or (mode == "auto" and device.type == "cpu" and name in PER_PARAMETER)
+    wanted = mode is True or (
+        mode == "auto"
+        and device.type == "cpu"
+        and name in PER_PARAMETER
+        and sum(p.numel() for p in _params(optimizer))
+        >= AUTO_MIN_PARAMETERS_BY_OPTIMIZER.get(name, AUTO_MIN_PARAMETERS)
+    )
     if wanted and dist.is_initialized() and dist.get_world_size() > 1:
         shm = _shared_memory(optimizer, device, timeout)
         if shm is not None or mode is True:
@@ -160,7 +178,8 @@ def _shared_memory(optimizer: torch.optim.Optimizer, device: torch.device, timeo
 
     params = _params(optimizer)
     usable = device.type == "cpu" and all(p.is_contiguous() and p.device.type == "cpu" for p in params)
-    state = ShmAllReduce(timeout=timeout) if usable else None  # collective; `usable` is equal on all ranks
+    # collective; `usable` is equal on all ranks
+    state = ShmAllReduce(timeout=timeout, chunk_mb=PUBLISH_CHUNK_MB) if usable else None
     if state is None or not state.active:
         return None
     return state

@@ -18,34 +18,60 @@ pytestmark = pytest.mark.skipif(not cpu_allocator.enabled({}), reason="Linux wit
 # Measured: glibc ~655,000 (4 KB pages, every step), huge pages alone 21,760, ddpkit 544-3,264 (the heap
 # grows now and then, 2 MB-aligned blocks do not always fit the freed ones).
 PROBE = """
-import resource, torch, ddpkit
-with ddpkit.session(verbose=False, env={}):
+import resource, sys, torch, ddpkit
+from ddpkit import cpu_allocator
+with ddpkit.session(verbose=False, env={}) as s:
+    s.model(torch.nn.Linear(4096, 4096) if sys.argv[1] == "big" else torch.nn.Linear(16, 4))
     faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for step in range(23):
         if step == 3:
             before = faults()
         x = torch.ones(16 << 20); y = torch.ones(16 << 20); del x, y
-    print(faults() - before)
+    print(faults() - before, int(cpu_allocator.huge_pages_disabled()))
 """
 
 
-def _faults(**env: str) -> int:
+def _probe(model: str, **env: str) -> tuple[int, bool]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "THP_", "DDPKIT_"))}
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**clean, **env}, capture_output=True,
-                         text=True, timeout=120, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run([sys.executable, "-c", PROBE, model], env={**clean, **env}, capture_output=True,
+                         text=True, timeout=120, check=True)  # fmt: skip
+    faults, thp_off = out.stdout.strip().splitlines()[-1].split()
+    return int(faults), thp_off == "1"
 
 
-def test_session_reuses_big_blocks_instead_of_faulting_them_in():
-    assert _faults() < 8000  # mostly the same memory again (huge pages alone would fault 21,760)
+def _thp_on_request() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[madvise]" in f.read()
+    except OSError:
+        return False
+
+
+def test_a_model_with_big_tensors_reuses_blocks_instead_of_faulting_them_in():
+    faults, thp_off = _probe("big")
+    assert faults < 8000  # mostly the same memory again (huge pages alone would fault 21,760)
+    assert not thp_off
+
+
+def test_a_small_model_keeps_glibc_behaviour_and_no_huge_pages():
+    faults, thp_off = _probe("small")
+    assert faults > 200_000  # what plain DDP gets: nothing kept for a model that would not gain
+    assert thp_off == _thp_on_request()
 
 
 def test_opt_out_keeps_glibc_behaviour():
-    assert _faults(DDPKIT_CPU_ALLOCATOR="default") > 200_000
+    faults, thp_off = _probe("big", DDPKIT_CPU_ALLOCATOR="default")
+    assert faults > 200_000 and not thp_off
 
 
-def test_rank_env_leaves_the_users_own_values_alone():
-    env = cpu_allocator.rank_env({"MALLOC_MMAP_MAX_": "65536"})
-    assert "MALLOC_MMAP_MAX_" not in env
-    assert env["THP_MEM_ALLOC_ENABLE"] == "1" and env["MALLOC_TRIM_THRESHOLD_"] == str(1 << 30)
+def test_decision_follows_the_largest_tensor():
+    import torch
+
+    assert cpu_allocator.worthwhile([torch.empty(8 << 20)])  # 32 MiB of float32
+    assert not cpu_allocator.worthwhile([torch.empty(1 << 20)] * 40)  # many 4 MiB blocks: glibc reuses them
+
+
+def test_rank_env_asks_only_for_huge_pages_and_leaves_the_users_value_alone():
+    assert cpu_allocator.rank_env({}) == {"THP_MEM_ALLOC_ENABLE": "1"}
+    assert cpu_allocator.rank_env({"THP_MEM_ALLOC_ENABLE": "0"}) == {}
     assert cpu_allocator.rank_env({"DDPKIT_CPU_ALLOCATOR": "default"}) == {}

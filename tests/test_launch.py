@@ -206,3 +206,17 @@ def test_spawn_names_the_failing_rank() -> None:
 def test_spawn_refuses_what_cannot_be_sent() -> None:
     with pytest.raises(ddpkit.DdpkitError, match="Define the function at the top level"):
         ddpkit.spawn(lambda: 1, nproc=2)
+
+
+def test_more_cpu_ranks_than_cores_warns_once(tmp_path: Path) -> None:
+    from ddpkit.launch import oversubscription
+
+    assert oversubscription(2, "1", 2) is None and oversubscription(1, "2", 2) is None
+    text = oversubscription(4, "1", 2)
+    assert text and "4 processes x 1 thread(s) on 2 CPU core(s)" in text and "--nproc 2" in text
+    assert "1.75-2.7x slower" in (oversubscription(2, "2", 2) or "")
+    script = _script(tmp_path, PLAIN_TORCHRUN_SCRIPT)
+    cores = len(os.sched_getaffinity(0))
+    done = run_cli("run", "--nproc", "2", str(script), env={"OUT_DIR": str(tmp_path), "OMP_NUM_THREADS": str(cores)})
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count(f"ddpkit run: warning: 2 processes x {cores} thread(s)") == 1

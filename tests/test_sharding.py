@@ -69,7 +69,7 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def test_sharded_steps_give_the_unsharded_weights_bitwise(pool2) -> None:
-    sharded = pool2.run(train, "auto")
+    sharded = pool2.run(train, True)
     full = pool2.run(train, False)
     assert sharded[0]["sharded"] and sharded[0]["via_shm"] and not full[0]["sharded"]
     assert _same(sharded[0]["params"], sharded[1]["params"]), "replicas differ"
@@ -90,7 +90,7 @@ def test_broadcast_path_across_machines_is_bitwise_too(pool2) -> None:
 
 
 def test_checkpoint_holds_the_full_optimizer_state(pool2, tmp_path) -> None:
-    pool2.run(train, "auto", 4, False, str(tmp_path))
+    pool2.run(train, True, 4, False, str(tmp_path))
     full = pool2.run(train, False, 4)
     loaded = pool2.run(load_unsharded, str(tmp_path))
     want = full[0]["state"]["state"]
@@ -110,7 +110,7 @@ def load_unsharded(path: str) -> dict:
 
 
 def join_after_sharded_steps() -> str:
-    with ddpkit.session(seed=0, verbose=False) as s:
+    with ddpkit.session(seed=0, verbose=False, shard_optimizer=True) as s:
         model = s.model(_net())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         _train(s, model, opt, 1)
@@ -164,9 +164,9 @@ def _plan():
     return topology.resolve({}, topology.Hardware(gpus=0, cpu_cores=2))
 
 
-def printed_at_first_step() -> str:
+def printed_at_first_step(shard) -> str:
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), ddpkit.session(seed=0) as s:
+    with contextlib.redirect_stdout(out), ddpkit.session(seed=0, shard_optimizer=shard) as s:
         model = s.model(_net())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         _train(s, model, opt, 2)
@@ -174,12 +174,36 @@ def printed_at_first_step() -> str:
 
 
 def test_rank_0_says_once_that_the_step_is_sharded(pool2) -> None:
-    text = pool2.run(printed_at_first_step)[0]
+    text = pool2.run(printed_at_first_step, True)[0]
     assert text.count("optimizer step sharded over 2 ranks (AdamW") == 1 and "shared memory" in text
 
 
+def auto_decision(width: int, optimizer: str) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), ddpkit.session(seed=0) as s:
+        model = s.model(nn.Linear(width, width))
+        opt = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer](model.parameters(), lr=1e-3)
+        s.backward(model(torch.randn(2, width)).square().mean())
+        s.step(opt)
+        return {"sharded": sharding.existing(opt) is not None, "printed": out.getvalue()}
+
+
+def test_auto_leaves_a_small_model_whole_and_says_nothing(pool2) -> None:
+    for r in pool2.run(auto_decision, 16, "adamw"):
+        assert not r["sharded"] and "sharded" not in r["printed"]
+
+
+def test_auto_shards_a_model_past_the_break_even(pool2) -> None:
+    width = 2048  # 4.2M parameters: AdamW sharded 0.73x the plain step (benchmarks/shard_breakeven.py)
+    assert width * (width + 1) >= sharding.AUTO_MIN_PARAMETERS
+    for r in pool2.run(auto_decision, width, "adamw"):
+        assert r["sharded"]
+    assert "optimizer step sharded over 2 ranks" in pool2.run(auto_decision, width, "adamw")[0]["printed"]
+    assert not any(r["sharded"] for r in pool2.run(auto_decision, width, "sgd"))  # SGD: not below 17M
+
+
 def param_group_added_after_sharded_steps() -> str:
-    with ddpkit.session(seed=0, verbose=False) as s:
+    with ddpkit.session(seed=0, verbose=False, shard_optimizer=True) as s:
         model = s.model(_net())
         opt = torch.optim.SGD(list(model.parameters())[:-1], lr=0.1)
         _train(s, model, opt, 1)
