@@ -48,7 +48,6 @@ _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 # Process-wide settings mirrored here (they outlive sessions by nature, like the process's malloc):
 _applied = False  # mallopt is one-way: applied once
-_thp_off = False  # this module switched huge pages off (and may switch them on again)
 
 
 def _glibc() -> bool:
@@ -88,14 +87,13 @@ def fit_to(module: torch.nn.Module) -> str:
     (glibc's behaviour, no huge pages from now on) or "off" (opted out / not glibc)."""
     if not enabled():
         return "off"
-    global _thp_off
     if worthwhile(module.parameters()):
         apply()
-        if _thp_off and _huge_pages(True):
-            _thp_off = False
+        if huge_pages_disabled():  # switched off by an earlier small-model session here or in a parent
+            _huge_pages(True)  # (the prctl flag is inherited by child processes)
         return "kept"
     if not _applied and os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and _thp_on_request():
-        _thp_off = _huge_pages(False) or _thp_off  # only torch's requests would have given them: stop those
+        _huge_pages(False)  # only torch's requests would have given them: stop those
     return "default"
 
 

@@ -3,6 +3,7 @@
 Each check runs in a fresh interpreter: the settings are process-wide and cannot be undone.
 """
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -31,10 +32,21 @@ with ddpkit.session(verbose=False, env={}) as s:
 """
 
 
-def _probe(model: str, **env: str) -> tuple[int, bool]:
+def _fresh_thp() -> None:
+    """In the child before exec: huge pages allowed, as in a new shell (the prctl flag is inherited, and
+    an earlier small-model session in this pytest process switched it off)."""
+    ctypes.CDLL(None).prctl(41, 0, 0, 0, 0)  # PR_SET_THP_DISABLE = 41
+
+
+def _inherited_off() -> None:
+    ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # as if a parent's small-model session had switched them off
+
+
+def _probe(model: str, inherited_off: bool = False, **env: str) -> tuple[int, bool]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "THP_", "DDPKIT_"))}
     out = subprocess.run([sys.executable, "-c", PROBE, model], env={**clean, **env}, capture_output=True,
-                         text=True, timeout=120, check=True)  # fmt: skip
+                         text=True, timeout=120, check=True,
+                         preexec_fn=_inherited_off if inherited_off else _fresh_thp)  # fmt: skip
     faults, thp_off = out.stdout.strip().splitlines()[-1].split()
     return int(faults), thp_off == "1"
 
@@ -51,6 +63,11 @@ def test_a_model_with_big_tensors_reuses_blocks_instead_of_faulting_them_in():
     faults, thp_off = _probe("big")
     assert faults < 8000  # mostly the same memory again (huge pages alone would fault 21,760)
     assert not thp_off
+
+
+def test_a_big_model_turns_huge_pages_back_on_when_a_parent_switched_them_off():
+    faults, thp_off = _probe("big", inherited_off=True)
+    assert not thp_off and faults < 8000
 
 
 def test_a_small_model_keeps_glibc_behaviour_and_no_huge_pages():

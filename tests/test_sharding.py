@@ -185,7 +185,7 @@ def auto_decision(width: int, optimizer: str) -> dict:
         opt = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer](model.parameters(), lr=1e-3)
         s.backward(model(torch.randn(2, width)).square().mean())
         s.step(opt)
-        return {"sharded": sharding.existing(opt) is not None, "printed": out.getvalue()}
+        return {"sharded": s.stepper.sharded_step(opt) is not None, "printed": out.getvalue()}
 
 
 def test_auto_leaves_a_small_model_whole_and_says_nothing(pool2) -> None:
