@@ -52,11 +52,13 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_like_an_uninterrupted_one(
     done = run_cli("run", "--nproc", "2", "--max-restarts", "1", TRAIN, str(tmp_path / "ck"), str(out), *args,
                    timeout=150)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    # Who is reported depends on who exits first: rank 1 (SIGKILL) or rank 0, whose shared-memory wait
-    # notices the dead peer within ~10 ms and names it.
+    # Who is reported depends on who exits first: rank 1 (SIGKILL); or rank 0, whose shared-memory wait
+    # names the dead peer within ~10 ms, or whose gloo all-reduce reads "Connection reset by peer" (then
+    # torchrun's log may name rank 0's SIGTERM instead: it logs the exit it reaps first).
     assert "failed (exitcode: -9) local_rank: 1" in done.stderr or (
         "rank 1 (pid" in done.stderr and "died" in done.stderr
-    ), "rank 1 was not killed"
+    ) or "Connection reset by peer" in done.stderr, "nobody noticed that rank 1 was killed"
+    assert (out / "killed.txt").exists(), "rank 1 was not killed"
     assert "resumed from" in done.stdout and "(step 12)" in done.stdout, done.stdout
     killed_at, killed_step = (out / "killed.txt").read_text().split()
     resumed_at, resumed_step = (out / "resumed.txt").read_text().split()
