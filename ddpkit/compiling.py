@@ -108,23 +108,21 @@ def already_compiled(module: nn.Module) -> bool:
 def apply(
     module: nn.Module,
     options: CompileOptions,
-    wrap: Callable[[nn.Module], tuple[nn.Module, list[str]]],
+    wrap: Callable[[nn.Module], nn.Module],
     *,
     distributed: bool,
 ) -> tuple[nn.Module, list[str]]:
     """Compile `module`, then `wrap` it (to the device, DDP when distributed); return it and notes.
 
-    `wrap` is what `s.model` does without compile (ddpkit.wrap.wrap_model with the user's options).
+    `wrap` is what `s.model` does without compile (the strategy's wrap, with the user's options).
     """
     if already_compiled(module):
-        model, notes = wrap(module)
-        return model, [*notes, "compile: the module is already compiled (torch.compile); kept as it is"]
+        return wrap(module), ["compile: the module is already compiled (torch.compile); kept as it is"]
     cache = set_up_cache()
     kwargs, scalar = _honour_aten_capability(dict(options.kwargs))
     compiled = torch.compile(module, **kwargs)
-    model, notes = wrap(compiled)
-    if scalar:
-        notes.append("compile: ATEN_CPU_CAPABILITY=default: scalar Inductor C++ kernels (cpp.simdlen=1)")
+    model = wrap(compiled)
+    notes = ["compile: ATEN_CPU_CAPABILITY=default: scalar Inductor C++ kernels (cpp.simdlen=1)"] if scalar else []
     where = ", then wrapped in DDP (DDP(torch.compile(module)))" if distributed else " (one process: no DDP)"
     return model, [*notes, f"compile: {options.describe()} on the module{where}; {cache}"]
 

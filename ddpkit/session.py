@@ -316,7 +316,7 @@ class Session:
             )
         else:
             model, notes = compiling.apply(
-                module, compiler, lambda m: (chosen.wrap(m, self.device), []), distributed=self.distributed
+                module, compiler, lambda m: chosen.wrap(m, self.device), distributed=self.distributed
             )
             chosen.notes.extend(notes)
         if self._stepper.shard is True and not chosen.allows_sharded_step and self.distributed:
