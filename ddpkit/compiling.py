@@ -122,7 +122,8 @@ def apply(
     kwargs, scalar = _honour_aten_capability(dict(options.kwargs))
     compiled = torch.compile(module, **kwargs)
     model = wrap(compiled)
-    notes = ["compile: ATEN_CPU_CAPABILITY=default: scalar Inductor C++ kernels (cpp.simdlen=1)"] if scalar else []
+    scalar_note = "compile: ATEN_CPU_CAPABILITY=default: scalar Inductor C++ kernels (cpp.simdlen=1)"
+    notes = [scalar_note] if scalar else []
     where = ", then wrapped in DDP (DDP(torch.compile(module)))" if distributed else " (one process: no DDP)"
     return model, [*notes, f"compile: {options.describe()} on the module{where}; {cache}"]
 
