@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,9 +129,7 @@ def test_unwrap_returns_the_module_through_nested_compile_wrappers() -> None:
     assert ddpkit.unwrap(module) is module
 
 
-def test_compile_options_are_checked_and_the_cache_directory_is_shared(
-    tmp_path: Path, monkeypatch, capsys
-) -> None:
+def test_compile_options_are_checked_and_the_cache_directory_is_chosen() -> None:
     with pytest.raises(DdpkitError, match=r"keys torch.compile does not take: \['bogus'\]"):
         compiling.CompileOptions.parse({"bogus": 1})
     with pytest.raises(DdpkitError, match="neither True/False nor a dict"):
@@ -137,14 +137,52 @@ def test_compile_options_are_checked_and_the_cache_directory_is_shared(
     assert compiling.CompileOptions.parse(False) is None
     assert compiling.cache_dir({"XDG_CACHE_HOME": "/c"}) == Path("/c/ddpkit/inductor")
     assert compiling.cache_dir({"TORCHINDUCTOR_CACHE_DIR": "/mine", "XDG_CACHE_HOME": "/c"}) == Path("/mine")
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    with ddpkit.session(env={}, hardware=HW) as s:
-        s.model(net(), compile=FAST)
-    said = "compile: torch.compile(backend='aot_eager') on the module (one process: no DDP); Inductor cache"
-    assert said in capsys.readouterr().out
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "ddpkit" / "inductor")
-    assert (tmp_path / "ddpkit" / "inductor").is_dir()
+    torchs = {"TORCHINDUCTOR_CACHE_DIR": compiling.torch_default_cache_dir(), "XDG_CACHE_HOME": "/c"}
+    assert compiling.cache_dir(torchs) == Path("/c/ddpkit/inductor")  # the value torch set is not the user's
+
+
+# A fresh interpreter, as a user's script starts: nothing imported, so no earlier test can have set the
+# variable (torch sets it when torch._dynamo is first imported, inside s.model(compile=...)).
+CACHE_SCRIPT = """
+import os, sys, torch, ddpkit
+from torch import nn
+backend = sys.argv[1]
+with ddpkit.session(env={}, hardware=ddpkit.Hardware(gpus=0, cpu_cores=2)) as s:
+    torch.manual_seed(0)
+    model = s.model(nn.Sequential(nn.Linear(8, 4)), compile={"backend": backend})
+    model(torch.randn(2, 8)).sum().backward()
+    print("DURING", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+print("AFTER", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+"""
+
+
+def _fresh_process(tmp_path: Path, backend: str, **env: str) -> str:
+    full = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME")}
+    full.update(HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1", **env)
+    out = subprocess.run(
+        [sys.executable, "-c", CACHE_SCRIPT, backend], capture_output=True, text=True, env=full, timeout=100
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.mark.timeout(110)
+def test_a_fresh_process_compiles_into_ddpkits_cache_directory(tmp_path: Path) -> None:
+    out = _fresh_process(tmp_path, "inductor")
+    mine = tmp_path / "home" / ".cache" / "ddpkit" / "inductor"
+    assert f"Inductor cache {mine} (shared by the job's ranks, kept between runs)" in out, out
+    assert f"DURING {mine}" in out and "(yours)" not in out
+    assert any(p.is_file() for p in mine.rglob("*")), "Inductor wrote nothing into ddpkit's directory"
+    assert "AFTER None" in out  # put back as it was before s.model (unset: torch sets it when it needs it)
+
+
+@pytest.mark.timeout(110)
+def test_a_cache_directory_set_before_start_is_kept_and_called_the_users(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    out = _fresh_process(tmp_path, "aot_eager", TORCHINDUCTOR_CACHE_DIR=str(theirs))
+    assert f"Inductor cache {theirs} (yours)" in out and f"DURING {theirs}" in out, out
+    assert f"AFTER {theirs}" in out
+    assert not (tmp_path / "home" / ".cache" / "ddpkit").exists()
 
 
 def dataset() -> TensorDataset:
