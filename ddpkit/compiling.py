@@ -86,7 +86,7 @@ class CompileOptions:
 
 
 def torch_default_cache_dir() -> str:
-    """The directory torch picks, and writes into the variable, when nobody set one (/tmp/torchinductor_<user>)."""
+    """The directory torch picks, and writes into the variable, if none is set: /tmp/torchinductor_<user>."""
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     except ImportError:  # torch moved it: the same rule, written out
