@@ -19,6 +19,7 @@ import torch
 from conftest import REPO, run_cli
 from safetensors import safe_open
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 import ddpkit
@@ -93,6 +94,7 @@ def test_both_orders_save_clean_keys_and_resume_at_world_1(order: str, resume: s
     assert out["resumed_equal"]
 
 
+@pytest.mark.timeout(140)  # above the pool's 120 s
 @pytest.mark.parametrize(("order", "resume"), [("compile-inside", "option"), ("compile-outside", "plain")])
 def test_both_orders_save_clean_keys_and_resume_at_world_2(order: str, resume: str, tmp_path, pool2) -> None:
     ranks = pool2.run(save_train_resume, order, str(tmp_path), resume, timeout=120)
@@ -108,15 +110,26 @@ def final_weights(order: str, accumulation: int, hook: str | None) -> dict:
         model = build(s, order) if hook is None else s.model(net(), comm_hook=hook, compile=True)
         with s.join(model):  # the compiled model's DDP is found for torch's Join too
             train(s, model, steps=2 * accumulation, max_norm=0.5)
-        return {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()}
+        weights = {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()}
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        return {"weights": weights, "wrappers": [type(model).__name__, type(inner).__name__]}
 
 
+COMPILED_IN_DDP = ["DistributedDataParallel", "OptimizedModule"]  # DDP(torch.compile(net))
+
+
+@pytest.mark.timeout(560)  # above the sum of the five pool runs' own limits (540 s), which fire first
 def test_compile_option_trains_like_eager_ddp_with_accumulation_clipping_and_hooks(pool2) -> None:
     eager = pool2.run(final_weights, "plain", 2, None)[0]
     compiled = pool2.run(final_weights, "inductor", 2, None, timeout=180)
     outside = pool2.run(final_weights, "compile-outside", 2, None, timeout=120)[0]
     shm = pool2.run(final_weights, "inductor", 1, "shm", timeout=120)[0]
     shm_eager = pool2.run(final_weights, "plain", 1, None)[0]
+    assert eager["wrappers"] == ["DistributedDataParallel", "Sequential"]
+    assert compiled[0]["wrappers"] == COMPILED_IN_DDP and shm["wrappers"] == COMPILED_IN_DDP  # compiled
+    assert outside["wrappers"] == ["OptimizedModule", "DistributedDataParallel"]
+    eager, shm_eager, outside, shm = (r["weights"] for r in (eager, shm_eager, outside, shm))
+    compiled = [r["weights"] for r in compiled]
     assert all(torch.equal(compiled[0][k], compiled[1][k]) for k in eager)  # replicas identical
     for got, want in ((compiled[0], eager), (outside, eager), (shm, shm_eager)):
         for k in want:  # Inductor's fused kernels round differently from eager's: a tolerance, not bits
@@ -190,6 +203,7 @@ def dataset() -> TensorDataset:
     return TensorDataset(torch.randn(128, 8, generator=g), torch.randint(0, 4, (128,), generator=g))
 
 
+@pytest.mark.timeout(200)  # above the pool's 180 s, so the pool's message is the one seen
 def test_verify_compile_matches_one_eager_process(pool2) -> None:
     spec = VerifySpec(
         model=net,
@@ -209,6 +223,7 @@ def test_bench_tune_offers_compile() -> None:
     assert any(c.compile for c in configs)
 
 
+@pytest.mark.timeout(260)  # above the subprocess's 240 s
 def test_verify_compile_flag_on_the_command_line() -> None:
     args = ["--model", "test_compile:net", "--data", "test_compile:dataset", "--optimizer", "adamw"]
     args += ["--steps", "3", "--batch-size", "16", "--floor", "permuted", "--compile", "--json", "-"]

@@ -41,6 +41,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.timeout(170)  # above torchrun's 150 s below
 @pytest.mark.parametrize("position", [True, False], ids=["exact", "negative-control-without-position"])
 def test_a_killed_rank_is_restarted_and_the_run_ends_like_an_uninterrupted_one(
     pool2, tmp_path: Path, position: bool
