@@ -56,6 +56,16 @@ def train_with_hook(hook: str | None, steps: int, fake_machines: bool) -> dict:
     if fake_machines:  # pretend each rank is on its own machine: the hook must fall back to gloo
         real = shm_allreduce._machine_id
         shm_allreduce._machine_id = lambda: f"machine-{dist.get_rank()}"
+    # Count the shared-memory all-reduces: shm and gloo give the same bits by design, so only the count
+    # tells whether the hook ran at all.
+    calls: list[int] = []
+    reduce = shm_allreduce.ShmAllReduce.all_reduce_mean_
+
+    def counted(self, tensor: torch.Tensor) -> torch.Tensor:
+        calls.append(tensor.numel())
+        return reduce(self, tensor)
+
+    shm_allreduce.ShmAllReduce.all_reduce_mean_ = counted  # type: ignore[method-assign]
     try:
         with ddpkit.session(seed=0, verbose=False) as s:
             torch.manual_seed(0)
@@ -68,8 +78,9 @@ def train_with_hook(hook: str | None, steps: int, fake_machines: bool) -> dict:
                 opt.zero_grad()
                 nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
-            return {"params": [p.detach().clone() for p in model.parameters()]}
+            return {"params": [p.detach().clone() for p in model.parameters()], "shm_calls": len(calls)}
     finally:
+        shm_allreduce.ShmAllReduce.all_reduce_mean_ = reduce  # type: ignore[method-assign]
         if fake_machines:
             shm_allreduce._machine_id = real
 
@@ -77,6 +88,8 @@ def train_with_hook(hook: str | None, steps: int, fake_machines: bool) -> dict:
 def test_ddp_with_shm_hook_trains_the_same_weights_as_gloo(pool2) -> None:
     shm = pool2.run(train_with_hook, "shm", 4, False)
     gloo = pool2.run(train_with_hook, None, 4, False)
+    assert all(r["shm_calls"] >= 4 for r in shm), "the shm hook did not run on every step"
+    assert all(r["shm_calls"] == 0 for r in gloo)
     for a, b, c in zip(shm[0]["params"], shm[1]["params"], gloo[0]["params"], strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
 
@@ -84,6 +97,7 @@ def test_ddp_with_shm_hook_trains_the_same_weights_as_gloo(pool2) -> None:
 def test_falls_back_to_gloo_across_machines(pool2) -> None:
     shm = pool2.run(train_with_hook, "shm", 2, True)
     gloo = pool2.run(train_with_hook, None, 2, False)
+    assert all(r["shm_calls"] == 0 for r in shm), "shared memory used across (pretended) machines"
     for a, c in zip(shm[0]["params"], gloo[0]["params"], strict=True):
         assert torch.equal(a, c)
 
