@@ -69,7 +69,9 @@ def train_with_hook(hook: str | None, steps: int, fake_machines: bool) -> dict:
     try:
         with ddpkit.session(seed=0, verbose=False) as s:
             torch.manual_seed(0)
-            net = nn.Sequential(nn.Linear(16, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 3))
+            net = nn.Sequential(
+                nn.Linear(16, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 3)
+            )
             model = s.model(net, comm_hook=hook, comm_hook_options={"chunk_mb": 0.125} if hook else None)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             for step in range(steps):
@@ -132,9 +134,10 @@ def test_stale_segments_of_dead_creators_are_removed(tmp_path) -> None:
 
 def _killed_peer(rank: int, port: int, out: mp.SimpleQueue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=30))
-    state = ShmAllReduce(chunk_mb=0.0625, timeout=20)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=30)
+    )
+    state = ShmAllReduce(chunk_mb=0.0625, timeout=60)
     out.put(("pid", rank, os.getpid()))
     dist.barrier()
     if rank == 1:
@@ -171,5 +174,6 @@ def test_kill_9_of_a_peer_leaves_no_segment_and_no_hang() -> None:
     result = [m for m in messages if m[0] == "result"]
     assert procs[1].exitcode == -signal.SIGKILL
     assert result and "rank 1" in result[0][1] and "died" in result[0][1], result
-    assert result[0][2] < 10, f"took {result[0][2]:.1f} s to notice the dead peer"
+    # noticed through the dead pid, well before the 60 s timeout (the message says "died", not "timed out")
+    assert result[0][2] < 30, f"took {result[0][2]:.1f} s to notice the dead peer"
     assert not _segments(pids[0]), "segment left in /dev/shm"
