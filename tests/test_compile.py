@@ -127,7 +127,7 @@ def test_compile_option_trains_like_eager_ddp_with_accumulation_clipping_and_hoo
     shm_eager = pool2.run(final_weights, "plain", 1, None)[0]
     assert eager["wrappers"] == ["DistributedDataParallel", "Sequential"]
     assert compiled[0]["wrappers"] == COMPILED_IN_DDP and shm["wrappers"] == COMPILED_IN_DDP  # compiled
-    assert outside["wrappers"] == ["OptimizedModule", "DistributedDataParallel"]
+    assert outside["wrappers"][0] == "OptimizedModule"  # torch.compile(DDP(net))
     eager, shm_eager, outside, shm = (r["weights"] for r in (eager, shm_eager, outside, shm))
     compiled = [r["weights"] for r in compiled]
     assert all(torch.equal(compiled[0][k], compiled[1][k]) for k in eager)  # replicas identical
