@@ -25,14 +25,19 @@ Inductor's caches (FX graph cache, AOTAutograd cache, the compiled C++ kernels) 
 by the job's ranks and kept between runs: `$TORCHINDUCTOR_CACHE_DIR` when you set it, else
 `~/.cache/ddpkit/inductor` (`$XDG_CACHE_HOME` respected). torch keys every entry by the graph, the torch
 version and the machine, so a stale entry is never used; a warm cache turns the first step's
-compilation into loading (measured in docs/performance.md). The variable is set in this process only,
-the same variable torch itself sets (to /tmp/torchinductor_<user>) the first time it compiles.
+compilation into loading (measured in docs/performance.md). torch 2.13 has no config option for this
+directory, only the variable, and torch writes it itself: importing `torch._dynamo` sets it to
+/tmp/torchinductor_<user> when unset. So that value is torch's, not yours: only a value other than
+torch's default counts as set by you. ddpkit sets the variable in this process while the session is
+open and puts the previous value back when the session closes.
 """
 
 from __future__ import annotations
 
+import getpass
 import inspect
 import os
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,19 +85,51 @@ class CompileOptions:
         return f"torch.compile({args or 'defaults'})"
 
 
-def cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """Where Inductor's caches go: `$TORCHINDUCTOR_CACHE_DIR` if set, else ~/.cache/ddpkit/inductor."""
+def torch_default_cache_dir() -> str:
+    """The directory torch picks, and writes into the variable, if none is set: /tmp/torchinductor_<user>."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # torch moved it: the same rule, written out
+        return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    return os.path.abspath(default_cache_dir())
+
+
+def users_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """`$TORCHINDUCTOR_CACHE_DIR` if the user set it; None if unset or holding the value torch set itself."""
     env = os.environ if env is None else env
-    if env.get(CACHE_ENV):
-        return Path(env[CACHE_ENV])
+    value = env.get(CACHE_ENV)
+    if not value or os.path.abspath(value) == torch_default_cache_dir():
+        return None
+    return value
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where Inductor's caches go: the user's `$TORCHINDUCTOR_CACHE_DIR`, else ~/.cache/ddpkit/inductor."""
+    env = os.environ if env is None else env
+    mine = users_cache_dir(env)
+    if mine:
+        return Path(mine)
     base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
     return base / "ddpkit" / "inductor"
+
+
+def cache_env_restorer() -> Callable[[], None]:
+    """A function that puts `$TORCHINDUCTOR_CACHE_DIR` back as it is now (the session calls it on close)."""
+    before = os.environ.get(CACHE_ENV)
+
+    def restore() -> None:
+        if before is None:
+            os.environ.pop(CACHE_ENV, None)
+        else:
+            os.environ[CACHE_ENV] = before
+
+    return restore
 
 
 def set_up_cache() -> str:
     """Point this process's Inductor caches at the shared directory (before the first compilation)."""
     path = cache_dir()
-    chosen = "yours" if os.environ.get(CACHE_ENV) else "shared by the job's ranks, kept between runs"
+    chosen = "yours" if users_cache_dir() else "shared by the job's ranks, kept between runs"
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -77,6 +77,7 @@ class Session:
         self.verbose = verbose
         self.device = torch.device(plan.device)
         self._owns_group = False
+        self._on_close = contextlib.ExitStack()  # process-wide settings put back by close()
         bf16 = self.device.type != "cuda" or torch.cuda.is_bf16_supported()
         self.precision = resolve_precision(precision, self.device.type, bf16_supported=bf16)
         self._stepper = Stepper(
@@ -145,6 +146,7 @@ class Session:
         if self._owns_group:
             lifecycle.leave_group()
         self._owns_group = False
+        self._on_close.close()
 
     # -- output ---------------------------------------------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -315,6 +317,7 @@ class Session:
                 "strategy='fsdp'))",
             )
         else:
+            self._on_close.callback(compiling.cache_env_restorer())
             model, notes = compiling.apply(
                 module, compiler, lambda m: chosen.wrap(m, self.device), distributed=self.distributed
             )

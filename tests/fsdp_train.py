@@ -93,7 +93,18 @@ def fit_and_evaluate() -> dict:
         metrics = ddpkit.evaluate(
             s, model, evals, eval_step, {"loss": ddpkit.Mean(), "accuracy": ddpkit.Accuracy()}
         )
-        return {"steps": result.steps, "metrics": metrics}
+        return {"steps": result.steps, "metrics": metrics, "params": full_params(model)}
+
+
+def evaluate_in_one_process(params: dict[str, torch.Tensor]) -> dict:
+    """The reference: the same weights, the whole evaluation set, one plain process, no ddpkit."""
+    model = net()
+    model.load_state_dict(params)
+    x, y = data(37, seed=1).tensors
+    with torch.no_grad():
+        out = model(x)
+    loss = F.cross_entropy(out, y, reduction="none")
+    return {"loss": float(loss.mean()), "accuracy": float((out.argmax(1) == y).float().mean())}
 
 
 def _run(s, model, opt, loader, steps: int) -> None:

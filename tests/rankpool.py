@@ -1,7 +1,8 @@
 """A pool of long-lived gloo ranks that many tests share (starting a rank costs ~2 s of imports).
 
 Each worker process joins one process group at start, then runs `fn(*args)` for every request and
-sends back the result. `ddpkit.session()` inside `fn` finds the group already initialised and reuses
+sends back the result, tagged with the request's id: `run` drops a result whose id is not the current
+request's, so a late answer to a request that timed out is never read as the next one's. `ddpkit.session()` inside `fn` finds the group already initialised and reuses
 it (and leaves it alone on exit). A failure or a timeout on any rank kills the whole pool; the next
 `run` starts a fresh one, so one broken test cannot poison the next.
 """
@@ -34,11 +35,11 @@ def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
         request = inbox.get()
         if request is None:
             break
-        fn, args = request
+        request_id, fn, args = request
         try:
-            outbox.put((rank, True, fn(*args)))
+            outbox.put((request_id, rank, True, fn(*args)))
         except BaseException as exc:
-            outbox.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            outbox.put((request_id, rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
 
 
@@ -50,6 +51,8 @@ class RankPool:
     def __init__(self, world: int) -> None:
         self.world = world
         self._procs: list[Any] = []
+        self.request_id = 0  # every request carries it; a result with another id is stale and dropped
+        self.dropped = 0  # stale results seen (a test checks the pool never hands one out)
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -68,13 +71,17 @@ class RankPool:
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
             self._start()
+        self.request_id += 1
         for inbox in self._inboxes:
-            inbox.put((fn, args))
+            inbox.put((self.request_id, fn, args))
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         while len(results) < self.world:
             while not self._outbox.empty():
-                rank, ok, value = self._outbox.get()
+                request_id, rank, ok, value = self._outbox.get()
+                if request_id != self.request_id:  # left over from a request that timed out
+                    self.dropped += 1
+                    continue
                 if not ok:
                     self.close()
                     raise RankFailure(f"rank {rank} of {self.world} raised:\n{value}")

@@ -4,6 +4,8 @@ each subcommand. Timing claims live in benchmarks/ and docs/performance.md, not 
 from __future__ import annotations
 
 import json
+import sys
+import time
 
 import pytest
 
@@ -64,8 +66,19 @@ def test_user_workload_must_be_module_function_returning_a_workload() -> None:
 
 
 def test_collectives_small_run(tmp_path, capsys) -> None:
-    code = cli.main(["collectives", "--max-size", "16KB", "--rounds", "1", "--out", str(tmp_path),
-                     "--ops", "all_reduce,reduce_scatter,all_reduce[shm]"])
+    code = cli.main(
+        [
+            "collectives",
+            "--max-size",
+            "16KB",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--ops",
+            "all_reduce,reduce_scatter,all_reduce[shm]",
+        ]
+    )
     assert code == 0
     data = json.loads((tmp_path / "collectives.json").read_text())
     rows = data["worlds"]["2"]
@@ -78,8 +91,23 @@ def test_collectives_small_run(tmp_path, capsys) -> None:
 
 
 def test_tune_small_run(tmp_path, capsys) -> None:
-    assert cli.main(["tune", "--workload", "cnn", "--quick", "--rounds", "1", "--block-seconds", "0.05",
-                     "--json", str(tmp_path / "tune.json")]) == 0
+    assert (
+        cli.main(
+            [
+                "tune",
+                "--workload",
+                "cnn",
+                "--quick",
+                "--rounds",
+                "1",
+                "--block-seconds",
+                "0.05",
+                "--json",
+                str(tmp_path / "tune.json"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "recommendation:" in out and "speed-up" in out
     assert "memory: model state" in out and "DDP fits; FSDP not needed" in out  # the cnn is tiny
@@ -89,9 +117,30 @@ def test_tune_small_run(tmp_path, capsys) -> None:
 
 def test_scaling_small_run(tmp_path) -> None:
     # 2 threads per rank: no extra "1 process x all cores" group, two process starts instead of three
-    assert cli.main(["scaling", "--workload", "cnn", "--max-nproc", "2", "--threads", "2", "--rounds", "1",
-                     "--block-seconds", "0.05", "--buckets", "1,25", "--hooks", "allreduce,shm",
-                     "--out", str(tmp_path)]) == 0
+    assert (
+        cli.main(
+            [
+                "scaling",
+                "--workload",
+                "cnn",
+                "--max-nproc",
+                "2",
+                "--threads",
+                "2",
+                "--rounds",
+                "1",
+                "--block-seconds",
+                "0.05",
+                "--buckets",
+                "1,25",
+                "--hooks",
+                "allreduce,shm",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     data = json.loads((tmp_path / "scaling.json").read_text())
     assert [r["nproc"] for r in data["scaling"]] == [1, 2]
     assert data["scaling"][0]["efficiency"] == pytest.approx(1.0)
@@ -103,7 +152,10 @@ def test_scaling_small_run(tmp_path) -> None:
 
 def test_config_describe_names_what_differs() -> None:
     cfg = Config(label="x", hook="fp16", gradient_as_bucket_view=True, zero=True)
-    assert cfg.describe() == "2 proc x 1 thr, bucket 25 MB, bucket view, hook fp16 (lossy), ZeRO optimizer, glibc malloc"
+    assert (
+        cfg.describe()
+        == "2 proc x 1 thr, bucket 25 MB, bucket view, hook fp16 (lossy), ZeRO optimizer, glibc malloc"
+    )
 
 
 def test_load_note_judges_the_start_and_the_steal_not_the_runs_own_load() -> None:
@@ -111,4 +163,17 @@ def test_load_note_judges_the_start_and_the_steal_not_the_runs_own_load() -> Non
     assert "steal 1%" in quiet and "provisional" not in quiet
     assert "provisional" in report.load_note([0.2, 0, 0], [2.0, 0, 0], 2, ((1000, 10), (2000, 200)))
     assert "provisional" in report.load_note([1.5, 0, 0], [2.0, 0, 0], 2)
-    assert report.cpu_steal() is None or report.cpu_steal()[0] > 0
+
+
+def test_cpu_steal_reads_ticks_that_advance_with_work() -> None:
+    before = report.cpu_steal()
+    if not sys.platform.startswith("linux"):
+        assert before is None
+        return
+    assert before is not None
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:  # 50 ms of CPU: at least 5 ticks at USER_HZ=100
+        pass
+    after = report.cpu_steal()
+    assert after is not None and after[0] >= before[0] + 5, (before, after)
+    assert 0 <= before[1] <= after[1] <= after[0]

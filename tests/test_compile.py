@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 from conftest import REPO, run_cli
 from safetensors import safe_open
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 import ddpkit
@@ -91,6 +94,7 @@ def test_both_orders_save_clean_keys_and_resume_at_world_1(order: str, resume: s
     assert out["resumed_equal"]
 
 
+@pytest.mark.timeout(140)  # above the pool's 120 s
 @pytest.mark.parametrize(("order", "resume"), [("compile-inside", "option"), ("compile-outside", "plain")])
 def test_both_orders_save_clean_keys_and_resume_at_world_2(order: str, resume: str, tmp_path, pool2) -> None:
     ranks = pool2.run(save_train_resume, order, str(tmp_path), resume, timeout=120)
@@ -106,15 +110,26 @@ def final_weights(order: str, accumulation: int, hook: str | None) -> dict:
         model = build(s, order) if hook is None else s.model(net(), comm_hook=hook, compile=True)
         with s.join(model):  # the compiled model's DDP is found for torch's Join too
             train(s, model, steps=2 * accumulation, max_norm=0.5)
-        return {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()}
+        weights = {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()}
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        return {"weights": weights, "wrappers": [type(model).__name__, type(inner).__name__]}
 
 
+COMPILED_IN_DDP = ["DistributedDataParallel", "OptimizedModule"]  # DDP(torch.compile(net))
+
+
+@pytest.mark.timeout(560)  # above the sum of the five pool runs' own limits (540 s), which fire first
 def test_compile_option_trains_like_eager_ddp_with_accumulation_clipping_and_hooks(pool2) -> None:
     eager = pool2.run(final_weights, "plain", 2, None)[0]
     compiled = pool2.run(final_weights, "inductor", 2, None, timeout=180)
     outside = pool2.run(final_weights, "compile-outside", 2, None, timeout=120)[0]
     shm = pool2.run(final_weights, "inductor", 1, "shm", timeout=120)[0]
     shm_eager = pool2.run(final_weights, "plain", 1, None)[0]
+    assert eager["wrappers"] == ["DistributedDataParallel", "Sequential"]
+    assert compiled[0]["wrappers"] == COMPILED_IN_DDP and shm["wrappers"] == COMPILED_IN_DDP  # compiled
+    assert outside["wrappers"][0] == "OptimizedModule"  # torch.compile(DDP(net))
+    eager, shm_eager, outside, shm = (r["weights"] for r in (eager, shm_eager, outside, shm))
+    compiled = [r["weights"] for r in compiled]
     assert all(torch.equal(compiled[0][k], compiled[1][k]) for k in eager)  # replicas identical
     for got, want in ((compiled[0], eager), (outside, eager), (shm, shm_eager)):
         for k in want:  # Inductor's fused kernels round differently from eager's: a tolerance, not bits
@@ -127,9 +142,7 @@ def test_unwrap_returns_the_module_through_nested_compile_wrappers() -> None:
     assert ddpkit.unwrap(module) is module
 
 
-def test_compile_options_are_checked_and_the_cache_directory_is_shared(
-    tmp_path: Path, monkeypatch, capsys
-) -> None:
+def test_compile_options_are_checked_and_the_cache_directory_is_chosen() -> None:
     with pytest.raises(DdpkitError, match=r"keys torch.compile does not take: \['bogus'\]"):
         compiling.CompileOptions.parse({"bogus": 1})
     with pytest.raises(DdpkitError, match="neither True/False nor a dict"):
@@ -137,14 +150,52 @@ def test_compile_options_are_checked_and_the_cache_directory_is_shared(
     assert compiling.CompileOptions.parse(False) is None
     assert compiling.cache_dir({"XDG_CACHE_HOME": "/c"}) == Path("/c/ddpkit/inductor")
     assert compiling.cache_dir({"TORCHINDUCTOR_CACHE_DIR": "/mine", "XDG_CACHE_HOME": "/c"}) == Path("/mine")
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    with ddpkit.session(env={}, hardware=HW) as s:
-        s.model(net(), compile=FAST)
-    said = "compile: torch.compile(backend='aot_eager') on the module (one process: no DDP); Inductor cache"
-    assert said in capsys.readouterr().out
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "ddpkit" / "inductor")
-    assert (tmp_path / "ddpkit" / "inductor").is_dir()
+    torchs = {"TORCHINDUCTOR_CACHE_DIR": compiling.torch_default_cache_dir(), "XDG_CACHE_HOME": "/c"}
+    assert compiling.cache_dir(torchs) == Path("/c/ddpkit/inductor")  # the value torch set is not the user's
+
+
+# A fresh interpreter, as a user's script starts: nothing imported, so no earlier test can have set the
+# variable (torch sets it when torch._dynamo is first imported, inside s.model(compile=...)).
+CACHE_SCRIPT = """
+import os, sys, torch, ddpkit
+from torch import nn
+backend = sys.argv[1]
+with ddpkit.session(env={}, hardware=ddpkit.Hardware(gpus=0, cpu_cores=2)) as s:
+    torch.manual_seed(0)
+    model = s.model(nn.Sequential(nn.Linear(8, 4)), compile={"backend": backend})
+    model(torch.randn(2, 8)).sum().backward()
+    print("DURING", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+print("AFTER", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+"""
+
+
+def _fresh_process(tmp_path: Path, backend: str, **env: str) -> str:
+    full = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME")}
+    full.update(HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1", **env)
+    out = subprocess.run(
+        [sys.executable, "-c", CACHE_SCRIPT, backend], capture_output=True, text=True, env=full, timeout=100
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.mark.timeout(110)
+def test_a_fresh_process_compiles_into_ddpkits_cache_directory(tmp_path: Path) -> None:
+    out = _fresh_process(tmp_path, "inductor")
+    mine = tmp_path / "home" / ".cache" / "ddpkit" / "inductor"
+    assert f"Inductor cache {mine} (shared by the job's ranks, kept between runs)" in out, out
+    assert f"DURING {mine}" in out and "(yours)" not in out
+    assert any(p.is_file() for p in mine.rglob("*")), "Inductor wrote nothing into ddpkit's directory"
+    assert "AFTER None" in out  # put back as it was before s.model (unset: torch sets it when it needs it)
+
+
+@pytest.mark.timeout(110)
+def test_a_cache_directory_set_before_start_is_kept_and_called_the_users(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    out = _fresh_process(tmp_path, "aot_eager", TORCHINDUCTOR_CACHE_DIR=str(theirs))
+    assert f"Inductor cache {theirs} (yours)" in out and f"DURING {theirs}" in out, out
+    assert f"AFTER {theirs}" in out
+    assert not (tmp_path / "home" / ".cache" / "ddpkit").exists()
 
 
 def dataset() -> TensorDataset:
@@ -152,6 +203,7 @@ def dataset() -> TensorDataset:
     return TensorDataset(torch.randn(128, 8, generator=g), torch.randint(0, 4, (128,), generator=g))
 
 
+@pytest.mark.timeout(200)  # above the pool's 180 s, so the pool's message is the one seen
 def test_verify_compile_matches_one_eager_process(pool2) -> None:
     spec = VerifySpec(
         model=net,
@@ -171,6 +223,7 @@ def test_bench_tune_offers_compile() -> None:
     assert any(c.compile for c in configs)
 
 
+@pytest.mark.timeout(260)  # above the subprocess's 240 s
 def test_verify_compile_flag_on_the_command_line() -> None:
     args = ["--model", "test_compile:net", "--data", "test_compile:dataset", "--optimizer", "adamw"]
     args += ["--steps", "3", "--batch-size", "16", "--floor", "permuted", "--compile", "--json", "-"]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from conftest import run_cli
 
 
+@pytest.mark.timeout(260)  # above the subprocess's 240 s
 def test_demo_trains_to_95_percent_with_two_ranks(tmp_path: Path) -> None:
     done = run_cli("demo", "--out", str(tmp_path / "out"), timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

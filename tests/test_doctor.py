@@ -12,8 +12,13 @@ from ddpkit import doctor
 def _doctor(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-m", "ddpkit.doctor", *args], capture_output=True, text=True,
-                          timeout=90, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "ddpkit.doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_healthy_machine_exits_0_after_a_real_all_reduce() -> None:
@@ -43,5 +48,7 @@ def test_free_port_is_bindable() -> None:
     import socket
 
     port = doctor.free_port()
+    assert 1024 <= port <= 65535  # an unprivileged port, picked by the kernel
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", port))
+        sock.bind(("127.0.0.1", port))  # raises if the port were taken
+        assert sock.getsockname() == ("127.0.0.1", port)

@@ -79,7 +79,12 @@ def test_cifar_tutorial_cnn_20_sgd_momentum_steps_agree(pool2) -> None:
     report = verify(cifar_cnn.spec(steps=20), runner=pool_runner(pool2))
     assert report.passed, report.render()
     assert report.replicas_identical
-    assert max(r.rel_norm for r in report.tensors) < 1e-6, report.render()
+    # Stricter than verify's pass: within its floor-or-eps limit without the allowance for rare discrete
+    # events (update_fraction). The floor is calibrated in this run on this machine's kernels (3e-8 on the
+    # native AVX2 path, 1.7e-6 under ATEN_CPU_CAPABILITY=default, where a fixed 1e-6 failed).
+    tol = report.tolerance
+    bound = max(tol["floor_multiple"] * report.floor["max_rel_norm"], tol["eps_multiple"] * 1.19e-7)
+    assert max(r.rel_norm for r in report.tensors) <= bound, (bound, report.render())
     assert report.losses["single"][0] != report.losses["single"][-1], "the net trained"
 
 

@@ -41,6 +41,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.timeout(170)  # above torchrun's 150 s below
 @pytest.mark.parametrize("position", [True, False], ids=["exact", "negative-control-without-position"])
 def test_a_killed_rank_is_restarted_and_the_run_ends_like_an_uninterrupted_one(
     pool2, tmp_path: Path, position: bool
@@ -55,9 +56,11 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_like_an_uninterrupted_one(
     # Who is reported depends on who exits first: rank 1 (SIGKILL); or rank 0, whose shared-memory wait
     # names the dead peer within ~10 ms, or whose gloo all-reduce reads "Connection reset by peer" (then
     # torchrun's log may name rank 0's SIGTERM instead: it logs the exit it reaps first).
-    assert "failed (exitcode: -9) local_rank: 1" in done.stderr or (
-        "rank 1 (pid" in done.stderr and "died" in done.stderr
-    ) or "Connection reset by peer" in done.stderr, "nobody noticed that rank 1 was killed"
+    assert (
+        "failed (exitcode: -9) local_rank: 1" in done.stderr
+        or ("rank 1 (pid" in done.stderr and "died" in done.stderr)
+        or "Connection reset by peer" in done.stderr
+    ), "nobody noticed that rank 1 was killed"
     assert (out / "killed.txt").exists(), "rank 1 was not killed"
     assert "resumed from" in done.stdout and "(step 12)" in done.stdout, done.stdout
     killed_at, killed_step = (out / "killed.txt").read_text().split()
@@ -99,7 +102,8 @@ def test_a_stalled_rank_fails_the_job_within_the_timeout_and_is_named(tmp_path: 
     assert re.match(rf"ddpkit run: {culprit}.*\. Then rank 0 .* timed out", _headline(done.stderr)), (
         done.stderr
     )
-    assert elapsed < 3 + 30, f"took {elapsed:.0f} s"  # start-up (~7 s), the 3 s timeout, the report
+    # ended by the 3 s collective timeout, not by rank 1's 60 s sleep (start-up under load varies: no tight bound)
+    assert elapsed < 55, f"took {elapsed:.0f} s"
 
 
 def _headline(stderr: str) -> str:
@@ -135,9 +139,7 @@ def test_a_rank_missing_from_ddps_own_collective_is_named_first(tmp_path: Path) 
     assert re.search(rf"DdpkitError: {culprit}\n", done.stderr), done.stderr[-3000:]  # the error's first line
     assert re.match(rf"ddpkit run: {culprit}\. Then rank 0 .* timed out", _headline(done.stderr)), done.stderr
     assert re.search(r"rank 0: in DDP's forward: its bucket rebuild at \S*job.py:10 in <module>", done.stderr)
-    assert elapsed < 8 + 60, (
-        f"took {elapsed:.0f} s"
-    )  # the sleeper is stopped when rank 0 fails, not after 120 s
+    assert elapsed < 100, f"took {elapsed:.0f} s"  # the sleeper is stopped when rank 0 fails, not after 120 s
 
 
 BUDGET = """
@@ -166,7 +168,7 @@ def test_a_used_up_restart_budget_ends_with_one_report_and_no_orphans(tmp_path: 
     pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
     assert len(pids) == 4, "two attempts of two ranks"
     assert not [pid for pid in pids if _alive(pid)], "orphaned rank processes"
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 110  # rank 0 was stopped, not left in its 1800 s collective wait
 
 
 SLEEPER = """
@@ -191,13 +193,13 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
         assert len(pids) == 2, "the ranks never started"
         start = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=45)
+        _, err = proc.communicate(timeout=100)
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
     assert "ddpkit run: stopped by SIGINT; every rank was signalled and has exited." in err
     assert not [pid for pid in pids if _alive(pid)], "a rank outlived Ctrl-C"
-    assert time.monotonic() - start < 40
+    assert time.monotonic() - start < 100  # the ranks were stopped, not left in their 120 s sleep
 
 
 FINISHES = """

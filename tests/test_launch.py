@@ -170,7 +170,7 @@ def test_a_rank_that_raises_stops_the_job_promptly(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "ValueError: bad batch on rank 1" in done.stderr
     assert "rank 1" in done.stderr.splitlines()[-1]
-    assert time.monotonic() - start < 30, "the waiting rank was not stopped"
+    assert time.monotonic() - start < 80, "the waiting rank was not stopped"  # it would wait 300 s
 
 
 def test_device_override_reaches_the_script(tmp_path: Path) -> None:
@@ -217,6 +217,8 @@ def test_more_cpu_ranks_than_cores_warns_once(tmp_path: Path) -> None:
     assert "1.75-2.7x slower" in (oversubscription(2, "2", 2) or "")
     script = _script(tmp_path, PLAIN_TORCHRUN_SCRIPT)
     cores = len(os.sched_getaffinity(0))
-    done = run_cli("run", "--nproc", "2", str(script), env={"OUT_DIR": str(tmp_path), "OMP_NUM_THREADS": str(cores)})
+    done = run_cli(
+        "run", "--nproc", "2", str(script), env={"OUT_DIR": str(tmp_path), "OMP_NUM_THREADS": str(cores)}
+    )
     assert done.returncode == 0, done.stderr
     assert done.stderr.count(f"ddpkit run: warning: 2 processes x {cores} thread(s)") == 1

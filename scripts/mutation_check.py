@@ -1,0 +1,217 @@
+"""Switch each key feature off in turn and show that a test notices: the suite's tests can fail.
+
+    .venv/bin/python scripts/mutation_check.py              # every mutant, a baseline run first (~4 min)
+    .venv/bin/python scripts/mutation_check.py shm no_sync  # only these mutants
+    .venv/bin/python scripts/mutation_check.py --list       # the mutants and the tests that must catch them
+
+Each mutant is one hand-written text replacement in one ddpkit file ("call torch.compile" becomes "do
+not"), applied to a temporary copy of the repository (never the working tree), followed by a run of
+only the tests named for it. A mutant is *caught* when at least one of them fails. Every replacement
+asserts that its target text occurs exactly once, so the script stops loudly when the code moves and
+the list needs updating, rather than reporting a mutant that changed nothing as caught or missed.
+
+The baseline (the same tests on the unmodified copy) runs first: a test that fails without any
+mutation would make every mutant look caught. Exit code 0 when the baseline passes and every mutant
+is caught, 1 otherwise. docs/testing.md holds the latest table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # relative to the repository root
+    old: str  # must occur exactly once
+    new: str
+    tests: tuple[str, ...]  # pytest node ids; at least one must fail
+    what: str
+
+
+MUTANTS = [
+    Mutant(
+        "compile",
+        "ddpkit/compiling.py",
+        "compiled = torch.compile(module, **kwargs)",
+        "compiled = module",
+        (
+            "tests/test_compile.py::test_compile_option_trains_like_eager_ddp_with_accumulation_clipping_and_hooks",
+        ),
+        "s.model(compile=True) returns eager DDP",
+    ),
+    Mutant(
+        "compile-cache",
+        "ddpkit/compiling.py",
+        "if not value or os.path.abspath(value) == torch_default_cache_dir():",
+        "if not value:",
+        ("tests/test_compile.py::test_a_fresh_process_compiles_into_ddpkits_cache_directory",),
+        "torch's own /tmp cache directory taken for the user's",
+    ),
+    Mutant(
+        "shm-hook",
+        "ddpkit/comm_hooks.py",
+        "    model.register_comm_hook(state, hook)",
+        "    pass  # mutant: hook never registered",
+        ("tests/test_shm_allreduce.py::test_ddp_with_shm_hook_trains_the_same_weights_as_gloo",),
+        'comm_hook="shm" leaves gloo\'s all-reduce in place',
+    ),
+    Mutant(
+        "sharded-step",
+        "ddpkit/sharding.py",
+        "aside = [(p, p.grad) for p in self.foreign if p.grad is not None]",
+        "aside = []",
+        ("tests/test_sharding.py::test_sharded_steps_give_the_unsharded_weights_bitwise",),
+        "every rank steps every parameter (same weights, no sharding)",
+    ),
+    Mutant(
+        "no_sync",
+        "ddpkit/strategy/ddp.py",
+        "return ddp.no_sync() if ddp is not None else contextlib.nullcontext()",
+        "return contextlib.nullcontext()",
+        ("tests/test_accumulate.py::test_one_all_reduce_per_bucket_per_optimizer_step",),
+        "gradients all-reduced on every micro-batch",
+    ),
+    Mutant(
+        "syncbn-allreduce",
+        "ddpkit/syncbn.py",
+        "        out = tensor.clone(memory_format=torch.contiguous_format)\n"
+        "        dist.all_reduce(out, group=group)\n",
+        "        out = tensor.clone(memory_format=torch.contiguous_format)\n",
+        ("tests/test_syncbn.py::test_sync_batchnorm_equals_batchnorm_on_the_concatenated_batch",),
+        "SyncBatchNorm's statistics stay per rank",
+    ),
+    Mutant(
+        "set_epoch",
+        "ddpkit/data.py",
+        "            self.sampler.set_epoch(self.epoch)",
+        "            pass  # mutant: the same shuffle every epoch",
+        ("tests/test_ddp_core.py::test_each_rank_sees_a_disjoint_shard_and_the_order_changes",),
+        "the sampler's shuffle never changes between epochs",
+    ),
+    Mutant(
+        "rng-restore",
+        "ddpkit/checkpoint.py",
+        '        _set_rng_state(files.decode(tree["rng"], tensors))',
+        "        pass  # mutant: RNG states not restored",
+        ("tests/test_checkpoint.py::test_rng_streams_continue_where_they_were_saved",),
+        "s.load leaves the RNG streams where they are",
+    ),
+    Mutant(
+        "watchdog",
+        "ddpkit/lifecycle.py",
+        "_watchdog = Watchdog(store_, prefix, r.rank, r.world_size, warn_after=warn_after).start()",
+        "_watchdog = None",
+        ("tests/test_faults.py::test_a_stalled_rank_fails_the_job_within_the_timeout_and_is_named",),
+        "no watchdog: a timed-out collective is not turned into a report",
+    ),
+    Mutant(
+        "shm-mean",
+        "ddpkit/shm_allreduce.py",
+        "torch.div(part, self.world, out=slots[self.rank, :n])",
+        "slots[self.rank, :n].copy_(part)",
+        ("tests/test_shm_allreduce.py::test_ddp_with_shm_hook_trains_the_same_weights_as_gloo",),
+        "the shm all-reduce sums instead of averaging",
+    ),
+]
+
+
+def copy_repo(dest: Path) -> None:
+    """The files git knows (tracked and untracked-not-ignored), as they are in the working tree."""
+    names = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
+    for name in filter(None, names):
+        src = REPO / name
+        if src.is_file() and not src.is_symlink():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, str, float]:
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider", *tests]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return 124, "timed out", time.monotonic() - start
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+    return done.returncode, "; ".join(lines)[:300], time.monotonic() - start
+
+
+def apply(copy: Path, m: Mutant) -> str:
+    path = copy / m.file
+    text = path.read_text()
+    count = text.count(m.old)
+    if count != 1:
+        raise SystemExit(
+            f"mutant {m.name!r}: its target text occurs {count} times in {m.file} (want exactly 1); the "
+            f"code moved. Update MUTANTS in scripts/mutation_check.py. Target:\n{m.old}"
+        )
+    path.write_text(text.replace(m.old, m.new))
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run on unmodified code")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per pytest run (300)")
+    ns = parser.parse_args(argv)
+    unknown = sorted(set(ns.names) - {m.name for m in MUTANTS})
+    if unknown:
+        parser.error(f"unknown mutants {unknown}; known: {[m.name for m in MUTANTS]}")
+    chosen = [m for m in MUTANTS if not ns.names or m.name in ns.names]
+    if ns.list:
+        for m in chosen:
+            print(f"{m.name:18} {m.file:24} {m.what}\n{'':18} tests: {' '.join(m.tests)}")
+        return 0
+    rows: list[tuple[str, str, str, float]] = []
+    with tempfile.TemporaryDirectory(prefix="ddpkit-mutants-") as tmp:
+        copy = Path(tmp)
+        copy_repo(copy)
+        for m in chosen:  # every target must exist before anything runs
+            apply(copy, m)
+            (copy / m.file).write_text((REPO / m.file).read_text())
+        ok = True
+        if not ns.no_baseline:
+            tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+            rc, failed, secs = run_tests(copy, tests, ns.timeout * 2)
+            ok = rc == 0
+            verdict = "pass" if ok else f"FAIL {failed}"
+            print(f"baseline (no mutant), {len(tests)} tests: {verdict} ({secs:.0f} s)", flush=True)
+        for m in chosen:
+            original = apply(copy, m)
+            try:
+                rc, failed, secs = run_tests(copy, m.tests, ns.timeout)
+            finally:
+                (copy / m.file).write_text(original)
+            verdict = "caught" if rc == 1 else "MISSED" if rc == 0 else f"ERROR (pytest exit {rc})"
+            ok = ok and rc == 1
+            rows.append((m.name, f"{m.file}: {m.what}", verdict + (f": {failed}" if rc else ""), secs))
+            print(f"{m.name}: {verdict} ({secs:.0f} s)", flush=True)
+    print("\n| mutant | switched off | tests that fail | s |\n|---|---|---|---|")
+    for name, what, verdict, secs in rows:
+        print(f"| {name} | {what} | {verdict} | {secs:.0f} |")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
