@@ -190,3 +190,32 @@ def test_misuse_is_named() -> None:
             s.backward(loss, tokens=torch.tensor(2.0))
         with pytest.raises(DdpkitError, match="SUM of the per-token losses"):
             s.backward(net(torch.ones(2, 4)), tokens=8)
+
+
+# -- ddpkit verify names the naive per-micro-batch mean ------------------------------------------------
+def lm() -> TinyGPT:
+    return model()
+
+
+def lm_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """8 sequences of the data above, padded together: each rank's half holds its own token count."""
+    return pad(sequences()[step * 8 : (step + 1) * 8])
+
+
+def naive_token_mean(net: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(net(x).flatten(0, 1), y.flatten())  # mean over this shard's valid tokens
+
+
+@pytest.mark.numerics
+def test_verify_fails_the_naive_token_mean_and_names_it(pool2) -> None:
+    from ddpkit.verify import VerifySpec, verify
+
+    spec = VerifySpec(model=lm, batches=lm_batches, loss=naive_token_mean, steps=3, batch_size=8)
+    report = verify(spec, runner=pool2.run)
+    assert not report.passed
+    causes = [d for d in report.diagnoses if d.severity == "cause"]
+    assert [d.code for d in causes] == ["token_mean"], report.render()
+    counts = [int((y != -100).sum()) for y in lm_batches(0)[1].chunk(2)]
+    assert f"{counts[0]}, {counts[1]} valid token(s)" in causes[0].message, causes[0].message
+    assert "tokens=" in causes[0].fix
