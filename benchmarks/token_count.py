@@ -6,7 +6,7 @@
 Each rank trains the `gpt` workload's TinyGPT (4 layers, d 256, seq 128, vocab 4096) on right-padded
 sequences of random lengths, alternating steps with a mean loss (s.backward(loss)) and with a token sum
 (s.backward(loss_sum, tokens=n)), so both see the same machine load; it also times the bare all-reduce
-of one int64 (1,000 of them). Rank 0 prints medians.
+of one int64 (1,000 of them) and the rescale's multiply over the gradients. Rank 0 prints medians.
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ def _rank(reps: int, per_rank: int, accumulation: int) -> dict[str, float]:
                 s.step(opt)
             if rep >= 2:  # the first two are warm-up
                 times[mode].append(time.perf_counter() - start)
+        grads = [torch.ones_like(p) for p in net.parameters()]  # the rescale's one pass over them
+        passes = []
+        for _ in range(20):
+            start = time.perf_counter()
+            torch._foreach_mul_(grads, 1.0)
+            passes.append(time.perf_counter() - start)
         one = torch.zeros(1, dtype=torch.int64)
         s.barrier()
         start = time.perf_counter()
@@ -57,6 +63,7 @@ def _rank(reps: int, per_rank: int, accumulation: int) -> dict[str, float]:
             "mean_step_s": statistics.median(times["mean"]),
             "tokens_step_s": statistics.median(times["tokens"]),
             "allreduce_int64_s": allreduce,
+            "rescale_pass_s": statistics.median(passes),
         }
 
 
@@ -74,7 +81,10 @@ def main() -> None:
         f"{a.nproc} ranks, accumulation {a.accumulation}, {a.per_rank} x 128 tokens per micro-batch: "
         f"step {r['mean_step_s'] * 1e3:.1f} ms (mean loss) vs {r['tokens_step_s'] * 1e3:.1f} ms (token sum), "
         f"difference {extra * 1e3:+.2f} ms ({extra / r['mean_step_s']:+.1%}); one int64 all-reduce "
-        f"{r['allreduce_int64_s'] * 1e6:.0f} us ({r['allreduce_int64_s'] / r['mean_step_s']:.2%} of the step)"
+        f"{r['allreduce_int64_s'] * 1e6:.0f} us ({r['allreduce_int64_s'] / r['mean_step_s']:.2%} of the "
+        "step); "
+        f"the rescale's pass over the gradients {r['rescale_pass_s'] * 1e3:.2f} ms "
+        f"({r['rescale_pass_s'] / r['mean_step_s']:.2%})"
     )
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import ddpkit
 from ddpkit.errors import DdpkitError
 from ddpkit.precision import PrecisionPlan
-from ddpkit.verify.calibrate import deviation, floors, limit
+from ddpkit.verify.calibrate import deviation, floor_summary, floors, limit
 from ddpkit.verify.spec import Tolerance
 from ddpkit.workloads import TinyGPT
 
@@ -132,6 +132,7 @@ def test_proof_token_weighted_matches_one_process_and_the_naive_mean_does_not(po
         tokens = worst(reference["states"], floor, run(config, "tokens", pools)["states"])
         naive = worst(reference["states"], floor, run(config, "naive", pools)["states"])
         rows.append((config, tokens, naive))
+    print(f"\nnoise floor (rows permuted, padded to {SEQ}): {floor_summary(floor)}")
     print(
         "\n| ranks x accumulation | token-weighted: max rel diff | x tol | naive mean: max rel diff | x tol |"
     )
@@ -148,7 +149,8 @@ def test_proof_token_weighted_matches_one_process_and_the_naive_mean_does_not(po
 def test_fsdp_shards_take_the_same_rescale(pool2) -> None:
     reference, floor = _reference()
     fsdp = run((2, 2), "tokens", {2: pool2}, strategy="fsdp")
-    _, excess = worst(reference["states"], floor, fsdp["states"])
+    rel, excess = worst(reference["states"], floor, fsdp["states"])
+    print(f"\n| 2 x 2, FSDP | {rel:.2e} | {excess:.2g} | | |")
     assert excess <= 1, f"FSDP (2 ranks x 2) is {excess:.3g} x its tolerance"
 
 
