@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -153,3 +154,21 @@ def _power_of_two(x: float) -> float:
 def _plain(grads: list[torch.Tensor]) -> bool:
     """Plain tensors on one device (torch's fused multiply); FSDP's DTensors take the per-tensor path."""
     return all(type(g) is torch.Tensor for g in grads) and len({g.device for g in grads}) == 1
+
+
+def global_mean(s: Any, loss_sum: torch.Tensor, tokens: Count) -> torch.Tensor:
+    """For a loop without `s.backward`: the loss whose DDP-averaged gradient is the global token mean.
+
+    `loss_sum * world / N_total`, N_total all-reduced here (one collective, before backward, on every
+    rank). `ddpkit verify` uses it for losses that return `(loss_sum, tokens)`.
+    """
+    count = torch.as_tensor(tokens, dtype=torch.int64, device=s.device).reshape(1)
+    if s.distributed:
+        dist.all_reduce(count)
+    total = int(count.item())
+    if total == 0:
+        raise problem(
+            "the global batch holds no valid token on any rank (tokens=0 everywhere)",
+            "Check the labels' padding value (ignore_index) and the batches",
+        )
+    return loss_sum * (s.world_size / total)

@@ -221,3 +221,19 @@ def test_verify_fails_the_naive_token_mean_and_names_it(pool2) -> None:
     counts = [int((y != -100).sum()) for y in lm_batches(0)[1].chunk(2)]
     assert f"{counts[0]}, {counts[1]} valid token(s)" in causes[0].message, causes[0].message
     assert "tokens=" in causes[0].fix
+
+
+def token_sum(
+    net: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch
+    return F.cross_entropy(net(x).flatten(0, 1), y.flatten(), reduction="sum"), (y != -100).sum()
+
+
+@pytest.mark.numerics
+def test_verify_passes_the_token_weighted_loss(pool2) -> None:
+    from ddpkit.verify import VerifySpec, verify
+
+    spec = VerifySpec(model=lm, batches=lm_batches, loss=token_sum, steps=3, batch_size=8)
+    report = verify(spec, runner=pool2.run)
+    assert report.passed, report.render()

@@ -102,7 +102,8 @@ def _double(batch: Any) -> Any:
 def _grad(net: torch.nn.Module, loss_fn: Any, batch: Any) -> torch.Tensor:
     """The flattened gradient of the loss on `batch` (float64), the parameters' order."""
     net.zero_grad(set_to_none=True)
-    loss_fn(net, batch).backward()
+    loss = loss_fn(net, batch)
+    (loss[0] / loss[1] if isinstance(loss, tuple) else loss).backward()
     return torch.cat([
         (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().reshape(-1).cpu()
         for p in net.parameters()
