@@ -262,10 +262,16 @@ class Stepper:
         """The loss scale (fp16) and step counts, for checkpoints; save between optimizer steps, since
         the gradients of a group in progress (`pending` > 0) are not part of it."""
         scaler = self.scaler.state_dict() if self.scaler is not None else None
-        return {"scaler": scaler, "steps": self.steps, "skipped": self.skipped}
+        return {
+            "scaler": scaler,
+            "steps": self.steps,
+            "skipped": self.skipped,
+            "tokens": self.tokens.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.steps = int(state.get("steps", self.steps))
         self.skipped = int(state.get("skipped", self.skipped))
+        self.tokens.load_state_dict(state.get("tokens", {}))

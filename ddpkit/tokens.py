@@ -136,6 +136,15 @@ class TokenWeighting:
                 g.mul_(factor)
         return True
 
+    def state_dict(self) -> dict:
+        """`unit` and the last count: a resumed fp16 run then scales its first step as the original did."""
+        return {"unit": self.unit, "last_total": self.last_total, "empty_steps": self.empty_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.unit = float(state.get("unit", self.unit))
+        self.last_total = state.get("last_total", self.last_total)
+        self.empty_steps = int(state.get("empty_steps", self.empty_steps))
+
     def _world(self) -> int:
         return dist.get_world_size() if self.distributed else 1
 

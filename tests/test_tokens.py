@@ -237,3 +237,17 @@ def test_verify_passes_the_token_weighted_loss(pool2) -> None:
     spec = VerifySpec(model=lm, batches=lm_batches, loss=token_sum, steps=3, batch_size=8)
     report = verify(spec, runner=pool2.run)
     assert report.passed, report.render()
+
+
+def test_the_stepper_state_keeps_the_token_unit() -> None:
+    """Saved with s.stepper, so a resumed fp16 run scales its first step as the uninterrupted one."""
+    with ddpkit.session(seed=0, verbose=False) as s:
+        net = s.model(torch.nn.Linear(4, 3))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        s.backward(net(torch.ones(2, 4)).sum(), tokens=100)
+        s.step(opt)
+        state = s.stepper.state_dict()
+    assert state["tokens"] == {"unit": 128.0, "last_total": 100, "empty_steps": 0}
+    with ddpkit.session(seed=0, verbose=False) as s:
+        s.stepper.load_state_dict(state)
+        assert s.stepper.tokens.unit == 128.0 and s.stepper.tokens.last_total == 100
