@@ -124,3 +124,16 @@ def test_the_command_line(tmp_path) -> None:
     )  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr
     assert "scheduler" in result.stdout and "verdict: FAIL" in result.stdout
+
+
+def batch_of_step(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def test_the_default_checkpoint_of_a_batches_spec_on_one_rank() -> None:
+    """No setup: model, optimizer and s.stepper are saved; the batches follow the saved step."""
+    base = VerifySpec(model=mlp, batches=batch_of_step, optimizer="adamw", steps=4, batch_size=16)
+    report = check(ResumeSpec(spec=base, world=1, resume_world=2))
+    assert report.passed and not report.bitwise, report.render()
+    assert check(ResumeSpec(spec=base, world=1)).passed
