@@ -209,9 +209,13 @@ class Session:
         """
         return self._stepper.accumulate(model)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """`loss.backward()` with the loss divided by `accumulation` (and scaled for fp16)."""
-        self._stepper.backward(loss)
+    def backward(self, loss: torch.Tensor, *, tokens: int | torch.Tensor | None = None) -> None:
+        """`loss.backward()` with the loss divided by `accumulation` (and scaled for fp16).
+
+        `tokens=n`: `loss` is the SUM of the micro-batch's per-token losses over its n valid tokens;
+        `s.step` then makes the gradient the mean over all tokens of the global batch (`ddpkit.tokens`).
+        """
+        self._stepper.backward(loss, tokens)
 
     def step(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None) -> StepInfo:
         """After each micro-batch: on the k-th, unscale, clip to `max_norm`, step, zero_grad.

@@ -32,6 +32,7 @@ from ddpkit import sharding
 from ddpkit.errors import problem
 from ddpkit.precision import PrecisionPlan, make_scaler
 from ddpkit.strategy import Strategy
+from ddpkit.tokens import Count, TokenWeighting
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class Stepper:
         self._block: MicroBatch | None = None  # the block being run
         self._awaiting_step = False  # a block finished; s.step must come next
         self._params: list[nn.Parameter] = []
+        self.tokens = TokenWeighting(distributed=distributed, device=self.device, report=report)
 
     @property
     def pending(self) -> int:
@@ -135,7 +137,7 @@ class Stepper:
         self._micro += 1
         self._awaiting_step = True
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, tokens: Count | None = None) -> None:
         k = self.accumulation
         if self._block is None and k > 1:
             raise problem(
@@ -155,8 +157,7 @@ class Stepper:
                 f"{block.index + 1} of {k})",
                 "Remove opt.zero_grad() from the loop: s.step(opt) zeroes them after each optimizer step",
             )
-        if k > 1:
-            loss = loss / k
+        loss = self.tokens.prepare(loss, tokens, k)  # loss / k, or a token sum (ddpkit.tokens)
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         with torch.autocast(self.precision.device_type, enabled=False):  # backward runs outside autocast
@@ -183,6 +184,9 @@ class Stepper:
                 "and applies the fp16 loss scale",
             )
         self._micro = self._backwards = 0
+        if not self.tokens.settle(optimizer, accumulation=k, joining=self._in_join):
+            optimizer.zero_grad(set_to_none=True)  # no valid token on any rank: nothing to learn from
+            return StepInfo(stepped=False, skipped=True, step=self.steps)
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         norm = None
@@ -258,10 +262,16 @@ class Stepper:
         """The loss scale (fp16) and step counts, for checkpoints; save between optimizer steps, since
         the gradients of a group in progress (`pending` > 0) are not part of it."""
         scaler = self.scaler.state_dict() if self.scaler is not None else None
-        return {"scaler": scaler, "steps": self.steps, "skipped": self.skipped}
+        return {
+            "scaler": scaler,
+            "steps": self.steps,
+            "skipped": self.skipped,
+            "tokens": self.tokens.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.steps = int(state.get("steps", self.steps))
         self.skipped = int(state.get("skipped", self.skipped))
+        self.tokens.load_state_dict(state.get("tokens", {}))

@@ -5,6 +5,7 @@
     ddpkit verify --model nets:make_net --batches data:batch_of_step --loss mse --json report.json
     ddpkit verify ... --sync-batchnorm            # check the fix the diagnosis suggests
     ddpkit verify ... --compile                   # DDP + torch.compile against one eager process
+    ddpkit verify ... --resume --setup train:setup --save-at 5    # save, restart, load: all state saved?
 
 `module:function` references are imported from the current folder (or PYTHONPATH) in every process.
 Exit status: 0 when DDP matches, 1 when it does not (the report says why), 2 for a usage error.
@@ -60,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eps-multiple", type=float, default=Tolerance().eps_multiple)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for the DDP run")
     p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-': stdout only)")
+    p.add_argument(
+        "--resume", action="store_true", help="check save -> restart -> load (ddpkit.verify.resume)"
+    )
+    p.add_argument("--resume-nproc", type=int, default=None, help="--resume: ranks after the restart")
+    p.add_argument("--save-at", type=int, default=None, help="--resume: the step saved (default steps // 2)")
+    p.add_argument(
+        "--setup", default=None, help="--resume: module:function(s, model, opt, loader) -> Resumable"
+    )
     return p
 
 
@@ -102,6 +111,10 @@ def main(argv: list[str]) -> int:
     ns = build_parser().parse_args(argv)
     if os.getcwd() not in sys.path:  # `module:function` from the current folder, as `python -m` finds it
         sys.path.insert(0, os.getcwd())
+    if ns.resume:
+        from ddpkit.verify import resume
+
+        return resume.main(ns, spec_from_args(argparse.Namespace(**{**vars(ns), "nproc": max(2, ns.nproc)})))
     report = verify(spec_from_args(ns))
     if ns.json == "-":
         print(report.to_json())

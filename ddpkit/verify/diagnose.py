@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from ddpkit.verify.report import Diagnosis, Report
 from ddpkit.verify.run import Trajectory
 from ddpkit.verify.spec import VerifySpec
+from ddpkit.verify.token_mean import diagnose_token_mean
 
 Runs = Sequence[Trajectory]  # the DDP ranks' records, in rank order
 
@@ -24,7 +25,7 @@ def diagnose(
 ) -> list[Diagnosis]:
     """All the diagnoses that apply; "cause" ones explain the failure, "warning" ones are risks."""
     found: list[Diagnosis] = []
-    for rule in (_stopped, _init, _after_wrap, _data, _grad_scale, _batchnorm, _dropout):
+    for rule in (_stopped, _init, _after_wrap, _data, _grad_scale, diagnose_token_mean, _batchnorm, _dropout):
         found.extend(rule(spec, single, ranks, report))
     if not any(d.severity == "cause" for d in found):  # a drift the causes above do not already explain
         found.extend(_replicas(spec, single, ranks, report))

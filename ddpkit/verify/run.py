@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
+from ddpkit import tokens
 from ddpkit.data import to_device
 from ddpkit.errors import problem
 from ddpkit.verify.spec import VerifySpec, build_data, build_loss, build_model, build_optimizer, resolve
@@ -279,6 +280,8 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
             rng = _rng_state(s.device) if step == 1 else None
             with autocast:
                 loss = loss_fn(Chunked(model, chunks) if chunks else model, batch)
+            if isinstance(loss, tuple):  # (loss_sum, valid tokens): the global token mean (ddpkit.tokens)
+                loss = tokens.global_mean(s, *loss)
             if rng is not None:
                 out.random_forward = any(
                     not torch.equal(a, b) for a, b in zip(rng, _rng_state(s.device), strict=True)
