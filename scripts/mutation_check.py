@@ -124,6 +124,22 @@ MUTANTS = [
         ("tests/test_shm_allreduce.py::test_ddp_with_shm_hook_trains_the_same_weights_as_gloo",),
         "the shm all-reduce sums instead of averaging",
     ),
+    Mutant(
+        "token-rescale",
+        "ddpkit/tokens.py",
+        "        factor = world * unit / total",
+        "        factor = 1.0",
+        ("tests/test_tokens.py::test_proof_token_weighted_matches_one_process_and_the_naive_mean_does_not",),
+        "s.backward(loss_sum, tokens=n) leaves the summed gradients unscaled",
+    ),
+    Mutant(
+        "resume-compare",
+        "ddpkit/verify/resume_compare.py",
+        "    count = 0\n    if len(resumed) != len(full):",
+        "    return 0, None\n    if len(resumed) != len(full):",
+        ("tests/test_verify_resume.py::test_a_forgotten_scheduler_is_named",),
+        "verify --resume compares nothing",
+    ),
 ]
 
 
