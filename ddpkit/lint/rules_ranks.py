@@ -1,0 +1,225 @@
+"""Rules about what each rank does: DDP006 (saving), DDP007 (printing), DDP008 (seeds), DDP009 (devices).
+
+ddpkit's own calls are the fixes, never findings: `s.save` writes once per file (or per shard),
+`s.print` prints on global rank 0, `session(seed=...)` seeds all ranks alike and gives each rank its
+own stream after `s.model`, and `s.device` is the rank's device.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+
+from ddpkit.lint.models import model_texts
+from ddpkit.lint.rules import Rule
+from ddpkit.lint.script import Script, is_const, kwarg, last, rankish, unparse
+
+Found = Iterator[tuple[ast.AST, str]]
+_SEEDERS = ("manual_seed", "manual_seed_all", "seed_everything", "set_seed")
+_CUDA_N = re.compile(r"^cuda:\d+$")
+_GUARDS_DEVICE = re.compile(r"cuda|is_available|accelerator|gpu|device", re.IGNORECASE)
+
+
+def save_every_rank(script: Script) -> Found:
+    if not script.multi_rank:
+        return
+    for call in script.calls():
+        if script.callee(call) == "torch.save" and not script.guarded(call):
+            target = unparse(call.args[1]) if len(call.args) > 1 else "the file"
+            yield call, f"every rank writes {target} (the same file, at the same time)"
+
+
+def _looks_like_metric(node: ast.AST) -> bool:
+    for sub in ast.walk(node):
+        name = sub.id if isinstance(sub, ast.Name) else sub.attr if isinstance(sub, ast.Attribute) else ""
+        if re.search(r"loss|acc", name, re.IGNORECASE) or name == "item":
+            return True
+    return False
+
+
+def print_every_rank(script: Script) -> Found:
+    """A loss or accuracy printed by every rank, untagged: N lines, each a rank's local value that reads
+    like the global one. Prints that name their rank are deliberate and never reported."""
+    if not script.multi_rank:
+        return
+    for call in script.calls():
+        if not (isinstance(call.func, ast.Name) and call.func.id == "print"):
+            continue
+        message = ast.Tuple(elts=list(call.args), ctx=ast.Load())
+        if not _looks_like_metric(message) or rankish(message) or "getpid" in unparse(message):
+            continue
+        scope = script.scope(call)
+        if any("reduce" in script.callee(c) or "gather" in script.callee(c) for c in script.calls(scope)):
+            continue  # the value was combined over ranks first: at worst a duplicate line
+        if not script.guarded(call):
+            yield call, f"every rank prints its own `{unparse(call.args[0]) if call.args else ''}`"[:200]
+
+
+def _model_built_after(script: Script, node: ast.AST) -> ast.AST | None:
+    """The first model construction or wrap that runs after `node` (same function, or a call into
+    the file's functions that builds one)."""
+    texts = model_texts(script)
+    for call in sorted(script.calls(script.scope(node)), key=lambda c: (c.lineno, c.col_offset)):
+        if not script.after(call, node):
+            continue
+        stmt = script.parents.get(call)
+        assigned = isinstance(stmt, ast.Assign) and any(unparse(t) in texts for t in stmt.targets)
+        if (
+            script.is_wrap(call)
+            or (assigned and isinstance(call.func, ast.Name))
+            or _builds(script, call, set())
+        ):
+            return call
+    return None
+
+
+def _builds(script: Script, call: ast.Call, seen: set) -> bool:
+    for fn in script.local_callees(call):
+        if fn in seen:
+            continue
+        seen.add(fn)
+        if any(script.is_wrap(c) or _builds(script, c, seen) for c in script.calls(fn)):
+            return True
+    return False
+
+
+def seeds(script: Script) -> Found:
+    if not script.multi_rank:
+        return
+    for call in script.calls():
+        name = script.callee(call)
+        value = None
+        if last(name) in _SEEDERS or name in ("random.seed", "numpy.random.seed"):
+            value = call.args[0] if call.args else kwarg(call, "seed")
+        elif script.uses_ddpkit and name in ("ddpkit.session", "ddpkit.session.session"):
+            value = kwarg(call, "seed")
+        if value is None:
+            continue
+        if rankish(value):
+            built = _model_built_after(script, call)
+            if built is not None or name.startswith("ddpkit.session"):
+                where = (
+                    f"before the model is built (line {built.lineno})"
+                    if built is not None
+                    else "for the session"
+                )
+                yield call, f"`{unparse(call)}` differs per rank {where}"
+        elif _only_on_some_ranks(script, call):
+            yield call, f"`{unparse(call)}` runs under a rank test: the other ranks stay unseeded"
+
+
+def _only_on_some_ranks(script: Script, call: ast.Call) -> bool:
+    child: ast.AST = call
+    for a in script.ancestors(call):
+        if isinstance(a, ast.If) and child in a.body and rankish(a.test):
+            return not any(last(script.callee(c)) in _SEEDERS for s in a.orelse for c in script.calls(s))
+        if isinstance(a, ast.FunctionDef | ast.AsyncFunctionDef):
+            return False
+        child = a
+    return False
+
+
+def hard_coded_cuda(script: Script) -> Found:
+    if not script.multi_rank:
+        return
+    picks_device = any(
+        last(script.callee(c)) in ("set_device", "set_device_index", "device_index") for c in script.calls()
+    ) or script.mentions("CUDA_VISIBLE_DEVICES")
+    for call in script.calls():
+        fixed = _fixed_index(script, call)
+        if fixed:
+            yield call, f"`{fixed}` puts every rank on the same GPU"
+        elif (
+            _bare_cuda(script, call)
+            and script.wraps
+            and (script.session_names or not picks_device)
+            and not _under_device_test(script, call)
+        ):
+            why = "fails in ddpkit's CPU modes" if script.session_names else "every rank lands on cuda:0"
+            yield call, f"`{unparse(call)}` picks the current GPU: {why}"
+    for node in ast.walk(script.tree):
+        named_device = isinstance(node, ast.Assign) and any(
+            "device" in unparse(t).lower() for t in node.targets
+        )
+        if named_device and _cuda_n(node.value):
+            yield node, f"`{unparse(node)}` puts every rank on the same GPU"
+
+
+def _cuda_n(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and bool(_CUDA_N.match(node.value))
+
+
+def _fixed_index(script: Script, call: ast.Call) -> str:
+    """`.cuda(0)`, `"cuda:0"` as an argument, `torch.device("cuda", 0)`, `device_ids=[0]`."""
+    f, name = call.func, script.callee(call)
+    if (
+        isinstance(f, ast.Attribute)
+        and f.attr == "cuda"
+        and call.args
+        and isinstance(call.args[0], ast.Constant)
+    ):
+        return unparse(call)
+    if any(_cuda_n(a) for a in [*call.args, *(k.value for k in call.keywords)]):
+        return unparse(call)
+    if last(name) == "device" and len(call.args) == 2 and isinstance(call.args[1], ast.Constant):
+        return unparse(call)
+    ids = kwarg(call, "device_ids")
+    if (
+        script.is_wrap(call)
+        and isinstance(ids, ast.List)
+        and any(isinstance(e, ast.Constant) for e in ids.elts)
+    ):
+        return f"device_ids={unparse(ids)}"
+    return ""
+
+
+def _bare_cuda(script: Script, call: ast.Call) -> bool:
+    """`x.cuda()`, `x.to("cuda")`, `torch.device("cuda")`: the current GPU, whichever that is."""
+    f = call.func
+    if isinstance(f, ast.Attribute) and f.attr == "cuda" and not call.args and not call.keywords:
+        return unparse(f.value) not in ("torch", "torch.backends")
+    args = [*call.args, *(k.value for k in call.keywords if k.arg == "device")]
+    mover = (isinstance(f, ast.Attribute) and f.attr == "to") or last(script.callee(call)) == "device"
+    return mover and any(is_const(a, "cuda") for a in args)
+
+
+def _under_device_test(script: Script, node: ast.AST) -> bool:
+    return any(
+        isinstance(a, ast.If | ast.IfExp) and _GUARDS_DEVICE.search(unparse(a.test))
+        for a in script.ancestors(node)
+    )
+
+
+RULES = (
+    Rule(
+        "DDP006", "save-every-rank", "torch.save on every rank",
+        "Every rank writes the same file at the same time: torn or corrupt checkpoints, N times the I/O. "
+        "ddpkit's s.save is not reported (one writer per file, atomic).",
+        "save on global rank 0 only (`if dist.get_rank() == 0:`), or s.save(...) with ddpkit",
+        save_every_rank,
+    ),
+    Rule(
+        "DDP007", "print-every-rank", "a loss or metric printed on every rank",
+        "N lines per step, each one rank's local value that reads like the global one. Prints that name "
+        "their rank, and ddpkit's s.print, are not reported.",
+        "s.print(...) with ddpkit, or `if rank == 0:` after an all_reduce of the value",
+        print_every_rank,
+    ),
+    Rule(
+        "DDP008", "seed-per-rank", "a seed that differs per rank before the model is built, or rank 0 only",
+        "Replicas start from different weights wherever nothing broadcasts them (FSDP, "
+        "broadcast_buffers=False, tensors outside parameters and buffers), and runs do not reproduce. "
+        "A per-rank seed after wrapping (dropout, augmentation) is right and not reported.",
+        "seed every rank alike before building the model (ddpkit: session(seed=0)); add the rank later",
+        seeds,
+    ),
+    Rule(
+        "DDP009", "hard-coded-gpu", "a hard-coded GPU",
+        "`cuda:0`, `.cuda(0)` or `device_ids=[0]` put every rank on one GPU (NCCL errors, one GPU's memory "
+        "for all); a bare `.cuda()` does too when nothing selects the rank's GPU first, and in a ddpkit "
+        "script it fails on CPU ranks.",
+        "s.device with ddpkit, or torch.cuda.set_device(local_rank) and torch.device('cuda', local_rank)",
+        hard_coded_cuda,
+    ),
+)  # fmt: skip
