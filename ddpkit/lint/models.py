@@ -80,6 +80,19 @@ def optimizer_params(script: Script) -> Iterator[tuple[ast.Call, str]]:
                     yield call, unparse(sub.func.value)
 
 
+def optimizers_by_model(script: Script) -> dict[str, ast.Call]:
+    """Optimizer constructors by the text of the module they train, also under the name the module had
+    before wrapping (`opt` over `ddp_model.parameters()`, `ddp_model = DDP(model)`: also `model`)."""
+    out = {text: opt for opt, text in optimizer_params(script)}
+    for wrap in script.wraps:
+        stmt = script.parents.get(wrap)
+        if isinstance(stmt, ast.Assign) and wrap.args:
+            for t in stmt.targets:
+                if unparse(t) in out:
+                    out.setdefault(unparse(wrap.args[0]), out[unparse(t)])
+    return out
+
+
 def model_texts(script: Script) -> set[str]:
     """Texts that name a trained model: what optimizers take parameters of, and what gets wrapped."""
     out = {text for _, text in optimizer_params(script)}

@@ -5,7 +5,14 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from ddpkit.lint.models import contains_layer, model_texts, optimizer_params, origin, static_module
+from ddpkit.lint.models import (
+    contains_layer,
+    model_texts,
+    optimizer_params,
+    optimizers_by_model,
+    origin,
+    static_module,
+)
 from ddpkit.lint.rules import Rule
 from ddpkit.lint.script import Script, is_const, kwarg, last, unparse
 
@@ -121,11 +128,17 @@ def changed_after_wrap(script: Script) -> Found:
 
 def _constructs(value: ast.AST) -> bool:
     """A call that builds a module or parameter: `nn.Linear(...)`, `Parameter(...)`, `Head(...)`."""
+    while (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute)
+        and value.func.attr in ("to", "cuda")
+    ):
+        value = value.func.value  # nn.Linear(4, 4).to(device)
     return isinstance(value, ast.Call) and last(unparse(value.func))[:1].isupper()
 
 
 def cast_with_fp32_optimizer(script: Script) -> Found:
-    optimizers = {text: opt for opt, text in optimizer_params(script)}
+    optimizers = optimizers_by_model(script)
     if not optimizers:
         return
     texts = model_texts(script)

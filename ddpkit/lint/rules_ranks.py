@@ -11,7 +11,6 @@ import ast
 import re
 from collections.abc import Iterator
 
-from ddpkit.lint.models import model_texts
 from ddpkit.lint.rules import Rule
 from ddpkit.lint.script import Script, is_const, kwarg, last, rankish, unparse
 
@@ -56,35 +55,37 @@ def print_every_rank(script: Script) -> Found:
             yield call, f"every rank prints its own `{unparse(call.args[0]) if call.args else ''}`"[:200]
 
 
-def _model_built_after(script: Script, node: ast.AST) -> ast.AST | None:
-    """The first model construction or wrap that runs after `node` (same function, or a call into
-    the file's functions that builds one)."""
-    texts = model_texts(script)
+def _no_broadcast(script: Script, call: ast.Call) -> bool:
+    """A wrap that does not copy rank 0's weights: FSDP, fully_shard, s.model(..., strategy="fsdp")."""
+    if script.session_call(call, "model"):
+        strategy = kwarg(call, "strategy")
+        return strategy is not None and not is_const(strategy, "ddp")
+    return last(script.callee(call)) in ("FullyShardedDataParallel", "FSDP", "fully_shard")
+
+
+def _shard_after(script: Script, node: ast.AST) -> ast.Call | None:
+    """The first non-broadcasting wrap that runs after `node`: in its function, or inside a call
+    into the file's own functions made after it."""
     for call in sorted(script.calls(script.scope(node)), key=lambda c: (c.lineno, c.col_offset)):
-        if not script.after(call, node):
-            continue
-        stmt = script.parents.get(call)
-        assigned = isinstance(stmt, ast.Assign) and any(unparse(t) in texts for t in stmt.targets)
-        if (
-            script.is_wrap(call)
-            or (assigned and isinstance(call.func, ast.Name))
-            or _builds(script, call, set())
-        ):
+        if script.after(call, node) and (_no_broadcast(script, call) or _reaches_shard(script, call, set())):
             return call
     return None
 
 
-def _builds(script: Script, call: ast.Call, seen: set) -> bool:
+def _reaches_shard(script: Script, call: ast.Call, seen: set) -> bool:
     for fn in script.local_callees(call):
         if fn in seen:
             continue
         seen.add(fn)
-        if any(script.is_wrap(c) or _builds(script, c, seen) for c in script.calls(fn)):
+        if any(_no_broadcast(script, c) or _reaches_shard(script, c, seen) for c in script.calls(fn)):
             return True
     return False
 
 
 def seeds(script: Script) -> Found:
+    """Per-rank seeds matter where nothing copies rank 0's weights (DDP does, at wrap time, so a
+    per-rank seed before DDP(...) is harmless and not reported) and for ddpkit's session, whose seed
+    also orders the loader's shuffle, which must be the same on every rank."""
     if not script.multi_rank:
         return
     for call in script.calls():
@@ -96,15 +97,13 @@ def seeds(script: Script) -> Found:
             value = kwarg(call, "seed")
         if value is None:
             continue
-        if rankish(value):
-            built = _model_built_after(script, call)
-            if built is not None or name.startswith("ddpkit.session"):
-                where = (
-                    f"before the model is built (line {built.lineno})"
-                    if built is not None
-                    else "for the session"
-                )
-                yield call, f"`{unparse(call)}` differs per rank {where}"
+        if rankish(value) and name.startswith("ddpkit.session"):
+            yield call, f"`seed={unparse(value)}` differs per rank: different initial weights and data shards"
+        elif rankish(value):
+            shard = _shard_after(script, call)
+            if shard is not None:
+                wrap = f"`{unparse(shard.func)}` on line {shard.lineno}"
+                yield call, f"`{unparse(call)}` differs per rank, before {wrap}"
         elif _only_on_some_ranks(script, call):
             yield call, f"`{unparse(call)}` runs under a rank test: the other ranks stay unseeded"
 

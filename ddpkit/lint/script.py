@@ -271,18 +271,13 @@ class Script:
             if not isinstance(owner, ast.ClassDef):
                 return []
             return [c for c in self.calls() if isinstance(c.func, ast.Name) and c.func.id == owner.name]
-        refs: list[ast.AST] = []
-        for node in ast.walk(self.tree):
-            name = (
-                node.id
-                if isinstance(node, ast.Name)
-                else node.attr
-                if isinstance(node, ast.Attribute)
-                else None
-            )
-            if name == fn.name and isinstance(node.ctx, ast.Load):
-                refs.append(node)
-        return refs
+        method = isinstance(self.parents.get(fn), ast.ClassDef)
+        kind = ast.Attribute if method else ast.Name  # a method is reached as self.f / obj.f
+        return [
+            n
+            for n in ast.walk(self.tree)
+            if isinstance(n, kind) and (n.attr if method else n.id) == fn.name and isinstance(n.ctx, ast.Load)
+        ]
 
     # -- who runs it: every rank, or a guarded few ----------------------------------------------
     def guarded_here(self, node: ast.AST) -> bool:
