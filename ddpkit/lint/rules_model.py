@@ -158,8 +158,10 @@ def cast_with_fp32_optimizer(script: Script) -> Found:
         if model is None:
             continue
         opt = optimizers[model]
+        # Cast, then train: the optimizer is built or a backward runs after the cast. A cast after the
+        # last backward (half weights for export or inference) is not reported.
         trains_later = any(script.after(b, call) for b in script.method_calls("backward"))
-        if script.scope(opt) is script.scope(call) or trains_later:
+        if script.after(opt, call) or trains_later:
             yield (
                 call,
                 f"`{unparse(call)}` casts the weights that `{unparse(opt.func)}` (line {opt.lineno}) updates",

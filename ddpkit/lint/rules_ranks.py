@@ -206,10 +206,11 @@ RULES = (
         print_every_rank,
     ),
     Rule(
-        "DDP008", "seed-per-rank", "a seed that differs per rank before the model is built, or rank 0 only",
-        "Replicas start from different weights wherever nothing broadcasts them (FSDP, "
-        "broadcast_buffers=False, tensors outside parameters and buffers), and runs do not reproduce. "
-        "A per-rank seed after wrapping (dropout, augmentation) is right and not reported.",
+        "DDP008", "seed-per-rank", "a per-rank seed where ranks must agree, or a seed on some ranks only",
+        "FSDP/fully_shard copy no weights between ranks, so a seed that differs per rank before them gives "
+        "each rank other initial weights; ddpkit.session(seed=...) also orders the loader's shuffle, which "
+        "must agree across ranks; a seed under a rank test leaves the other ranks unseeded. A per-rank seed "
+        "before DDP(...) (which broadcasts rank 0's weights) or after wrapping is fine and not reported.",
         "seed every rank alike before building the model (ddpkit: session(seed=0)); add the rank later",
         seeds,
     ),
