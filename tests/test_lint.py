@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "lint_corpus"
 PX = "pytorch_examples/distributed"
 
-# Every real script and what it must give. imagenet/main.py's two findings are true: its non-distributed
-# multi-GPU branch uses torch.nn.DataParallel (lines 191 and 194).
+# Every real script and what it must give. The three findings are true: imagenet/main.py's
+# non-distributed multi-GPU branch uses torch.nn.DataParallel (lines 191, 194), so does timm's
+# validate.py with --num-gpu > 1 (line 269).
 REAL = {
     f"{PX}/ddp/example.py": [],
     f"{PX}/ddp-tutorial-series/multigpu.py": [],
@@ -38,6 +39,11 @@ REAL = {
     f"{PX}/FSDP/T5_training.py": [],
     "pytorch_examples/imagenet/main.py": [("DDP011", 191), ("DDP011", 194)],
     "nanogpt/train.py": [],
+    "dino/main_dino.py": [],
+    "dino/eval_linear.py": [],
+    "dino/eval_knn.py": [],
+    "timm/train.py": [],
+    "timm/validate.py": [("DDP011", 269)],
 }
 
 
@@ -103,6 +109,8 @@ SEEDS = [
     Seed("DDP009", _TORCHRUN, (("DDP(self.model, device_ids=[self.gpu_id])", "DDP(self.model, device_ids=[0])"),), "device_ids=[0]"),
     Seed("DDP010", _DDP, (("model = ToyModel().to(rank)", "model = ToyModel().to(rank).to(torch.bfloat16)"),), "torch.bfloat16"),
     Seed("DDP011", _MULTIGPU, (("self.model = DDP(model, device_ids=[gpu_id])", "self.model = torch.nn.DataParallel(model)"),), "DataParallel"),
+    Seed("DDP007", "nanogpt/train.py", (("if iter_num % log_interval == 0 and master_process:", "if iter_num % log_interval == 0:"),), "print(f\"iter"),
+    Seed("DDP009", "nanogpt/train.py", (("DDP(model, device_ids=[ddp_local_rank])", "DDP(model, device_ids=[0])"),), "device_ids=[0]"),
     Seed("DDP012", _DDP, (("DDP(model, device_ids=[rank])", "DDP(model, device_ids=[rank], find_unused_parameters=True)"),), "find_unused"),
 ]  # fmt: skip
 
@@ -340,10 +348,32 @@ def test_exclusive_branches_are_not_ordered() -> None:
         model = DDP(model)
     else:
         model.head = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     """
     )
     assert codes(source) == []
     assert codes(source.replace("    else:\n", "")) == ["DDP004"]
+
+
+def test_frozen_after_wrap_only_for_a_trained_model() -> None:
+    """DINO wraps its EMA teacher in DDP for SyncBatchNorm, then freezes it: it never back-propagates."""
+    teacher = (
+        HEAD
+        + "    teacher = DDP(Net())\n    for p in teacher.parameters():\n        p.requires_grad = False\n"
+    )
+    assert codes(teacher) == []
+    assert codes(teacher + "    opt = torch.optim.SGD(teacher.parameters(), lr=0.1)\n") == ["DDP004"]
+
+
+def test_print_made_rank_zero_only_elsewhere() -> None:
+    """Scripts that set up the group in a helper module (where DeiT/DINO make print rank-0-only) are
+    not judged on their prints."""
+    body = "    model = DDP(Net())\n    print(f'loss {loss.item()}')\n"
+    assert codes(HEAD + body) == ["DDP007"]
+    assert (
+        codes(HEAD.replace('dist.init_process_group("gloo")', "utils.init_distributed_mode(args)") + body)
+        == []
+    )
 
 
 # -- silencing, selection, the command ---------------------------------------------------------------

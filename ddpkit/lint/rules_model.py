@@ -116,8 +116,13 @@ def _change(node: ast.AST, roots: set[str], loop_vars: set[str]) -> str:
 
 
 def changed_after_wrap(script: Script) -> Found:
+    """Only for a model an optimizer trains: a wrapped copy that is never trained (DINO's EMA teacher,
+    wrapped for SyncBatchNorm, then frozen) never back-propagates, so nothing waits for its gradients."""
+    trained = optimizers_by_model(script).keys()
     for wrap in script.wraps:
         roots = _roots(script, wrap)
+        if not roots & trained:
+            continue
         later = [n for n in ast.walk(script.scope(wrap)) if hasattr(n, "lineno") and script.after(n, wrap)]
         loop_vars = {v for v in (_param_loop_var(n, roots) for n in later) if v}
         for node in later:

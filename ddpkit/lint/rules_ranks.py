@@ -40,8 +40,8 @@ def _looks_like_metric(node: ast.AST) -> bool:
 def print_every_rank(script: Script) -> Found:
     """A loss or accuracy printed by every rank, untagged: N lines, each a rank's local value that reads
     like the global one. Prints that name their rank are deliberate and never reported."""
-    if not script.multi_rank:
-        return
+    if not script.sets_up_ranks:
+        return  # the group is set up elsewhere, where print may be made rank-0-only
     for call in script.calls():
         if not (isinstance(call.func, ast.Name) and call.func.id == "print"):
             continue
@@ -122,9 +122,14 @@ def _only_on_some_ranks(script: Script, call: ast.Call) -> bool:
 def hard_coded_cuda(script: Script) -> Found:
     if not script.multi_rank:
         return
-    picks_device = any(
-        last(script.callee(c)) in ("set_device", "set_device_index", "device_index") for c in script.calls()
-    ) or script.mentions("CUDA_VISIBLE_DEVICES")
+    picks_device = (
+        any(
+            last(script.callee(c)) in ("set_device", "set_device_index", "device_index")
+            for c in script.calls()
+        )
+        or script.mentions("CUDA_VISIBLE_DEVICES")
+        or not script.sets_up_ranks
+    )  # then maybe set elsewhere
     for call in script.calls():
         fixed = _fixed_index(script, call)
         if fixed:

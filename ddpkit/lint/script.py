@@ -18,6 +18,7 @@ FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 # Identifiers that make a condition (or a message) rank-dependent: `if rank == 0`, `if s.is_main`.
 _RANKISH = re.compile(r"rank|is_main|main_process|master|leader|is_primary|chief|is_first", re.IGNORECASE)
+_INDEXISH = re.compile(r"gpu|device|proc|node|local|global|worker", re.IGNORECASE)
 WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "FSDP")
 _SPAWNERS = ("multiprocessing.spawn", "mp.spawn", "start_processes", "ddpkit.spawn", "Process")
 _MULTI_RANK_MARKS = (
@@ -55,14 +56,14 @@ def rankish(node: ast.AST) -> bool:
 
 
 def rank_test(test: ast.expr) -> bool:
-    """A condition that runs its branch on some ranks only: it mentions a rank, or compares a plain
-    variable or call with 0 (`self.gpu_id == 0`; not `epoch % k == 0`)."""
+    """A condition that runs its branch on some ranks only: it mentions a rank, or compares a
+    process index with 0 (`self.gpu_id == 0`, `device_id == 0`; not `iter_num == 0`)."""
     if rankish(test):
         return True
     for sub in ast.walk(test):
         if (
             isinstance(sub, ast.Compare)
-            and isinstance(sub.left, ast.Name | ast.Attribute | ast.Call)
+            and _INDEXISH.search(unparse(sub.left))
             and any(isinstance(op, ast.Eq | ast.NotEq) for op in sub.ops)
             and any(is_const(c, 0) for c in sub.comparators)
         ):
@@ -136,6 +137,15 @@ class Script:
         """Written to run on several ranks: DDP/FSDP, a process group, a DistributedSampler, ddpkit."""
         names = {self.callee(c) for c in self.calls()} | set(self.aliases.values())
         return any(mark in n for n in names for mark in _MULTI_RANK_MARKS)
+
+    @cached_property
+    def sets_up_ranks(self) -> bool:
+        """The process group is set up in this very file (init_process_group, a ddpkit session or
+        spawn), so what this file does not do before training is not done elsewhere either; and
+        `print` is not replaced by a rank-0-only one (the `builtins.print` idiom of DeiT/DINO/DETR)."""
+        setup = ("init_process_group", "ddpkit.session", "ddpkit.spawn")
+        here = any(self.callee(c).endswith(setup) for c in self.calls()) or bool(self.session_names)
+        return here and not self.mentions("builtins")
 
     @cached_property
     def session_names(self) -> set[str]:
