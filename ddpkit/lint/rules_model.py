@@ -190,9 +190,10 @@ def unused_parameters_flag(script: Script) -> Found:
 RULES = (
     Rule(
         "DDP001", "optimizer-before-wrap", "optimizer built before the model is sharded/prepared",
-        "FSDP, fully_shard, to_empty and ddpkit's s.model (with FSDP, or its sharded step) replace or "
-        "re-register parameters, so an optimizer built earlier updates tensors the model no longer uses. "
-        "DDP(...) and .to()/.cuda() keep the Parameter objects, so they are not reported.",
+        "fully_shard/FSDP replace the parameters by sharded ones (measured: the optimizer's step then "
+        "leaves the weights unchanged), to_empty allocates new ones, and ddpkit's s.model may do either "
+        "(strategy='fsdp'); ddpkit documents: build the optimizer after s.model. DDP(...) and .to()/.cuda() "
+        "keep the Parameter objects (measured), so they are not reported.",
         "build the optimizer after wrapping, from the wrapped model's parameters",
         optimizer_before_wrap,
     ),
@@ -205,9 +206,10 @@ RULES = (
     ),
     Rule(
         "DDP004", "changed-after-wrap", "parameters replaced or frozen after wrapping",
-        "DDP registers the parameters that need gradients when it wraps: a layer replaced afterwards is "
-        "never averaged (replicas drift apart silently), a parameter frozen afterwards is waited for "
-        "forever (an error about unfinished reduction, or a hang).",
+        "DDP registers the parameters that need gradients when it wraps. A parameter frozen or a layer "
+        "replaced afterwards stops the next step with 'Expected to have finished reduction in the prior "
+        "iteration'; with find_unused_parameters=True the new layer is silently never averaged and the "
+        "replicas drift apart (both measured on 2 gloo ranks, docs/lint.md).",
         "replace layers and set requires_grad before s.model(...)/DDP(...), or wrap again afterwards",
         changed_after_wrap,
     ),
