@@ -407,3 +407,19 @@ def test_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert all(r.code in listing for r in all_rules())
     with pytest.raises(SystemExit):
         ddpkit_main(["lint", "--select", "XYZ9", str(bad)])
+
+
+def test_doctor_runs_lint_on_a_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from ddpkit import doctor
+
+    bad = tmp_path / "train.py"
+    bad.write_text(textwrap.dedent(SAVE.format(comment="")))
+    assert doctor.main(["--no-smoke", "--script", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^FAIL  .*train\.py:\d+:\d+: DDP006 ", out, flags=re.M) and "NOT healthy" in out
+    doctor.main(["--no-smoke", "--json", "--script", str(bad)])
+    assert [line.split(": ")[1].split()[0] for line in json.loads(capsys.readouterr().out)["lint"]] == [
+        "DDP006"
+    ]
