@@ -248,6 +248,7 @@ def test_summed_loss_only_when_it_is_backpropagated() -> None:
     """
     )
     assert codes(criterion) == ["DDP003"]
+    assert codes(criterion.replace("    loss.backward()", "    loss /= len(y)\n    loss.backward()")) == []
 
 
 @pytest.mark.parametrize(
@@ -423,3 +424,32 @@ def test_doctor_runs_lint_on_a_script(tmp_path: Path, capsys: pytest.CaptureFixt
     assert [line.split(": ")[1].split()[0] for line in json.loads(capsys.readouterr().out)["lint"]] == [
         "DDP006"
     ]
+
+
+def test_a_file_per_rank_a_gpu_only_function_and_a_single_pass_are_not_traps() -> None:
+    """Found by running the linter over ddpkit's own tests and tools."""
+    per_rank = HEAD + "    model = DDP(Net())\n    torch.save(model.state_dict(), f'out/rank{rank}.pt')\n"
+    assert codes(per_rank) == []
+    gpu_only = (
+        HEAD
+        + "    torch.cuda.set_device(rank)\n    def check():\n        cuda_only()\n        return DDP(Net().cuda())\n"
+    )
+    assert codes(gpu_only.replace("    torch.cuda.set_device(rank)\n", "")) == []
+    assert codes(
+        gpu_only.replace("    torch.cuda.set_device(rank)\n", "").replace("        cuda_only()\n", "")
+    ) == ["DDP009"]
+    sampler = (
+        HEAD
+        + """
+    model = DDP(Net())
+    sampler = DistributedSampler(data, shuffle=True)
+    for x, y in DataLoader(data, sampler=sampler):
+        F.mse_loss(model(x), y).backward()
+    """
+    )
+    assert codes(sampler) == []
+    assert codes(
+        sampler.replace("    for x, y", "    for epoch in range(3):\n      for x, y").replace(
+            "        F.", "          F."
+        )
+    ) == ["DDP005"]

@@ -107,11 +107,19 @@ def sampler_without_epoch(script: Script) -> Found:
         return
     trains_here = any(True for _ in _backward_targets(script))
     for call in script.calls():
-        if last(script.callee(call)) != "DistributedSampler" or not trains_here:
+        if last(script.callee(call)) != "DistributedSampler" or not trains_here or not _epoch_loop(script):
             continue
         shuffle = kwarg(call, "shuffle")
         if shuffle is None or is_const(shuffle, True):
             yield call, "no `set_epoch(epoch)` in this script: every epoch repeats the first epoch's order"
+
+
+def _epoch_loop(script: Script) -> bool:
+    """The file loops over epochs (`for epoch in ...`, `range(args.epochs)`): one pass needs no set_epoch."""
+    return any(
+        isinstance(n, ast.For) and "epoch" in (unparse(n.target) + unparse(n.iter)).lower()
+        for n in ast.walk(script.tree)
+    )
 
 
 RULES = (

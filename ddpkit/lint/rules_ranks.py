@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterator
 
 from ddpkit.lint.rules import Rule
-from ddpkit.lint.script import Script, is_const, kwarg, last, rankish, unparse
+from ddpkit.lint.script import Script, exits, is_const, kwarg, last, rankish, unparse
 
 Found = Iterator[tuple[ast.AST, str]]
 _SEEDERS = ("manual_seed", "manual_seed_all", "seed_everything", "set_seed")
@@ -24,9 +24,11 @@ def save_every_rank(script: Script) -> Found:
     if not script.multi_rank:
         return
     for call in script.calls():
-        if script.callee(call) == "torch.save" and not script.guarded(call):
-            target = unparse(call.args[1]) if len(call.args) > 1 else "the file"
-            yield call, f"every rank writes {target} (the same file, at the same time)"
+        target = call.args[1] if len(call.args) > 1 else kwarg(call, "f")
+        if script.callee(call) != "torch.save" or (target is not None and rankish(target)):
+            continue  # a file per rank (`f"rank{rank}.pt"`) is no race
+        if not script.guarded(call):
+            yield call, f"every rank writes {unparse(target) or 'the file'} (the same file, at the same time)"
 
 
 def _looks_like_metric(node: ast.AST) -> bool:
@@ -189,10 +191,25 @@ def _bare_cuda(script: Script, call: ast.Call) -> bool:
 
 
 def _under_device_test(script: Script, node: ast.AST) -> bool:
-    return any(
+    """Runs only with a GPU: under `if torch.cuda.is_available():`, or after `assert ...cuda...`,
+    `if not ...cuda...: return/raise` or a `cuda_only()`-like call at the top of its function."""
+    if any(
         isinstance(a, ast.If | ast.IfExp) and _GUARDS_DEVICE.search(unparse(a.test))
         for a in script.ancestors(node)
-    )
+    ):
+        return True
+    scope = script.scope(node)
+    for stmt in getattr(scope, "body", []):
+        if stmt.lineno >= node.lineno:
+            break
+        if isinstance(stmt, ast.Assert) and _GUARDS_DEVICE.search(unparse(stmt.test)):
+            return True
+        if isinstance(stmt, ast.If) and _GUARDS_DEVICE.search(unparse(stmt.test)) and exits(stmt.body):
+            return True
+        call = stmt.value if isinstance(stmt, ast.Expr) else None
+        if isinstance(call, ast.Call) and re.search(r"cuda|gpu", last(script.callee(call)), re.IGNORECASE):
+            return True
+    return False
 
 
 RULES = (

@@ -50,7 +50,7 @@ def rankish(node: ast.AST) -> bool:
             return True
         if isinstance(sub, ast.Attribute) and _RANKISH.search(sub.attr):
             return True
-        if isinstance(sub, ast.Constant) and isinstance(sub.value, str) and "RANK" in sub.value:
+        if isinstance(sub, ast.Constant) and isinstance(sub.value, str) and "rank" in sub.value.lower():
             return True
     return False
 
@@ -240,17 +240,21 @@ class Script:
         )
 
     def last_assignment(self, name: str, before: ast.AST) -> ast.expr | None:
-        """The value most recently assigned to `name` (a name or `self.x`) before `before`, same scope."""
-        best: ast.Assign | None = None
+        """The value most recently assigned to `name` (a name or `self.x`) before `before`, same scope;
+        `loss /= n` reads as `loss / n`."""
+        best: ast.Assign | ast.AugAssign | None = None
         for node in ast.walk(self.scope(before)):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
             if (
-                isinstance(node, ast.Assign)
-                and any(unparse(t) == name for t in node.targets)
+                isinstance(node, ast.Assign | ast.AugAssign)
+                and any(unparse(t) == name for t in targets)
                 and self.scope(node) is self.scope(before)
                 and node.lineno < before.lineno
                 and (best is None or node.lineno > best.lineno)
             ):
                 best = node
+        if isinstance(best, ast.AugAssign):
+            return ast.copy_location(ast.BinOp(left=best.target, op=best.op, right=best.value), best)
         return best.value if best else None
 
     # -- functions and classes ------------------------------------------------------------------
@@ -305,7 +309,7 @@ class Script:
             body = self._block_of(a, child)
             if body is not None:
                 for stmt in body[: body.index(child)]:
-                    if isinstance(stmt, ast.If) and rank_test(stmt.test) and _exits(stmt.body):
+                    if isinstance(stmt, ast.If) and rank_test(stmt.test) and exits(stmt.body):
                         return True
             if isinstance(a, (*FUNCTIONS, ast.Lambda)):
                 return False
@@ -345,5 +349,5 @@ class Script:
         return self.guarded_here(ref)  # passed along (mp.spawn(fn), a callback): runs on every rank
 
 
-def _exits(body: list[ast.stmt]) -> bool:
+def exits(body: list[ast.stmt]) -> bool:
     return bool(body) and isinstance(body[-1], ast.Return | ast.Raise | ast.Continue | ast.Break)
