@@ -22,6 +22,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "bench": ("ddpkit.bench.cli", "collectives, scaling and tuning benchmarks"),
     "trace": ("ddpkit.trace", "per-rank timeline of forward, backward, buckets and all-reduce"),
     "plan": ("ddpkit.plan.cli", "predict step time and efficiency at N devices from one device's profile"),
+    "lint": ("ddpkit.lint.cli", "find DDP traps in training scripts, without running them"),
 }
 
 

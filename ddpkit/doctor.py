@@ -2,6 +2,7 @@
 
     ddpkit doctor            # the report; exit code 0 only when healthy
     ddpkit doctor --json     # the same facts as JSON, to paste into a bug report
+    ddpkit doctor --script train.py   # also `ddpkit lint train.py`: its findings count as FAIL lines
 
 Readable in ten seconds: one line per fact, `ok` / `FAIL` / `note` in front. Healthy means: a process
 group backend is available, `auto` resolves to a plan without error, a free port can be bound, and two
@@ -194,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the facts as JSON")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds for the smoke test")
     p.add_argument("--no-smoke", action="store_true", help="skip the 2-process all-reduce")
+    p.add_argument("--script", nargs="+", default=[], help="also check training scripts (ddpkit lint)")
     ns = p.parse_args(argv)
     f = facts(dict(os.environ))
     try:
@@ -208,6 +210,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif len(f["gpus"]) == 1:  # NCCL needs 2 GPUs; CUDA tensors over gloo, 2 ranks on cuda:0
             smoke.append(("gloo, 2 ranks sharing cuda:0", *smoke_test("cuda", 2, ns.timeout, share_gpu=True)))
     lines, healthy = report(f, smoke, port)
+    if ns.script:  # static checks of the user's scripts, `ddpkit lint`: findings are FAIL lines
+        from ddpkit.lint import lint_paths
+
+        f["lint"] = [x.render() for group in lint_paths(ns.script) for x in group]
+        lines[-1:-1] = [f"FAIL  {x}" for x in f["lint"]] or [
+            f"ok    lint: no finding in {' '.join(ns.script)}"
+        ]
+        healthy &= not f["lint"]
+        lines[-1] = "healthy" if healthy else "NOT healthy: see the FAIL lines above"
     if ns.json:
         f.update(free_port=port, healthy=healthy)
         f["smoke"] = [{"name": n, "ok": ok, "detail": d} for n, ok, d in smoke]
