@@ -5,11 +5,15 @@
 
 Per rank, counted from the tensors themselves (FSDP's DTensors by their local shard): parameter bytes,
 gradient bytes (after the backward of a step, before the optimizer zeroes them), optimizer-state bytes
-(after the step), their sum as "model state", and the process's peak RSS (everything: torch, buffers,
-activations, the all-gather of a block). Step time: the median of `--steps` timed steps after one
-warm-up step, wall clock on rank 0 between barriers. Each mode runs in its own processes.
+(after the step), their sum as "model state"; and each rank's PEAK memory from process start: its peak
+RSS (`ru_maxrss`: torch itself, buffers, activations, a block's all-gather, the allocator's cache) on
+CPU ranks, `torch.cuda.max_memory_allocated` on GPU ranks. Ranks start fresh ("spawn"), so the peak
+is the rank's own. FSDP builds the model from the workload's factory (`s.model(workload.build)`), so
+no rank holds it whole; DDP and the sharded step build it whole, as a user would. Step time: the median
+of `--steps` timed steps after one warm-up step, wall clock on rank 0 between barriers. Each mode runs
+in its own processes.
 
-Goal (issue 13): FSDP's model state per rank <= 0.55x DDP's at 2 ranks, <= 0.3x at 4.
+Goals (issue 21): FSDP's peak per rank <= 0.6x DDP's at 2 ranks, <= 0.45x at 4.
 """
 
 from __future__ import annotations
@@ -36,12 +40,19 @@ def _bytes(t: torch.Tensor | None) -> int:
     return local.numel() * local.element_size()
 
 
+def _peak(device: torch.device) -> int:
+    """This rank's peak memory since it started: RSS on a CPU rank, allocated bytes on a GPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _rank(workload_name: str, mode: str, steps: int) -> dict:
     workload = workloads.load(workload_name)
     shard = mode == "sharded-step"
     strategy = "fsdp" if mode == "fsdp" else "ddp"
     with ddpkit.session(seed=0, verbose=False, shard_optimizer=shard, strategy=strategy) as s:
-        model: nn.Module = s.model(workload.build())
+        model: nn.Module = s.model(workload.build if strategy == "fsdp" else workload.build())
         opt = workload.optimizer(model.parameters())
         loader = s.loader(workload.dataset(batches=steps + 1), batch_size=workload.global_batch)
         grads, times = 0, []
@@ -60,7 +71,7 @@ def _rank(workload_name: str, mode: str, steps: int) -> dict:
         state = sum(_bytes(v) for v in tensors)
         return {
             "params": params, "grads": grads, "optimizer": state, "model_state": params + grads + state,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak": _peak(s.device),
             "step_s": statistics.median(times) if times else float("nan"),
         }  # fmt: skip
 
@@ -77,19 +88,21 @@ def main() -> None:
         for mode in MODES:
             ranks = ddpkit.spawn(_rank, nproc, (ns.workload, mode, ns.steps), threads=1, timeout=600)
             worst = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the most loaded rank
-            rows.append({"nproc": nproc, "mode": mode, **worst, "step_s": ranks[0]["step_s"]})
+            rows.append({"nproc": nproc, "mode": mode, **worst, "step_s": ranks[0]["step_s"],
+                         "peaks": [r["peak"] for r in ranks]})  # fmt: skip
     mib = 2**20
     print(f"{ns.workload}: per-rank bytes (largest rank), MiB; model state = parameters + gradients + "
-          "optimizer state")  # fmt: skip
-    print("| ranks | mode | parameters | gradients | optimizer state | model state | x DDP | peak RSS "
-          "| step (s) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "optimizer state; peak = each rank's peak RSS from process start (GPU: max allocated)")  # fmt: skip
+    print("| ranks | mode | parameters | gradients | optimizer state | model state | x DDP | peak per rank "
+          "| peak x DDP | step (s) | step x DDP |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ddp = next(r for r in rows if r["nproc"] == row["nproc"] and r["mode"] == "ddp")
+        peaks = " / ".join(f"{p / mib:.0f}" for p in row["peaks"])
         print(f"| {row['nproc']} | {row['mode']} | {row['params'] / mib:.1f} | {row['grads'] / mib:.1f} | "
               f"{row['optimizer'] / mib:.1f} | {row['model_state'] / mib:.1f} | "
-              f"{row['model_state'] / ddp['model_state']:.2f} | {row['peak_rss'] / mib:.0f} | "
-              f"{row['step_s']:.3f} |")  # fmt: skip
+              f"{row['model_state'] / ddp['model_state']:.2f} | {peaks} | {row['peak'] / ddp['peak']:.2f} | "
+              f"{row['step_s']:.3f} | {row['step_s'] / ddp['step_s']:.2f} |")  # fmt: skip
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -20,7 +20,7 @@ import contextlib
 import os
 import random
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,7 +37,7 @@ from ddpkit.errors import problem
 from ddpkit.lifecycle import Limits
 from ddpkit.precision import PrecisionPlan, resolve_precision
 from ddpkit.stepping import MicroBatch, StepInfo, Stepper
-from ddpkit.strategy import FSDPOptions, Strategy
+from ddpkit.strategy import FSDPOptions, Strategy, rank_memory
 from ddpkit.wrap import DDPOptions
 
 
@@ -261,7 +261,7 @@ class Session:
     # -- building blocks ------------------------------------------------------------------------
     def model(
         self,
-        module: nn.Module,
+        module: nn.Module | Callable[[], nn.Module],
         *,
         strategy: str | FSDPOptions | None = None,
         sync_batchnorm: bool = False,
@@ -275,6 +275,9 @@ class Session:
         compile: bool | Mapping[str, Any] = False,
     ) -> nn.Module:
         """Move `module` to the device and prepare it for data-parallel training.
+
+        `module` may be a factory (the class, or `lambda: Net(cfg)`): under FSDP, no rank then ever
+        holds the whole model (`ddpkit.strategy.fsdp_init`); otherwise it is simply called.
 
         `strategy` (default: the session's, "auto"): "ddp" replicates the model and wraps it in DDP,
         which copies global rank 0's weights to every rank here, once; "fsdp" shards parameters,
@@ -293,8 +296,6 @@ class Session:
             gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers,
         )
-        if self.device.type == "cpu":
-            cpu_allocator.fit_to(module)  # keep memory between steps only where the model gains from it
         chosen = strategies.make(
             self.strategy_choice if strategy is None else strategy,
             self,
@@ -310,6 +311,12 @@ class Session:
                 f"{chosen.name!r} was asked for",
                 "Use one strategy per session (pass strategy= to ddpkit.session)",
             )
+        if not isinstance(module, nn.Module):  # a factory: under FSDP, built shard by shard
+            module = chosen.build(module) if isinstance(chosen, strategies.FSDP) else module()
+        sharded_step = chosen.allows_sharded_step and self._stepper.shard is not False
+        rank_memory.check_replicated(chosen, module, self.world_size, sharded_step=sharded_step)
+        if self.device.type == "cpu" and not chosen.shards_state:  # FSDP: kept blocks would cost its peak
+            cpu_allocator.fit_to(module)  # keep memory between steps only where the model gains from it
         compiler = compiling.CompileOptions.parse(compile)
         if compiler is None:
             model = chosen.wrap(module, self.device)

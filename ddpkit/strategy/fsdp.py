@@ -22,7 +22,7 @@ identical on every rank. `ddpkit.sharding` does not apply: the optimizer state i
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from torch import nn
 
 from ddpkit.collectives import Ranks, same_everywhere
 from ddpkit.errors import problem
+from ddpkit.strategy import fsdp_init, rank_memory
 from ddpkit.strategy.base import Strategy
 
 
@@ -85,6 +86,17 @@ class FSDP(Strategy):
         self.ranks = ranks
         self.precision = precision
         self.units: list[str] = []
+        self._built: dict[int, fsdp_init.Shards] = {}  # modules `build` made, until `wrap` takes them
+
+    def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
+        """Run the model factory on the meta device, keeping this rank's shards of its initial weights
+        (`ddpkit.strategy.fsdp_init`); `wrap` then shards the meta module and fills the shards."""
+        module, shards, peak = fsdp_init.build(factory, dist.get_rank(), dist.get_world_size())
+        self._built[id(module)] = shards
+        name = type(module).__name__
+        self.notes.append(f"FSDP2: built {name} shard by shard (at most {peak / 2**20:.0f} MiB of full "
+                          "tensors at once)")  # fmt: skip
+        return module
 
     def describe(self) -> str:
         return "FSDP2 (fully_shard)"
@@ -97,8 +109,21 @@ class FSDP(Strategy):
         if is_fsdp(module):
             raise problem("the model is already sharded with fully_shard",
                           "Pass the plain nn.Module; ddpkit shards it")  # fmt: skip
-        module = module.to(device)
-        check_identical(module, self.ranks)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        shards = self._built.pop(id(module), None)
+        if shards is None:
+            if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+                raise problem(
+                    f"the {type(module).__name__} was built on the meta device: its initial weights were "
+                    "never drawn, so ddpkit cannot give the shards the values one process would have",
+                    "Pass the class or a function that builds it, e.g. s.model(Net, strategy='fsdp') or "
+                    "s.model(lambda: Net(cfg)); ddpkit builds it shard by shard",
+                )
+            shards = fsdp_init.cut(module, rank, world)  # a model built whole: keep our chunks, free the rest
+        check_identical(shards, self.ranks)
+        if device.type == "cpu" and rank_memory.return_freed_blocks():
+            self.notes.append("FSDP2 on CPU: freed blocks of 1 MiB or more go back to the kernel (peak memory"
+                              " follows the live shards; see ddpkit.strategy.rank_memory)")  # fmt: skip
         opts = self.options
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         mp = MixedPrecisionPolicy()
@@ -114,7 +139,8 @@ class FSDP(Strategy):
         for name in self._choose_units(module):
             fully_shard(module.get_submodule(name), **kwargs)
         fully_shard(module, **kwargs)
-        total, world = sum(p.numel() for p in module.parameters()), dist.get_world_size()
+        fsdp_init.fill(module, shards, device)  # only this rank's shards are ever allocated on the device
+        total = sum(p.numel() for p in module.parameters())
         self.notes.append(
             f"FSDP2: {len(self.units)} block(s) sharded on their own + the root, over {world} ranks "
             f"({total / 1e6:.1f}M parameters, about {total / world / 1e6:.1f}M per rank)"
@@ -217,21 +243,12 @@ class FSDP(Strategy):
             set_optimizer_state_dict(model, opt, state[name])
 
 
-def checksums(module: nn.Module) -> tuple[list[str], torch.Tensor]:
-    """An exact integer checksum of each parameter and buffer: its bits summed as integers."""
-    names, sums = [], []
-    views = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    with torch.no_grad():
-        for name, t in [*module.named_parameters(), *module.named_buffers()]:
-            bits = t.detach().contiguous().view(views[t.element_size()]).reshape(-1)
-            names.append(name)
-            sums.append(int(bits.sum(dtype=torch.int64)) + 31 * int(bits[::7].sum(dtype=torch.int64)))
-    return names, torch.tensor(sums, dtype=torch.int64)
+def check_identical(shards: fsdp_init.Shards, ranks: Ranks) -> None:
+    """Stop before sharding when the ranks built different weights (FSDP2 does not broadcast them).
 
-
-def check_identical(module: nn.Module, ranks: Ranks) -> None:
-    """Stop before sharding when the ranks built different weights (FSDP2 does not broadcast them)."""
-    names, sums = checksums(module)
+    Each rank checksummed every full tensor while it briefly held it (built or cut one at a time), so
+    one all-reduce of a vector of integers compares them all without any rank holding the model."""
+    names, sums = shards.checksums()
     agree = same_everywhere(ranks, sums)
     if bool(agree.all()):
         return

@@ -1,0 +1,61 @@
+"""One rank of the memory-limit proof (tests/test_memory_limit.py): a 222M-parameter MLP (848 MiB of
+weights, 3.3 GiB of training state with AdamW) trained for a few steps under torchrun.
+
+    DDPKIT_TEST_CGROUP=/sys/fs/cgroup/memory/.../ddpkit-limit torchrun --nproc-per-node 4 \\
+        tests/memory_limit_rank.py fsdp OUT_DIR
+
+Before importing torch, the rank moves itself into `$DDPKIT_TEST_CGROUP/rank<LOCAL_RANK>` (a cgroup
+with a memory limit), so the kernel, not an assertion, enforces the limit on it. It writes
+OUT_DIR/rank<r>.json with its peak RSS when it finishes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+_cgroup = os.environ.get("DDPKIT_TEST_CGROUP")
+if _cgroup:  # first thing: everything the rank allocates from here on counts against its limit
+    Path(_cgroup, f"rank{os.environ['LOCAL_RANK']}", "cgroup.procs").write_text(str(os.getpid()))
+
+import itertools  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import ddpkit  # noqa: E402
+
+WIDTHS = (1024, *[4096] * 14, 10)  # 222M parameters; each 4096x4096 layer (64 MiB) one FSDP unit
+
+
+def build() -> nn.Module:
+    layers: list[nn.Module] = []
+    for a, b in itertools.pairwise(WIDTHS):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def main(strategy: str, out: str, steps: int = 2) -> None:
+    with ddpkit.session(seed=0, strategy=strategy) as s:
+        model = s.model(build)  # the factory: under FSDP no rank ever holds the whole model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        g = torch.Generator().manual_seed(s.rank)
+        losses = []
+        for _ in range(steps):
+            x, y = torch.randn(8, WIDTHS[0], generator=g), torch.randint(0, WIDTHS[-1], (8,), generator=g)
+            with s.accumulate(model):
+                loss = F.cross_entropy(model(x), y)
+                s.backward(loss)
+            s.step(opt)
+            losses.append(float(s.all_reduce(loss.detach(), op="mean")))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        Path(out, f"rank{s.rank}.json").write_text(json.dumps({"peak_rss": peak, "losses": losses}))
+        s.print(f"trained {steps} steps under {s.strategy.describe()}: losses {losses}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,77 @@
+"""Issue 21, item 1: FSDP builds the model shard by shard, and the shards are one process's weights.
+
+`s.model(Net, strategy="fsdp")` runs the constructor on the meta device and gives each tensor its
+values one at a time (`ddpkit.strategy.fsdp_init`); each rank keeps only its chunk. The tests gather
+the shards once and compare them with `torch.manual_seed(0); Net()` built in the same process: the same
+CPU kernels on the same generator stream, so equal bit for bit by construction (no tolerance).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fsdp_init_ranks import different_seeds_factory, export_streamed, initial, meta_module, trains
+
+from ddpkit.strategy import fsdp_init
+
+
+def _differ(a: dict, b: dict) -> list[str]:
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("factory", ["net", "mixed"])
+def test_factory_built_shards_are_one_process_initial_weights(pool2, pool3, world: int, factory: str) -> None:
+    results = (pool2 if world == 2 else pool3).run(initial, factory, factory == "net")
+    for rank, r in enumerate(results):
+        assert _differ(r["fsdp"], r["one"]) == [], f"rank {rank} of {world}: initial weights differ"
+        assert r["local"] <= r["total"] // world + 64, f"rank {rank} holds more than its share"
+
+
+def test_a_model_built_whole_is_cut_into_the_same_shards(pool3) -> None:
+    for r in pool3.run(initial, "mixed", False, True):
+        assert _differ(r["fsdp"], r["one"]) == []
+
+
+def test_factory_built_model_trains_in_step(pool2) -> None:
+    losses = pool2.run(trains)
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+    assert losses[0][-1] < losses[0][0]
+
+
+def test_ranks_that_draw_different_weights_are_a_clear_error(pool2) -> None:
+    for message in pool2.run(different_seeds_factory):
+        assert "different initial weights" in message and "seed" in message
+
+
+def test_a_meta_module_without_its_factory_is_a_clear_error(pool2) -> None:
+    for message in pool2.run(meta_module):
+        assert "meta device" in message and "s.model(Net" in message
+
+
+def test_build_holds_about_one_full_tensor_at_a_time() -> None:
+    from ddpkit import workloads
+
+    torch.manual_seed(0)
+    workloads.load("mlp").build()
+    after_one_process = torch.rand(4)
+    torch.manual_seed(0)
+    module, shards, peak = fsdp_init.build(workloads.load("mlp").build, rank=1, world=4)
+    assert torch.equal(torch.rand(4), after_one_process), "the generator was consumed otherwise"
+    sizes = sorted(p.numel() * p.element_size() for p in module.parameters())
+    assert all(p.is_meta for p in module.parameters())
+    assert peak <= sizes[-1] + sizes[-2], f"{peak} bytes of full tensors at once"
+    mine = sum(c.numel() * c.element_size() for c in shards.chunks.values())
+    assert mine <= sum(sizes) / 4 * 1.01  # dim-0 chunks: uneven only by a row
+
+
+def test_streamed_export_is_the_full_model(pool3, tmp_path) -> None:
+    from fsdp_init_ranks import Mixed
+    from safetensors.torch import load_file
+
+    counts = pool3.run(export_streamed, str(tmp_path))
+    streamed = load_file(tmp_path / "streamed.safetensors")
+    gathered = load_file(tmp_path / "gathered.safetensors")
+    assert counts[0] == len(streamed) and _differ(streamed, gathered) == []
+    Mixed().load_state_dict(streamed)  # a plain module reads it
