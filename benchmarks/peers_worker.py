@@ -44,6 +44,7 @@ from ddpkit import workloads  # noqa: E402
 IMPORTED = time.time()  # torch and the benchmark's own imports (each tool imports its own in make())
 
 FIRST_STEP_MARK = "PEERS_FIRST_STEP_DONE"
+MARKS: dict[str, float] = {}  # wall times inside the set-up (ddp, ddpkit): group joined, model built, wrapped
 VARIANTS = ("single", "ddp", "ddpkit", "ddpkit-plain", "ddpkit-shm", "accelerate", "fabric")
 
 
@@ -78,7 +79,11 @@ def make(variant: str, wl: workloads.Workload, data: Any) -> Loop:
 
         if not dist.is_initialized():
             dist.init_process_group("gloo")
-        model = DDP(wl.build())
+        MARKS["group"] = time.time()
+        net = wl.build()
+        MARKS["build"] = time.time()
+        model = DDP(net)
+        MARKS["model"] = time.time()
         sampler = DistributedSampler(data, shuffle=True, seed=0)
         loader = DataLoader(data, batch_size=wl.global_batch // dist.get_world_size(), sampler=sampler)
         return Loop(
@@ -93,7 +98,11 @@ def make(variant: str, wl: workloads.Workload, data: Any) -> Loop:
 
         stack = contextlib.ExitStack()
         s = stack.enter_context(ddpkit.session(seed=0, verbose=False))
-        model = s.model(wl.build(), comm_hook="shm" if variant == "ddpkit-shm" else None)
+        MARKS["group"] = time.time()
+        net = wl.build()
+        MARKS["build"] = time.time()
+        model = s.model(net, comm_hook="shm" if variant == "ddpkit-shm" else None)
+        MARKS["model"] = time.time()
         loader = s.loader(data, batch_size=wl.global_batch, shuffle=True)
         opt = wl.optimizer(model.parameters())
         if variant == "ddpkit-plain":  # the README's first loop: loss.backward(); opt.step()
@@ -177,7 +186,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "first_step_done": first_done,
         "step_s": times,
-        "phases": {"started": STARTED, "imported": IMPORTED, "data": made_at, "set_up": set_up},
+        "phases": {"started": STARTED, "imported": IMPORTED, "data": made_at, "set_up": set_up, **MARKS},
         "peak_rss_mb": peak_rss_mb(),
         "huge_pages_mb": huge_pages_mb(),
     }

@@ -71,7 +71,7 @@ def run_once(tool: str, workload: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out:
         seen: list[float] = []
         lines: list[str] = []
-        start = time.perf_counter()
+        start, wall0 = time.perf_counter(), time.time()
         proc = subprocess.Popen(command(tool, workload, out), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
 
@@ -107,6 +107,20 @@ def run_once(tool: str, workload: str) -> dict[str, Any]:
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
         "rss_per_rank_mb": [r["peak_rss_mb"] for r in ranks],
         "threads": [r["threads"] for r in ranks],
+        "phases": [phases(r, wall0) for r in ranks],
+    }
+
+
+def phases(rank: dict[str, Any], wall0: float) -> dict[str, float]:
+    """A rank's seconds: launcher (command -> script's first line), imports, data, set-up, first step."""
+    ph = rank["phases"]
+    return {
+        "launcher": ph["started"] - wall0,
+        "imports": ph["imported"] - ph["started"],
+        "data": ph["data"] - ph["imported"],
+        "set_up": ph["set_up"] - ph["data"],
+        "first_step": rank["first_step_done"] - ph["set_up"],
+        **{f"{k}_at": ph[k] - wall0 for k in ("group", "build", "model") if k in ph},
     }
 
 
