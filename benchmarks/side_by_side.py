@@ -185,7 +185,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="cnn,bn,small,mlp,gpt")
     p.add_argument("--tools", default="ddp,ddpkit,accelerate,fabric",
-                   help="ddp, ddpkit, ddpkit-plain (README's loss.backward()/opt.step() loop), accelerate, fabric")  # fmt: skip
+                   help="ddp, ddpkit, ddpkit-plain (README's plain loop), accelerate, fabric")  # fmt: skip
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json", default=None)
     ns = p.parse_args()

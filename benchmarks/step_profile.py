@@ -121,7 +121,9 @@ def main() -> None:
             a = counters()
             pw.step(wl, loop)
             b = counters()
-            trace.append([round((y - x) * (1e3 if i < 2 else 1), 3) for i, (x, y) in enumerate(zip(a, b))])
+            trace.append(
+                [round((y - x) * (1e3 if i < 2 else 1), 3) for i, (x, y) in enumerate(zip(a, b, strict=True))]
+            )
         if not dist.is_initialized() or dist.get_rank() == 0:
             print("STEPTRACE " + json.dumps({"variant": ns.variant, "trace": trace}), flush=True)
         loop.close()

@@ -1,4 +1,4 @@
-"""The named benchmark workloads (cnn, bn, small, mlp, gpt) and loading a user's own as `package.module:function`.
+"""The named benchmark workloads (cnn, bn, small, mlp, gpt) and a user's own as `package.module:function`.
 
 One definition shared by `ddpkit bench`, `ddpkit trace` and `benchmarks/*.py`, so every figure in
 docs/performance.md measures exactly the same model, optimizer and batch:
@@ -8,8 +8,8 @@ docs/performance.md measures exactly the same model, optimizer and batch:
 | cnn | the PyTorch CIFAR-10 tutorial CNN (62k parameters), 3x32x32 inputs | SGD lr 1e-3 momentum 0.9 | 64 |
 | mlp | 1024→4096→4096→4096→10 with ReLU (37.8M parameters, 151 MB of gradients) | AdamW lr 1e-4 | 64 |
 | gpt | 4-layer decoder-only transformer, d_model 256, 4 heads, seq 128, vocab 4096 | AdamW lr 3e-4 | 16 |
-| bn | 4 conv + BatchNorm + ReLU blocks (32-64 channels), pooled, linear; 3x32x32 inputs (66k parameters) | SGD lr 1e-2 momentum 0.9 | 64 |
-| small | 48 blocks Linear(128, 128) + LayerNorm + GELU, then 128→10 (0.8M parameters in 194 tensors) | AdamW lr 1e-3 | 64 |
+| bn | 4 x (conv, BatchNorm, ReLU), 32-64 channels, pool, linear; 3x32x32 (66k parameters) | SGD | 64 |
+| small | 48 x (Linear(128, 128), LayerNorm, GELU), 128→10 (0.8M parameters, 194 tensors) | AdamW | 64 |
 
 `bn` has buffers (running statistics) that DDP broadcasts from rank 0 before every forward; `small`
 has many tiny tensors, so per-tensor and per-call costs (hooks, bucket views, the optimizer's loop over
@@ -210,7 +210,7 @@ NAMED: dict[str, Workload] = {
 
 
 def load(spec: str) -> Workload:
-    """A named workload ("cnn", "bn", "small", "mlp", "gpt") or `package.module:function` returning a `Workload`."""
+    """A named workload (cnn, bn, small, mlp, gpt) or `package.module:function` returning a `Workload`."""
     if spec in NAMED:
         return NAMED[spec]
     module_name, sep, attr = spec.partition(":")
