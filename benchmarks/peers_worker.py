@@ -1,8 +1,9 @@
 """One training loop, written the idiomatic way with each tool; used by benchmarks/peers.py.
 
 Variants: `single` (one process, no DDP), `ddp` (hand-written DDP, torch's defaults), `ddpkit` (ddpkit's
-defaults), `ddpkit-shm` (ddpkit with the "shm" communication hook), `accelerate` (Hugging Face
-Accelerate, `Accelerator(cpu=True)` + `prepare`), `fabric` (Lightning Fabric, strategy "ddp" on CPU).
+defaults), `ddpkit-plain` (the README's plain loop: `loss.backward(); opt.step()`), `ddpkit-shm` (ddpkit
+with the "shm" communication hook), `accelerate` (Hugging Face Accelerate, `Accelerator(cpu=True)` +
+`prepare`), `fabric` (Lightning Fabric, strategy "ddp" on CPU).
 Only the set-up differs; the step is the same everywhere, each tool's own backward and step:
 
     out = model(x); loss = criterion(out, y); opt.zero_grad(); backward(loss); opt.step()
