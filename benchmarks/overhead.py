@@ -109,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     default_batches = {"cnn": 64, "mlp": 4, "gpt": 3}
     load = os.getloadavg()
-    print(f"overhead: {ns.nproc} ranks x 1 thread, gloo; load average {load[0]:.2f} (cores: "
-          f"{len(os.sched_getaffinity(0))})", flush=True)
+    print(
+        f"overhead: {ns.nproc} ranks x 1 thread, gloo; load average {load[0]:.2f} (cores: "
+        f"{len(os.sched_getaffinity(0))})",
+        flush=True,
+    )
     rows = {}
     for spec in ns.workload.split(","):
         batches = ns.batches or default_batches.get(spec, 4)
@@ -126,14 +129,18 @@ def main(argv: list[str] | None = None) -> int:
                       "ratio_same_settings": [med, lo, hi], "ratio_vs_torch_defaults": [dmed, dlo, dhi],
                       "samples_s": t}  # fmt: skip
         r = rows[spec]
-        print(f"{spec:4s} plain DDP {r['plain_ms']:7.1f} ms  ddpkit {r['ddpkit_ms']:7.1f} ms  "
-              f"ratio {med:.3f} [{lo:.3f}, {hi:.3f}]   (vs torch-default DDP "
-              f"{r['plain_torch_defaults_ms']:.1f} ms: ratio {dmed:.3f} [{dlo:.3f}, {dhi:.3f}])",
-              flush=True)
+        print(
+            f"{spec:4s} plain DDP {r['plain_ms']:7.1f} ms  ddpkit {r['ddpkit_ms']:7.1f} ms  "
+            f"ratio {med:.3f} [{lo:.3f}, {hi:.3f}]   (vs torch-default DDP "
+            f"{r['plain_torch_defaults_ms']:.1f} ms: ratio {dmed:.3f} [{dlo:.3f}, {dhi:.3f}])",
+            flush=True,
+        )
     after = os.getloadavg()
-    print(f"ratio = ddpkit step time / hand-written DDP step time, same settings (goal <= 1.01); median "
-          f"[min, max] over {ns.rounds} rounds. Load average at end {after[0]:.2f}"
-          + (" -- busy machine, provisional" if max(load[0], after[0]) > 1.0 else ""))
+    print(
+        f"ratio = ddpkit step time / hand-written DDP step time, same settings (goal <= 1.01); median "
+        f"[min, max] over {ns.rounds} rounds. Load average at end {after[0]:.2f}"
+        + (" -- busy machine, provisional" if max(load[0], after[0]) > 1.0 else "")
+    )
     if ns.json:
         import json
 

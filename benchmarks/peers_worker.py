@@ -1,8 +1,9 @@
 """One training loop, written the idiomatic way with each tool; used by benchmarks/peers.py.
 
 Variants: `single` (one process, no DDP), `ddp` (hand-written DDP, torch's defaults), `ddpkit` (ddpkit's
-defaults), `ddpkit-shm` (ddpkit with the "shm" communication hook), `accelerate` (Hugging Face
-Accelerate, `Accelerator(cpu=True)` + `prepare`), `fabric` (Lightning Fabric, strategy "ddp" on CPU).
+defaults), `ddpkit-plain` (the README's plain loop: `loss.backward(); opt.step()`), `ddpkit-shm` (ddpkit
+with the "shm" communication hook), `accelerate` (Hugging Face Accelerate, `Accelerator(cpu=True)` +
+`prepare`), `fabric` (Lightning Fabric, strategy "ddp" on CPU).
 Only the set-up differs; the step is the same everywhere, each tool's own backward and step:
 
     out = model(x); loss = criterion(out, y); opt.zero_grad(); backward(loss); opt.step()
@@ -43,7 +44,9 @@ from ddpkit import workloads  # noqa: E402
 
 IMPORTED = time.time()  # torch and the benchmark's own imports (each tool imports its own in make())
 
-VARIANTS = ("single", "ddp", "ddpkit", "ddpkit-shm", "accelerate", "fabric")
+FIRST_STEP_MARK = "PEERS_FIRST_STEP_DONE"
+MARKS: dict[str, float] = {}  # wall times inside the set-up (ddp, ddpkit): group joined, model built, wrapped
+VARIANTS = ("single", "ddp", "ddpkit", "ddpkit-plain", "ddpkit-shm", "accelerate", "fabric")
 
 
 @dataclass
@@ -77,7 +80,11 @@ def make(variant: str, wl: workloads.Workload, data: Any) -> Loop:
 
         if not dist.is_initialized():
             dist.init_process_group("gloo")
-        model = DDP(wl.build())
+        MARKS["group"] = time.time()
+        net = wl.build()
+        MARKS["build"] = time.time()
+        model = DDP(net)
+        MARKS["model"] = time.time()
         sampler = DistributedSampler(data, shuffle=True, seed=0)
         loader = DataLoader(data, batch_size=wl.global_batch // dist.get_world_size(), sampler=sampler)
         return Loop(
@@ -87,14 +94,20 @@ def make(variant: str, wl: workloads.Workload, data: Any) -> Loop:
             torch.Tensor.backward,
             dist.get_world_size(),
         )
-    if variant in ("ddpkit", "ddpkit-shm"):
+    if variant in ("ddpkit", "ddpkit-plain", "ddpkit-shm"):
         import ddpkit
 
         stack = contextlib.ExitStack()
         s = stack.enter_context(ddpkit.session(seed=0, verbose=False))
-        model = s.model(wl.build(), comm_hook="shm" if variant == "ddpkit-shm" else None)
+        MARKS["group"] = time.time()
+        net = wl.build()
+        MARKS["build"] = time.time()
+        model = s.model(net, comm_hook="shm" if variant == "ddpkit-shm" else None)
+        MARKS["model"] = time.time()
         loader = s.loader(data, batch_size=wl.global_batch, shuffle=True)
         opt = wl.optimizer(model.parameters())
+        if variant == "ddpkit-plain":  # the README's first loop: loss.backward(); opt.step()
+            return Loop(model, opt, _forever(loader), torch.Tensor.backward, s.world_size, stack.close)
         return Loop(
             model, opt, _forever(loader), s.backward, s.world_size, stack.close, update=lambda: s.step(opt)
         )  # ddpkit's step: sharded over the ranks on CPU
@@ -134,6 +147,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
 
 
+def huge_pages_mb() -> float | None:
+    """Anonymous memory backed by transparent huge pages now (Linux), to explain peak RSS."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--variant", choices=VARIANTS, required=True)
@@ -153,6 +178,8 @@ def main() -> None:
         times.append(time.perf_counter() - start)
         if i == 0:
             first_done = time.time()
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(FIRST_STEP_MARK, flush=True)  # seen by the launching process as it happens
     rank = dist.get_rank() if dist.is_initialized() else 0
     report = {
         "rank": rank,
@@ -160,8 +187,9 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "first_step_done": first_done,
         "step_s": times,
-        "phases": {"started": STARTED, "imported": IMPORTED, "data": made_at, "set_up": set_up},
+        "phases": {"started": STARTED, "imported": IMPORTED, "data": made_at, "set_up": set_up, **MARKS},
         "peak_rss_mb": peak_rss_mb(),
+        "huge_pages_mb": huge_pages_mb(),
     }
     if ns.out:  # a file per rank: lines printed by several ranks into one pipe can interleave
         with open(os.path.join(ns.out, f"rank{rank}.json"), "w") as f:

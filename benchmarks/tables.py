@@ -45,25 +45,55 @@ def overhead(d: dict) -> str:
     for spec, r in d["workloads"].items():
         med, lo, hi = r["ratio_same_settings"]
         dmed, dlo, dhi = r["ratio_vs_torch_defaults"]
-        rows.append([spec, f"{r['plain_ms']:.1f}", f"{r['ddpkit_ms']:.1f}",
-                     f"**{med:.3f}** [{lo:.3f}, {hi:.3f}]", f"{dmed:.3f} [{dlo:.3f}, {dhi:.3f}]"])
-    return md(["workload", "hand-written DDP, ms", "ddpkit, ms", "ratio, same settings",
-               "ratio vs DDP with torch defaults"], rows)
+        rows.append(
+            [
+                spec,
+                f"{r['plain_ms']:.1f}",
+                f"{r['ddpkit_ms']:.1f}",
+                f"**{med:.3f}** [{lo:.3f}, {hi:.3f}]",
+                f"{dmed:.3f} [{dlo:.3f}, {dhi:.3f}]",
+            ]
+        )
+    return md(
+        [
+            "workload",
+            "hand-written DDP, ms",
+            "ddpkit, ms",
+            "ratio, same settings",
+            "ratio vs DDP with torch defaults",
+        ],
+        rows,
+    )
 
 
 def peers(d: dict) -> str:
     out = []
     keys = ["single1", "single2", "ddp", "ddpkit", "ddpkit-shm", "accelerate", "fabric"]
-    names = ["1 proc x 1 thr", "1 proc x 2 thr", "hand-written DDP", "ddpkit", "ddpkit + shm hook",
-             "Accelerate", "Fabric"]
+    names = [
+        "1 proc x 1 thr",
+        "1 proc x 2 thr",
+        "hand-written DDP",
+        "ddpkit",
+        "ddpkit + shm hook",
+        "Accelerate",
+        "Fabric",
+    ]
     rows = [[spec] + [_ms(t[k]) for k in keys] for spec, t in d["warm"].items()]
     out.append("Step time, ms (median over rounds ±half the spread):\n\n" + md(["workload", *names], rows))
-    rows = [[spec, _ratio(t["ddpkit"], t["ddp"]), _ratio(t["ddpkit"], t["accelerate"]),
-             _ratio(t["ddpkit"], t["fabric"]), _ratio(t["ddpkit-shm"], t["ddp"])]
-            for spec, t in d["warm"].items()]
+    rows = [
+        [
+            spec,
+            _ratio(t["ddpkit"], t["ddp"]),
+            _ratio(t["ddpkit"], t["accelerate"]),
+            _ratio(t["ddpkit"], t["fabric"]),
+            _ratio(t["ddpkit-shm"], t["ddp"]),
+        ]
+        for spec, t in d["warm"].items()
+    ]
     heads = ["workload", "ddpkit / DDP", "ddpkit / Accelerate", "ddpkit / Fabric", "ddpkit+shm / DDP"]
-    out.append("Per-round step-time ratios, median [min, max] (below 1: ddpkit faster):\n\n"
-               + md(heads, rows))
+    out.append(
+        "Per-round step-time ratios, median [min, max] (below 1: ddpkit faster):\n\n" + md(heads, rows)
+    )
     variants = ["single", "ddp", "ddpkit", "accelerate", "fabric"]
     launch = ["`python` (1 proc)", "torchrun + DDP", "`ddpkit run`", "torchrun + Accelerate", "`fabric run`"]
     rows = []
@@ -73,8 +103,10 @@ def peers(d: dict) -> str:
         mem = [f"{statistics.median(m for r in runs[v] for m in r['peak_rss_mb']):.0f} MB" for v in variants]
         rows.append([f"{spec}: peak RSS per rank", *mem])
     if rows:
-        out.append("Cold start (median of runs; each tool started by its own launcher):\n\n"
-                   + md(["", *launch], rows))
+        out.append(
+            "Cold start (median of runs; each tool started by its own launcher):\n\n"
+            + md(["", *launch], rows)
+        )
     return "\n\n".join(out)
 
 
@@ -84,11 +116,19 @@ def tune(d: dict) -> str:
     for c in sorted(d["configs"], key=lambda c: c["median_s"]):
         lossy = c["hook"] in ("fp16", "bf16", "powersgd")
         tag = " (lossy)" if lossy else " (changes your optimizer)" if c.get("fused") else ""
-        rows.append([c["label"] + tag, f"{c['median_s'] * 1e3:.0f}", f"±{c['spread'] / 2:.0%}",
-                     f"{base / c['median_s']:.2f}x"])
+        rows.append(
+            [
+                c["label"] + tag,
+                f"{c['median_s'] * 1e3:.0f}",
+                f"±{c['spread'] / 2:.0%}",
+                f"{base / c['median_s']:.2f}x",
+            ]
+        )
     rec = d["recommendation"]
-    return (md(["configuration", "step ms (median)", "spread", "vs hand-written DDP"], rows)
-            + f"\n\nRecommendation: **{rec['label']}, {rec['speedup']:.2f}x**.")
+    return (
+        md(["configuration", "step ms (median)", "spread", "vs hand-written DDP"], rows)
+        + f"\n\nRecommendation: **{rec['label']}, {rec['speedup']:.2f}x**."
+    )
 
 
 def collectives(d: dict) -> str:
@@ -98,20 +138,54 @@ def collectives(d: dict) -> str:
         g, s = by.get(("all_reduce", size)), by.get(("all_reduce[shm]", size))
         if not g or not s:
             continue
-        rows.append([_human(size), f"{g['seconds'] * 1e3:.2f}", f"{g['busbw_GBps']:.2f}",
-                     f"{s['seconds'] * 1e3:.2f}", f"{s['busbw_GBps']:.2f}",
-                     f"{g['seconds'] / s['seconds']:.1f}x", f"{d['memcpy_GBps'][str(size)]:.1f}"])
-    return md(["size", "gloo all_reduce ms", "gloo busbw", "shm all_reduce ms", "shm busbw", "shm speed-up",
-               "memcpy GB/s"], rows)
+        rows.append(
+            [
+                _human(size),
+                f"{g['seconds'] * 1e3:.2f}",
+                f"{g['busbw_GBps']:.2f}",
+                f"{s['seconds'] * 1e3:.2f}",
+                f"{s['busbw_GBps']:.2f}",
+                f"{g['seconds'] / s['seconds']:.1f}x",
+                f"{d['memcpy_GBps'][str(size)]:.1f}",
+            ]
+        )
+    return md(
+        [
+            "size",
+            "gloo all_reduce ms",
+            "gloo busbw",
+            "shm all_reduce ms",
+            "shm busbw",
+            "shm speed-up",
+            "memcpy GB/s",
+        ],
+        rows,
+    )
 
 
 def scaling(d: dict) -> str:
-    rows = [[r["nproc"], r["threads"], f"{r['step_ms']:.0f}", f"±{r['spread'] / 2:.0%}",
-             f"{r['samples_per_s']:.1f}", f"{r['efficiency']:.2f}",
-             "" if r["comm_share"] is None else f"{r['comm_share']:.0%}"] for r in d["scaling"]]
+    rows = [
+        [
+            r["nproc"],
+            r["threads"],
+            f"{r['step_ms']:.0f}",
+            f"±{r['spread'] / 2:.0%}",
+            f"{r['samples_per_s']:.1f}",
+            f"{r['efficiency']:.2f}",
+            "" if r["comm_share"] is None else f"{r['comm_share']:.0%}",
+        ]
+        for r in d["scaling"]
+    ]
     out = md(["nproc", "threads", "step ms", "spread", "samples/s", "efficiency", "comm share"], rows)
-    rows = [[o["label"], f"{o['step_ms']:.0f}", f"±{o['spread'] / 2:.0%}",
-             "" if o["comm_share"] is None else f"{o['comm_share']:.0%}"] for o in d["options"]]
+    rows = [
+        [
+            o["label"],
+            f"{o['step_ms']:.0f}",
+            f"±{o['spread'] / 2:.0%}",
+            "" if o["comm_share"] is None else f"{o['comm_share']:.0%}",
+        ]
+        for o in d["options"]
+    ]
     return out + "\n\n" + md(["at 2 ranks", "step ms", "spread", "comm share"], rows)
 
 
@@ -123,9 +197,13 @@ def _human(size: int) -> str:
 
 
 def main(folder: str) -> None:
-    sources = (("overhead", "overhead.json", overhead), ("peers", "peers.json", peers),
-               ("collectives", "collectives/collectives.json", collectives), ("tune", "tune-mlp.json", tune),
-               ("scaling", "scaling-gpt/scaling.json", scaling))
+    sources = (
+        ("overhead", "overhead.json", overhead),
+        ("peers", "peers.json", peers),
+        ("collectives", "collectives/collectives.json", collectives),
+        ("tune", "tune-mlp.json", tune),
+        ("scaling", "scaling-gpt/scaling.json", scaling),
+    )
     for title, name, fn in sources:
         data = _load(folder, name)
         if data is not None:

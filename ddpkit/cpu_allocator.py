@@ -12,18 +12,29 @@ Two settings remove most of it:
   the faults that remain map 2 MB each and big matrices need fewer TLB entries.
 
 Measured on `mlp`, 2 ranks x 1 thread: 722 ms per step with neither, 574 with malloc's alone, 477 with
-both, and less peak memory than plain DDP. But on a model whose tensors are all below 32 MiB (the `gpt`
-workload: 1-16 MB blocks) glibc already reuses its blocks, there is nothing to win, and huge pages cost
-memory: every 2 MB-aligned region that anything touches is faulted in whole (+40-65 MB peak RSS per
-rank, 6-10 %). So the decision is made per model, in `s.model` (`fit_to`):
+both. But huge pages are not free (issue 20, measured on this project's 2-core virtual machine): the
+first touch of a huge page costs 2.8 ms per MB against 0.4 for 4 KB pages (the host backs the guest's
+fresh 2 MB frames lazily), which put +1.2-1.4 s on the MLP's start-up (model build, DDP's buckets,
+the optimizer state); and on a small model they only cost memory. So, decided per process and model:
 
-- a parameter of 32 MiB or more: keep memory (mallopt) and keep the huge pages;
-- otherwise: glibc's own behaviour, and no huge pages for this process from then on
-  (`prctl(PR_SET_THP_DISABLE)`, when the kernel gives them only on request): what plain DDP gets.
+- at a CPU session's start (`prepare`): torch is asked for page-aligned big blocks
+  (THP_MEM_ALLOC_ENABLE=1, read at the process's first tensor, so `ddpkit run` also puts it in the
+  ranks' environment), but huge pages are switched off for this process (`prctl(PR_SET_THP_DISABLE)`,
+  when the kernel gives them only on request), unless DDPKIT_CPU_ALLOCATOR=hugepages asks for them:
+  then a big model keeps them (~10 % faster MLP steps, a slower start);
+- in `s.model` (`fit_to`), a parameter of 32 MiB or more: keep memory (mallopt above);
+- otherwise: glibc serves every block below 32 MiB from its heap from the first step on, and keeps the
+  heap's top instead of handing it back (`M_MMAP_THRESHOLD` 32 MiB, `M_TRIM_THRESHOLD` 1 GiB). Blocks
+  of 32 MiB and more keep glibc's behaviour.
 
-torch reads THP_MEM_ALLOC_ENABLE once, at the process's first tensor, long before the model exists, so
-`ddpkit run` puts it in the ranks' environment and a CPU session sets it at start (`prepare`, for plain
-`torchrun` or `python`); the per-model decision then switches huge pages off where they do not pay.
+Why the heap's top (issue 20): with glibc's defaults, whether a small model's step frees its
+activations at the top of the heap, which glibc then returns (trim threshold: twice the largest block
+freed so far, ~1 MB for the `cnn`), depends on where longer-lived objects happened to land. When they
+do, the next step faults them in again: measured on `cnn` (2 ranks, benchmarks/step_profile.py), runs
+alternate between ~1 and 150-800 page faults per step, and a faulting step costs +1.2-1.4 ms of CPU on
+a 5.5 ms step. Plain DDP has the same lottery; keeping the top removes it (0-1 faults per step after the
+first 3) and leaves resident only memory the step already used.
+
 Linux with glibc only; elsewhere nothing changes. Opt out with DDPKIT_CPU_ALLOCATOR=default.
 """
 
@@ -39,8 +50,10 @@ if TYPE_CHECKING:
     import torch
 
 OPT_OUT = "DDPKIT_CPU_ALLOCATOR"
+HUGE_PAGES = "hugepages"  # DDPKIT_CPU_ALLOCATOR=hugepages: huge pages for big models (opt-in, see above)
 KEEP_FROM_BYTES = 32 << 20  # glibc's largest mmap threshold: blocks this big are mmapped, faulted every step
 _M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
+_M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 _KEEP_BYTES = 1 << 30
 _PR_SET_THP_DISABLE = 41  # <linux/prctl.h>
@@ -72,9 +85,18 @@ def rank_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def prepare() -> None:
-    """At a CPU session's start: ask torch for huge pages (effective if no tensor was made yet)."""
+    """At a CPU session's start: torch's page-aligned big blocks (effective if no tensor was made yet),
+    and no huge pages from here on unless asked for (DDPKIT_CPU_ALLOCATOR=hugepages; see the docstring)."""
     if enabled():
         os.environ.update(rank_env())
+        if not huge_pages_wanted() and os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and _thp_on_request():
+            _huge_pages(False)
+
+
+def huge_pages_wanted(env: Mapping[str, str] | None = None) -> bool:
+    """True when the user asked for huge pages for big models (DDPKIT_CPU_ALLOCATOR=hugepages)."""
+    env = os.environ if env is None else env
+    return env.get(OPT_OUT, "").lower() == HUGE_PAGES and _glibc()
 
 
 def worthwhile(tensors: Iterable[torch.Tensor], threshold: int = KEEP_FROM_BYTES) -> bool:
@@ -83,18 +105,33 @@ def worthwhile(tensors: Iterable[torch.Tensor], threshold: int = KEEP_FROM_BYTES
 
 
 def fit_to(module: torch.nn.Module) -> str:
-    """Decide for the model about to be trained: "kept" (memory kept, huge pages) or "default"
-    (glibc's behaviour, no huge pages from now on) or "off" (opted out / not glibc)."""
+    """Decide for the model about to be trained: "kept" (memory kept; huge pages if asked for), "heap"
+    (blocks below 32 MiB from a heap that is not trimmed, no huge pages) or "off" (opted out / not glibc)."""
     if not enabled():
         return "off"
     if worthwhile(module.parameters()):
         apply()
-        if huge_pages_disabled():  # switched off by an earlier small-model session here or in a parent
-            _huge_pages(True)  # (the prctl flag is inherited by child processes)
+        if huge_pages_wanted() and huge_pages_disabled():  # off since the session's start, or inherited
+            _huge_pages(True)
         return "kept"
     if not _applied and os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and _thp_on_request():
         _huge_pages(False)  # only torch's requests would have given them: stop those
-    return "default"
+    if not _applied:
+        _keep_heap_top()
+    return "heap"
+
+
+def _keep_heap_top() -> bool:
+    """Blocks below 32 MiB from the heap, whose top is kept (see the module docstring); the environment's
+    MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ win. True if glibc took both."""
+    env = os.environ
+    try:
+        libc = ctypes.CDLL(None)
+        mmap = int(env.get("MALLOC_MMAP_THRESHOLD_", KEEP_FROM_BYTES))
+        trim = int(env.get("MALLOC_TRIM_THRESHOLD_", _KEEP_BYTES))
+        return (libc.mallopt(_M_MMAP_THRESHOLD, mmap) == 1) & (libc.mallopt(_M_TRIM_THRESHOLD, trim) == 1)
+    except (OSError, AttributeError, ValueError):
+        return False
 
 
 def apply() -> bool:

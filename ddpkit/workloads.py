@@ -1,4 +1,4 @@
-"""The named benchmark workloads (cnn, mlp, gpt) and loading a user's own as `package.module:function`.
+"""The named benchmark workloads (cnn, bn, small, mlp, gpt) and a user's own as `package.module:function`.
 
 One definition shared by `ddpkit bench`, `ddpkit trace` and `benchmarks/*.py`, so every figure in
 docs/performance.md measures exactly the same model, optimizer and batch:
@@ -8,6 +8,12 @@ docs/performance.md measures exactly the same model, optimizer and batch:
 | cnn | the PyTorch CIFAR-10 tutorial CNN (62k parameters), 3x32x32 inputs | SGD lr 1e-3 momentum 0.9 | 64 |
 | mlp | 1024→4096→4096→4096→10 with ReLU (37.8M parameters, 151 MB of gradients) | AdamW lr 1e-4 | 64 |
 | gpt | 4-layer decoder-only transformer, d_model 256, 4 heads, seq 128, vocab 4096 | AdamW lr 3e-4 | 16 |
+| bn | 4 x (conv, BatchNorm, ReLU), 32-64 channels, pool, linear; 3x32x32 (66k parameters) | SGD | 64 |
+| small | 48 x (Linear(128, 128), LayerNorm, GELU), 128→10 (0.8M parameters, 194 tensors) | AdamW | 64 |
+
+`bn` has buffers (running statistics) that DDP broadcasts from rank 0 before every forward; `small`
+has many tiny tensors, so per-tensor and per-call costs (hooks, bucket views, the optimizer's loop over
+parameters) weigh more than the arithmetic: the two shapes where a wrapper's overhead shows first.
 
 Data are synthetic (a fixed pool of random batches from a seeded generator): the benchmarks measure
 the training step, not a data set. A user's workload is a function taking no arguments that returns
@@ -136,6 +142,29 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
 
 
+# -- bn: BatchNorm buffers, broadcast by DDP before every forward ---------------------------------
+def make_bn_cnn(channels: tuple[int, ...] = (32, 32, 64, 64)) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    c_in = 3
+    for i, c in enumerate(channels):
+        layers += [nn.Conv2d(c_in, c, 3, stride=2 if i % 2 else 1, padding=1, bias=False), nn.BatchNorm2d(c),
+                   nn.ReLU()]  # fmt: skip
+        c_in = c
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, 10))
+
+
+# -- small: many small parameters, so per-tensor costs dominate ----------------------------------
+def make_many_small(width: int = 128, blocks: int = 48) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(blocks):
+        layers += [nn.Linear(width, width), nn.LayerNorm(width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def _features(g: torch.Generator, n: int) -> Batch:
+    return torch.randn(n, 128, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
 def _tokens(g: torch.Generator, n: int, seq: int = 128, vocab: int = 4096) -> Batch:
     data = torch.randint(0, vocab, (n, seq + 1), generator=g)
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
@@ -163,11 +192,25 @@ NAMED: dict[str, Workload] = {
         sample=_tokens,
         global_batch=16,
     ),
+    "bn": Workload(
+        name="bn",
+        build=make_bn_cnn,
+        optimizer=lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+        sample=_images,
+        global_batch=64,
+    ),
+    "small": Workload(
+        name="small",
+        build=make_many_small,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+        sample=_features,
+        global_batch=64,
+    ),
 }
 
 
 def load(spec: str) -> Workload:
-    """A named workload ("cnn", "mlp", "gpt") or `package.module:function` returning a `Workload`."""
+    """A named workload (cnn, bn, small, mlp, gpt) or `package.module:function` returning a `Workload`."""
     if spec in NAMED:
         return NAMED[spec]
     module_name, sep, attr = spec.partition(":")

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-scale", type=float, default=1.0, help="target device is X times faster")
     p.add_argument("--device-memory", type=float, default=80.0, help="GB per device, for the memory advice")
     p.add_argument("--steps", type=int, default=6, help="timed profile steps")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="profile this many times in fresh processes; predict from the median")  # fmt: skip
     p.add_argument("--profile", default=None, help="reuse the profiles of an earlier plan's JSON")
     p.add_argument("--json", default=None, metavar="PATH", help="write the plan as JSON ('-': stdout only)")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of efficiency vs N")
@@ -118,10 +120,12 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
             beside = {int(n): profile.Profile.from_dict(d) for n, d in saved.get("beside", {}).items()}
     else:
         wanted = planner.batches_to_profile(list(batches.values()))
-        profiles = profile.measure(spec, wanted, threads=threads, device=ns.device, steps=ns.steps)
+        profiles = profile.measure(spec, wanted, threads=threads, device=ns.device, steps=ns.steps,
+                                   repeats=ns.repeats)  # fmt: skip
         if link.shares_cores and ns.contention == "measured":
             for n in (c for c in counts if c > 1):
-                got = profile.measure(spec, [batches[n]], ranks=n, threads=threads, steps=ns.steps)
+                got = profile.measure(spec, [batches[n]], ranks=n, threads=threads, steps=ns.steps,
+                                      repeats=ns.repeats)  # fmt: skip
                 beside[n] = got[batches[n]]
     per_node = max(counts) if measured else ns.gpus_per_node
     sharded = ns.sharded_step == "on" or (ns.sharded_step == "auto" and link.shares_cores)
@@ -144,7 +148,16 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
     )
     curve = pl.curve(counts, opts)
     top = curve[-1]
-    rows = [{**q.as_dict(), "nodes": pl.cluster(q.n).nodes} for q in curve]
+    band = pl.band(counts, opts)
+    rows = [
+        {
+            **q.as_dict(),
+            "nodes": pl.cluster(q.n).nodes,
+            "step_band_s": w["step_s"],
+            "efficiency_band": w["efficiency"],
+        }
+        for q, w in zip(curve, band, strict=True)
+    ]
     plan: dict[str, Any] = {
         "workload": wl.name,
         "link_name": link.name,
@@ -156,6 +169,7 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
         ),
         "profiled_on": _profiled_on(profiles, ns.compute_scale),
         "counts": counts,
+        "repeats": ns.repeats,
         "curve": rows,
         "options": opts.__dict__.copy(),
         "machine": machine(),

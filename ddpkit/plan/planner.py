@@ -79,6 +79,35 @@ class Planner:
         base = self.predict(1, replace(opts, accumulation=1, hook="none", strategy="ddp"))
         return with_efficiency([self.predict(n, opts) for n in counts], base)
 
+    def at_band(self, end: int) -> Planner:
+        """This planner with every profile at the low (`end`=0) or high (1) end of its repeat band."""
+        return replace(
+            self,
+            profiles={b: p.at_band(end) for b, p in self.profiles.items()},
+            beside={n: p.at_band(end) for n, p in self.beside.items()},
+        )
+
+    def band(self, counts: Sequence[int], opts: Options) -> list[dict[str, tuple[float, float]]]:
+        """Per n: the step time and efficiency with the profiles at either end of their noise band.
+
+        The one-device base and an n-rank profile are separate runs, so the efficiency's band pairs
+        the slow end of one with the fast end of the other (at n = 1, the same run: the same end)."""
+        lo, hi = self.at_band(0), self.at_band(1)
+        base_opts = replace(opts, accumulation=1, hook="none", strategy="ddp")
+        b_lo, b_hi = lo.predict(1, base_opts), hi.predict(1, base_opts)
+        out = []
+        for n in counts:
+            fast, slow = lo.predict(n, opts), hi.predict(n, opts)
+            if n == 1:
+                eff = (slow.samples_per_s / b_hi.samples_per_s, fast.samples_per_s / b_lo.samples_per_s)
+            else:
+                eff = (
+                    slow.samples_per_s / (n * b_lo.samples_per_s),
+                    fast.samples_per_s / (n * b_hi.samples_per_s),
+                )
+            out.append({"step_s": (fast.step_s, slow.step_s), "efficiency": (min(eff), max(eff))})
+        return out
+
     def base(self) -> Prediction:
         return self.predict(1, Options())
 

@@ -60,6 +60,9 @@ class Profile:
     ranks: int = 1  # profiled while this many ranks computed at once on the machine (no communication)
     straggler_s: float = 0.0  # with ranks > 1: how long the slowest rank's step outlasts the average
     step_s: tuple[float, ...] = ()  # each timed step's forward + backward + optimizer
+    # Over repeated profiles (fresh processes): the lowest and highest compute time relative to the
+    # median one, which this profile is (issue 20: two runs gave 697 and 822 ms for one device).
+    band: tuple[float, float] = (1.0, 1.0)
 
     @property
     def param_bytes(self) -> int:
@@ -99,7 +102,20 @@ class Profile:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
         params = tuple(Param(**{**p, "shape": tuple(p["shape"])}) for p in data["params"])
-        return cls(**{**data, "params": params, "step_s": tuple(data.get("step_s", ()))})
+        band = tuple(data.get("band", (1.0, 1.0)))
+        return cls(**{**data, "params": params, "step_s": tuple(data.get("step_s", ())), "band": band})
+
+    def at_band(self, end: int) -> Profile:
+        """This profile with compute at the low (`end`=0) or high (1) end of its band."""
+        return self.scaled(self.band[end])
+
+
+def median_of(repeats: Sequence[Profile]) -> Profile:
+    """The repeat whose compute time is the median (an actual run: its parameters' ready times stay
+    consistent), with `band` = the lowest and highest repeat's compute time relative to it."""
+    ordered = sorted(repeats, key=lambda q: q.compute_s)
+    mid = ordered[(len(ordered) - 1) // 2]
+    return replace(mid, band=(ordered[0].compute_s / mid.compute_s, ordered[-1].compute_s / mid.compute_s))
 
 
 def assign_buckets(
@@ -161,8 +177,12 @@ def measure(
     steps: int = 6,
     warmup: int = 3,
     timeout: float = 600.0,
+    repeats: int = 1,
 ) -> dict[int, Profile]:
     """Profile workload `spec` (a name or package.module:function) at each per-device batch.
+
+    `repeats` > 1 profiles that many times, each in fresh processes, and returns the median repeat with
+    the spread as its `band` (`median_of`): one process's profile moves by 10-20 % from run to run here.
 
     With `ranks` > 1, that many processes on this machine profile at once, each on its own (no
     communication, steps started together): what a rank computes while the others compute beside it
@@ -170,23 +190,24 @@ def measure(
     steps of (slowest rank's step - the ranks' mean step): what every all-reduce waits for."""
     import ddpkit
 
-    out = ddpkit.spawn(
-        _rank,
-        nproc=ranks,
-        args=(spec, list(batches), steps, warmup, device),
-        threads=threads,
-        timeout=timeout,
-    )
-    result = {}
-    for b in out[0]:
-        each = [Profile.from_dict(r[b]) for r in out]
-        p = _mean(each)
-        if ranks > 1:
-            per_step = list(zip(*(q.step_s for q in each), strict=True))
-            wait = statistics.median(max(t) - sum(t) / len(t) for t in per_step)
-            p = replace(p, ranks=ranks, straggler_s=wait)
-        result[int(b)] = p
-    return result
+    runs: dict[int, list[Profile]] = {}
+    for _ in range(max(1, repeats)):
+        out = ddpkit.spawn(
+            _rank,
+            nproc=ranks,
+            args=(spec, list(batches), steps, warmup, device),
+            threads=threads,
+            timeout=timeout,
+        )
+        for b in out[0]:
+            each = [Profile.from_dict(r[b]) for r in out]
+            p = _mean(each)
+            if ranks > 1:
+                per_step = list(zip(*(q.step_s for q in each), strict=True))
+                wait = statistics.median(max(t) - sum(t) / len(t) for t in per_step)
+                p = replace(p, ranks=ranks, straggler_s=wait)
+            runs.setdefault(int(b), []).append(p)
+    return {b: median_of(ps) for b, ps in runs.items()}
 
 
 def _mean(profiles: list[Profile]) -> Profile:

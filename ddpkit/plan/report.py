@@ -9,6 +9,23 @@ from typing import Any
 from ddpkit.bench.report import pyplot, table
 
 
+def efficiency_cell(eff: float, band: tuple[float, float] | None = None) -> str:
+    """Efficiency with its noise band; above 1 it is never shown without saying it is noise (issue 20):
+    data parallelism cannot beat N times one device, so a figure above 1 comes from the profiles'
+    run-to-run spread (or a one-device profile that was slow), not from the ranks."""
+    text = f"{eff:.3f}" + (f" [{band[0]:.2f}, {band[1]:.2f}]" if band and band[0] != band[1] else "")
+    if eff <= 1.0:
+        return text
+    if band and band[0] <= 1.0:
+        return f"{text} (above 1: within noise, read 1.0)"
+    return f"{text} (above 1: beyond the measured noise; re-profile with more --repeats)"
+
+
+def step_cell(step_s: float, band: tuple[float, float] | None = None) -> str:
+    text = f"{step_s * 1e3:.1f}"
+    return text + (f" [{band[0] * 1e3:.0f}, {band[1] * 1e3:.0f}]" if band and band[0] != band[1] else "")
+
+
 def curve_table(rows: list[dict[str, Any]]) -> str:
     return table(
         [
@@ -29,13 +46,13 @@ def curve_table(rows: list[dict[str, Any]]) -> str:
                 r["n"],
                 r["nodes"],
                 r["per_rank_batch"],
-                r["step_s"] * 1e3,
+                step_cell(r["step_s"], r.get("step_band_s")),
                 (r["forward_s"] + r["backward_s"] + r["optimizer_s"]) * 1e3,
                 r["comm_s"] * 1e3,
                 r["exposed_s"] * 1e3,
                 r["samples_per_s"],
                 r["samples_per_s"] / rows[0]["samples_per_s"],
-                f"{r['efficiency']:.3f}",
+                efficiency_cell(r["efficiency"], r.get("efficiency_band")),
                 r["algorithm"],
             ]
             for r in rows
@@ -55,6 +72,9 @@ def text(plan: dict[str, Any]) -> str:
     out += [f"  link {line}" for line in plan["link"]]
     out.append("")
     out.append(curve_table(plan["curve"]))
+    if any(r.get("step_band_s") for r in plan["curve"]):
+        out.append(f"  [low, high]: predictions from the fastest and slowest of {plan.get('repeats', 1)} "
+                   "repeated profiles (the step column's central value: from the median one)")  # fmt: skip
     n = plan["curve"][-1]["n"]
     if n > 1:
         out.append("")
