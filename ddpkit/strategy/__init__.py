@@ -13,6 +13,7 @@ from typing import Any, Union
 
 from ddpkit.collectives import Ranks
 from ddpkit.errors import problem
+from ddpkit.names import DISTRIBUTED, STRATEGIES
 from ddpkit.precision import PrecisionPlan, resolve_precision
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.ddp import DDP
@@ -20,8 +21,7 @@ from ddpkit.strategy.fsdp import FSDP, FSDPOptions
 from ddpkit.strategy.single import Single
 from ddpkit.wrap import DDPOptions
 
-NAMES = ("auto", "single", "ddp", "fsdp")  # what `strategy=` accepts as a string
-DISTRIBUTED = ("ddp", "fsdp")  # the kinds that run over several ranks (verify, trace, plan offer these)
+NAMES = STRATEGIES  # the one list (`ddpkit.names`)
 
 Choice = Union[str, DDPOptions, FSDPOptions]  # noqa: UP007 (a runtime alias on Python 3.10)
 
