@@ -57,10 +57,27 @@ def test_architecture_doc_matches_the_import_graph() -> None:
 
 
 def _process_wide(path: Path) -> set[str]:
-    """`global NAME` statements and writes to os.environ in one module, as 'module:NAME'."""
+    """In one module, as 'module:NAME': module-level containers (mutable by anyone), `global NAME`
+    statements, and writes to os.environ."""
     found: set[str] = set()
     module = path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
-    for n in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for n in tree.body:
+        target = (
+            n.targets[0] if isinstance(n, ast.Assign) else n.target if isinstance(n, ast.AnnAssign) else None
+        )
+        value = getattr(n, "value", None)
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set)) or (
+            isinstance(value, ast.Call) and ast.unparse(value.func) in ("dict", "list", "set")
+        )
+        if (
+            isinstance(target, ast.Name)
+            and mutable
+            and not target.id.isupper()
+            and not target.id.startswith("__")
+        ):
+            found.add(f"{module}:{target.id}")
+    for n in ast.walk(tree):
         if isinstance(n, ast.Global):
             found.update(f"{module}:{name}" for name in n.names)
         elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
