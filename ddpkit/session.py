@@ -9,6 +9,12 @@
 Training steps (`ddpkit.stepping`): `with s.accumulate(model): s.backward(loss)`, then `s.step(opt)`,
 for mixed precision (`precision=`), gradient accumulation (`accumulation=`) and clipping (`max_norm=`).
 
+One owner per concept: `precision=` is resolved once against the device (`ddpkit.precision`); the
+strategy (`ddpkit.strategy`, with its `DDPOptions` / `FSDPOptions`) is built once, at the first
+`s.model` or when first needed, and then the `Stepper` that holds it; neither is replaced. The strategy
+and the stepper get typed values (`_Group`, the plan, `Limits`), not the session; rank and output
+live in `RankContext`.
+
 Seeding: every rank starts from the same `seed`, so models are initialised identically; once the model
 is prepared, each rank's global generators move to a stream of its own (`rank_seed`), so dropout and
 augmentation differ across ranks while the sampler's shuffle stays shared.
