@@ -5,7 +5,7 @@
     python scripts/import_graph.py --mermaid  # the same graph as a mermaid flowchart
 
 A module's layer is 0 when it imports no other ddpkit module, else one more than the highest layer it
-imports, so every arrow points down. Subpackages (verify, bench, plan, strategy) count as one node.
+imports, so every arrow points down. Subpackages (verify, bench, plan, lint, strategy) count as one node.
 docs/architecture.md holds the table this prints; tests/test_architecture.py checks they agree.
 """
 
@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "ddpkit"
-GROUPED = ("verify", "bench", "plan", "strategy")  # subpackages drawn as one node
 
 
 def node(module: str) -> str | None:
