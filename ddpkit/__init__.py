@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ddpkit.checkpoint_files import CheckpointError
+    from ddpkit.data import to_device
     from ddpkit.errors import DdpkitError
     from ddpkit.fit import Callback, FitResult, FitState, evaluate, fit
     from ddpkit.metrics import Accuracy, Mean, MetricSet, Sum
     from ddpkit.session import Session, seed_everything, session
+    from ddpkit.shm_allreduce import ShmAllReduce
     from ddpkit.spawn import SpawnError, spawn
     from ddpkit.stepping import StepInfo
-    from ddpkit.strategy import FSDPOptions
+    from ddpkit.strategy import DDPOptions, FSDPOptions
     from ddpkit.topology import Hardware, Plan
     from ddpkit.wrap import unwrap
 
@@ -35,7 +37,7 @@ _HOME = {
     "FitState": "fit", "evaluate": "fit", "fit": "fit", "Accuracy": "metrics", "Mean": "metrics",
     "MetricSet": "metrics", "Sum": "metrics", "Session": "session", "seed_everything": "session",
     "session": "session", "SpawnError": "spawn", "spawn": "spawn", "StepInfo": "stepping",
-    "FSDPOptions": "strategy",
+    "DDPOptions": "strategy", "FSDPOptions": "strategy", "ShmAllReduce": "shm_allreduce", "to_device": "data",
     "Hardware": "topology", "Plan": "topology", "unwrap": "wrap",
 }  # fmt: skip
 
@@ -71,6 +73,7 @@ __all__ = [
     "Accuracy",
     "Callback",
     "CheckpointError",
+    "DDPOptions",
     "DdpkitError",
     "FSDPOptions",
     "FitResult",
@@ -80,6 +83,7 @@ __all__ = [
     "MetricSet",
     "Plan",
     "Session",
+    "ShmAllReduce",
     "SpawnError",
     "StepInfo",
     "Sum",
@@ -89,5 +93,6 @@ __all__ = [
     "seed_everything",
     "session",
     "spawn",
+    "to_device",
     "unwrap",
 ]

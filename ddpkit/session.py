@@ -9,6 +9,12 @@
 Training steps (`ddpkit.stepping`): `with s.accumulate(model): s.backward(loss)`, then `s.step(opt)`,
 for mixed precision (`precision=`), gradient accumulation (`accumulation=`) and clipping (`max_norm=`).
 
+One owner per concept: `precision=` is resolved once against the device (`ddpkit.precision`); the
+strategy (`ddpkit.strategy`, with its `DDPOptions` / `FSDPOptions`) is built once, at the first
+`s.model` or when first needed, and then the `Stepper` that holds it; neither is replaced. The strategy
+and the stepper get typed values (`_Group`, the plan, `Limits`), not the session; rank and output
+live in `RankContext`.
+
 Seeding: every rank starts from the same `seed`, so models are initialised identically; once the model
 is prepared, each rank's global generators move to a stream of its own (`rank_seed`), so dropout and
 augmentation differ across ranks while the sampler's shuffle stays shared.
@@ -19,26 +25,25 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddpkit import collectives, compiling, cpu_allocator, lifecycle, topology
+from ddpkit import compiling, cpu_allocator, lifecycle, topology
 from ddpkit import strategy as strategies
 from ddpkit.data import ShardedLoader, make_loader, plan_batch
 from ddpkit.errors import problem
 from ddpkit.lifecycle import Limits
-from ddpkit.precision import PrecisionPlan, resolve_precision
+from ddpkit.precision import PrecisionPlan, device_supports_bf16, resolve_precision
+from ddpkit.ranks import RankContext
 from ddpkit.stepping import MicroBatch, StepInfo, Stepper
-from ddpkit.strategy import FSDPOptions, Strategy, rank_memory
-from ddpkit.wrap import DDPOptions
+from ddpkit.strategy import Choice, DDPOptions, Strategy, rank_memory
 
 
 def seed_everything(seed: int) -> None:
@@ -48,7 +53,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Session:
+@dataclass(frozen=True)
+class _Group:
+    """What the strategy's collectives need to know about the ranks (`collectives.Ranks`), not the session."""
+
+    device: torch.device
+    distributed: bool
+    world_size: int
+
+
+class Session(RankContext):
     """A training session on one process; create it with `ddpkit.session(...)`."""
 
     def __init__(
@@ -61,7 +75,7 @@ class Session:
         limits: Limits | None = None,
         verbose: bool = True,
         shard_optimizer: bool | str = "auto",
-        strategy: str | FSDPOptions = "auto",
+        strategy: Choice = "auto",
     ) -> None:
         if shard_optimizer not in (True, False, "auto"):
             raise problem(f"shard_optimizer={shard_optimizer!r} is not True, False or 'auto'",
@@ -69,53 +83,38 @@ class Session:
         if accumulation < 1:
             raise problem(f"accumulation={accumulation} is below 1", "Pass 1 (no accumulation) or more")
         strategies.check_name(strategy)
-        self.plan = plan
+        super().__init__(plan, verbose=verbose)
         self.seed = seed
         self.accumulation = accumulation
         self.limits = limits or Limits()  # built once (ddpkit.session), passed down explicitly
-        self.strategy_choice = strategy  # what s.model uses unless it is given its own
-        self.verbose = verbose
-        self.device = torch.device(plan.device)
         self._owns_group = False
         self._on_close = contextlib.ExitStack()  # process-wide settings put back by close()
-        bf16 = self.device.type != "cuda" or torch.cuda.is_bf16_supported()
-        self.precision = resolve_precision(precision, self.device.type, bf16_supported=bf16)
-        self._stepper = Stepper(
-            accumulation,
-            self.precision,
-            distributed=plan.distributed,
-            report=self.print,
-            shard=shard_optimizer,
-            device=self.device,
-            timeout=self.limits.collective,
-        )
-        self._strategy: Strategy | None = None  # set by s.model
-        self._default_strategy = strategies.make(strategy, self, precision=self.precision.name)
-        self._stepper.strategy = self._default_strategy
+        self.precision = resolve_precision(precision, self.device.type,
+                                           bf16_supported=device_supports_bf16(self.device))  # fmt: skip
+        self._choice = strategy  # what the strategy is built from, unless the first s.model names one
+        self._shard = shard_optimizer
+        self._strategy: Strategy | None = None  # built once (`_build`), then the stepper that asks it
+        self._stepper: Stepper | None = None
+        if strategies.kind(strategy, plan) == "fsdp":  # fp16 under FSDP: said now, not at s.model
+            resolve_precision(self.precision, self.device.type, loss_scale=False)
 
-    # -- who am I -------------------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        """Global rank: 0..world_size-1 over all nodes."""
-        return self.plan.ranks.rank
-
-    @property
-    def local_rank(self) -> int:
-        """Rank on this node: selects the GPU."""
-        return self.plan.ranks.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.plan.ranks.world_size
-
-    @property
-    def is_main(self) -> bool:
-        """True on global rank 0, the one rank that prints and saves."""
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.plan.distributed
+    def _build(self, choice: Choice) -> Stepper:
+        """The session's strategy, built once (at the first s.model, or when first needed), then the
+        stepper that holds it; neither is replaced. A later s.model may not ask for another kind."""
+        if self._strategy is None:
+            group = _Group(self.device, self.distributed, self.world_size)
+            self._strategy = strategies.make(choice, group, precision=self.precision)
+        elif strategies.kind(choice, self) != self._strategy.name:
+            raise problem(
+                f"this session's strategy is already {self._strategy.name!r} (set by its first s.model, or "
+                f"when it was first needed), now {strategies.kind(choice, self)!r} was asked for",
+                "Use one strategy per session (pass strategy= to ddpkit.session)",
+            )
+        if self._stepper is None:
+            self._stepper = Stepper(self.accumulation, self.precision, distributed=self.distributed,
+                                    report=self.print, shard=self._shard, device=self.device,
+                                    timeout=self.limits.collective, strategy=self._strategy)  # fmt: skip
+        return self._stepper
 
     @property
     def rank_seed(self) -> int:
@@ -148,66 +147,27 @@ class Session:
         self._owns_group = False
         self._on_close.close()
 
-    # -- output ---------------------------------------------------------------------------------
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """`print` on global rank 0 only, flushed at once."""
-        if self.is_main and self.verbose:
-            bars = sys.modules.get("tqdm")
-            if bars is not None and getattr(bars.tqdm, "_instances", None) and not kwargs:
-                bars.tqdm.write(" ".join(map(str, args)))  # above the progress bar, not inside it
-            else:
-                print(*args, **kwargs, flush=True)
-
-    def print_all(self, *args: Any) -> None:
-        """Print on every rank, prefixed with the global rank (for debugging)."""
-        print(f"[rank {self.rank}]", *args, flush=True)
-
-    # -- collectives ----------------------------------------------------------------------------
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier()
-
-    def all_reduce(self, value: float | torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce a number or tensor over all ranks ("sum", "mean", "max", "min"); a new tensor."""
-        return collectives.all_reduce(self, value, op)
-
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if `flag` is true on any rank: stop decisions that cannot diverge."""
-        return collectives.stop_flag(self, flag, "any")
-
-    def all_ranks(self, flag: bool) -> bool:
-        """True on every rank if `flag` is true on all ranks."""
-        return collectives.stop_flag(self, flag, "all")
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's tensor concatenated along dim 0 in rank order (first dimensions may differ)."""
-        return collectives.gather(self, tensor)
-
-    def gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable object, in rank order."""
-        return collectives.gather_object(self, obj)
-
     # -- training steps (ddpkit.stepping) ------------------------------------------------------
     @property
     def stepper(self) -> Stepper:
         """The step state (fp16 loss scale, optimizer steps); `s.save(..., stepper=s.stepper)` keeps it."""
-        return self._stepper
+        return self._stepper or self._build(self._choice)
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps the fp16 gradient scaler skipped (inf/nan gradients) in this session."""
-        return self._stepper.skipped
+        return self.stepper.skipped
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The precision's autocast context (a no-op for "32"); `accumulate` enters it for you."""
-        return self._stepper.autocast()
+        return self.precision.forward_context()
 
     def accumulate(self, model: nn.Module) -> contextlib.AbstractContextManager[MicroBatch]:
         """One micro-batch: autocast, and DDP's `no_sync` unless it is the k-th of `accumulation`.
 
         Run the forward and `s.backward(loss)` inside; call `s.step(opt)` after every block.
         """
-        return self._stepper.accumulate(model)
+        return self.stepper.accumulate(model)
 
     def backward(self, loss: torch.Tensor, *, tokens: int | torch.Tensor | None = None) -> None:
         """`loss.backward()` with the loss divided by `accumulation` (and scaled for fp16).
@@ -215,14 +175,14 @@ class Session:
         `tokens=n`: `loss` is the SUM of the micro-batch's per-token losses over its n valid tokens;
         `s.step` then makes the gradient the mean over all tokens of the global batch (`ddpkit.tokens`).
         """
-        self._stepper.backward(loss, tokens)
+        self.stepper.backward(loss, tokens)
 
     def step(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None) -> StepInfo:
         """After each micro-batch: on the k-th, unscale, clip to `max_norm`, step, zero_grad.
 
         On the first k-1 it does nothing and returns `StepInfo(stepped=False)`.
         """
-        return self._stepper.step(optimizer, max_norm)
+        return self.stepper.step(optimizer, max_norm)
 
     @contextmanager
     def join(self, model: nn.Module, *joinables: Any) -> Iterator[None]:
@@ -236,7 +196,7 @@ class Session:
         optimizer step on every rank (not sharded: a finished rank could not publish its share).
         Under FSDP it is an error (every rank takes part in every block's all-gather).
         """
-        with self.strategy.join(model, joinables), self._stepper.joining():
+        with self.strategy.join(model, joinables), self.stepper.joining():
             yield
 
     # -- checkpoints (ddpkit.checkpoint) -------------------------------------------------------
@@ -263,7 +223,7 @@ class Session:
         self,
         module: nn.Module | Callable[[], nn.Module],
         *,
-        strategy: str | FSDPOptions | None = None,
+        strategy: Choice | None = None,
         sync_batchnorm: bool = False,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
@@ -283,70 +243,50 @@ class Session:
         which copies global rank 0's weights to every rank here, once; "fsdp" shards parameters,
         gradients and optimizer state over the ranks with FSDP2 (`FSDPOptions` for its settings; see
         `ddpkit.strategy.fsdp`). With one process the model is used as is. Build the optimizer from
-        the returned model's parameters, after this call. DDP only: `sync_batchnorm=True` computes
-        BatchNorm statistics over the global batch (CPU too); `comm_hook` names a gradient compression
-        ("fp16", "bf16", "powersgd"; see `ddpkit.comm_hooks`) with `comm_hook_options` for it.
-        `compile=True` (or a dict of torch.compile arguments) compiles the module, then wraps it
-        (see `ddpkit.compiling`).
+        the returned model's parameters, after this call. The DDP keywords (`sync_batchnorm=True`:
+        BatchNorm statistics over the global batch; `comm_hook`: a gradient compression, "fp16",
+        "bf16", "powersgd", see `ddpkit.comm_hooks`; the DDP constructor's options) are sugar for
+        `strategy=DDPOptions(...)`. `compile=True` (or a dict of torch.compile arguments) compiles the
+        module, then wraps it (see `ddpkit.compiling`).
         """
-        options = DDPOptions(
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            bucket_cap_mb=bucket_cap_mb,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            broadcast_buffers=broadcast_buffers,
-        )
-        chosen = strategies.make(
-            self.strategy_choice if strategy is None else strategy,
-            self,
-            precision=self.precision.name,
-            ddp=options,
-            sync_batchnorm=sync_batchnorm,
-            comm_hook=comm_hook,
+        sugar = DDPOptions(
+            find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+            bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
+            broadcast_buffers=broadcast_buffers, sync_batchnorm=sync_batchnorm, comm_hook=comm_hook,
             comm_hook_options=comm_hook_options,
-        )
-        if self._strategy is not None and self._strategy.name != chosen.name:
-            raise problem(
-                f"this session already prepared a model with strategy={self._strategy.name!r}, now "
-                f"{chosen.name!r} was asked for",
-                "Use one strategy per session (pass strategy= to ddpkit.session)",
-            )
+        )  # fmt: skip
+        options = strategies.options_of(strategy, sugar)  # this model's own options, if any
+        stepper = self._build(self._choice if strategy is None else strategy)
+        chosen = stepper.strategy
         if not isinstance(module, nn.Module):  # a factory: under FSDP, built shard by shard
             module = chosen.build(module) if isinstance(chosen, strategies.FSDP) else module()
-        sharded_step = chosen.allows_sharded_step and self._stepper.shard is not False
+        sharded_step = chosen.allows_sharded_step and stepper.shard is not False
         rank_memory.check_replicated(chosen, module, self.world_size, sharded_step=sharded_step)
         if self.device.type == "cpu" and not chosen.shards_state:  # FSDP: kept blocks would cost its peak
             cpu_allocator.fit_to(module)  # keep memory between steps only where the model gains from it
         compiler = compiling.CompileOptions.parse(compile)
         if compiler is None:
-            model = chosen.wrap(module, self.device)
-        elif chosen.name == "fsdp":
-            raise problem(
-                "compile=... is not supported with strategy='fsdp' yet (ddpkit compiles before wrapping, "
-                "and FSDP2 must shard the plain module)",
-                "Drop compile=, or compile after sharding yourself: torch.compile(s.model(net, "
-                "strategy='fsdp'))",
-            )
+            model = chosen.wrap(module, self.device, options)
         else:
+            chosen.check_compile()
             self._on_close.callback(compiling.cache_env_restorer())
             model, notes = compiling.apply(
-                module, compiler, lambda m: chosen.wrap(m, self.device), distributed=self.distributed
+                module, compiler, lambda m: chosen.wrap(m, self.device, options), distributed=self.distributed
             )
             chosen.notes.extend(notes)
-        if self._stepper.shard is True and not chosen.allows_sharded_step and self.distributed:
+        if stepper.shard is True and not chosen.allows_sharded_step and self.distributed:
             chosen.notes.append(f"shard_optimizer=True has no effect with strategy={chosen.name!r}: the "
                                 "optimizer state is already sharded")  # fmt: skip
         for note in chosen.notes:
             self.print(f"ddpkit: {note}")
-        self._strategy = chosen
-        self._stepper.strategy = chosen
+        chosen.notes.clear()
         seed_everything(self.rank_seed)
         return model
 
     @property
     def strategy(self) -> Strategy:
-        """The strategy of the model `s.model` prepared (before that: the session's default one)."""
-        return self._strategy or self._default_strategy
+        """The session's strategy (built by the first `s.model`, or here from the session's choice)."""
+        return self.stepper.strategy
 
     def loader(
         self,
@@ -400,7 +340,7 @@ def session(
     verbose: bool = True,
     shard_optimizer: bool | str = "auto",
     share_gpu: bool = False,
-    strategy: str | FSDPOptions = "auto",
+    strategy: Choice = "auto",
     env: Mapping[str, str] | None = None,
     hardware: topology.Hardware | None = None,
 ) -> Iterator[Session]:

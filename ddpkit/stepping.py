@@ -30,7 +30,7 @@ from torch import nn
 
 from ddpkit import sharding
 from ddpkit.errors import problem
-from ddpkit.precision import PrecisionPlan, make_scaler
+from ddpkit.precision import PrecisionPlan
 from ddpkit.strategy import Strategy
 from ddpkit.tokens import Count, TokenWeighting
 
@@ -80,7 +80,7 @@ class Stepper:
         strategy: Strategy | None = None,
     ) -> None:
         self.accumulation = accumulation
-        self.strategy = strategy or Strategy()  # the session sets the one its model was prepared with
+        self.strategy = strategy or Strategy()  # the session's, built once before this stepper
         self.shard = shard  # ddpkit.sharding: each rank steps its share of the parameters
         self._sharded: weakref.WeakKeyDictionary[torch.optim.Optimizer, sharding.ShardedStep | None] = (
             weakref.WeakKeyDictionary()
@@ -91,7 +91,7 @@ class Stepper:
         self.precision = precision
         self.distributed = distributed
         self.report = report
-        self.scaler = make_scaler(precision)
+        self.scaler = precision.make_scaler()
         self.steps = 0  # optimizer steps taken (skipped fp16 steps included)
         self.skipped = 0  # fp16 steps skipped for inf/nan gradients
         self._micro = 0  # accumulate blocks finished since the last optimizer step
@@ -107,10 +107,7 @@ class Stepper:
         return self._micro
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        dtype = self.precision.autocast_dtype
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.precision.device_type, dtype=dtype)
+        return self.precision.forward_context()
 
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module) -> Iterator[MicroBatch]:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.names import DISTRIBUTED
+
 _now = time.perf_counter  # CLOCK_MONOTONIC on Linux: comparable across processes of one machine
 
 
@@ -43,8 +45,9 @@ class Recorder:
 
     def add(self, name: str, track: str, start: float, end: float, **extra: Any) -> None:
         if self.enabled:
-            self.events.append({"name": name, "track": track, "start": start, "end": end,
-                                "step": self.step, **extra})
+            self.events.append(
+                {"name": name, "track": track, "start": start, "end": end, "step": self.step, **extra}
+            )
 
 
 class TracedHook:
@@ -61,16 +64,24 @@ def traced_hook(state: TracedHook, bucket: dist.GradBucket) -> torch.futures.Fut
     index = bucket.index()
     buffer = bucket.buffer()
     if index not in rec.buckets or rec.enabled:
-        rec.buckets[index] = {"bytes": buffer.numel() * buffer.element_size(),
-                              "params": [state.names.get(id(p), "?") for p in bucket.parameters()]}
+        rec.buckets[index] = {
+            "bytes": buffer.numel() * buffer.element_size(),
+            "params": [state.names.get(id(p), "?") for p in bucket.parameters()],
+        }
     start = _now()
     fut = state.inner_hook(state.inner_state, bucket)
     step = rec.step
 
     def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         if step == rec.step:
-            rec.add(f"all-reduce bucket {index}", f"bucket {index}", start, _now(), bucket=index,
-                    bytes=buffer.numel() * buffer.element_size())
+            rec.add(
+                f"all-reduce bucket {index}",
+                f"bucket {index}",
+                start,
+                _now(),
+                bucket=index,
+                bytes=buffer.numel() * buffer.element_size(),
+            )
         return f.value()
 
     return fut.then(done)
@@ -212,9 +223,17 @@ def chrome_trace(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track}})
         for e in r["events"]:
             args = {k: v for k, v in e.items() if k not in ("name", "track", "start", "end")}
-            events.append({"name": e["name"], "ph": "X", "pid": pid, "tid": tracks.index(e["track"]),
-                           "ts": (e["start"] - origin) * 1e6, "dur": (e["end"] - e["start"]) * 1e6,
-                           "args": args})
+            events.append(
+                {
+                    "name": e["name"],
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": tracks.index(e["track"]),
+                    "ts": (e["start"] - origin) * 1e6,
+                    "dur": (e["end"] - e["start"]) * 1e6,
+                    "args": args,
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -239,15 +258,21 @@ def plot(ranks: list[dict[str, Any]], path: str, title: str) -> str:
                 b = e.get("bucket", 0)
                 color, height = _BUCKET_COLORS[b % len(_BUCKET_COLORS)], 0.8 / n_buckets
                 bottom = y + 0.1 + (n_buckets - 1 - b % n_buckets) * height
-            ax.broken_barh([((e["start"] - origin) * 1e3, (e["end"] - e["start"]) * 1e3)], (bottom, height),
-                           facecolors=color, edgecolors="white", linewidth=0.3)
+            ax.broken_barh(
+                [((e["start"] - origin) * 1e3, (e["end"] - e["start"]) * 1e3)],
+                (bottom, height),
+                facecolors=color,
+                edgecolors="white",
+                linewidth=0.3,
+            )
         labels += [(y + 0.5, f"rank {r['rank']} all-reduce"), (y + 1.5, f"rank {r['rank']} compute")]
     ax.set_yticks([p for p, _ in labels], [t for _, t in labels], fontsize=8)
     ax.set(xlabel="ms", title=title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*colors.values(), _BUCKET_COLORS[0])]
     names = [*colors, "all-reduce, launch to completion (a colour per bucket)"]
-    ax.legend(handles, names, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4,
-              frameon=False)
+    ax.legend(
+        handles, names, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, frameon=False
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -275,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--hook", default="allreduce", help="allreduce (DDP's default), shm, fp16, bf16, powersgd")
     p.add_argument("--bucket-cap-mb", type=float, default=None)
-    p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
+    p.add_argument("--strategy", choices=DISTRIBUTED, default="ddp",
                    help="fsdp: each block's all-gather and reduce-scatter, not buckets")  # fmt: skip
     p.add_argument("--warmup", type=int, default=2, help="untraced steps first (DDP rebuilds buckets)")
     p.add_argument("--steps", type=int, default=3)
@@ -297,12 +322,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     png = plot(ranks, os.path.join(ns.out, "trace.png"), title)
     for r in ranks:
         ov = overlap(r["events"])
-        comp = {n: sum(e["end"] - e["start"] for e in r["events"] if e["name"] == n) / ns.steps * 1e3
-                for n in ("forward", "backward", "optimizer step")}
+        comp = {
+            n: sum(e["end"] - e["start"] for e in r["events"] if e["name"] == n) / ns.steps * 1e3
+            for n in ("forward", "backward", "optimizer step")
+        }
         hidden, exposed = ov["hidden_s"] / ns.steps * 1e3, ov["exposed_s"] / ns.steps * 1e3
-        print(f"rank {r['rank']}: forward {comp['forward']:.1f} ms, backward {comp['backward']:.1f} ms, "
-              f"optimizer {comp['optimizer step']:.1f} ms per step; all-reduce {hidden:.1f} ms hidden + "
-              f"{exposed:.1f} ms exposed = {ov['hidden_share']:.0%} hidden behind backward")
+        print(
+            f"rank {r['rank']}: forward {comp['forward']:.1f} ms, backward {comp['backward']:.1f} ms, "
+            f"optimizer {comp['optimizer step']:.1f} ms per step; all-reduce {hidden:.1f} ms hidden + "
+            f"{exposed:.1f} ms exposed = {ov['hidden_share']:.0%} hidden behind backward"
+        )
     if ns.explain:
         print("\n".join(explain(ranks[0])))
     print(f"chrome trace: {trace_path} (open in https://ui.perfetto.dev)\nplot: {png}")

@@ -17,7 +17,7 @@ effect, because a single replica already computes the full-batch gradient.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -26,10 +26,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import problem
 
+_CONSTRUCTOR = ("find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view",
+                "broadcast_buffers")  # fmt: skip
+
 
 @dataclass(frozen=True, kw_only=True)
 class DDPOptions:
-    """The DDP constructor options ddpkit passes through, with ddpkit's defaults.
+    """Everything the DDP strategy is configured with; `ddpkit.session(strategy=DDPOptions(...))`.
+
+    The DDP constructor options ddpkit passes through, with ddpkit's defaults, plus what ddpkit does
+    around the wrapper: `sync_batchnorm` (statistics over the global batch), `comm_hook` (a gradient
+    compression by name, `ddpkit.comm_hooks`) and `comm_hook_options` for it. `s.model(net,
+    find_unused_parameters=True, ...)` is sugar for `s.model(net, strategy=DDPOptions(...))`.
 
     `gradient_as_bucket_view` defaults to True (unlike DDP): gradients live inside the all-reduce
     buckets instead of being copied in and out, which saves one gradient-sized copy of memory and a
@@ -41,6 +49,9 @@ class DDPOptions:
     bucket_cap_mb: float | None = None  # None: DDP's default (25 MB)
     gradient_as_bucket_view: bool = True
     broadcast_buffers: bool = True
+    sync_batchnorm: bool = False
+    comm_hook: str | None = None
+    comm_hook_options: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
@@ -50,7 +61,8 @@ class DDPOptions:
             )
 
     def ddp_kwargs(self) -> dict:
-        kwargs = asdict(self)
+        """The keyword arguments for torch's DistributedDataParallel (those that differ from its own)."""
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name in _CONSTRUCTOR}
         if kwargs["bucket_cap_mb"] is None:
             del kwargs["bucket_cap_mb"]
         if kwargs["broadcast_buffers"]:  # DDP's default; torch 2.13 deprecates passing it explicitly
@@ -77,11 +89,9 @@ def wrap_model(
     device: torch.device,
     distributed: bool,
     options: DDPOptions,
-    sync_batchnorm: bool = False,
-    comm_hook: str | None = None,
-    comm_hook_options: Mapping[str, Any] | None = None,
 ) -> tuple[nn.Module, list[str]]:
     """Prepare `module` for training; return the model to train and notes worth logging once."""
+    sync_batchnorm, comm_hook = options.sync_batchnorm, options.comm_hook
     if isinstance(module, DistributedDataParallel):
         raise problem(
             "the model is already wrapped in DistributedDataParallel",
@@ -110,7 +120,7 @@ def wrap_model(
     if comm_hook is not None:
         from ddpkit import comm_hooks
 
-        state = comm_hooks.register(ddp, comm_hook, comm_hook_options)
+        state = comm_hooks.register(ddp, comm_hook, options.comm_hook_options)
         if getattr(state, "active", True) is False:  # e.g. "shm" across machines: say why, once
             notes.append(f"comm_hook={comm_hook!r}: {state.reason}")
     return ddp, notes

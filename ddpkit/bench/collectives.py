@@ -67,13 +67,12 @@ def _time_ops(ops: list[str], sizes: list[int], rounds: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import ddpkit
-    from ddpkit.shm_allreduce import ShmAllReduce
 
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     with ddpkit.session(verbose=False) as s:
         n = s.world_size
-        shm = ShmAllReduce(chunk_mb=16) if "all_reduce[shm]" in ops else None
+        shm = ddpkit.ShmAllReduce(chunk_mb=16) if "all_reduce[shm]" in ops else None
         times: dict[str, list[float]] = {f"{op}/{size}": [] for op in ops for size in sizes}
         for _ in range(rounds):
             for size in sizes:
@@ -130,10 +129,14 @@ def run(ns: argparse.Namespace) -> int:
     memcpy = {size: memcpy_seconds(size, ns.threads) for size in sizes}
     results["memcpy_GBps"] = {size: size / t / 1e9 for size, t in memcpy.items()}
     for n in counts:
-        print(f"ddpkit bench collectives: {n} ranks x {ns.threads} thread(s), {len(ops)} ops, "
-              f"{len(sizes)} sizes, {ns.rounds} rounds", flush=True)
-        out = ddpkit.spawn(_time_ops, nproc=n, args=(ops, sizes, ns.rounds), threads=ns.threads,
-                           timeout=ns.timeout)[0]
+        print(
+            f"ddpkit bench collectives: {n} ranks x {ns.threads} thread(s), {len(ops)} ops, "
+            f"{len(sizes)} sizes, {ns.rounds} rounds",
+            flush=True,
+        )
+        out = ddpkit.spawn(
+            _time_ops, nproc=n, args=(ops, sizes, ns.rounds), threads=ns.threads, timeout=ns.timeout
+        )[0]
         if out["shm"]:
             print(f"  all_reduce[shm]: {out['shm']}")
         rows, table_rows = [], []
@@ -143,8 +146,16 @@ def run(ns: argparse.Namespace) -> int:
                 t = statistics.median(out["times"][f"{op}/{size}"])
                 algbw = size / t / 1e9
                 busbw = algbw * FACTORS[op](n)
-                rows.append({"op": op, "bytes": size, "seconds": t, "algbw_GBps": algbw, "busbw_GBps": busbw,
-                             "spread": _spread(out["times"][f"{op}/{size}"])})
+                rows.append(
+                    {
+                        "op": op,
+                        "bytes": size,
+                        "seconds": t,
+                        "algbw_GBps": algbw,
+                        "busbw_GBps": busbw,
+                        "spread": _spread(out["times"][f"{op}/{size}"]),
+                    }
+                )
                 row += [t * 1e6, busbw]
             table_rows.append([*row, results["memcpy_GBps"][size]])
         results["worlds"][str(n)] = rows
@@ -182,8 +193,13 @@ def plot(results: dict[str, Any], ops: list[str], path: str) -> str:
             pts = [r["busbw_GBps"] for r in rows if r["op"] == op]
             ax.plot(sizes, pts, "o-", ms=3, label=f"{op}, {n} ranks")
     ax.plot(sizes, [results["memcpy_GBps"][s] for s in sizes], "k--", label="memcpy, 1 process (ceiling)")
-    ax.set(xscale="log", yscale="log", xlabel="bytes", ylabel="bus bandwidth, GB/s",
-           title="collectives on this machine (nccl-tests busbw)")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="bytes",
+        ylabel="bus bandwidth, GB/s",
+        title="collectives on this machine (nccl-tests busbw)",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+CPU_ALLOCATOR_OPT_OUT = "DDPKIT_CPU_ALLOCATOR"  # the documented switch (README), as a user sets it
+
 HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "shm")
 LOSSY_HOOKS = ("fp16", "bf16", "powersgd")
 
@@ -92,25 +94,25 @@ def _build(workload: Any, cfg: Config, s: Any) -> tuple[torch.nn.Module, Any]:
 
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(opt), **defaults)
     if cfg.shard and s.world_size > 1:
-        from ddpkit import sharding
-
-        sharder = sharding.choose(opt, "auto", s.device)  # what s.step(opt) does by default
-        if sharder is not None:
-            return model, _Sharded(opt, sharder)
+        return model, _Sharded(s, opt)  # s.backward + s.step: the sharded step where "auto" takes it
     return model, opt
 
 
 class _Sharded:
-    """An optimizer whose `step` is ddpkit's sharded step (the benchmark loop calls opt.step())."""
+    """An optimizer stepped as a user's loop steps it, through `s.backward` and `s.step` (the session's
+    default shard_optimizer="auto" decides whether the step is sharded)."""
 
-    def __init__(self, opt: torch.optim.Optimizer, sharder: Any) -> None:
-        self.opt, self.sharder = opt, sharder
+    def __init__(self, s: Any, opt: torch.optim.Optimizer) -> None:
+        self.s, self.opt = s, opt
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.opt.zero_grad(set_to_none=set_to_none)
 
+    def backward(self, loss: torch.Tensor) -> None:
+        self.s.backward(loss)
+
     def step(self) -> None:
-        self.sharder.step(self.opt.step)
+        self.s.step(self.opt)
 
 
 def fused(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -139,7 +141,10 @@ def constructor_defaults(opt: torch.optim.Optimizer) -> dict[str, Any]:
 def _step(workload: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Any) -> None:
     loss = workload.step_loss(model, batch)
     opt.zero_grad(set_to_none=False)
-    loss.backward()
+    if isinstance(opt, _Sharded):
+        opt.backward(loss)
+    else:
+        loss.backward()
     opt.step()
 
 
@@ -248,7 +253,6 @@ def measure(
 ) -> dict[str, Stats]:
     """Time every config `rounds` times, rotating through groups and configs; return stats by label."""
     import ddpkit
-    from ddpkit import cpu_allocator
 
     groups: dict[tuple[int, int, bool], list[Config]] = {}
     for cfg in configs:
@@ -267,12 +271,14 @@ def measure(
                 args=(spec, [asdict(c) for c in members], steps, max(1, warmup), no_sync, target_s),
                 threads=threads,
                 timeout=timeout,
-                env={} if allocator else {cpu_allocator.OPT_OUT: "default"},
+                env={} if allocator else {CPU_ALLOCATOR_OPT_OUT: "default"},
             )[0]
             for res in results:
                 if res["world_size"] != nproc or res["threads_seen"] != threads:
-                    raise RuntimeError(f"{res['label']}: ran with world {res['world_size']}, "
-                                       f"{res['threads_seen']} threads; expected {nproc} x {threads}")
+                    raise RuntimeError(
+                        f"{res['label']}: ran with world {res['world_size']}, "
+                        f"{res['threads_seen']} threads; expected {nproc} x {threads}"
+                    )
                 st = stats[res["label"]]
                 st.samples.append(res["step_s"])
                 if "no_sync_step_s" in res:

@@ -35,12 +35,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ddpkit.names import DISTRIBUTED
 from ddpkit.plan.links import Link, log2_ceil
 from ddpkit.plan.profile import Bucket, Profile
 
 ALGORITHMS = ("auto", "ring", "tree")
 HOOKS = ("none", "fp16", "bf16", "powersgd")
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = DISTRIBUTED  # the one list of strategy names (ddpkit.names)
 TREE_BANDWIDTH = 0.9  # NCCL's tuner rates a tree's bus bandwidth at 0.9 of the ring's (src/graph/tuning.cc)
 
 

@@ -1,66 +1,82 @@
 """Strategies: what data parallelism means for a model ("single", "ddp", "fsdp"); see `base.Strategy`.
 
-`make` turns the name a user passed (to `ddpkit.session(strategy=)` or `s.model(strategy=)`) into the
-strategy object the session, the stepper and checkpoints ask. "auto" is "ddp" with more than one
-process; any name is "single" with one process (said once).
+`make` turns what a user passed (to `ddpkit.session(strategy=)` or `s.model(strategy=)`: a name,
+`DDPOptions` or `FSDPOptions`) into the one strategy object the session, the stepper and checkpoints
+ask; the session builds it once. "auto" is "ddp" with more than one process; any name is "single" with
+one process (said once). `NAMES` is the one list of names; tools that compare or simulate N ranks offer
+`DISTRIBUTED`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, Union
 
 from ddpkit.collectives import Ranks
 from ddpkit.errors import problem
+from ddpkit.names import DISTRIBUTED, STRATEGIES
+from ddpkit.precision import PrecisionPlan, resolve_precision
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.ddp import DDP
 from ddpkit.strategy.fsdp import FSDP, FSDPOptions
 from ddpkit.strategy.single import Single
 from ddpkit.wrap import DDPOptions
 
-NAMES = ("auto", "single", "ddp", "fsdp")
+NAMES = STRATEGIES  # the one list (`ddpkit.names`)
 
-__all__ = ["DDP", "FSDP", "NAMES", "FSDPOptions", "Single", "Strategy", "check_name", "make"]
+Choice = Union[str, DDPOptions, FSDPOptions]  # noqa: UP007 (a runtime alias on Python 3.10)
+
+__all__ = ["DDP", "DISTRIBUTED", "FSDP", "NAMES", "Choice", "DDPOptions", "FSDPOptions", "Single",
+           "Strategy", "check_name", "kind", "make", "options_of"]  # fmt: skip
 
 
 def check_name(strategy: Any) -> str:
-    """The strategy's name, or a clear error for anything else."""
+    """The strategy's name ("auto", "single", "ddp", "fsdp"), or a clear error for anything else."""
     if isinstance(strategy, FSDPOptions):
         return "fsdp"
+    if isinstance(strategy, DDPOptions):
+        return "ddp"
     if strategy not in NAMES:
         raise problem(f"strategy={strategy!r} is not one of {', '.join(map(repr, NAMES))}",
                       "Pass 'ddp' (replicas), 'fsdp' (sharded parameters) or 'auto'")  # fmt: skip
     return strategy
 
 
-def make(
-    strategy: str | FSDPOptions,
-    ranks: Ranks,
-    *,
-    precision: str = "32",
-    ddp: DDPOptions | None = None,
-    sync_batchnorm: bool = False,
-    comm_hook: str | None = None,
-    comm_hook_options: Mapping[str, Any] | None = None,
-) -> Strategy:
-    """The strategy object for `strategy` on these ranks, with the options that apply to it."""
+def kind(strategy: Choice, ranks: Ranks) -> str:
+    """The strategy `make` builds for this choice on these ranks: "single", "ddp" or "fsdp"."""
     name = check_name(strategy)
-    ddp = ddp or DDPOptions()
     if not ranks.distributed:
-        asked = name if name in ("ddp", "fsdp") else None
-        return Single(ddp, sync_batchnorm=sync_batchnorm, comm_hook=comm_hook, asked=asked)
+        return "single"
+    return "ddp" if name == "auto" else name
+
+
+def options_of(strategy: Choice | None, sugar: DDPOptions) -> DDPOptions | FSDPOptions | None:
+    """The options one `s.model` call gives its model: `strategy=` when it is options, or the flat DDP
+    keywords (sugar for `DDPOptions`); None: the strategy's own. Both at once is an error."""
+    given = strategy if isinstance(strategy, (DDPOptions, FSDPOptions)) else None
+    if sugar == DDPOptions():
+        return given
+    if isinstance(given, DDPOptions):
+        raise problem(
+            "s.model got both strategy=DDPOptions(...) and DDP keywords (find_unused_parameters, ...)",
+            "Put every DDP option into the DDPOptions, or pass only the keywords",
+        )
+    return sugar  # with FSDP, its wrap says that DDP options do not apply
+
+
+def make(strategy: Choice, ranks: Ranks, *, precision: PrecisionPlan | None = None) -> Strategy:
+    """The strategy object for `strategy` on these ranks, carrying its options (`DDPOptions`,
+    `FSDPOptions`) and, for FSDP, the precision checked against what FSDP can apply."""
+    name = check_name(strategy)
+    options = strategy if isinstance(strategy, (DDPOptions, FSDPOptions)) else None
+    if not ranks.distributed:
+        asked = name if name in DISTRIBUTED else None
+        return Single(options if isinstance(options, DDPOptions) else None, asked=asked)
     if name == "fsdp":
-        changed = ddp != DDPOptions() or sync_batchnorm or comm_hook is not None
-        if changed:
-            raise problem(
-                "DDP options (find_unused_parameters, static_graph, bucket_cap_mb, gradient_as_bucket_view, "
-                "broadcast_buffers, sync_batchnorm, comm_hook) were passed with strategy='fsdp'",
-                "Leave them out with FSDP, or pass strategy='ddp'",
-            )
-        return FSDP(strategy if isinstance(strategy, FSDPOptions) else None, ranks, precision)
+        plan = resolve_precision(precision or PrecisionPlan("32", "cpu"), "", loss_scale=False)  # no fp16
+        return FSDP(options if isinstance(options, FSDPOptions) else None, ranks, plan)
     if name == "single":
         raise problem(
             f"strategy='single' with {ranks.world_size} processes would train unsynchronised replicas",
             "Pass strategy='ddp' or 'fsdp', or start one process",
         )
-    return DDP(ddp, sync_batchnorm=sync_batchnorm, comm_hook=comm_hook, comm_hook_options=comm_hook_options)
+    return DDP(options if isinstance(options, DDPOptions) else None)

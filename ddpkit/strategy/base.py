@@ -1,21 +1,24 @@
 """What "data parallel" means for one kind of training: the interface every strategy implements.
 
-    strategy = ddpkit.strategy.make("fsdp", distributed=True, ...)   # session.model does this
-    model = strategy.wrap(net)                 # to the device; DDP, FSDP2 or nothing
+    strategy = ddpkit.strategy.make("fsdp", ranks, precision=plan)   # the session does this, once
+    model = strategy.wrap(net, device)         # to the device; DDP, FSDP2 or nothing
     with strategy.skip_sync(model):            # micro-batches 1..k-1 of an accumulation group
         loss.backward()
     norm = strategy.clip(params, max_norm)     # the total norm, identical on every rank
     weights = strategy.full_state(model)       # checkpoints: the full weights on global rank 0
 
 Everything that differs between one device, DDP and FSDP lives behind this seam, so that the session,
-the stepper, checkpoints, verify and trace ask the strategy instead of testing for DDP. Strategies are
-named by plain strings ("single", "ddp", "fsdp"), which is also what `plan` and `doctor` speak.
+the stepper, checkpoints, verify and trace ask the strategy instead of testing for DDP: also the checks
+that belong to a kind (`check_compile`: may it wrap a compiled module; `check_loadable`: what a
+checkpoint saved by another strategy may restore into it). A strategy carries its own options
+(`DDPOptions`, `FSDPOptions`). Strategies are named by plain strings ("single", "ddp", "fsdp"; the one
+list is `ddpkit.strategy.NAMES`), which is also what `plan` and `doctor` speak.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -41,9 +44,17 @@ class Strategy:
         return self.name
 
     # -- the model ----------------------------------------------------------------------------------
-    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
-        """Prepare `module` for training on `device`; the model the user trains."""
+    def wrap(self, module: nn.Module, device: torch.device, options: Any = None) -> nn.Module:
+        """Prepare `module` for training on `device`; the model the user trains. `options`: this
+        model's own options (`s.model(net, strategy=DDPOptions(...))`), else the strategy's."""
         return module.to(device)
+
+    def check_compile(self) -> None:
+        """Raise a clear error when this strategy cannot wrap a torch.compile'd module."""
+
+    def check_loadable(self, saved: str, optimizers: Collection[str], path: Any) -> None:
+        """Raise a clear error when a checkpoint saved with strategy `saved` cannot restore these
+        optimizers into this strategy (the weights always can)."""
 
     def owns(self, model: nn.Module) -> bool:
         """True if `model` is what `wrap` returned (a check against passing the inner module)."""

@@ -9,7 +9,7 @@ that ran out of data (torch's `Join`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,28 +34,16 @@ class DDP(Strategy):
     name = "ddp"
     allows_sharded_step = True
 
-    def __init__(
-        self,
-        options: DDPOptions | None = None,
-        *,
-        sync_batchnorm: bool = False,
-        comm_hook: str | None = None,
-        comm_hook_options: Mapping[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, options: DDPOptions | None = None) -> None:
         super().__init__()
         self.options = options or DDPOptions()
-        self.sync_batchnorm = sync_batchnorm
-        self.comm_hook = comm_hook
-        self.comm_hook_options = comm_hook_options
 
     def describe(self) -> str:
         return "DistributedDataParallel"
 
-    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
-        model, notes = wrap_model(
-            module, device=device, distributed=True, options=self.options, sync_batchnorm=self.sync_batchnorm,
-            comm_hook=self.comm_hook, comm_hook_options=self.comm_hook_options,
-        )  # fmt: skip
+    def wrap(self, module: nn.Module, device: torch.device, options: Any = None) -> nn.Module:
+        """`options`: this model's own `DDPOptions` (`s.model`'s keywords), else the strategy's."""
+        model, notes = wrap_model(module, device=device, distributed=True, options=options or self.options)
         self.notes.extend(notes)
         return model
 

@@ -12,9 +12,10 @@ FSDP2 does not broadcast rank 0's weights as DDP does: every rank must build the
 seeds every rank alike). `wrap` compares a checksum of every parameter and buffer across ranks before
 sharding and stops with the name of the first one that differs.
 
-Precision: "bf16" computes in bf16 (`MixedPrecisionPolicy(param_dtype=bf16)`) and reduces gradients in
-fp32; "16" (fp16 with a loss scale) is refused: the scaler's inf check would be per shard, so ranks
-could disagree about skipping a step. Micro-batches skip the reduce-scatter with
+Precision: "bf16" computes in bf16 (`MixedPrecisionPolicy(param_dtype=bf16)`, from
+`PrecisionPlan.fsdp_policy`) and reduces gradients in fp32; "16" (fp16 with a loss scale) is refused by
+`ddpkit.precision.resolve_precision(..., loss_scale=False)`: the scaler's inf check would be per shard,
+so ranks could disagree about skipping a step. Micro-batches skip the reduce-scatter with
 `set_requires_gradient_sync(False)`; the clipped norm is the all-reduced norm of the sharded gradients,
 identical on every rank. `ddpkit.sharding` does not apply: the optimizer state is already sharded.
 """
@@ -22,7 +23,7 @@ identical on every rank. `ddpkit.sharding` does not apply: the optimizer state i
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch import nn
 
 from ddpkit.collectives import Ranks, same_everywhere
 from ddpkit.errors import problem
+from ddpkit.precision import PrecisionPlan
 from ddpkit.strategy import fsdp_init, rank_memory
 from ddpkit.strategy.base import Strategy
 
@@ -74,17 +76,13 @@ class FSDP(Strategy):
     grads_between_micro_batches = False  # FSDP keeps unsharded gradients aside until the synced one
     collective_forward = True  # each block's forward all-gathers its parameters
 
-    def __init__(self, options: FSDPOptions | None, ranks: Ranks, precision: str) -> None:
+    def __init__(
+        self, options: FSDPOptions | None, ranks: Ranks, precision: PrecisionPlan | None = None
+    ) -> None:
         super().__init__()
-        if precision == "16":
-            raise problem(
-                "precision='16' (fp16 with a loss scale) is not supported with strategy='fsdp': each rank "
-                "would check only its shard of the gradients for inf/nan, and ranks could disagree",
-                "Pass precision='bf16' (no loss scale needed) or '32' to ddpkit.session",
-            )
         self.options = options or FSDPOptions()
         self.ranks = ranks
-        self.precision = precision
+        self.precision = precision or PrecisionPlan("32", "cpu")  # fp16: refused by `make`
         self.units: list[str] = []
         self._built: dict[int, fsdp_init.Shards] = {}  # modules `build` made, until `wrap` takes them
 
@@ -98,13 +96,38 @@ class FSDP(Strategy):
                           "tensors at once)")  # fmt: skip
         return module
 
+    def check_compile(self) -> None:
+        raise problem(
+            "compile=... is not supported with strategy='fsdp' yet (ddpkit compiles before wrapping, "
+            "and FSDP2 must shard the plain module)",
+            "Drop compile=, or compile after sharding yourself: torch.compile(s.model(net, strategy='fsdp'))",
+        )
+
+    def check_loadable(self, saved: str, optimizers: Collection[str], path: Any) -> None:
+        if saved != "fsdp" and optimizers:
+            raise problem(
+                f"{path} was saved with strategy={saved!r}; its optimizer state ({', '.join(optimizers)}) "
+                "cannot be loaded into FSDP's sharded optimizer",
+                "Load only the model (the weights reshard) and start the optimizer afresh, or resume with "
+                "the strategy it was saved with",
+            )
+
     def describe(self) -> str:
         return "FSDP2 (fully_shard)"
 
     # -- the model ----------------------------------------------------------------------------------
-    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+    def wrap(self, module: nn.Module, device: torch.device, options: Any = None) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        if options is not None and not isinstance(options, FSDPOptions):
+            raise problem(
+                "DDP options (find_unused_parameters, static_graph, bucket_cap_mb, gradient_as_bucket_view, "
+                "broadcast_buffers, sync_batchnorm, comm_hook) were passed with strategy='fsdp'",
+                "Leave them out with FSDP, or pass strategy='ddp'",
+            )
+        if options is not None:
+            self.options = options
 
         if is_fsdp(module):
             raise problem("the model is already sharded with fully_shard",
@@ -126,9 +149,7 @@ class FSDP(Strategy):
                               " follows the live shards; see ddpkit.strategy.rank_memory)")  # fmt: skip
         opts = self.options
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        mp = MixedPrecisionPolicy()
-        if self.precision == "bf16":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mp = self.precision.fsdp_policy()
         offload: OffloadPolicy = OffloadPolicy()
         if opts.cpu_offload and device.type != "cpu":
             offload = CPUOffloadPolicy()

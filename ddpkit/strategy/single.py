@@ -6,6 +6,8 @@ replica already computes the full-batch gradient.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -16,18 +18,15 @@ from ddpkit.wrap import DDPOptions, wrap_model
 class Single(Strategy):
     name = "single"
 
-    def __init__(self, options: DDPOptions | None = None, *, sync_batchnorm: bool = False,
-                 comm_hook: str | None = None, asked: str | None = None) -> None:  # fmt: skip
+    def __init__(self, options: DDPOptions | None = None, *, asked: str | None = None) -> None:
         super().__init__()
         self.options = options or DDPOptions()
-        self.sync_batchnorm = sync_batchnorm
-        self.comm_hook = comm_hook
         self.asked = asked  # "ddp" or "fsdp" asked for with one process: said once
 
-    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+    def wrap(self, module: nn.Module, device: torch.device, options: Any = None) -> nn.Module:
         if self.asked is not None:
             self.notes.append(f"strategy={self.asked!r} with one process: trained as is (nothing to shard)")
-        model, notes = wrap_model(module, device=device, distributed=False, options=self.options,
-                                  sync_batchnorm=self.sync_batchnorm, comm_hook=self.comm_hook)  # fmt: skip
+        ddp = options if isinstance(options, DDPOptions) else self.options  # FSDPOptions: nothing to say
+        model, notes = wrap_model(module, device=device, distributed=False, options=ddp)
         self.notes.extend(notes)
         return model

@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from ddpkit.names import DISTRIBUTED
 from ddpkit.verify.checker import verify
 from ddpkit.verify.spec import LOSSES, OPTIMIZERS, PRECISIONS, Tolerance, VerifySpec
 
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
-    p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp", help="the N-rank side (default ddp)")
+    p.add_argument("--strategy", choices=DISTRIBUTED, default="ddp", help="the N-rank side (default ddp)")
     p.add_argument("--sync-batchnorm", action="store_true", help="s.model(..., sync_batchnorm=True)")
     p.add_argument("--find-unused-parameters", action="store_true")
     p.add_argument("--static-graph", action="store_true")

@@ -9,7 +9,6 @@ the first step, a hash of every batch, and (DDP) which tensors differ between th
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import pickle
 import traceback
@@ -23,7 +22,6 @@ from torch import nn
 
 import ddpkit
 from ddpkit import tokens
-from ddpkit.data import to_device
 from ddpkit.errors import problem
 from ddpkit.verify.spec import VerifySpec, build_data, build_loss, build_model, build_optimizer, resolve
 
@@ -150,9 +148,9 @@ def _stream(spec: VerifySpec, s: Any, world: int) -> Iterator[tuple[Any, list[st
         step += 1
         parts = [shard(whole, r, spec.nproc, interleaved=False) for r in range(spec.nproc)]
         if world == 1:
-            yield to_device(whole, s.device), [digest(p) for p in parts]
+            yield ddpkit.to_device(whole, s.device), [digest(p) for p in parts]
         else:
-            yield to_device(parts[s.rank], s.device), [digest(parts[s.rank])]
+            yield ddpkit.to_device(parts[s.rank], s.device), [digest(parts[s.rank])]
 
 
 class Chunked(nn.Module):
@@ -260,11 +258,7 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
     optimizer = build_optimizer(spec, model.parameters())
     out.params = [name for name, _ in net.named_parameters()]
     stream = _stream(spec, s, world)
-    autocast = (
-        torch.autocast(s.device.type, dtype=spec.autocast_dtype)
-        if spec.autocast_dtype
-        else contextlib.nullcontext()
-    )
+    autocast = spec.precision_plan(s.device.type).forward_context()  # the library's own autocast
     step = 0
     try:
         if world > 1:

@@ -18,14 +18,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit.errors import problem
+from ddpkit.names import DISTRIBUTED
+from ddpkit.precision import ALIASES, PrecisionPlan, canonical
 
 FLOOR_VARIANTS = ("permuted", "chunked", "threads")
-PRECISIONS: dict[str, torch.dtype] = {
-    "fp64": torch.float64,
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,  # autocast: parameters stay fp32, matmuls and convolutions run in bf16
-    "fp16": torch.float16,  # autocast, as bf16
-}
+# The library's precision names (`ddpkit.precision`: "32", "bf16", "16" and their spellings), plus
+# "fp64", verify's own: the whole comparison in float64, to tell rounding from a real difference.
+PRECISIONS: tuple[str, ...] = ("fp64", *ALIASES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,10 +120,9 @@ class VerifySpec:
                 f"nproc={self.nproc}: DDP with fewer than 2 ranks has nothing to compare",
                 "Pass nproc=2 or more",
             )
-        if self.strategy not in ("ddp", "fsdp"):
-            raise problem(
-                f"strategy={self.strategy!r} is not 'ddp' or 'fsdp'", "Pass strategy='ddp' or 'fsdp'"
-            )
+        if self.strategy not in DISTRIBUTED:
+            names = " or ".join(map(repr, DISTRIBUTED))
+            raise problem(f"strategy={self.strategy!r} is not {names}", f"Pass strategy={names}")
         if self.strategy == "fsdp" and (
             self.sync_batchnorm or self.find_unused_parameters or self.static_graph
         ):
@@ -167,9 +165,13 @@ class VerifySpec:
         """The dtype the parameters are stored in (autocast keeps them fp32)."""
         return torch.float64 if self.precision == "fp64" else torch.float32
 
+    def precision_plan(self, device_type: str) -> PrecisionPlan:
+        """The library's plan for this precision, as asked (no CPU fallback: verify measures it)."""
+        return PrecisionPlan(canonical(self.precision) or "32", device_type, self.precision)
+
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return PRECISIONS[self.precision] if self.precision in ("bf16", "fp16") else None
+        return self.precision_plan("cpu").autocast_dtype
 
 
 def _check_sendable(name: str, value: Any) -> None:

@@ -1,0 +1,107 @@
+"""The architecture as checks: the import contracts (.importlinter: layer order, lower layers never
+import the facade, tools use the public API), docs/architecture.md against the real import graph,
+process-wide state listed in one place, and modules short enough to read in one sitting."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "architecture.md"
+MAX_LINES = 420  # the ~400-line habit, with a margin for a docstring
+
+
+def _lint_imports(pythonpath: Path) -> subprocess.CompletedProcess:
+    cli = Path(sys.executable).with_name("lint-imports")
+    assert cli.exists(), "import-linter is missing: pip install -e '.[test]'"
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    return subprocess.run([str(cli), "--no-cache", "--config", str(ROOT / ".importlinter")], cwd=pythonpath,
+                          env=env, capture_output=True, text=True, timeout=100)  # fmt: skip
+
+
+def test_import_contracts_hold() -> None:
+    run = _lint_imports(ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Contracts: 3 kept, 0 broken." in run.stdout
+
+
+def test_import_contracts_fail_when_broken(tmp_path: Path) -> None:
+    """A copy of the package where a tool reaches past the public API and a lower layer imports the
+    facade: the contracts must say so."""
+    shutil.copytree(ROOT / "ddpkit", tmp_path / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "ddpkit" / "trace.py", "a") as f:
+        f.write("\nfrom ddpkit import sharding  # noqa\n")
+    with open(tmp_path / "ddpkit" / "stepping.py", "a") as f:
+        f.write("\nfrom ddpkit.session import Session  # noqa\n")
+    run = _lint_imports(tmp_path)
+    assert run.returncode != 0
+    assert "ddpkit.trace is not allowed to import ddpkit.sharding" in run.stdout
+    assert "ddpkit.stepping is not allowed to import ddpkit.session" in run.stdout
+
+
+def test_architecture_doc_matches_the_import_graph() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import import_graph
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    table = import_graph.table(import_graph.graph(ROOT / "ddpkit"))
+    assert table in DOC.read_text(), "docs/architecture.md is stale: paste `python scripts/import_graph.py`"
+
+
+def _process_wide(path: Path) -> set[str]:
+    """In one module, as 'module:NAME': module-level containers (mutable by anyone), `global NAME`
+    statements, and writes to os.environ."""
+    found: set[str] = set()
+    module = path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
+    tree = ast.parse(path.read_text())
+    for n in tree.body:
+        target = (
+            n.targets[0] if isinstance(n, ast.Assign) else n.target if isinstance(n, ast.AnnAssign) else None
+        )
+        value = getattr(n, "value", None)
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set)) or (
+            isinstance(value, ast.Call) and ast.unparse(value.func) in ("dict", "list", "set")
+        )
+        if (
+            isinstance(target, ast.Name)
+            and mutable
+            and not target.id.isupper()
+            and not target.id.startswith("__")
+        ):
+            found.add(f"{module}:{target.id}")
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Global):
+            found.update(f"{module}:{name}" for name in n.names)
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            target = ast.unparse(n.func.value)
+            if target == "os.environ" and n.func.attr in ("update", "setdefault", "pop", "clear"):
+                found.add(f"{module}:os.environ")
+        elif isinstance(n, (ast.Assign, ast.AugAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            if any(isinstance(t, ast.Subscript) and ast.unparse(t.value) == "os.environ" for t in targets):
+                found.add(f"{module}:os.environ")
+    return found
+
+
+def test_process_wide_state_is_listed_in_one_place() -> None:
+    """Every module-level variable a function rebinds, and every environment write, is in the table
+    of docs/architecture.md ("Process-wide state"), which says why it outlives a session."""
+    doc = DOC.read_text()
+    section = doc[doc.index("## Process-wide state") :]
+    found = set().union(*(_process_wide(p) for p in sorted((ROOT / "ddpkit").rglob("*.py"))))
+    missing = sorted(f for f in found if f"`{f}`" not in section)
+    assert not missing, f"process-wide state not listed in docs/architecture.md: {missing}"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "ddpkit").rglob("*.py")), ids=lambda p: p.name)
+def test_modules_are_readable_in_one_sitting(path: Path) -> None:
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines; split it by responsibility"
