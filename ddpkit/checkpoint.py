@@ -33,7 +33,7 @@ rename by rank 0), in `ddpkit.checkpoint_write`; `background=True` runs the seco
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +47,10 @@ from ddpkit.checkpoint_files import CheckpointError, Found, Tensors
 from ddpkit.checkpoint_sync import CheckpointContext, Sync
 from ddpkit.checkpoint_write import capture, full_weights, start, write
 from ddpkit.errors import problem
+from ddpkit.preemption import Preempted, Preemption, PreemptionOptions
 from ddpkit.wrap import unwrap
 
-__all__ = ["CheckpointContext", "CheckpointError", "Checkpoints", "latest"]
+__all__ = ["CheckpointContext", "CheckpointError", "Checkpoints", "Preempted", "latest"]
 
 
 def _require_safe_torch() -> None:
@@ -75,9 +76,10 @@ class Checkpoints:
     callable returning a JSON-able value) join every save and load, e.g. a tracker's run id.
     """
 
-    def __init__(self, context: Callable[[], CheckpointContext]) -> None:
+    def __init__(self, context: Callable[[], CheckpointContext], env: Mapping[str, str]) -> None:
         self._context = context
         self._background = Background()
+        self._preemption = Preemption(PreemptionOptions.from_env(env), env)
         self._registered: dict[str, Any] = {}
         self.last: Path | None = None  # the newest checkpoint this session committed or started
 
@@ -86,14 +88,21 @@ class Checkpoints:
         self._registered[name] = obj
 
     # -- save -----------------------------------------------------------------------------------
-    def save(self, path: str | Path, *, keep: int = 3, background: bool = False, **state: Any) -> Path:
+    def save(self, path: str | Path, *, keep: int = 3, background: bool = False, every: int | None = None,
+             **state: Any) -> Path | None:  # fmt: skip
         """Write a new checkpoint under `path` atomically; keep the newest `keep`; return its directory.
 
         Every rank must call it at the same point. Rank 0 writes the shared files, every rank its own;
         the others wait for rank 0 through the store for up to `save_timeout`, not in a collective.
         With `background=True` the state is copied to CPU memory and the call returns; the files are
         written and committed behind training. The next save (and the session's end) waits for it.
+
+        With `every=N`, call it after every step: it saves when `step % N == 0` (None otherwise), and
+        it is where a preemption signal is acted on: all ranks agree, save, and raise `Preempted`
+        (exit code 75). See `ddpkit.preemption`.
         """
+        if every is not None:
+            return self._save_every(path, every, keep=keep, background=background, **state)
         _require_safe_torch()
         if keep < 1:
             raise problem(f"keep={keep} would delete the checkpoint just written", "Pass keep=1 or more")
@@ -115,13 +124,30 @@ class Checkpoints:
         self.last = write(ctx, job, snapshot)
         return self.last
 
+    def _save_every(self, path: str | Path, every: int, **state: Any) -> Path | None:
+        step = state.get("step")
+        if not isinstance(every, int) or every < 1 or not isinstance(step, int):
+            raise problem(f"every={every!r} needs a whole number of steps, and step= an int (got {step!r})",
+                          "Pass every=N (N >= 1) together with step=<your optimizer step count>")  # fmt: skip
+        self._preemption.arm()
+        ctx = self._context()
+        stop = self._preemption.agree(ctx.distributed, ctx.device)
+        if not stop:
+            return self.save(path, **state) if step % every == 0 else None
+        final = self.save(path, **dict(state, background=False))
+        assert final is not None
+        raise self._preemption.finish(is_main=ctx.is_main, step=step, checkpoint=final, say=ctx.say)
+
     def wait(self) -> None:
         """Wait for a background save to be committed on every rank; raise its error, if any."""
         self._background.wait()
 
     def close(self) -> None:
-        """At the session's end: finish a background save (its error is raised here)."""
-        self._background.wait()
+        """At the session's end: finish a background save (its error is raised here), drop the handlers."""
+        try:
+            self._background.wait()
+        finally:
+            self._preemption.close()
 
     def _extras(self) -> dict[str, Any]:
         return {

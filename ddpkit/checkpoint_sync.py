@@ -53,6 +53,7 @@ class CheckpointContext:
 
     rank: int
     world_size: int
+    device: torch.device  # where a collective's tensors live (the preemption flag)
     strategy: StateOwner
     optimizers: OptimizerStates
     group: Membership | None  # None with one process: nobody to wait for

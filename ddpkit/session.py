@@ -264,9 +264,10 @@ class Session:
             from ddpkit import checkpoint
 
             self._checkpoints = checkpoint.Checkpoints(lambda: checkpoint.CheckpointContext(
-                rank=self.rank, world_size=self.world_size, strategy=self.strategy, optimizers=self._stepper,
-                group=self._group, save_timeout=self.limits.save, say=self.print, barrier=self.barrier,
-            ))  # fmt: skip
+                rank=self.rank, world_size=self.world_size, device=self.device, strategy=self.strategy,
+                optimizers=self._stepper, group=self._group, save_timeout=self.limits.save, say=self.print,
+                barrier=self.barrier,
+            ), os.environ)  # fmt: skip
         return self._checkpoints
 
     # -- building blocks ------------------------------------------------------------------------
