@@ -81,6 +81,7 @@ class Checkpoints:
         self._background = Background()
         self._preemption = Preemption(PreemptionOptions.from_env(env), env)
         self._registered: dict[str, Any] = {}
+        self._where: tuple[bool, torch.device] | None = None  # (distributed, device) for the agreement
         self.last: Path | None = None  # the newest checkpoint this session committed or started
 
     def register(self, name: str, obj: Any) -> None:
@@ -129,13 +130,15 @@ class Checkpoints:
         if not isinstance(every, int) or every < 1 or not isinstance(step, int):
             raise problem(f"every={every!r} needs a whole number of steps, and step= an int (got {step!r})",
                           "Pass every=N (N >= 1) together with step=<your optimizer step count>")  # fmt: skip
-        self._preemption.arm()
-        ctx = self._context()
-        stop = self._preemption.agree(ctx.distributed, ctx.device)
-        if not stop:
+        if self._where is None:  # once: the facts the agreement needs (cheap calls every step after)
+            self._preemption.arm()
+            ctx = self._context()
+            self._where = (ctx.distributed, ctx.device)
+        if not self._preemption.agree(*self._where):
             return self.save(path, **state) if step % every == 0 else None
         final = self.save(path, **dict(state, background=False))
         assert final is not None
+        ctx = self._context()
         raise self._preemption.finish(is_main=ctx.is_main, step=step, checkpoint=final, say=ctx.say)
 
     def wait(self) -> None:
