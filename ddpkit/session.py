@@ -444,9 +444,8 @@ def session(
     try:
         yield s.start()
     except BaseException as exc:
-        lifecycle.on_failure(
-            exc, s.rank, s._group
-        )  # for `ddpkit run`: who failed first; a stalled collective, explained
+        # for `ddpkit run`: who failed first; a stalled collective, explained
+        lifecycle.on_failure(exc, s.rank, s._group)
         raise
     finally:
         s.close()
