@@ -117,10 +117,9 @@ def pair_optimizers(model: Any, optimizers: Mapping[str, torch.optim.Optimizer])
             if any(id(p) in own for g in o.param_groups for p in g["params"])}  # fmt: skip
 
 
-def split(session: Any, parts: dict[str, dict[str, Any]]) -> tuple[tuple[str, Any], dict] | None:
+def split(strategy: Any, parts: dict[str, dict[str, Any]]) -> tuple[tuple[str, Any], dict] | None:
     """Under a strategy that shards state (FSDP): take its model and that model's optimizers out of
     `parts`; they go through torch.distributed.checkpoint. None otherwise."""
-    strategy = session.strategy
     if not strategy.shards_state:
         return None
     models = [(n, m) for n, m in parts["modules"].items() if strategy.owns(m)]
@@ -138,7 +137,7 @@ def split(session: Any, parts: dict[str, dict[str, Any]]) -> tuple[tuple[str, An
     return (name, model), paired
 
 
-def load_into(session: Any, found: Found, sharded: tuple[tuple[str, Any], dict], *, strict: bool) -> None:
+def load_into(strategy: Any, found: Found, sharded: tuple[tuple[str, Any], dict], *, strict: bool) -> None:
     """Model and optimizer shards through DCP, at any world size; or full weights saved without FSDP."""
     (name, model), optimizers = sharded
     if found.manifest.get("strategy") != "fsdp":  # saved by DDP or one process: full weights, sharded here
@@ -149,9 +148,9 @@ def load_into(session: Any, found: Found, sharded: tuple[tuple[str, Any], dict],
                 "Load only the model (the weights reshard) and start the optimizer afresh, or resume with "
                 "the strategy it was saved with",
             )
-        session.strategy.load_full_state(model, found.read_tensors(f"{name}.safetensors"), strict=strict)
+        strategy.load_full_state(model, found.read_tensors(f"{name}.safetensors"), strict=strict)
         return
-    state_dicts = session.strategy.sharded_state(model, optimizers)
+    state_dicts = strategy.sharded_state(model, optimizers)
     state = {name: state_dicts.pop("model"), **state_dicts}
     load(state, found.path)
-    session.strategy.load_sharded_state(model, optimizers, {"model": state.pop(name), **state})
+    strategy.load_sharded_state(model, optimizers, {"model": state.pop(name), **state})

@@ -293,6 +293,16 @@ def newest_valid(root: Path) -> tuple[Found | None, list[str]]:
     return None, skipped
 
 
+def unfinished_after(root: Path, newest: Path) -> list[Path]:
+    """Temporary directories newer than the checkpoint `newest`: saves that never finished."""
+    m = _NAME.match(newest.name)
+    if m is None or not root.is_dir():
+        return []
+    return sorted(
+        p for p in root.iterdir() if (t := _TMP.match(p.name)) and int(t.group(1)) > int(m.group(1))
+    )
+
+
 def prune(root: Path, keep: int, current: int) -> list[Path]:
     """Delete complete checkpoints beyond the newest `keep`, and temporary directories of crashed writes."""
     removed = []

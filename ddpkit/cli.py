@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="launch a script on N processes (torchrun-compatible)")
     _add_launch_options(run, default_nproc="auto")
     run.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
+    run.add_argument("--preemption-signal", default="USR1", help="besides SIGTERM: save and stop (USR1)")
+    run.add_argument("--requeue", choices=("auto", "1", "0"), default="auto", help="Slurm: requeue after it")
+    run.add_argument("--grace", type=float, default=30.0, help="seconds to let ranks save when stopped")
     run.add_argument("target", help="script.py, or a module name with -m")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -82,6 +85,11 @@ def _launch_config(ns: argparse.Namespace, target: str, args: Sequence[str], mod
         rdzv_endpoint=ns.rdzv_endpoint,
         port=ns.port,
         max_restarts=ns.max_restarts,
+        **(
+            {"preemption_signal": ns.preemption_signal, "requeue": ns.requeue, "grace": ns.grace}
+            if ns.command == "run"
+            else {}
+        ),
     )
 
 

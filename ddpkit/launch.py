@@ -6,6 +6,7 @@
     ddpkit run --nnodes 2 --node-rank 1 --nproc 4 --rdzv-endpoint host0:29400 train.py   # on host1
     ddpkit run --max-restarts 3 train.py        # the agent restarts all workers after a failure
     ddpkit run --nproc 2 --share-gpu train.py   # 2 ranks on one GPU over gloo: correctness, not speed
+    ddpkit run --preemption-signal USR2 --grace 120 train.py   # submitit's signal; 120 s to save
 
 What ddpkit adds to torchrun: the process count from the hardware, a rendezvous port the OS picks
 (single node), a clear error for a busy explicit port or a missing script, CPU threads per rank =
@@ -17,18 +18,29 @@ Restarts: after a failure the agent stops every worker and starts them all again
 --max-restarts times); a script that calls `s.load(root, ...)` at start resumes from its newest valid
 checkpoint, so a killed worker costs only the steps since that checkpoint. When the budget is used
 up, one report names the rank that failed first, its exit code and message. Ctrl-C (SIGINT) or
-SIGTERM stops every worker (the agent signals them, then kills what is left after 30 s) and returns
-128 + the signal number.
+SIGTERM stops every worker (the agent signals them, then kills what is left after --grace seconds,
+30 by default) and returns 128 + the signal number.
+
+Preemption (`ddpkit.preemption`): SIGTERM or the preemption signal (--preemption-signal, USR1 by
+default) reaching this process is passed on to every worker (torchrun's --signals-to-handle), which
+save at their next `s.save(..., every=N)` and exit 75; this command then prints "preempted at step
+N, checkpoint ..." and returns 75 ("resume me"), not an error. --grace bounds how long the agent waits
+for that save (torchrun's --shutdown-timeout); --requeue (auto, 1, 0) is passed to the ranks, where
+global rank 0 runs `scontrol requeue $SLURM_JOB_ID` after the save.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import os
 import signal
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ddpkit import cpu_allocator
 from ddpkit.errors import DdpkitError, problem
@@ -52,6 +64,9 @@ class LaunchConfig:
     port: int | None = None
     max_restarts: int = 0
     monitor_interval: float = 0.1
+    preemption_signal: str = "USR1"  # besides SIGTERM: the signal that asks for a save-and-stop
+    requeue: str = "auto"  # under Slurm: "auto" (if submitted with --requeue), "1" or "0"
+    grace: float = 30.0  # seconds the agent waits for workers to stop (save) before SIGKILL
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,6 +89,15 @@ class LaunchConfig:
             )
         if self.max_restarts < 0:
             raise problem(f"--max-restarts {self.max_restarts} is negative", "Pass 0 or more")
+        if not hasattr(signal, "SIG" + self.preemption_signal.upper().removeprefix("SIG")):
+            raise problem(f"--preemption-signal {self.preemption_signal} is not a signal name",
+                          "Pass e.g. USR1 (Slurm's --signal=USR1@120), USR2 (submitit) or TERM")  # fmt: skip
+        if self.requeue not in ("auto", "1", "0"):
+            raise problem(f"--requeue {self.requeue} is not auto, 1 or 0", "Pass --requeue auto, 1 or 0")
+        if not self.grace > 0:
+            raise problem(
+                f"--grace {self.grace} is not a positive number of seconds", "Pass e.g. --grace 120"
+            )
         if self.module:
             if importlib.util.find_spec(self.target.split(".")[0]) is None:
                 raise problem(f"module {self.target!r} cannot be found", "Check the name and your PYTHONPATH")
@@ -117,6 +141,9 @@ def torchrun_argv(cfg: LaunchConfig, nproc: int) -> list[str]:
     """The torchrun command line that implements `cfg` (also handy to print for users)."""
     argv = [f"--nproc-per-node={nproc}", f"--max-restarts={cfg.max_restarts}"]
     argv.append(f"--monitor-interval={cfg.monitor_interval}")
+    preempt = "SIG" + cfg.preemption_signal.upper().removeprefix("SIG")
+    handled = dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", preempt])  # the agent passes them on
+    argv += [f"--signals-to-handle={','.join(handled)}", f"--shutdown-timeout={int(cfg.grace)}"]
     if cfg.nnodes == 1 and cfg.rdzv_endpoint is None:
         if cfg.port is None:
             argv.append("--standalone")  # c10d rendezvous on localhost:0, the OS picks the port
@@ -174,6 +201,9 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         os.environ["DDPKIT_DEVICE"] = cfg.device
     if cfg.share_gpu:
         os.environ["DDPKIT_SHARE_GPU"] = "1"
+    record = Path(tempfile.mkdtemp(prefix="ddpkit-run-")) / "preempted.json"
+    os.environ.update(DDPKIT_PREEMPTION_SIGNAL=cfg.preemption_signal, DDPKIT_REQUEUE=cfg.requeue,
+                      DDPKIT_PREEMPTION_RECORD=str(record))  # fmt: skip
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(hardware.cpu_cores, nproc)))
     if cfg.device == "cpu" or hardware.gpus == 0:
         os.environ.update(cpu_allocator.rank_env())  # read by torch as each rank starts
@@ -183,13 +213,69 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as err:
-        return _report(err, cfg.max_restarts)
+        return _preempted(record) or _report(err, cfg.max_restarts)
     except SignalException as err:
         sig = signal.Signals(err.sigval)
+        _drain(cfg.grace)  # a second signal cuts the agent's own wait short: the ranks may still be saving
+        if code := _preempted(record):
+            return code
         print(f"ddpkit run: stopped by {sig.name}; every rank was signalled and has exited.",
               file=sys.stderr, flush=True)  # fmt: skip
         return 128 + int(sig)
+    finally:
+        with contextlib.suppress(OSError):
+            record.unlink(missing_ok=True)
+            record.parent.rmdir()
     return 0
+
+
+def _children() -> list[int]:
+    pids: list[int] = []
+    for task in Path("/proc/self/task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            pids += [int(p) for p in task.read_text().split()]
+    return pids
+
+
+def _drain(grace: float) -> None:
+    """Wait up to `grace` seconds for the workers to exit, passing on further signals, then kill them.
+
+    torchrun's agent waits for its workers after the first signal, but a second one (a user's second
+    Ctrl-C, a second SIGTERM from the scheduler) raises out of that wait and would leave ranks that
+    are writing a checkpoint behind this process. Linux only (/proc); elsewhere nothing to wait for.
+    """
+    import time
+
+    def forward(signum: int, frame: object) -> None:
+        for pid in _children():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    end = time.monotonic() + grace
+    while (pids := _children()) and time.monotonic() < end:
+        for pid in pids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.05)
+    for pid in _children():
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def _preempted(record: Path) -> int:
+    """75 and one line when global rank 0 saved a preemption checkpoint; 0 otherwise."""
+    try:
+        done = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return 0
+    requeued = " The Slurm job was requeued." if done.get("requeued") else ""
+    print(f"ddpkit run: preempted ({done.get('signal')}) at step {done.get('step')}, checkpoint "
+          f"{done.get('checkpoint')}; run the same command to resume (exit code 75).{requeued}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return 75
 
 
 def _report(err: Exception, max_restarts: int = 0) -> int:

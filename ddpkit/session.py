@@ -87,7 +87,8 @@ class Session(RankContext):
         self.seed = seed
         self.accumulation = accumulation
         self.limits = limits or Limits()  # built once (ddpkit.session), passed down explicitly
-        self._owns_group = False
+        self._group: lifecycle.Membership | None = None  # this session's place in the process group
+        self._checkpoints: Any = None  # ddpkit.checkpoint.Checkpoints, made at the first save/load
         self._on_close = contextlib.ExitStack()  # process-wide settings put back by close()
         self.precision = resolve_precision(precision, self.device.type,
                                            bf16_supported=device_supports_bf16(self.device))  # fmt: skip
@@ -127,7 +128,7 @@ class Session(RankContext):
             torch.cuda.set_device(self.device)
         else:
             cpu_allocator.prepare()  # huge pages asked for before any tensor; s.model decides per model
-        self._owns_group = lifecycle.join_group(self.plan, self.limits)
+        self._group = lifecycle.join(self.plan, self.limits)
         seed_everything(self.seed)
         threads = torch.get_num_threads()
         detail = f", {threads} CPU thread(s) per rank" if self.device.type == "cpu" else ""
@@ -141,11 +142,15 @@ class Session(RankContext):
         return self
 
     def close(self) -> None:
-        """Leave the process group (if this session created it). Safe to call twice."""
-        if self._owns_group:
-            lifecycle.leave_group()
-        self._owns_group = False
-        self._on_close.close()
+        """Finish a background save, leave the process group (if this session created it). Safe twice."""
+        try:
+            if self._checkpoints is not None:
+                self._checkpoints.close()
+        finally:
+            if self._group is not None:
+                self._group.leave()
+            self._group = None
+            self._on_close.close()
 
     # -- training steps (ddpkit.stepping) ------------------------------------------------------
     @property
@@ -201,22 +206,29 @@ class Session(RankContext):
 
     # -- checkpoints (ddpkit.checkpoint) -------------------------------------------------------
     def save(self, path: str, **state: Any) -> Any:
-        """Save the training state atomically; see `ddpkit.checkpoint.save`."""
-        from ddpkit import checkpoint
-
-        return checkpoint.save(self, path, **state)
+        """Save the training state atomically; see `ddpkit.checkpoint.Checkpoints.save`."""
+        return self.checkpoints.save(path, **state)
 
     def load(self, path: str, **state: Any) -> Any:
-        """Restore state saved by `save` into the given objects; see `ddpkit.checkpoint.load`."""
-        from ddpkit import checkpoint
-
-        return checkpoint.load(self, path, **state)
+        """Restore state saved by `save` into the given objects; see `ddpkit.checkpoint`."""
+        return self.checkpoints.load(path, **state)
 
     def export(self, path: str, model: nn.Module) -> Any:
-        """The full weights of `model` as one plain safetensors file; see `ddpkit.checkpoint.export`."""
-        from ddpkit import checkpoint
+        """The full weights of `model` as one plain safetensors file; see `ddpkit.checkpoint`."""
+        return self.checkpoints.export(path, model)
 
-        return checkpoint.export(self, path, model)
+    @property
+    def checkpoints(self) -> Any:
+        """This session's `ddpkit.checkpoint.Checkpoints` (background saves, registered extra state)."""
+        if self._checkpoints is None:
+            from ddpkit import checkpoint
+
+            self._checkpoints = checkpoint.Checkpoints(lambda: checkpoint.CheckpointContext(
+                rank=self.rank, world_size=self.world_size, device=self.device, strategy=self.strategy,
+                optimizers=self.stepper, group=self._group, save_timeout=self.limits.save, say=self.print,
+                barrier=self.barrier,
+            ), os.environ)  # fmt: skip
+        return self._checkpoints
 
     # -- building blocks ------------------------------------------------------------------------
     def model(
@@ -379,7 +391,8 @@ def session(
     try:
         yield s.start()
     except BaseException as exc:
-        lifecycle.on_failure(s, exc)  # for `ddpkit run`: who failed first; a stalled collective, explained
+        # for `ddpkit run`: who failed first; a stalled collective, explained
+        lifecycle.on_failure(exc, s.rank, s._group)
         raise
     finally:
         s.close()

@@ -22,7 +22,7 @@ def _options(command: str) -> set[str]:
 def test_run_options_are_torchrun_compatible() -> None:
     assert _options("run") == {
         "-h", "--help", "--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--port",
-        "--max-restarts", "--device", "--share-gpu", "-m",
+        "--max-restarts", "--device", "--share-gpu", "-m", "--preemption-signal", "--requeue", "--grace",
     }  # fmt: skip
 
 

@@ -1,0 +1,50 @@
+"""A checkpoint written behind training: one thread, one write at a time, errors raised to the caller.
+
+    s.save("runs/ckpt", **state, step=step, background=True)   # copies the state to CPU and returns
+
+The state was already copied (`ddpkit.checkpoint_write.capture(copy=True)`), so training may change
+the originals while the thread writes the files, hashes them and (rank 0, once every rank's part is
+in) commits the checkpoint by renaming it into place. Until then the previous checkpoint is the
+newest valid one, so a crash in the middle loses nothing that was committed. The next save, a load,
+and the session's end wait for the write in flight; its error, if any, is raised there.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class Background:
+    """At most one write in flight; `wait` joins it and raises what it raised."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.result: Any = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def run(self, write: Callable[[], Any]) -> None:
+        self.wait()
+
+        def body() -> None:
+            try:
+                self.result = write()
+            except BaseException as err:  # handed to the main thread by wait()
+                self._error = err
+
+        # not a daemon: an interpreter that exits waits for the commit rather than cut it off
+        self._thread = threading.Thread(target=body, name="ddpkit-checkpoint-writer")
+        self._thread.start()
+
+    def wait(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error

@@ -1,0 +1,99 @@
+"""A small preemptible run for tests/test_preemption.py, under `ddpkit run --nproc 2`.
+
+    ddpkit run --nproc 2 tests/preempt_train.py CKPT OUT [--signal-at PHASE:STEP:RANK[:WHO]]
+
+96 samples, global batch 12, 3 epochs: 24 optimizer steps, `s.save(..., every=5)` after each. With
+--signal-at, global rank RANK sends a signal at optimizer step STEP, in PHASE (forward, backward,
+optimizer, save: inside the next save's capture, on rank 0). WHO is "launcher" (SIGTERM to the
+launcher's process group, the default) or "self" (the preemption signal to this rank only: its peer
+learns of it only through the agreement). Rank 0 writes OUT/final.safetensors at the end, and every
+launch appends "start END" lines to OUT/log.txt (the steps it began from and reached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+
+EPOCHS, SAMPLES, GLOBAL_BATCH = 3, 96, 12
+
+
+class Probe:
+    """Shared state that can send the signal from inside a save (its state_dict runs in the save)."""
+
+    def __init__(self, fire) -> None:
+        self.fire, self.saves = fire, 0
+
+    def state_dict(self) -> dict:
+        self.saves += 1
+        self.fire("save")
+        return {"saves": self.saves}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.saves = int(state["saves"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("ckpt")
+    ap.add_argument("out")
+    ap.add_argument("--signal-at", default=None)
+    ap.add_argument("--sleep", type=float, default=0.04)
+    ns = ap.parse_args()
+    torch.set_num_threads(1)
+    with ddpkit.session(seed=0, verbose=True) as s:
+        at = ns.signal_at.split(":") if ns.signal_at else None
+        step = 0
+        fired = []
+
+        def fire(phase: str) -> None:
+            if at and not fired and phase == at[0] and step >= int(at[1]) and s.rank == int(at[2]):
+                fired.append(phase)
+                if (at[3] if len(at) > 3 else "launcher") == "self":
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                elif os.getpgid(os.getppid()) == os.getppid():  # the launcher leads its own group
+                    os.killpg(os.getppid(), signal.SIGTERM)
+                else:
+                    os.kill(os.getppid(), signal.SIGTERM)
+
+        g = torch.Generator().manual_seed(42)
+        x = torch.randn(SAMPLES, 6, generator=g)
+        data = TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+        net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+        net[0].register_forward_hook(lambda *a: fire("forward"))
+        net[0].weight.register_hook(lambda grad: fire("backward"))
+        model = s.model(net)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+        opt.register_step_pre_hook(lambda *a: fire("optimizer"))
+        loader = s.loader(data, batch_size=GLOBAL_BATCH, shuffle=True)
+        state = dict(model=model, optimizer=opt, loader=loader, probe=Probe(fire))
+        step = start = s.load(ns.ckpt, **state, step=0)["step"]
+        for _epoch in range(loader.epoch, EPOCHS):
+            for xb, yb in loader:
+                xb = xb + 0.05 * torch.from_numpy(np.random.randn(*xb.shape).astype(np.float32))
+                s.backward(F.cross_entropy(model(xb), yb))
+                s.step(opt)
+                step += 1
+                time.sleep(ns.sleep)  # a step long enough for the signal to arrive mid-run
+                s.save(ns.ckpt, **state, step=step, every=5)
+        if s.is_main:
+            with open(Path(ns.out) / "log.txt", "a") as f:
+                f.write(f"{start} {step}\n")
+            weights = {k: v.contiguous() for k, v in model.module.state_dict().items()}
+            save_file(weights, str(Path(ns.out) / "final.safetensors"))
+
+
+if __name__ == "__main__":
+    main()

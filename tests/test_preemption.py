@@ -1,0 +1,134 @@
+"""Preemption under `ddpkit run`: real signals at real points of a run, then a relaunch.
+
+Every launch is a real `ddpkit run --nproc 2` (torchrun's agent, two gloo ranks) started in its own
+process group, bounded by a timeout. The preempted run plus its relaunch must end with exactly the
+uninterrupted run's weights (CPU, fp32, same world size: the same computation), and the step count
+must be the planned 24, never more.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from safetensors.torch import load_file
+
+from ddpkit.preemption import PreemptionOptions, signal_of
+
+SCRIPT = str(REPO / "tests" / "preempt_train.py")
+STEPS = 24
+
+
+def launch(ckpt: Path, out: Path, *script_args: str, run_args: tuple[str, ...] = (), env: dict | None = None,
+           timeout: float = 100) -> subprocess.CompletedProcess:  # fmt: skip
+    """`ddpkit run --nproc 2 preempt_train.py` in a new session (its own process group)."""
+    out.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", *run_args, SCRIPT, str(ckpt), str(out),
+           *script_args]  # fmt: skip
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"ddpkit run did not finish in {timeout} s:\n{stdout[-2000:]}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("reference")
+    done = launch(root / "ck", root / "out")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (root / "out" / "log.txt").read_text().split() == ["0", str(STEPS)]
+    return load_file(str(root / "out" / "final.safetensors"))
+
+
+def preempted_then_resumed(
+    tmp_path: Path, signal_at: str, sleep: str = "0.04"
+) -> tuple[subprocess.CompletedProcess, int]:
+    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", signal_at, "--sleep", sleep)
+    assert first.returncode == 75, f"exit {first.returncode}\n{first.stdout[-2000:]}\n{first.stderr[-3000:]}"
+    found = re.search(r"ddpkit run: preempted \((\w+)\) at step (\d+), checkpoint (\S+);", first.stderr)
+    assert found, first.stderr[-3000:]
+    step = int(found.group(2))
+    assert Path(found.group(3)).is_dir() and f"step {step}" in first.stdout
+    assert "Traceback" not in first.stderr, "a preemption is not an error"
+    second = launch(tmp_path / "ck", tmp_path / "out")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"(step {step})" in second.stdout  # resumed from the preemption checkpoint
+    return first, step
+
+
+def assert_same(tmp_path: Path, reference: dict, step: int) -> None:
+    assert (tmp_path / "out" / "log.txt").read_text().split() == [str(step), str(STEPS)], (
+        "planned steps overrun"
+    )
+    got = load_file(str(tmp_path / "out" / "final.safetensors"))
+    assert got.keys() == reference.keys()
+    for key in reference:
+        assert got[key].equal(reference[key]), f"{key} differs from the uninterrupted run"
+
+
+@pytest.mark.parametrize("phase", ["forward:9:1", "backward:13:0", "optimizer:6:1", "save:10:0"])
+def test_sigterm_to_the_launcher_then_a_relaunch_ends_like_the_uninterrupted_run(
+    uninterrupted, tmp_path: Path, phase: str
+) -> None:
+    first, step = preempted_then_resumed(tmp_path, phase)
+    assert "SIGTERM" in first.stderr
+    assert int(phase.split(":")[1]) <= step < STEPS
+    assert_same(tmp_path, uninterrupted, step)
+
+
+@pytest.mark.parametrize("sleep", ["0.04", "0.001"], ids=["agree-every-step", "agree-every-k-steps"])
+def test_a_signal_seen_by_one_rank_only_stops_both_at_the_same_step(
+    uninterrupted, tmp_path: Path, sleep: str
+) -> None:
+    # SIGUSR1 to rank 1 alone (the agent never hears of it): rank 0 learns it through the agreement.
+    # With 1 ms steps the agreement's own cost makes the ranks agree only every k > 1 calls.
+    first, step = preempted_then_resumed(tmp_path, "forward:7:1:self", sleep=sleep)
+    assert "SIGUSR1" in first.stderr
+    assert_same(tmp_path, uninterrupted, step)
+
+
+def test_slurm_requeue_runs_scontrol_once_after_the_save(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.txt"
+    fake = bin_dir / "scontrol"
+    fake.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n[ "$1" = show ] && echo "JobId=$4 Requeue=1"\nexit 0\n'
+    )
+    fake.chmod(0o755)
+    env = {"SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:5:0", env=env)
+    assert first.returncode == 75, first.stderr[-3000:]
+    assert calls.read_text().splitlines() == ["show job -o 4242", "requeue 4242"]
+    assert "The Slurm job was requeued" in first.stderr and "requeued Slurm job 4242" in first.stdout
+
+
+def test_a_missing_scontrol_is_a_clear_message_and_the_checkpoint_is_kept(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"  # only python's directory: no scontrol anywhere on PATH
+    bin_dir.mkdir()
+    env = {"SLURM_JOB_ID": "4242", "PATH": str(Path(sys.executable).parent)}
+    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:5:0", run_args=("--requeue", "1"),
+                   env=env)  # fmt: skip
+    assert first.returncode == 75, first.stderr[-3000:]
+    assert "cannot requeue Slurm job 4242: `scontrol` is not on PATH" in first.stdout
+    assert "preempted (SIGTERM) at step" in first.stderr
+
+
+def test_options_are_validated_and_named() -> None:
+    assert signal_of("usr2") == signal.SIGUSR2 and signal_of("SIGTERM") == signal.SIGTERM
+    assert PreemptionOptions.from_env({"DDPKIT_PREEMPTION_SIGNAL": "USR2"}).signals == (
+        signal.SIGTERM, signal.SIGUSR2)  # fmt: skip
+    with pytest.raises(Exception, match="'USR9' is not a signal name"):
+        PreemptionOptions(signal="USR9")
