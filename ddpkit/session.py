@@ -38,6 +38,7 @@ from ddpkit.lifecycle import Limits
 from ddpkit.precision import PrecisionPlan, resolve_precision
 from ddpkit.stepping import MicroBatch, StepInfo, Stepper
 from ddpkit.strategy import FSDPOptions, Strategy, rank_memory
+from ddpkit.tracking import Tracking
 from ddpkit.wrap import DDPOptions
 
 
@@ -62,6 +63,8 @@ class Session:
         verbose: bool = True,
         shard_optimizer: bool | str = "auto",
         strategy: str | FSDPOptions = "auto",
+        log_to: str | list[str] | None = "auto",
+        log_dir: str | None = None,
     ) -> None:
         if shard_optimizer not in (True, False, "auto"):
             raise problem(f"shard_optimizer={shard_optimizer!r} is not True, False or 'auto'",
@@ -92,6 +95,7 @@ class Session:
         self._strategy: Strategy | None = None  # set by s.model
         self._default_strategy = strategies.make(strategy, self, precision=self.precision.name)
         self._stepper.strategy = self._default_strategy
+        self.tracking = Tracking(log_to, log_dir, enabled=self.is_main)  # ddpkit.tracking; opens lazily
 
     # -- who am I -------------------------------------------------------------------------------
     @property
@@ -143,6 +147,7 @@ class Session:
 
     def close(self) -> None:
         """Leave the process group (if this session created it). Safe to call twice."""
+        self.tracking.close()
         if self._owns_group:
             lifecycle.leave_group()
         self._owns_group = False
@@ -157,6 +162,10 @@ class Session:
                 bars.tqdm.write(" ".join(map(str, args)))  # above the progress bar, not inside it
             else:
                 print(*args, **kwargs, flush=True)
+
+    def log(self, values: Mapping[str, Any], *, step: int) -> None:
+        """Scalars to the trackers of `log_to` at `step` (global rank 0; see `ddpkit.tracking`)."""
+        self.tracking.log(values, step)
 
     def print_all(self, *args: Any) -> None:
         """Print on every rank, prefixed with the global rank (for debugging)."""
@@ -401,6 +410,8 @@ def session(
     shard_optimizer: bool | str = "auto",
     share_gpu: bool = False,
     strategy: str | FSDPOptions = "auto",
+    log_to: str | list[str] | None = "auto",
+    log_dir: str | None = None,
     env: Mapping[str, str] | None = None,
     hardware: topology.Hardware | None = None,
 ) -> Iterator[Session]:
@@ -415,7 +426,9 @@ def session(
     `ddpkit.sharding`; not under FSDP, which shards the optimizer state itself). `strategy` is what
     `s.model` does with the model: "auto" (DDP with more than one process), "ddp" or "fsdp" (FSDP2,
     `ddpkit.strategy.fsdp`). `share_gpu=True` lets more local ranks than GPUs share them round-robin
-    over gloo, for debugging multi-GPU code on one card (see `ddpkit.topology`). `env` and `hardware`
+    over gloo, for debugging multi-GPU code on one card (see `ddpkit.topology`). `log_to` chooses where
+    `s.log` writes ("tensorboard", "mlflow", "wandb", a list, None; "auto": TensorBoard when
+    installed) and `log_dir` the run's directory (see `ddpkit.tracking`). `env` and `hardware`
     default to this process's environment and machine.
     """
     limits = Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)  # validated here
@@ -435,6 +448,8 @@ def session(
         verbose=verbose,
         shard_optimizer=shard_optimizer,
         strategy=strategy,
+        log_to=log_to,
+        log_dir=log_dir,
     )
     try:
         yield s.start()
