@@ -1,0 +1,48 @@
+"""Notebooks executed top to bottom in a real Jupyter kernel (nbclient + ipykernel), as a person would
+run them: `ddpkit.spawn` with functions defined in cells (tests/notebooks/), and the course labs
+(examples/notebooks/). Outputs are not committed; each cell is bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+
+def execute(path: Path, cwd: Path, cell_timeout: int = 100) -> tuple[object, float]:
+    """Run every cell in a fresh kernel whose ddpkit is this checkout; the executed notebook, seconds."""
+    nb = nbformat.read(path, as_version=4)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    client = nbclient.NotebookClient(
+        nb, timeout=cell_timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    )
+    start = time.perf_counter()
+    with client.setup_kernel(env=env):
+        for index, cell in enumerate(nb.cells):
+            client.execute_cell(cell, index)
+    return nb, time.perf_counter() - start
+
+
+def text_of(nb) -> str:
+    return "\n".join(
+        out.get("text", "") or str(out.get("data", {}).get("text/plain", ""))
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+    )
+
+
+def test_spawn_runs_functions_defined_in_notebook_cells_and_names_a_failing_rank(tmp_path: Path) -> None:
+    nb, _ = execute(REPO / "tests" / "notebooks" / "spawn_from_a_cell.ipynb", tmp_path)
+    out = text_of(nb)
+    assert "results in rank order: [(0, 2, 30.0), (1, 2, 30.0)]" in out
+    assert "a lambda runs too" in out
+    assert "rank 1 of 2 failed:" in out
