@@ -323,7 +323,7 @@ class _Loop:
             s.log(values, step=s.stepper.steps)
             self.window = [0, 0, 0.0]
         if self.bar is not None:
-            self.bar.update(state.step, state.epoch, mean_loss, rate, seconds / steps)
+            self.bar.update(state.step, state.epoch, mean_loss, samples)
 
     def evaluate(self) -> None:
         s, state = self.s, self.state
@@ -336,6 +336,7 @@ class _Loop:
         self.emit("eval_end")
         if s.any_rank(state.stop_reason is not None):
             state._agree_stop()
+        self.last_step_end = time.perf_counter()  # step time and throughput leave evaluation out
 
 
 def _batch_len(batch: Any) -> int:

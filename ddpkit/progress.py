@@ -1,6 +1,6 @@
 """What a training run reports as it goes: progress for a person or a log file, and the run's log.
 
-On a terminal: tqdm's bar, refreshed in place. When stdout is a file (Slurm, Kubernetes, `> log`):
+On a terminal: tqdm's bar, refreshed in place. When stdout or stderr is a file (Slurm, Kubernetes, `> log`):
 one plain line at a time, no carriage returns, at most every `every_s` seconds and at every tenth of
 the run when its length is known, plus the last step:
 
@@ -21,16 +21,16 @@ from typing import Any, TextIO
 from ddpkit.errors import problem
 
 
-def is_terminal(stream: TextIO | None = None) -> bool:
-    stream = stream or sys.stdout
+def is_terminal(*streams: TextIO) -> bool:
+    """True when every stream is a terminal (tqdm draws on stderr; a log usually captures both)."""
     try:
-        return stream.isatty()
+        return all(stream.isatty() for stream in streams or (sys.stdout, sys.stderr))
     except (AttributeError, ValueError):  # replaced or closed streams (notebooks, pytest capture)
         return False
 
 
 class Progress:
-    """`update(step, epoch, loss, samples_per_s, step_s)` after each optimizer step; `close()` at the end."""
+    """`update(step, epoch, loss, samples)` after each optimizer step; `close()` at the end."""
 
     def __init__(
         self, total: int | None, *, desc: str = "fit", every_s: float = 10.0, stream: TextIO | None = None
@@ -38,31 +38,35 @@ class Progress:
         self.total, self.desc, self.every_s = total, desc, every_s
         self.stream = stream
         self.bar: Any = None
-        if is_terminal(stream):
+        if is_terminal(*([stream] if stream else [])):
             from tqdm import tqdm
 
             self.bar = tqdm(
                 total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True, mininterval=0.5
             )
         self.start = time.perf_counter()
-        self.last_line = -1.0  # time of the last plain line
+        self.last_line = self.start  # time of the last plain line
         self.last_tenth = 0
+        self.window_steps = self.window_samples = 0  # since the last plain line
 
-    def update(self, step: int, epoch: int, loss: float, samples_per_s: float | None, step_s: float) -> None:
+    def update(self, step: int, epoch: int, loss: float, samples: int) -> None:
+        """After optimizer step `step`, which took `samples` samples over all ranks (0: unknown)."""
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}")
             return
+        self.window_steps += 1
+        self.window_samples += samples
         now = time.perf_counter()
         tenth = 10 * step // self.total if self.total else 0
         final = self.total is not None and step >= self.total
-        if not (
-            final or tenth > self.last_tenth or now - self.last_line >= self.every_s or self.last_line < 0
-        ):
+        if not (final or tenth > self.last_tenth or now - self.last_line >= self.every_s or step == 1):
             return
-        self.last_line, self.last_tenth = now, tenth
-        text = self.line(step, epoch, loss, samples_per_s, step_s, now - self.start)
+        seconds = now - max(self.last_line, self.start)
+        rate = self.window_samples / seconds if self.window_samples and seconds > 0 else None
+        text = self.line(step, epoch, loss, rate, seconds / self.window_steps, now - self.start)
         print(text, file=self.stream or sys.stdout, flush=True)
+        self.last_line, self.last_tenth, self.window_steps, self.window_samples = now, tenth, 0, 0
 
     def line(
         self, step: int, epoch: int, loss: float, samples_per_s: float | None, step_s: float, elapsed: float
