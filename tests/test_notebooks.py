@@ -46,3 +46,23 @@ def test_spawn_runs_functions_defined_in_notebook_cells_and_names_a_failing_rank
     assert "results in rank order: [(0, 2, 30.0), (1, 2, 30.0)]" in out
     assert "a lambda runs too" in out
     assert "rank 1 of 2 failed:" in out
+
+
+LABS = REPO / "examples" / "notebooks"
+
+
+@pytest.mark.parametrize(
+    ("name", "expect"),
+    [
+        ("01_ddp_equals_one_process.ipynb", "verified: DDP on 2 ranks trains the same weights as one process"),
+        ("02_one_process_vs_n_ranks.ipynb", "hidden behind backward"),
+        ("03_collectives_tour.ipynb", "rank 1 of 2 failed"),
+    ],
+)
+def test_the_course_labs_run_top_to_bottom(tmp_path: Path, name: str, expect: str) -> None:
+    nb, seconds = execute(LABS / name, tmp_path, cell_timeout=110)
+    out = text_of(nb)
+    assert expect in out
+    images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert images or name.startswith("03"), "the lab's pictures are shown inline"
+    print(f"{name}: {seconds:.1f} s")
