@@ -64,9 +64,10 @@ def parse(log_to: str | Sequence[str] | None) -> tuple[str, ...]:
 
 
 def default_dir(env: Mapping[str, str]) -> str:
-    """`runs/<torchrun run id>` under torchrun's agent (its restarts continue one run), else a new one."""
+    """`runs/<torchrun run id>` under torchrun's agent with a unique run id (`--standalone`, `ddpkit run`
+    on one node, `--rdzv-id=$SLURM_JOB_ID`): its restarts continue one run. Else a new `runs/<time>`."""
     run_id = env.get("TORCHELASTIC_RUN_ID", "")
-    if run_id and run_id != "none":
+    if run_id not in ("", "none", "ddpkit"):  # torchrun's defaults, and the fixed id of ddpkit's c10d launch
         return os.path.join("runs", run_id)
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
@@ -80,13 +81,13 @@ class Tracking:
         log_dir: str | os.PathLike | None,
         *,
         enabled: bool,
-        project: str = "ddpkit",
+        project: str | None = None,
         config: Mapping[str, Any] | None = None,
     ) -> None:
         self.names = parse(log_to)
         self.enabled = enabled and bool(self.names)  # global rank 0 with at least one tracker asked for
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
-        self.project = project
+        self.project = project  # None: $WANDB_PROJECT / $MLFLOW_EXPERIMENT_NAME, else "ddpkit"
         self.config = dict(config or {})
         self._trackers: list[Any] | None = None
         self._state: dict[str, Any] = {}
@@ -154,7 +155,9 @@ class TensorBoard:
 
     name = "tensorboard"
 
-    def __init__(self, root: str, state: dict, resume_at: int | None, project: str, config: Mapping) -> None:
+    def __init__(
+        self, root: str, state: dict, resume_at: int | None, project: str | None, config: Mapping
+    ) -> None:
         _require("tensorboard", "tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
@@ -179,7 +182,9 @@ class MLflow:
 
     name = "mlflow"
 
-    def __init__(self, root: str, state: dict, resume_at: int | None, project: str, config: Mapping) -> None:
+    def __init__(
+        self, root: str, state: dict, resume_at: int | None, project: str | None, config: Mapping
+    ) -> None:
         _require("mlflow", "mlflow")
         from mlflow.tracking import MlflowClient
 
@@ -192,8 +197,9 @@ class MLflow:
             self.run_id = state["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
         else:
-            found = self.client.get_experiment_by_name(project)
-            experiment = found.experiment_id if found else self.client.create_experiment(project)
+            name = project or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "ddpkit"
+            found = self.client.get_experiment_by_name(name)
+            experiment = found.experiment_id if found else self.client.create_experiment(name)
             self.run_id = self.client.create_run(experiment).info.run_id
             for key, value in config.items():
                 self.client.log_param(self.run_id, key, value)
@@ -219,12 +225,15 @@ class WandB:
 
     name = "wandb"
 
-    def __init__(self, root: str, state: dict, resume_at: int | None, project: str, config: Mapping) -> None:
+    def __init__(
+        self, root: str, state: dict, resume_at: int | None, project: str | None, config: Mapping
+    ) -> None:
         _require("wandb", "wandb")
         import wandb
 
         state.setdefault("run_id", uuid.uuid4().hex[:12])
         self.state = state
+        project = project or os.environ.get("WANDB_PROJECT") or "ddpkit"
         self.run = wandb.init(
             project=project, id=state["run_id"], resume="allow", dir=root, config=dict(config)
         )
