@@ -20,7 +20,7 @@
 Every decision that ends a loop is taken from all-reduced values, so all ranks leave together and
 nobody waits in a collective the others never reach. Evaluation runs on the unwrapped module: DDP's
 forward may broadcast buffers (a collective), and evaluation shards may differ by one batch. Under
-FSDP the forward itself all-gathers, so the ranks evaluate in lockstep (`_in_lockstep`).
+FSDP the forward itself all-gathers, so the ranks evaluate in lockstep (`ddpkit.evaluation`).
 Rank 0 alone shows progress (a tqdm bar on a terminal, plain lines in a log file: `ddpkit.progress`),
 writes the log (`.jsonl` or `.csv`) and the trackers (`s.log`: loss, lr, throughput in samples/s over
 all ranks, step time in seconds, the clipped gradient norm; `eval/<metric>` after each evaluation).
@@ -39,13 +39,13 @@ import torch
 from torch import nn
 
 from ddpkit.errors import problem
+from ddpkit.evaluation import EvalStep, evaluate
 from ddpkit.metrics import Metric, MetricSet
 from ddpkit.progress import Progress, RunLog
 from ddpkit.session import Session
 from ddpkit.stepping import StepInfo
 
 TrainStep = Callable[[nn.Module, Any], torch.Tensor]
-EvalStep = Callable[[nn.Module, Any, MetricSet], None]
 
 
 @dataclass
@@ -97,58 +97,6 @@ class FitResult:
     skipped_steps: int  # fp16 steps skipped for inf/nan gradients
 
 
-def evaluate(
-    s: Session,
-    model: nn.Module,
-    loader: Iterable,
-    eval_step: EvalStep,
-    metrics: MetricSet | Mapping[str, Metric],
-) -> dict[str, float]:
-    """Run `eval_step(module, batch, metrics)` over `loader` without gradients; the synced metrics.
-
-    Use a loader made with `s.loader(..., evaluation=True)` so every sample counts exactly once.
-    """
-    metric_set = metrics if isinstance(metrics, MetricSet) else MetricSet(s, **metrics)
-    metric_set.reset()
-    module = s.strategy.eval_module(model)
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad(), s.autocast():
-            if s.strategy.collective_forward and s.distributed:
-                _in_lockstep(s, module, loader, eval_step, metric_set)
-            else:
-                for batch in loader:
-                    eval_step(module, batch, metric_set)
-    finally:
-        module.train(was_training)
-    return metric_set.compute()
-
-
-def _in_lockstep(
-    s: Session, module: nn.Module, loader: Iterable, eval_step: EvalStep, metrics: MetricSet
-) -> None:
-    """Evaluate a model whose forward is a collective (FSDP): every rank runs as many forwards as the
-    rank with the most batches; a rank out of batches repeats its last one into scratch metrics."""
-    scratch = MetricSet(s, **{n: type(m)() for n, m in metrics.metrics.items()})
-    batches, last = iter(loader), None
-    while True:
-        batch = next(batches, None)
-        if s.all_ranks(batch is None):
-            return
-        if batch is not None:
-            eval_step(module, batch, metrics)
-            last = batch
-        elif last is None:
-            raise problem(
-                f"rank {s.rank} has no evaluation batch while others do; under FSDP every rank must run "
-                "the forward",
-                "Use an evaluation set with at least one batch per rank",
-            )
-        else:
-            eval_step(module, last, scratch)
-
-
 def fit(
     s: Session,
     model: nn.Module,
@@ -180,47 +128,59 @@ def fit(
     (`s.log`, at the session's optimizer step `s.stepper.steps`, which a checkpoint restores).
     """
     _check(epochs, max_steps, eval_loader, eval_step, metrics, eval_every, scheduler_interval, log_every)
-    loop = _Loop(s, FitState(s, model, optimizer), train_step, callbacks)
-    loop.epochs, loop.max_steps, loop.max_norm = epochs, max_steps, max_norm
-    loop.scheduler, loop.scheduler_interval, loop.log_every = scheduler, scheduler_interval, log_every
-    loop.eval_loader, loop.eval_step, loop.eval_every = eval_loader, eval_step, eval_every
-    loop.metric_set = MetricSet(s, **(metrics or {}))
-    loop.logger = RunLog(log, s.is_main)
+    plan = _Plan(train_step, epochs, max_steps, max_norm, scheduler, scheduler_interval, log_every,
+                 eval_loader, eval_step, eval_every, tuple(callbacks))  # fmt: skip
     total = _total_steps(train_loader, epochs, max_steps, s.accumulation)
-    loop.bar = Progress(total) if progress and s.is_main else None
+    bar = Progress(total) if progress and s.is_main else None
+    metric_set = MetricSet(s, **(metrics or {}))
+    loop = _Loop(s, FitState(s, model, optimizer), plan, metric_set, RunLog(log, s.is_main), bar)
     return loop.run(train_loader)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What `fit` was asked to do (validated by `_check`)."""
+
+    train_step: TrainStep
+    epochs: int | None
+    max_steps: int | None
+    max_norm: float | None
+    scheduler: Any
+    scheduler_interval: str
+    log_every: int
+    eval_loader: Iterable | None
+    eval_step: EvalStep | None
+    eval_every: int | None
+    callbacks: tuple[Callback, ...]
 
 
 class _Loop:
     """The pieces of `fit`, in the order of its pseudocode; one instance per call."""
 
     def __init__(
-        self, s: Session, state: FitState, train_step: TrainStep, callbacks: Sequence[Callback]
+        self,
+        s: Session,
+        state: FitState,
+        plan: _Plan,
+        metric_set: MetricSet,
+        logger: RunLog,
+        bar: Progress | None,
     ) -> None:
-        self.s, self.state, self.train_step, self.callbacks = s, state, train_step, callbacks
-        self.epochs: int | None = None
-        self.max_steps: int | None = None
-        self.max_norm: float | None = None
-        self.scheduler: Any = None
-        self.scheduler_interval = "step"
-        self.log_every = 1
-        self.eval_loader: Iterable | None = None
-        self.eval_step: EvalStep | None = None
-        self.eval_every: int | None = None
-        self.metric_set: MetricSet
-        self.logger: RunLog
-        self.bar: Progress | None = None
+        self.s, self.state, self.plan = s, state, plan
+        self.metric_set, self.logger, self.bar = metric_set, logger, bar
         self.start = self.last_step_end = time.perf_counter()
         self.started_epochs = self.micro_batches = 0
         self.samples = 0  # this rank's samples in the current optimizer step
         self.window = [0, 0, 0.0]  # steps, samples (all ranks) and seconds since the last log row
 
     def emit(self, name: str) -> None:
-        for cb in self.callbacks:
+        for cb in self.plan.callbacks:
             getattr(cb, f"on_{name}")(self.state)
 
     def done(self) -> bool:  # from agreed values only: every rank gives the same answer
-        return self.state.stopping or (self.max_steps is not None and self.state.step >= self.max_steps)
+        return self.state.stopping or (
+            self.plan.max_steps is not None and self.state.step >= self.plan.max_steps
+        )
 
     def run(self, train_loader: Iterable) -> FitResult:
         s, state = self.s, self.state
@@ -228,10 +188,14 @@ class _Loop:
         self.emit("fit_start")
         state.model.train()
         try:
-            while not self.done() and (self.epochs is None or state.epoch < self.epochs):
+            while not self.done() and (self.plan.epochs is None or state.epoch < self.plan.epochs):
                 self.epoch(train_loader)
             last_eval = state.evals[-1]["step"] if state.evals else None
-            if self.eval_loader is not None and self.eval_every is not None and last_eval != state.step:
+            if (
+                self.plan.eval_loader is not None
+                and self.plan.eval_every is not None
+                and last_eval != state.step
+            ):
                 self.evaluate()
         finally:
             if self.bar is not None:
@@ -265,9 +229,9 @@ class _Loop:
                     break
         if batches == 0:
             raise problem("the training loader yielded no batch in an epoch", "Pass a non-empty loader")
-        if self.scheduler is not None and self.scheduler_interval == "epoch":
-            self.scheduler.step()
-        if self.eval_loader is not None and self.eval_every is None:
+        if self.plan.scheduler is not None and self.plan.scheduler_interval == "epoch":
+            self.plan.scheduler.step()
+        if self.plan.eval_loader is not None and self.plan.eval_every is None:
             self.evaluate()
         self.emit("epoch_end")
         if s.any_rank(state.stop_reason is not None):
@@ -278,26 +242,31 @@ class _Loop:
         """Forward and backward of one micro-batch; on the k-th, the optimizer step. True after a step."""
         s, state = self.s, self.state
         with s.accumulate(state.model) as micro:
-            loss = self.train_step(state.model, batch)
+            loss = self.plan.train_step(state.model, batch)
             s.backward(loss)
         self.samples += _batch_len(batch)
         value = loss.detach().double()
         finite = torch.isfinite(value)  # kept on the device: no host sync per micro-batch
         local_loss += torch.stack([torch.where(finite, value, 0.0), (~finite).double()])
         if not micro.sync:
-            s.step(state.optimizer, max_norm=self.max_norm)
+            s.step(state.optimizer, max_norm=self.plan.max_norm)
             return False
         mean_loss = _agree(s, state, local_loss / s.accumulation)
-        info = s.step(state.optimizer, max_norm=self.max_norm)
-        if self.scheduler is not None and self.scheduler_interval == "step" and not info.skipped:
-            self.scheduler.step()  # not after a step the fp16 scaler skipped: the schedule follows updates
+        info = s.step(state.optimizer, max_norm=self.plan.max_norm)
+        plan = self.plan
+        if plan.scheduler is not None and plan.scheduler_interval == "step" and not info.skipped:
+            plan.scheduler.step()  # not after a step the fp16 scaler skipped: the schedule follows updates
         state.step += 1  # this call's optimizer steps (s.stepper.steps counts the session's)
         state.loss = mean_loss
         state.losses.append(mean_loss)
         state.epoch_losses.append(mean_loss)
         self.emit("step_end")
         self.after_step(mean_loss, info)
-        if self.eval_loader is not None and self.eval_every is not None and state.step % self.eval_every == 0:
+        if (
+            self.plan.eval_loader is not None
+            and self.plan.eval_every is not None
+            and state.step % self.plan.eval_every == 0
+        ):
             self.evaluate()
         return True
 
@@ -311,7 +280,7 @@ class _Loop:
         self.window = [self.window[0] + 1, self.window[1] + samples, self.window[2] + step_s]
         steps, window_samples, seconds = self.window
         rate = window_samples / seconds if window_samples and seconds > 0 else None
-        if state.step % self.log_every == 0:
+        if state.step % self.plan.log_every == 0:
             values = {"loss": mean_loss, "lr": state.optimizer.param_groups[0]["lr"]}
             if info.grad_norm is not None:
                 values["grad_norm"] = float(info.grad_norm)
@@ -328,7 +297,7 @@ class _Loop:
     def evaluate(self) -> None:
         s, state = self.s, self.state
         self.emit("eval_start")
-        state.metrics = evaluate(s, state.model, self.eval_loader, self.eval_step, self.metric_set)  # type: ignore[arg-type]
+        state.metrics = evaluate(s, state.model, self.plan.eval_loader, self.plan.eval_step, self.metric_set)  # type: ignore[arg-type]
         state.evals.append({"step": state.step, **state.metrics})
         row = {"phase": "eval", "step": state.step, "epoch": state.epoch, **state.metrics}
         self.logger.write({**row, "seconds": round(time.perf_counter() - self.start, 3)})
