@@ -54,7 +54,10 @@ LABS = REPO / "examples" / "notebooks"
 @pytest.mark.parametrize(
     ("name", "expect"),
     [
-        ("01_ddp_equals_one_process.ipynb", "verified: DDP on 2 ranks trains the same weights as one process"),
+        (
+            "01_ddp_equals_one_process.ipynb",
+            "verified: DDP on 2 ranks trains the same weights as one process",
+        ),
         ("02_one_process_vs_n_ranks.ipynb", "hidden behind backward"),
         ("03_collectives_tour.ipynb", "rank 1 of 2 failed"),
     ],
@@ -66,3 +69,15 @@ def test_the_course_labs_run_top_to_bottom(tmp_path: Path, name: str, expect: st
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert images or name.startswith("03"), "the lab's pictures are shown inline"
     print(f"{name}: {seconds:.1f} s")
+
+
+def test_the_committed_notebooks_carry_no_outputs() -> None:
+    """Outputs come from a run on the reader's machine, not from the repository."""
+    for path in [*LABS.glob("*.ipynb"), *(REPO / "tests" / "notebooks").glob("*.ipynb")]:
+        nb = nbformat.read(path, as_version=4)
+        stale = [
+            i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)
+        ]
+        assert not stale, (
+            f"{path.name}: cells {stale} hold outputs; clear them (jupyter nbconvert --clear-output)"
+        )
