@@ -174,10 +174,17 @@ def test_fit_logs_loss_lr_throughput_step_time_and_the_clipped_norm_by_itself(tm
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         ddpkit.fit(s, model, opt, s.loader(data, batch_size=16, shuffle=True),
                    lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
-                   epochs=2, max_norm=1.0, progress=False)  # fmt: skip
+                   epochs=2, max_norm=1.0, track_every=1, progress=False)  # fmt: skip
     for tag in ("loss", "lr", "throughput", "step_time", "grad_norm"):
         assert [step for step, _ in tensorboard_scalars(tmp_path, tag)] == list(range(1, 9)), tag
     assert all(v > 0 for _, v in tensorboard_scalars(tmp_path, "throughput"))
+    with ddpkit.session(seed=0, log_to="tensorboard", log_dir=str(tmp_path / "every4"), verbose=False) as s:
+        model = s.model(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        ddpkit.fit(s, model, opt, s.loader(data, batch_size=16, shuffle=True),
+                   lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), epochs=2, track_every=4,
+                   progress=False)  # fmt: skip
+    assert [step for step, _ in tensorboard_scalars(tmp_path / "every4", "step_time")] == [4, 8]
 
 
 def test_the_trackers_are_not_imported_unless_something_is_logged() -> None:
