@@ -81,3 +81,10 @@ def test_the_committed_notebooks_carry_no_outputs() -> None:
         assert not stale, (
             f"{path.name}: cells {stale} hold outputs; clear them (jupyter nbconvert --clear-output)"
         )
+
+
+def test_forked_ranks_refuse_more_than_one_thread_with_the_fix() -> None:
+    import ddpkit
+
+    with pytest.raises(ddpkit.DdpkitError, match=r"threads=2 with forked ranks: GNU OpenMP hangs"):
+        ddpkit.spawn(lambda: 1, nproc=2, threads=2)
