@@ -5,7 +5,8 @@
     python -m ddpkit.demo                # one process
 
 Written only with ddpkit's public API, as a user's script would be; the loop is `ddpkit.fit.fit`, and
-rank 0 writes its log to OUT/log.jsonl.
+rank 0 writes its log to OUT/log.jsonl and, when `tensorboard` is installed, event files to OUT/run
+(`tensorboard --logdir OUT/run`). With stdout in a file, progress is one plain line at a time.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def train(
     epochs: int = 12, batch_size: int = 64, lr: float = 3e-3, out: str = "ddpkit-demo", precision: str = "32"
 ) -> dict:
     start = time.perf_counter()
-    with ddpkit.session(seed=0, precision=precision) as s:
+    # TensorBoard events (when installed) go to OUT/run; a new demo in the same OUT replaces the curve
+    with ddpkit.session(seed=0, precision=precision, log_dir=os.path.join(out, "run")) as s:
         train_set, test_set = digits_split()
         model = s.model(DigitsCNN())
         opt = torch.optim.Adam(model.parameters(), lr=lr)

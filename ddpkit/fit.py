@@ -10,7 +10,7 @@
             on the k-th micro-batch, ONE all-reduce of [non-finite flag per rank, stop request, loss]:
                 a non-finite loss on any rank -> DdpkitError on every rank, naming the step and rank(s),
                 before the optimizer applies it
-            s.step(opt, max_norm) -> scheduler.step() -> on_step_end -> log row, progress bar
+            s.step(opt, max_norm) -> scheduler.step() -> on_step_end -> log row, s.log, progress
             every `eval_every` steps: on_eval_start -> evaluate -> on_eval_end
             a stop request (any rank, from a callback) ends the run after this step
         eval_every=None: on_eval_start -> evaluate -> on_eval_end at the end of the epoch
@@ -20,14 +20,14 @@
 Every decision that ends a loop is taken from all-reduced values, so all ranks leave together and
 nobody waits in a collective the others never reach. Evaluation runs on the unwrapped module: DDP's
 forward may broadcast buffers (a collective), and evaluation shards may differ by one batch. Under
-FSDP the forward itself all-gathers, so the ranks evaluate in lockstep (`_in_lockstep`).
-Rank 0 alone shows the progress bar (tqdm) and writes the log (`.jsonl` or `.csv`).
+FSDP the forward itself all-gathers, so the ranks evaluate in lockstep (`ddpkit.evaluation`).
+Rank 0 alone shows progress (a tqdm bar on a terminal, plain lines in a log file: `ddpkit.progress`),
+writes the log (`.jsonl` or `.csv`) and the trackers (`s.log`: loss, lr, throughput in samples/s over
+all ranks, step time in seconds, the clipped gradient norm; `eval/<metric>` after each evaluation).
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 import time
@@ -39,11 +39,13 @@ import torch
 from torch import nn
 
 from ddpkit.errors import problem
+from ddpkit.evaluation import EvalStep, evaluate
 from ddpkit.metrics import Metric, MetricSet
+from ddpkit.progress import Progress, RunLog
 from ddpkit.session import Session
+from ddpkit.stepping import StepInfo
 
 TrainStep = Callable[[nn.Module, Any], torch.Tensor]
-EvalStep = Callable[[nn.Module, Any, MetricSet], None]
 
 
 @dataclass
@@ -95,91 +97,6 @@ class FitResult:
     skipped_steps: int  # fp16 steps skipped for inf/nan gradients
 
 
-def evaluate(
-    s: Session,
-    model: nn.Module,
-    loader: Iterable,
-    eval_step: EvalStep,
-    metrics: MetricSet | Mapping[str, Metric],
-) -> dict[str, float]:
-    """Run `eval_step(module, batch, metrics)` over `loader` without gradients; the synced metrics.
-
-    Use a loader made with `s.loader(..., evaluation=True)` so every sample counts exactly once.
-    """
-    metric_set = metrics if isinstance(metrics, MetricSet) else MetricSet(s, **metrics)
-    metric_set.reset()
-    module = s.strategy.eval_module(model)
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad(), s.autocast():
-            if s.strategy.collective_forward and s.distributed:
-                _in_lockstep(s, module, loader, eval_step, metric_set)
-            else:
-                for batch in loader:
-                    eval_step(module, batch, metric_set)
-    finally:
-        module.train(was_training)
-    return metric_set.compute()
-
-
-def _in_lockstep(
-    s: Session, module: nn.Module, loader: Iterable, eval_step: EvalStep, metrics: MetricSet
-) -> None:
-    """Evaluate a model whose forward is a collective (FSDP): every rank runs as many forwards as the
-    rank with the most batches; a rank out of batches repeats its last one into scratch metrics."""
-    scratch = MetricSet(s, **{n: type(m)() for n, m in metrics.metrics.items()})
-    batches, last = iter(loader), None
-    while True:
-        batch = next(batches, None)
-        if s.all_ranks(batch is None):
-            return
-        if batch is not None:
-            eval_step(module, batch, metrics)
-            last = batch
-        elif last is None:
-            raise problem(
-                f"rank {s.rank} has no evaluation batch while others do; under FSDP every rank must run "
-                "the forward",
-                "Use an evaluation set with at least one batch per rank",
-            )
-        else:
-            eval_step(module, last, scratch)
-
-
-class _Log:
-    """Rows to a JSON-lines or CSV file, written by global rank 0 only."""
-
-    def __init__(self, path: str | os.PathLike | None, enabled: bool) -> None:
-        self.path = None if path is None or not enabled else os.fspath(path)
-        self.rows: list[dict[str, Any]] = []
-        self.columns: list[str] = []
-        if self.path is None:
-            return
-        if not self.path.endswith((".jsonl", ".json", ".csv")):
-            raise problem(f"log={self.path!r} has no .jsonl or .csv suffix", "Name it e.g. run/log.jsonl")
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        open(self.path, "w").close()
-
-    def write(self, row: dict[str, Any]) -> None:
-        if self.path is None:
-            return
-        if not self.path.endswith(".csv"):
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            return
-        self.rows.append(row)
-        new = [k for k in row if k not in self.columns]
-        self.columns += new
-        with open(self.path, "w" if new else "a", newline="") as f:  # a new column rewrites the file
-            writer = csv.DictWriter(f, fieldnames=self.columns)
-            if new:
-                writer.writeheader()
-                writer.writerows(self.rows)
-            else:
-                writer.writerow(row)
-
-
 def fit(
     s: Session,
     model: nn.Module,
@@ -199,6 +116,7 @@ def fit(
     callbacks: Sequence[Callback] = (),
     log: str | os.PathLike | None = None,
     log_every: int = 1,
+    track_every: int = 10,
     progress: bool = True,
 ) -> FitResult:
     """Train `model` (from `s.model`) with `train_step(model, batch) -> loss`; see the module docstring.
@@ -206,108 +124,226 @@ def fit(
     Stops after `epochs` passes or `max_steps` optimizer steps, whichever comes first. Evaluation
     (`eval_step(module, batch, metrics)` over `eval_loader`) runs every `eval_every` optimizer steps,
     or at the end of each epoch when `eval_every` is None. `scheduler` steps after each optimizer step
-    (`scheduler_interval="step"`) or each epoch ("epoch").
+    (`scheduler_interval="step"`) or each epoch ("epoch"). Loss, learning rate, the clipped gradient
+    norm, throughput and step time (averaged since the last report) go to `log` every `log_every` steps
+    and to the session's trackers every `track_every` steps (`s.log` at the session's optimizer step
+    `s.stepper.steps`, which a checkpoint restores; a TensorBoard write costs ~0.5 ms on rank 0).
     """
     _check(epochs, max_steps, eval_loader, eval_step, metrics, eval_every, scheduler_interval, log_every)
+    if track_every < 1:
+        raise problem(f"track_every={track_every} is below 1", "Pass 1 or more")
+    plan = _Plan(train_step, epochs, max_steps, max_norm, scheduler, scheduler_interval, log_every,
+                 track_every, eval_loader, eval_step, eval_every, tuple(callbacks))  # fmt: skip
+    total = _total_steps(train_loader, epochs, max_steps, s.accumulation)
+    bar = Progress(total) if progress and s.is_main else None
     metric_set = MetricSet(s, **(metrics or {}))
-    state = FitState(s, model, optimizer)
-    logger = _Log(log, s.is_main)
-    k = s.accumulation
-    total = _total_steps(train_loader, epochs, max_steps, k)
-    bar = _progress(total, enabled=progress and s.is_main)
-    start = time.perf_counter()
-    started_epochs = micro_batches = 0
-    skipped_before = s.skipped_steps
+    loop = _Loop(s, FitState(s, model, optimizer), plan, metric_set, RunLog(log, s.is_main), bar)
+    return loop.run(train_loader)
 
-    def emit(name: str) -> None:
-        for cb in callbacks:
-            getattr(cb, f"on_{name}")(state)
 
-    def run_eval() -> None:
-        emit("eval_start")
-        state.metrics = evaluate(s, model, eval_loader, eval_step, metric_set)  # type: ignore[arg-type]
-        state.evals.append({"step": state.step, **state.metrics})
-        row = {"phase": "eval", "step": state.step, "epoch": state.epoch, **state.metrics}
-        logger.write({**row, "seconds": round(time.perf_counter() - start, 3)})
-        emit("eval_end")
+@dataclass(frozen=True)
+class _Plan:
+    """What `fit` was asked to do (validated by `_check`)."""
+
+    train_step: TrainStep
+    epochs: int | None
+    max_steps: int | None
+    max_norm: float | None
+    scheduler: Any
+    scheduler_interval: str
+    log_every: int
+    track_every: int
+    eval_loader: Iterable | None
+    eval_step: EvalStep | None
+    eval_every: int | None
+    callbacks: tuple[Callback, ...]
+
+
+class _Loop:
+    """The pieces of `fit`, in the order of its pseudocode; one instance per call."""
+
+    def __init__(
+        self,
+        s: Session,
+        state: FitState,
+        plan: _Plan,
+        metric_set: MetricSet,
+        logger: RunLog,
+        bar: Progress | None,
+    ) -> None:
+        self.s, self.state, self.plan = s, state, plan
+        self.metric_set, self.logger, self.bar = metric_set, logger, bar
+        self.start = self.last_step_end = time.perf_counter()
+        self.started_epochs = self.micro_batches = 0
+        self.samples = 0  # this rank's samples in the current optimizer step
+        self.rows, self.tracked = _Window(), _Window()  # since the last log row, the last s.log
+
+    def emit(self, name: str) -> None:
+        for cb in self.plan.callbacks:
+            getattr(cb, f"on_{name}")(self.state)
+
+    def done(self) -> bool:  # from agreed values only: every rank gives the same answer
+        return self.state.stopping or (
+            self.plan.max_steps is not None and self.state.step >= self.plan.max_steps
+        )
+
+    def run(self, train_loader: Iterable) -> FitResult:
+        s, state = self.s, self.state
+        skipped_before = s.skipped_steps
+        self.emit("fit_start")
+        state.model.train()
+        try:
+            while not self.done() and (self.plan.epochs is None or state.epoch < self.plan.epochs):
+                self.epoch(train_loader)
+            last_eval = state.evals[-1]["step"] if state.evals else None
+            if (
+                self.plan.eval_loader is not None
+                and self.plan.eval_every is not None
+                and last_eval != state.step
+            ):
+                self.evaluate()
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+        self.emit("fit_end")
+        return FitResult(
+            steps=state.step,
+            epochs=self.started_epochs,
+            losses=state.losses,
+            evals=state.evals,
+            seconds=time.perf_counter() - self.start,
+            stop_reason=state.stop_reason,
+            skipped_steps=s.skipped_steps - skipped_before,
+        )
+
+    def epoch(self, train_loader: Iterable) -> None:
+        s, state = self.s, self.state
+        self.emit("epoch_start")
+        self.started_epochs += 1
+        state.epoch_losses = []
+        local_loss = torch.zeros(2, dtype=torch.float64, device=s.device)  # [loss sum, non-finite count]
+        batches = 0
+        for batch in train_loader:
+            batches += 1
+            if self.micro_batches % s.accumulation == 0:
+                self.emit("step_start")
+            self.micro_batches += 1
+            if self.micro_batch(batch, local_loss):
+                local_loss.zero_()
+                if self.done():
+                    break
+        if batches == 0:
+            raise problem("the training loader yielded no batch in an epoch", "Pass a non-empty loader")
+        if self.plan.scheduler is not None and self.plan.scheduler_interval == "epoch":
+            self.plan.scheduler.step()
+        if self.plan.eval_loader is not None and self.plan.eval_every is None:
+            self.evaluate()
+        self.emit("epoch_end")
         if s.any_rank(state.stop_reason is not None):
             state._agree_stop()
+        state.epoch += 1
 
-    def done() -> bool:  # from agreed values only: every rank gives the same answer
-        return state.stopping or (max_steps is not None and state.step >= max_steps)
+    def micro_batch(self, batch: Any, local_loss: torch.Tensor) -> bool:
+        """Forward and backward of one micro-batch; on the k-th, the optimizer step. True after a step."""
+        s, state = self.s, self.state
+        with s.accumulate(state.model) as micro:
+            loss = self.plan.train_step(state.model, batch)
+            s.backward(loss)
+        self.samples += _batch_len(batch)
+        value = loss.detach().double()
+        finite = torch.isfinite(value)  # kept on the device: no host sync per micro-batch
+        local_loss += torch.stack([torch.where(finite, value, 0.0), (~finite).double()])
+        if not micro.sync:
+            s.step(state.optimizer, max_norm=self.plan.max_norm)
+            return False
+        mean_loss = _agree(s, state, local_loss / s.accumulation)
+        info = s.step(state.optimizer, max_norm=self.plan.max_norm)
+        plan = self.plan
+        if plan.scheduler is not None and plan.scheduler_interval == "step" and not info.skipped:
+            plan.scheduler.step()  # not after a step the fp16 scaler skipped: the schedule follows updates
+        state.step += 1  # this call's optimizer steps (s.stepper.steps counts the session's)
+        state.loss = mean_loss
+        state.losses.append(mean_loss)
+        state.epoch_losses.append(mean_loss)
+        self.emit("step_end")
+        self.after_step(mean_loss, info)
+        if (
+            self.plan.eval_loader is not None
+            and self.plan.eval_every is not None
+            and state.step % self.plan.eval_every == 0
+        ):
+            self.evaluate()
+        return True
 
-    emit("fit_start")
-    model.train()
-    try:
-        while not done() and (epochs is None or state.epoch < epochs):
-            emit("epoch_start")
-            started_epochs += 1
-            state.epoch_losses = []
-            local_loss = torch.zeros(2, dtype=torch.float64, device=s.device)  # [loss sum, non-finite count]
-            batches = 0
-            for batch in train_loader:
-                batches += 1
-                if micro_batches % k == 0:
-                    emit("step_start")
-                micro_batches += 1
-                with s.accumulate(model) as micro:
-                    loss = train_step(model, batch)
-                    s.backward(loss)
-                value = loss.detach().double()
-                finite = torch.isfinite(value)  # kept on the device: no host sync per micro-batch
-                local_loss += torch.stack([torch.where(finite, value, 0.0), (~finite).double()])
-                if not micro.sync:
-                    s.step(optimizer, max_norm=max_norm)
-                    continue
-                mean_loss = _agree(s, state, local_loss / k)
-                local_loss = torch.zeros_like(local_loss)
-                info = s.step(optimizer, max_norm=max_norm)
-                if scheduler is not None and scheduler_interval == "step" and not info.skipped:
-                    scheduler.step()  # not after a step the fp16 scaler skipped: the schedule follows updates
-                state.step += 1  # this call's optimizer steps (s.stepper.steps counts the session's)
-                state.loss = mean_loss
-                state.losses.append(mean_loss)
-                state.epoch_losses.append(mean_loss)
-                emit("step_end")
-                if state.step % log_every == 0:
-                    row = {"phase": "train", "step": state.step, "epoch": state.epoch, "loss": mean_loss}
-                    row["lr"] = optimizer.param_groups[0]["lr"]
-                    if info.grad_norm is not None:
-                        row["grad_norm"] = float(info.grad_norm)
-                    logger.write({**row, "seconds": round(time.perf_counter() - start, 3)})
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(epoch=state.epoch, loss=f"{mean_loss:.4f}")
-                if eval_loader is not None and eval_every is not None and state.step % eval_every == 0:
-                    run_eval()
-                if done():
-                    break
-            if batches == 0:
-                raise problem("the training loader yielded no batch in an epoch", "Pass a non-empty loader")
-            if scheduler is not None and scheduler_interval == "epoch":
-                scheduler.step()
-            if eval_loader is not None and eval_every is None:
-                run_eval()
-            emit("epoch_end")
-            if s.any_rank(state.stop_reason is not None):
-                state._agree_stop()
-            state.epoch += 1
-        last_eval = state.evals[-1]["step"] if state.evals else None
-        if eval_loader is not None and eval_every is not None and last_eval != state.step:
-            run_eval()
-    finally:
-        if bar is not None:
-            bar.close()
-    emit("fit_end")
-    return FitResult(
-        steps=state.step,
-        epochs=started_epochs,
-        losses=state.losses,
-        evals=state.evals,
-        seconds=time.perf_counter() - start,
-        stop_reason=state.stop_reason,
-        skipped_steps=s.skipped_steps - skipped_before,
-    )
+    def after_step(self, mean_loss: float, info: StepInfo) -> None:
+        """Throughput and step time; the log row, the trackers and the progress line."""
+        s, state, plan = self.s, self.state, self.plan
+        now = time.perf_counter()
+        step_s, self.last_step_end = now - self.last_step_end, now
+        samples = self.samples * s.world_size  # the loader gives every rank the same batch size
+        self.samples = 0
+        self.rows.add(samples, step_s)
+        self.tracked.add(samples, step_s)
+        values = {"loss": mean_loss, "lr": state.optimizer.param_groups[0]["lr"]}
+        if info.grad_norm is not None:
+            values["grad_norm"] = float(info.grad_norm)
+        if state.step % plan.log_every == 0:
+            row = {"phase": "train", "step": state.step, "epoch": state.epoch, **values, **self.rows.take()}
+            self.logger.write({**row, "seconds": round(now - self.start, 3)})
+        if state.step % plan.track_every == 0:
+            s.log({**values, **self.tracked.take()}, step=s.stepper.steps)
+        if self.bar is not None:
+            self.bar.update(state.step, state.epoch, mean_loss, samples)
+
+    def evaluate(self) -> None:
+        s, state = self.s, self.state
+        self.emit("eval_start")
+        state.metrics = evaluate(s, state.model, self.plan.eval_loader, self.plan.eval_step, self.metric_set)  # type: ignore[arg-type]
+        state.evals.append({"step": state.step, **state.metrics})
+        row = {"phase": "eval", "step": state.step, "epoch": state.epoch, **state.metrics}
+        self.logger.write({**row, "seconds": round(time.perf_counter() - self.start, 3)})
+        s.log({f"eval/{k}": v for k, v in state.metrics.items()}, step=s.stepper.steps)
+        self.emit("eval_end")
+        if s.any_rank(state.stop_reason is not None):
+            state._agree_stop()
+        self.last_step_end = time.perf_counter()  # step time and throughput leave evaluation out
+
+
+@dataclass
+class _Window:
+    """Optimizer steps, samples over all ranks and seconds since the last report: its rates."""
+
+    steps: int = 0
+    samples: int = 0
+    seconds: float = 0.0
+
+    def add(self, samples: int, seconds: float) -> None:
+        self.steps, self.samples, self.seconds = (
+            self.steps + 1,
+            self.samples + samples,
+            self.seconds + seconds,
+        )
+
+    def take(self) -> dict[str, float]:
+        rates = {"step_time": self.seconds / max(1, self.steps)}
+        if self.samples and self.seconds > 0:
+            rates["throughput"] = self.samples / self.seconds
+        self.steps, self.samples, self.seconds = 0, 0, 0.0
+        return rates
+
+
+def _batch_len(batch: Any) -> int:
+    """Samples in a micro-batch: the first dimension of its first tensor (0 when there is none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            n = _batch_len(item)
+            if n:
+                return n
+    return 0
 
 
 def _agree(s: Session, state: FitState, local: torch.Tensor) -> float:
@@ -360,11 +396,3 @@ def _total_steps(loader: Iterable, epochs: int | None, max_steps: int | None, k:
     by_epochs = None if epochs is None else per_epoch * epochs // k
     known = [n for n in (by_epochs, max_steps) if n is not None]
     return min(known) if known else None
-
-
-def _progress(total: int | None, *, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="fit", unit="step", leave=False, dynamic_ncols=True, mininterval=0.5)

@@ -44,6 +44,7 @@ from ddpkit.precision import PrecisionPlan, device_supports_bf16, resolve_precis
 from ddpkit.ranks import RankContext
 from ddpkit.stepping import MicroBatch, StepInfo, Stepper
 from ddpkit.strategy import Choice, DDPOptions, Strategy, rank_memory
+from ddpkit.tracking import Tracking
 
 
 def seed_everything(seed: int) -> None:
@@ -76,6 +77,8 @@ class Session(RankContext):
         verbose: bool = True,
         shard_optimizer: bool | str = "auto",
         strategy: Choice = "auto",
+        log_to: str | list[str] | None = "auto",
+        log_dir: str | None = None,
     ) -> None:
         if shard_optimizer not in (True, False, "auto"):
             raise problem(f"shard_optimizer={shard_optimizer!r} is not True, False or 'auto'",
@@ -89,6 +92,7 @@ class Session(RankContext):
         self.limits = limits or Limits()  # built once (ddpkit.session), passed down explicitly
         self._group: lifecycle.Membership | None = None  # this session's place in the process group
         self._checkpoints: Any = None  # ddpkit.checkpoint.Checkpoints, made at the first save/load
+        self.tracking = Tracking(log_to, log_dir, enabled=self.is_main)  # ddpkit.tracking; opens lazily
         self._on_close = contextlib.ExitStack()  # process-wide settings put back by close()
         self.precision = resolve_precision(precision, self.device.type,
                                            bf16_supported=device_supports_bf16(self.device))  # fmt: skip
@@ -144,6 +148,7 @@ class Session(RankContext):
     def close(self) -> None:
         """Finish a background save, leave the process group (if this session created it). Safe twice."""
         try:
+            self.tracking.close()
             if self._checkpoints is not None:
                 self._checkpoints.close()
         finally:
@@ -151,6 +156,10 @@ class Session(RankContext):
                 self._group.leave()
             self._group = None
             self._on_close.close()
+
+    def log(self, values: Mapping[str, Any], *, step: int) -> None:
+        """Scalars to the trackers of `log_to` at `step` (global rank 0; see `ddpkit.tracking`)."""
+        self.tracking.log(values, step)
 
     # -- training steps (ddpkit.stepping) ------------------------------------------------------
     @property
@@ -353,6 +362,8 @@ def session(
     shard_optimizer: bool | str = "auto",
     share_gpu: bool = False,
     strategy: Choice = "auto",
+    log_to: str | list[str] | None = "auto",
+    log_dir: str | None = None,
     env: Mapping[str, str] | None = None,
     hardware: topology.Hardware | None = None,
 ) -> Iterator[Session]:
@@ -367,7 +378,9 @@ def session(
     `ddpkit.sharding`; not under FSDP, which shards the optimizer state itself). `strategy` is what
     `s.model` does with the model: "auto" (DDP with more than one process), "ddp" or "fsdp" (FSDP2,
     `ddpkit.strategy.fsdp`). `share_gpu=True` lets more local ranks than GPUs share them round-robin
-    over gloo, for debugging multi-GPU code on one card (see `ddpkit.topology`). `env` and `hardware`
+    over gloo, for debugging multi-GPU code on one card (see `ddpkit.topology`). `log_to` chooses where
+    `s.log` writes ("auto": TensorBoard when installed; names or a list; None) and `log_dir` the run's
+    directory (see `ddpkit.tracking`). `env` and `hardware`
     default to this process's environment and machine.
     """
     limits = Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)  # validated here
@@ -387,6 +400,8 @@ def session(
         verbose=verbose,
         shard_optimizer=shard_optimizer,
         strategy=strategy,
+        log_to=log_to,
+        log_dir=log_dir,
     )
     try:
         yield s.start()

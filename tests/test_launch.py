@@ -204,8 +204,8 @@ def test_spawn_names_the_failing_rank() -> None:
 
 
 def test_spawn_refuses_what_cannot_be_sent() -> None:
-    with pytest.raises(ddpkit.DdpkitError, match="Define the function at the top level"):
-        ddpkit.spawn(lambda: 1, nproc=2)
+    with pytest.raises(ddpkit.DdpkitError, match="define it at the top level"):
+        ddpkit.spawn(lambda: 1, nproc=2, start_method="spawn")  # "auto" forks for it (test_notebooks.py)
 
 
 def test_more_cpu_ranks_than_cores_warns_once(tmp_path: Path) -> None:

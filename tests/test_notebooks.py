@@ -1,0 +1,90 @@
+"""Notebooks executed top to bottom in a real Jupyter kernel (nbclient + ipykernel), as a person would
+run them: `ddpkit.spawn` with functions defined in cells (tests/notebooks/), and the course labs
+(examples/notebooks/). Outputs are not committed; each cell is bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+
+def execute(path: Path, cwd: Path, cell_timeout: int = 100) -> tuple[object, float]:
+    """Run every cell in a fresh kernel whose ddpkit is this checkout; the executed notebook, seconds."""
+    nb = nbformat.read(path, as_version=4)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    client = nbclient.NotebookClient(
+        nb, timeout=cell_timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    )
+    start = time.perf_counter()
+    with client.setup_kernel(env=env):
+        for index, cell in enumerate(nb.cells):
+            client.execute_cell(cell, index)
+    return nb, time.perf_counter() - start
+
+
+def text_of(nb) -> str:
+    return "\n".join(
+        out.get("text", "") or str(out.get("data", {}).get("text/plain", ""))
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+    )
+
+
+def test_spawn_runs_functions_defined_in_notebook_cells_and_names_a_failing_rank(tmp_path: Path) -> None:
+    nb, _ = execute(REPO / "tests" / "notebooks" / "spawn_from_a_cell.ipynb", tmp_path)
+    out = text_of(nb)
+    assert "results in rank order: [(0, 2, 30.0), (1, 2, 30.0)]" in out
+    assert "a lambda runs too" in out
+    assert "rank 1 of 2 failed:" in out
+
+
+LABS = REPO / "examples" / "notebooks"
+
+
+@pytest.mark.parametrize(
+    ("name", "expect"),
+    [
+        (
+            "01_ddp_equals_one_process.ipynb",
+            "verified: DDP on 2 ranks trains the same weights as one process",
+        ),
+        ("02_one_process_vs_n_ranks.ipynb", "hidden behind backward"),
+        ("03_collectives_tour.ipynb", "rank 1 of 2 failed"),
+    ],
+)
+def test_the_course_labs_run_top_to_bottom(tmp_path: Path, name: str, expect: str) -> None:
+    nb, seconds = execute(LABS / name, tmp_path, cell_timeout=110)
+    out = text_of(nb)
+    assert expect in out
+    images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert images or name.startswith("03"), "the lab's pictures are shown inline"
+    print(f"{name}: {seconds:.1f} s")
+
+
+def test_the_committed_notebooks_carry_no_outputs() -> None:
+    """Outputs come from a run on the reader's machine, not from the repository."""
+    for path in [*LABS.glob("*.ipynb"), *(REPO / "tests" / "notebooks").glob("*.ipynb")]:
+        nb = nbformat.read(path, as_version=4)
+        stale = [
+            i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)
+        ]
+        assert not stale, (
+            f"{path.name}: cells {stale} hold outputs; clear them (jupyter nbconvert --clear-output)"
+        )
+
+
+def test_forked_ranks_refuse_more_than_one_thread_with_the_fix() -> None:
+    import ddpkit
+
+    with pytest.raises(ddpkit.DdpkitError, match=r"threads=2 with forked ranks: GNU OpenMP hangs"):
+        ddpkit.spawn(lambda: 1, nproc=2, threads=2)
