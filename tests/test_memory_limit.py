@@ -141,7 +141,7 @@ def test_ddp_refusal_names_fsdp_and_the_numbers() -> None:
     from ddpkit.wrap import DDPOptions
 
     net = nn.Linear(1024, 1024)  # 4 MiB of weights: 8 MiB whole + 2 MiB sharded Adam at 4 ranks
-    ddp = DDP(DDPOptions(), sync_batchnorm=False, comm_hook=None, comm_hook_options=None)
+    ddp = DDP(DDPOptions())
     with pytest.raises(DdpkitError, match=r"exceeds this rank's memory limit of 8 MiB.*strategy='fsdp'"):
         rank_memory.check_replicated(ddp, net, 4, sharded_step=True, env={}, limit=8 * 2**20)
     rank_memory.check_replicated(ddp, net, 4, sharded_step=True, env={}, limit=11 * 2**20)  # fits
