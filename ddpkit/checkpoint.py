@@ -161,10 +161,21 @@ class Checkpoints:
     # -- export ---------------------------------------------------------------------------------
     def export(self, path: str | Path, model: nn.Module) -> Path | None:
         """Write the full weights of `model` to one plain safetensors file (for inference); every rank calls
-        it (under FSDP the shards are gathered to global rank 0, which writes). The path on rank 0."""
+        it. Global rank 0 writes. Under FSDP no rank holds the model whole: the file is streamed one
+        gathered tensor at a time (`ddpkit.strategy.fsdp_export`). The path on rank 0."""
         ctx = self._context()
-        weights = full_weights(ctx, model)  # collective where sharded
         target = Path(path)
+        if ctx.strategy.shards_state and ctx.strategy.owns(model):
+            count = ctx.strategy.write_full_state(model, target, ctx.rank)  # collective, tensor by tensor
+        else:
+            count = self._export_whole(ctx, target, model)
+        ctx.barrier()
+        ctx.say(f"ddpkit: exported {count} tensors of the full model to {target}")
+        return target if ctx.is_main else None
+
+    @staticmethod
+    def _export_whole(ctx: CheckpointContext, target: Path, model: nn.Module) -> int:
+        weights = full_weights(ctx, model)
         if ctx.is_main:
             target.parent.mkdir(parents=True, exist_ok=True)
             tensors = Tensors()
@@ -173,9 +184,7 @@ class Checkpoints:
             partial = target.with_name(f".{target.name}.tmp")
             files.write_tensors(partial, tensors)
             partial.replace(target)
-        ctx.barrier()
-        ctx.say(f"ddpkit: exported {len(weights)} tensors of the full model to {target}")
-        return target if ctx.is_main else None
+        return len(weights)
 
     # -- load -----------------------------------------------------------------------------------
     def load(self, path: str | Path, *, strict: bool = True, **state: Any) -> dict[str, Any]:

@@ -140,14 +140,9 @@ def split(strategy: Any, parts: dict[str, dict[str, Any]]) -> tuple[tuple[str, A
 def load_into(strategy: Any, found: Found, sharded: tuple[tuple[str, Any], dict], *, strict: bool) -> None:
     """Model and optimizer shards through DCP, at any world size; or full weights saved without FSDP."""
     (name, model), optimizers = sharded
-    if found.manifest.get("strategy") != "fsdp":  # saved by DDP or one process: full weights, sharded here
-        if optimizers:
-            raise problem(
-                f"{found.path} was saved with strategy={found.manifest.get('strategy', 'ddp')!r}; its "
-                f"optimizer state ({', '.join(optimizers)}) cannot be loaded into FSDP's sharded optimizer",
-                "Load only the model (the weights reshard) and start the optimizer afresh, or resume with "
-                "the strategy it was saved with",
-            )
+    saved = found.manifest.get("strategy", "ddp")
+    strategy.check_loadable(saved, list(optimizers), found.path)  # the rule lives with the strategy
+    if saved != "fsdp":  # saved by DDP or one process: full weights, sharded here
         strategy.load_full_state(model, found.read_tensors(f"{name}.safetensors"), strict=strict)
         return
     state_dicts = strategy.sharded_state(model, optimizers)

@@ -12,8 +12,9 @@ without a collective. `Sync` is one save's or load's keys in that store, polled 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -34,6 +35,8 @@ class StateOwner(Protocol):
     def load_full_state(
         self, model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool
     ) -> None: ...
+    def write_full_state(self, model: nn.Module, path: Path, rank: int) -> int: ...
+    def check_loadable(self, saved: str, optimizers: Collection[str], path: Any) -> None: ...
     def sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> dict: ...
     def load_sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],
                            state: dict) -> None: ...  # fmt: skip

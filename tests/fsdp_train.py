@@ -133,3 +133,19 @@ def resumable(root: str, stop: int | None, resume: bool, steps: int = 6) -> dict
         state = opt.state_dict()["state"]
         moments = sorted((k, v["exp_avg"].to_local().clone()) for k, v in state.items()) if state else []
         return {"params": full_params(model), "moments": moments}
+
+
+def ddp_checkpoint_into_fsdp(root: str) -> str:
+    """Save model and optimizer under DDP, then load both under FSDP: the refusal's message."""
+    with ddpkit.session(seed=0, verbose=False, strategy="ddp") as s:
+        model = s.model(net())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        s.save(root, model=model, optimizer=opt, step=1)
+    with ddpkit.session(seed=0, verbose=False, strategy="fsdp") as s:
+        model = s.model(net(), strategy=FSDPOptions(blocks=(Block,)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        try:
+            s.load(root, model=model, optimizer=opt, step=0)
+        except ddpkit.DdpkitError as err:
+            return str(err)
+        return "loaded"

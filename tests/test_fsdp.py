@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from fsdp_train import different_init, evaluate_in_one_process, fit_and_evaluate, net, resumable, train
+from fsdp_train import (
+    ddp_checkpoint_into_fsdp,
+    different_init,
+    evaluate_in_one_process,
+    fit_and_evaluate,
+    net,
+    resumable,
+    train,
+)
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
@@ -69,6 +77,13 @@ def test_export_is_the_full_model(pool2, tmp_path: Path) -> None:
     plain = net()
     plain.load_state_dict(exported)  # a plain module reads it, keys without any prefix
     assert _close(exported, saved[0]["params"], tol=0) == []
+
+
+def test_ddp_optimizer_state_into_fsdp_is_refused(pool2, tmp_path: Path) -> None:
+    messages = pool2.run(ddp_checkpoint_into_fsdp, str(tmp_path / "ckpt"))
+    for message in messages:
+        assert "saved with strategy='ddp'" in message and "optimizer state (optimizer)" in message, message
+        assert "start the optimizer afresh" in message
 
 
 def test_resume_from_two_ranks_on_three(pool2, pool3, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -93,6 +94,11 @@ class Strategy:
     def load_full_state(self, model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool) -> None:
         """Load full weights read on every rank (a collective where sharded)."""
         unwrap(model).load_state_dict(state, strict=strict)
+
+    def write_full_state(self, model: nn.Module, path: Path, rank: int) -> int:
+        """Stream the full weights to one safetensors file (rank 0 writes; every rank calls), for
+        strategies whose shards must not be gathered whole on one rank; the number of tensors."""
+        raise NotImplementedError(f"the {self.name} strategy keeps whole state: export its full_state")
 
     def sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> dict:
         """Model and optimizer state as this rank's shards, for torch.distributed.checkpoint."""

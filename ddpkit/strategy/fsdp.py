@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from torch import nn
 from ddpkit.collectives import Ranks, same_everywhere
 from ddpkit.errors import problem
 from ddpkit.precision import PrecisionPlan
-from ddpkit.strategy import fsdp_init, rank_memory
+from ddpkit.strategy import fsdp_export, fsdp_init, rank_memory
 from ddpkit.strategy.base import Strategy
 
 
@@ -246,6 +247,9 @@ class FSDP(Strategy):
         set_model_state_dict(
             model, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict)
         )
+
+    def write_full_state(self, model: nn.Module, path: Path, rank: int) -> int:
+        return fsdp_export.write(model, path, rank)  # one gathered tensor at a time, never the model whole
 
     def sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
