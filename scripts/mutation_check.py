@@ -102,8 +102,8 @@ MUTANTS = [
     ),
     Mutant(
         "rng-restore",
-        "ddpkit/checkpoint.py",
-        '        _set_rng_state(files.decode(tree["rng"], tensors))',
+        "ddpkit/checkpoint_state.py",
+        '        set_rng_state(files.decode(tree["rng"], tensors))',
         "        pass  # mutant: RNG states not restored",
         ("tests/test_checkpoint.py::test_rng_streams_continue_where_they_were_saved",),
         "s.load leaves the RNG streams where they are",
@@ -111,8 +111,8 @@ MUTANTS = [
     Mutant(
         "watchdog",
         "ddpkit/lifecycle.py",
-        "_watchdog = Watchdog(store_, prefix, r.rank, r.world_size, warn_after=warn_after).start()",
-        "_watchdog = None",
+        "        watchdog.start()\n",
+        "        watchdog = None  # mutant: never started\n",
         ("tests/test_faults.py::test_a_stalled_rank_fails_the_job_within_the_timeout_and_is_named",),
         "no watchdog: a timed-out collective is not turned into a report",
     ),
