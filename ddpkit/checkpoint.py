@@ -134,7 +134,7 @@ class Checkpoints:
             self._preemption.arm()
             ctx = self._context()
             self._where = (ctx.distributed, ctx.device)
-        if not self._preemption.agree(*self._where):
+        if not self._preemption.agree(*self._where, now=step % every == 0):
             return self.save(path, **state) if step % every == 0 else None
         final = self.save(path, **dict(state, background=False))
         assert final is not None

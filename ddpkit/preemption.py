@@ -126,12 +126,14 @@ class Preemption:
     def _handler(self, signum: int, frame: Any) -> None:
         self.asked = self.asked or signal.Signals(signum).name  # only a flag: see the module docstring
 
-    def agree(self, distributed: bool, device: torch.device) -> bool:
+    def agree(self, distributed: bool, device: torch.device, *, now: bool = False) -> bool:
         """True on every rank at the same call when any rank was signalled before the last agreement.
 
         Every `interval`-th call all-reduces (MAX) [signal number, proposed interval] asynchronously
         and reads the previous agreement's result, so the interval itself is agreed: every rank
-        counts the same calls and meets at the same ones, whatever its own clock says.
+        counts the same calls and meets at the same ones, whatever its own clock says. `now=True`
+        (a scheduled save, the same call on every rank) agrees synchronously, so a stop is never
+        later than the next regular checkpoint, however long the interval grew.
         """
         if not distributed:
             return self.asked is not None
@@ -141,7 +143,7 @@ class Preemption:
             between = now - self._last_call
             self._step = between if self._step is None else 0.9 * self._step + 0.1 * between
         self._last_call = now
-        if self._calls < self._due:
+        if self._calls < self._due and not now:
             return False
         stop = False
         if self._pending is not None:
@@ -156,7 +158,16 @@ class Preemption:
             self._due = self._calls + 1
         mine = 0 if self.asked is None else int(signal.Signals[self.asked])
         flag = torch.tensor([mine, self._propose()], dtype=torch.int64, device=device)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        if now:  # the save that follows costs far more than waiting for this one all-reduce
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            self._pending = None
+            signum, interval = (int(v) for v in flag.tolist())
+            self._due = self._calls + max(1, interval)
+            if signum:
+                self.asked = self.asked or signal.Signals(signum).name
+                stop = True
+        else:
+            self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
         spent = time.perf_counter() - now
         self._cost = spent if self._cost is None else 0.8 * self._cost + 0.2 * spent
         return stop
