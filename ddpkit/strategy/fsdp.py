@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit import cpu_allocator
 from ddpkit.collectives import Ranks, same_everywhere
 from ddpkit.errors import problem
 from ddpkit.precision import PrecisionPlan
-from ddpkit.strategy import fsdp_export, fsdp_init, rank_memory
+from ddpkit.strategy import fsdp_export, fsdp_init
 from ddpkit.strategy.base import Strategy
 
 
@@ -145,7 +146,7 @@ class FSDP(Strategy):
                 )
             shards = fsdp_init.cut(module, rank, world)  # a model built whole: keep our chunks, free the rest
         check_identical(shards, self.ranks)
-        if device.type == "cpu" and rank_memory.return_freed_blocks():
+        if device.type == "cpu" and cpu_allocator.return_freed_blocks():
             self.notes.append("FSDP2 on CPU: freed blocks of 1 MiB or more go back to the kernel (peak memory"
                               " follows the live shards; see ddpkit.strategy.rank_memory)")  # fmt: skip
         opts = self.options

@@ -16,21 +16,17 @@ DDPKIT_MEMORY_CHECK=off skips the check (e.g. for SGD without momentum, which ne
 
 from __future__ import annotations
 
-import ctypes
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
 from torch import nn
 
-from ddpkit import cpu_allocator
 from ddpkit.errors import problem
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.choice import model_state_bytes, optimizer_slots
 
 OPT_OUT = "DDPKIT_MEMORY_CHECK"
-RETURN_FROM_BYTES = 1 << 20  # FSDP on CPU: blocks this big go back to the kernel when freed
-_M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
 _UNLIMITED = 1 << 60  # v1 reports "no limit" as a huge page-rounded number
 
 
@@ -117,22 +113,3 @@ def check_replicated(strategy: Strategy, module: nn.Module, world: int, *, shard
         "and build the model with s.model(Net) so that no rank holds it whole; or raise the limit; with an "
         f"optimizer that keeps less state, {OPT_OUT}=off skips this check",
     )
-
-
-def return_freed_blocks() -> bool:
-    """FSDP on CPU ranks: serve every block of 1 MiB or more with its own mmap, returned on free.
-
-    A rank's FSDP step allocates and frees the same big temporaries for every block (the all-gathered
-    parameters, their copy-out, the unsharded gradients, the reduce-scatter input); glibc's default
-    raises its mmap threshold to 32 MiB after the first such free and then keeps the 16-32 MiB pieces
-    in its heap, fragmented: measured on `mlp` at 4 ranks, peak RSS 791-903 MiB per rank with glibc's
-    default, 654-657 with this (step 1.80 vs 1.97 s, within noise on a shared machine). The peak then
-    follows the live tensors, which is what sharding is for. Process-wide and one-way, like
-    `cpu_allocator.apply`; skipped where that is opted out (DDPKIT_CPU_ALLOCATOR=default) or not glibc.
-    """
-    if not cpu_allocator.enabled():
-        return False
-    try:
-        return ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, RETURN_FROM_BYTES) == 1
-    except (OSError, AttributeError):
-        return False
