@@ -216,6 +216,7 @@ def test_verify_compile_matches_one_eager_process(pool2) -> None:
     )
     report = verify(spec, runner=functools.partial(pool2.run, timeout=180))
     assert report.passed, report.render()
+    assert report.config["graphs_compiled"] > 0, report.render()  # the DDP side really ran compiled
 
 
 def test_bench_tune_offers_compile() -> None:
@@ -230,3 +231,14 @@ def test_verify_compile_flag_on_the_command_line() -> None:
     out = run_cli("verify", *args, cwd=REPO / "tests", timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert '"compile": true' in out.stdout
+    assert '"graphs_compiled": 0' not in out.stdout and '"graphs_compiled"' in out.stdout
+
+
+@pytest.mark.timeout(260)  # above the subprocess's 240 s
+def test_verify_compile_fails_when_nothing_was_compiled() -> None:
+    """Dynamo switched off in the ranks: `--compile` would compare eager with eager, so it must fail."""
+    args = ["--model", "test_compile:net", "--data", "test_compile:dataset", "--optimizer", "adamw"]
+    args += ["--steps", "2", "--batch-size", "16", "--floor", "permuted", "--compile"]
+    out = run_cli("verify", *args, cwd=REPO / "tests", timeout=240, env={"TORCHDYNAMO_DISABLE": "1"})
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "[not_compiled]" in out.stdout and "compile: 0 graph(s)" in out.stdout, out.stdout

@@ -25,13 +25,31 @@ def diagnose(
 ) -> list[Diagnosis]:
     """All the diagnoses that apply; "cause" ones explain the failure, "warning" ones are risks."""
     found: list[Diagnosis] = []
-    for rule in (_stopped, _init, _after_wrap, _data, _grad_scale, diagnose_token_mean, _batchnorm, _dropout):
+    rules = (_stopped, _init, _after_wrap, _data, _grad_scale, diagnose_token_mean, _batchnorm, _dropout)
+    for rule in (*rules, _not_compiled):
         found.extend(rule(spec, single, ranks, report))
     if not any(d.severity == "cause" for d in found):  # a drift the causes above do not already explain
         found.extend(_replicas(spec, single, ranks, report))
     if not report.passed and not any(d.severity == "cause" for d in found):
         found.append(_unexplained(spec, report))
     return found
+
+
+def _not_compiled(spec: VerifySpec, single: Trajectory, ranks: Runs, report: Report) -> list[Diagnosis]:
+    """--compile asked, yet torch.compile built no graph on the DDP side: eager compared with eager."""
+    if not spec.compile or spec.nproc == 1 or ranks[0].error or ranks[0].graphs_compiled > 0:
+        return []
+    return [
+        Diagnosis(
+            "not_compiled",
+            "cause",
+            "--compile was asked, but torch.compile built no graph on the DDP side (every frame ran eagerly: "
+            "skipped by Dynamo, or compiled earlier in this process and disabled), so this run did not check "
+            "the compiled model.",
+            "Run with TORCH_LOGS=graph_breaks,recompiles to see why Dynamo skipped the model's forward, and "
+            "check that TORCHDYNAMO_DISABLE and torch.compiler.disable are not in effect.",
+        )
+    ]
 
 
 def _names(names: Sequence[str], limit: int = 4) -> str:

@@ -103,6 +103,9 @@ class Report:
         elif self.replica_divergence:
             names = ", ".join(list(self.replica_divergence["tensors"])[:4])
             lines.append(f"replicas: DIFFER from step {self.replica_divergence['step']} on ({names})")
+        if c.get("compile"):
+            built = c.get("graphs_compiled", 0)
+            lines.append(f"compile: {built} graph(s) built by torch.compile on DDP rank 0")
         if self.error:
             lines.append(f"DDP run failed: {self.error.splitlines()[0]}")
         if self.losses.get("single"):

@@ -44,6 +44,7 @@ class Trajectory:
     batchnorm: list[str] = field(default_factory=list)  # BatchNorm modules that are not synchronised
     dropout: list[str] = field(default_factory=list)  # modules that draw random numbers in forward
     random_forward: bool = False  # forward or loss drew from the global generator in the first step
+    graphs_compiled: int = 0  # graphs torch.compile built during this run's steps (compile=True)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -259,7 +260,7 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
     out.params = [name for name, _ in net.named_parameters()]
     stream = _stream(spec, s, world)
     autocast = spec.precision_plan(s.device.type).forward_context()  # the library's own autocast
-    step = 0
+    step, graphs_before = 0, _graphs_compiled()
     try:
         if world > 1:
             out.replica_diff.append(_replica_diff(s, _live(net, sharded)))
@@ -303,7 +304,16 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
         out.error = f"{type(exc).__name__}: {exc}"
         out.error_step = step
         out.error += "\n" + traceback.format_exc(limit=-3)
+    out.graphs_compiled = _graphs_compiled() - graphs_before
     return out
+
+
+def _graphs_compiled() -> int:
+    """Distinct graphs torch.compile has built in this process (Dynamo's count). A model that is an
+    OptimizedModule can still run eagerly (every frame skipped), so `--compile` checks this moved."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _rng_state(device: torch.device) -> list[torch.Tensor]:
