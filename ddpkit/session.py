@@ -96,7 +96,7 @@ class Session(RankContext):
         self._on_close = contextlib.ExitStack()  # process-wide settings put back by close()
         self.precision = resolve_precision(precision, self.device.type,
                                            bf16_supported=device_supports_bf16(self.device))  # fmt: skip
-        self._choice = strategy  # what the strategy is built from, unless the first s.model names one
+        self._choice = strategy  # what the strategy is built from ("auto": the first s.model's kind)
         self._shard = shard_optimizer
         self._strategy: Strategy | None = None  # built once (`_build`), then the stepper that asks it
         self._stepper: Stepper | None = None
@@ -277,7 +277,12 @@ class Session(RankContext):
             comm_hook_options=comm_hook_options,
         )  # fmt: skip
         options = strategies.options_of(strategy, sugar)  # this model's own options, if any
-        stepper = self._build(self._choice if strategy is None else strategy)
+        # The strategy comes from the session's choice (its options are the default for every model);
+        # a model's own options apply to that model only, so a first s.model(strategy=...) gives the kind.
+        explicit = strategy is None or self._choice != "auto"
+        stepper = self._build(self._choice if explicit else strategies.check_name(strategy))
+        if strategy is not None:
+            self._build(strategy)  # built already: only checks that the model asks for the same kind
         chosen = stepper.strategy
         if not isinstance(module, nn.Module):  # a factory: under FSDP, built shard by shard
             module = chosen.build(module) if isinstance(chosen, strategies.FSDP) else module()

@@ -149,3 +149,18 @@ def ddp_checkpoint_into_fsdp(root: str) -> str:
         except ddpkit.DdpkitError as err:
             return str(err)
         return "loaded"
+
+
+def units_per_model() -> list[list[str]]:
+    """Three models in one session: each one's sharded blocks follow its own FSDPOptions (or the session's)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    with ddpkit.session(seed=0, verbose=False, strategy=FSDPOptions(min_block_params=10**9)) as s:
+        nets = [net(), net(), net()]  # built before s.model, which seeds each rank on its own after
+        fine = s.model(nets[0], strategy=FSDPOptions(min_block_params=1))  # every Linear its own unit
+        session_default = s.model(nets[1])  # the session's options: no block is large enough
+        by_class = s.model(nets[2], strategy=FSDPOptions(blocks=(Block,)))
+        return [
+            sorted(n for n, m in ddpkit.unwrap(model).named_modules() if n and isinstance(m, FSDPModule))
+            for model in (fine, session_default, by_class)
+        ]

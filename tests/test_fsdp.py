@@ -17,6 +17,7 @@ from fsdp_train import (
     net,
     resumable,
     train,
+    units_per_model,
 )
 from safetensors.torch import load_file
 
@@ -44,6 +45,15 @@ def test_different_initial_weights_are_a_clear_error(pool2) -> None:
     messages = pool2.run(different_init)
     for message in messages:
         assert "different initial weights" in message and "seed" in message
+
+
+def test_each_model_keeps_its_own_fsdp_options(pool2) -> None:
+    fine, session_default, by_class = pool2.run(units_per_model)[0]
+    assert "1.lin" in fine and "0" in fine  # min_block_params=1: the Linears are units of their own
+    assert (
+        session_default == []
+    )  # the session's min_block_params=1e9: only the root, not the previous model's
+    assert by_class == ["1", "2", "3"]  # blocks=(Block,)
 
 
 def test_fit_and_evaluate_with_unequal_eval_shards(pool2) -> None:

@@ -85,7 +85,6 @@ class FSDP(Strategy):
         self.options = options or FSDPOptions()
         self.ranks = ranks
         self.precision = precision or PrecisionPlan("32", "cpu")  # fp16: refused by `make`
-        self.units: list[str] = []
         self._built: dict[int, fsdp_init.Shards] = {}  # modules `build` made, until `wrap` takes them
 
     def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
@@ -128,9 +127,7 @@ class FSDP(Strategy):
                 "broadcast_buffers, sync_batchnorm, comm_hook) were passed with strategy='fsdp'",
                 "Leave them out with FSDP, or pass strategy='ddp'",
             )
-        if options is not None:
-            self.options = options
-
+        opts = options or self.options  # this model's own options; the session's stay for the next model
         if is_fsdp(module):
             raise problem("the model is already sharded with fully_shard",
                           "Pass the plain nn.Module; ddpkit shards it")  # fmt: skip
@@ -149,7 +146,6 @@ class FSDP(Strategy):
         if device.type == "cpu" and cpu_allocator.return_freed_blocks():
             self.notes.append("FSDP2 on CPU: freed blocks of 1 MiB or more go back to the kernel (peak memory"
                               " follows the live shards; see ddpkit.strategy.rank_memory)")  # fmt: skip
-        opts = self.options
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         mp = self.precision.fsdp_policy()
         offload: OffloadPolicy = OffloadPolicy()
@@ -159,20 +155,20 @@ class FSDP(Strategy):
             self.notes.append("cpu_offload=True changes nothing on CPU ranks (the shards are on the CPU)")
         kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload,
                       reshard_after_forward=opts.reshard_after_forward)  # fmt: skip
-        for name in self._choose_units(module):
+        units = self._choose_units(module, opts)
+        for name in units:
             fully_shard(module.get_submodule(name), **kwargs)
         fully_shard(module, **kwargs)
         fsdp_init.fill(module, shards, device)  # only this rank's shards are ever allocated on the device
         total = sum(p.numel() for p in module.parameters())
         self.notes.append(
-            f"FSDP2: {len(self.units)} block(s) sharded on their own + the root, over {world} ranks "
+            f"FSDP2: {len(units)} block(s) sharded on their own + the root, over {world} ranks "
             f"({total / 1e6:.1f}M parameters, about {total / world / 1e6:.1f}M per rank)"
         )
         return module
 
-    def _choose_units(self, module: nn.Module) -> list[str]:
+    def _choose_units(self, module: nn.Module, opts: FSDPOptions) -> list[str]:
         """Names of the submodules that become FSDP units, children before parents."""
-        opts = self.options
         chosen: list[str] = []
         if opts.blocks is not None:
             chosen = [n for n, m in module.named_modules() if n and isinstance(m, opts.blocks)]
@@ -197,8 +193,7 @@ class FSDP(Strategy):
 
             visit("", module)
         nested = [n for n in chosen if any(n.startswith(f"{o}.") for o in chosen)]  # children first
-        self.units = nested + [n for n in chosen if n not in nested]
-        return self.units
+        return nested + [n for n in chosen if n not in nested]
 
     def owns(self, model: nn.Module) -> bool:
         return is_fsdp(model)
