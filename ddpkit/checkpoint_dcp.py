@@ -55,7 +55,17 @@ def load(state: dict, checkpoint: Path) -> None:
     if not (directory / ".metadata").is_file():
         raise CheckpointError(f"{checkpoint} has no sharded state ({DIRECTORY}/.metadata): it was saved "
                               "without FSDP; load it with the strategy it was saved with")  # fmt: skip
+    try:  # refused here, on every rank alike, before DCP's collectives wrap it in every rank's traceback
+        MetadataUnpickler(io.BytesIO((directory / ".metadata").read_bytes())).load()
+    except (CheckpointError, pickle.UnpicklingError, EOFError, ValueError) as err:
+        raise CheckpointError(
+            f"refused to load {checkpoint}: {str(err).rstrip('.')}. Nothing of it was run or loaded. Its "
+            "manifest's checksums match it, so it was replaced after the save, checksums included. Move "
+            f"{checkpoint.name} out of {checkpoint.parent} (or delete it) to resume from the checkpoint "
+            "before it, or restore it from a backup you trust"
+        ) from None
     dcp_load(state, storage_reader=_SafeReader(directory))
+
 
 
 def _reader_class() -> type:

@@ -8,6 +8,11 @@ the rank that failed first.
 A timeout is different: the rank that failed first is the one that waited, not the cause. Its error
 file then carries `ddpkit_stalled`, the stall report's headline naming the rank(s) that never came to
 the collective, and `ddpkit run` leads with that (`stall_report`).
+
+A mistake the user can fix (a `DdpkitError`: a refused checkpoint, a batch that does not divide) is
+raised alike on every rank; a traceback from each would bury its one paragraph. Under `ddpkit run`
+the error file marks it (`ddpkit_user_error`), the rank exits without a traceback (`hush`), and the
+launcher prints the paragraph once (`user_error`).
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 import traceback
 from typing import Any
+
+RUN_ENV = "DDPKIT_RUN"  # set by `ddpkit run` for its ranks: it reports user errors itself
 
 
 def raised_at(exc: BaseException) -> float:
@@ -34,13 +42,19 @@ def failure_seen() -> bool:
 
 
 def record_failure(
-    exc: BaseException, rank: int, *, when: float | None = None, stalled: str | None = None
+    exc: BaseException,
+    rank: int,
+    *,
+    when: float | None = None,
+    stalled: str | None = None,
+    user_error: bool = False,
 ) -> None:
     """Stamp `exc` with the time, and write it to the launcher's error file (TORCHELASTIC_ERROR_FILE).
 
     `when` keeps the time of an earlier exception that `exc` explains (a stall report raised after
     the timeout it describes), so the launcher still orders failures by when they happened.
     `stalled` is that report's headline: which rank(s) did not reach the collective, and where.
+    `user_error`: a DdpkitError, whose message is the whole report (see the module docstring).
     """
     now = when or getattr(exc, "_ddpkit_time", None) or time.time()
     _seen.append(now)
@@ -48,11 +62,32 @@ def record_failure(
         exc._ddpkit_time = now  # type: ignore[attr-defined]
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
-        write_error_file(path, exc, rank, now, stalled=stalled)
+        write_error_file(path, exc, rank, now, stalled=stalled, user_error=user_error)
+
+
+def hush(exc: BaseException) -> None:
+    """Under `ddpkit run`, let `exc` end this process without a traceback: the launcher prints its
+    message once for the job. Only this exception object; any other goes to the previous hook, so a
+    user who catches it loses nothing (sys.excepthook is process-wide: docs/architecture.md)."""
+    if os.environ.get(RUN_ENV) != "1" or not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if value is not exc:
+            previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def write_error_file(
-    path: str, exc: BaseException, rank: int, now: float, *, stalled: str | None = None
+    path: str,
+    exc: BaseException,
+    rank: int,
+    now: float,
+    *,
+    stalled: str | None = None,
+    user_error: bool = False,
 ) -> None:
     """torchrun's error-file format, with ddpkit's sub-second time and the stall headline in extraInfo."""
     data = {
@@ -64,6 +99,7 @@ def write_error_file(
                 "ddpkit_time": now,
                 "rank": rank,
                 **({"ddpkit_stalled": stalled} if stalled else {}),
+                **({"ddpkit_user_error": str(exc)} if user_error else {}),
             },
         }
     }
@@ -101,6 +137,12 @@ def stall_report(failures: dict[int, Any]) -> tuple[int, Any, str] | None:
         if failure_message(failure):
             return None
     return None
+
+
+def user_error(failure: Any) -> str | None:
+    """The paragraph of a DdpkitError a rank ended with (see the module docstring), or None."""
+    text = _extra(failure).get("ddpkit_user_error")
+    return str(text) if text else None
 
 
 def _extra(failure: Any) -> dict:

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from ddpkit import cpu_allocator
 from ddpkit.errors import DdpkitError, problem
-from ddpkit.failures import failure_message, failure_time, stall_report
+from ddpkit.failures import RUN_ENV, failure_message, failure_time, stall_report, user_error
 from ddpkit.topology import Hardware, threads_per_process
 
 
@@ -203,7 +203,7 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         os.environ["DDPKIT_SHARE_GPU"] = "1"
     record = Path(tempfile.mkdtemp(prefix="ddpkit-run-")) / "preempted.json"
     os.environ.update(DDPKIT_PREEMPTION_SIGNAL=cfg.preemption_signal, DDPKIT_REQUEUE=cfg.requeue,
-                      DDPKIT_PREEMPTION_RECORD=str(record))  # fmt: skip
+                      DDPKIT_PREEMPTION_RECORD=str(record), **{RUN_ENV: "1"})  # fmt: skip
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(hardware.cpu_cores, nproc)))
     if cfg.device == "cpu" or hardware.gpus == 0:
         os.environ.update(cpu_allocator.rank_env())  # read by torch as each rank starts
@@ -284,6 +284,15 @@ def _report(err: Exception, max_restarts: int = 0) -> int:
         print(f"ddpkit run: the job failed: {err}", file=sys.stderr)
         return 1
     rank, first = min(failures.items(), key=lambda item: failure_time(item[1]))
+    mistakes = {r: user_error(f) for r, f in failures.items() if user_error(f)}
+    if mistakes:  # a DdpkitError: its paragraph is the report (the ranks printed no traceback)
+        rank = min(mistakes, key=lambda r: (mistakes[r] != mistakes.get(0), r))  # rank 0's when it has one
+        alike = sum(text == mistakes[rank] for text in mistakes.values())
+        where = f"by {alike} ranks alike" if alike > 1 else f"by rank {rank}"
+        rest = "; the others were stopped" if alike < len(failures) else ""
+        print(f"ddpkit run: {mistakes[rank]}\n(raised {where}{rest}; exit code 1)", file=sys.stderr,
+              flush=True)  # fmt: skip
+        return 1
     stalled = stall_report(failures)  # a timeout: lead with the rank(s) that never came, not the first victim
     if stalled is not None:
         rank, first, _ = stalled

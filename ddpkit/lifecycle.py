@@ -153,7 +153,10 @@ def wait_for_keys(store: Any, keys: list[str], timeout: float, what: str) -> lis
 
 def on_failure(exc: BaseException, rank: int, group: Membership | None) -> None:
     """Record a failure for `ddpkit run`; when a collective failed, raise a report of every rank."""
-    failures.record_failure(exc, rank)
+    mistake = isinstance(exc, DdpkitError)  # the user's to fix: one paragraph, no traceback per rank
+    failures.record_failure(exc, rank, user_error=mistake)
+    if mistake:
+        failures.hush(exc)
     watchdog = group.watchdog if group is not None else None
     if watchdog is None or not _collective_failed(exc):
         return
