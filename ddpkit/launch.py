@@ -44,7 +44,8 @@ from pathlib import Path
 
 from ddpkit import cpu_allocator
 from ddpkit.errors import DdpkitError, problem
-from ddpkit.failures import RUN_ENV, failure_message, failure_time, stall_report, user_error
+from ddpkit.failures import RUN_ENV
+from ddpkit.run_report import report, restart_reports
 from ddpkit.topology import Hardware, threads_per_process
 
 
@@ -211,9 +212,10 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         if note:
             print(note, file=sys.stderr, flush=True)
     try:
-        run(parse_args(argv))
+        with restart_reports(cfg.max_restarts):
+            run(parse_args(argv))
     except ChildFailedError as err:
-        return _preempted(record) or _report(err, cfg.max_restarts)
+        return _preempted(record) or report(err, cfg.max_restarts)
     except SignalException as err:
         sig = signal.Signals(err.sigval)
         _drain(cfg.grace)  # a second signal cuts the agent's own wait short: the ranks may still be saving
@@ -276,45 +278,3 @@ def _preempted(record: Path) -> int:
           f"{done.get('checkpoint')}; run the same command to resume (exit code 75).{requeued}",
           file=sys.stderr, flush=True)  # fmt: skip
     return 75
-
-
-def _report(err: Exception, max_restarts: int = 0) -> int:
-    failures = getattr(err, "failures", {})
-    if not failures:
-        print(f"ddpkit run: the job failed: {err}", file=sys.stderr)
-        return 1
-    rank, first = min(failures.items(), key=lambda item: failure_time(item[1]))
-    mistakes = {r: user_error(f) for r, f in failures.items() if user_error(f)}
-    if mistakes:  # a DdpkitError: its paragraph is the report (the ranks printed no traceback)
-        rank = min(mistakes, key=lambda r: (mistakes[r] != mistakes.get(0), r))  # rank 0's when it has one
-        alike = sum(text == mistakes[rank] for text in mistakes.values())
-        where = f"by {alike} ranks alike" if alike > 1 else f"by rank {rank}"
-        rest = "; the others were stopped" if alike < len(failures) else ""
-        print(f"ddpkit run: {mistakes[rank]}\n(raised {where}{rest}; exit code 1)", file=sys.stderr,
-              flush=True)  # fmt: skip
-        return 1
-    stalled = stall_report(failures)  # a timeout: lead with the rank(s) that never came, not the first victim
-    if stalled is not None:
-        rank, first, _ = stalled
-    code = first.exitcode
-    how = f"exit code {code}"
-    message = failure_message(first).rstrip(".")
-    if code < 0 and message:
-        # It raised (its error file says what), then ended by a signal while exiting: the agent's
-        # SIGTERM when a peer's exit was noticed first, or an abort in teardown. Report the exception.
-        how, code = f"an exception (the process then ended by {signal.Signals(-code).name} while exiting)", 1
-    elif code < 0:
-        how = f"signal {signal.Signals(-code).name}"
-        code = 128 - code
-    lead = f"{stalled[2]}. Then " if stalled else ""
-    verb = "timed out waiting and ended with" if stalled else "failed first with"
-    message = "" if stalled else message  # the timeout's own message is the report above
-    print(
-        f"ddpkit run: {lead}rank {rank} (local rank {first.local_rank}, pid {first.pid}) {verb} "
-        f"{how}{': ' + message if message else ''}; its traceback is above. {len(failures)} rank(s) "
-        "failed; the others were stopped."
-        + (f" The restart budget (--max-restarts {max_restarts}) is used up." if max_restarts else ""),
-        file=sys.stderr,
-        flush=True,
-    )
-    return code

@@ -3,7 +3,7 @@
     ddpkit run --nproc 2 tests/refusal_train.py CKPT [--die-at STEP:RANK:SIGNAL]
 
 Two optimizer steps from wherever CKPT says, saving after each. --die-at makes global rank RANK end
-itself with SIGNAL (e.g. KILL) at optimizer step STEP, on the first attempt only (TORCHELASTIC_RESTART_COUNT
+itself with SIGNAL (e.g. KILL; RAISE: an exception) at optimizer step STEP, on the first attempt only (TORCHELASTIC_RESTART_COUNT
 0), so that a restarted run finishes.
 """
 
@@ -41,6 +41,8 @@ def main() -> None:
             s.backward(loss)
             s.step(opt)
             if die and first_attempt and int(die[0]) == step and s.rank == int(die[1]):
+                if die[2] == "RAISE":
+                    raise RuntimeError(f"planted failure on rank {s.rank}")
                 os.kill(os.getpid(), signal.Signals[f"SIG{die[2]}"])
             s.save(args.ckpt, model=model, optimizer=opt, step=step)
         s.print(f"done at step {step}")

@@ -160,8 +160,14 @@ def test_a_used_up_restart_budget_ends_with_one_report_and_no_orphans(tmp_path: 
     done = run_cli("run", "--nproc", "2", "--max-restarts", "1", str(script), env={"OUT_DIR": str(tmp_path)},
                    timeout=120)  # fmt: skip
     assert done.returncode == 1
-    reports = [line for line in done.stderr.splitlines() if line.startswith("ddpkit run:")]
-    assert len(reports) == 1, reports
+    restarts = [line for line in done.stderr.splitlines() if line.startswith("ddpkit run: restart")]
+    reports = [
+        line for line in done.stderr.splitlines() if line.startswith("ddpkit run:") and line not in restarts
+    ]
+    assert len(reports) == 1 and len(restarts) == 1, reports + restarts
+    assert re.search(
+        r"restart 1 of 1: rank 1 .* failed first with ValueError: bad batch on rank 1", restarts[0]
+    )
     assert re.search(r"rank 1 .* failed first with (exit code 1|an exception)", reports[0]), reports[0]
     assert "ValueError: bad batch on rank 1 (attempt 1)" in reports[0]
     assert "The restart budget (--max-restarts 1) is used up" in reports[0]

@@ -55,3 +55,50 @@ def test_a_planted_sharded_checkpoint_ends_the_job_with_one_paragraph(tmp_path: 
     assert f"refused to load {ckpt}/ckpt-000002" in done.stderr and "names posix.system" in done.stderr
     assert "Move ckpt-000002 out of" in done.stderr and "raised by 2 ranks alike" in done.stderr
     assert "Traceback" not in out, out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        ("KILL", "died first, killed by SIGKILL"),
+        ("RAISE", "failed first with RuntimeError: planted failure on rank 1"),
+    ],
+)
+def test_each_restart_names_the_rank_that_died_first(tmp_path: Path, how: str, said: str) -> None:
+    ckpt = str(tmp_path / "ck")
+    done = run_cli("run", "--nproc", "2", "--max-restarts", "1", SCRIPT, ckpt, "--strategy", "ddp",
+                   "--die-at", f"1:1:{how}", timeout=90)  # fmt: skip
+    assert done.returncode == 0, done.stderr  # the restarted workers finished
+    lines = [line for line in done.stderr.splitlines() if line.startswith("ddpkit run: restart")]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("ddpkit run: restart 1 of 1: rank 1 (local rank 1 on host "), lines[0]
+    assert said in lines[0], lines[0]
+    assert "done at step 2" in done.stdout + done.stderr
+
+
+def _failure(tmp_path: Path, rank: int, exitcode: int, exc: BaseException | None, when: float):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from ddpkit.failures import write_error_file
+
+    path = tmp_path / f"error-{rank}.json"
+    if exc is not None:
+        write_error_file(str(path), exc, rank, when)
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_a_rank_killed_from_outside_is_named_before_the_peer_it_broke(tmp_path: Path) -> None:
+    """The peer's error file can be older than the second in which the agent noticed the killed rank
+    (torchrun then names the peer); a signal nobody in the job sent is the cause."""
+    import time
+
+    from ddpkit.run_report import first_failure
+
+    peer = _failure(tmp_path, 0, 1, ConnectionError("Connection closed by peer"), time.time() - 5)
+    killed = _failure(tmp_path, 1, -9, None, 0)
+    stopped = _failure(tmp_path, 2, -15, None, 0)  # the agent's SIGTERM to the survivors
+    assert first_failure({0: peer, 1: killed, 2: stopped})[0] == 1
+    assert first_failure({0: peer, 2: stopped})[0] == 0  # no outside kill: the earliest error
+    raised = _failure(tmp_path, 3, 1, RuntimeError("the cause"), time.time() + 0.5)
+    assert first_failure({2: stopped, 3: raised})[0] == 3  # the stop is noticed in whole seconds: a victim
