@@ -1,6 +1,6 @@
 """The `ddpkit` command: a thin shell over the Python API.
 
-ddpkit run [--nproc auto|N] [--nnodes N --node-rank R --rdzv-endpoint HOST:PORT]
+ddpkit run [--nproc auto|N] [--nnodes N|MIN:MAX --node-rank R --rdzv-endpoint HOST:PORT]
            [--max-restarts K] [--port P] [--device auto|cpu|cuda] [--share-gpu] script.py args...
 ddpkit run -m package.module args...
 ddpkit demo [--nproc N] [--epochs E]
@@ -35,9 +35,18 @@ def _nproc(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number, got {value!r}") from None
 
 
+def _nnodes(value: str) -> tuple[int | None, int]:
+    """"4" -> (None, 4); "1:4" -> (1, 4): an elastic job of 1 to 4 nodes."""
+    low, sep, high = value.partition(":")
+    try:
+        return (int(low), int(high)) if sep else (None, int(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {value!r}") from None
+
+
 def _add_launch_options(p: argparse.ArgumentParser, *, default_nproc: str | None) -> None:
     p.add_argument("--nproc", type=_nproc, default=default_nproc, help="processes per node: auto or N")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (machines)")
+    p.add_argument("--nnodes", type=_nnodes, default=(None, 1), help="nodes: N, or MIN:MAX (elastic)")
     p.add_argument("--node-rank", type=int, default=None, help="this node's rank, 0..nnodes-1")
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT where the nodes meet")
     p.add_argument("--port", type=int, default=None, help="single node: rendezvous port (default: free)")
@@ -56,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--preemption-signal", default="USR1", help="besides SIGTERM: save and stop (USR1)")
     run.add_argument("--requeue", choices=("auto", "1", "0"), default="auto", help="Slurm: requeue after it")
     run.add_argument("--grace", type=float, default=30.0, help="seconds to let ranks save when stopped")
+    run.add_argument("--elastic-batch", choices=("per-rank", "accumulation"), default="per-rank",
+                     help="--nnodes MIN:MAX at fewer nodes: keep the per-rank batch (accumulate more) or not")
+    run.add_argument("--rdzv-conf", default=None, help="elastic: torchrun's rendezvous settings (k=v,...)")
+    run.add_argument("--local-addr", default=None, help="this node's address as the other nodes reach it")
     run.add_argument("target", help="script.py, or a module name with -m")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -80,13 +93,15 @@ def _launch_config(ns: argparse.Namespace, target: str, args: Sequence[str], mod
         nproc=ns.nproc,
         device=ns.device,
         share_gpu=ns.share_gpu,
-        nnodes=ns.nnodes,
+        min_nodes=ns.nnodes[0],
+        nnodes=ns.nnodes[1],
         node_rank=ns.node_rank,
         rdzv_endpoint=ns.rdzv_endpoint,
         port=ns.port,
         max_restarts=ns.max_restarts,
         **(
-            {"preemption_signal": ns.preemption_signal, "requeue": ns.requeue, "grace": ns.grace}
+            {"preemption_signal": ns.preemption_signal, "requeue": ns.requeue, "grace": ns.grace,
+             "elastic_batch": ns.elastic_batch, "rdzv_conf": ns.rdzv_conf, "local_addr": ns.local_addr}
             if ns.command == "run"
             else {}
         ),

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ddpkit.errors import problem
+from ddpkit.names import ELASTIC_BATCH_ENV, ELASTIC_WORLD_ENV
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,33 @@ def plan_batch(
             f"Use a multiple of {split} (e.g. {nearest}), or pass per_rank_batch_size=... instead",
         )
     return BatchPlan(batch_size // split, world_size, accumulation)
+
+
+def elastic_accumulation(
+    accumulation: int, world_size: int, env: Mapping[str, str]
+) -> tuple[int, str | None]:
+    """The accumulation this world size trains with in an elastic job, and a note when it changed.
+
+    `ddpkit run --nnodes MIN:MAX` runs at any world size up to the most nodes' (ELASTIC_WORLD_ENV). By
+    default ("per-rank") a smaller world keeps the per-rank batch, which is what fits a GPU's memory,
+    and accumulates more micro-batches, so the global batch stays the user's; with "accumulation" the
+    per-rank batch grows instead (`plan_batch` splits the global batch over fewer ranks).
+    """
+    most = int(env.get(ELASTIC_WORLD_ENV, "0") or 0)
+    if most <= world_size or env.get(ELASTIC_BATCH_ENV, "per-rank") != "per-rank":
+        return accumulation, None
+    if most % world_size:
+        raise problem(
+            f"the elastic job runs at world size {world_size}, which does not divide its largest world size "
+            f"{most}: the per-rank batch cannot be kept with a whole number of accumulation steps",
+            "Use node counts whose process counts divide the largest one, or ddpkit run --elastic-batch "
+            "accumulation (the per-rank batch grows instead)",
+        )
+    scaled = accumulation * (most // world_size)
+    return scaled, (
+        f"elastic: world size {world_size} of up to {most}: {scaled} accumulation step(s) instead of "
+        f"{accumulation}, so the per-rank batch and the global batch stay as at {most}"
+    )
 
 
 class EvalShardSampler(Sampler[int]):

@@ -45,6 +45,7 @@ from pathlib import Path
 from ddpkit import cpu_allocator
 from ddpkit.errors import DdpkitError, problem
 from ddpkit.failures import RUN_ENV
+from ddpkit.names import ELASTIC_BATCH_ENV, ELASTIC_WORLD_ENV
 from ddpkit.run_report import report, restart_reports
 from ddpkit.topology import Hardware, threads_per_process
 
@@ -59,7 +60,11 @@ class LaunchConfig:
     nproc: int | str = "auto"
     device: str = "auto"
     share_gpu: bool = False  # more local ranks than GPUs, round-robin over gloo (ddpkit.topology)
-    nnodes: int = 1
+    nnodes: int = 1  # the most nodes; with `min_nodes`, an elastic job of min_nodes..nnodes
+    min_nodes: int | None = None  # --nnodes MIN:MAX: nodes may leave or join (torchrun's elastic agent)
+    elastic_batch: str = "per-rank"  # at fewer ranks keep "per-rank" (accumulate more) or "accumulation"
+    rdzv_conf: str | None = None  # torchrun's --rdzv-conf, over ddpkit's elastic timeouts
+    local_addr: str | None = None  # this node's address for the others (torchrun's --local-addr)
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     port: int | None = None
@@ -83,6 +88,8 @@ class LaunchConfig:
                 f"--nnodes {self.nnodes} needs a meeting point for the nodes",
                 "Pass --rdzv-endpoint HOST:PORT with the same value on every node",
             )
+        if self.min_nodes is not None:
+            self._check_elastic()
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise problem(
                 f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}",
@@ -107,6 +114,28 @@ class LaunchConfig:
                 f"script {self.target!r} does not exist",
                 "Check the path (relative to the current directory), or use -m for a module",
             )
+
+
+    def _check_elastic(self) -> None:
+        span = f"--nnodes {self.min_nodes}:{self.nnodes}"
+        if not 1 <= self.min_nodes <= self.nnodes:  # type: ignore[operator]
+            raise problem(f"{span} is not MIN:MAX with 1 <= MIN <= MAX", "Pass e.g. --nnodes 1:4")
+        if self.node_rank is not None:
+            raise problem(f"{span} with --node-rank {self.node_rank}: elastic nodes get their ranks when "
+                          "they meet", "Leave --node-rank out (or pass a fixed --nnodes N)")  # fmt: skip
+        if self.max_restarts < 1:
+            raise problem(
+                f"{span} restarts the workers when a node is lost, but --max-restarts is {self.max_restarts}",
+                "Give it a budget, e.g. --max-restarts 3 (a node joining does not use it)",
+            )
+        if self.elastic_batch not in ("per-rank", "accumulation"):
+            raise problem(f"--elastic-batch {self.elastic_batch} is not per-rank or accumulation",
+                          "Pass per-rank (more accumulation at fewer ranks) or accumulation")  # fmt: skip
+
+
+ELASTIC_RDZV_CONF = (  # see docs/fault-tolerance.md, "Elastic membership"
+    "join_timeout=600,last_call_timeout=10,close_timeout=10,keep_alive_interval=2,keep_alive_max_attempt=3"
+)
 
 
 def resolve_nproc(nproc: int | str, hardware: Hardware, device: str = "auto") -> int:
@@ -154,14 +183,24 @@ def torchrun_argv(cfg: LaunchConfig, nproc: int) -> list[str]:
             argv += ["--master-addr=127.0.0.1", f"--master-port={cfg.port}"]  # MASTER_PORT is this port
     else:
         host, port = split_endpoint(cfg.rdzv_endpoint or f"127.0.0.1:{cfg.port}")
-        argv.append(f"--nnodes={cfg.nnodes}")
-        if cfg.node_rank is not None:
+        elastic = cfg.min_nodes is not None
+        argv.append(f"--nnodes={cfg.min_nodes}:{cfg.nnodes}" if elastic else f"--nnodes={cfg.nnodes}")
+        if elastic:
+            # With --local-addr, the node whose address is the endpoint's hosts the rendezvous store (torch's
+            # guess compares host names, which nodes in containers or namespaces can share).
+            hosting = f"is_host={int(cfg.local_addr == host)}" if cfg.local_addr else None
+            conf = ",".join(filter(None, [ELASTIC_RDZV_CONF, hosting, cfg.rdzv_conf]))  # the user's last: win
+            argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=ddpkit",
+                     f"--rdzv-conf={conf}"]  # fmt: skip
+        elif cfg.node_rank is not None:
             # Static rendezvous: node ranks are the user's, node 0 hosts the store at host:port.
             if cfg.node_rank == 0 and _is_local(host) and not port_is_free(port):
                 raise _busy(port)
             argv += [f"--node-rank={cfg.node_rank}", f"--master-addr={host}", f"--master-port={port}"]
         else:
             argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=ddpkit"]
+    if cfg.local_addr:
+        argv.append(f"--local-addr={cfg.local_addr}")
     if cfg.module:
         argv.append("-m")
     return [*argv, cfg.target, *cfg.args]
@@ -202,6 +241,12 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         os.environ["DDPKIT_DEVICE"] = cfg.device
     if cfg.share_gpu:
         os.environ["DDPKIT_SHARE_GPU"] = "1"
+    if cfg.min_nodes is not None:  # read by ddpkit.data.elastic_accumulation in every rank
+        os.environ.update({ELASTIC_WORLD_ENV: str(cfg.nnodes * nproc), ELASTIC_BATCH_ENV: cfg.elastic_batch})
+        # torch's shared rendezvous store keeps the first round's address: a node that joins a later
+        # round waits for a MASTER_ADDR nobody writes (seen: a 60 s store timeout on both nodes). Without
+        # sharing, rank 0 publishes it in every round.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     record = Path(tempfile.mkdtemp(prefix="ddpkit-run-")) / "preempted.json"
     os.environ.update(DDPKIT_PREEMPTION_SIGNAL=cfg.preemption_signal, DDPKIT_REQUEUE=cfg.requeue,
                       DDPKIT_PREEMPTION_RECORD=str(record), **{RUN_ENV: "1"})  # fmt: skip

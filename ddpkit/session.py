@@ -23,6 +23,7 @@ augmentation differ across ranks while the sampler's shuffle stays shared.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 from collections.abc import Callable, Iterator, Mapping
@@ -37,7 +38,7 @@ from torch.utils.data import Dataset
 
 from ddpkit import compiling, cpu_allocator, lifecycle, topology
 from ddpkit import strategy as strategies
-from ddpkit.data import ShardedLoader, make_loader, plan_batch
+from ddpkit.data import ShardedLoader, elastic_accumulation, make_loader, plan_batch
 from ddpkit.errors import problem
 from ddpkit.lifecycle import Limits
 from ddpkit.precision import PrecisionPlan, device_supports_bf16, resolve_precision
@@ -389,13 +390,11 @@ def session(
     default to this process's environment and machine.
     """
     limits = Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)  # validated here
-    plan = topology.resolve(
-        os.environ if env is None else env,
-        hardware or topology.Hardware.detect(),
-        device=device,
-        backend=backend,
-        share_gpu=share_gpu,
-    )
+    env = os.environ if env is None else env
+    plan = topology.resolve(env, hardware or topology.Hardware.detect(), device=device, backend=backend,
+                            share_gpu=share_gpu)  # fmt: skip
+    accumulation, note = elastic_accumulation(accumulation, plan.ranks.world_size, env)  # ddpkit run --nnodes
+    plan = dataclasses.replace(plan, notes=(*plan.notes, note)) if note else plan
     s = Session(
         plan,
         seed=seed,

@@ -111,6 +111,30 @@ def test_two_nodes_on_one_machine_form_one_job(tmp_path: Path) -> None:
         (["run", "--nproc", "2", "missing.py"], r"script 'missing.py' does not exist"),
         (["run", "-m", "no_such_module_xyz"], r"module 'no_such_module_xyz' cannot be found"),
         (["run", "--nnodes", "2", "x.py"], r"needs a meeting point.*--rdzv-endpoint"),
+        (
+            ["run", "--nnodes", "1:2", "--rdzv-endpoint", "h:1", "x.py"],
+            r"--max-restarts is 0.*--max-restarts 3",
+        ),
+        (
+            ["run", "--nnodes", "3:2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "x.py"],
+            r"1 <= MIN <= MAX",
+        ),
+        (
+            [
+                "run",
+                "--nnodes",
+                "1:2",
+                "--rdzv-endpoint",
+                "h:1",
+                "--max-restarts",
+                "1",
+                "--node-rank",
+                "0",
+                "x.py",
+            ],
+            r"elastic nodes get their ranks",
+        ),
+        (["run", "--nnodes", "one", "x.py"], r"expected N or MIN:MAX"),
     ],
 )
 def test_bad_command_lines_are_clear_errors(tmp_path: Path, args: list[str], message: str) -> None:
@@ -118,6 +142,23 @@ def test_bad_command_lines_are_clear_errors(tmp_path: Path, args: list[str], mes
     done = run_cli(*args, cwd=tmp_path, timeout=30)
     assert done.returncode == 2
     assert re.search(message, done.stderr), done.stderr
+
+
+def test_elastic_command_line_for_torchrun(tmp_path: Path) -> None:
+    from ddpkit.launch import LaunchConfig, torchrun_argv
+
+    (tmp_path / "x.py").write_text("")
+    common = dict(
+        target=str(tmp_path / "x.py"), min_nodes=1, nnodes=4, rdzv_endpoint="10.0.0.1:29400", max_restarts=3
+    )
+    host = torchrun_argv(LaunchConfig(**common, local_addr="10.0.0.1", rdzv_conf="last_call_timeout=2"), 2)
+    assert "--nnodes=1:4" in host and "--rdzv-backend=c10d" in host and "--local-addr=10.0.0.1" in host
+    conf = next(a for a in host if a.startswith("--rdzv-conf="))
+    assert "is_host=1" in conf and conf.endswith(
+        "last_call_timeout=2"
+    )  # the user's settings come last: they win
+    other = torchrun_argv(LaunchConfig(**common, local_addr="10.0.0.2"), 2)
+    assert "is_host=0" in next(a for a in other if a.startswith("--rdzv-conf="))
 
 
 def test_busy_explicit_port_is_a_clear_error(tmp_path: Path) -> None:

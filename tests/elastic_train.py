@@ -1,0 +1,63 @@
+"""An elastic run for tests/test_elastic.py, under `ddpkit run --nnodes MIN:MAX` (or `--nproc N`).
+
+    ddpkit run ... tests/elastic_train.py CKPT OUT [--sleep S]
+
+96 samples, global batch 8, 2 epochs: 24 optimizer steps, a checkpoint after each. The world size may
+change between restarts; ddpkit keeps the per-rank batch (4) and the global batch (8) by accumulating.
+Global rank 0 appends "world accumulation step" to OUT/steps.txt after each optimizer step and writes
+OUT/final.safetensors at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+
+EPOCHS, SAMPLES, GLOBAL_BATCH = 2, 96, 8
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("ckpt")
+    ap.add_argument("out")
+    ap.add_argument("--sleep", type=float, default=0.3)
+    ns = ap.parse_args()
+    torch.set_num_threads(1)
+    with ddpkit.session(seed=0) as s:
+        g = torch.Generator().manual_seed(42)
+        x = torch.randn(SAMPLES, 6, generator=g)
+        data = TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+        model = s.model(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loader = s.loader(data, batch_size=GLOBAL_BATCH, shuffle=True)
+        state = dict(model=model, optimizer=opt, loader=loader)
+        step = s.load(ns.ckpt, **state, step=0)["step"]
+        log = Path(ns.out) / "steps.txt"
+        for _epoch in range(loader.epoch, EPOCHS):
+            for xb, yb in loader:
+                with s.accumulate(model):  # a smaller world accumulates: see ddpkit.data.elastic_accumulation
+                    s.backward(F.cross_entropy(model(xb), yb))
+                if not s.step(opt).stepped:
+                    continue
+                step += 1
+                if s.is_main:
+                    with open(log, "a") as f:
+                        f.write(f"{s.world_size} {s.accumulation} {step}\n")
+                s.save(ns.ckpt, **state, step=step)
+                time.sleep(ns.sleep)  # long enough steps for a node to leave or join mid-run
+        if s.is_main:
+            weights = {k: v.contiguous() for k, v in ddpkit.unwrap(model).state_dict().items()}
+            save_file(weights, str(Path(ns.out) / "final.safetensors"))
+
+
+if __name__ == "__main__":
+    main()

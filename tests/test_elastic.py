@@ -1,0 +1,165 @@
+"""Elastic membership (`ddpkit run --nnodes MIN:MAX`) on two hosts: two network namespaces joined by a
+veth pair, each running its own `ddpkit run` (torchrun's elastic agent), with a shared checkpoint folder.
+
+A host is lost (its whole process tree SIGKILLed) and the job finishes on the other; a host joins and
+the job continues on both. Either way the global batch stays 8: at world size 1 the per-rank batch (4)
+is kept and ddpkit accumulates 2 micro-batches, and the final weights match an uninterrupted 2-rank run.
+Needs root and iproute2 (skipped otherwise, with the reason).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+HERE = Path(__file__).parent
+SCRIPT = str(HERE / "elastic_train.py")
+DDPKIT = [sys.executable, "-m", "ddpkit.cli", "run"]
+PORT = 29400  # each namespace has its own ports: nothing else listens there
+
+pytestmark = [
+    pytest.mark.numerics,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"
+    ),
+]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
+
+
+@pytest.fixture
+def hosts():
+    """Two network namespaces, 10.77.0.1 and 10.77.0.2, and a veth pair between them."""
+    tag = f"{os.getpid() % 100000}"
+    names = [f"ddpk{tag}a", f"ddpk{tag}b"]
+    links = [f"va{tag}", f"vb{tag}"]
+    try:
+        for ns in names:
+            _ip("netns", "add", ns)
+        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        for i, (ns, link) in enumerate(zip(names, links, strict=True)):
+            _ip("link", "set", link, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"10.77.0.{i + 1}/24", "dev", link)
+            _ip("-n", ns, "link", "set", link, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as err:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+        pytest.skip(f"network namespaces are not available here: {err.stderr.decode().strip()}")
+    started: list[subprocess.Popen] = []
+
+    def start(i: int, ckpt: Path, out: Path) -> subprocess.Popen:
+        cmd = ["ip", "netns", "exec", names[i], *DDPKIT, "--nnodes", "1:2", "--nproc", "1", "--max-restarts",
+               "3", "--rdzv-endpoint", f"10.77.0.1:{PORT}", "--local-addr", f"10.77.0.{i + 1}", "--rdzv-conf",
+               "last_call_timeout=2", SCRIPT, str(ckpt), str(out)]  # fmt: skip
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": links[i], "OMP_NUM_THREADS": "1"}
+        log = open(out / f"host{i}.log", "w")  # noqa: SIM115 (closed with the process)
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        started.append(proc)
+        return proc
+
+    def lose(i: int) -> None:
+        """The host is gone: every process in its namespace (the agent, and its workers, which torchrun
+        starts in sessions of their own) SIGKILLed at once."""
+        pids = subprocess.run(["ip", "netns", "pids", names[i]], capture_output=True, text=True, timeout=20)
+        for pid in pids.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+    start.lose = lose  # type: ignore[attr-defined]
+    yield start
+    for i in range(len(names)):
+        lose(i)
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=20)
+    for ns in names:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+def _steps(out: Path) -> list[tuple[int, int, int]]:
+    path = out / "steps.txt"
+    lines = path.read_text().split("\n") if path.exists() else []
+    return [tuple(int(v) for v in line.split()) for line in lines if line.strip()]  # type: ignore[misc]
+
+
+def _wait_for(what, timeout: float, procs: list[subprocess.Popen], out: Path) -> None:
+    end = time.monotonic() + timeout
+    while not what():
+        if time.monotonic() > end or any(p.poll() not in (None, 0) for p in procs):
+            logs = "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("host*.log")))
+            raise AssertionError(f"timed out or a host failed; steps {_steps(out)}\n{logs}")
+        time.sleep(0.1)
+
+
+def _reference(tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The uninterrupted run: 2 ranks on this host, the same script."""
+    out = tmp_path / "reference"
+    out.mkdir()
+    done = subprocess.run([*DDPKIT, "--nproc", "2", SCRIPT, str(tmp_path / "ref-ckpt"), str(out), "--sleep", "0"],
+                          capture_output=True, text=True, timeout=90)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return load_file(out / "final.safetensors")
+
+
+def _check_finished(out: Path, reference: dict[str, torch.Tensor]) -> list[tuple[int, int, int]]:
+    steps = _steps(out)
+    assert steps[-1][2] == 24, steps  # 96 samples / global batch 8 x 2 epochs, never more
+    for world, accumulation, _ in steps:
+        assert world * accumulation == 2, steps  # per-rank batch 4 kept: 4 x world x accumulation = 8
+    final = load_file(out / "final.safetensors")
+    for name, want in reference.items():
+        rel = float((final[name] - want).abs().max() / want.abs().max())
+        assert rel < 1e-5, (name, rel)  # measured ~2e-7: summation order only
+    return steps
+
+
+@pytest.mark.timeout(150)
+def test_a_lost_host_and_the_job_finishes_on_the_other(hosts, tmp_path: Path) -> None:
+    reference = _reference(tmp_path)
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    a = hosts(0, ckpt, out)
+    b = hosts(1, ckpt, out)
+    _wait_for(lambda: sum(s[0] == 2 for s in _steps(out)) >= 4, 60, [a, b], out)
+    lost_at = time.monotonic()
+    hosts.lose(1)
+    _wait_for(lambda: any(s[0] == 1 for s in _steps(out)), 60, [a], out)
+    back_after = time.monotonic() - lost_at
+    assert a.wait(timeout=60) == 0, (out / "host0.log").read_text()[-3000:]
+    steps = _check_finished(out, reference)
+    worlds = [w for w, _, _ in steps]
+    assert worlds[0] == 2 and worlds[-1] == 1, steps
+    log = (out / "host0.log").read_text()
+    assert "elastic: world size 1 of up to 2: 2 accumulation step(s)" in log
+    assert back_after < 45, back_after  # noticed and re-formed well within the rendezvous limits
+    print(f"elastic: host lost -> training again at world size 1 after {back_after:.1f} s")
+
+
+@pytest.mark.timeout(150)
+def test_a_joining_host_and_the_job_continues_on_both(hosts, tmp_path: Path) -> None:
+    reference = _reference(tmp_path)
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    a = hosts(0, ckpt, out)
+    _wait_for(lambda: sum(s[0] == 1 for s in _steps(out)) >= 4, 60, [a], out)
+    b, joined = hosts(1, ckpt, out), time.monotonic()
+    _wait_for(lambda: any(s[0] == 2 for s in _steps(out)), 60, [a, b], out)
+    print(f"elastic: host started -> training at world size 2 after {time.monotonic() - joined:.1f} s")
+    assert a.wait(timeout=60) == 0 and b.wait(timeout=60) == 0, (out / "host0.log").read_text()[-3000:]
+    steps = _check_finished(out, reference)
+    worlds = [w for w, _, _ in steps]
+    assert worlds[0] == 1 and worlds[-1] == 2, steps
