@@ -1,0 +1,81 @@
+"""Data parallelism at the cost of threads: one process using the cores as threads vs one rank per core.
+
+    .venv/bin/python benchmarks/threads_vs_ranks.py                         # mlp, gpt; 3 repetitions
+    .venv/bin/python benchmarks/threads_vs_ranks.py --workloads mlp --reps 5 --json runs/tvr.json
+
+The same README loop (benchmarks/peers_worker.py, variant ddpkit), the same global batch, on this
+machine's cores C: "1 x C threads" is `python` with OMP_NUM_THREADS=C (no process group); "C x 1" is
+`ddpkit run --nproc C` (one thread per rank: DDP, the shared-memory all-reduce and the sharded step
+that ddpkit chooses on CPU); "1 x 1" is one process on one core (how well threads scale). Step =
+median of steps 6..35 of rank 0; repetitions interleaved in rotated order; ratios taken within a
+repetition, median [min, max]. The ratio the issue asks for is (C x 1) / (1 x C): 1.15 or less is
+the goal. It is a benchmark (minutes), not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "peers_worker.py")
+STEPS, WARMUP = 35, 5
+
+
+def run(layout: str, workload: str, cores: int) -> float:
+    """Median step (ms) of one launch in `layout`: "threads", "ranks" or "single"."""
+    bin_dir = os.path.dirname(sys.executable)
+    with tempfile.TemporaryDirectory() as out:
+        script = [WORKER, "--variant", "ddpkit", "--workload", workload, "--steps", str(STEPS), "--out", out]
+        if layout == "ranks":
+            cmd, threads = [os.path.join(bin_dir, "ddpkit"), "run", "--nproc", str(cores), *script], 1
+        else:
+            cmd, threads = [sys.executable, *script], cores if layout == "threads" else 1
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"{layout} on {workload} failed:\n{done.stderr[-3000:]}")
+        with open(os.path.join(out, "rank0.json")) as f:
+            rank0 = json.load(f)
+    return statistics.median(rank0["step_s"][WARMUP:STEPS]) * 1e3
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="mlp,gpt")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--json", default=None)
+    ns = p.parse_args()
+    cores = len(os.sched_getaffinity(0))
+    layouts = ["threads", "ranks", "single"]
+    print(f"threads_vs_ranks: {cores} cores; load average {os.getloadavg()[0]:.2f}", flush=True)
+    results: dict[str, dict[str, list[float]]] = {}
+    for wl in ns.workloads.split(","):
+        results[wl] = {lay: [] for lay in layouts}
+        for rep in range(ns.reps):
+            for lay in layouts[rep % 3 :] + layouts[: rep % 3]:
+                ms = run(lay, wl, cores)
+                results[wl][lay].append(ms)
+                print(f"  {wl} rep {rep + 1}/{ns.reps} {lay}: {ms:.1f} ms", flush=True)
+    print(f"\nstep ms, median [min, max]; {cores} x 1: ddpkit run --nproc {cores}; 1 x {cores}: one process")
+    for wl, by in results.items():
+        cells = {k: f"{statistics.median(v):.1f} [{min(v):.1f}, {max(v):.1f}]" for k, v in by.items()}
+        ratio = [r / t for r, t in zip(by["ranks"], by["threads"], strict=True)]
+        scale = [s / t for s, t in zip(by["single"], by["threads"], strict=True)]
+        print(f"{wl}: 1 x {cores} {cells['threads']}; {cores} x 1 {cells['ranks']}; 1 x 1 {cells['single']}; "
+              f"ranks / threads {statistics.median(ratio):.2f} [{min(ratio):.2f}, {max(ratio):.2f}]; "
+              f"threads speed-up {statistics.median(scale):.2f} [{min(scale):.2f}, {max(scale):.2f}]")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
