@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddpkit import checkpoint_dcp, checkpoint_state
@@ -45,7 +46,7 @@ from ddpkit import checkpoint_files as files
 from ddpkit.checkpoint_background import Background
 from ddpkit.checkpoint_files import CheckpointError, Found, Tensors
 from ddpkit.checkpoint_sync import CheckpointContext, Sync
-from ddpkit.checkpoint_write import capture, full_weights, start, write
+from ddpkit.checkpoint_write import capture, full_weights, start, start_sharded, write
 from ddpkit.errors import problem
 from ddpkit.preemption import Preempted, Preemption, PreemptionOptions
 from ddpkit.wrap import unwrap
@@ -81,6 +82,7 @@ class Checkpoints:
         self._background = Background()
         self._preemption = Preemption(PreemptionOptions.from_env(env), env)
         self._registered: dict[str, Any] = {}
+        self._dcp_group: Any = None  # FSDP background saves: DCP's own process group (made once)
         self._where: tuple[bool, torch.device] | None = None  # (distributed, device) for the agreement
         self.last: Path | None = None  # the newest checkpoint this session committed or started
 
@@ -114,10 +116,11 @@ class Checkpoints:
         self._background.wait()  # the previous save first: one write at a time, in order
         ctx = self._context()
         snapshot = capture(ctx, {**self._extras(), **state}, copy=background)
-        if background and snapshot.sharded is not None:
-            background = False  # DCP's shards are written in a collective: on the main thread
-            ctx.say("ddpkit: background=True writes FSDP's sharded state synchronously (in a collective)")
         job = start(ctx, root, snapshot, keep)
+        if background and snapshot.sharded is not None:  # DCP's async_save, on a group of its own
+            if self._dcp_group is None:  # a collective: every rank saves at the same point
+                self._dcp_group = dist.new_group(backend="gloo")
+            start_sharded(ctx, job, snapshot, self._dcp_group)
         self.last = files.final_dir(root, job.seq)
         if background:
             self._background.run(lambda: write(ctx, job, snapshot))
@@ -151,6 +154,9 @@ class Checkpoints:
             self._background.wait()
         finally:
             self._preemption.close()
+            if self._dcp_group is not None and dist.is_initialized():
+                dist.destroy_process_group(self._dcp_group)
+            self._dcp_group = None
 
     def _extras(self) -> dict[str, Any]:
         return {

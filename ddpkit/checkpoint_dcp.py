@@ -41,6 +41,26 @@ def save(state: dict, tmp: Path, rank: int) -> dict[str, Any]:
 
     directory = tmp / DIRECTORY
     dcp_save(state, storage_writer=FileSystemWriter(directory, single_file_per_rank=True, thread_count=1))
+    return written(tmp, rank)
+
+
+def save_async(state: dict, tmp: Path, group: Any) -> Any:
+    """Start writing this rank's shards behind training (DCP's `async_save`); a collective to call.
+
+    DCP copies (stages) the state to CPU memory before it returns, so training may change the
+    originals; its thread then plans and writes, with collectives on `group`, a process group of its
+    own (one shared with training would mix the two threads' collectives). The future's `result()`
+    is the end of the write on every rank, or its error; `written` then lists the files."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import async_save
+
+    writer = FileSystemWriter(tmp / DIRECTORY, single_file_per_rank=True, thread_count=1)
+    return async_save(state, storage_writer=writer, process_group=group)
+
+
+def written(tmp: Path, rank: int) -> dict[str, Any]:
+    """The manifest entries of the DCP files this rank wrote (rank 0 also the metadata)."""
+    directory = tmp / DIRECTORY
     mine = sorted(directory.glob(f"__{rank}_*.distcp"))
     if rank == 0:
         mine.append(directory / ".metadata")
@@ -65,7 +85,6 @@ def load(state: dict, checkpoint: Path) -> None:
             "before it, or restore it from a backup you trust"
         ) from None
     dcp_load(state, storage_reader=_SafeReader(directory))
-
 
 
 def _reader_class() -> type:

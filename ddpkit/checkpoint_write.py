@@ -8,8 +8,9 @@ Why three: `capture` holds every collective a save needs (whole optimizer states
 full weights of sharded models), so it must run on the main thread with every rank; after it, the
 state lives in CPU memory (`copy=True` clones every tensor, so training may go on and change the
 originals), and `write` needs no collective (ranks meet through the store), so it may run behind
-training (`ddpkit.checkpoint_background`). The exception is FSDP's DCP shards, written by a
-collective inside `write`: those saves stay on the main thread.
+training (`ddpkit.checkpoint_background`). FSDP's DCP shards are written by a collective: in a
+synchronous save inside `write`; in the background by DCP's `async_save` (`start_sharded`, on the
+main thread, copies them and starts DCP's thread), whose end `write` waits for before it commits.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Snapshot:
     shared_tree: Any = None  # rank 0: objects and values
     shared_tensors: Tensors = field(default_factory=Tensors)
     sharded: tuple[tuple[str, Any], dict] | None = None  # FSDP: (name, model), optimizers (DCP)
+    pending: Any = None  # FSDP in the background: the future of DCP's async_save of the shards
 
     def nbytes(self) -> int:
         groups = [self.rank_tensors, self.shared_tensors, *self.weights.values()]
@@ -81,24 +83,46 @@ def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool) -> Sna
     snap = Snapshot(objects, step if isinstance(step, int) else None, ctx.strategy.name,
                     checkpoint_state.per_rank_tree(parts["per_rank"], rank_tensors), rank_tensors,
                     sharded=sharded)  # fmt: skip
+    fresh: set[int] = set()  # storages already copied to CPU here (GPU tensors): not copied twice
     if ctx.is_main:
         for name, state_dict in weights.items():
             snap.weights[name] = Tensors()
             for key, value in state_dict.items():
-                snap.weights[name][key] = files.own_storage(value.detach(), snap.weights[name])
+                value = to_cpu(value.detach(), fresh) if copy else value.detach()
+                snap.weights[name][key] = files.own_storage(value, snap.weights[name])
         tensors = snap.shared_tensors
+        shared = {n: gathered[n] if n in gathered else o.state_dict() for n, o in parts["shared"].items()}
         snap.shared_tree = {
             "objects": {
-                n: files.encode(gathered[n] if n in gathered else o.state_dict(), tensors, n)
-                for n, o in parts["shared"].items()
+                n: files.encode(to_cpu(v, fresh) if copy else v, tensors, n) for n, v in shared.items()
             },
             "values": {n: files.encode(v, tensors, f"values/{n}") for n, v in parts["values"].items()},
         }
     if copy:
+        if fresh and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the pinned copies were asynchronous
         for group in (snap.rank_tensors, snap.shared_tensors, *snap.weights.values()):
             for key, value in group.items():
-                group[key] = value.clone()
+                if value.untyped_storage().data_ptr() not in fresh:
+                    group[key] = value.clone()
     return snap
+
+
+def to_cpu(tree: Any, fresh: set[int]) -> Any:
+    """`tree` with its GPU tensors copied to pinned CPU memory (asynchronous DMA copies: synchronize
+    before reading them); CPU tensors are left for the caller's clone. `fresh` collects the copies."""
+    if isinstance(tree, torch.Tensor):
+        if tree.device.type == "cpu":
+            return tree
+        pinned = torch.empty(tree.shape, dtype=tree.dtype, pin_memory=torch.cuda.is_available())
+        pinned.copy_(tree, non_blocking=pinned.is_pinned())
+        fresh.add(pinned.untyped_storage().data_ptr())
+        return pinned
+    if isinstance(tree, dict):
+        return {k: to_cpu(v, fresh) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_cpu(v, fresh) for v in tree)
+    return tree
 
 
 def full_weights(ctx: CheckpointContext, module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -126,6 +150,17 @@ def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int) -> Job:
     return Job(root, seq, keep, sync)
 
 
+def start_sharded(ctx: CheckpointContext, job: Job, snap: Snapshot, group: Any) -> None:
+    """FSDP in the background, every rank on the main thread: gather the shards' state dicts (a
+    collective on training's group), then hand them to DCP's async_save (which copies them to CPU
+    memory and writes them on its own thread, with collectives on `group` only)."""
+    assert snap.sharded is not None
+    (name, model), optimizers = snap.sharded
+    state_dicts = ctx.strategy.sharded_state(model, optimizers)
+    state = {name: state_dicts.pop("model"), **state_dicts}
+    snap.pending = checkpoint_dcp.save_async(state, job.tmp, group)
+
+
 def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
     """Write this rank's files; rank 0 also the shared ones, then the manifest and the atomic rename.
 
@@ -133,7 +168,10 @@ def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
     """
     listed: dict[str, Any] = {}
     try:
-        if snap.sharded is not None:  # a collective; DCP reports an error on any rank to every rank
+        if snap.pending is not None:  # DCP's async_save, started by `start_sharded`: its end
+            snap.pending.result()
+            listed.update(checkpoint_dcp.written(job.tmp, ctx.rank))
+        elif snap.sharded is not None:  # a collective; DCP reports an error on any rank to every rank
             (name, model), optimizers = snap.sharded
             state_dicts = ctx.strategy.sharded_state(model, optimizers)
             state = {name: state_dicts.pop("model"), **state_dicts}

@@ -1,0 +1,108 @@
+"""Background saves under FSDP (DCP's async_save) and the pinned CPU copy: real torchrun, gloo ranks,
+a real SIGKILL while DCP's thread writes."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli
+
+from ddpkit.checkpoint_background import lower_priority
+from ddpkit.checkpoint_write import to_cpu
+
+JOB = """
+import os, signal, sys, torch, ddpkit
+from torch import nn
+root, mode, out = sys.argv[1], sys.argv[2], sys.argv[3]
+with ddpkit.session(seed=0) as s:
+    model = s.model(nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]), strategy="fsdp")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    values = s.load(root, model=model, optimizer=opt, step=0)
+
+    def full():  # every weight whole (a collective)
+        sd = ddpkit.unwrap(model).state_dict()
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in sd.items()}
+
+    if mode == "save":
+        s.backward(model(torch.randn(4, 256)).square().mean())
+        s.step(opt)
+        want = full()
+        s.save(root, model=model, optimizer=opt, step=1, background=True)
+        with torch.no_grad():  # training goes on while DCP's thread writes
+            for p in model.parameters():
+                p.add_(1.0)
+        s.checkpoints.wait()
+        torch.save(want, f"{out}/want.pt")
+    elif mode == "crash":
+        s.save(root, model=model, optimizer=opt, step=1)
+        s.save(root, model=model, optimizer=opt, step=2, background=True)
+        if s.rank == 0:  # the committing rank dies while the shards are written
+            os.kill(os.getpid(), signal.SIGKILL)
+        s.checkpoints.wait()
+    elif mode == "load":
+        want = torch.load(f"{out}/want.pt")
+        got = full()
+        print("SAME" if all(got[k].equal(want[k]) for k in want) else "DIFFERENT", flush=True)
+    print("STEP", values["step"], flush=True)
+"""
+
+
+def _script(tmp_path: Path) -> Path:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(JOB))
+    return script
+
+
+def test_a_background_fsdp_save_loads_the_weights_of_the_call(tmp_path: Path) -> None:
+    script, root = _script(tmp_path), tmp_path / "ck"
+    saved = run_cli("run", "--nproc", "2", str(script), str(root), "save", str(tmp_path), timeout=100)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    assert (root / "ckpt-000001" / "dcp" / ".metadata").is_file()
+    loaded = run_cli("run", "--nproc", "2", str(script), str(root), "load", str(tmp_path), timeout=100)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert "STEP 1" in loaded.stdout and "SAME" in loaded.stdout, loaded.stdout
+
+
+def test_a_crash_during_a_background_fsdp_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    script, root = _script(tmp_path), tmp_path / "ck"
+    crashed = run_cli("run", "--nproc", "2", str(script), str(root), "crash", str(tmp_path), timeout=100)
+    assert crashed.returncode != 0 and "SIGKILL" in crashed.stderr, crashed.stderr[-2000:]
+    assert (root / "ckpt-000001").is_dir() and not (root / "ckpt-000002").exists()
+    assert (root / ".ckpt-000002.tmp").is_dir(), "the background write was not in flight"
+    resumed = run_cli("run", "--nproc", "2", str(script), str(root), "resume", str(tmp_path), timeout=100)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "ignored .ckpt-000002.tmp: a save that never finished" in resumed.stdout, resumed.stdout
+    assert "ckpt-000001 (step 1)" in resumed.stdout
+
+
+def test_gpu_tensors_are_copied_to_pinned_memory_cpu_tensors_left_for_the_clone() -> None:
+    fresh: set[int] = set()
+    cpu = torch.ones(3)
+    tree = to_cpu({"a": cpu, "b": [cpu, 2]}, fresh)
+    assert tree["a"] is cpu and tree["b"][0] is cpu and tree["b"][1] == 2 and not fresh
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU: the pinned path (torch.empty(pin_memory=True) + copy_(non_blocking)) is not run")
+    gpu = torch.arange(4.0, device="cuda")
+    copied = to_cpu({"g": gpu}, fresh)["g"]
+    torch.cuda.synchronize()
+    assert copied.device.type == "cpu" and copied.is_pinned() and copied.equal(gpu.cpu()) and len(fresh) == 1
+
+
+def test_the_writer_thread_runs_at_the_lowest_priority() -> None:
+    import os
+    import threading
+
+    seen: list[int] = []
+
+    def body() -> None:
+        lower_priority()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen == [19]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19, "the caller was niced"
