@@ -6,7 +6,8 @@
 agree: steps of the CIFAR tutorial CNN (global batch 64), in interleaved blocks with and without
 `s.save(root, ..., step=step, every=10**9)` after each step (which never writes: only the agreement);
 reports the median step of each kind and the median time inside that call.
-save: windows of W steps of the 37.8M-parameter MLP with AdamW (global batch 64); a window either has
+save: (CHECKPOINT_COSTS_STRATEGY=fsdp for FSDP; DDPKIT_WRITER_NICE=0 for a writer at training's
+priority) windows of W steps of the 37.8M-parameter MLP with AdamW (global batch 64); a window either has
 no save, a synchronous save, or a background save at its first step; the training time a save
 costs is the window's time minus the median window without a save. A background write still in
 flight at the end of its window is waited for outside the timed window (and reported).
@@ -14,6 +15,7 @@ flight at the end of its window is waited for outside the timed window (and repo
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import sys
@@ -32,7 +34,7 @@ ROOT = Path(tempfile.gettempdir()) / "ddpkit-checkpoint-costs"
 def _setup(s, name: str):
     wl = NAMED[name]
     torch.manual_seed(0)
-    model = s.model(wl.build())
+    model = s.model(wl.build(), strategy=os.environ.get("CHECKPOINT_COSTS_STRATEGY", "auto"))
     opt = wl.optimizer(model.parameters())
     x, y = wl.sample(torch.Generator().manual_seed(s.rank), wl.global_batch // s.world_size)
 
@@ -71,7 +73,15 @@ def agree(s, blocks: int = 12, per_block: int = 30) -> None:
             f"({len(plain)} + {len(with_call)} steps; slowest calls {slowest} us)")  # fmt: skip
 
 
-def save(s, windows: int = 3, width: int = 6) -> None:
+def _rss() -> int:
+    """This process's resident memory in bytes (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def save(s, windows: int = 5, width: int = 6) -> None:
     model, opt, step = _setup(s, "mlp")
     root = ROOT / "save"  # the same folder on every rank
     if s.is_main:
@@ -80,7 +90,9 @@ def save(s, windows: int = 3, width: int = 6) -> None:
     for _ in range(3):
         step()
     times: dict[str, list[float]] = {"none": [], "sync": [], "background": []}
+    inside: dict[str, list[float]] = {"sync": [], "background": []}
     tail: list[float] = []
+    held: list[int] = []
     for _ in range(windows):
         for kind in times:
             s.barrier()
@@ -88,7 +100,11 @@ def save(s, windows: int = 3, width: int = 6) -> None:
             for i in range(width):
                 step()
                 if i == 0 and kind != "none":
+                    before, t2 = _rss(), time.perf_counter()
                     s.save(root, model=model, optimizer=opt, step=i, keep=1, background=kind == "background")
+                    inside[kind].append(time.perf_counter() - t2)
+                    if kind == "background":
+                        held.append(_rss() - before)
             s.barrier()
             times[kind].append(time.perf_counter() - t0)
             t1 = time.perf_counter()
@@ -96,14 +112,24 @@ def save(s, windows: int = 3, width: int = 6) -> None:
             if kind == "background":
                 tail.append(time.perf_counter() - t1)
     base = statistics.median(times["none"])
-    lost = {k: statistics.median(v) - base for k, v in times.items() if k != "none"}
-    state = sum(t.numel() * t.element_size() for t in model.parameters())
-    state += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim())
-    s.print(f"save: window of {width} steps {base:.2f} s; training time lost per save: sync "
-            f"{lost['sync']:.2f} s, background {lost['background']:.2f} s "
-            f"({100 * lost['background'] / lost['sync']:.0f}% of sync); "
-            f"write still running after the window: median {statistics.median(tail):.2f} s; "
-            f"CPU copy held during a background save: {state / 2**20:.0f} MiB on rank 0")  # fmt: skip
+    lost = {k: [t - base for t in v] for k, v in times.items() if k != "none"}
+    med = {k: statistics.median(v) for k, v in lost.items()}
+
+    def spread(v: list[float]) -> str:
+        return f"[{min(v):.2f}..{max(v):.2f}]"
+
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    share = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim())
+    calls = {k: statistics.median(v) for k, v in inside.items()}
+    s.print(f"save ({s.strategy.name}, {s.world_size} ranks x {torch.get_num_threads()} threads, writer nice "
+            f"{os.environ.get('DDPKIT_WRITER_NICE', '19')}): window of {width} steps {base:.2f} s "
+            f"{spread(times['none'])}; training time lost per save: sync {med['sync']:.2f} s "
+            f"{spread(lost['sync'])}, background {med['background']:.2f} s {spread(lost['background'])} "
+            f"({100 * med['background'] / med['sync']:.0f}% of sync); inside the call: sync "
+            f"{calls['sync']:.2f} s, background {calls['background']:.2f} s; write still running after "
+            f"the window: median {statistics.median(tail):.2f} s; rank 0 holds {weights / 2**20:.0f} MiB "
+            f"of weights and {share / 2**20:.0f} MiB of its optimizer state on this rank; RSS growth in a "
+            f"background call {statistics.median(held) / 2**20:.0f} MiB ({windows} windows)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from torch import nn
 
 from ddpkit import checkpoint_dcp, checkpoint_state
 from ddpkit import checkpoint_files as files
-from ddpkit.checkpoint_background import Background
+from ddpkit.checkpoint_background import NICE, Background
 from ddpkit.checkpoint_files import CheckpointError, Found, Tensors
 from ddpkit.checkpoint_sync import CheckpointContext, Sync
 from ddpkit.checkpoint_write import capture, full_weights, start, start_sharded, write
@@ -79,10 +79,10 @@ class Checkpoints:
 
     def __init__(self, context: Callable[[], CheckpointContext], env: Mapping[str, str]) -> None:
         self._context = context
-        self._background = Background()
+        self._background = Background(nice=int(env.get("DDPKIT_WRITER_NICE", NICE)))
         self._preemption = Preemption(PreemptionOptions.from_env(env), env)
         self._registered: dict[str, Any] = {}
-        self._dcp_group: Any = None  # FSDP background saves: DCP's own process group (made once)
+        self._group: Any = None  # background saves' own process group (made once, at the first)
         self._where: tuple[bool, torch.device] | None = None  # (distributed, device) for the agreement
         self.last: Path | None = None  # the newest checkpoint this session committed or started
 
@@ -115,12 +115,13 @@ class Checkpoints:
                           f"Save to its parent folder {root.parent}")  # fmt: skip
         self._background.wait()  # the previous save first: one write at a time, in order
         ctx = self._context()
-        snapshot = capture(ctx, {**self._extras(), **state}, copy=background)
+        if background and ctx.distributed and self._group is None:  # collective: all ranks are here
+            self._group = dist.new_group(backend="gloo")  # the writer's own (DCP, sharded steps' state)
+        group = self._group if background else None
+        snapshot = capture(ctx, {**self._extras(), **state}, copy=background, group=group)
         job = start(ctx, root, snapshot, keep)
-        if background and snapshot.sharded is not None:  # DCP's async_save, on a group of its own
-            if self._dcp_group is None:  # a collective: every rank saves at the same point
-                self._dcp_group = dist.new_group(backend="gloo")
-            start_sharded(ctx, job, snapshot, self._dcp_group)
+        if background and snapshot.sharded is not None:  # DCP's async_save, on the writer's group
+            start_sharded(ctx, job, snapshot, self._group)
         self.last = files.final_dir(root, job.seq)
         if background:
             self._background.run(lambda: write(ctx, job, snapshot))
@@ -154,9 +155,9 @@ class Checkpoints:
             self._background.wait()
         finally:
             self._preemption.close()
-            if self._dcp_group is not None and dist.is_initialized():
-                dist.destroy_process_group(self._dcp_group)
-            self._dcp_group = None
+            if self._group is not None and dist.is_initialized():
+                dist.destroy_process_group(self._group)
+            self._group = None
 
     def _extras(self) -> dict[str, Any]:
         return {

@@ -27,6 +27,7 @@ import torch
 from ddpkit import checkpoint_dcp, checkpoint_state
 from ddpkit import checkpoint_files as files
 from ddpkit.checkpoint_files import Tensors
+from ddpkit.checkpoint_gather import gather_share, local_share
 from ddpkit.checkpoint_sync import CheckpointContext, Sync
 from ddpkit.wrap import unwrap
 
@@ -46,6 +47,8 @@ class Snapshot:
     shared_tensors: Tensors = field(default_factory=Tensors)
     sharded: tuple[tuple[str, Any], dict] | None = None  # FSDP: (name, model), optimizers (DCP)
     pending: Any = None  # FSDP in the background: the future of DCP's async_save of the shards
+    shares: dict[str, Any] = field(default_factory=dict)  # sharded steps: this rank's optimizer state
+    group: Any = None  # the process group `write` gathers `shares` over (a background save's own)
 
     def nbytes(self) -> int:
         groups = [self.rank_tensors, self.shared_tensors, *self.weights.values()]
@@ -66,14 +69,19 @@ class Job:
         return files.tmp_dir(self.root, self.seq)
 
 
-def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool) -> Snapshot:
-    """Every rank, at the same point: the collectives of a save, then the state encoded in memory."""
+def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool, group: Any = None) -> Snapshot:
+    """Every rank, at the same point: the collectives of a save, then the state encoded in memory.
+
+    With `group` (a background save's own process group) the optimizer states of sharded steps are
+    not gathered here: each rank copies its share, and `write` gathers them (`checkpoint_gather`)."""
     parts = checkpoint_state.split(state)
     sharded = checkpoint_dcp.split(ctx.strategy, parts)
-    # collectives, while every rank is here: whole optimizer states of sharded steps, and the full
-    # weights of modules whose strategy shards them without a sharded checkpoint
-    gathered = {name: ctx.optimizers.optimizer_state(obj) for name, obj in parts["shared"].items()
-                if ctx.optimizers.sharded_step(obj) is not None}  # fmt: skip
+    fresh: set[int] = set()  # storages already copied to CPU here (GPU tensors): not copied twice
+    # collectives, while every rank is here: whole optimizer states of sharded steps (unless the
+    # writer gathers them), and the full weights of modules sharded without a sharded checkpoint
+    stepped = [n for n, obj in parts["shared"].items() if ctx.optimizers.sharded_step(obj) is not None]
+    shares = {n: local_share(parts["shared"][n], fresh, to_cpu) for n in stepped} if group is not None else {}
+    gathered = {n: ctx.optimizers.optimizer_state(parts["shared"][n]) for n in stepped if n not in shares}
     weights = {name: full_weights(ctx, module) for name, module in parts["modules"].items()}
     objects = {kind: sorted(parts[kind]) for kind in ("modules", "per_rank", "shared", "values")}
     if sharded is not None:
@@ -82,8 +90,7 @@ def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool) -> Sna
     rank_tensors = Tensors()
     snap = Snapshot(objects, step if isinstance(step, int) else None, ctx.strategy.name,
                     checkpoint_state.per_rank_tree(parts["per_rank"], rank_tensors), rank_tensors,
-                    sharded=sharded)  # fmt: skip
-    fresh: set[int] = set()  # storages already copied to CPU here (GPU tensors): not copied twice
+                    sharded=sharded, shares=shares, group=group)  # fmt: skip
     if ctx.is_main:
         for name, state_dict in weights.items():
             snap.weights[name] = Tensors()
@@ -91,20 +98,23 @@ def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool) -> Sna
                 value = to_cpu(value.detach(), fresh) if copy else value.detach()
                 snap.weights[name][key] = files.own_storage(value, snap.weights[name])
         tensors = snap.shared_tensors
-        shared = {n: gathered[n] if n in gathered else o.state_dict() for n, o in parts["shared"].items()}
+        shared = {
+            n: gathered[n] if n in gathered else o.state_dict()
+            for n, o in parts["shared"].items()
+            if n not in shares
+        }  # fmt: skip  (shares: encoded by `write` once gathered)
         snap.shared_tree = {
-            "objects": {
-                n: files.encode(to_cpu(v, fresh) if copy else v, tensors, n) for n, v in shared.items()
-            },
+            "objects": {n: files.encode(to_cpu(v, fresh) if copy else v, tensors, n)
+                        for n, v in shared.items()},
             "values": {n: files.encode(v, tensors, f"values/{n}") for n, v in parts["values"].items()},
-        }
+        }  # fmt: skip
     if copy:
         if fresh and torch.cuda.is_available():
             torch.cuda.synchronize()  # the pinned copies were asynchronous
-        for group in (snap.rank_tensors, snap.shared_tensors, *snap.weights.values()):
-            for key, value in group.items():
+        for kept in (snap.rank_tensors, snap.shared_tensors, *snap.weights.values()):
+            for key, value in kept.items():
                 if value.untyped_storage().data_ptr() not in fresh:
-                    group[key] = value.clone()
+                    kept[key] = value.clone()
     return snap
 
 
@@ -168,6 +178,10 @@ def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
     """
     listed: dict[str, Any] = {}
     try:
+        for name in sorted(snap.shares):  # the optimizer states of sharded steps, whole on rank 0
+            full = gather_share(snap.shares.pop(name), ctx.rank, ctx.world_size, snap.group)
+            if full is not None:
+                snap.shared_tree["objects"][name] = files.encode(full, snap.shared_tensors, name)
         if snap.pending is not None:  # DCP's async_save, started by `start_sharded`: its end
             snap.pending.result()
             listed.update(checkpoint_dcp.written(job.tmp, ctx.rank))

@@ -69,3 +69,40 @@ def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(tmp_pa
     assert "ignored .ckpt-000002.tmp: a save that never finished" in resumed.stdout, resumed.stdout
     assert "resumed from" in resumed.stdout and "ckpt-000001 (step 1)" in resumed.stdout
     assert "STEP 1" in resumed.stdout
+
+
+SHARDED = """
+import json, sys, torch, ddpkit
+from torch import nn
+from safetensors.torch import load_file
+root = sys.argv[1]
+with ddpkit.session(seed=0, shard_optimizer=True) as s:
+    model = s.model(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(2):
+        s.backward(model(torch.randn(8, 64)).square().mean())
+        s.step(opt)
+    sync = s.save(f"{root}/sync", model=model, optimizer=opt, step=2)
+    background = s.save(f"{root}/background", model=model, optimizer=opt, step=2, background=True)
+    with torch.no_grad():  # training goes on: neither the weights nor the optimizer state may leak in
+        for p in model.parameters():
+            p.add_(1.0)
+        for st in opt.state.values():
+            for v in st.values():
+                v.add_(1.0)
+    s.checkpoints.wait()
+    if s.rank == 0:
+        a, b = (load_file(str(p / "state.safetensors")) for p in (sync, background))
+        same = a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+        trees = [json.loads((p / "state.json").read_text()) for p in (sync, background)]
+        print("KEYS", len(a), "SAME", same and trees[0] == trees[1], flush=True)
+"""
+
+
+def test_a_background_save_of_a_sharded_step_holds_the_whole_optimizer_state(tmp_path: Path) -> None:
+    """The writer gathers the ranks' shares (not the call): the files equal a synchronous save's."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SHARDED))
+    done = run_cli("run", "--nproc", "2", str(script), str(tmp_path), timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SAME True" in done.stdout and "KEYS 24" in done.stdout, done.stdout
