@@ -15,7 +15,9 @@ main thread, copies them and starts DCP's thread), whose end `write` waits for b
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -210,8 +212,8 @@ def _write_shared_and_commit(
     try:
         entries: dict[str, Any] = dict(listed)
         for name, tensors in snap.weights.items():
-            entries[f"{name}.safetensors"] = files.write_tensors(tmp / f"{name}.safetensors", tensors)
-        entries["state.safetensors"] = files.write_tensors(tmp / "state.safetensors", snap.shared_tensors)
+            entries[f"{name}.safetensors"] = stream_tensors(tmp / f"{name}.safetensors", tensors)
+        entries["state.safetensors"] = stream_tensors(tmp / "state.safetensors", snap.shared_tensors)
         entries["state.json"] = files.write_json(tmp / "state.json", snap.shared_tree)
         for r in range(1, ctx.world_size):
             answer = job.sync.wait_one(r, f"rank{r}", f"rank {r} to write its part of checkpoint {job.seq}")
@@ -228,3 +230,48 @@ def _write_shared_and_commit(
         raise
     job.sync.publish("done", str(final))
     return final
+
+
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}  # fmt: skip
+_CHUNK = 8 << 20
+
+
+def stream_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """`files.write_tensors` for the writer thread: the same safetensors file, hashed while written.
+
+    safetensors' `save_file` builds the file's bytes while holding the GIL, and the files were then
+    read back to hash them; a writer thread that holds the GIL stalls training's thread (the more so
+    at the lowest CPU priority). Here the tensors' memory goes to `write` and to SHA-256 in 8 MiB
+    slices, both of which release the GIL, and nothing is read back. Other dtypes: `save_file`."""
+    if any(t.dtype not in _DTYPES for t in tensors.values()):
+        return files.write_tensors(path, tensors)
+    header: dict[str, Any] = {"__metadata__": {"format": files.FORMAT}}
+    offset = 0
+    for key, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[key] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    digest = hashlib.sha256()
+    with open(path, "wb", buffering=0) as f:
+        for piece in (len(head).to_bytes(8, "little"), head):
+            f.write(piece)
+            digest.update(piece)
+        for t in tensors.values():
+            if not t.numel():
+                continue
+            data = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            for start in range(0, len(data), _CHUNK):
+                piece = data[start : start + _CHUNK]
+                digest.update(piece)
+                while piece:
+                    piece = piece[f.write(piece) :]
+        os.fsync(f.fileno())
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}

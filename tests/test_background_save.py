@@ -106,3 +106,25 @@ def test_a_background_save_of_a_sharded_step_holds_the_whole_optimizer_state(tmp
     done = run_cli("run", "--nproc", "2", str(script), str(tmp_path), timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "SAME True" in done.stdout and "KEYS 24" in done.stdout, done.stdout
+
+
+def test_the_writer_threads_safetensors_file_is_one_safetensors_reads_with_its_hash(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from ddpkit import checkpoint_files as files
+    from ddpkit.checkpoint_write import stream_tensors
+
+    tensors = {
+        "w": torch.randn(300, 70),
+        "step": torch.tensor(3.0),
+        "empty": torch.zeros(0, 4),
+        "half": torch.randn(9, dtype=torch.bfloat16),
+        "ids": torch.arange(11),
+        "mask": torch.tensor([True, False, True]),
+    }
+    entry = stream_tensors(tmp_path / "x.safetensors", tensors)
+    assert entry == files.describe_file(tmp_path / "x.safetensors")  # size and SHA-256 of the bytes on disk
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert back.keys() == tensors.keys()
+    for key, value in tensors.items():
+        assert back[key].dtype == value.dtype and back[key].equal(value), key
