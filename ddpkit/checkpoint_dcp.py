@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.checkpoint_background import lower_priority
 from ddpkit.checkpoint_files import CheckpointError, Found, describe_file
 from ddpkit.errors import problem
 
@@ -48,13 +49,19 @@ def save_async(state: dict, tmp: Path, group: Any) -> Any:
     """Start writing this rank's shards behind training (DCP's `async_save`); a collective to call.
 
     DCP copies (stages) the state to CPU memory before it returns, so training may change the
-    originals; its thread then plans and writes, with collectives on `group`, a process group of its
-    own (one shared with training would mix the two threads' collectives). The future's `result()`
+    originals; its thread then plans and writes (at the lowest CPU priority, as ddpkit's writer), with
+    collectives on `group`, a process group of its own (one shared with training would mix the two
+    threads' collectives). The future's `result()`
     is the end of the write on every rank, or its error; `written` then lists the files."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import async_save
 
-    writer = FileSystemWriter(tmp / DIRECTORY, single_file_per_rank=True, thread_count=1)
+    class LowPriorityWriter(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:  # on DCP's thread: training's CPU first
+            lower_priority()
+            return super().write_data(plan, planner)
+
+    writer = LowPriorityWriter(tmp / DIRECTORY, single_file_per_rank=True, thread_count=1)
     return async_save(state, storage_writer=writer, process_group=group)
 
 
