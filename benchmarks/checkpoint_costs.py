@@ -2,6 +2,7 @@
 
     ddpkit run --nproc 2 benchmarks/checkpoint_costs.py agree      # small CNN: s.save(every=) per step
     ddpkit run --nproc 2 benchmarks/checkpoint_costs.py save       # 37.8M MLP: one save per window
+    ddpkit run --nproc 2 benchmarks/checkpoint_costs.py save fsdp  # the same under FSDP
 
 agree: steps of the CIFAR tutorial CNN (global batch 64), in interleaved blocks with and without
 `s.save(root, ..., step=step, every=10**9)` after each step (which never writes: only the agreement);
@@ -97,15 +98,21 @@ def save(s, windows: int = 3, width: int = 6) -> None:
                 tail.append(time.perf_counter() - t1)
     base = statistics.median(times["none"])
     lost = {k: statistics.median(v) - base for k, v in times.items() if k != "none"}
-    state = sum(t.numel() * t.element_size() for t in model.parameters())
-    state += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim())
+    def nbytes(t: torch.Tensor) -> int:  # this rank's part (FSDP: its shard)
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    state = sum(nbytes(t) for t in model.parameters())
+    state += sum(nbytes(t) for st in opt.state.values() for t in st.values() if t.dim())
     s.print(f"save: window of {width} steps {base:.2f} s; training time lost per save: sync "
             f"{lost['sync']:.2f} s, background {lost['background']:.2f} s "
             f"({100 * lost['background'] / lost['sync']:.0f}% of sync); "
             f"write still running after the window: median {statistics.median(tail):.2f} s; "
-            f"CPU copy held during a background save: {state / 2**20:.0f} MiB on rank 0")  # fmt: skip
+            f"CPU copy held during a background save: {state / 2**20:.0f} MiB on rank 0 (weights and "
+            f"optimizer state{'' if s.strategy.name == 'fsdp' else ', gathered'})")  # fmt: skip
 
 
 if __name__ == "__main__":
-    with ddpkit.session(seed=0, verbose=True) as session:
+    strategy = sys.argv[2] if len(sys.argv) > 2 else "auto"  # save fsdp: DCP's async_save for the shards
+    with ddpkit.session(seed=0, verbose=True, strategy=strategy) as session:
         {"agree": agree, "save": save}[sys.argv[1]](session)

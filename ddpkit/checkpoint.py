@@ -83,6 +83,15 @@ class Checkpoints:
         self._registered: dict[str, Any] = {}
         self._where: tuple[bool, torch.device] | None = None  # (distributed, device) for the agreement
         self.last: Path | None = None  # the newest checkpoint this session committed or started
+        self._group: Any = None  # a gloo group for DCP's async saves (made at the first one, collectively)
+
+    def _dcp_group(self) -> Any:
+        """DCP's background writes coordinate over a group of their own, never training's."""
+        if self._group is None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")  # every rank is in this save: a collective
+        return self._group
 
     def register(self, name: str, obj: Any) -> None:
         """Save and load `obj` under `name` with every checkpoint of this session."""
@@ -114,13 +123,16 @@ class Checkpoints:
         self._background.wait()  # the previous save first: one write at a time, in order
         ctx = self._context()
         snapshot = capture(ctx, {**self._extras(), **state}, copy=background)
-        if background and snapshot.sharded is not None:
-            background = False  # DCP's shards are written in a collective: on the main thread
-            ctx.say("ddpkit: background=True writes FSDP's sharded state synchronously (in a collective)")
         job = start(ctx, root, snapshot, keep)
         self.last = files.final_dir(root, job.seq)
         if background:
-            self._background.run(lambda: write(ctx, job, snapshot))
+            shards = None
+            if snapshot.sharded is not None and ctx.distributed:  # FSDP: DCP stages now, writes behind
+                (name, model), optimizers = snapshot.sharded
+                dicts = ctx.strategy.sharded_state(model, optimizers)
+                state_dicts = {name: dicts.pop("model"), **dicts}
+                shards = checkpoint_dcp.save_async(state_dicts, job.tmp, ctx.rank, self._dcp_group())
+            self._background.run(lambda: write(ctx, job, snapshot, shards))
             return self.last
         self.last = write(ctx, job, snapshot)
         return self.last

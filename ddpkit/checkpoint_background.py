@@ -3,17 +3,32 @@
     s.save("runs/ckpt", **state, step=step, background=True)   # copies the state to CPU and returns
 
 The state was already copied (`ddpkit.checkpoint_write.capture(copy=True)`), so training may change
-the originals while the thread writes the files, hashes them and (rank 0, once every rank's part is
-in) commits the checkpoint by renaming it into place. Until then the previous checkpoint is the
-newest valid one, so a crash in the middle loses nothing that was committed. The next save, a load,
-and the session's end wait for the write in flight; its error, if any, is raised there.
+the originals while the thread, at idle priority (`idle_priority`), writes the files, hashes them and
+(rank 0, once every rank's part is in) commits the checkpoint by renaming it into place. Until then
+the previous checkpoint is the newest valid one, so a crash in the middle loses nothing that was
+committed. The next save, a load, and the session's end wait for the write in flight; its error, if
+any, is raised there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
+
+
+def idle_priority() -> bool:
+    """Run the calling thread only when a core would otherwise be idle (Linux SCHED_IDLE, this thread
+    only): the writer then takes no CPU time from training, which on ranks that fill every core is
+    what a background write cost (session 5: 0.35 s of slower steps per save of the 37.8M MLP on 2
+    ranks x 1 thread, 2 cores). A thread that blocks on it (the next save, a load, the end) leaves its
+    core idle, so the writer always finishes. True if set."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        return True
+    return False
 
 
 class Background:
@@ -32,6 +47,7 @@ class Background:
         self.wait()
 
         def body() -> None:
+            idle_priority()
             try:
                 self.result = write()
             except BaseException as err:  # handed to the main thread by wait()

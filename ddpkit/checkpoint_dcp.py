@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,30 @@ def save(state: dict, tmp: Path, rank: int) -> dict[str, Any]:
 
     directory = tmp / DIRECTORY
     dcp_save(state, storage_writer=FileSystemWriter(directory, single_file_per_rank=True, thread_count=1))
+    return _listed(directory, rank)
+
+
+def save_async(state: dict, tmp: Path, rank: int, group: Any) -> Callable[[], dict[str, Any]]:
+    """Stage this rank's shards in CPU memory now (DCP's `async_save`), write them on DCP's own thread.
+
+    Its ranks coordinate over `group`, a gloo group of the checkpoints' own, so that DCP's collectives
+    never interleave with training's on the default group. Returns a function that waits for the
+    write and gives the manifest entries of this rank's files (call it before committing anything).
+    """
+    from torch.distributed.checkpoint import FileSystemWriter, async_save
+
+    directory = tmp / DIRECTORY
+    writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=1)
+    future = async_save(state, storage_writer=writer, process_group=group)
+
+    def written() -> dict[str, Any]:
+        future.result()  # raises what the write raised
+        return _listed(directory, rank)
+
+    return written
+
+
+def _listed(directory: Path, rank: int) -> dict[str, Any]:
     mine = sorted(directory.glob(f"__{rank}_*.distcp"))
     if rank == 0:
         mine.append(directory / ".metadata")

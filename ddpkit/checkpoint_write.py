@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,14 +127,20 @@ def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int) -> Job:
     return Job(root, seq, keep, sync)
 
 
-def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
+def write(
+    ctx: CheckpointContext, job: Job, snap: Snapshot, sharded_written: Callable[[], dict] | None = None
+) -> Path:
     """Write this rank's files; rank 0 also the shared ones, then the manifest and the atomic rename.
 
     The checkpoint exists only once every rank's part is in: the others wait for rank 0's "done".
+    `sharded_written`: FSDP's shards were handed to DCP's async_save (`checkpoint_dcp.save_async`);
+    wait for them here, behind training, instead of writing them now.
     """
     listed: dict[str, Any] = {}
     try:
-        if snap.sharded is not None:  # a collective; DCP reports an error on any rank to every rank
+        if sharded_written is not None:
+            listed.update(sharded_written())
+        elif snap.sharded is not None:  # a collective; DCP reports an error on any rank to every rank
             (name, model), optimizers = snap.sharded
             state_dicts = ctx.strategy.sharded_state(model, optimizers)
             state = {name: state_dicts.pop("model"), **state_dicts}
