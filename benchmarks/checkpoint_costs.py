@@ -2,6 +2,7 @@
 
     ddpkit run --nproc 2 benchmarks/checkpoint_costs.py agree      # small CNN: s.save(every=) per step
     ddpkit run --nproc 2 benchmarks/checkpoint_costs.py save       # 37.8M MLP: one save per window
+    ddpkit run --nproc 2 benchmarks/checkpoint_costs.py save fsdp  # the same under FSDP
 
 agree: steps of the CIFAR tutorial CNN (global batch 64), in interleaved blocks with and without
 `s.save(root, ..., step=step, every=10**9)` after each step (which never writes: only the agreement);
@@ -34,7 +35,8 @@ ROOT = Path(tempfile.gettempdir()) / "ddpkit-checkpoint-costs"
 def _setup(s, name: str):
     wl = NAMED[name]
     torch.manual_seed(0)
-    model = s.model(wl.build(), strategy=os.environ.get("CHECKPOINT_COSTS_STRATEGY", "auto"))
+    strategy = sys.argv[2] if len(sys.argv) > 2 else os.environ.get("CHECKPOINT_COSTS_STRATEGY", "auto")
+    model = s.model(wl.build(), strategy=strategy)
     opt = wl.optimizer(model.parameters())
     x, y = wl.sample(torch.Generator().manual_seed(s.rank), wl.global_batch // s.world_size)
 

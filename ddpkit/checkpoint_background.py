@@ -11,12 +11,24 @@ and the session's end wait for the write in flight; its error, if any, is raised
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 NICE = 19  # the writer's niceness: it runs on CPU time training leaves idle
+
+
+def idle_priority() -> bool:
+    """Run the calling thread only when a core would otherwise be idle (Linux SCHED_IDLE, this thread
+    only): the writer then takes no CPU time from training ranks that fill every core. A thread that
+    blocks on it (the next save, a load, the end) leaves its core idle, so the writer always
+    finishes. True if set."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        return True
+    return False
 
 
 def lower_priority(nice: int = NICE) -> bool:
@@ -47,7 +59,8 @@ class Background:
         self.wait()
 
         def body() -> None:
-            if self._nice is not None:
+            if self._nice is not None:  # SCHED_IDLE, and nice (which counts where SCHED_IDLE is refused)
+                idle_priority()
                 lower_priority(self._nice)
             try:
                 self.result = write()

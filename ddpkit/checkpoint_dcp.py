@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.checkpoint_background import lower_priority
+from ddpkit.checkpoint_background import idle_priority, lower_priority
 from ddpkit.checkpoint_files import CheckpointError, Found, describe_file
 from ddpkit.errors import problem
 
@@ -58,6 +58,7 @@ def save_async(state: dict, tmp: Path, group: Any) -> Any:
 
     class LowPriorityWriter(FileSystemWriter):
         def write_data(self, plan: Any, planner: Any) -> Any:  # on DCP's thread: training's CPU first
+            idle_priority()
             lower_priority()
             return super().write_data(plan, planner)
 

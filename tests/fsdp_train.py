@@ -164,3 +164,39 @@ def units_per_model() -> list[list[str]]:
             sorted(n for n, m in ddpkit.unwrap(model).named_modules() if n and isinstance(m, FSDPModule))
             for model in (fine, session_default, by_class)
         ]
+
+
+def background_save_and_load(root: str) -> dict:
+    """An FSDP background save (DCP's async_save), training going on meanwhile, then a load into a
+    fresh model: the loaded weights are the ones of the call."""
+    from ddpkit import checkpoint_dcp
+
+    with ddpkit.session(seed=0, verbose=False, strategy="fsdp") as s:
+        first, second = net(), net()  # both before s.model, which seeds each rank on its own after
+        model = s.model(first)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = s.loader(data(), batch_size=16, shuffle=True)
+        _run(s, model, opt, loader, 2)
+        at_call = full_params(model)
+        calls = []
+        original = checkpoint_dcp.save_async
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        checkpoint_dcp.save_async = counted
+        try:
+            s.save(root, model=model, optimizer=opt, step=2, background=True)
+        finally:
+            checkpoint_dcp.save_async = original
+        _run(s, model, opt, loader, 2)  # training goes on while the shards are written
+        after = full_params(model)
+        changed = any(not torch.equal(at_call[k], after[k]) for k in at_call)
+        s.checkpoints.wait()
+        fresh = s.model(second)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        s.load(root, model=fresh, optimizer=fresh_opt)
+        loaded = full_params(fresh)
+        differ = [k for k in at_call if not torch.equal(at_call[k], loaded[k])]
+        return {"async": bool(calls), "changed_after": changed, "differ": differ}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import run_cli
 from torch import nn
@@ -42,7 +43,7 @@ JOB = """
 import os, signal, sys, torch, ddpkit
 from torch import nn
 root = sys.argv[1]
-with ddpkit.session(seed=0) as s:
+with ddpkit.session(seed=0, strategy=sys.argv[3]) as s:
     model = s.model(nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]))  # 8 MiB: a write takes a while
     opt = torch.optim.AdamW(model.parameters())
     values = s.load(root, model=model, optimizer=opt, step=0)
@@ -56,15 +57,18 @@ with ddpkit.session(seed=0) as s:
 """
 
 
-def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: DCP's async_save writes the shards
+def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(
+    tmp_path: Path, strategy: str
+) -> None:
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(JOB))
     root = tmp_path / "ck"
-    crashed = run_cli("run", "--nproc", "2", str(script), str(root), "crash", timeout=100)
+    crashed = run_cli("run", "--nproc", "2", str(script), str(root), "crash", strategy, timeout=100)
     assert crashed.returncode != 0 and "SIGKILL" in crashed.stderr, crashed.stderr[-2000:]
     assert (root / "ckpt-000001").is_dir() and not (root / "ckpt-000002").exists()
     assert (root / ".ckpt-000002.tmp").is_dir(), "the background write was not in flight"
-    resumed = run_cli("run", "--nproc", "2", str(script), str(root), "load", timeout=100)
+    resumed = run_cli("run", "--nproc", "2", str(script), str(root), "load", strategy, timeout=100)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "ignored .ckpt-000002.tmp: a save that never finished" in resumed.stdout, resumed.stdout
     assert "resumed from" in resumed.stdout and "ckpt-000001 (step 1)" in resumed.stdout
@@ -128,3 +132,25 @@ def test_the_writer_threads_safetensors_file_is_one_safetensors_reads_with_its_h
     assert back.keys() == tensors.keys()
     for key, value in tensors.items():
         assert back[key].dtype == value.dtype and back[key].equal(value), key
+
+
+def test_an_fsdp_background_save_is_the_state_of_the_call(pool2, tmp_path: Path) -> None:
+    from fsdp_train import background_save_and_load
+
+    for result in pool2.run(background_save_and_load, str(tmp_path / "ck")):
+        assert result["async"], "the shards were not handed to DCP's async_save"
+        assert result["changed_after"], "training did not go on while the write was in flight"
+        assert result["differ"] == [], result["differ"]  # loaded == the state at the call, bitwise
+
+
+def test_the_writer_thread_runs_at_idle_priority() -> None:
+    """It takes no CPU time from training ranks that fill the cores (ddpkit.checkpoint_background)."""
+    import os
+
+    from ddpkit.checkpoint_background import Background
+
+    writer = Background()
+    writer.run(lambda: os.sched_getscheduler(0))  # 0: the calling thread, here the writer
+    writer.wait()
+    assert writer.result == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the training thread keeps its priority

@@ -23,6 +23,8 @@ def test_run_options_are_torchrun_compatible() -> None:
     assert _options("run") == {
         "-h", "--help", "--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--port",
         "--max-restarts", "--device", "--share-gpu", "-m", "--preemption-signal", "--requeue", "--grace",
+        "--rdzv-conf", "--local-addr",  # torchrun's own names
+        "--elastic-batch",  # ddpkit's: which batch an elastic job keeps at fewer nodes
     }  # fmt: skip
 
 

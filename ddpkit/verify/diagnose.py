@@ -205,6 +205,8 @@ def _data(spec: VerifySpec, single: Trajectory, ranks: Runs, report: Report) -> 
 
 def _grad_scale(spec: VerifySpec, single: Trajectory, ranks: Runs, report: Report) -> list[Diagnosis]:
     ddp = ranks[0]
+    if ddp.init_hash != single.init_hash:  # other starting weights: other gradients, no scale to read
+        return []
     ratios = []
     for name, g in single.grads.items():
         h = ddp.grads.get(name)
