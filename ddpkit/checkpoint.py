@@ -120,7 +120,7 @@ class Checkpoints:
         group = self._group if background else None
         snapshot = capture(ctx, {**self._extras(), **state}, copy=background, group=group)
         job = start(ctx, root, snapshot, keep)
-        if background and snapshot.sharded is not None:  # DCP's async_save, on the writer's group
+        if background and snapshot.sharded is not None:  # copied now; DCP saves the copy on the writer
             start_sharded(ctx, job, snapshot, self._group)
         self.last = files.final_dir(root, job.seq)
         if background:

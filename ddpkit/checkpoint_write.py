@@ -9,8 +9,8 @@ full weights of sharded models), so it must run on the main thread with every ra
 state lives in CPU memory (`copy=True` clones every tensor, so training may go on and change the
 originals), and `write` needs no collective (ranks meet through the store), so it may run behind
 training (`ddpkit.checkpoint_background`). FSDP's DCP shards are written by a collective: in a
-synchronous save inside `write`; in the background by DCP's `async_save` (`start_sharded`, on the
-main thread, copies them and starts DCP's thread), whose end `write` waits for before it commits.
+synchronous save inside `write`; in the background `start_sharded` (main thread) copies them and
+`write` (writer thread) saves the copy with DCP over the writer's own group before it commits.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Snapshot:
     shared_tree: Any = None  # rank 0: objects and values
     shared_tensors: Tensors = field(default_factory=Tensors)
     sharded: tuple[tuple[str, Any], dict] | None = None  # FSDP: (name, model), optimizers (DCP)
-    pending: Any = None  # FSDP in the background: the future of DCP's async_save of the shards
+    pending: Any = None  # FSDP in the background: saves the copied shards (`start_sharded`), on the writer
     shares: dict[str, Any] = field(default_factory=dict)  # sharded steps: this rank's optimizer state
     group: Any = None  # the process group `write` gathers `shares` over (a background save's own)
 
@@ -164,13 +164,13 @@ def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int) -> Job:
 
 def start_sharded(ctx: CheckpointContext, job: Job, snap: Snapshot, group: Any) -> None:
     """FSDP in the background, every rank on the main thread: gather the shards' state dicts (a
-    collective on training's group), then hand them to DCP's async_save (which copies them to CPU
-    memory and writes them on its own thread, with collectives on `group` only)."""
+    collective on training's group) and copy them (`checkpoint_dcp.stage`); the writer thread saves
+    the copy with DCP, with collectives on `group` only."""
     assert snap.sharded is not None
     (name, model), optimizers = snap.sharded
     state_dicts = ctx.strategy.sharded_state(model, optimizers)
-    state = {name: state_dicts.pop("model"), **state_dicts}
-    snap.pending = checkpoint_dcp.save_async(state, job.tmp, group)
+    staged = checkpoint_dcp.stage({name: state_dicts.pop("model"), **state_dicts})
+    snap.pending = lambda: checkpoint_dcp.save(staged, job.tmp, ctx.rank, group)
 
 
 def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
@@ -184,9 +184,8 @@ def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
             full = gather_share(snap.shares.pop(name), ctx.rank, ctx.world_size, snap.group)
             if full is not None:
                 snap.shared_tree["objects"][name] = files.encode(full, snap.shared_tensors, name)
-        if snap.pending is not None:  # DCP's async_save, started by `start_sharded`: its end
-            snap.pending.result()
-            listed.update(checkpoint_dcp.written(job.tmp, ctx.rank))
+        if snap.pending is not None:  # the shards copied by `start_sharded`, saved here behind training
+            listed.update(snap.pending())
         elif snap.sharded is not None:  # a collective; DCP reports an error on any rank to every rank
             (name, model), optimizers = snap.sharded
             state_dicts = ctx.strategy.sharded_state(model, optimizers)

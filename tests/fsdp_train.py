@@ -167,7 +167,7 @@ def units_per_model() -> list[list[str]]:
 
 
 def background_save_and_load(root: str) -> dict:
-    """An FSDP background save (DCP's async_save), training going on meanwhile, then a load into a
+    """An FSDP background save (copied shards, saved by the writer), training going on meanwhile, then a load into a
     fresh model: the loaded weights are the ones of the call."""
     from ddpkit import checkpoint_dcp
 
@@ -179,17 +179,17 @@ def background_save_and_load(root: str) -> dict:
         _run(s, model, opt, loader, 2)
         at_call = full_params(model)
         calls = []
-        original = checkpoint_dcp.save_async
+        original = checkpoint_dcp.stage
 
         def counted(*args, **kwargs):
             calls.append(1)
             return original(*args, **kwargs)
 
-        checkpoint_dcp.save_async = counted
+        checkpoint_dcp.stage = counted
         try:
             s.save(root, model=model, optimizer=opt, step=2, background=True)
         finally:
-            checkpoint_dcp.save_async = original
+            checkpoint_dcp.stage = original
         _run(s, model, opt, loader, 2)  # training goes on while the shards are written
         after = full_params(model)
         changed = any(not torch.equal(at_call[k], after[k]) for k in at_call)

@@ -1,4 +1,4 @@
-"""Background saves under FSDP (DCP's async_save) and the pinned CPU copy: real torchrun, gloo ranks,
+"""Background saves under FSDP (copied shards, saved by the writer thread with DCP) and the pinned CPU copy: real torchrun, gloo ranks,
 a real SIGKILL while DCP's thread writes."""
 
 from __future__ import annotations

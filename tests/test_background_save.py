@@ -57,7 +57,7 @@ with ddpkit.session(seed=0, strategy=sys.argv[3]) as s:
 """
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: DCP's async_save writes the shards
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: the writer saves copied shards
 def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(
     tmp_path: Path, strategy: str
 ) -> None:
@@ -138,7 +138,7 @@ def test_an_fsdp_background_save_is_the_state_of_the_call(pool2, tmp_path: Path)
     from fsdp_train import background_save_and_load
 
     for result in pool2.run(background_save_and_load, str(tmp_path / "ck")):
-        assert result["async"], "the shards were not handed to DCP's async_save"
+        assert result["async"], "the shards were not copied for the writer (checkpoint_dcp.stage)"
         assert result["changed_after"], "training did not go on while the write was in flight"
         assert result["differ"] == [], result["differ"]  # loaded == the state at the call, bitwise
 
