@@ -42,6 +42,27 @@ _TMP = re.compile(r"^\.ckpt-(\d{6,})\.tmp$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$|^dcp/(\.metadata|__\d+_\d+\.distcp)$")
 
 
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+                      torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+                      torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}  # fmt: skip
+
+
+def safetensors_header(tensors: Any, metadata: Mapping[str, str] | None = None) -> bytes:
+    """The start of a safetensors file (its 8-byte length, then the JSON header padded to 8 bytes) for
+    (name, tensor) pairs whose bytes follow in this order; for writers that stream the data themselves
+    (the background writer, FSDP's export) instead of building the file in memory."""
+    entries: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, t in tensors:
+        size = t.numel() * t.element_size()
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                         "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    blob = json.dumps(entries, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return len(blob).to_bytes(8, "little") + blob
+
+
 class CheckpointError(DdpkitError):
     """A checkpoint is incomplete, corrupted or not ddpkit's; the message names the file."""
 

@@ -231,9 +231,6 @@ def _write_shared_and_commit(
     return final
 
 
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}  # fmt: skip
 _CHUNK = 8 << 20
 
 
@@ -244,25 +241,13 @@ def stream_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, An
     read back to hash them; a writer thread that holds the GIL stalls training's thread (the more so
     at the lowest CPU priority). Here the tensors' memory goes to `write` and to SHA-256 in 8 MiB
     slices, both of which release the GIL, and nothing is read back. Other dtypes: `save_file`."""
-    if any(t.dtype not in _DTYPES for t in tensors.values()):
+    if any(t.dtype not in files.SAFETENSORS_DTYPES for t in tensors.values()):
         return files.write_tensors(path, tensors)
-    header: dict[str, Any] = {"__metadata__": {"format": files.FORMAT}}
-    offset = 0
-    for key, t in tensors.items():
-        size = t.numel() * t.element_size()
-        header[key] = {
-            "dtype": _DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    head = files.safetensors_header(tensors.items(), {"format": files.FORMAT})
     digest = hashlib.sha256()
     with open(path, "wb", buffering=0) as f:
-        for piece in (len(head).to_bytes(8, "little"), head):
-            f.write(piece)
-            digest.update(piece)
+        f.write(head)
+        digest.update(head)
         for t in tensors.values():
             if not t.numel():
                 continue

@@ -115,6 +115,13 @@ def _reference(tmp_path: Path) -> dict[str, torch.Tensor]:
     return load_file(out / "final.safetensors")
 
 
+def _prepare(tmp_path: Path) -> tuple[dict[str, torch.Tensor], Path, Path]:
+    """The uninterrupted run's weights, and the elastic run's output and checkpoint folders."""
+    out = tmp_path / "out"
+    out.mkdir()
+    return _reference(tmp_path), out, tmp_path / "ckpt"
+
+
 def _check_finished(out: Path, reference: dict[str, torch.Tensor]) -> list[tuple[int, int, int]]:
     steps = _steps(out)
     assert steps[-1][2] == 24, steps  # 96 samples / global batch 8 x 2 epochs, never more
@@ -129,11 +136,8 @@ def _check_finished(out: Path, reference: dict[str, torch.Tensor]) -> list[tuple
 
 @pytest.mark.timeout(150)
 def test_a_lost_host_and_the_job_finishes_on_the_other(hosts, tmp_path: Path) -> None:
-    reference = _reference(tmp_path)
-    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    out.mkdir()
-    a = hosts(0, ckpt, out)
-    b = hosts(1, ckpt, out)
+    reference, out, ckpt = _prepare(tmp_path)
+    a, b = hosts(0, ckpt, out), hosts(1, ckpt, out)
     _wait_for(lambda: sum(s[0] == 2 for s in _steps(out)) >= 4, 60, [a, b], out)
     lost_at = time.monotonic()
     hosts.lose(1)
@@ -151,9 +155,7 @@ def test_a_lost_host_and_the_job_finishes_on_the_other(hosts, tmp_path: Path) ->
 
 @pytest.mark.timeout(150)
 def test_a_joining_host_and_the_job_continues_on_both(hosts, tmp_path: Path) -> None:
-    reference = _reference(tmp_path)
-    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    out.mkdir()
+    reference, out, ckpt = _prepare(tmp_path)
     a = hosts(0, ckpt, out)
     _wait_for(lambda: sum(s[0] == 1 for s in _steps(out)) >= 4, 60, [a], out)
     b, joined = hosts(1, ckpt, out), time.monotonic()

@@ -13,33 +13,12 @@ and frees it. Peak: the rank's shards plus one full tensor. The file is what
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 import torch
 from torch import nn
 
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}  # fmt: skip
-
-
-def header(state: dict[str, torch.Tensor]) -> bytes:
-    """The safetensors header (length prefix included) for tensors of these global shapes and dtypes."""
-    entries, offset = {}, 0
-    for name in sorted(state):  # safetensors orders data by name
-        t = state[name]
-        size = t.numel() * t.element_size()
-        entries[name] = {
-            "dtype": _DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    blob = json.dumps(entries, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    return struct.pack("<Q", len(blob)) + blob
+from ddpkit.checkpoint_files import safetensors_header
 
 
 def write(model: nn.Module, path: str | Path, rank: int) -> int:
@@ -54,7 +33,7 @@ def write(model: nn.Module, path: str | Path, rank: int) -> int:
         out = open(partial, "wb")  # noqa: SIM115 (closed below, also on errors)
     try:
         if out is not None:
-            out.write(header(state))
+            out.write(safetensors_header((name, state[name]) for name in sorted(state)))  # by name
         for name in sorted(state):
             t = state[name].detach()
             whole = t.full_tensor() if hasattr(t, "full_tensor") else t  # all ranks: one tensor gathered
