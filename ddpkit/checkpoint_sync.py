@@ -87,7 +87,7 @@ class Sync:
     def wait_one(self, rank: int, key: str, what: str) -> str:
         if self.group is None:
             raise RuntimeError("single process: nothing to wait for")  # not reached
-        (raw,) = self.group.wait([f"{self.prefix}/{key}"], self.timeout, what)
+        (raw,) = self.group.wait([f"{self.prefix}/{key}"], self.timeout, what, ranks=(rank,))
         value = raw.decode()
         if value.startswith("error: "):
             raise problem(f"the checkpoint failed on {value[7:]}",

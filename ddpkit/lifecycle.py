@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -76,8 +77,11 @@ class Membership:
         n = self._counts[what] = self._counts.get(what, 0) + 1
         return f"{self.prefix}/{what}/{n}"
 
-    def wait(self, keys: list[str], timeout: float, what: str) -> list[bytes]:
-        return wait_for_keys(self.store, keys, timeout, what)
+    def wait(self, keys: list[str], timeout: float, what: str, *, ranks: tuple[int, ...] = ()) -> list[bytes]:
+        """Wait for `keys`; give up early, naming it, if one of `ranks` stops sending heartbeats (its
+        process or its node died: in a multi-node or elastic job nothing else would notice for `timeout`)."""
+        beats = {r: self.watchdog.heartbeat_key(r) for r in ranks} if self.watchdog is not None else {}
+        return wait_for_keys(self.store, keys, timeout, what, heartbeats=beats)
 
     def leave(self) -> None:
         """Stop the watchdog and, if this session created it, destroy the group; after a success,
@@ -133,11 +137,43 @@ def _init_group(plan: Plan, limits: Limits) -> None:
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=limits.collective))  # then every collective
 
 
-def wait_for_keys(store: Any, keys: list[str], timeout: float, what: str) -> list[bytes]:
-    """Poll the store until every key is set; non-blocking calls, so the watchdog can share the store."""
+# Seconds without a heartbeat from a rank that is waited for: it is gone. Generous, because a
+# watchdog thread cannot beat while its main thread holds the GIL (a big safetensors save_file).
+SILENT_AFTER = 60.0
+
+
+def wait_for_keys(
+    store: Any,
+    keys: list[str],
+    timeout: float,
+    what: str,
+    *,
+    heartbeats: Mapping[int, str] | None = None,
+    silent_after: float = SILENT_AFTER,
+) -> list[bytes]:
+    """Poll the store until every key is set; non-blocking calls, so the watchdog can share the store.
+
+    `heartbeats`: rank -> its watchdog's counter key; a rank whose counter stays still for
+    SILENT_AFTER seconds is gone (SIGKILLed, its node lost), and waiting on is pointless."""
     end = time.monotonic() + timeout
     delay = 0.005
+    alive = {r: (b"", time.monotonic()) for r in (heartbeats or {})}
+    checked = time.monotonic()
     while not store.check(keys):
+        now = time.monotonic()
+        if heartbeats and now - checked > 1.0:
+            checked = now
+            for r, key in heartbeats.items():
+                beat = store.get(key) if store.check([key]) else b""
+                if beat != alive[r][0]:
+                    alive[r] = (beat, now)
+                elif now - alive[r][1] > silent_after:
+                    raise problem(
+                        f"rank {r} stopped answering while this rank waited for {what}: no heartbeat for "
+                        f"{silent_after:.0f} s (its process or its node is gone)",
+                        "Look at that rank's own output or host; under ddpkit run --nnodes MIN:MAX the "
+                        "survivors restart and resume from the newest checkpoint",
+                    )
         if time.monotonic() > end:
             missing = [k for k in keys if not store.check([k])]
             raise problem(

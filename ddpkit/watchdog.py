@@ -139,9 +139,16 @@ class Watchdog:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.poll + 5)
 
+    def heartbeat_key(self, rank: int) -> str:
+        """Where rank `rank`'s watchdog counts its polls: a rank whose count stops is gone."""
+        return f"{self.prefix}/alive/{rank}"
+
     def _run(self) -> None:
+        beats = 0
         while not self._stop.wait(self.poll):
             try:
+                beats += 1
+                self.store.set(self.heartbeat_key(self.rank), str(beats))  # peers waiting on us see we live
                 self._answer_requests()
                 self._watch_main_thread()
             except Exception:  # the store is gone (the job is being torn down): nothing left to do

@@ -134,14 +134,14 @@ def _check_finished(out: Path, reference: dict[str, torch.Tensor]) -> list[tuple
     return steps
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_a_lost_host_and_the_job_finishes_on_the_other(hosts, tmp_path: Path) -> None:
     reference, out, ckpt = _prepare(tmp_path)
     a, b = hosts(0, ckpt, out), hosts(1, ckpt, out)
     _wait_for(lambda: sum(s[0] == 2 for s in _steps(out)) >= 4, 60, [a, b], out)
     lost_at = time.monotonic()
-    hosts.lose(1)
-    _wait_for(lambda: any(s[0] == 1 for s in _steps(out)), 60, [a], out)
+    hosts.lose(1)  # if host 0 then waits in a save for host 1's part, it gives up after 60 s of silence
+    _wait_for(lambda: any(s[0] == 1 for s in _steps(out)), 120, [a], out)
     back_after = time.monotonic() - lost_at
     assert a.wait(timeout=60) == 0, (out / "host0.log").read_text()[-3000:]
     steps = _check_finished(out, reference)
@@ -149,7 +149,7 @@ def test_a_lost_host_and_the_job_finishes_on_the_other(hosts, tmp_path: Path) ->
     assert worlds[0] == 2 and worlds[-1] == 1, steps
     log = (out / "host0.log").read_text()
     assert "elastic: world size 1 of up to 2: 2 accumulation step(s)" in log
-    assert back_after < 45, back_after  # noticed and re-formed well within the rendezvous limits
+    assert back_after < 100, back_after  # ~8-16 s, or ~70 s when the host died during a save
     print(f"elastic: host lost -> training again at world size 1 after {back_after:.1f} s")
 
 

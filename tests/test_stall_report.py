@@ -113,3 +113,47 @@ def test_the_launcher_leads_with_the_stalled_rank_unless_a_rank_raised_first(tmp
     assert failures.stall_report({0: timeout, 1: crashed}) is None
     plain = _failure(tmp_path, 0, RuntimeError("Connection closed by peer"), when=now + 1)
     assert failures.stall_report({0: plain, 1: crashed}) is None
+
+
+def test_a_wait_through_the_store_gives_up_on_a_rank_that_stopped_beating() -> None:
+    """A save's wait names a rank whose watchdog stopped (process or node gone) instead of waiting for
+    the save limit; a rank that keeps beating is waited for. A real TCPStore, real threads."""
+    import socket
+    import threading
+    import time as clock
+    from datetime import timedelta
+
+    import pytest
+    import torch.distributed as dist
+
+    from ddpkit.errors import DdpkitError
+    from ddpkit.lifecycle import wait_for_keys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=30))
+    store.set("alive/1", "7")  # one beat, then silence
+    start = clock.monotonic()
+    with pytest.raises(
+        DdpkitError, match=r"rank 1 stopped answering while this rank waited for rank 1's part"
+    ):
+        wait_for_keys(store, ["part/1"], 60, "rank 1's part", heartbeats={1: "alive/1"}, silent_after=2)
+    assert clock.monotonic() - start < 6  # not the 60 s limit
+
+    stop = threading.Event()
+
+    def beat() -> None:
+        n = 0
+        while not stop.wait(0.2):
+            n += 1
+            store.set("alive/2", str(n))
+
+    threading.Thread(target=beat, daemon=True).start()
+    threading.Timer(4.0, lambda: store.set("part/2", "done")).start()
+    try:  # 4 s > silent_after, but the rank beats: it is waited for
+        assert wait_for_keys(
+            store, ["part/2"], 60, "rank 2's part", heartbeats={2: "alive/2"}, silent_after=2
+        )
+    finally:
+        stop.set()
