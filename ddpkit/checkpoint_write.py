@@ -29,8 +29,9 @@ import torch
 from ddpkit import checkpoint_dcp, checkpoint_state
 from ddpkit import checkpoint_files as files
 from ddpkit.checkpoint_files import Tensors
-from ddpkit.checkpoint_gather import gather_share, local_share
+from ddpkit.checkpoint_gather import local_share
 from ddpkit.checkpoint_sync import CheckpointContext, Sync
+from ddpkit.sharding import gather_state
 from ddpkit.wrap import unwrap
 
 
@@ -181,7 +182,7 @@ def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
     listed: dict[str, Any] = {}
     try:
         for name in sorted(snap.shares):  # the optimizer states of sharded steps, whole on rank 0
-            full = gather_share(snap.shares.pop(name), ctx.rank, ctx.world_size, snap.group)
+            full = gather_state(snap.shares.pop(name), ctx.rank, ctx.world_size, snap.group)
             if full is not None:
                 snap.shared_tree["objects"][name] = files.encode(full, snap.shared_tensors, name)
         if snap.pending is not None:  # the shards copied by `start_sharded`, saved here behind training
