@@ -251,6 +251,8 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
     }
     if spec.strategy == "ddp":
         ddp_options["compile"] = spec.compile and world > 1  # DDP + compile against one eager process
+        if ddp_options["compile"]:
+            torch._dynamo.reset()  # graphs cached from an earlier run in this process would not be counted
     model = s.model(module, strategy=spec.strategy, **(ddp_options if spec.strategy == "ddp" else {}))
     net = ddpkit.unwrap(model)
     sharded = s.strategy.shards_state  # FSDP: gather whole tensors on every rank before comparing
