@@ -105,3 +105,23 @@ def test_process_wide_state_is_listed_in_one_place() -> None:
 def test_modules_are_readable_in_one_sitting(path: Path) -> None:
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines; split it by responsibility"
+
+
+def test_a_ddp_first_step_does_not_import_fsdp_or_checkpoint_files() -> None:
+    """Every module a session imports is part of every rank's time to the first step (issue 20): FSDP2's
+    strategy and safetensors are imported when FSDP or a checkpoint asks for them, not before."""
+    code = (
+        "import sys, torch, ddpkit\n"
+        "with ddpkit.session(seed=0, verbose=False) as s:\n"
+        "    model = s.model(torch.nn.Linear(4, 1))\n"
+        "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "    s.backward(model(torch.ones(2, 4)).sum()); s.step(opt)\n"
+        "    print(sorted(m for m in ('ddpkit.strategy.fsdp', 'ddpkit.checkpoint_files', 'safetensors')"
+        " if m in sys.modules))\n"
+        "    import ddpkit.strategy as st\n"
+        "    print(st.FSDP.__module__, 'ddpkit.strategy.fsdp' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[]", "ddpkit.strategy.fsdp True"]

@@ -5,6 +5,9 @@
 ask; the session builds it once. "auto" is "ddp" with more than one process; any name is "single" with
 one process (said once). `NAMES` is the one list of names; tools that compare or simulate N ranks offer
 `DISTRIBUTED`.
+
+`FSDP` is imported when first asked for (`make` with "fsdp", or `ddpkit.strategy.FSDP`): a DDP session
+does not load FSDP2's machinery before its first step.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from ddpkit.names import DISTRIBUTED, STRATEGIES
 from ddpkit.precision import PrecisionPlan, resolve_precision
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.ddp import DDP
-from ddpkit.strategy.fsdp import FSDP, FSDPOptions
+from ddpkit.strategy.fsdp_options import FSDPOptions
 from ddpkit.strategy.single import Single
 from ddpkit.wrap import DDPOptions
 
@@ -73,6 +76,8 @@ def make(strategy: Choice, ranks: Ranks, *, precision: PrecisionPlan | None = No
         return Single(options if isinstance(options, DDPOptions) else None, asked=asked)
     if name == "fsdp":
         plan = resolve_precision(precision or PrecisionPlan("32", "cpu"), "", loss_scale=False)  # no fp16
+        from ddpkit.strategy.fsdp import FSDP
+
         return FSDP(options if isinstance(options, FSDPOptions) else None, ranks, plan)
     if name == "single":
         raise problem(
@@ -80,3 +85,11 @@ def make(strategy: Choice, ranks: Ranks, *, precision: PrecisionPlan | None = No
             "Pass strategy='ddp' or 'fsdp', or start one process",
         )
     return DDP(options if isinstance(options, DDPOptions) else None)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FSDP":
+        from ddpkit.strategy.fsdp import FSDP
+
+        return FSDP
+    raise AttributeError(f"module 'ddpkit.strategy' has no attribute {name!r}")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,32 +37,7 @@ from ddpkit.errors import problem
 from ddpkit.precision import PrecisionPlan
 from ddpkit.strategy import fsdp_export, fsdp_init
 from ddpkit.strategy.base import Strategy
-
-
-@dataclass(frozen=True, kw_only=True)
-class FSDPOptions:
-    """How FSDP2 shards the model; pass it as `s.model(net, strategy=FSDPOptions(...))`.
-
-    `blocks`: module classes that become one FSDP unit each (e.g. your transformer block); None: by
-    size, every module holding at least `min_block_params` parameters not yet in a unit.
-    `reshard_after_forward`: free the gathered block after its forward (less memory, one more
-    all-gather in backward). `cpu_offload`: keep the sharded parameters, gradients and optimizer step
-    on the CPU (GPU ranks; on CPU ranks it changes nothing).
-    """
-
-    blocks: tuple[type[nn.Module], ...] | None = None
-    min_block_params: int = 1_000_000
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-
-    def __post_init__(self) -> None:
-        if self.min_block_params < 1:
-            raise problem(f"min_block_params={self.min_block_params} is below 1",
-                          "Pass a parameter count such as 1_000_000")  # fmt: skip
-        if self.blocks is not None and not all(isinstance(b, type) and issubclass(b, nn.Module)
-                                               for b in self.blocks):  # fmt: skip
-            raise problem(f"blocks={self.blocks!r} holds something that is not an nn.Module class",
-                          "Pass module classes, e.g. blocks=(TransformerBlock,)")  # fmt: skip
+from ddpkit.strategy.fsdp_options import FSDPOptions
 
 
 def is_fsdp(model: nn.Module) -> bool:
