@@ -55,3 +55,11 @@ def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None, env: dict
         [sys.executable, "-m", "ddpkit.cli", *args],
         capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env,
     )  # fmt: skip
+
+
+def fresh_python(code: str, timeout: float = 60) -> str:
+    """Run `code` in a new interpreter (nothing imported yet, ddpkit from this checkout); its stdout."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout

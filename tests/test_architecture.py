@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import fresh_python
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "architecture.md"
@@ -121,7 +122,4 @@ def test_a_ddp_first_step_does_not_import_fsdp_or_checkpoint_files() -> None:
         "    import ddpkit.strategy as st\n"
         "    print(st.FSDP.__module__, 'ddpkit.strategy.fsdp' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["[]", "ddpkit.strategy.fsdp True"]
+    assert fresh_python(code).splitlines() == ["[]", "ddpkit.strategy.fsdp True"]

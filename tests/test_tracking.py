@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, fresh_python, run_cli
 
 import ddpkit
 
@@ -193,10 +190,7 @@ def test_the_trackers_are_not_imported_unless_something_is_logged() -> None:
         "with ddpkit.session(verbose=False) as s: pass\n"
         "print(sorted(m for m in ('tensorboard', 'mlflow', 'wandb', 'torch.utils.tensorboard') if m in sys.modules))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    assert fresh_python(code).strip() == "[]"
 
 
 def test_an_unknown_tracker_is_an_error_naming_the_choices() -> None:
