@@ -286,7 +286,7 @@ class Session(RankContext):
             self._build(strategy)  # built already: only checks that the model asks for the same kind
         chosen = stepper.strategy
         if not isinstance(module, nn.Module):  # a factory: under FSDP, built shard by shard
-            module = chosen.build(module) if isinstance(chosen, strategies.FSDP) else module()
+            module = chosen.build(module)
         sharded_step = chosen.allows_sharded_step and stepper.shard is not False
         rank_memory.check_replicated(chosen, module, self.world_size, sharded_step=sharded_step)
         if self.device.type == "cpu" and not chosen.shards_state:  # FSDP: kept blocks would cost its peak

@@ -114,7 +114,7 @@ def test_a_ddp_first_step_does_not_import_fsdp_or_checkpoint_files() -> None:
     code = (
         "import sys, torch, ddpkit\n"
         "with ddpkit.session(seed=0, verbose=False) as s:\n"
-        "    model = s.model(torch.nn.Linear(4, 1))\n"
+        "    model = s.model(lambda: torch.nn.Linear(4, 1))  # a factory, as FSDP users pass\n"
         "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
         "    s.backward(model(torch.ones(2, 4)).sum()); s.step(opt)\n"
         "    print(sorted(m for m in ('ddpkit.strategy.fsdp', 'ddpkit.checkpoint_files', 'safetensors')"

@@ -18,7 +18,7 @@ list is `ddpkit.strategy.NAMES`), which is also what `plan` and `doctor` speak.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -45,6 +45,11 @@ class Strategy:
         return self.name
 
     # -- the model ----------------------------------------------------------------------------------
+    def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
+        """The module a factory passed to `s.model` makes: simply called here; FSDP builds it shard by
+        shard so that no rank holds the whole model."""
+        return factory()
+
     def wrap(self, module: nn.Module, device: torch.device, options: Any = None) -> nn.Module:
         """Prepare `module` for training on `device`; the model the user trains. `options`: this
         model's own options (`s.model(net, strategy=DDPOptions(...))`), else the strategy's."""
