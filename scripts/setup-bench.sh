@@ -7,7 +7,5 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv-bench
 .venv-bench/bin/python -m pip install -q -c constraints.txt torch==2.13.0
 .venv-bench/bin/python -m pip install -q -c constraints.txt -e ".[bench]"
-# Bytecode for ddpkit's own modules, as pip writes it for a wheel: an editable install under
-# PYTHONDONTWRITEBYTECODE=1 (set on some CI machines) would otherwise compile every module from source in
-# every rank at every start (measured: 25-40 ms of each rank's start-up; docs/performance.md, 2f).
+# ddpkit's bytecode, as in scripts/setup.sh (why: there); the benchmarks time start-up.
 .venv-bench/bin/python -m compileall -q ddpkit

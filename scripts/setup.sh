@@ -8,5 +8,5 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
 # Bytecode for ddpkit's own modules, as pip writes it for a wheel: an editable install under
 # PYTHONDONTWRITEBYTECODE=1 (set on some CI machines) would otherwise compile every module from source in
-# every rank at every start (measured: 25-40 ms of each rank's start-up; docs/performance.md, 2f).
+# every rank at every start (measured: 25-50 ms of each rank's start-up; docs/performance.md, 2f).
 .venv/bin/python -m compileall -q ddpkit
