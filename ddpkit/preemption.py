@@ -138,11 +138,11 @@ class Preemption:
         if not distributed:
             return self.asked is not None
         self._calls += 1
-        now = time.perf_counter()
+        t0 = time.perf_counter()
         if self._last_call is not None:
-            between = now - self._last_call
+            between = t0 - self._last_call
             self._step = between if self._step is None else 0.9 * self._step + 0.1 * between
-        self._last_call = now
+        self._last_call = t0
         if self._calls < self._due and not now:
             return False
         stop = False
@@ -168,7 +168,7 @@ class Preemption:
                 stop = True
         else:
             self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
-        spent = time.perf_counter() - now
+        spent = time.perf_counter() - t0
         self._cost = spent if self._cost is None else 0.8 * self._cost + 0.2 * spent
         return stop
 
