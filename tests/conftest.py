@@ -39,6 +39,29 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         pool.close()
 
 
+REQUIRED = "DDPKIT_CI_REQUIRE"  # e.g. "elastic,cgroup": tests marked must_run(name) may not skip
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A skip of a test that the environment declares required is a failure, with the skip's reason.
+
+    Some proofs need what only some machines have (root, network namespaces, a memory cgroup); they skip
+    elsewhere. CI names the ones its machine must run, so losing one fails CI instead of passing quietly.
+    """
+    outcome = yield
+    report = outcome.get_result()
+    required = {name.strip() for name in os.environ.get(REQUIRED, "").split(",") if name.strip()}
+    marks = {arg for mark in item.iter_markers("must_run") for arg in mark.args}
+    if report.skipped and marks & required:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} skipped, but {REQUIRED}={os.environ[REQUIRED]} requires it "
+            f"({', '.join(sorted(marks & required))}): {reason}"
+        )
+
+
 @pytest.fixture(autouse=True)
 def _restore_environ():
     """Tests may set launcher variables; none may leak into the next test."""

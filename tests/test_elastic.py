@@ -29,6 +29,7 @@ PORT = 29400  # each namespace has its own ports: nothing else listens there
 
 pytestmark = [
     pytest.mark.numerics,
+    pytest.mark.must_run("elastic"),
     pytest.mark.skipif(
         os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"
     ),

@@ -7,8 +7,10 @@ The model (tests/memory_limit_rank.py): 222M parameters, 848 MiB of weights; DDP
 rank even with ddpkit's sharded optimizer step (parameters and gradients whole), FSDP about 0.85 GiB
 of model state plus one 64 MiB block gathered at a time, plus torch itself (~270 MiB).
 
-Needs root and a writable cgroup v1 memory hierarchy (these machines); elsewhere (CI runners without
-root, cgroup v2 without delegation) the test skips and says why.
+Needs root and a writable memory cgroup: v1 (`memory.limit_in_bytes`, these machines) or v2
+(`memory.max`, `memory.peak`, `memory.events`; the unified hierarchy with the memory controller). Elsewhere
+it skips and says why, and `.ci/run` declares it required (DDPKIT_CI_REQUIRE=cgroup), so a CI machine
+where it cannot run fails instead of passing silently.
 """
 
 from __future__ import annotations
@@ -25,71 +27,128 @@ import pytest
 
 from ddpkit.strategy import rank_memory
 
+pytestmark = pytest.mark.must_run("cgroup")
+
 REPO = Path(__file__).resolve().parent.parent
 LIMIT = 1792 * 2**20  # 1.75 GiB per rank
 RANKS = 4
-V1 = Path("/sys/fs/cgroup/memory")
+MOUNT = Path("/sys/fs/cgroup")
 
 
-def _own_cgroup() -> Path | None:
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return V1 / path.lstrip("/")
-    return None
+class Cgroups:
+    """The files of one cgroup version: where a limit is set, a peak read and an OOM kill counted."""
+
+    def __init__(self, version: int, own: Path) -> None:
+        self.version, self.own = version, own
+
+    @staticmethod
+    def find() -> Cgroups | None:
+        """This process's memory cgroup, v1 first (a hybrid machine binds memory to v1), or None."""
+        if sys.platform != "linux":
+            return None
+        lines = [line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()]
+        for _, controllers, path in lines:
+            if "memory" in controllers.split(",") and (MOUNT / "memory").is_dir():
+                return Cgroups(1, MOUNT / "memory" / path.lstrip("/"))
+        for hierarchy, _, path in lines:
+            unified = MOUNT / "unified" if (MOUNT / "unified").is_dir() else MOUNT
+            if hierarchy == "0" and "memory" in _read(unified / "cgroup.controllers").split():
+                return Cgroups(2, unified / path.lstrip("/"))
+        return None
+
+    def limit(self, group: Path, nbytes: int) -> None:
+        if self.version == 1:
+            (group / "memory.limit_in_bytes").write_text(str(nbytes))
+            swap = group / "memory.memsw.limit_in_bytes"
+            if swap.exists():
+                swap.write_text(str(nbytes))  # no swapping around the limit either
+        else:
+            (group / "memory.max").write_text(str(nbytes))
+            (group / "memory.swap.max").write_text("0")
+
+    def usage(self, group: Path) -> dict:
+        if self.version == 1:
+            peak = int((group / "memory.max_usage_in_bytes").read_text())
+            events = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
+        else:
+            peak = int((group / "memory.peak").read_text())
+            events = dict(line.split() for line in (group / "memory.events").read_text().splitlines())
+        return {"max_usage": peak, "oom_kill": int(events.get("oom_kill", 0))}
+
+    def prepare_parent(self, base: Path) -> None:
+        if self.version == 2:  # v2: a child group gets the memory controller from its parent
+            (base / "cgroup.subtree_control").write_text("+memory")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+class Limited:
+    """Fresh cgroups for each launch (base/run<k>/rank<r>, each limited to LIMIT), so that a peak read
+    after a launch is that launch's alone (v2's memory.peak cannot be reset for another reader)."""
+
+    def __init__(self, cg: Cgroups, base: Path) -> None:
+        self.cg, self.base, self.runs = cg, base, []
+
+    def new_run(self) -> Path:
+        run = self.base / f"run{len(self.runs)}"
+        run.mkdir()
+        self.runs.append(run)
+        self.cg.prepare_parent(run)
+        for r in range(RANKS):
+            (run / f"rank{r}").mkdir()
+            self.cg.limit(run / f"rank{r}", LIMIT)
+        return run
+
+    def remove(self) -> None:
+        for run in self.runs:
+            for r in range(RANKS):
+                group = run / f"rank{r}"
+                for _ in range(50):  # the killed ranks' processes leave their cgroup as they are reaped
+                    if not group.exists() or not (group / "cgroup.procs").read_text().strip():
+                        break
+                    time.sleep(0.1)
+                if group.exists():
+                    group.rmdir()
+            run.rmdir()
+        self.base.rmdir()
 
 
 @pytest.fixture
-def limited() -> Iterator[Path]:
-    """A cgroup per rank (rank0..rank3) under this process's memory cgroup, each limited to LIMIT."""
-    own = _own_cgroup() if sys.platform == "linux" and V1.is_dir() else None
-    if own is None or os.geteuid() != 0 or not os.access(own, os.W_OK):
-        pytest.skip("needs root and a writable cgroup v1 memory controller to enforce a per-rank limit")
-    base = own / f"ddpkit-limit-{os.getpid()}"
+def limited() -> Iterator[Limited]:
+    cg = Cgroups.find()
+    if cg is None or os.geteuid() != 0 or not os.access(cg.own, os.W_OK):
+        pytest.skip("needs root and a writable memory cgroup (v1 or v2) to enforce a per-rank limit")
+    base = cg.own / f"ddpkit-limit-{os.getpid()}"
     base.mkdir()
+    limited = Limited(cg, base)
     try:
-        for r in range(RANKS):
-            (base / f"rank{r}").mkdir()
-            (base / f"rank{r}" / "memory.limit_in_bytes").write_text(str(LIMIT))
-            swap = base / f"rank{r}" / "memory.memsw.limit_in_bytes"
-            if swap.exists():
-                swap.write_text(str(LIMIT))  # no swapping around the limit either
-        yield base
+        cg.prepare_parent(base)
+        yield limited
     finally:
-        for r in range(RANKS):
-            group = base / f"rank{r}"
-            for _ in range(50):  # the killed ranks' processes leave their cgroup as they are reaped
-                if not group.exists() or not (group / "cgroup.procs").read_text().strip():
-                    break
-                time.sleep(0.1)
-            if group.exists():
-                group.rmdir()
-        base.rmdir()
+        limited.remove()
 
 
 def _launch(
-    base: Path, strategy: str, out: Path, **env: str
+    limited: Limited, strategy: str, out: Path, **env: str
 ) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    for r in range(RANKS):
-        (base / f"rank{r}" / "memory.max_usage_in_bytes").write_text("0")  # peaks of this run only
+    groups = limited.new_run()
     out.mkdir()
-    full_env = {**os.environ, "DDPKIT_TEST_CGROUP": str(base), "OMP_NUM_THREADS": "1", **env}
+    full_env = {**os.environ, "DDPKIT_TEST_CGROUP": str(groups), "OMP_NUM_THREADS": "1", **env}
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
          str(REPO / "tests" / "memory_limit_rank.py"), strategy, str(out)],
         capture_output=True, text=True, timeout=280, env=full_env, cwd=REPO,
     )  # fmt: skip
-    groups = []
-    for r in range(RANKS):
-        group = base / f"rank{r}"
-        oom = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
-        groups.append({"max_usage": int((group / "memory.max_usage_in_bytes").read_text()),
-                       "oom_kill": int(oom.get("oom_kill", 0))})  # fmt: skip
-    return run, groups
+    return run, [limited.cg.usage(groups / f"rank{r}") for r in range(RANKS)]
 
 
 @pytest.mark.timeout(600)
-def test_fsdp_trains_where_ddp_cannot_start(limited: Path, tmp_path: Path) -> None:
+def test_fsdp_trains_where_ddp_cannot_start(limited: Limited, tmp_path: Path) -> None:
     mib = 2**20
     fsdp, groups = _launch(limited, "fsdp", tmp_path / "fsdp")
     assert fsdp.returncode == 0, fsdp.stdout[-3000:] + fsdp.stderr[-3000:]
