@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/side_by_side.py                          # all workloads, 3 repetitions
     .venv/bin/python benchmarks/side_by_side.py --workloads cnn,bn --reps 5 --json runs/sbs.json
-    .venv-bench/bin/python benchmarks/side_by_side.py --tools ddp,ddpkit,accelerate,fabric
+    .venv-bench/bin/python benchmarks/side_by_side.py --tools ddp,ddpkit,ddpkit-plain,accelerate,fabric
 
 Run it before a change lands (a few minutes per workload on 2 cores): it is a benchmark, not a test.
 
@@ -184,7 +184,7 @@ def tables(runs: dict[str, Any], base: str = "ddp") -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="cnn,bn,small,mlp,gpt")
-    p.add_argument("--tools", default="ddp,ddpkit,accelerate,fabric",
+    p.add_argument("--tools", default="ddp,ddpkit,ddpkit-plain,accelerate,fabric",
                    help="ddp, ddpkit, ddpkit-plain (README's plain loop), accelerate, fabric")  # fmt: skip
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json", default=None)
