@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from ddpkit.lint.rules import Rule
+from ddpkit.lint.rule import Rule
 from ddpkit.lint.script import Script, is_const, kwarg, last, unparse
 
 Found = Iterator[tuple[ast.AST, str]]

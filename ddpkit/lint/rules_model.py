@@ -13,7 +13,7 @@ from ddpkit.lint.models import (
     origin,
     static_module,
 )
-from ddpkit.lint.rules import Rule
+from ddpkit.lint.rule import Rule
 from ddpkit.lint.script import Script, is_const, kwarg, last, unparse
 
 Found = Iterator[tuple[ast.AST, str]]

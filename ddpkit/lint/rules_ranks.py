@@ -11,7 +11,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from ddpkit.lint.rules import Rule
+from ddpkit.lint.rule import Rule
 from ddpkit.lint.script import Script, exits, is_const, kwarg, last, rankish, unparse
 
 Found = Iterator[tuple[ast.AST, str]]
