@@ -79,6 +79,8 @@ def _backward_targets(script: Script) -> Iterator[tuple[ast.Call, ast.expr]]:
             ):
                 value = value.args[0] if value.args else value
             yield call, value
+        elif script.session_call(call, "backward") and kwarg(call, "tokens") is not None:
+            continue  # s.backward(loss_sum, tokens=n): ddpkit scales to the global token mean
         elif call.args and (
             script.session_call(call, "backward") or script.callee(call) == "torch.autograd.backward"
         ):

@@ -185,9 +185,10 @@ def _bare_cuda(script: Script, call: ast.Call) -> bool:
     f = call.func
     if isinstance(f, ast.Attribute) and f.attr == "cuda" and not call.args and not call.keywords:
         return unparse(f.value) not in ("torch", "torch.backends")
+    if last(script.callee(call)) == "device":  # torch.device("cuda"); not torch.device("cuda", local_rank)
+        return len(call.args) == 1 and is_const(call.args[0], "cuda") and kwarg(call, "index") is None
     args = [*call.args, *(k.value for k in call.keywords if k.arg == "device")]
-    mover = (isinstance(f, ast.Attribute) and f.attr == "to") or last(script.callee(call)) == "device"
-    return mover and any(is_const(a, "cuda") for a in args)
+    return isinstance(f, ast.Attribute) and f.attr == "to" and any(is_const(a, "cuda") for a in args)
 
 
 def _under_device_test(script: Script, node: ast.AST) -> bool:
