@@ -112,6 +112,17 @@ SEEDS = [
     Seed("DDP007", "nanogpt/train.py", (("if iter_num % log_interval == 0 and master_process:", "if iter_num % log_interval == 0:"),), "print(f\"iter"),
     Seed("DDP009", "nanogpt/train.py", (("DDP(model, device_ids=[ddp_local_rank])", "DDP(model, device_ids=[0])"),), "device_ids=[0]"),
     Seed("DDP012", _DDP, (("DDP(model, device_ids=[rank])", "DDP(model, device_ids=[rank], find_unused_parameters=True)"),), "find_unused"),
+    Seed("DDP013", _MULTIGPU, (
+        ("from datautils import MyTrainDataset\n",
+         "from torch.utils.data import IterableDataset\n\nclass MyTrainDataset(IterableDataset):\n"
+         "    def __init__(self, size):\n        self.size = size\n\n    def __iter__(self):\n"
+         "        for _ in range(self.size):\n            yield torch.rand(20), torch.rand(1)\n"),
+        ("        shuffle=False,\n        sampler=DistributedSampler(dataset)\n", "        shuffle=False,\n"),
+    ), "def __iter__"),
+    Seed("DDP014", _DDP, (
+        ("return self.net2(self.relu(self.net1(x)))",
+         "return self.net2(torch.utils.checkpoint.checkpoint(lambda t: self.relu(self.net1(t)), x))"),
+    ), "checkpoint"),
 ]  # fmt: skip
 
 

@@ -9,6 +9,7 @@ way: the rule modules import `Rule` from `rule.py`, this registry imports the ru
 from __future__ import annotations
 
 from ddpkit.lint.rule import Check, Finding, Rule
+from ddpkit.lint.rules_data import RULES as DATA_RULES
 from ddpkit.lint.rules_loop import RULES as LOOP_RULES
 from ddpkit.lint.rules_model import RULES as MODEL_RULES
 from ddpkit.lint.rules_ranks import RULES as RANK_RULES
@@ -18,4 +19,4 @@ __all__ = ["Check", "Finding", "Rule", "all_rules"]
 
 def all_rules() -> tuple[Rule, ...]:
     """Every rule, in code order."""
-    return tuple(sorted((*MODEL_RULES, *RANK_RULES, *LOOP_RULES), key=lambda r: r.code))
+    return tuple(sorted((*MODEL_RULES, *RANK_RULES, *LOOP_RULES, *DATA_RULES), key=lambda r: r.code))

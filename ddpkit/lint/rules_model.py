@@ -1,4 +1,4 @@
-"""Rules about building and wrapping the model: DDP001, DDP002, DDP004, DDP010, DDP011, DDP012."""
+"""Rules about building and wrapping the model: DDP001, DDP002, DDP004, DDP010, DDP011, DDP012, DDP014."""
 
 from __future__ import annotations
 
@@ -187,6 +187,59 @@ def unused_parameters_flag(script: Script) -> Found:
             yield flag, f"`{unparse(wrap.args[0])}` has no branch, loop or unused submodule in forward"
 
 
+_CHECKPOINTS = ("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential")
+
+
+def _under_ddp(script: Script) -> bool:
+    """The file wraps a model in DDP (DDP(...), or s.model without strategy="fsdp") without
+    static_graph=True, under which DDP supports reentrant backwards (its documentation)."""
+    ddp = False
+    for wrap in script.wraps:
+        if script.session_call(wrap, "model"):
+            strategy = kwarg(wrap, "strategy")
+            if strategy is not None and "fsdp" in unparse(strategy).lower():
+                continue
+        elif last(script.callee(wrap)) != "DistributedDataParallel":
+            continue
+        static = kwarg(wrap, "static_graph")
+        if static is not None and not is_const(static, False):
+            return False
+        ddp = True
+    return ddp and not any(True for _ in script.method_calls("_set_static_graph"))
+
+
+def _reentrant(script: Script, call: ast.Call) -> str:
+    """How `call` checkpoints reentrantly ('' when it does not, or when it cannot be told)."""
+    name = script.callee(call)
+    if name in _CHECKPOINTS:
+        if any(k.arg is None for k in call.keywords):
+            return ""  # **kwargs: not known here
+        flag = kwarg(call, "use_reentrant")
+        if flag is None:
+            return "without use_reentrant, whose default is still the reentrant variant"
+        return "with use_reentrant=True" if is_const(flag, True) else ""
+    if last(name) == "checkpoint_wrapper":
+        impl = kwarg(call, "checkpoint_impl")
+        reentrant = impl is not None and last(unparse(impl)) == "REENTRANT"
+        return "with CheckpointImpl.REENTRANT" if reentrant else ""
+    if isinstance(call.func, ast.Attribute) and call.func.attr == "gradient_checkpointing_enable":
+        options = kwarg(call, "gradient_checkpointing_kwargs")
+        if isinstance(options, ast.Dict):
+            for key, value in zip(options.keys, options.values, strict=True):
+                if is_const(key, "use_reentrant") and is_const(value, True):
+                    return "with use_reentrant=True"
+    return ""
+
+
+def reentrant_checkpoint(script: Script) -> Found:
+    if not script.multi_rank or not _under_ddp(script):
+        return
+    for call in script.calls():
+        how = _reentrant(script, call)
+        if how:
+            yield call, f"`{unparse(call.func)}(...)` {how}, in a model trained under DDP"
+
+
 RULES = (
     Rule(
         "DDP001", "optimizer-before-wrap", "optimizer built before the model is sharded/prepared",
@@ -236,5 +289,15 @@ RULES = (
         "drop find_unused_parameters=True (DDP raises a clear error if a parameter really gets no gradient)",
         unused_parameters_flag,
         confidence="low",
+    ),
+    Rule(
+        "DDP014", "reentrant-checkpoint", "reentrant activation checkpointing under DDP",
+        "Reentrant checkpointing (use_reentrant=True, or torch.utils.checkpoint without use_reentrant, "
+        "whose default it still is) re-runs the block's backward outside DDP's view. Measured on 2 gloo "
+        "ranks: with find_unused_parameters=True, 'Expected to mark a variable ready only once'; a block "
+        "whose input needs no gradient, 'Expected to have finished reduction in the prior iteration'; a "
+        "layer checkpointed twice, replicas that silently differ.",
+        "pass use_reentrant=False (ddpkit: s.model(net, activation_checkpointing=...) is non-reentrant)",
+        reentrant_checkpoint,
     ),
 )  # fmt: skip
