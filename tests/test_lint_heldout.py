@@ -89,6 +89,47 @@ def render(table: dict[str, dict[str, int]]) -> str:
     return "\n".join(rows)
 
 
+# The three planted traps the rules do not report, each on purpose (docs/lint.md, "Held-back corpus"):
+# a rank-tagged print is a deliberate per-rank log (pytorch/examples' minGPT prints `[GPU{id}] ... Loss`);
+# a model named at run time (`torchvision.models.__dict__[args.arch]`) is not followed; a per-rank seed
+# before DDP(...) is harmless (DDP broadcasts rank 0's weights when it wraps; measured).
+NOT_REPORTED = {
+    ("s08_regression_torchrun.py", "DDP007"),
+    ("s09_resnet_torchvision.py", "DDP002"),
+    ("s11_seq2seq_seed.py", "DDP008"),
+}
+
+
+def _hit(trap: Trap, found: list[tuple[str, str, int]]) -> bool:
+    return any(f == trap.file and c == trap.code and n in trap.lines for f, c, n in found)
+
+
+def test_the_key_is_read_whole() -> None:
+    traps, clean = answer_key()
+    assert (len(traps), len(clean)) == (22, 8)
+    assert {p.name for p in HERE.glob("s*.py")} == {t.file for t in traps} | set(clean)
+
+
+def test_every_planted_trap_is_found_at_its_line() -> None:
+    """After the fixes (no longer held-back): 19 of 22, the three others not reported on purpose."""
+    traps, _ = answer_key()
+    found = lint_corpus()
+    missed = {(t.file, t.code) for t in traps if not _hit(t, found)}
+    assert missed == NOT_REPORTED
+
+
+def test_no_false_finding_on_the_corpus() -> None:
+    """No finding on the 8 clean scripts, and none on a trapped script but its trap."""
+    traps, clean = answer_key()
+    found = lint_corpus()
+    assert [f for f in found if f[0] in clean] == []
+    assert [
+        f for f in found if not any(f[0] == t.file and f[1] == t.code and f[2] in t.lines for t in traps)
+    ] == []
+    table = score(found, traps)
+    assert sum(r["found"] for r in table.values()) == 19 and sum(r["reported"] for r in table.values()) == 19
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parents[1]))
     traps, clean = answer_key()
