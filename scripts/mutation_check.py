@@ -156,6 +156,17 @@ MUTANTS = [
         ("tests/test_lint_new_rules.py::test_reentrant_checkpointing_under_ddp",),
         "ddpkit lint: reentrant activation checkpointing under DDP is not reported (DDP014)",
     ),
+    Mutant(
+        "lint-tokens",
+        "ddpkit/lint/rules_loop.py",
+        '        elif script.session_call(call, "backward") and kwarg(call, "tokens") is not None:',
+        "        elif False:  # mutant: s.backward(loss_sum, tokens=n) read as a summed loss again",
+        (
+            "tests/test_lint_docs.py::test_no_finding_on_what_the_docs_recommend[README.md]",
+            "tests/test_lint_new_rules.py::test_the_recommended_token_weighted_line_is_not_a_summed_loss",
+        ),
+        "ddpkit lint: the README's token-weighted line reported as DDP003 again",
+    ),
 ]
 
 
