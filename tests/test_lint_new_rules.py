@@ -174,7 +174,10 @@ class SplitStream(IterableDataset):
 def read_stream(split: bool) -> list[int]:
     """On a pool rank: the sample ids this rank's DataLoader (2 workers) yields, gathered over ranks."""
     stream = SplitStream() if split else WholeStream()
-    seen = [int(v) for batch in DataLoader(stream, batch_size=2, num_workers=2) for v in batch]
+    loader = DataLoader(
+        stream, batch_size=2, num_workers=2, multiprocessing_context="fork"
+    )  # fork: no re-import
+    seen = [int(v) for batch in loader for v in batch]
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, seen)
     return sorted(v for part in everyone for v in part)
