@@ -98,6 +98,11 @@ def test_summed_loss_through_options_and_helpers() -> None:
         "        for p in model.parameters():\n            dist.all_reduce(p.grad)",
     )
     assert found(by_hand) == []  # gradients combined by hand: the user chose the arithmetic
+    helper_by_hand = (
+        helper.rstrip(" ").replace("        dist.all_reduce(total)", "        average_gradients(model)")
+        + "    def average_gradients(m):\n        for p in m.parameters():\n            dist.all_reduce(p.grad)\n"
+    )
+    assert found(helper_by_hand) == []
     assert found(helper.replace("return (err + kld).sum()", "return (err + kld).mean()")) == []
 
 

@@ -227,6 +227,7 @@ def test_reentrant_checkpointing_under_ddp() -> None:
     )
     assert codes(session) == [("DDP014", 13)]
     assert codes(session.replace("s.model(Net())", 's.model(Net(), strategy="fsdp")')) == []
+    assert codes(session.replace("ddpkit.session()", 'ddpkit.session(strategy="fsdp")')) == []
 
 
 def test_reentrant_checkpoint_wrappers_and_hugging_face() -> None:

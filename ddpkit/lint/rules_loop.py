@@ -86,10 +86,15 @@ def _sum_site(script: Script, node: ast.AST, criteria: dict[str, ast.Call], dept
     return None
 
 
-def _grads_reduced_by_hand(script: Script, scope: ast.AST) -> bool:
-    """An all_reduce of gradients in this function (`dist.all_reduce(p.grad)`, or inside a loop over
-    parameters): the user chose the arithmetic. An all_reduce of a metric does not count."""
+def _grads_reduced_by_hand(script: Script, scope: ast.AST, depth: int = 0) -> bool:
+    """An all_reduce of gradients in this function or a file-local helper it calls
+    (`dist.all_reduce(p.grad)`, or inside a loop over parameters): the user chose the arithmetic.
+    An all_reduce of a metric does not count."""
     for call in script.calls(scope):
+        if depth < 2 and any(
+            _grads_reduced_by_hand(script, fn, depth + 1) for fn in script.local_callees(call)
+        ):
+            return True
         if "all_reduce" not in script.callee(call) and not unparse(call.func).endswith("all_reduce"):
             continue
         if any("grad" in unparse(a) for a in call.args):

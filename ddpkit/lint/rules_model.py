@@ -251,10 +251,12 @@ def _under_ddp(script: Script) -> bool:
     """The file wraps a model in DDP (DDP(...), or s.model without strategy="fsdp") without
     static_graph=True, under which DDP supports reentrant backwards (its documentation)."""
     ddp = False
+    sessions = [c for c in script.calls() if script.callee(c) in ("ddpkit.session", "ddpkit.session.session")]
+    fsdp_session = any("fsdp" in unparse(script.keyword(c, "strategy")).lower() for c in sessions)
     for wrap in script.wraps:
         if script.session_call(wrap, "model"):
-            strategy = kwarg(wrap, "strategy")
-            if strategy is not None and "fsdp" in unparse(strategy).lower():
+            strategy = script.keyword(wrap, "strategy")
+            if "fsdp" in unparse(strategy).lower() or (strategy is None and fsdp_session):
                 continue
         elif last(script.callee(wrap)) != "DistributedDataParallel":
             continue
