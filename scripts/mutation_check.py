@@ -140,6 +140,33 @@ MUTANTS = [
         ("tests/test_verify_resume.py::test_a_forgotten_scheduler_is_named",),
         "verify --resume compares nothing",
     ),
+    Mutant(
+        "lint-iterable",
+        "ddpkit/lint/rules_data.py",
+        "        if not _split_outside(script, cls):",
+        "        if False:  # mutant: DDP013 never reports",
+        ("tests/test_lint_new_rules.py::test_iterable_dataset_read_whole_by_every_rank",),
+        "ddpkit lint: an IterableDataset every rank reads whole is not reported (DDP013)",
+    ),
+    Mutant(
+        "lint-reentrant",
+        "ddpkit/lint/rules_model.py",
+        "        how = _reentrant(script, call)",
+        '        how = ""  # mutant: DDP014 never reports',
+        ("tests/test_lint_new_rules.py::test_reentrant_checkpointing_under_ddp",),
+        "ddpkit lint: reentrant activation checkpointing under DDP is not reported (DDP014)",
+    ),
+    Mutant(
+        "lint-tokens",
+        "ddpkit/lint/rules_loop.py",
+        '        elif script.session_call(call, "backward") and kwarg(call, "tokens") is not None:',
+        "        elif False:  # mutant: s.backward(loss_sum, tokens=n) read as a summed loss again",
+        (
+            "tests/test_lint_docs.py::test_no_finding_on_what_the_docs_recommend[README.md]",
+            "tests/test_lint_new_rules.py::test_the_recommended_token_weighted_line_is_not_a_summed_loss",
+        ),
+        "ddpkit lint: the README's token-weighted line reported as DDP003 again",
+    ),
 ]
 
 

@@ -112,6 +112,17 @@ SEEDS = [
     Seed("DDP007", "nanogpt/train.py", (("if iter_num % log_interval == 0 and master_process:", "if iter_num % log_interval == 0:"),), "print(f\"iter"),
     Seed("DDP009", "nanogpt/train.py", (("DDP(model, device_ids=[ddp_local_rank])", "DDP(model, device_ids=[0])"),), "device_ids=[0]"),
     Seed("DDP012", _DDP, (("DDP(model, device_ids=[rank])", "DDP(model, device_ids=[rank], find_unused_parameters=True)"),), "find_unused"),
+    Seed("DDP013", _MULTIGPU, (
+        ("from datautils import MyTrainDataset\n",
+         "from torch.utils.data import IterableDataset\n\nclass MyTrainDataset(IterableDataset):\n"
+         "    def __init__(self, size):\n        self.size = size\n\n    def __iter__(self):\n"
+         "        for _ in range(self.size):\n            yield torch.rand(20), torch.rand(1)\n"),
+        ("        shuffle=False,\n        sampler=DistributedSampler(dataset)\n", "        shuffle=False,\n"),
+    ), "def __iter__"),
+    Seed("DDP014", _DDP, (
+        ("return self.net2(self.relu(self.net1(x)))",
+         "return self.net2(torch.utils.checkpoint.checkpoint(lambda t: self.relu(self.net1(t)), x))"),
+    ), "checkpoint"),
 ]  # fmt: skip
 
 
@@ -132,24 +143,7 @@ def test_every_rule_has_a_seeded_variant() -> None:
 # -- ddpkit's own scripts and API ---------------------------------------------------------------------
 
 
-def _python_blocks(markdown: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", markdown, flags=re.S)
-
-
-def test_readme_scripts_are_clean() -> None:
-    blocks = [b for b in _python_blocks((ROOT / "README.md").read_text()) if "ddpkit" in b or "s.model" in b]
-    assert len(blocks) >= 3
-    for block in blocks:
-        assert found("import ddpkit\n" + block, "README.md") == [], block
-
-
-def test_repo_examples() -> None:
-    """examples/manual_allreduce.py sums its loss on purpose (the course's -180/-720 arithmetic)."""
-    got = {
-        p.name: [c for c, _ in found(p.read_text(), str(p))] for p in sorted((ROOT / "examples").glob("*.py"))
-    }
-    assert got.pop("manual_allreduce.py") == ["DDP003"]
-    assert all(v == [] for v in got.values()), got
+# README.md, docs/*.md and examples/ are linted snippet by snippet in tests/test_lint_docs.py.
 
 
 GOOD_DDPKIT = """

@@ -18,6 +18,7 @@ _LAYERS_WITHOUT_BRANCHES = (
     "Linear", "Conv1d", "Conv2d", "Conv3d", "ReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Dropout",
     "LayerNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "MaxPool2d", "AvgPool2d", "Flatten",
     "Embedding", "Sequential", "Identity", "Softmax", "LogSoftmax", "AdaptiveAvgPool2d", "GroupNorm",
+    "EmbeddingBag", "Parameter",
 )  # fmt: skip
 
 
@@ -50,14 +51,17 @@ def contains_layer(
     script: Script, node: ast.AST, names: tuple[str, ...], _seen: frozenset = frozenset()
 ) -> bool:
     """Does building `node` (an expression or a class) create one of the torch layers `names`,
-    directly or through the file's own module classes?"""
+    directly or through the file's own module classes and functions (`conv_block(3, 64)`)?"""
     for call in script.calls(node):
         if last(script.callee(call)) in names:
             return True
-        if isinstance(call.func, ast.Name) and call.func.id in script.classes and call.func.id not in _seen:
-            cls = script.classes[call.func.id]
-            if contains_layer(script, cls, names, _seen | {cls.name}):
-                return True
+        name = call.func.id if isinstance(call.func, ast.Name) else ""
+        if name in _seen:
+            continue
+        if name in script.classes and contains_layer(script, script.classes[name], names, _seen | {name}):
+            return True
+        if any(contains_layer(script, fn, names, _seen | {name}) for fn in script.functions.get(name, [])):
+            return True
     return False
 
 
@@ -78,6 +82,43 @@ def optimizer_params(script: Script) -> Iterator[tuple[ast.Call, str]]:
                     "named_parameters",
                 ):
                     yield call, unparse(sub.func.value)
+
+
+def binding(script: Script, call: ast.Call, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str, str]:
+    """A file-local function's parameter names -> the text of the arguments `call` passes."""
+    params = [a.arg for a in fn.args.args]
+    if isinstance(script.parents.get(fn), ast.ClassDef) and params[:1] in (["self"], ["cls"]):
+        params = params[1:]
+    out = {name: unparse(arg) for name, arg in zip(params, call.args, strict=False)}
+    out.update({k.arg: unparse(k.value) for k in call.keywords if k.arg in params})
+    return out
+
+
+def translate(text: str, bound: dict[str, str]) -> str:
+    """A helper's `model.layers` -> the caller's `net.layers`; `self.model` stays (same object in a
+    method); '' for the helper's own local names."""
+    head, dot, rest = text.partition(".")
+    if head in bound:
+        return bound[head] + dot + rest
+    return text if head == "self" else ""
+
+
+def helper_optimizers(script: Script) -> Iterator[tuple[ast.Call, str]]:
+    """(call of a file-local helper that builds a torch optimizer, text of the caller's module whose
+    parameters it takes): `optimizer = configure_optimizer(model, lr)`."""
+    for call in script.calls():
+        for fn in script.local_callees(call):
+            if not any(is_optimizer(script, c) for c in script.calls(fn)):
+                continue
+            bound = binding(script, call, fn)
+            for sub in script.calls(fn):
+                if isinstance(sub.func, ast.Attribute) and sub.func.attr in (
+                    "parameters",
+                    "named_parameters",
+                ):
+                    text = translate(unparse(sub.func.value), bound)
+                    if text:
+                        yield call, text
 
 
 def optimizers_by_model(script: Script) -> dict[str, ast.Call]:

@@ -1,47 +1,22 @@
-"""The rule registry: one `Rule` per trap, each with its code, the problem in a line, and the fix.
+"""The rule registry: every `Rule`, in code order.
 
 A rule's `check` takes a parsed `Script` and yields `(node, detail)` pairs; the runner turns them into
 `Finding`s (path, line, column, code, message, fix). Rules live in small modules grouped by topic
-(`rules_model`, `rules_ranks`, `rules_loop`) and are collected here, in code order.
+(`rules_model`, `rules_ranks`, `rules_loop`, `rules_data`) and are collected here. The imports run one
+way: the rule modules import `Rule` from `rule.py`, this registry imports the rule modules.
 """
 
 from __future__ import annotations
 
-import ast
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from ddpkit.lint.rule import Check, Finding, Rule
+from ddpkit.lint.rules_data import RULES as DATA_RULES
+from ddpkit.lint.rules_loop import RULES as LOOP_RULES
+from ddpkit.lint.rules_model import RULES as MODEL_RULES
+from ddpkit.lint.rules_ranks import RULES as RANK_RULES
 
-from ddpkit.lint.script import Script
-
-Check = Callable[[Script], Iterator[tuple[ast.AST, str]]]
-
-
-@dataclass(frozen=True)
-class Rule:
-    code: str
-    name: str
-    title: str  # the trap in a few words, first in every finding
-    problem: str  # what goes wrong, one or two sentences (docs and --list-rules)
-    fix: str  # what to write instead, short
-    check: Check
-    confidence: str = "high"
-
-
-@dataclass(frozen=True)
-class Finding:
-    path: str
-    line: int
-    col: int
-    code: str
-    message: str
-    fix: str
-
-    def render(self) -> str:
-        return f"{self.path}:{self.line}:{self.col}: {self.code} {self.message} (fix: {self.fix})"
+__all__ = ["Check", "Finding", "Rule", "all_rules"]
 
 
 def all_rules() -> tuple[Rule, ...]:
-    """Every rule, in code order (imported here so that the rule modules can import `Rule`)."""
-    from ddpkit.lint import rules_loop, rules_model, rules_ranks
-
-    return tuple(sorted((*rules_model.RULES, *rules_ranks.RULES, *rules_loop.RULES), key=lambda r: r.code))
+    """Every rule, in code order."""
+    return tuple(sorted((*MODEL_RULES, *RANK_RULES, *LOOP_RULES, *DATA_RULES), key=lambda r: r.code))

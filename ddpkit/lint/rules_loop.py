@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from ddpkit.lint.rules import Rule
+from ddpkit.lint.rule import Rule
 from ddpkit.lint.script import Script, is_const, kwarg, last, unparse
 
 Found = Iterator[tuple[ast.AST, str]]
@@ -31,13 +31,16 @@ def _criteria(script: Script) -> dict[str, ast.Call]:
     return out
 
 
-def _sums(call: ast.Call) -> bool:
-    return is_const(kwarg(call, "reduction"), "sum")
+def _sums(script: Script, call: ast.Call) -> ast.expr | None:
+    """The `"sum"` of `reduction="sum"` (also inside `**options`), or None."""
+    value = script.keyword(call, "reduction")
+    return value if is_const(value, "sum") else None
 
 
-def _lossy(script: Script, node: ast.AST, criteria: dict[str, ast.Call]) -> bool:
-    """Is `node` a loss (a loss function's or criterion's value, an error term, a `loss` name)?
-    A sum of model outputs or of weights (a penalty, equal on every rank) is not."""
+def _lossy(script: Script, node: ast.AST, criteria: dict[str, ast.Call], depth: int = 0) -> bool:
+    """Is `node` a loss (a loss function's or criterion's value, an error term, a `loss` name), also
+    through the names it is computed from? A sum of model outputs or of weights (a penalty, equal on
+    every rank) is not."""
     for sub in ast.walk(node):
         if isinstance(sub, ast.Call) and (_is_loss_fn(script, sub) or unparse(sub.func) in criteria):
             return True
@@ -45,26 +48,60 @@ def _lossy(script: Script, node: ast.AST, criteria: dict[str, ast.Call]) -> bool
             return True
         if isinstance(sub, ast.Name) and "loss" in sub.id.lower():
             return True
+        if isinstance(sub, ast.Name) and depth < 3:
+            value = script.value_of(sub)
+            if value is not sub and _lossy(script, value, criteria, depth + 1):
+                return True
     return False
 
 
-def _summed(script: Script, node: ast.AST, criteria: dict[str, ast.Call]) -> bool:
+def _sum_site(script: Script, node: ast.AST, criteria: dict[str, ast.Call], depth: int = 0) -> ast.AST | None:
+    """Where the loss `node` is summed (the `.sum()`, the `reduction="sum"`), following the file's
+    own loss functions (`return (err + kld).sum()`); None when it is not a sum."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
-        return any(
-            isinstance(a, ast.Constant) and _summed(script, b, criteria)
-            for a, b in ((node.left, node.right), (node.right, node.left))
-        )
+        for a, b in ((node.left, node.right), (node.right, node.left)):
+            site = _sum_site(script, b, criteria, depth) if isinstance(a, ast.Constant) else None
+            if site is not None:
+                return site
+        return None
     if not isinstance(node, ast.Call):
-        return False
+        return None
     f = node.func
     if isinstance(f, ast.Attribute) and f.attr == "sum" and not node.args and not node.keywords:
-        return _lossy(script, f.value, criteria)
+        return node if _lossy(script, f.value, criteria) else None
     if script.callee(node) == "torch.sum" and len(node.args) == 1 and not node.keywords:
-        return _lossy(script, node.args[0], criteria)
-    if _is_loss_fn(script, node) and _sums(node):
-        return True
+        return node if _lossy(script, node.args[0], criteria) else None
+    if _is_loss_fn(script, node):
+        return _sums(script, node)
     crit = criteria.get(unparse(f))
-    return crit is not None and _sums(crit)
+    if crit is not None:
+        return _sums(script, crit)
+    if isinstance(f, ast.Name) and depth < 3:
+        for fn in script.functions.get(f.id, []):
+            for ret in ast.walk(fn):
+                if isinstance(ret, ast.Return) and ret.value is not None and script.scope(ret) is fn:
+                    site = _sum_site(script, script.value_of(ret.value), criteria, depth + 1)
+                    if site is not None:
+                        return site
+    return None
+
+
+def _grads_reduced_by_hand(script: Script, scope: ast.AST, depth: int = 0) -> bool:
+    """An all_reduce of gradients in this function or a file-local helper it calls
+    (`dist.all_reduce(p.grad)`, or inside a loop over parameters): the user chose the arithmetic.
+    An all_reduce of a metric does not count."""
+    for call in script.calls(scope):
+        if depth < 2 and any(
+            _grads_reduced_by_hand(script, fn, depth + 1) for fn in script.local_callees(call)
+        ):
+            return True
+        if "all_reduce" not in script.callee(call) and not unparse(call.func).endswith("all_reduce"):
+            continue
+        if any("grad" in unparse(a) for a in call.args):
+            return True
+        if any(isinstance(a, ast.For) and "parameters" in unparse(a.iter) for a in script.ancestors(call)):
+            return True
+    return False
 
 
 def _backward_targets(script: Script) -> Iterator[tuple[ast.Call, ast.expr]]:
@@ -79,6 +116,8 @@ def _backward_targets(script: Script) -> Iterator[tuple[ast.Call, ast.expr]]:
             ):
                 value = value.args[0] if value.args else value
             yield call, value
+        elif script.session_call(call, "backward") and kwarg(call, "tokens") is not None:
+            continue  # s.backward(loss_sum, tokens=n): ddpkit scales to the global token mean
         elif call.args and (
             script.session_call(call, "backward") or script.callee(call) == "torch.autograd.backward"
         ):
@@ -90,14 +129,15 @@ def summed_loss(script: Script) -> Found:
         return
     criteria = _criteria(script)
     for backward, target in _backward_targets(script):
-        if any("all_reduce" in script.callee(c) for c in script.calls(script.scope(backward))):
+        if _grads_reduced_by_hand(script, script.scope(backward)):
             continue  # gradients combined by hand: the user chose the arithmetic
         value = target
         if isinstance(target, ast.Name | ast.Attribute):
             value = script.last_assignment(unparse(target), backward)
-        if value is not None and _summed(script, value, criteria):
+        site = None if value is None else _sum_site(script, value, criteria)
+        if site is not None:
             yield (
-                value,
+                site,
                 f"`{unparse(value)}` sums this rank's samples; DDP divides by the world size",
             )
 

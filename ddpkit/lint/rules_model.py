@@ -1,4 +1,4 @@
-"""Rules about building and wrapping the model: DDP001, DDP002, DDP004, DDP010, DDP011, DDP012."""
+"""Rules about building and wrapping the model: DDP001, DDP002, DDP004, DDP010, DDP011, DDP012, DDP014."""
 
 from __future__ import annotations
 
@@ -6,14 +6,17 @@ import ast
 from collections.abc import Iterator
 
 from ddpkit.lint.models import (
+    binding,
     contains_layer,
+    helper_optimizers,
     model_texts,
     optimizer_params,
     optimizers_by_model,
     origin,
     static_module,
+    translate,
 )
-from ddpkit.lint.rules import Rule
+from ddpkit.lint.rule import Rule
 from ddpkit.lint.script import Script, is_const, kwarg, last, unparse
 
 Found = Iterator[tuple[ast.AST, str]]
@@ -22,12 +25,31 @@ _BATCHNORMS = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNorm", "LazyBa
 _HALF = ("torch.bfloat16", "torch.float16", "torch.half")
 
 
+def _replaced(script: Script, call: ast.Call) -> tuple[set[str], str]:
+    """The texts of the modules whose parameters `call` replaces (FSDP, fully_shard, s.model, or a
+    file-local helper that does one of them to its argument or to `self.model`), and how."""
+    if script.session_call(call, "model") or last(script.callee(call)) in _REPLACING:
+        how = "s.model" if script.session_call(call, "model") else last(script.callee(call))
+        return ({unparse(call.args[0])} if call.args else set()), how
+    texts: set[str] = set()
+    for fn in script.local_callees(call):
+        bound = binding(script, call, fn)
+        for inner in script.calls(fn):
+            if inner.args and (
+                script.session_call(inner, "model") or last(script.callee(inner)) in _REPLACING
+            ):
+                texts.add(translate(unparse(inner.args[0]), bound))
+    return texts - {""}, unparse(call.func)
+
+
 def optimizer_before_wrap(script: Script) -> Found:
-    for opt, text in optimizer_params(script):
+    optimizers = [*optimizer_params(script), *helper_optimizers(script)]
+    for opt, text in optimizers:
         for call in script.calls():
-            replacing = script.session_call(call, "model") or last(script.callee(call)) in _REPLACING
-            if replacing and call.args and unparse(call.args[0]) == text and script.after(call, opt):
-                how = "s.model" if script.session_call(call, "model") else last(script.callee(call))
+            if call is opt or not script.after(call, opt):
+                continue
+            replaced, how = _replaced(script, call)
+            if text in replaced:
                 yield (
                     opt,
                     f"`{text}.parameters()` went to the optimizer before `{how}({text})`, line {call.lineno}",
@@ -36,7 +58,6 @@ def optimizer_before_wrap(script: Script) -> Found:
                 isinstance(call.func, ast.Attribute)
                 and call.func.attr == "to_empty"
                 and unparse(call.func.value) == text
-                and script.after(call, opt)
             ):
                 yield (
                     opt,
@@ -50,7 +71,7 @@ def batchnorm_per_rank(script: Script) -> Found:
     for wrap in script.wraps:
         if not wrap.args:
             continue
-        sync = kwarg(wrap, "sync_batchnorm")
+        sync = script.keyword(wrap, "sync_batchnorm")
         if sync is not None and not is_const(sync, False):
             continue
         built = origin(script, wrap.args[0])
@@ -84,15 +105,20 @@ def _param_loop_var(node: ast.AST, roots: set[str]) -> str:
     return unparse(node.target.elts[-1] if isinstance(node.target, ast.Tuple) else node.target)
 
 
-def _change(node: ast.AST, roots: set[str], loop_vars: set[str]) -> str:
-    """What `node` does to the wrapped model's parameters, or ''."""
+def _false(node: ast.AST | None, falsy: set[str]) -> bool:
+    return is_const(node, False) or (isinstance(node, ast.Name) and node.id in falsy)
+
+
+def _change(node: ast.AST, roots: set[str], loop_vars: set[str], falsy: set[str] = frozenset()) -> str:
+    """What `node` does to the wrapped model's parameters, or ''. `falsy`: names that hold False
+    (a helper's `trainable` parameter, called with False)."""
     if (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and node.func.attr == "requires_grad_"
     ):
         owner = unparse(node.func.value)
-        frozen = node.args and is_const(node.args[0], False)
+        frozen = node.args and _false(node.args[0], falsy)
         return f"`{unparse(node)}`" if frozen and (_under(owner, roots) or owner in loop_vars) else ""
     if not isinstance(node, ast.Assign):
         return ""
@@ -102,10 +128,10 @@ def _change(node: ast.AST, roots: set[str], loop_vars: set[str]) -> str:
         owner = unparse(t.value)
         if (
             t.attr == "requires_grad"
-            and is_const(node.value, False)
+            and _false(node.value, falsy)
             and (_under(owner, roots) or owner in loop_vars)
         ):
-            return f"`{unparse(t)} = False`"
+            return f"`{unparse(t)} = {unparse(node.value)}`"
         if (
             t.attr not in ("data", "grad", "requires_grad")
             and _under(unparse(t), roots)
@@ -127,8 +153,30 @@ def changed_after_wrap(script: Script) -> Found:
         loop_vars = {v for v in (_param_loop_var(n, roots) for n in later) if v}
         for node in later:
             change = _change(node, roots, loop_vars) if roots else ""
+            if not change and isinstance(node, ast.Call) and roots:
+                change = _change_in_helper(script, node, roots)
             if change:
                 yield node, f"{change} after `{unparse(wrap.func)}(...)` (line {wrap.lineno})"
+
+
+def _change_in_helper(script: Script, call: ast.Call, roots: set[str]) -> str:
+    """A file-local helper called with the wrapped model that freezes or replaces its parameters
+    (`set_backbone_trainable(model.module, False)`), one call deep."""
+    for fn in script.local_callees(call):
+        bound = binding(script, call, fn)
+        inner_roots = {p for p, text in bound.items() if _under(text, roots)} | {
+            r for r in roots if r.startswith("self.")
+        }
+        if not inner_roots:
+            continue
+        falsy = {p for p, text in bound.items() if text == "False"}
+        inner = list(ast.walk(fn))
+        loop_vars = {v for v in (_param_loop_var(n, inner_roots) for n in inner) if v}
+        for node in inner:
+            change = _change(node, inner_roots, loop_vars, falsy)
+            if change:
+                return f"`{unparse(call)}` (its {change}, line {node.lineno})"
+    return ""
 
 
 def _constructs(value: ast.AST) -> bool:
@@ -142,6 +190,15 @@ def _constructs(value: ast.AST) -> bool:
     return isinstance(value, ast.Call) and last(unparse(value.func))[:1].isupper()
 
 
+def _half(script: Script, dtype: ast.AST) -> bool:
+    """torch.bfloat16/float16/half, or a name assigned one of them (also picked from a table:
+    `dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]`)."""
+    if script.qualname(dtype) in _HALF:
+        return True
+    value = script.value_of(dtype)
+    return value is not dtype and any(script.qualname(n) in _HALF for n in ast.walk(value))
+
+
 def cast_with_fp32_optimizer(script: Script) -> Found:
     optimizers = optimizers_by_model(script)
     if not optimizers:
@@ -152,7 +209,7 @@ def cast_with_fp32_optimizer(script: Script) -> Found:
         if not isinstance(f, ast.Attribute):
             continue
         dtypes = [*call.args, *(k.value for k in call.keywords if k.arg == "dtype")]
-        to_half = f.attr == "to" and any(script.qualname(d) in _HALF for d in dtypes)
+        to_half = f.attr == "to" and any(_half(script, d) for d in dtypes)
         if not (to_half or (f.attr in ("half", "bfloat16") and not call.args)):
             continue
         stmt = script.parents.get(call)
@@ -182,9 +239,64 @@ def data_parallel(script: Script) -> Found:
 
 def unused_parameters_flag(script: Script) -> Found:
     for wrap in script.wraps:
-        flag = kwarg(wrap, "find_unused_parameters")
+        flag = script.keyword(wrap, "find_unused_parameters")
         if flag is not None and is_const(flag, True) and wrap.args and static_module(script, wrap.args[0]):
             yield flag, f"`{unparse(wrap.args[0])}` has no branch, loop or unused submodule in forward"
+
+
+_CHECKPOINTS = ("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential")
+
+
+def _under_ddp(script: Script) -> bool:
+    """The file wraps a model in DDP (DDP(...), or s.model without strategy="fsdp") without
+    static_graph=True, under which DDP supports reentrant backwards (its documentation)."""
+    ddp = False
+    sessions = [c for c in script.calls() if script.callee(c) in ("ddpkit.session", "ddpkit.session.session")]
+    fsdp_session = any("fsdp" in unparse(script.keyword(c, "strategy")).lower() for c in sessions)
+    for wrap in script.wraps:
+        if script.session_call(wrap, "model"):
+            strategy = script.keyword(wrap, "strategy")
+            if "fsdp" in unparse(strategy).lower() or (strategy is None and fsdp_session):
+                continue
+        elif last(script.callee(wrap)) != "DistributedDataParallel":
+            continue
+        static = script.keyword(wrap, "static_graph")
+        if static is not None and not is_const(static, False):
+            return False
+        ddp = True
+    return ddp and not any(True for _ in script.method_calls("_set_static_graph"))
+
+
+def _reentrant(script: Script, call: ast.Call) -> str:
+    """How `call` checkpoints reentrantly ('' when it does not, or when it cannot be told)."""
+    name = script.callee(call)
+    if name in _CHECKPOINTS:
+        flag = script.keyword(call, "use_reentrant")
+        if flag is None and script.unknown_keywords(call):
+            return ""  # **kwargs: not known here
+        if flag is None:
+            return "without use_reentrant, whose default is still the reentrant variant"
+        return "with use_reentrant=True" if is_const(flag, True) else ""
+    if last(name) == "checkpoint_wrapper":
+        impl = kwarg(call, "checkpoint_impl")
+        reentrant = impl is not None and last(unparse(impl)) == "REENTRANT"
+        return "with CheckpointImpl.REENTRANT" if reentrant else ""
+    if isinstance(call.func, ast.Attribute) and call.func.attr == "gradient_checkpointing_enable":
+        options = kwarg(call, "gradient_checkpointing_kwargs")
+        if isinstance(options, ast.Dict):
+            for key, value in zip(options.keys, options.values, strict=True):
+                if is_const(key, "use_reentrant") and is_const(value, True):
+                    return "with use_reentrant=True"
+    return ""
+
+
+def reentrant_checkpoint(script: Script) -> Found:
+    if not script.multi_rank or not _under_ddp(script):
+        return
+    for call in script.calls():
+        how = _reentrant(script, call)
+        if how:
+            yield call, f"`{unparse(call.func)}(...)` {how}, in a model trained under DDP"
 
 
 RULES = (
@@ -236,5 +348,15 @@ RULES = (
         "drop find_unused_parameters=True (DDP raises a clear error if a parameter really gets no gradient)",
         unused_parameters_flag,
         confidence="low",
+    ),
+    Rule(
+        "DDP014", "reentrant-checkpoint", "reentrant activation checkpointing under DDP",
+        "Reentrant checkpointing (use_reentrant=True, or torch.utils.checkpoint without use_reentrant, "
+        "whose default it still is) re-runs the block's backward outside DDP's view. Measured on 2 gloo "
+        "ranks: with find_unused_parameters=True, 'Expected to mark a variable ready only once'; a block "
+        "whose input needs no gradient, 'Expected to have finished reduction in the prior iteration'; a "
+        "layer checkpointed twice, replicas that silently differ.",
+        "pass use_reentrant=False (ddpkit: s.model(net, activation_checkpointing=...) is non-reentrant)",
+        reentrant_checkpoint,
     ),
 )  # fmt: skip

@@ -11,7 +11,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from ddpkit.lint.rules import Rule
+from ddpkit.lint.rule import Rule
 from ddpkit.lint.script import Script, exits, is_const, kwarg, last, rankish, unparse
 
 Found = Iterator[tuple[ast.AST, str]]
@@ -41,20 +41,24 @@ def _looks_like_metric(node: ast.AST) -> bool:
 
 def print_every_rank(script: Script) -> Found:
     """A loss or accuracy printed by every rank, untagged: N lines, each a rank's local value that reads
-    like the global one. Prints that name their rank are deliberate and never reported."""
+    like the global one (or, after an all_reduce, the same line N times). Prints that name their rank
+    are deliberate and never reported. A message built first (`msg = "...".format(loss)`) is read."""
     if not script.sets_up_ranks:
         return  # the group is set up elsewhere, where print may be made rank-0-only
     for call in script.calls():
         if not (isinstance(call.func, ast.Name) and call.func.id == "print"):
             continue
-        message = ast.Tuple(elts=list(call.args), ctx=ast.Load())
+        message = ast.Tuple(elts=[script.value_of(a) for a in call.args], ctx=ast.Load())
         if not _looks_like_metric(message) or rankish(message) or "getpid" in unparse(message):
             continue
+        if script.guarded(call):
+            continue
         scope = script.scope(call)
+        text = unparse(call.args[0]) if call.args else ""
         if any("reduce" in script.callee(c) or "gather" in script.callee(c) for c in script.calls(scope)):
-            continue  # the value was combined over ranks first: at worst a duplicate line
-        if not script.guarded(call):
-            yield call, f"every rank prints its own `{unparse(call.args[0]) if call.args else ''}`"[:200]
+            yield call, f"every rank prints the same combined `{text}`: each line N times"[:200]
+        else:
+            yield call, f"every rank prints its own `{text}`"[:200]
 
 
 def _no_broadcast(script: Script, call: ast.Call) -> bool:
@@ -90,7 +94,8 @@ def seeds(script: Script) -> Found:
     also orders the loader's shuffle, which must be the same on every rank."""
     if not script.multi_rank:
         return
-    for call in script.calls():
+    reported: set[ast.If] = set()  # one finding per rank test, however many generators it seeds
+    for call in sorted(script.calls(), key=lambda c: (c.lineno, c.col_offset)):
         name = script.callee(call)
         value = None
         if last(name) in _SEEDERS or name in ("random.seed", "numpy.random.seed"):
@@ -106,19 +111,22 @@ def seeds(script: Script) -> Found:
             if shard is not None:
                 wrap = f"`{unparse(shard.func)}` on line {shard.lineno}"
                 yield call, f"`{unparse(call)}` differs per rank, before {wrap}"
-        elif _only_on_some_ranks(script, call):
+        elif (guard := _only_on_some_ranks(script, call)) is not None and guard not in reported:
+            reported.add(guard)
             yield call, f"`{unparse(call)}` runs under a rank test: the other ranks stay unseeded"
 
 
-def _only_on_some_ranks(script: Script, call: ast.Call) -> bool:
+def _only_on_some_ranks(script: Script, call: ast.Call) -> ast.If | None:
+    """The rank test (`if rank == 0:`) the seed runs under, when its else branch seeds nothing."""
     child: ast.AST = call
     for a in script.ancestors(call):
         if isinstance(a, ast.If) and child in a.body and rankish(a.test):
-            return not any(last(script.callee(c)) in _SEEDERS for s in a.orelse for c in script.calls(s))
+            seeded = any(last(script.callee(c)) in _SEEDERS for s in a.orelse for c in script.calls(s))
+            return None if seeded else a
         if isinstance(a, ast.FunctionDef | ast.AsyncFunctionDef):
-            return False
+            return None
         child = a
-    return False
+    return None
 
 
 def hard_coded_cuda(script: Script) -> Found:
@@ -132,6 +140,7 @@ def hard_coded_cuda(script: Script) -> Found:
         or script.mentions("CUDA_VISIBLE_DEVICES")
         or not script.sets_up_ranks
     )  # then maybe set elsewhere
+    bare = []
     for call in script.calls():
         fixed = _fixed_index(script, call)
         if fixed:
@@ -142,12 +151,23 @@ def hard_coded_cuda(script: Script) -> Found:
             and (script.session_names or not picks_device)
             and not _under_device_test(script, call)
         ):
-            why = "fails in ddpkit's CPU modes" if script.session_names else "every rank lands on cuda:0"
-            yield call, f"`{unparse(call)}` picks the current GPU: {why}"
+            bare.append(call)
+    if bare:  # one cause (nothing selects the rank's GPU), one finding: the first, naming the others
+        first = min(bare, key=lambda c: (c.lineno, c.col_offset))
+        why = "fails in ddpkit's CPU modes" if script.session_names else "every rank lands on cuda:0"
+        more = sorted({c.lineno for c in bare} - {first.lineno})
+        also = f" (also line{'s' * (len(more) > 1)} {', '.join(map(str, more))})" if more else ""
+        yield first, f"`{unparse(first)}` picks the current GPU: {why}{also}"
     for node in ast.walk(script.tree):
-        named_device = isinstance(node, ast.Assign) and any(
-            "device" in unparse(t).lower() for t in node.targets
+        # `device = "cuda:0"`, also annotated (`device: str = "cuda:0"`, a dataclass config's default)
+        target = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
         )
+        named_device = any("device" in unparse(t).lower() for t in target)
         if named_device and _cuda_n(node.value):
             yield node, f"`{unparse(node)}` puts every rank on the same GPU"
 
@@ -185,9 +205,10 @@ def _bare_cuda(script: Script, call: ast.Call) -> bool:
     f = call.func
     if isinstance(f, ast.Attribute) and f.attr == "cuda" and not call.args and not call.keywords:
         return unparse(f.value) not in ("torch", "torch.backends")
+    if last(script.callee(call)) == "device":  # torch.device("cuda"); not torch.device("cuda", local_rank)
+        return len(call.args) == 1 and is_const(call.args[0], "cuda") and kwarg(call, "index") is None
     args = [*call.args, *(k.value for k in call.keywords if k.arg == "device")]
-    mover = (isinstance(f, ast.Attribute) and f.attr == "to") or last(script.callee(call)) == "device"
-    return mover and any(is_const(a, "cuda") for a in args)
+    return isinstance(f, ast.Attribute) and f.attr == "to" and any(is_const(a, "cuda") for a in args)
 
 
 def _under_device_test(script: Script, node: ast.AST) -> bool:

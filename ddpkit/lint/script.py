@@ -257,6 +257,42 @@ class Script:
             return ast.copy_location(ast.BinOp(left=best.target, op=best.op, right=best.value), best)
         return best.value if best else None
 
+    def value_of(self, node: ast.AST | None) -> ast.AST | None:
+        """What a name stands for: its last assignment before `node` in the same function, else its
+        assignment at module level (`DDP_OPTS = {...}` used in main); the node itself otherwise."""
+        if not isinstance(node, ast.Name):
+            return node
+        value = self.last_assignment(node.id, node)
+        if value is None:
+            for stmt in self.tree.body:
+                if isinstance(stmt, ast.Assign) and any(unparse(t) == node.id for t in stmt.targets):
+                    value = stmt.value
+        return node if value is None else value
+
+    def _options(self, call: ast.Call) -> Iterator[tuple[str | None, ast.expr]]:
+        """The call's keywords, with `**opts` opened where opts is a dict literal or dict(...) in the file."""
+        for k in call.keywords:
+            if k.arg is not None:
+                yield k.arg, k.value
+                continue
+            opts = self.value_of(k.value)
+            if isinstance(opts, ast.Dict) and None not in opts.keys:
+                for key, value in zip(opts.keys, opts.values, strict=True):
+                    text = key.value if isinstance(key, ast.Constant) else None
+                    yield (text if isinstance(text, str) else "?"), value
+            elif isinstance(opts, ast.Call) and unparse(opts.func) == "dict" and not opts.args:
+                yield from self._options(opts)
+            else:
+                yield None, k.value  # not known here
+
+    def keyword(self, call: ast.Call, name: str) -> ast.expr | None:
+        """Keyword `name` of `call`, also when passed in `**opts` (see `_options`)."""
+        return next((v for k, v in self._options(call) if k == name), None)
+
+    def unknown_keywords(self, call: ast.Call) -> bool:
+        """Some `**kwargs` of the call cannot be opened: any keyword may be in there."""
+        return any(k is None for k, _ in self._options(call))
+
     # -- functions and classes ------------------------------------------------------------------
     @cached_property
     def functions(self) -> dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]]:
