@@ -88,3 +88,19 @@ def test_forked_ranks_refuse_more_than_one_thread_with_the_fix() -> None:
 
     with pytest.raises(ddpkit.DdpkitError, match=r"threads=2 with forked ranks: GNU OpenMP hangs"):
         ddpkit.spawn(lambda: 1, nproc=2, threads=2)
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_forked_ranks_run_one_thread_whatever_omp_num_threads_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A function defined in a cell is forked; GNU OpenMP hangs a forked child that runs more threads
+    # after the parent used its pool, so each forked rank gets one thread even when the environment
+    # asks for two (a lambda: not importable by name, so forked like a notebook cell's function).
+    import ddpkit
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert ddpkit.spawn(lambda: _threads(), nproc=2) == [1, 1]

@@ -59,3 +59,20 @@ def test_on_a_terminal_the_bar_refreshes_in_place(tmp_path: Path) -> None:
     text = b"".join(chunks).decode(errors="replace")
     assert re.search(r"\rfit: +\d+%", text), "tqdm redraws the bar in place (a carriage return, then the bar)"
     assert not any(LINE.match(x.strip()) for x in text.splitlines()), "and prints no plain progress line"
+
+
+def test_a_run_of_unknown_length_logs_a_line_every_every_s_seconds() -> None:
+    """No total (an iterable without a length): no tenths to print at, so the lines come by time."""
+    import io
+    import time
+
+    from ddpkit.progress import Progress
+
+    stream = io.StringIO()
+    progress = Progress(None, every_s=0.05, stream=stream)
+    for step in range(1, 7):
+        time.sleep(0.06)  # each step longer than every_s: a line after each
+        progress.update(step, 0, 0.5, 16)
+    progress.close()
+    steps = [int(m.group(1)) for m in re.finditer(r"^fit: step (\d+)", stream.getvalue(), re.M)]
+    assert steps[:6] == [1, 2, 3, 4, 5, 6], stream.getvalue()
