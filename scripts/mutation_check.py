@@ -236,6 +236,31 @@ MUTANTS = [
         ("tests/test_progress.py::test_a_run_of_unknown_length_logs_a_line_every_every_s_seconds",),
         "no time-based progress line (only tenths of a known total)",
     ),
+    Mutant(
+        "fsdp-whole-build",
+        "ddpkit/strategy/fsdp.py",
+        "        module, shards, peak = fsdp_init.build(factory, dist.get_rank(), dist.get_world_size())\n",
+        "        return factory()  # mutant: every rank builds the whole model\n"
+        "        module, shards, peak = fsdp_init.build(factory, dist.get_rank(), dist.get_world_size())\n",
+        ("tests/test_fsdp_init.py::test_no_rank_ever_holds_the_whole_model_measured_by_the_kernel",),
+        "s.model(factory, strategy='fsdp') builds the whole model on every rank, then shards it",
+    ),
+    Mutant(
+        "elastic-per-rank",
+        "ddpkit/data.py",
+        "    scaled = accumulation * (most // world_size)",
+        "    scaled = accumulation",
+        ("tests/test_launch.py::test_an_elastic_job_below_its_largest_size_keeps_the_global_batch",),
+        "an elastic job below its largest size does not accumulate more (the per-rank default)",
+    ),
+    Mutant(
+        "elastic-batch-accumulation",
+        "ddpkit/data.py",
+        'if most <= world_size or env.get(ELASTIC_BATCH_ENV, "per-rank") != "per-rank":',
+        "if most <= world_size:",
+        ("tests/test_launch.py::test_an_elastic_job_below_its_largest_size_keeps_the_global_batch",),
+        "`ddpkit run --elastic-batch accumulation` ignored (per-rank batch kept, more accumulation)",
+    ),
 ]
 
 

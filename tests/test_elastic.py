@@ -93,7 +93,7 @@ def hosts():
 def _steps(out: Path) -> list[tuple[int, int, int]]:
     path = out / "steps.txt"
     lines = path.read_text().split("\n") if path.exists() else []
-    return [tuple(int(v) for v in line.split()) for line in lines if line.strip()]  # type: ignore[misc]
+    return [tuple(int(v) for v in line.split()[:3]) for line in lines if line.strip()]  # type: ignore[misc]
 
 
 def _wait_for(what, timeout: float, procs: list[subprocess.Popen], out: Path) -> None:
