@@ -261,6 +261,15 @@ MUTANTS = [
         ("tests/test_launch.py::test_an_elastic_job_below_its_largest_size_keeps_the_global_batch",),
         "`ddpkit run --elastic-batch accumulation` ignored (per-rank batch kept, more accumulation)",
     ),
+    Mutant(
+        "test-leak-cleanup",
+        "tests/conftest.py",
+        "        for pid in pids:\n            with contextlib.suppress(ProcessLookupError, Permission",
+        "        for pid in []:  # mutant: only the launcher's group is killed\n"
+        "            with contextlib.suppress(ProcessLookupError, Permission",
+        ("tests/test_launch.py::test_a_timed_out_launch_leaves_no_worker_behind",),
+        "the tests' run_cli kills only the launcher's group on a timeout (torchrun's workers live on)",
+    ),
 ]
 
 

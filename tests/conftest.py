@@ -85,16 +85,24 @@ def end_launch(proc: subprocess.Popen, mark: str) -> None:
         time.sleep(0.1)
 
 
+def popen_marked(
+    cmd: list[str], *, cwd: Path | None = None, env: dict | None = None, **kwargs
+) -> tuple[subprocess.Popen, str]:
+    """Start `cmd` (a launcher: ddpkit run, torchrun) in a session of its own, its environment marked
+    so that `end_launch` finds its workers; stdout and stderr piped unless given."""
+    mark = uuid.uuid4().hex
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), LAUNCH_MARK: mark}
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    kwargs.setdefault("stderr", subprocess.PIPE)
+    proc = subprocess.Popen(cmd, text=True, cwd=cwd, env=full_env, start_new_session=True, **kwargs)
+    return proc, mark
+
+
 def popen_cli(
     *args: str, cwd: Path | None = None, env: dict | None = None, **kwargs
 ) -> tuple[subprocess.Popen, str]:
-    """Start `ddpkit ...` in a session of its own, its environment marked (see `end_launch`)."""
-    mark = uuid.uuid4().hex
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), LAUNCH_MARK: mark}
-    proc = subprocess.Popen([sys.executable, "-m", "ddpkit.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=cwd, env=full_env, start_new_session=True,
-                            **kwargs)  # fmt: skip
-    return proc, mark
+    """`ddpkit ...` started by `popen_marked`."""
+    return popen_marked([sys.executable, "-m", "ddpkit.cli", *args], cwd=cwd, env=env, **kwargs)
 
 
 def communicate(proc: subprocess.Popen, mark: str, timeout: float) -> subprocess.CompletedProcess:
@@ -104,18 +112,27 @@ def communicate(proc: subprocess.Popen, mark: str, timeout: float) -> subprocess
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         end_launch(proc, mark)
-        stdout, stderr = proc.communicate()
+        try:
+            stdout, stderr = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a process that escaped still holds the pipes open
+            stdout = stderr = None
         raise subprocess.TimeoutExpired(proc.args, timeout, stdout, stderr) from None
     if marked(mark):
         end_launch(proc, mark)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
+def run_marked(cmd: list[str], *, timeout: float, cwd: Path | None = None, env: dict | None = None):
+    """subprocess.run for a launcher: on a timeout it and all its workers are killed before
+    subprocess.TimeoutExpired is raised (subprocess.run would kill only the launcher)."""
+    proc, mark = popen_marked(cmd, cwd=cwd, env=env)
+    return communicate(proc, mark, timeout)
+
+
 def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None, env: dict | None = None):
     """Run `ddpkit ...` as a user would, in a subprocess; return the CompletedProcess. On a timeout the
     launcher and all its workers are killed before subprocess.TimeoutExpired is raised."""
-    proc, mark = popen_cli(*args, cwd=cwd, env=env)
-    return communicate(proc, mark, timeout)
+    return run_marked([sys.executable, "-m", "ddpkit.cli", *args], timeout=timeout, cwd=cwd, env=env)
 
 
 def fresh_python(code: str, timeout: float = 60) -> str:

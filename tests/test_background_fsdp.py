@@ -60,6 +60,9 @@ with ddpkit.session(seed=0) as s:
 """
 
 
+LAUNCH_TIMEOUT = 50  # each launch takes 6-12 s here; two per test stay under pytest's 120 s
+
+
 def _script(tmp_path: Path) -> Path:
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(JOB))
@@ -68,10 +71,10 @@ def _script(tmp_path: Path) -> Path:
 
 def test_a_background_fsdp_save_loads_the_weights_and_optimizer_state_of_the_call(tmp_path: Path) -> None:
     script, root = _script(tmp_path), tmp_path / "ck"
-    saved = run_cli("run", "--nproc", "2", str(script), str(root), "save", str(tmp_path), timeout=100)
+    saved = run_cli("run", "--nproc", "2", str(script), str(root), "save", str(tmp_path), timeout=LAUNCH_TIMEOUT)
     assert saved.returncode == 0, saved.stderr[-3000:]
     assert (root / "ckpt-000001" / "dcp" / ".metadata").is_file()
-    loaded = run_cli("run", "--nproc", "2", str(script), str(root), "load", str(tmp_path), timeout=100)
+    loaded = run_cli("run", "--nproc", "2", str(script), str(root), "load", str(tmp_path), timeout=LAUNCH_TIMEOUT)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     assert "STEP 1" in loaded.stdout and "\nSAME" in loaded.stdout, loaded.stdout
     assert "OPTIMIZER SAME" in loaded.stdout, "the optimizer state was saved as it was after the call"
@@ -79,11 +82,11 @@ def test_a_background_fsdp_save_loads_the_weights_and_optimizer_state_of_the_cal
 
 def test_a_crash_during_a_background_fsdp_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     script, root = _script(tmp_path), tmp_path / "ck"
-    crashed = run_cli("run", "--nproc", "2", str(script), str(root), "crash", str(tmp_path), timeout=100)
+    crashed = run_cli("run", "--nproc", "2", str(script), str(root), "crash", str(tmp_path), timeout=LAUNCH_TIMEOUT)
     assert crashed.returncode != 0 and "SIGKILL" in crashed.stderr, crashed.stderr[-2000:]
     assert (root / "ckpt-000001").is_dir() and not (root / "ckpt-000002").exists()
     assert (root / ".ckpt-000002.tmp").is_dir(), "the background write was not in flight"
-    resumed = run_cli("run", "--nproc", "2", str(script), str(root), "resume", str(tmp_path), timeout=100)
+    resumed = run_cli("run", "--nproc", "2", str(script), str(root), "resume", str(tmp_path), timeout=LAUNCH_TIMEOUT)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "ignored .ckpt-000002.tmp: a save that never finished" in resumed.stdout, resumed.stdout
     assert "ckpt-000001 (step 1)" in resumed.stdout

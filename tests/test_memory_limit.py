@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import run_marked
 
 from ddpkit.strategy import rank_memory
 
@@ -74,10 +75,10 @@ def _launch(
         (base / f"rank{r}" / "memory.max_usage_in_bytes").write_text("0")  # peaks of this run only
     out.mkdir()
     full_env = {**os.environ, "DDPKIT_TEST_CGROUP": str(base), "OMP_NUM_THREADS": "1", **env}
-    run = subprocess.run(
+    run = run_marked(  # 3 launches x 190 s < the test's 600 s; workers ended on a timeout (conftest.py)
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
          str(REPO / "tests" / "memory_limit_rank.py"), strategy, str(out)],
-        capture_output=True, text=True, timeout=280, env=full_env, cwd=REPO,
+        timeout=190, env=full_env, cwd=REPO,
     )  # fmt: skip
     groups = []
     for r in range(RANKS):
