@@ -270,6 +270,14 @@ MUTANTS = [
         ("tests/test_launch.py::test_a_timed_out_launch_leaves_no_worker_behind",),
         "the tests' run_cli kills only the launcher's group on a timeout (torchrun's workers live on)",
     ),
+    Mutant(
+        "resume-bitwise",
+        "ddpkit/verify/resume.py",
+        "        if not report.bitwise:\n",
+        "        if True:  # mutant: within the tolerance, whatever the report says\n",
+        ("tests/test_verify_resume.py::test_a_checkpoint_of_everything_resumes_bitwise",),
+        "verify --resume at the same world size compares within a tolerance, not bit for bit",
+    ),
 ]
 
 
