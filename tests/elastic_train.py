@@ -4,7 +4,7 @@
 
 96 samples, global batch 8, 2 epochs: 24 optimizer steps, a checkpoint after each. The world size may
 change between restarts; ddpkit keeps the per-rank batch (4) and the global batch (8) by accumulating.
-Global rank 0 appends "world accumulation step" to OUT/steps.txt after each optimizer step and writes
+Global rank 0 appends "world accumulation step per-rank-batch" to OUT/steps.txt after each optimizer step and writes
 OUT/final.safetensors at the end.
 """
 
@@ -51,7 +51,7 @@ def main() -> None:
                 step += 1
                 if s.is_main:
                     with open(log, "a") as f:
-                        f.write(f"{s.world_size} {s.accumulation} {step}\n")
+                        f.write(f"{s.world_size} {s.accumulation} {step} {len(xb)}\n")
                 s.save(ns.ckpt, **state, step=step)
                 time.sleep(ns.sleep)  # long enough steps for a node to leave or join mid-run
         if s.is_main:

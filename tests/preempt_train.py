@@ -5,8 +5,10 @@
 96 samples, global batch 12, 3 epochs: 24 optimizer steps, `s.save(..., every=5)` after each. With
 --signal-at, global rank RANK sends a signal at optimizer step STEP, in PHASE (forward, backward,
 optimizer, save: inside the next save's capture, on rank 0). WHO is "launcher" (SIGTERM to the
-launcher's process group, the default) or "self" (the preemption signal to this rank only: its peer
-learns of it only through the agreement). Rank 0 writes OUT/final.safetensors at the end, and every
+launcher's process group, the default), "self" (the preemption signal to this rank only: its peer
+learns of it only through the agreement) or a signal name such as USR1 (that signal to the launcher
+alone, as Slurm's --signal=USR1@120 sends it). With --slow-save S, the save that follows the signal
+takes S seconds longer on the signalling rank (a save longer than `ddpkit run --grace`). Rank 0 writes OUT/final.safetensors at the end, and every
 launch appends "start END" lines to OUT/log.txt (the steps it began from and reached).
 """
 
@@ -33,12 +35,14 @@ EPOCHS, SAMPLES, GLOBAL_BATCH = 3, 96, 12
 class Probe:
     """Shared state that can send the signal from inside a save (its state_dict runs in the save)."""
 
-    def __init__(self, fire) -> None:
-        self.fire, self.saves = fire, 0
+    def __init__(self, fire, fired: list, slow_save: float = 0.0) -> None:
+        self.fire, self.saves, self.fired, self.slow_save = fire, 0, fired, slow_save
 
     def state_dict(self) -> dict:
         self.saves += 1
         self.fire("save")
+        if self.fired and self.slow_save:  # the preemption's save, on the rank that signalled
+            time.sleep(self.slow_save)
         return {"saves": self.saves}
 
     def load_state_dict(self, state: dict) -> None:
@@ -51,6 +55,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--signal-at", default=None)
     ap.add_argument("--sleep", type=float, default=0.04)
+    ap.add_argument("--slow-save", type=float, default=0.0)
     ns = ap.parse_args()
     torch.set_num_threads(1)
     with ddpkit.session(seed=0, verbose=True) as s:
@@ -61,8 +66,11 @@ def main() -> None:
         def fire(phase: str) -> None:
             if at and not fired and phase == at[0] and step >= int(at[1]) and s.rank == int(at[2]):
                 fired.append(phase)
-                if (at[3] if len(at) > 3 else "launcher") == "self":
+                who = at[3] if len(at) > 3 else "launcher"
+                if who == "self":
                     os.kill(os.getpid(), signal.SIGUSR1)
+                elif who != "launcher":  # the launcher alone, the signal a scheduler sends it
+                    os.kill(os.getppid(), getattr(signal, f"SIG{who}"))
                 elif os.getpgid(os.getppid()) == os.getppid():  # the launcher leads its own group
                     os.killpg(os.getppid(), signal.SIGTERM)
                 else:
@@ -78,7 +86,7 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=0.02)
         opt.register_step_pre_hook(lambda *a: fire("optimizer"))
         loader = s.loader(data, batch_size=GLOBAL_BATCH, shuffle=True)
-        state = dict(model=model, optimizer=opt, loader=loader, probe=Probe(fire))
+        state = dict(model=model, optimizer=opt, loader=loader, probe=Probe(fire, fired, ns.slow_save))
         step = start = s.load(ns.ckpt, **state, step=0)["step"]
         for _epoch in range(loader.epoch, EPOCHS):
             for xb, yb in loader:

@@ -26,16 +26,24 @@ with ddpkit.session(seed=0) as s:
         sd = ddpkit.unwrap(model).state_dict()
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in sd.items()}
 
+    def full_opt():  # AdamW's moments and step count, whole (a collective), by parameter order
+        return {f"{i}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                for i, p in enumerate(model.parameters()) for k, v in opt.state[p].items() if torch.is_tensor(v)}
+
     if mode == "save":
         s.backward(model(torch.randn(4, 256)).square().mean())
         s.step(opt)
-        want = full()
+        want, want_opt = full(), full_opt()
         s.save(root, model=model, optimizer=opt, step=1, background=True)
-        with torch.no_grad():  # training goes on while DCP's thread writes
+        with torch.no_grad():  # training goes on while DCP's thread writes: weights and optimizer state
             for p in model.parameters():
                 p.add_(1.0)
+            for state in opt.state.values():
+                for v in state.values():
+                    if torch.is_tensor(v):
+                        v.add_(1.0)
         s.checkpoints.wait()
-        torch.save(want, f"{out}/want.pt")
+        torch.save({"model": want, "opt": want_opt}, f"{out}/want.pt")
     elif mode == "crash":
         s.save(root, model=model, optimizer=opt, step=1)
         s.save(root, model=model, optimizer=opt, step=2, background=True)
@@ -44,10 +52,15 @@ with ddpkit.session(seed=0) as s:
         s.checkpoints.wait()
     elif mode == "load":
         want = torch.load(f"{out}/want.pt")
-        got = full()
-        print("SAME" if all(got[k].equal(want[k]) for k in want) else "DIFFERENT", flush=True)
+        got, got_opt = full(), full_opt()
+        print("SAME" if all(got[k].equal(want["model"][k]) for k in want["model"]) else "DIFFERENT", flush=True)
+        same = got_opt.keys() == want["opt"].keys() and all(got_opt[k].equal(want["opt"][k]) for k in got_opt)
+        print("OPTIMIZER", "SAME" if same and got_opt else "DIFFERENT", flush=True)
     print("STEP", values["step"], flush=True)
 """
+
+
+LAUNCH_TIMEOUT = 50  # each launch takes 6-12 s here; two per test stay under pytest's 120 s
 
 
 def _script(tmp_path: Path) -> Path:
@@ -56,23 +69,24 @@ def _script(tmp_path: Path) -> Path:
     return script
 
 
-def test_a_background_fsdp_save_loads_the_weights_of_the_call(tmp_path: Path) -> None:
+def test_a_background_fsdp_save_loads_the_weights_and_optimizer_state_of_the_call(tmp_path: Path) -> None:
     script, root = _script(tmp_path), tmp_path / "ck"
-    saved = run_cli("run", "--nproc", "2", str(script), str(root), "save", str(tmp_path), timeout=100)
+    saved = run_cli("run", "--nproc", "2", str(script), str(root), "save", str(tmp_path), timeout=LAUNCH_TIMEOUT)
     assert saved.returncode == 0, saved.stderr[-3000:]
     assert (root / "ckpt-000001" / "dcp" / ".metadata").is_file()
-    loaded = run_cli("run", "--nproc", "2", str(script), str(root), "load", str(tmp_path), timeout=100)
+    loaded = run_cli("run", "--nproc", "2", str(script), str(root), "load", str(tmp_path), timeout=LAUNCH_TIMEOUT)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
-    assert "STEP 1" in loaded.stdout and "SAME" in loaded.stdout, loaded.stdout
+    assert "STEP 1" in loaded.stdout and "\nSAME" in loaded.stdout, loaded.stdout
+    assert "OPTIMIZER SAME" in loaded.stdout, "the optimizer state was saved as it was after the call"
 
 
 def test_a_crash_during_a_background_fsdp_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     script, root = _script(tmp_path), tmp_path / "ck"
-    crashed = run_cli("run", "--nproc", "2", str(script), str(root), "crash", str(tmp_path), timeout=100)
+    crashed = run_cli("run", "--nproc", "2", str(script), str(root), "crash", str(tmp_path), timeout=LAUNCH_TIMEOUT)
     assert crashed.returncode != 0 and "SIGKILL" in crashed.stderr, crashed.stderr[-2000:]
     assert (root / "ckpt-000001").is_dir() and not (root / "ckpt-000002").exists()
     assert (root / ".ckpt-000002.tmp").is_dir(), "the background write was not in flight"
-    resumed = run_cli("run", "--nproc", "2", str(script), str(root), "resume", str(tmp_path), timeout=100)
+    resumed = run_cli("run", "--nproc", "2", str(script), str(root), "resume", str(tmp_path), timeout=LAUNCH_TIMEOUT)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "ignored .ckpt-000002.tmp: a save that never finished" in resumed.stdout, resumed.stdout
     assert "ckpt-000001 (step 1)" in resumed.stdout

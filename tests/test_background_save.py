@@ -64,11 +64,11 @@ def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(JOB))
     root = tmp_path / "ck"
-    crashed = run_cli("run", "--nproc", "2", str(script), str(root), "crash", strategy, timeout=100)
+    crashed = run_cli("run", "--nproc", "2", str(script), str(root), "crash", strategy, timeout=50)
     assert crashed.returncode != 0 and "SIGKILL" in crashed.stderr, crashed.stderr[-2000:]
     assert (root / "ckpt-000001").is_dir() and not (root / "ckpt-000002").exists()
     assert (root / ".ckpt-000002.tmp").is_dir(), "the background write was not in flight"
-    resumed = run_cli("run", "--nproc", "2", str(script), str(root), "load", strategy, timeout=100)
+    resumed = run_cli("run", "--nproc", "2", str(script), str(root), "load", strategy, timeout=50)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "ignored .ckpt-000002.tmp: a save that never finished" in resumed.stdout, resumed.stdout
     assert "resumed from" in resumed.stdout and "ckpt-000001 (step 1)" in resumed.stdout

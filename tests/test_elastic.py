@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_marked
 from safetensors.torch import load_file
 
 HERE = Path(__file__).parent
@@ -94,7 +95,7 @@ def hosts():
 def _steps(out: Path) -> list[tuple[int, int, int]]:
     path = out / "steps.txt"
     lines = path.read_text().split("\n") if path.exists() else []
-    return [tuple(int(v) for v in line.split()) for line in lines if line.strip()]  # type: ignore[misc]
+    return [tuple(int(v) for v in line.split()[:3]) for line in lines if line.strip()]  # type: ignore[misc]
 
 
 def _wait_for(what, timeout: float, procs: list[subprocess.Popen], out: Path) -> None:
@@ -110,8 +111,8 @@ def _reference(tmp_path: Path) -> dict[str, torch.Tensor]:
     """The uninterrupted run: 2 ranks on this host, the same script."""
     out = tmp_path / "reference"
     out.mkdir()
-    done = subprocess.run([*DDPKIT, "--nproc", "2", SCRIPT, str(tmp_path / "ref-ckpt"), str(out), "--sleep", "0"],
-                          capture_output=True, text=True, timeout=90)  # fmt: skip
+    done = run_marked([*DDPKIT, "--nproc", "2", SCRIPT, str(tmp_path / "ref-ckpt"), str(out), "--sleep", "0"],
+                      timeout=40)  # ~8 s here; workers ended on a timeout (tests/conftest.py)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return load_file(out / "final.safetensors")
 
@@ -135,16 +136,18 @@ def _check_finished(out: Path, reference: dict[str, torch.Tensor]) -> list[tuple
     return steps
 
 
-@pytest.mark.timeout(240)
+# Inner limits in order (issue 28): reference 40 + meeting 45 + back at world 1 100 + the end 45 = 230 s,
+# under the test's 280 s, so the inner limit's message and the fixture's clean-up come first.
+@pytest.mark.timeout(280)
 def test_a_lost_host_and_the_job_finishes_on_the_other(hosts, tmp_path: Path) -> None:
     reference, out, ckpt = _prepare(tmp_path)
     a, b = hosts(0, ckpt, out), hosts(1, ckpt, out)
-    _wait_for(lambda: sum(s[0] == 2 for s in _steps(out)) >= 4, 60, [a, b], out)
+    _wait_for(lambda: sum(s[0] == 2 for s in _steps(out)) >= 4, 45, [a, b], out)
     lost_at = time.monotonic()
     hosts.lose(1)  # if host 0 then waits in a save for host 1's part, it gives up after 60 s of silence
-    _wait_for(lambda: any(s[0] == 1 for s in _steps(out)), 120, [a], out)
+    _wait_for(lambda: any(s[0] == 1 for s in _steps(out)), 100, [a], out)
     back_after = time.monotonic() - lost_at
-    assert a.wait(timeout=60) == 0, (out / "host0.log").read_text()[-3000:]
+    assert a.wait(timeout=45) == 0, (out / "host0.log").read_text()[-3000:]
     steps = _check_finished(out, reference)
     worlds = [w for w, _, _ in steps]
     assert worlds[0] == 2 and worlds[-1] == 1, steps
@@ -154,15 +157,16 @@ def test_a_lost_host_and_the_job_finishes_on_the_other(hosts, tmp_path: Path) ->
     print(f"elastic: host lost -> training again at world size 1 after {back_after:.1f} s")
 
 
-@pytest.mark.timeout(150)
+# Reference 40 + 45 + 45 + the end 2 x 30 = 190 s, under 220 s.
+@pytest.mark.timeout(220)
 def test_a_joining_host_and_the_job_continues_on_both(hosts, tmp_path: Path) -> None:
     reference, out, ckpt = _prepare(tmp_path)
     a = hosts(0, ckpt, out)
-    _wait_for(lambda: sum(s[0] == 1 for s in _steps(out)) >= 4, 60, [a], out)
+    _wait_for(lambda: sum(s[0] == 1 for s in _steps(out)) >= 4, 45, [a], out)
     b, joined = hosts(1, ckpt, out), time.monotonic()
-    _wait_for(lambda: any(s[0] == 2 for s in _steps(out)), 60, [a, b], out)
+    _wait_for(lambda: any(s[0] == 2 for s in _steps(out)), 45, [a, b], out)
     print(f"elastic: host started -> training at world size 2 after {time.monotonic() - joined:.1f} s")
-    assert a.wait(timeout=60) == 0 and b.wait(timeout=60) == 0, (out / "host0.log").read_text()[-3000:]
+    assert a.wait(timeout=30) == 0 and b.wait(timeout=30) == 0, (out / "host0.log").read_text()[-3000:]
     steps = _check_finished(out, reference)
     worlds = [w for w, _, _ in steps]
     assert worlds[0] == 1 and worlds[-1] == 2, steps

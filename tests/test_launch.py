@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import run_cli
+from conftest import REPO, communicate, end_launch, marked, popen_cli, run_cli
 
 import ddpkit
 
@@ -83,20 +84,15 @@ def _free_port() -> int:
 def test_two_nodes_on_one_machine_form_one_job(tmp_path: Path) -> None:
     script = _script(tmp_path, PLAIN_TORCHRUN_SCRIPT)
     port = _free_port()
-    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", "2", "--nproc", "2",
-           "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
-    env = {**os.environ, "OUT_DIR": str(tmp_path)}
-    nodes = [
-        subprocess.Popen([*cmd, "--node-rank", str(r), str(script)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in (0, 1)
-    ]  # fmt: skip
-    try:
-        outputs = [n.communicate(timeout=90) for n in nodes]
+    cmd = ["run", "--nnodes", "2", "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    nodes = [popen_cli(*cmd, "--node-rank", str(r), str(script), env={"OUT_DIR": str(tmp_path)}) for r in (0, 1)]
+    try:  # 50 s each, one after the other: under pytest's 120 s
+        done = [communicate(proc, mark, timeout=50) for proc, mark in nodes]
     finally:
-        for n in nodes:
-            n.kill()
-    assert [n.returncode for n in nodes] == [0, 0], outputs
+        for proc, mark in nodes:
+            end_launch(proc, mark)
+    outputs = [(d.stdout, d.stderr) for d in done]
+    assert [d.returncode for d in done] == [0, 0], outputs
     ranks = _ranks(tmp_path)
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
     assert {r["world"] for r in ranks} == {4} and {r["sum"] for r in ranks} == {10.0}
@@ -263,3 +259,59 @@ def test_more_cpu_ranks_than_cores_warns_once(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stderr.count(f"ddpkit run: warning: 2 processes x {cores} thread(s)") == 1
+
+
+@pytest.mark.parametrize(("mode", "accumulation", "batch"), [("per-rank", 2, 4), ("accumulation", 1, 8)])
+def test_an_elastic_job_below_its_largest_size_keeps_the_global_batch(
+    tmp_path: Path, mode: str, accumulation: int, batch: int
+) -> None:
+    # One node of an elastic job of up to 2 (one rank each): world 1 of up to 2. The global batch (8)
+    # stays; per-rank (the default) keeps 4 samples per rank and accumulates 2 micro-batches,
+    # --elastic-batch accumulation grows the per-rank batch to 8 instead. No network namespaces: the
+    # second node never comes, the rendezvous closes 1 s after the first.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "out"
+    out.mkdir()
+    done = run_cli("run", "--nnodes", "1:2", "--nproc", "1", "--max-restarts", "1", "--elastic-batch", mode,
+                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=1",
+                   str(REPO / "tests" / "elastic_train.py"), str(tmp_path / "ck"), str(out), "--sleep", "0",
+                   timeout=90, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [tuple(map(int, line.split())) for line in (out / "steps.txt").read_text().splitlines()]
+    assert len(steps) == 24, "96 samples / global batch 8 x 2 epochs"
+    assert {(world, acc, size) for world, acc, _, size in steps} == {(1, accumulation, batch)}, steps[:3]
+
+
+HANG = """
+import time, ddpkit
+with ddpkit.session() as s:
+    print("rank", s.rank, "hangs", flush=True)
+    time.sleep(1000)  # a planted hang: a collective that never comes, a deadlock
+"""
+
+
+def test_a_timed_out_launch_leaves_no_worker_behind(tmp_path: Path) -> None:
+    # torchrun starts each worker in a session of its own: killing the launcher (or its process group)
+    # on a timeout would leave both ranks sleeping on, loading the rest of the suite's 2 cores.
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent(HANG))
+    tag = f"hang-{os.getpid()}-{time.monotonic_ns()}"
+    proc, mark = popen_cli("run", "--nproc", "2", str(script), env={"DDPKIT_TEST_HANG": tag})
+    try:
+        hanging = 0
+        while hanging < 2:  # both ranks reach the hang (pytest's timeout bounds this)
+            line = proc.stdout.readline()
+            assert line, "the launch ended before its ranks hung"
+            hanging += "hangs" in line
+        with pytest.raises(subprocess.TimeoutExpired):
+            communicate(proc, mark, timeout=1)  # run_cli's wait: the launch is past its limit
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher, should the test fail before its timeout
+    left = marked(tag, var="DDPKIT_TEST_HANG")
+    for pid in left:  # this test's own clean-up, so that a failure here does not leak either
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], f"{len(left)} process(es) of the timed-out launch outlived it: {left}"

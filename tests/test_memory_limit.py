@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import run_marked
 
 from ddpkit.strategy import rank_memory
 
@@ -139,10 +140,10 @@ def _launch(
     groups = limited.new_run()
     out.mkdir()
     full_env = {**os.environ, "DDPKIT_TEST_CGROUP": str(groups), "OMP_NUM_THREADS": "1", **env}
-    run = subprocess.run(
+    run = run_marked(  # 3 launches x 190 s < the test's 600 s; workers ended on a timeout (conftest.py)
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
          str(REPO / "tests" / "memory_limit_rank.py"), strategy, str(out)],
-        capture_output=True, text=True, timeout=280, env=full_env, cwd=REPO,
+        timeout=190, env=full_env, cwd=REPO,
     )  # fmt: skip
     return run, [limited.cg.usage(groups / f"rank{r}") for r in range(RANKS)]
 

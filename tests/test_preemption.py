@@ -16,31 +16,31 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, communicate, popen_cli
 from safetensors.torch import load_file
 
 from ddpkit.preemption import Preemption, PreemptionOptions, signal_of
 
 SCRIPT = str(REPO / "tests" / "preempt_train.py")
 STEPS = 24
+# One launch takes 6-12 s here; the slowest test launches three times (the module's reference run,
+# the preempted run, the relaunch): 3 x 50 s stays under the module's pytest-timeout of 180 s.
+LAUNCH_TIMEOUT = 50
+pytestmark = pytest.mark.timeout(180)
 
 
 def launch(ckpt: Path, out: Path, *script_args: str, run_args: tuple[str, ...] = (), env: dict | None = None,
-           timeout: float = 100) -> subprocess.CompletedProcess:  # fmt: skip
-    """`ddpkit run --nproc 2 preempt_train.py` in a new session (its own process group)."""
+           timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:  # fmt: skip
+    """`ddpkit run --nproc 2 preempt_train.py` in a new session; on a timeout the launcher and its
+    workers (in sessions of their own) are killed and the test fails."""
     out.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", *run_args, SCRIPT, str(ckpt), str(out),
-           *script_args]  # fmt: skip
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
-                            start_new_session=True)  # fmt: skip
+    proc, mark = popen_cli("run", "--nproc", "2", *run_args, SCRIPT, str(ckpt), str(out), *script_args,
+                           env={"OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"ddpkit run did not finish in {timeout} s:\n{stdout[-2000:]}\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+        return communicate(proc, mark, timeout)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"ddpkit run did not finish in {timeout} s:\n{(err.stdout or '')[-2000:]}\n"
+                    f"{(err.stderr or '')[-3000:]}")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,31 @@ def test_a_signal_seen_by_one_rank_only_stops_both_at_the_same_step(
     first, step = preempted_then_resumed(tmp_path, "forward:7:1:self", sleep=sleep)
     assert "SIGUSR1" in first.stderr
     assert_same(tmp_path, uninterrupted, step)
+
+
+@pytest.mark.parametrize("name", ["USR1", "USR2"])
+def test_the_preemption_signal_sent_to_ddpkit_run_saves_and_ends_with_75(tmp_path: Path, name: str) -> None:
+    # Slurm's --signal=USR1@120 (or submitit's USR2) reaches the launcher only: the agent must pass it
+    # on to the workers, which save and exit 75; a launcher that does not handle it dies of it.
+    run_args = () if name == "USR1" else ("--preemption-signal", "USR2")
+    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", f"forward:5:0:{name}", run_args=run_args)
+    assert first.returncode == 75, f"exit {first.returncode}\n{first.stdout[-2000:]}\n{first.stderr[-3000:]}"
+    found = re.search(r"ddpkit run: preempted \((\w+)\) at step (\d+), checkpoint (\S+);", first.stderr)
+    assert found and found.group(1) == f"SIG{name}", first.stderr[-3000:]
+    assert Path(found.group(3)).is_dir() and int(found.group(2)) >= 5
+
+
+def test_a_save_longer_than_grace_is_cut_off_and_the_previous_checkpoint_stays(tmp_path: Path) -> None:
+    # --grace 2 and a preemption save that takes 20 s: the agent kills the ranks after the grace, the
+    # launcher reports a stop (not a preemption), the half-written checkpoint is never committed.
+    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:5:0", "--slow-save", "20",
+                   run_args=("--grace", "2"))  # fmt: skip
+    assert first.returncode == 128 + signal.SIGTERM, (
+        f"exit {first.returncode} (75: the save was waited for, past --grace)\n{first.stderr[-3000:]}"
+    )
+    assert "stopped by SIGTERM" in first.stderr and "preempted (" not in first.stderr, first.stderr[-3000:]
+    done = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert "ckpt-000001" in done and "ckpt-000002" not in done, done  # step 5's save, not the cut-off one
 
 
 def test_slurm_requeue_runs_scontrol_once_after_the_save(tmp_path: Path) -> None:
@@ -172,3 +197,13 @@ def test_agreeing_costs_one_all_reduce_every_k_calls_and_a_scheduled_save_agrees
     assert issued < 300 // 4, f"{issued} all-reduces in 300 calls: the agreement interval never grew"
     assert scheduled_sync == 1 and not stop
 
+
+
+def test_a_stop_is_seen_within_about_a_second_however_dear_the_agreement() -> None:
+    # Agreements of 20 ms on 10 ms steps: keeping their cost under 0.5 % would mean one every 400 calls
+    # (4 s); the latency bound makes it every 100 calls (1 s), the cost bound governs below that.
+    p = Preemption(PreemptionOptions(), env={})
+    p._step, p._cost = 0.010, 0.020
+    assert p._propose() == 100
+    p._step, p._cost = 0.010, 0.0002
+    assert p._propose() == 4

@@ -111,6 +111,13 @@ def test_tensorboard_events_read_back_and_a_resumed_session_replaces_the_points_
     ], "steps 6..10 are the resumed session's"
 
 
+def test_by_default_a_session_logs_to_tensorboard_when_it_is_installed(tmp_path: Path) -> None:
+    with ddpkit.session(log_dir=str(tmp_path), verbose=False) as s:  # log_to left at its default, "auto"
+        for step in range(1, 4):
+            s.log({"loss": 1 / step}, step=step)
+    assert tensorboard_scalars(tmp_path) == [(s, pytest.approx(1 / s)) for s in range(1, 4)]
+
+
 def test_mlflow_file_store_keeps_one_run_and_one_point_per_step_across_a_resume(tmp_path: Path) -> None:
     _log(tmp_path, "mlflow", range(1, 11))
     ids, points = mlflow_history(tmp_path)
