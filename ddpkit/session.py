@@ -44,7 +44,7 @@ from ddpkit.lifecycle import Limits
 from ddpkit.precision import PrecisionPlan, device_supports_bf16, resolve_precision
 from ddpkit.ranks import RankContext
 from ddpkit.stepping import MicroBatch, StepInfo, Stepper
-from ddpkit.strategy import Choice, DDPOptions, Strategy, rank_memory
+from ddpkit.strategy import Choice, DDPOptions, Strategy, hf, rank_memory
 from ddpkit.tracking import Tracking
 
 
@@ -224,8 +224,9 @@ class Session(RankContext):
         return self.checkpoints.load(path, **state)
 
     def export(self, path: str, model: nn.Module) -> Any:
-        """The full weights of `model` as one plain safetensors file; see `ddpkit.checkpoint`."""
-        return self.checkpoints.export(path, model)
+        """The full weights of `model` as one plain safetensors file (`ddpkit.checkpoint`); an HF model to
+        a directory (no .safetensors suffix): one `from_pretrained` loads (`ddpkit.strategy.hf`)."""
+        return hf.export(self.checkpoints.export, path, model, main=self.is_main)
 
     @property
     def checkpoints(self) -> Any:

@@ -140,6 +140,38 @@ MUTANTS = [
         ("tests/test_verify_resume.py::test_a_forgotten_scheduler_is_named",),
         "verify --resume compares nothing",
     ),
+    Mutant(
+        "hf-init",
+        "ddpkit/strategy/hf.py",
+        "setattr(utils, _DEVICE_QUESTION, lambda: None)",
+        "setattr(utils, _DEVICE_QUESTION, original)",
+        ("tests/test_hf_models.py::test_initial_weights_are_one_process_weights_under_every_build[gpt2]",),
+        "FSDP's shard-by-shard build lets transformers skip its own initialisation on meta (issue 30)",
+    ),
+    Mutant(
+        "hf-tied-cut",
+        "ddpkit/strategy/fsdp_init.py",
+        "setattr(module.get_submodule(name), other, shared)",
+        "pass",
+        ("tests/test_hf_models.py::test_initial_weights_are_one_process_weights_under_every_build[gpt2]",),
+        "a model built whole loses its tied weights when cut into shards",
+    ),
+    Mutant(
+        "hf-tied-units",
+        "ddpkit/strategy/fsdp.py",
+        "if not outside and sum(p.numel() for p in free) >= opts.min_block_params:",
+        "if sum(p.numel() for p in free) >= opts.min_block_params:",
+        ("tests/test_hf_models.py::test_size_rule_keeps_a_tied_embedding_with_its_head",),
+        "the size rule puts a tied embedding and its head in two FSDP units",
+    ),
+    Mutant(
+        "hf-export-dir",
+        "ddpkit/strategy/hf.py",
+        "if not is_hf(inner) or target.suffix",
+        "if True or target.suffix",
+        ("tests/test_hf_models.py::test_token_weighted_training_matches_one_process_and_exports[gpt2-fsdp-False]",),
+        "s.export of an HF model to a directory writes no from_pretrained layout",
+    ),
 ]
 
 

@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ddpkit.errors import problem
+from ddpkit.strategy import hf
 
 _EMPTY = {"aten::empty", "aten::empty_strided"}  # factories whose values do not matter
 _OVERWRITE = {"aten::fill_", "aten::zero_", "aten::copy_"}  # plus every seeded in-place op
@@ -53,6 +54,7 @@ class Shards:
     chunks: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter -> its dim-0 chunk (CPU)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # buffers stay whole under FSDP2
     sums: dict[str, int] = field(default_factory=dict)  # exact checksum of each full tensor
+    never_written: list[str] = field(default_factory=list)  # parameters the constructor never wrote
 
     def checksums(self) -> tuple[list[str], torch.Tensor]:
         names = sorted(self.sums)
@@ -211,8 +213,14 @@ class ShardedInit(TorchDispatchMode):
                     shards.chunks[name] = chunk(p.detach().cpu(), self.rank, self.world).clone()
                     continue
                 k = _key(p)
+                if k in self.full:  # values given by `p.data = t` (HF pads a tied bias so): no op to see
+                    whole = self._real(p, overwrite=False)
+                    self.sums[k] = checksum(whole)
+                    self.chunks[k] = chunk(whole, self.rank, self.world).clone()
                 shards.sums[name] = self.sums.get(k, 0)
                 mine = self.chunks.get(k)
+                if mine is None:
+                    shards.never_written.append(name)
                 shards.chunks[name] = (
                     mine
                     if mine is not None
@@ -269,7 +277,8 @@ def _init_functions(mode: ShardedInit) -> Iterator[None]:
     for name, fn in originals.items():
         setattr(nn.init, name, on_values(fn))
     try:
-        yield
+        with hf.real_init(on_values, _META_NO_OPS):  # HF models: their own init, not skipped on meta
+            yield
     finally:
         for name, fn in originals.items():
             setattr(nn.init, name, fn)
@@ -290,7 +299,9 @@ def build(factory: Callable[[], nn.Module], rank: int, world: int) -> tuple[nn.M
         raise problem(f"the model factory returned a {type(module).__name__}, not an nn.Module",
                       "Pass a class or a function that builds the model, e.g. s.model(Net) or "
                       "s.model(lambda: Net(cfg))")  # fmt: skip
-    return module, mode.finish(module), mode.peak_full
+    shards = mode.finish(module)
+    hf.check_written(module, shards.never_written)
+    return module, shards, mode.peak_full
 
 
 def cut(module: nn.Module, rank: int, world: int) -> Shards:
@@ -304,7 +315,13 @@ def cut(module: nn.Module, rank: int, world: int) -> Shards:
         for name, b in module.named_buffers():
             shards.buffers[name] = b.detach().cpu().clone()
             shards.sums[f"buffer:{name}"] = checksum(b)
-    module.to("meta")
+    tied = hf.tied_owners(module)
+    module.to("meta")  # makes one new parameter per module: tied ones (lm_head.weight) would come apart
+    for owners in tied.values():
+        (first, attr), rest = owners[0], owners[1:]
+        shared = module.get_submodule(first)._parameters[attr]
+        for name, other in rest:
+            setattr(module.get_submodule(name), other, shared)  # tied again, as the user built it
     return shards
 
 
