@@ -172,6 +172,22 @@ MUTANTS = [
         ("tests/test_hf_models.py::test_token_weighted_training_matches_one_process_and_exports[gpt2-fsdp-False]",),
         "s.export of an HF model to a directory writes no from_pretrained layout",
     ),
+    Mutant(
+        "weights-rows",
+        "ddpkit/strategy/weights.py",
+        "        if stop > start:\n            local.copy_(",
+        "        if False:\n            local.copy_(",
+        ("tests/test_hf_weights.py::test_loaded_weights_equal_the_checkpoint[gpt2-fsdp-None]",),
+        "s.model(weights=) under FSDP leaves the shards at their initial values",
+    ),
+    Mutant(
+        "weights-ddp",
+        "ddpkit/strategy/building.py",
+        "and not chosen.shards_state and first:",
+        "and not chosen.shards_state and not first:",
+        ("tests/test_hf_weights.py::test_loaded_weights_equal_the_checkpoint[llama-ddp-None]",),
+        "s.model(weights=) under DDP reads on a rank other than the one DDP broadcasts from",
+    ),
 ]
 
 

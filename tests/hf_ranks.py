@@ -199,3 +199,23 @@ def small_units(kind: str) -> dict:
         units = sorted(n for n, m in inner.named_modules() if type(m).__name__.startswith("FSDP"))
         return {"units": units, "tied": [(a, b) for a, b in _tied_names(kind)
                                          if inner.get_parameter(a) is inner.get_parameter(b)]}
+
+
+def pretrained(kind: str, root: str, shard_size: str | None = None) -> nn.Module:
+    """Other weights than the seed-0 init (seed 123), written with save_pretrained to `root`."""
+    model = one_process(kind, seed=123)
+    model.save_pretrained(root, **({"max_shard_size": shard_size} if shard_size else {}))
+    return model
+
+
+def load(kind: str, strategy: str, weights: str) -> dict:
+    """s.model(factory, weights=...): the weights as the ranks hold them (gathered), and the rows this
+    rank holds of each parameter (FSDP: its own share only)."""
+    with ddpkit.session(seed=0, verbose=False) as s:
+        chosen: object = FSDPOptions(min_block_params=10_000) if strategy == "fsdp" else strategy
+        model = s.model(factory(kind), strategy=chosen, weights=weights)
+        inner = ddpkit.unwrap(model)
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in inner.parameters())
+        state = _state(model) if strategy == "fsdp" else _ddp_state(model)
+        return {"got": state, "local": local, "tied": [(a, b) for a, b in _tied_names(kind)
+                                                        if inner.get_parameter(a) is inner.get_parameter(b)]}
