@@ -64,6 +64,7 @@ class FSDP(Strategy):
     def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
         """Run the model factory on the meta device, keeping this rank's shards of its initial weights
         (`ddpkit.strategy.fsdp_init`); `wrap` then shards the meta module and fills the shards."""
+        cpu_allocator.return_freed_blocks()  # the build's full temporaries (CPU) go back when freed
         module, shards, peak = fsdp_init.build(factory, dist.get_rank(), dist.get_world_size())
         self._built[id(module)] = shards
         name = type(module).__name__

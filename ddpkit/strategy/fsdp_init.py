@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,7 +95,8 @@ class ShardedInit(TorchDispatchMode):
         self.rank, self.world = rank, world
         self.full: dict[int, torch.Tensor] = {}  # storage -> its real values (1-D, the storage's elements)
         self.refs: dict[int, StorageWeakRef] = {}
-        self.params: dict[int, torch.Tensor] = {}  # storage -> the registered (meta) parameter
+        self.params: dict[int, weakref.ref] = {}  # storage -> the registered (meta) parameter, weakly
+        self.stored: dict[int, StorageWeakRef] = {}  # ... and its storage
         self.chunks: dict[int, torch.Tensor] = {}  # parameters no longer written: this rank's chunk
         self.sums: dict[int, int] = {}
         self.peak_full = 0  # bytes of full temporaries alive at once, at most (for the notes and tests)
@@ -102,7 +104,8 @@ class ShardedInit(TorchDispatchMode):
     # -- registration (global module hooks, installed by `build`) --------------------------------------
     def on_parameter(self, module: nn.Module, name: str, param: Any) -> None:
         if isinstance(param, torch.Tensor) and param.is_meta:
-            self.params[_key(param)] = param
+            self.params[_key(param)] = weakref.ref(param)
+            self.stored[_key(param)] = StorageWeakRef(param.untyped_storage())
 
     # -- values ----------------------------------------------------------------------------------------
     def _real(self, t: torch.Tensor, overwrite: bool) -> torch.Tensor:
@@ -127,7 +130,7 @@ class ShardedInit(TorchDispatchMode):
 
     def _regather(self, k: int) -> torch.Tensor:
         """A parameter's full values back from every rank's chunk (the ranks run the same code)."""
-        param, mine = self.params[k], self.chunks[k]
+        param, mine = self.params[k](), self.chunks[k]
         if self.world == 1:
             return mine.reshape(-1).clone()
         if not dist.is_initialized():
@@ -144,8 +147,9 @@ class ShardedInit(TorchDispatchMode):
 
     def _flush(self, keep: set[int]) -> None:
         """Reduce every parameter not written by the current operation to this rank's chunk."""
-        for k in [k for k in self.full if k in self.params and k not in keep]:
-            whole = self._real(self.params[k], overwrite=False)
+        live = [k for k in self.full if k in self.params and self.params[k]() is not None]
+        for k in [k for k in live if k not in keep]:
+            whole = self._real(self.params[k](), overwrite=False)
             self.sums[k] = checksum(whole)
             self.chunks[k] = chunk(whole, self.rank, self.world).clone()
             del self.full[k], self.refs[k]
@@ -153,6 +157,10 @@ class ShardedInit(TorchDispatchMode):
     def _prune(self) -> None:
         for k in [k for k, ref in self.refs.items() if ref.expired()]:
             del self.full[k], self.refs[k]
+        gone = [k for k, ref in self.params.items() if ref() is None and self.stored[k].expired()]
+        for k in gone:  # a parameter replaced (by a tied one): its chunk is nobody's (GPT-2's head: 77 MiB)
+            del self.params[k], self.stored[k]
+            self.chunks.pop(k, None)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -205,6 +213,7 @@ class ShardedInit(TorchDispatchMode):
     def finish(self, module: nn.Module) -> Shards:
         """This rank's chunks, the buffers and the checksums, by name."""
         self._flush(set())
+        self._prune()
         shards = Shards()
         with torch.no_grad():
             for name, p in module.named_parameters():
@@ -331,7 +340,8 @@ def fill(module: nn.Module, shards: Shards, device: torch.device) -> None:
     with torch.no_grad():
         for name, p in module.named_parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
-            mine = shards.chunks[name]
+            mine = shards.chunks.pop(name)  # freed as soon as copied: empty blocks cost no memory until
+            # written (mmap), so the rank's peak is its shards once, not the shards twice
             if local.numel() != mine.numel():
                 raise problem(
                     f"the shard of {name!r} holds {local.numel()} elements on this rank, ddpkit cut "
