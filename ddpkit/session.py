@@ -257,6 +257,7 @@ class Session(RankContext):
         comm_hook_options: Mapping[str, Any] | None = None,
         compile: bool | Mapping[str, Any] = False,
         weights: str | os.PathLike | None = None,
+        activation_checkpointing: Any = None,
     ) -> nn.Module:
         """Move `module` to the device and prepare it for data-parallel training.
 
@@ -272,7 +273,8 @@ class Session(RankContext):
         "bf16", "powersgd", see `ddpkit.comm_hooks`; the DDP constructor's options) are sugar for
         `strategy=DDPOptions(...)`. `compile=True` (or a dict of torch.compile arguments) compiles the
         module, then wraps it (see `ddpkit.compiling`). `weights`: a safetensors file or a directory
-        `save_pretrained` wrote, read into the model (FSDP: each rank its own rows; `strategy.weights`).
+        `save_pretrained` wrote, read into the model (FSDP: each rank its own rows; `strategy.weights`);
+        `activation_checkpointing`: a block class or "auto", recomputed in the backward (`.checkpointing`).
         """
         sugar = DDPOptions(
             find_unused_parameters=find_unused_parameters, static_graph=static_graph,
@@ -288,9 +290,8 @@ class Session(RankContext):
         if strategy is not None:
             self._build(strategy)  # built already: only checks that the model asks for the same kind
         chosen = stepper.strategy
-        sharded = chosen.allows_sharded_step and stepper.shard is not False
-        module = building.before_wrap(chosen, module, world_size=self.world_size, device=self.device,
-                                      sharded_step=sharded, weights_from=weights)  # fmt: skip
+        module = building.before_wrap(stepper, module, world_size=self.world_size, device=self.device,
+                                      weights_from=weights, recompute=activation_checkpointing)  # fmt: skip
         compiler = compiling.CompileOptions.parse(compile)
         if compiler is None:
             model = chosen.wrap(module, self.device, options)

@@ -188,6 +188,30 @@ MUTANTS = [
         ("tests/test_hf_weights.py::test_loaded_weights_equal_the_checkpoint[llama-ddp-None]",),
         "s.model(weights=) under DDP reads on a rank other than the one DDP broadcasts from",
     ),
+    Mutant(
+        "recompute",
+        "ddpkit/strategy/building.py",
+        "    if recompute is not None:  # before DDP/FSDP",
+        "    if False:  # before DDP/FSDP",
+        ("tests/test_activation_checkpointing.py::test_recomputed_blocks_train_bitwise_the_same_weights[ddp]",),
+        "s.model(activation_checkpointing=Block) recomputes nothing",
+    ),
+    Mutant(
+        "recompute-units",
+        "ddpkit/strategy/fsdp.py",
+        "chosen = list(dict.fromkeys(checkpointing.unit_name(n) for n in found))",
+        "chosen = list(dict.fromkeys(found))",
+        ("tests/test_activation_checkpointing.py::test_recomputed_blocks_train_bitwise_the_same_weights[fsdp]",),
+        "FSDPOptions(blocks=) shards the block inside its checkpoint wrapper instead of the wrapper",
+    ),
+    Mutant(
+        "recompute-reentrant",
+        "ddpkit/strategy/checkpointing.py",
+        "checkpoint_impl=CheckpointImpl.NO_REENTRANT",
+        "checkpoint_impl=CheckpointImpl.REENTRANT",
+        ("tests/test_activation_checkpointing.py::test_a_block_fed_the_raw_batch_still_trains",),
+        "activation checkpointing with the reentrant implementation",
+    ),
 ]
 
 

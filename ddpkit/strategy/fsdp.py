@@ -35,7 +35,7 @@ from ddpkit import cpu_allocator
 from ddpkit.collectives import Ranks, same_everywhere
 from ddpkit.errors import problem
 from ddpkit.precision import PrecisionPlan
-from ddpkit.strategy import fsdp_export, fsdp_init, hf
+from ddpkit.strategy import checkpointing, fsdp_export, fsdp_init, hf
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.fsdp_options import FSDPOptions
 
@@ -146,7 +146,8 @@ class FSDP(Strategy):
         """Names of the submodules that become FSDP units, children before parents."""
         chosen: list[str] = []
         if opts.blocks is not None:
-            chosen = [n for n, m in module.named_modules() if n and isinstance(m, opts.blocks)]
+            found = [n for n, m in module.named_modules() if n and isinstance(m, opts.blocks)]
+            chosen = list(dict.fromkeys(checkpointing.unit_name(n) for n in found))  # a wrapper shards whole
             if not chosen:
                 names = ", ".join(b.__name__ for b in opts.blocks)
                 raise problem(
@@ -160,6 +161,8 @@ class FSDP(Strategy):
                 for child_name, child in m.named_children():
                     visit(f"{name}.{child_name}" if name else child_name, child)
                 if not name or type(m).forward is nn.Module.forward:  # ModuleList: fully_shard refuses
+                    return
+                if checkpointing.unit_name(name) != name:  # inside a checkpoint wrapper: the wrapper's unit
                     return
                 free = [p for p in m.parameters() if id(p) not in taken]
                 outside = not all(_inside(tied.get(id(p)), name) for p in free)  # it would split a tie

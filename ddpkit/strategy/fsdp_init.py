@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ddpkit.errors import problem
-from ddpkit.strategy import hf
+from ddpkit.strategy import checkpointing, hf
 
 _EMPTY = {"aten::empty", "aten::empty_strided"}  # factories whose values do not matter
 _OVERWRITE = {"aten::fill_", "aten::zero_", "aten::copy_"}  # plus every seeded in-place op
@@ -247,6 +247,12 @@ class ShardedInit(TorchDispatchMode):
         return shards
 
 
+def _named(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Names as `state_dict` gives them: without activation checkpointing's wrapper segment, so the
+    shards built before the wrappers were applied match the wrapped module's tensors."""
+    return ((checkpointing.plain_name(n), t) for n, t in items)
+
+
 def _on_meta(flat: list[Any]) -> bool:
     return any(isinstance(a, torch.device) and a.type == "meta" for a in flat)
 
@@ -318,10 +324,10 @@ def cut(module: nn.Module, rank: int, world: int) -> Shards:
     full tensors are freed (if nothing else holds them) and only the shards are ever put on a device."""
     shards = Shards()
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for name, p in _named(module.named_parameters()):
             shards.sums[name] = checksum(p)
             shards.chunks[name] = chunk(p.detach().cpu(), rank, world).clone()
-        for name, b in module.named_buffers():
+        for name, b in _named(module.named_buffers()):
             shards.buffers[name] = b.detach().cpu().clone()
             shards.sums[f"buffer:{name}"] = checksum(b)
     tied = hf.tied_owners(module)
@@ -338,7 +344,7 @@ def fill(module: nn.Module, shards: Shards, device: torch.device) -> None:
     """After `fully_shard` on the meta module: allocate only the local shards on `device`, copy ours in."""
     module.to_empty(device=device)
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for name, p in _named(module.named_parameters()):
             local = p.to_local() if hasattr(p, "to_local") else p
             mine = shards.chunks.pop(name)  # freed as soon as copied: empty blocks cost no memory until
             # written (mmap), so the rank's peak is its shards once, not the shards twice
@@ -350,5 +356,5 @@ def fill(module: nn.Module, shards: Shards, device: torch.device) -> None:
                 )
             if mine.numel():
                 local.copy_(mine.reshape(local.shape))
-        for name, b in module.named_buffers():
+        for name, b in _named(module.named_buffers()):
             b.copy_(shards.buffers[name])

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import problem
+from ddpkit.strategy.checkpointing import plain_name
 from ddpkit.wrap import unwrap
 
 Weights = str | os.PathLike | None
@@ -75,12 +76,13 @@ def _aliases(module: nn.Module) -> dict[str, list[str]]:
     named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     for name, t in named:
         by_id.setdefault(id(t), []).append(name)
+    by_id = {k: [*v, *(plain_name(n) for n in v if plain_name(n) != n)] for k, v in by_id.items()}
     return {names[0]: names for names in by_id.values()}
 
 
 def _plan(module: nn.Module, source: Source) -> dict[str, str]:
     """Module name -> file name, for every parameter and persistent buffer; a clear error if any lacks."""
-    persistent = set(module.state_dict().keys())
+    persistent = set(module.state_dict().keys())  # checkpoint wrappers' segment stripped, as in files
     plan, missing = {}, []
     for first, names in _aliases(module).items():
         if not any(n in persistent for n in names):
