@@ -32,7 +32,8 @@ def _rank(strategy: str, recompute: bool, steps: int, scale: int) -> dict:
     workload = workloads.load("gpt")
     with ddpkit.session(seed=0, verbose=False) as s:
         before = _rss_mib()
-        model = s.model(workload.build(), strategy=strategy, activation_checkpointing=Block if recompute else None)
+        recomputed = Block if recompute else None
+        model = s.model(workload.build(), strategy=strategy, activation_checkpointing=recomputed)
         opt = workload.optimizer(model.parameters())
         loader = s.loader(workload.dataset(batches=steps + 1), batch_size=workload.global_batch * scale // 4)
         times = []
@@ -54,7 +55,7 @@ def main() -> None:
     p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"))
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--batch-scale", type=int, default=4, help="global batch = 16 x scale / 4 x 4 (default 16)")
+    p.add_argument("--batch-scale", type=int, default=4, help="global batch = 16 x scale / 4 (default 16)")
     ns = p.parse_args()
     print(f"gpt workload, {ns.strategy}, {ns.nproc} ranks x 1 thread; MiB per rank (rank 0 / rank 1)")
     print("| activation checkpointing | RSS before s.model | peak RSS | peak - before | step (s, median) |")
@@ -62,7 +63,10 @@ def main() -> None:
     for recompute in (False, True):
         ranks = ddpkit.spawn(_rank, ns.nproc, (ns.strategy, recompute, ns.steps, ns.batch_scale), threads=1,
                              timeout=600)
-        fmt = lambda key: " / ".join(f"{r[key]:.0f}" for r in ranks)  # noqa: E731
+
+        def fmt(key: str, ranks: list = ranks) -> str:
+            return " / ".join(f"{r[key]:.0f}" for r in ranks)
+
         grown = " / ".join(f"{r['peak'] - r['before']:.0f}" for r in ranks)
         print(f"| {'Block' if recompute else 'off'} | {fmt('before')} | {fmt('peak')} | {grown} | "
               f"{ranks[0]['step_s']:.3f} |")
