@@ -212,6 +212,14 @@ MUTANTS = [
         ("tests/test_activation_checkpointing.py::test_a_block_fed_the_raw_batch_still_trains",),
         "activation checkpointing with the reentrant implementation",
     ),
+    Mutant(
+        "hf-unwritten",
+        "ddpkit/strategy/hf.py",
+        "    if not never_written or not is_hf(module):",
+        "    if True:",
+        ("tests/test_hf_models.py::test_a_parameter_hf_init_never_writes_is_refused_not_zeroed",),
+        "an HF model's parameter its init never wrote is silently zeros under FSDP",
+    ),
 ]
 
 

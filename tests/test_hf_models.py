@@ -91,3 +91,30 @@ def test_ddpkit_verify_fsdp_passes_on_gpt2(pool2, monkeypatch, capsys) -> None:
     text = capsys.readouterr().out
     assert code == 0 and "verdict: PASS" in text, text[-3000:]
     assert "transformer.wte.weight" in text
+
+
+def test_a_parameter_hf_init_never_writes_is_refused_not_zeroed() -> None:
+    """A custom PreTrainedModel with an `nn.Parameter(torch.empty(...))` its `_init_weights` never writes:
+    one process holds whatever memory was there; ddpkit cannot reproduce that and says so (no zeros)."""
+    import transformers as tf
+    from torch import nn
+
+    from ddpkit import DdpkitError
+    from ddpkit.strategy import fsdp_init
+
+    class Tiny(tf.PreTrainedModel):
+        config_class = tf.PretrainedConfig
+
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            self.lin = nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.empty(4))  # no init anywhere
+            self.post_init()
+
+        def _init_weights(self, module: nn.Module) -> None:
+            if isinstance(module, nn.Linear):
+                module.weight.data.normal_(0.0, 0.02)
+
+    with pytest.raises(DdpkitError, match=r"Tiny built shard by shard left 1 parameter\(s\) never initialised \(scale\)"):
+        fsdp_init.build(lambda: Tiny(tf.PretrainedConfig()), rank=0, world=1)
+    fsdp_init.build(hf_ranks.factory("gpt2"), rank=0, world=1)  # a model that initialises everything: built
