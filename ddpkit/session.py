@@ -44,7 +44,7 @@ from ddpkit.lifecycle import Limits
 from ddpkit.precision import PrecisionPlan, device_supports_bf16, resolve_precision
 from ddpkit.ranks import RankContext
 from ddpkit.stepping import MicroBatch, StepInfo, Stepper
-from ddpkit.strategy import Choice, DDPOptions, Strategy, rank_memory
+from ddpkit.strategy import Choice, DDPOptions, Strategy, building, hf
 from ddpkit.tracking import Tracking
 
 
@@ -224,8 +224,9 @@ class Session(RankContext):
         return self.checkpoints.load(path, **state)
 
     def export(self, path: str, model: nn.Module) -> Any:
-        """The full weights of `model` as one plain safetensors file; see `ddpkit.checkpoint`."""
-        return self.checkpoints.export(path, model)
+        """The full weights of `model` as one plain safetensors file (`ddpkit.checkpoint`); an HF model to
+        a directory (no .safetensors suffix): one `from_pretrained` loads (`ddpkit.strategy.hf`)."""
+        return hf.export(self.checkpoints.export, path, model, main=self.is_main)
 
     @property
     def checkpoints(self) -> Any:
@@ -255,6 +256,8 @@ class Session(RankContext):
         comm_hook: str | None = None,
         comm_hook_options: Mapping[str, Any] | None = None,
         compile: bool | Mapping[str, Any] = False,
+        weights: str | os.PathLike | None = None,
+        activation_checkpointing: Any = None,
     ) -> nn.Module:
         """Move `module` to the device and prepare it for data-parallel training.
 
@@ -269,7 +272,9 @@ class Session(RankContext):
         BatchNorm statistics over the global batch; `comm_hook`: a gradient compression, "fp16",
         "bf16", "powersgd", see `ddpkit.comm_hooks`; the DDP constructor's options) are sugar for
         `strategy=DDPOptions(...)`. `compile=True` (or a dict of torch.compile arguments) compiles the
-        module, then wraps it (see `ddpkit.compiling`).
+        module, then wraps it (see `ddpkit.compiling`). `weights`: a safetensors file or a directory
+        `save_pretrained` wrote, read into the model (FSDP: each rank its own rows; `strategy.weights`);
+        `activation_checkpointing`: a block class or "auto", recomputed in the backward (`.checkpointing`).
         """
         sugar = DDPOptions(
             find_unused_parameters=find_unused_parameters, static_graph=static_graph,
@@ -285,12 +290,8 @@ class Session(RankContext):
         if strategy is not None:
             self._build(strategy)  # built already: only checks that the model asks for the same kind
         chosen = stepper.strategy
-        if not isinstance(module, nn.Module):  # a factory: under FSDP, built shard by shard
-            module = chosen.build(module)
-        sharded_step = chosen.allows_sharded_step and stepper.shard is not False
-        rank_memory.check_replicated(chosen, module, self.world_size, sharded_step=sharded_step)
-        if self.device.type == "cpu" and not chosen.shards_state:  # FSDP: kept blocks would cost its peak
-            cpu_allocator.fit_to(module)  # keep memory between steps only where the model gains from it
+        module = building.before_wrap(stepper, module, world_size=self.world_size, device=self.device,
+                                      weights_from=weights, recompute=activation_checkpointing)  # fmt: skip
         compiler = compiling.CompileOptions.parse(compile)
         if compiler is None:
             model = chosen.wrap(module, self.device, options)
@@ -301,6 +302,7 @@ class Session(RankContext):
                 module, compiler, lambda m: chosen.wrap(m, self.device, options), distributed=self.distributed
             )
             chosen.notes.extend(notes)
+        building.after_wrap(chosen, model, weights)
         if stepper.shard is True and not chosen.allows_sharded_step and self.distributed:
             chosen.notes.append(f"shard_optimizer=True has no effect with strategy={chosen.name!r}: the "
                                 "optimizer state is already sharded")  # fmt: skip

@@ -35,7 +35,7 @@ from ddpkit import cpu_allocator
 from ddpkit.collectives import Ranks, same_everywhere
 from ddpkit.errors import problem
 from ddpkit.precision import PrecisionPlan
-from ddpkit.strategy import fsdp_export, fsdp_init
+from ddpkit.strategy import checkpointing, fsdp_export, fsdp_init, hf
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.fsdp_options import FSDPOptions
 
@@ -64,6 +64,7 @@ class FSDP(Strategy):
     def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
         """Run the model factory on the meta device, keeping this rank's shards of its initial weights
         (`ddpkit.strategy.fsdp_init`); `wrap` then shards the meta module and fills the shards."""
+        cpu_allocator.return_freed_blocks()  # the build's full temporaries (CPU) go back when freed
         module, shards, peak = fsdp_init.build(factory, dist.get_rank(), dist.get_world_size())
         self._built[id(module)] = shards
         name = type(module).__name__
@@ -145,7 +146,8 @@ class FSDP(Strategy):
         """Names of the submodules that become FSDP units, children before parents."""
         chosen: list[str] = []
         if opts.blocks is not None:
-            chosen = [n for n, m in module.named_modules() if n and isinstance(m, opts.blocks)]
+            found = [n for n, m in module.named_modules() if n and isinstance(m, opts.blocks)]
+            chosen = list(dict.fromkeys(checkpointing.unit_name(n) for n in found))  # a wrapper shards whole
             if not chosen:
                 names = ", ".join(b.__name__ for b in opts.blocks)
                 raise problem(
@@ -158,16 +160,22 @@ class FSDP(Strategy):
             def visit(name: str, m: nn.Module) -> None:
                 for child_name, child in m.named_children():
                     visit(f"{name}.{child_name}" if name else child_name, child)
-                if not name:
+                if not name or type(m).forward is nn.Module.forward:  # ModuleList: fully_shard refuses
+                    return
+                if checkpointing.unit_name(name) != name:  # inside a checkpoint wrapper: the wrapper's unit
                     return
                 free = [p for p in m.parameters() if id(p) not in taken]
-                if sum(p.numel() for p in free) >= opts.min_block_params:
+                outside = not all(_inside(tied.get(id(p)), name) for p in free)  # it would split a tie
+                if not outside and sum(p.numel() for p in free) >= opts.min_block_params:
                     chosen.append(name)
                     taken.update(id(p) for p in free)
 
+            tied = {k: [m for m, _ in v] for k, v in hf.tied_owners(module).items()}
             visit("", module)
         nested = [n for n in chosen if any(n.startswith(f"{o}.") for o in chosen)]  # children first
-        return nested + [n for n in chosen if n not in nested]
+        units = nested + [n for n in chosen if n not in nested]
+        check_tied_in_one_unit(module, units)
+        return units
 
     def owns(self, model: nn.Module) -> bool:
         return is_fsdp(model)
@@ -254,3 +262,30 @@ def check_identical(shards: fsdp_init.Shards, ranks: Ranks) -> None:
         "Build the model on every rank from the same seed (ddpkit.session(seed=...) seeds all ranks alike; "
         "do not draw per-rank random numbers before s.model), or load the same weights everywhere",
     )
+
+
+def _inside(owners: list[str] | None, unit: str) -> bool:
+    """True unless a tied parameter is also held by a module outside `unit`: such a module cannot be a
+    unit (a larger one, holding all the owners, takes the parameter; FSDP2 refuses one in two units)."""
+    return owners is None or all(o == unit or o.startswith(f"{unit}.") for o in owners)
+
+
+def _unit_of(name: str, units: list[str]) -> str:
+    inner = [u for u in units if name == u or name.startswith(f"{u}.")]
+    return max(inner, key=len) if inner else ""  # "": the root unit
+
+
+def check_tied_in_one_unit(module: nn.Module, units: list[str]) -> None:
+    """A clear error before sharding when tied modules (an embedding and an output head sharing one
+    weight) would land in two FSDP units; FSDP2 would stop only at the first forward."""
+    for owners in hf.tied_owners(module).values():
+        where = {_unit_of(m, units) for m, _ in owners}
+        if len(where) > 1:
+            names = ", ".join(f"{m}.{a}" for m, a in owners)
+            raise problem(
+                f"the tied parameters {names} would be sharded in different FSDP units "
+                f"({', '.join(repr(u or '<root>') for u in sorted(where))}); FSDP2 refuses a parameter "
+                "shared between two units",
+                "Leave blocks=None (ddpkit keeps tied modules in one unit), or name blocks that hold "
+                "both tied modules or neither",
+            )

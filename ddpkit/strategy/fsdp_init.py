@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ddpkit.errors import problem
+from ddpkit.strategy import checkpointing, hf
 
 _EMPTY = {"aten::empty", "aten::empty_strided"}  # factories whose values do not matter
 _OVERWRITE = {"aten::fill_", "aten::zero_", "aten::copy_"}  # plus every seeded in-place op
@@ -53,6 +55,7 @@ class Shards:
     chunks: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter -> its dim-0 chunk (CPU)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # buffers stay whole under FSDP2
     sums: dict[str, int] = field(default_factory=dict)  # exact checksum of each full tensor
+    never_written: list[str] = field(default_factory=list)  # parameters the constructor never wrote
 
     def checksums(self) -> tuple[list[str], torch.Tensor]:
         names = sorted(self.sums)
@@ -92,7 +95,8 @@ class ShardedInit(TorchDispatchMode):
         self.rank, self.world = rank, world
         self.full: dict[int, torch.Tensor] = {}  # storage -> its real values (1-D, the storage's elements)
         self.refs: dict[int, StorageWeakRef] = {}
-        self.params: dict[int, torch.Tensor] = {}  # storage -> the registered (meta) parameter
+        self.params: dict[int, weakref.ref] = {}  # storage -> the registered (meta) parameter, weakly
+        self.stored: dict[int, StorageWeakRef] = {}  # ... and its storage
         self.chunks: dict[int, torch.Tensor] = {}  # parameters no longer written: this rank's chunk
         self.sums: dict[int, int] = {}
         self.peak_full = 0  # bytes of full temporaries alive at once, at most (for the notes and tests)
@@ -100,7 +104,8 @@ class ShardedInit(TorchDispatchMode):
     # -- registration (global module hooks, installed by `build`) --------------------------------------
     def on_parameter(self, module: nn.Module, name: str, param: Any) -> None:
         if isinstance(param, torch.Tensor) and param.is_meta:
-            self.params[_key(param)] = param
+            self.params[_key(param)] = weakref.ref(param)
+            self.stored[_key(param)] = StorageWeakRef(param.untyped_storage())
 
     # -- values ----------------------------------------------------------------------------------------
     def _real(self, t: torch.Tensor, overwrite: bool) -> torch.Tensor:
@@ -125,7 +130,7 @@ class ShardedInit(TorchDispatchMode):
 
     def _regather(self, k: int) -> torch.Tensor:
         """A parameter's full values back from every rank's chunk (the ranks run the same code)."""
-        param, mine = self.params[k], self.chunks[k]
+        param, mine = self.params[k](), self.chunks[k]
         if self.world == 1:
             return mine.reshape(-1).clone()
         if not dist.is_initialized():
@@ -142,8 +147,9 @@ class ShardedInit(TorchDispatchMode):
 
     def _flush(self, keep: set[int]) -> None:
         """Reduce every parameter not written by the current operation to this rank's chunk."""
-        for k in [k for k in self.full if k in self.params and k not in keep]:
-            whole = self._real(self.params[k], overwrite=False)
+        live = [k for k in self.full if k in self.params and self.params[k]() is not None]
+        for k in [k for k in live if k not in keep]:
+            whole = self._real(self.params[k](), overwrite=False)
             self.sums[k] = checksum(whole)
             self.chunks[k] = chunk(whole, self.rank, self.world).clone()
             del self.full[k], self.refs[k]
@@ -151,6 +157,10 @@ class ShardedInit(TorchDispatchMode):
     def _prune(self) -> None:
         for k in [k for k, ref in self.refs.items() if ref.expired()]:
             del self.full[k], self.refs[k]
+        gone = [k for k, ref in self.params.items() if ref() is None and self.stored[k].expired()]
+        for k in gone:  # a parameter replaced (by a tied one): its chunk is nobody's (GPT-2's head: 77 MiB)
+            del self.params[k], self.stored[k]
+            self.chunks.pop(k, None)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -203,6 +213,7 @@ class ShardedInit(TorchDispatchMode):
     def finish(self, module: nn.Module) -> Shards:
         """This rank's chunks, the buffers and the checksums, by name."""
         self._flush(set())
+        self._prune()
         shards = Shards()
         with torch.no_grad():
             for name, p in module.named_parameters():
@@ -211,8 +222,14 @@ class ShardedInit(TorchDispatchMode):
                     shards.chunks[name] = chunk(p.detach().cpu(), self.rank, self.world).clone()
                     continue
                 k = _key(p)
+                if k in self.full:  # values given by `p.data = t` (HF pads a tied bias so): no op to see
+                    whole = self._real(p, overwrite=False)
+                    self.sums[k] = checksum(whole)
+                    self.chunks[k] = chunk(whole, self.rank, self.world).clone()
                 shards.sums[name] = self.sums.get(k, 0)
                 mine = self.chunks.get(k)
+                if mine is None:
+                    shards.never_written.append(name)
                 shards.chunks[name] = (
                     mine
                     if mine is not None
@@ -228,6 +245,12 @@ class ShardedInit(TorchDispatchMode):
         self.full.clear()
         self.refs.clear()
         return shards
+
+
+def _named(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Names as `state_dict` gives them: without activation checkpointing's wrapper segment, so the
+    shards built before the wrappers were applied match the wrapped module's tensors."""
+    return ((checkpointing.plain_name(n), t) for n, t in items)
 
 
 def _on_meta(flat: list[Any]) -> bool:
@@ -269,7 +292,8 @@ def _init_functions(mode: ShardedInit) -> Iterator[None]:
     for name, fn in originals.items():
         setattr(nn.init, name, on_values(fn))
     try:
-        yield
+        with hf.real_init(on_values, _META_NO_OPS):  # HF models: their own init, not skipped on meta
+            yield
     finally:
         for name, fn in originals.items():
             setattr(nn.init, name, fn)
@@ -290,7 +314,9 @@ def build(factory: Callable[[], nn.Module], rank: int, world: int) -> tuple[nn.M
         raise problem(f"the model factory returned a {type(module).__name__}, not an nn.Module",
                       "Pass a class or a function that builds the model, e.g. s.model(Net) or "
                       "s.model(lambda: Net(cfg))")  # fmt: skip
-    return module, mode.finish(module), mode.peak_full
+    shards = mode.finish(module)
+    hf.check_written(module, shards.never_written)
+    return module, shards, mode.peak_full
 
 
 def cut(module: nn.Module, rank: int, world: int) -> Shards:
@@ -298,13 +324,19 @@ def cut(module: nn.Module, rank: int, world: int) -> Shards:
     full tensors are freed (if nothing else holds them) and only the shards are ever put on a device."""
     shards = Shards()
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for name, p in _named(module.named_parameters()):
             shards.sums[name] = checksum(p)
             shards.chunks[name] = chunk(p.detach().cpu(), rank, world).clone()
-        for name, b in module.named_buffers():
+        for name, b in _named(module.named_buffers()):
             shards.buffers[name] = b.detach().cpu().clone()
             shards.sums[f"buffer:{name}"] = checksum(b)
-    module.to("meta")
+    tied = hf.tied_owners(module)
+    module.to("meta")  # makes one new parameter per module: tied ones (lm_head.weight) would come apart
+    for owners in tied.values():
+        (first, attr), rest = owners[0], owners[1:]
+        shared = module.get_submodule(first)._parameters[attr]
+        for name, other in rest:
+            setattr(module.get_submodule(name), other, shared)  # tied again, as the user built it
     return shards
 
 
@@ -312,9 +344,10 @@ def fill(module: nn.Module, shards: Shards, device: torch.device) -> None:
     """After `fully_shard` on the meta module: allocate only the local shards on `device`, copy ours in."""
     module.to_empty(device=device)
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for name, p in _named(module.named_parameters()):
             local = p.to_local() if hasattr(p, "to_local") else p
-            mine = shards.chunks[name]
+            mine = shards.chunks.pop(name)  # freed as soon as copied: empty blocks cost no memory until
+            # written (mmap), so the rank's peak is its shards once, not the shards twice
             if local.numel() != mine.numel():
                 raise problem(
                     f"the shard of {name!r} holds {local.numel()} elements on this rank, ddpkit cut "
@@ -323,5 +356,5 @@ def fill(module: nn.Module, shards: Shards, device: torch.device) -> None:
                 )
             if mine.numel():
                 local.copy_(mine.reshape(local.shape))
-        for name, b in module.named_buffers():
+        for name, b in _named(module.named_buffers()):
             b.copy_(shards.buffers[name])

@@ -183,8 +183,8 @@ def _concat(outputs: list[Any]) -> Any:
     first = outputs[0]
     if isinstance(first, torch.Tensor) and first.dim() > 0:
         return torch.cat(outputs)
-    if isinstance(first, dict):
-        return type(first)({k: _concat([o[k] for o in outputs]) for k in first})
+    if isinstance(first, dict):  # an HF ModelOutput too; its key-value cache (not tensors) is left out
+        return type(first)({k: _concat([o[k] for o in outputs]) for k in first if _joinable(first[k])})
     if isinstance(first, (tuple, list)):
         return type(first)(_concat(list(parts)) for parts in zip(*outputs, strict=True))
     raise problem(
@@ -192,6 +192,10 @@ def _concat(outputs: list[Any]) -> Any:
         "concatenate over pieces of the batch",
         "Pass floor=('permuted',) (--floor permuted)",
     )
+
+
+def _joinable(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, dict, tuple, list))
 
 
 def _permute(batch: Any, step: int) -> Any:
