@@ -94,7 +94,7 @@ MUTANTS = [
     ),
     Mutant(
         "set_epoch",
-        "ddpkit/data.py",
+        "ddpkit/data/loader.py",
         "            self.sampler.set_epoch(self.epoch)",
         "            pass  # mutant: the same shuffle every epoch",
         ("tests/test_ddp_core.py::test_each_rank_sees_a_disjoint_shard_and_the_order_changes",),
@@ -139,6 +139,22 @@ MUTANTS = [
         "    return 0, None\n    if len(resumed) != len(full):",
         ("tests/test_verify_resume.py::test_a_forgotten_scheduler_is_named",),
         "verify --resume compares nothing",
+    ),
+    Mutant(
+        "stream-workers",
+        "ddpkit/data/streams.py",
+        "            if j % workers == worker:",
+        "            if True:  # mutant: every worker yields every batch of its rank",
+        ("tests/test_data_streams.py::test_every_id_once_per_epoch_equal_batches_any_worker_count",),
+        "an iterable source is not split over DataLoader workers (each worker reads the rank's whole part)",
+    ),
+    Mutant(
+        "stream-position",
+        "ddpkit/data/loader.py",
+        "            self.loader = self._make_pass(self.epoch, self._skip)",
+        "            self.loader = self._make_pass(self.epoch, 0)  # mutant: the stream restarts its epoch",
+        ("tests/test_data_streams.py::test_stopped_mid_epoch_and_resumed_ends_bitwise_like_uninterrupted",),
+        "a resumed iterable source re-reads its epoch from the first sample",
     ),
 ]
 

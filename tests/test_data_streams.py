@@ -1,0 +1,146 @@
+"""Iterable sources through `s.loader` on real gloo ranks x DataLoader workers: every sample id counted.
+
+The source yields sample ids 0..n-1 (a torch IterableDataset, no __len__). What a user checks: over all
+ranks each id is trained on once per epoch (the tail: at most W - 1 ids twice, or with drop_last the
+last incomplete global micro-batch unseen), every rank has as many batches, the order changes with the
+epoch, and the batches do not depend on the number of DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset
+
+import ddpkit
+
+N, PER_RANK = 61, 4  # 61: prime, so the tail is uneven at every world size
+
+
+class Numbers(IterableDataset):
+    """The stream 0..n-1 as (feature, id) pairs; the same sequence in every process."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield torch.full((3,), float(i) / self.n), i
+
+
+def _fork(workers: int) -> dict:
+    # the pool's ranks are spawned; fork keeps worker start-up short
+    return {"num_workers": workers, "multiprocessing_context": "fork"} if workers else {}
+
+
+def stream_ids(n: int, epochs: int, drop_last: bool) -> dict:
+    """Per DataLoader worker count (0, 1, 2): this rank's batches of ids, per epoch."""
+    with ddpkit.session(seed=3, verbose=False) as s:
+        out = {}
+        for workers in (0, 1, 2):
+            loader = s.loader(Numbers(n), per_rank_batch_size=PER_RANK, shuffle=True, drop_last=drop_last,
+                              shuffle_buffer=16, **_fork(workers))  # fmt: skip
+            out[workers] = [[ids.tolist() for _, ids in loader] for _ in range(epochs)]
+        return out
+
+
+def _check_epoch(per_rank: list[list[list[int]]], world: int, drop_last: bool) -> None:
+    counts = {len(batches) for batches in per_rank}
+    assert len(counts) == 1, f"ranks have different numbers of batches: {counts}"
+    seen = Counter(i for batches in per_rank for batch in batches for i in batch)
+    rest = N % (world * PER_RANK)
+    if drop_last:
+        assert max(seen.values()) == 1 and len(seen) == N - rest
+    else:
+        twice = math.ceil(rest / world) * world - rest
+        assert set(seen) == set(range(N)), f"missing: {set(range(N)) - set(seen)}"
+        assert sum(seen.values()) == N + twice and twice <= world - 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_id_once_per_epoch_equal_batches_any_worker_count(world: int, pool2, pool3) -> None:
+    results = (pool2 if world == 2 else pool3).run(stream_ids, N, 2, False, timeout=90)
+    for workers in (0, 1, 2):
+        for epoch in range(2):
+            _check_epoch([r[workers][epoch] for r in results], world, drop_last=False)
+        assert [r[workers] for r in results] == [r[0] for r in results], "workers changed the batches"
+    assert [r[0][0] for r in results] != [r[0][1] for r in results], "same order every epoch"
+
+
+def test_drop_last_drops_only_the_incomplete_global_batch(pool3) -> None:
+    results = pool3.run(stream_ids, N, 1, True, timeout=90)
+    for workers in (0, 2):
+        _check_epoch([r[workers][0] for r in results], 3, drop_last=True)
+
+
+def train_stream(ckpt: str | None, stop_after: int | None, workers: int, batch: int = 12) -> dict:
+    """Two epochs of a small model on the stream, global batch `batch`; the ids of every step.
+
+    With `stop_after`, save after that many steps and return; with `ckpt` alone, resume from it first.
+    """
+    torch.set_num_threads(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), ddpkit.session(seed=0) as s:
+        model = s.model(nn.Linear(3, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loader = s.loader(Numbers(N), batch_size=batch, shuffle=True, shuffle_buffer=16, **_fork(workers))
+        step = s.load(ckpt, model=model, optimizer=opt, loader=loader, step=0)["step"] if ckpt and stop_after is None else 0
+        seen = []
+        for _ in range(2 - loader.epoch):
+            for x, ids in loader:
+                loss = model(x).pow(2).mean()
+                opt.zero_grad()
+                s.backward(loss)
+                opt.step()
+                step += 1
+                seen.append(ids.tolist())
+                if step == stop_after:
+                    s.save(ckpt, model=model, optimizer=opt, loader=loader, step=step)
+                    return {"seen": seen}
+        params = [p.detach().clone() for p in ddpkit.unwrap(model).parameters()]
+        return {"params": params, "seen": seen, "step": step, "out": out.getvalue()}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stopped_mid_epoch_and_resumed_ends_bitwise_like_uninterrupted(pool2, tmp_path: Path, workers: int) -> None:
+    whole = pool2.run(train_stream, None, None, workers, timeout=90)
+    ckpt = str(tmp_path / "ckpt")
+    pool2.run(train_stream, ckpt, 7, workers, timeout=90)  # 6 steps per epoch: mid epoch 1
+    resumed = pool2.run(train_stream, ckpt, None, workers, timeout=90)
+    for got, want in zip(resumed, whole, strict=True):
+        assert got["step"] == want["step"] == 12
+        assert got["seen"] == want["seen"][7:], "the resumed run read other batches"
+        assert all(torch.equal(a, b) for a, b in zip(got["params"], want["params"], strict=True))
+
+
+def test_resumed_at_another_world_size_the_stream_is_re_split_from_the_global_position(pool2, tmp_path: Path) -> None:
+    whole = pool2.run(train_stream, None, None, 0, timeout=90)
+    ckpt = str(tmp_path / "ckpt")
+    pool2.run(train_stream, ckpt, 3, 0, timeout=90)
+    alone = train_stream(ckpt, None, 0)  # in this process: world size 1, global batch 12 kept
+    assert "stream re-split from global sample 36 over 1 rank(s)" in alone["out"], alone["out"]
+    steps = [sorted(a + b) for a, b in zip(whole[0]["seen"], whole[1]["seen"], strict=True)]
+    full = [sorted(ids) for ids in alone["seen"] if len(ids) == 12]  # the tails differ: 1 rank pads none
+    assert full == [ids for ids in steps[3:] if len(ids) == 12], "the rest of the stream was cut otherwise"
+
+
+class Once:
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        raise StopIteration
+
+
+def test_a_one_pass_iterator_is_refused_with_a_paragraph() -> None:
+    with ddpkit.session(env={}, verbose=False) as s, pytest.raises(ddpkit.DdpkitError, match="can be read once"):
+        s.loader((i for i in range(4)), batch_size=2)
+    with ddpkit.session(env={}, verbose=False) as s, pytest.raises(ddpkit.DdpkitError, match="persistent_workers"):
+        s.loader(Numbers(4), batch_size=2, num_workers=1, persistent_workers=True)
