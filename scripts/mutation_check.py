@@ -156,6 +156,38 @@ MUTANTS = [
         ("tests/test_data_streams.py::test_stopped_mid_epoch_and_resumed_ends_bitwise_like_uninterrupted",),
         "a resumed iterable source re-reads its epoch from the first sample",
     ),
+    Mutant(
+        "stream-equalise",
+        "ddpkit/data/loader.py",
+        "            batches = equalised(batches, self.device)",
+        "            pass  # mutant: a pre-split rank's pass ends when its own part does",
+        ("tests/test_data_hf.py::test_uneven_shards_end_every_rank_at_the_shortest_ranks_last_batch",),
+        "ranks of a pre-split stream end their epochs at different batches (the longer ones would hang)",
+    ),
+    Mutant(
+        "presplit-detect",
+        "ddpkit/data/sources.py",
+        'return "presplit" if getattr(source, "_distributed", None) is not None or presplit else "hf"',
+        'return "hf"  # mutant: a stream split by split_dataset_by_node is split again',
+        ("tests/test_data_hf.py::test_streaming_every_id_once_per_epoch",),
+        "a Hugging Face stream already split per rank is split a second time",
+    ),
+    Mutant(
+        "stateful-per-rank",
+        "ddpkit/checkpoint_state.py",
+        "isinstance(obj, (ShardedLoader, torch.Generator)) or stream_position(obj):",
+        "isinstance(obj, (ShardedLoader, torch.Generator)):  # mutant: a StatefulDataLoader saved by rank 0",
+        ("tests/test_data_hf.py::test_a_stateful_dataloader_resumes_at_each_ranks_own_position",),
+        "a StatefulDataLoader's position is saved by rank 0 and loaded into every rank",
+    ),
+    Mutant(
+        "sampler-share",
+        "ddpkit/data/samplers.py",
+        "batches = rank_rows(self.global_order(), rank=self.rank,",
+        "batches = rank_rows(self.global_order(), rank=0,",
+        ("tests/test_data_samplers.py::test_each_rank_takes_its_share_of_the_global_order",),
+        "every rank reads rank 0's share of the user's sampler order",
+    ),
 ]
 
 

@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 from torch.utils.data import default_collate as torch_collate
 
 from ddpkit.data.batching import BatchPlan
 from ddpkit.data.position import resume_point
-from ddpkit.data.samplers import EvalShardSampler, OwnPartSampler, ResumableSampler
-from ddpkit.data.sources import check_stream_options, kind_of
+from ddpkit.data.samplers import EvalShardSampler, OwnPartSampler, ResumableSampler, SharedOrderSampler
+from ddpkit.data.sources import Iterated, check_stream_options, kind_of
 from ddpkit.data.streams import StreamSplit, as_is, equalised
 from ddpkit.errors import problem
 
@@ -84,14 +84,15 @@ class ShardedLoader:
 
     @property
     def sampler(self) -> Sampler | None:
-        return None if self.kind == "stream" else self.loader.sampler
+        """The map-style sampler; None for an iterable source (torch's placeholder is no sampler)."""
+        return None if isinstance(self.loader.dataset, IterableDataset) else self.loader.sampler
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch of the next pass (for resuming); passes count up from there."""
         self.epoch = epoch
 
     def __len__(self) -> int:
-        if self.kind != "map" and not isinstance(self.sampler, OwnPartSampler):
+        if self.sampler is None:
             raise TypeError("an iterable source has no length before it is read (ddpkit loader)")
         return len(self.loader)
 
@@ -105,10 +106,12 @@ class ShardedLoader:
         }
         if self._make_pass is not None:
             self.loader = self._make_pass(self.epoch, self._skip)
-        if isinstance(self.sampler, (DistributedSampler, OwnPartSampler)):
+        if isinstance(self.sampler, (DistributedSampler, OwnPartSampler, SharedOrderSampler)):
             self.sampler.set_epoch(self.epoch)
         if isinstance(self.sampler, (ResumableSampler, OwnPartSampler)):
             self.sampler.skip = self._skip // world
+        if isinstance(self.sampler, SharedOrderSampler):
+            self.sampler.skip = self._skip  # a position in the global order
         if self.kind == "presplit" and self.sampler is None:  # an iterable's own part: re-read, skip
             dataset = self.loader.dataset
             if callable(getattr(dataset, "set_epoch", None)):
@@ -220,13 +223,26 @@ def make_loader(
             dataset = dataset.shuffle(seed=seed, buffer_size=shuffle_buffer)
         dataset, kind = split_dataset_by_node(dataset, rank=rank, world_size=world), "presplit"
     if kind == "presplit":
+        if not hasattr(dataset, "__getitem__"):
+            dataset = Iterated(dataset)
         return _own_part(dataset, batch, rank=rank, device=device, seed=seed, shuffle=shuffle,
                          drop_last=drop_last, evaluation=evaluation, options=options)  # fmt: skip
-    if "sampler" in options or "batch_sampler" in options:
+    if options.get("batch_sampler") is not None:
         raise problem(
-            "ddpkit's loader chooses the sampler itself (it must shard by rank)",
-            "Drop sampler=/batch_sampler=, or build your own DataLoader and use session.device",
+            "batch_sampler= is not supported by ddpkit's loader yet (each rank would need its share of "
+            "every global batch)",
+            "Pass sampler= (its order is split over the ranks, global batch kept), or build your own "
+            "DataLoader per rank and use session.device",
         )
+    user_sampler = options.pop("sampler", None)
+    if user_sampler is not None and evaluation:
+        raise problem("sampler= with evaluation=True: evaluation reads every sample once, in order",
+                      "Drop sampler= for the evaluation loader")  # fmt: skip
+    if user_sampler is not None:
+        sampler = SharedOrderSampler(user_sampler, rank=rank, world=world, per_rank=batch.per_rank, seed=seed,
+                                     drop_last=drop_last)  # fmt: skip
+        loader = DataLoader(dataset, batch_size=batch.per_rank, sampler=sampler, **options)
+        return ShardedLoader(loader, device=device, batch=batch, kind="sampler")
     size = len(dataset)
     if size < world:
         raise problem(

@@ -6,7 +6,8 @@ world size), so it keeps its meaning when the world size changes. What another w
     map       the rest of the epoch's global order (DistributedSampler's), split over the new ranks:
               needs samples divisible by the new world size (a paragraph otherwise)
     stream    re-split from the global position: the stream's rest is cut into the new world's
-              micro-batches from that sample on (exact once, any world size)
+    sampler   micro-batches from that sample on (exact once, any world size); `sampler` is the order
+              of the user's sampler, cut the same way
     presplit  each rank's position belongs to its old part, which no longer exists: the epoch restarts
               from its first sample (said in a line)
 """
@@ -34,9 +35,11 @@ def resume_point(kind: str, state: Mapping[str, Any], world: int) -> tuple[int, 
             f"pre-split source: world size {saved_world} -> {world}: each rank's position belonged to its "
             f"old part, so epoch {epoch} restarts from its first sample"
         )
-    if kind == "stream" and saved_world != world and samples:
-        return epoch, samples, f"stream re-split from global sample {samples} over {world} rank(s)"
-    if kind != "stream" and samples % world:
+    if kind in ("stream", "sampler"):
+        if saved_world != world and samples:
+            return epoch, samples, f"{kind} re-split from global sample {samples} over {world} rank(s)"
+        return epoch, samples, None
+    if samples % world:
         raise problem(
             f"the saved data position ({samples} samples into epoch {epoch}) cannot be split "
             f"over world size {world}",

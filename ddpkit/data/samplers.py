@@ -2,16 +2,22 @@
 
 - `ResumableSampler` (training): a `DistributedSampler` whose next pass can start part-way.
 - `EvalShardSampler` (evaluation): rank r takes r, r+W, ... without padding.
+- `OwnPartSampler` (pre-split): a rank's own part, as long as the longest part.
+- `SharedOrderSampler` (the user's `sampler=`): its global order, each rank its contiguous share.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DistributedSampler, Sampler
+
+from ddpkit.data.streams import rank_rows
 
 
 class EvalShardSampler(Sampler[int]):
@@ -68,3 +74,57 @@ class OwnPartSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.target
+
+
+class SharedOrderSampler(Sampler[int]):
+    """The user's sampler (weighted, length-grouped, ...) as the global order; each rank takes its share.
+
+    Every rank draws the epoch's whole order from the user's sampler with the same seed: a sampler with
+    `set_epoch` is told the epoch, one with a `generator` attribute (RandomSampler,
+    WeightedRandomSampler, SubsetRandomSampler) gets a generator seeded by (seed, epoch), and any other
+    draws under torch/numpy/random seeded by (seed, epoch) (the caller's streams are put back). The
+    order is then cut like a stream (`ddpkit.data.streams.rank_rows`): global micro-batch c is the
+    order's slice [c*W*B, (c+1)*W*B), rank r its r-th B; the tail padded or dropped by the same rule.
+    So the global batch is a contiguous run of the sampler's order (what a length-grouped sampler
+    needs), the order is a function of (seed, epoch), and a position resumes at any world size.
+    """
+
+    def __init__(
+        self, user: Sampler, *, rank: int, world: int, per_rank: int, seed: int, drop_last: bool
+    ) -> None:
+        self.user, self.rank, self.world, self.per_rank = user, rank, world, per_rank
+        self.seed, self.drop_last = seed, drop_last
+        self.epoch = 0
+        self.skip = 0  # global samples of the order the next pass leaves out
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def global_order(self) -> list[int]:
+        seed = self.seed * 1_000_003 + self.epoch
+        if callable(getattr(self.user, "set_epoch", None)):
+            self.user.set_epoch(self.epoch)
+        if hasattr(self.user, "generator"):
+            self.user.generator = torch.Generator().manual_seed(seed)
+            return [int(i) for i in self.user]
+        saved = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                random.seed(seed)
+                np.random.seed(seed % 2**32)
+                return [int(i) for i in self.user]
+        finally:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self.skip = self.skip, 0
+        batches = rank_rows(self.global_order(), rank=self.rank, world=self.world, per_rank=self.per_rank,
+                            skip=skip, pad=not self.drop_last, drop_last=self.drop_last)  # fmt: skip
+        return itertools.chain.from_iterable(batches)
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.user), self.world * self.per_rank)  # type: ignore[arg-type]
+        tail = 0 if self.drop_last or not rest else -(-rest // self.world)
+        return full * self.per_rank + tail

@@ -71,3 +71,17 @@ def check_stream_options(kind: str, options: dict[str, Any]) -> None:
                 f"{name}= with an iterable source: an iterable has no indices to sample",
                 "Drop it; shuffle=True shuffles an iterable through a seeded buffer (shuffle_buffer=N)",
             )
+
+
+class Iterated(IterableDataset):
+    """A plain iterable (not a torch IterableDataset) as one, so torch's DataLoader reads it as a stream."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def __iter__(self) -> Any:
+        return iter(self.source)
+
+    def set_epoch(self, epoch: int) -> None:
+        if callable(getattr(self.source, "set_epoch", None)):
+            self.source.set_epoch(epoch)
