@@ -111,9 +111,9 @@ def test_uneven_shards_end_every_rank_at_the_shortest_ranks_last_batch(pool2, tm
     assert len(seen) == sum(per_rank) == sum(min(h, 4 * shortest) for h in held), (held, per_rank)
 
 
-def train_stream(source: str, files: list[str], ckpt: str | None, stop_after: int | None) -> dict:
+def train_stream(source: str, files: list[str], ckpt: str | None, stop_after: int | None, verbose: bool = False) -> dict:
     torch.set_num_threads(1)
-    with ddpkit.session(seed=0, verbose=False) as s:
+    with ddpkit.session(seed=0, verbose=verbose) as s:
         model = s.model(torch.nn.Linear(3, 2))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         loader = s.loader(hf_stream(source, files), batch_size=8, shuffle=True, shuffle_buffer=8)
@@ -131,7 +131,7 @@ def train_stream(source: str, files: list[str], ckpt: str | None, stop_after: in
         return {"seen": seen, "params": [p.detach().clone() for p in ddpkit.unwrap(model).parameters()]}
 
 
-def test_streaming_resumed_mid_epoch_ends_bitwise_like_uninterrupted(pool2, tmp_path: Path) -> None:
+def test_streaming_resumed_mid_epoch_ends_bitwise_like_uninterrupted(pool2, tmp_path: Path, capsys) -> None:
     files = write_shards(str(tmp_path), [12, 12, 12, 12])
     whole = pool2.run(train_stream, "files", files, None, None, timeout=90)
     ckpt = str(tmp_path / "ckpt")
@@ -140,6 +140,10 @@ def test_streaming_resumed_mid_epoch_ends_bitwise_like_uninterrupted(pool2, tmp_
     for got, want in zip(resumed, whole, strict=True):
         assert got["seen"] == want["seen"][8:]
         assert all(torch.equal(a, b) for a, b in zip(got["params"], want["params"], strict=True))
+    alone = train_stream("files", files, ckpt, None, True)  # in this process: world size 1
+    out = capsys.readouterr().out
+    assert "pre-split source: world size 2 -> 1: each rank's position belonged to its old part, so epoch 1 restarts" in out, out
+    assert sorted(i for b in alone["seen"] for i in b) == list(range(N)), "epoch 1 was not read whole"
 
 
 def stateful(ckpt: str, stop_after: int | None, workers: int) -> dict:

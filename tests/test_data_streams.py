@@ -80,6 +80,17 @@ def test_drop_last_drops_only_the_incomplete_global_batch(pool3) -> None:
         _check_epoch([r[workers][0] for r in results], 3, drop_last=True)
 
 
+def eval_ids(n: int) -> list[list[int]]:
+    with ddpkit.session(seed=3, verbose=False) as s:
+        loader = s.loader(Numbers(n), per_rank_batch_size=PER_RANK, evaluation=True, **_fork(2))
+        return [ids.tolist() for _, ids in loader]
+
+
+def test_evaluation_reads_every_id_exactly_once(pool3) -> None:
+    results = pool3.run(eval_ids, N, timeout=90)
+    assert sorted(i for r in results for b in r for i in b) == list(range(N)), "padded or lost"
+
+
 def train_stream(ckpt: str | None, stop_after: int | None, workers: int, batch: int = 12) -> dict:
     """Two epochs of a small model on the stream, global batch `batch`; the ids of every step.
 
