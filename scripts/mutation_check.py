@@ -188,6 +188,14 @@ MUTANTS = [
         ("tests/test_data_samplers.py::test_each_rank_takes_its_share_of_the_global_order",),
         "every rank reads rank 0's share of the user's sampler order",
     ),
+    Mutant(
+        "presplit-map",
+        "ddpkit/data/sources.py",
+        '        return "presplit" if presplit else "map"',
+        '        return "map"  # mutant: presplit=True ignored, the part is split again',
+        ("tests/test_data_hf.py::test_map_style_every_id_once_per_epoch",),
+        "a map-style part declared presplit=True is split over the ranks again",
+    ),
 ]
 
 

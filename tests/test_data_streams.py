@@ -15,24 +15,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import stream_train
 import torch
+from conftest import REPO, run_cli
+from stream_train import Numbers
 from torch import nn
-from torch.utils.data import IterableDataset
 
 import ddpkit
 
 N, PER_RANK = 61, 4  # 61: prime, so the tail is uneven at every world size
-
-
-class Numbers(IterableDataset):
-    """The stream 0..n-1 as (feature, id) pairs; the same sequence in every process."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self):
-        for i in range(self.n):
-            yield torch.full((3,), float(i) / self.n), i
 
 
 def _fork(workers: int) -> dict:
@@ -155,3 +146,21 @@ def test_a_one_pass_iterator_is_refused_with_a_paragraph() -> None:
         s.loader((i for i in range(4)), batch_size=2)
     with ddpkit.session(env={}, verbose=False) as s, pytest.raises(ddpkit.DdpkitError, match="persistent_workers"):
         s.loader(Numbers(4), batch_size=2, num_workers=1, persistent_workers=True)
+
+
+@pytest.mark.timeout(170)  # above ddpkit run's 150 s below
+def test_killed_mid_epoch_and_restarted_ends_bitwise_like_uninterrupted(pool2, tmp_path: Path) -> None:
+    """kill -9 of rank 1 at step 8 (epoch 1, 2 DataLoader workers); ddpkit run restarts both ranks,
+    which resume from the step-6 checkpoint: the same batches and weights as the uninterrupted run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    done = run_cli("run", "--nproc", "2", "--max-restarts", "1", str(REPO / "tests" / "stream_train.py"),
+                   str(tmp_path / "ck"), str(out), "--every", "3", "--kill-at", "8", timeout=150)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "killed.txt").exists() and "resumed from" in done.stdout, done.stdout[-2000:]
+    whole = pool2.run(stream_train.train, None, timeout=90)
+    for rank, want in enumerate(whole):
+        got = torch.load(out / f"rank{rank}.pt", weights_only=True)
+        assert got["step"] == want["step"] == 12
+        assert got["seen"] == want["seen"][6:], f"rank {rank} read other batches after the restart"
+        assert all(torch.equal(got["params"][k], v) for k, v in want["params"].items()), f"rank {rank} weights differ"
