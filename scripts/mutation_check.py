@@ -196,6 +196,14 @@ MUTANTS = [
         ("tests/test_data_hf.py::test_map_style_every_id_once_per_epoch",),
         "a map-style part declared presplit=True is split over the ranks again",
     ),
+    Mutant(
+        "verify-stream",
+        "ddpkit/verify/run.py",
+        "        interleaved = loader.sampler is not None",
+        "        interleaved = True  # mutant: verify expects DistributedSampler's split of a stream",
+        ("tests/test_data_streams.py::test_verify_reads_an_iterable_data_source",),
+        "verify's single process expects the interleaved split of an iterable --data",
+    ),
 ]
 
 
