@@ -183,8 +183,8 @@ MUTANTS = [
     Mutant(
         "sampler-share",
         "ddpkit/data/samplers.py",
-        "batches = rank_rows(self.global_order(), rank=self.rank,",
-        "batches = rank_rows(self.global_order(), rank=0,",
+        "batches = rank_rows(order, rank=self.rank,",
+        "batches = rank_rows(order, rank=0,",
         ("tests/test_data_samplers.py::test_each_rank_takes_its_share_of_the_global_order",),
         "every rank reads rank 0's share of the user's sampler order",
     ),
@@ -203,6 +203,14 @@ MUTANTS = [
         "        interleaved = True  # mutant: verify expects DistributedSampler's split of a stream",
         ("tests/test_data_streams.py::test_verify_reads_an_iterable_data_source",),
         "verify's single process expects the interleaved split of an iterable --data",
+    ),
+    Mutant(
+        "batch-sampler-part",
+        "ddpkit/data/samplers.py",
+        "            start = self.rank * base + min(self.rank, extra)",
+        "            start = 0  # mutant: every rank takes the first part of each global batch",
+        ("tests/test_data_samplers.py::test_a_batch_sampler_gives_each_rank_its_part_of_every_global_batch",),
+        "every rank reads the first part of each of the user's batch sampler's batches",
     ),
 ]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import Sampler, TensorDataset, WeightedRandomSampler
+from torch.utils.data import BatchSampler, RandomSampler, Sampler, TensorDataset, WeightedRandomSampler
 
 import ddpkit
 
@@ -84,3 +84,44 @@ def test_a_stopped_run_resumes_on_the_order_at_the_same_and_another_world_size(p
     resumed = read("weighted", ckpt)  # in this process: world size 1
     assert resumed["seen"] == alone[7:]
     assert "loader at epoch 1, sample 16; sampler re-split from global sample 16 over 1 rank(s)" in resumed["out"], resumed["out"]
+
+
+class Buckets(Sampler[list[int]]):
+    """A batch sampler of uneven batches (5, 8, 3 samples, ...), as token-budget samplers make them."""
+
+    def __iter__(self):
+        order = torch.randperm(N).tolist()
+        sizes, start = [5, 8, 3, 9, 7, 8], 0
+        for size in sizes:
+            yield order[start : start + size]
+            start += size
+
+    def __len__(self) -> int:
+        return 6
+
+
+def read_batches(name: str, ckpt: str | None = None, stop_after: int | None = None) -> dict:
+    """Like `read`, with batch_sampler= (its batches are the global micro-batches)."""
+    user = Buckets() if name == "buckets" else BatchSampler(RandomSampler(range(N)), batch_size=GLOBAL, drop_last=False)
+    with ddpkit.session(seed=4, verbose=False) as s:
+        loader = s.loader(TensorDataset(torch.arange(N)), batch_size=GLOBAL, batch_sampler=user)
+        if ckpt and stop_after is None:
+            s.load(ckpt, loader=loader)
+        seen = []
+        for _ in range(2 - loader.epoch):
+            for (ids,) in loader:
+                seen.append(ids.tolist())
+                if len(seen) == stop_after:
+                    s.save(ckpt, loader=loader)
+                    return {"seen": seen}
+        return {"seen": seen}
+
+
+@pytest.mark.parametrize("name", ["torch", "buckets"])
+def test_a_batch_sampler_gives_each_rank_its_part_of_every_global_batch(pool2, tmp_path: Path, name: str) -> None:
+    alone = read_batches(name)["seen"]  # one process: the batch sampler's own batches
+    assert _global(pool2.run(read_batches, name)) == alone, "the global batches are not the batch sampler's"
+    assert alone[: len(alone) // 2] != alone[len(alone) // 2 :], "the same order every epoch"
+    ckpt = str(tmp_path / "ckpt")
+    pool2.run(read_batches, name, ckpt, 8)  # epoch 1
+    assert _global(pool2.run(read_batches, name, ckpt)) == alone[8:], "resumed on other batches"

@@ -27,7 +27,13 @@ from torch.utils.data import default_collate as torch_collate
 
 from ddpkit.data.batching import BatchPlan
 from ddpkit.data.position import resume_point
-from ddpkit.data.samplers import EvalShardSampler, OwnPartSampler, ResumableSampler, SharedOrderSampler
+from ddpkit.data.samplers import (
+    EvalShardSampler,
+    OwnPartSampler,
+    ResumableSampler,
+    SharedBatchSampler,
+    SharedOrderSampler,
+)
 from ddpkit.data.sources import Iterated, check_stream_options, kind_of
 from ddpkit.data.streams import StreamSplit, as_is, equalised
 from ddpkit.errors import problem
@@ -112,6 +118,9 @@ class ShardedLoader:
             self.sampler.skip = self._skip // world
         if isinstance(self.sampler, SharedOrderSampler):
             self.sampler.skip = self._skip  # a position in the global order
+        if isinstance(self.loader.batch_sampler, SharedBatchSampler):  # counted in global micro-batches
+            self.loader.batch_sampler.set_epoch(self.epoch)
+            self.loader.batch_sampler.skip = self._skip // (world * self.batch.per_rank)
         if self.kind == "presplit" and self.sampler is None:  # an iterable's own part: re-read, skip
             dataset = self.loader.dataset
             if callable(getattr(dataset, "set_epoch", None)):
@@ -227,17 +236,14 @@ def make_loader(
             dataset = Iterated(dataset)
         return _own_part(dataset, batch, rank=rank, device=device, seed=seed, shuffle=shuffle,
                          drop_last=drop_last, evaluation=evaluation, options=options)  # fmt: skip
-    if options.get("batch_sampler") is not None:
-        raise problem(
-            "batch_sampler= is not supported by ddpkit's loader yet (each rank would need its share of "
-            "every global batch)",
-            "Pass sampler= (its order is split over the ranks, global batch kept), or build your own "
-            "DataLoader per rank and use session.device",
-        )
-    user_sampler = options.pop("sampler", None)
-    if user_sampler is not None and evaluation:
-        raise problem("sampler= with evaluation=True: evaluation reads every sample once, in order",
-                      "Drop sampler= for the evaluation loader")  # fmt: skip
+    user_sampler, user_batches = options.pop("sampler", None), options.pop("batch_sampler", None)
+    if (user_sampler is not None or user_batches is not None) and evaluation:
+        raise problem("sampler=/batch_sampler= with evaluation=True: evaluation reads every sample once, "
+                      "in order", "Drop them for the evaluation loader")  # fmt: skip
+    if user_batches is not None:  # its batches are global micro-batches; each rank its part
+        batches = SharedBatchSampler(user_batches, rank=rank, world=world, seed=seed)
+        loader = DataLoader(dataset, batch_sampler=batches, **options)
+        return ShardedLoader(loader, device=device, batch=batch, kind="sampler")
     if user_sampler is not None:
         sampler = SharedOrderSampler(user_sampler, rank=rank, world=world, per_rank=batch.per_rank, seed=seed,
                                      drop_last=drop_last)  # fmt: skip

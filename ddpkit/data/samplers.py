@@ -76,6 +76,29 @@ class OwnPartSampler(Sampler[int]):
         return self.target
 
 
+def drawn(user: Any, seed: int, epoch: int) -> list[Any]:
+    """The user's sampler's whole order for `epoch`, the same in every rank (see `SharedOrderSampler`)."""
+    seed = seed * 1_000_003 + epoch
+    if callable(getattr(user, "set_epoch", None)):
+        user.set_epoch(epoch)
+    if hasattr(user, "generator"):
+        user.generator = torch.Generator().manual_seed(seed)
+        return list(user)
+    if hasattr(getattr(user, "sampler", None), "generator"):  # torch's BatchSampler(RandomSampler(...))
+        user.sampler.generator = torch.Generator().manual_seed(seed)
+        return list(user)
+    saved = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            return list(user)
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+
+
 class SharedOrderSampler(Sampler[int]):
     """The user's sampler (weighted, length-grouped, ...) as the global order; each rank takes its share.
 
@@ -100,31 +123,41 @@ class SharedOrderSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def global_order(self) -> list[int]:
-        seed = self.seed * 1_000_003 + self.epoch
-        if callable(getattr(self.user, "set_epoch", None)):
-            self.user.set_epoch(self.epoch)
-        if hasattr(self.user, "generator"):
-            self.user.generator = torch.Generator().manual_seed(seed)
-            return [int(i) for i in self.user]
-        saved = random.getstate(), np.random.get_state()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                random.seed(seed)
-                np.random.seed(seed % 2**32)
-                return [int(i) for i in self.user]
-        finally:
-            random.setstate(saved[0])
-            np.random.set_state(saved[1])
-
     def __iter__(self) -> Iterator[int]:
         skip, self.skip = self.skip, 0
-        batches = rank_rows(self.global_order(), rank=self.rank, world=self.world, per_rank=self.per_rank,
-                            skip=skip, pad=not self.drop_last, drop_last=self.drop_last)  # fmt: skip
+        order = [int(i) for i in drawn(self.user, self.seed, self.epoch)]
+        batches = rank_rows(order, rank=self.rank, world=self.world, per_rank=self.per_rank, skip=skip,
+                            pad=not self.drop_last, drop_last=self.drop_last)  # fmt: skip
         return itertools.chain.from_iterable(batches)
 
     def __len__(self) -> int:
         full, rest = divmod(len(self.user), self.world * self.per_rank)  # type: ignore[arg-type]
         tail = 0 if self.drop_last or not rest else -(-rest // self.world)
         return full * self.per_rank + tail
+
+
+class SharedBatchSampler(Sampler[list[int]]):
+    """The user's `batch_sampler=`: each of its batches is one global micro-batch, the same in every rank
+    (drawn like `SharedOrderSampler`'s order); rank r takes its contiguous part (sizes differ by at most
+    one; a batch smaller than the world size is wrapped so no rank gets none). `skip` counts batches."""
+
+    def __init__(self, user: Sampler, *, rank: int, world: int, seed: int) -> None:
+        self.user, self.rank, self.world, self.seed = user, rank, world, seed
+        self.epoch = 0
+        self.skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        skip, self.skip = self.skip, 0
+        for batch in drawn(self.user, self.seed, self.epoch)[skip:]:
+            indices = [int(i) for i in batch]
+            if len(indices) < self.world:
+                indices = list(itertools.islice(itertools.cycle(indices), self.world))
+            base, extra = divmod(len(indices), self.world)
+            start = self.rank * base + min(self.rank, extra)
+            yield indices[start : start + base + (self.rank < extra)]
+
+    def __len__(self) -> int:
+        return len(self.user)  # type: ignore[arg-type]
