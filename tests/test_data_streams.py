@@ -84,6 +84,37 @@ def test_evaluation_reads_every_id_exactly_once(pool3) -> None:
     assert sorted(i for r in results for b in r for i in b) == list(range(N)), "padded or lost"
 
 
+class Part(IterableDataset):
+    """This rank's own ids (r, r+W, ...): a pre-split stream, split over DataLoader workers by itself."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        mine = range(self.rank, N, self.world)
+        return iter([(torch.zeros(3), i) for k, i in enumerate(mine) if k % workers == worker])
+
+
+def presplit_ids(workers: int) -> list[list[list[int]]]:
+    with ddpkit.session(seed=3, verbose=False) as s:
+        loader = s.loader(Part(s.rank, s.world_size), per_rank_batch_size=PER_RANK, presplit=True, shuffle=True,
+                          shuffle_buffer=8, **_fork(workers))  # fmt: skip
+        return [[ids.tolist() for _, ids in loader] for _ in range(2)]
+
+
+def test_a_presplit_stream_is_shuffled_per_epoch_and_ends_together(pool2) -> None:
+    """31 and 30 ids: the ranks end together at 8 batches; shuffle=True reorders every epoch."""
+    for workers in (0, 2):
+        results = pool2.run(presplit_ids, workers, timeout=90)
+        for epoch in range(2):
+            assert len({len(r[epoch]) for r in results}) == 1, "ranks have different numbers of batches"
+            seen = [i for r in results for b in r[epoch] for i in b]
+            assert len(seen) == len(set(seen)) == N, "an id twice or missing"
+        assert results[0][0] != results[0][1], "the same order every epoch"
+
+
 def train_stream(ckpt: str | None, stop_after: int | None, workers: int, batch: int = 12) -> dict:
     """Two epochs of a small model on the stream, global batch `batch`; the ids of every step.
 

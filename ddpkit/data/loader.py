@@ -34,7 +34,7 @@ from ddpkit.data.samplers import (
     SharedBatchSampler,
     SharedOrderSampler,
 )
-from ddpkit.data.sources import Iterated, check_stream_options, kind_of
+from ddpkit.data.sources import Iterated, check_stream_options, is_hf_iterable, kind_of
 from ddpkit.data.streams import StreamSplit, as_is, equalised
 from ddpkit.errors import problem
 
@@ -225,15 +225,16 @@ def make_loader(
             return DataLoader(split, batch_size=None, collate_fn=as_is, **options)
 
         return ShardedLoader(make_pass(0, 0), device=device, batch=batch, kind=kind, make_pass=make_pass)
+    hf = is_hf_iterable(dataset)
+    if hf and shuffle:  # HF's own buffer, reseeded by set_epoch
+        dataset = dataset.shuffle(seed=seed, buffer_size=shuffle_buffer)
     if kind == "hf":
         from datasets.distributed import split_dataset_by_node  # only for a Hugging Face source
 
-        if shuffle:
-            dataset = dataset.shuffle(seed=seed, buffer_size=shuffle_buffer)
         dataset, kind = split_dataset_by_node(dataset, rank=rank, world_size=world), "presplit"
     if kind == "presplit":
-        if not hasattr(dataset, "__getitem__"):
-            dataset = Iterated(dataset)
+        if not hf and (isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__")):
+            dataset = Iterated(dataset, shuffle_buffer if shuffle else 0, seed + 7919 * rank)
         return _own_part(dataset, batch, rank=rank, device=device, seed=seed, shuffle=shuffle,
                          drop_last=drop_last, evaluation=evaluation, options=options)  # fmt: skip
     user_sampler, user_batches = options.pop("sampler", None), options.pop("batch_sampler", None)
@@ -277,7 +278,7 @@ def _own_part(
 ) -> ShardedLoader:  # fmt: skip
     """A rank's own part (pre-split): read whole, never split again; training passes end together."""
     sampler = None
-    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+    if not isinstance(dataset, IterableDataset):
         size = torch.tensor([len(dataset)], dtype=torch.int64, device=device)
         if dist.is_available() and dist.is_initialized() and not evaluation:  # as many as the longest
             dist.all_reduce(size, op=dist.ReduceOp.MIN if drop_last else dist.ReduceOp.MAX)

@@ -19,6 +19,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
+from ddpkit.data.streams import shuffled
 from ddpkit.errors import problem
 
 
@@ -74,14 +75,19 @@ def check_stream_options(kind: str, options: dict[str, Any]) -> None:
 
 
 class Iterated(IterableDataset):
-    """A plain iterable (not a torch IterableDataset) as one, so torch's DataLoader reads it as a stream."""
+    """A rank's own stream (pre-split) as torch's DataLoader reads it, shuffled through a buffer seeded
+    by (seed, epoch) when `buffer` > 0; the source splits itself over DataLoader workers, if it has any."""
 
-    def __init__(self, source: Any) -> None:
-        self.source = source
+    def __init__(self, source: Any, buffer: int, seed: int) -> None:
+        self.source, self.buffer, self.seed = source, buffer, seed
+        self.epoch = 0
 
     def __iter__(self) -> Any:
-        return iter(self.source)
+        if not self.buffer:
+            return iter(self.source)
+        return shuffled(self.source, self.buffer, self.seed * 1_000_003 + self.epoch)
 
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         if callable(getattr(self.source, "set_epoch", None)):
             self.source.set_epoch(epoch)
