@@ -179,6 +179,16 @@ def test_a_one_pass_iterator_is_refused_with_a_paragraph() -> None:
         s.loader((i for i in range(4)), batch_size=2)
     with ddpkit.session(env={}, verbose=False) as s, pytest.raises(ddpkit.DdpkitError, match="persistent_workers"):
         s.loader(Numbers(4), batch_size=2, num_workers=1, persistent_workers=True)
+    with ddpkit.session(env={}, verbose=False) as s, pytest.raises(ddpkit.DdpkitError, match="an iterable has no indices"):
+        s.loader(Numbers(4), batch_size=2, sampler=range(4))
+
+
+def test_a_position_saved_from_another_kind_of_source_is_refused(tmp_path: Path) -> None:
+    with ddpkit.session(env={}, verbose=False) as s:
+        s.save(str(tmp_path), loader=s.loader(Numbers(8), batch_size=2))
+        mapped = s.loader(list(range(8)), batch_size=2)
+        with pytest.raises(ddpkit.DdpkitError, match="of a stream source, this loader reads a map source"):
+            s.load(str(tmp_path), loader=mapped)
 
 
 @pytest.mark.timeout(170)  # above ddpkit run's 150 s below
