@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
 
 from ddpkit import checkpoint_files as files
 from ddpkit.checkpoint_files import Found, Tensors
@@ -40,13 +41,20 @@ def split(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                 raise problem("a module cannot be saved under the name 'state' (a reserved file name)",
                               "Pick another keyword, e.g. model=")  # fmt: skip
             parts["modules"][name] = obj
-        elif isinstance(obj, (ShardedLoader, torch.Generator)):
+        elif isinstance(obj, (ShardedLoader, torch.Generator)) or stream_position(obj):
             parts["per_rank"][name] = obj
         elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
             parts["shared"][name] = obj
         else:
             parts["values"][name] = obj
     return parts
+
+
+def stream_position(obj: Any) -> bool:
+    """A loader or an iterable data set with a state: a position in this rank's own stream (torchdata's
+    StatefulDataLoader, a Hugging Face IterableDataset), so each rank saves and loads its own."""
+    stateful = callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    return stateful and isinstance(obj, (DataLoader, IterableDataset))
 
 
 def rng_state() -> dict[str, Any]:
@@ -107,6 +115,14 @@ def restore_per_rank(rank: int, world_size: int, found: Found, per_rank: Mapping
             notes.append(f"the RNG streams of ranks {world_size}..{saved_world - 1} are dropped")
     for name, obj in per_rank.items():
         value = files.decode(tree["objects"][name], tensors)
+        if stream_position(obj) and saved_world != world_size:
+            raise problem(
+                f"{name}= ({type(obj).__name__}) holds a position in each rank's own stream, saved at world "
+                f"size {saved_world}; at world size {world_size} the streams are split otherwise, so no "
+                "rank's saved position belongs to it (loading rank 0's would repeat or skip data)",
+                f"Resume at world size {saved_world}, or leave {name}= out of s.load to start its epoch "
+                "afresh; s.loader(...) (ddpkit's loader) re-splits a stream at another world size",
+            )
         if isinstance(obj, torch.Generator):
             if own:
                 obj.set_state(value)
@@ -129,6 +145,8 @@ def describe_position(name: str, old: Mapping[str, Any], loader: ShardedLoader) 
     split_now = f"{batch.world_size} x {batch.per_rank} x {batch.accumulation}"
     was = f"{old['world_size']} x {old['per_rank_batch']} x {was_accumulation}"
     text = f"{name} at epoch {old['epoch']}, sample {old['samples']}"
+    if loader.note:
+        text = f"{text}; {loader.note}"
     if old["global_batch"] != now:
         return f"{text}; the global batch changed {old['global_batch']} -> {now}, so the rest differs"
     if (old["world_size"], was_accumulation) != (batch.world_size, batch.accumulation):

@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from ddpkit import compiling, cpu_allocator, lifecycle, topology
 from ddpkit import strategy as strategies
@@ -319,37 +318,28 @@ class Session(RankContext):
 
     def loader(
         self,
-        dataset: Dataset,
+        dataset: Any,
         batch_size: int | None = None,
         *,
         per_rank_batch_size: int | None = None,
         shuffle: bool = False,
         drop_last: bool = False,
         evaluation: bool = False,
+        presplit: bool = False,
         **dataloader_kwargs: Any,
     ) -> ShardedLoader:
-        """A sharded DataLoader; `batch_size` is the global batch (see `ddpkit.data`).
+        """A sharded DataLoader over a map-style or iterable source; `batch_size` is the global batch.
 
-        `evaluation=True` shards without padding so metrics summed over ranks are exact, and
-        ignores accumulation (the batch is split over ranks only).
+        `evaluation=True` shards without padding so metrics summed over ranks are exact, and ignores
+        accumulation. `presplit=True`: `dataset` is this rank's own part already (never split again).
+        Iterable sources, Hugging Face data sets, the tail rule: see `ddpkit.data`.
         """
-        batch = plan_batch(
-            batch_size,
-            per_rank_batch_size,
-            world_size=self.world_size,
-            accumulation=1 if evaluation else self.accumulation,
-        )
-        built = make_loader(
-            dataset,
-            batch,
-            rank=self.rank,
-            device=self.device,
-            seed=self.seed,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            evaluation=evaluation,
-            **dataloader_kwargs,
-        )
+        accumulation = 1 if evaluation else self.accumulation
+        batch = plan_batch(batch_size, per_rank_batch_size, world_size=self.world_size,
+                           accumulation=accumulation)  # fmt: skip
+        built = make_loader(dataset, batch, rank=self.rank, device=self.device, seed=self.seed,
+                            shuffle=shuffle, drop_last=drop_last, evaluation=evaluation,
+                            presplit=presplit, **dataloader_kwargs)  # fmt: skip
         if not evaluation:
             self.print(f"ddpkit: {batch.describe()}")
         return built

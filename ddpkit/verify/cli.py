@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="module:function returning the nn.Module")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data", help="module:function returning a map-style Dataset")
+    source.add_argument("--data", help="module:function returning a map-style or iterable Dataset")
     source.add_argument("--batches", help="module:function(step) returning the global batch of that step")
     p.add_argument(
         "--loss", default="cross_entropy", help=f"{', '.join(LOSSES)} or module:function(model, batch)"

@@ -133,12 +133,14 @@ def _stream(spec: VerifySpec, s: Any, world: int) -> Iterator[tuple[Any, list[st
     """(the batch this process trains on, the hashes of every rank's shard of the global batch)."""
     if spec.data is not None:
         loader = s.loader(build_data(spec), batch_size=spec.batch_size, shuffle=spec.shuffle, drop_last=True)
+        # A map-style data set is split by DistributedSampler (rank r: rows r, r+W, ... of the global
+        # batch); an iterable one by contiguous slices (ddpkit.data.streams): no sampler then.
+        interleaved = loader.sampler is not None
         while True:
             for batch in loader:
                 if world == 1:
-                    shards = [
-                        digest(shard(batch, r, spec.nproc, interleaved=True)) for r in range(spec.nproc)
-                    ]
+                    n, split = spec.nproc, interleaved
+                    shards = [digest(shard(batch, r, n, interleaved=split)) for r in range(n)]
                 else:
                     shards = [digest(batch)]
                 yield batch, shards

@@ -72,7 +72,7 @@ class VerifySpec:
     """One equivalence check: DDP over `nproc` ranks against one process on the global batch.
 
     model:      () -> nn.Module, built in every process with the same seed.
-    data:       a map-style Dataset, or () -> Dataset; read with ddpkit's sharded loader (the global
+    data:       a map-style or iterable Dataset, or () -> one; read with ddpkit's sharded loader (the global
                 batch `batch_size`, DistributedSampler, drop_last so every step is a full batch).
     batches:    (step) -> the global batch of that step (tensor, tuple or dict of tensors, rows on
                 dim 0); rank r gets the r-th contiguous slice. Give `data` or `batches`, not both.
@@ -269,6 +269,8 @@ def build_data(spec: VerifySpec) -> Dataset:
     if callable(data) and not isinstance(data, Dataset):
         data = data()
     needed = spec.batch_size * spec.steps
+    if not hasattr(data, "__len__"):  # an iterable source: s.loader splits it (ddpkit.data.streams)
+        return data
     if len(data) < spec.batch_size:  # type: ignore[arg-type]
         raise problem(
             f"the data set has {len(data)} samples, fewer than the global batch {spec.batch_size}",  # type: ignore[arg-type]
