@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import ddpkit
-from ddpkit.workloads import NAMED
+from ddpkit.tools.workloads import NAMED
 
 ROOT = Path(tempfile.gettempdir()) / "ddpkit-checkpoint-costs"
 

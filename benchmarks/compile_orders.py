@@ -30,7 +30,7 @@ import time
 import torch
 
 import ddpkit
-from ddpkit import workloads
+from ddpkit.tools import workloads
 
 
 def body(spec: str, mode: str, steps: int) -> dict:

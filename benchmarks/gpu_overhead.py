@@ -10,7 +10,7 @@ a smoke run of the harness, not a GPU figure).
 Plain side, as the PyTorch tutorial writes it: `model.to(device)`, a DataLoader with pin_memory and a
 shuffle, `x.to(device, non_blocking=True)`, `torch.autocast` for bf16, `zero_grad/backward/step`. ddpkit
 side: `ddpkit.session(precision=...)`, `s.model`, `s.loader`, `s.accumulate`, `s.backward`, `s.step`.
-Same workload (ddpkit.workloads, the global batch x --batch-scale, sized for a GPU), same data, in one
+Same workload (ddpkit.tools.workloads, the global batch x --batch-scale, sized for a GPU), same data, in one
 process. Both sides are rebuilt every round (a fresh model and optimizer), then timed:
 
 - first step: from the first batch request to the end of the first optimizer step (cuda-synchronized);
@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import ddpkit
-from ddpkit import workloads
+from ddpkit.tools import workloads
 
 Timed = tuple[float, float]  # (first step s, steady s/step)
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit import workloads
+from ddpkit.tools import workloads
 
 MODES = ("ddp", "sharded-step", "fsdp")
 

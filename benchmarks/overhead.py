@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 import ddpkit
-from ddpkit import workloads
+from ddpkit.tools import workloads
 
 
 def plain_setup(wl: workloads.Workload, data, view: bool):

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
-from ddpkit import workloads  # noqa: E402
+from ddpkit.tools import workloads  # noqa: E402
 
 IMPORTED = time.time()  # torch and the benchmark's own imports (each tool imports its own in make())
 

@@ -18,7 +18,7 @@ import statistics
 import time
 
 import ddpkit
-from ddpkit import workloads
+from ddpkit.tools import workloads
 
 
 def _rss_mib() -> float:
@@ -27,7 +27,7 @@ def _rss_mib() -> float:
 
 
 def _rank(strategy: str, recompute: bool, steps: int, scale: int) -> dict:
-    from ddpkit.workloads import Block
+    from ddpkit.tools.workloads import Block
 
     workload = workloads.load("gpt")
     with ddpkit.session(seed=0, verbose=False) as s:

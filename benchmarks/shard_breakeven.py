@@ -7,7 +7,7 @@
 holds the same gradients, as after DDP's all-reduce; the timed part is the optimizer step alone: the
 plain step on every rank, or each rank stepping its share and the owners publishing through shared
 memory. Plain and sharded blocks alternate, repeated `--rounds` times; the ratio sharded / plain is
-taken per round and summarised as median [min, max]. `ddpkit.sharding.AUTO_MIN_PARAMETERS` is set
+taken per round and summarised as median [min, max]. `ddpkit.step.sharding.AUTO_MIN_PARAMETERS` is set
 from this table: below it, shard_optimizer="auto" does not shard.
 """
 
@@ -46,7 +46,7 @@ def _block(step: Any, target_s: float) -> float:
 
 
 def rank_main(widths: list[int], rounds: int, target_s: float) -> dict[str, Any]:
-    from ddpkit import sharding
+    from ddpkit.step import sharding
 
     out: dict[str, Any] = {}
     with ddpkit.session(seed=0, verbose=False, shard_optimizer=False) as s:

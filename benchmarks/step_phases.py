@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/step_phases.py mlp    # one process, 2 threads
     ddpkit run --nproc 2 benchmarks/step_phases.py mlp                  # 2 ranks x 1 thread
 
-The README loop on a workload of ddpkit/workloads.py, 25 steps; rank 0 prints the median of steps
+The README loop on a workload of ddpkit/tools/workloads.py, 25 steps; rank 0 prints the median of steps
 6..25 of each phase (time.perf_counter around `model(x)` + loss, `s.backward`, `s.step`). Used for
 docs/performance.md section 8 (threads vs ranks).
 """
@@ -17,7 +17,7 @@ import time
 import torch
 
 import ddpkit
-from ddpkit.workloads import NAMED
+from ddpkit.tools.workloads import NAMED
 
 
 def main(name: str) -> None:

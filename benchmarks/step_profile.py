@@ -33,7 +33,7 @@ import peers_worker as pw  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ddpkit import workloads  # noqa: E402
+from ddpkit.tools import workloads  # noqa: E402
 
 
 def counters() -> tuple[float, float, int, int, int, float]:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ddpkit
-from ddpkit.workloads import TinyGPT
+from ddpkit.tools.workloads import TinyGPT
 
 
 def _rank(reps: int, per_rank: int, accumulation: int) -> dict[str, float]:

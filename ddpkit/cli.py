@@ -18,9 +18,9 @@ from ddpkit.errors import DdpkitError
 # Each module has `main(argv: list[str]) -> int`.
 TOOLS: dict[str, tuple[str, str]] = {
     "verify": ("ddpkit.verify.cli", "check that DDP trains the same weights as one process"),
-    "doctor": ("ddpkit.doctor", "what this machine offers, and a 2-rank smoke test"),
+    "doctor": ("ddpkit.tools.doctor", "what this machine offers, and a 2-rank smoke test"),
     "bench": ("ddpkit.bench.cli", "collectives, scaling and tuning benchmarks"),
-    "trace": ("ddpkit.trace", "per-rank timeline of forward, backward, buckets and all-reduce"),
+    "trace": ("ddpkit.tools.trace", "per-rank timeline of forward, backward, buckets and all-reduce"),
     "plan": ("ddpkit.plan.cli", "predict step time and efficiency at N devices from one device's profile"),
     "lint": ("ddpkit.lint.cli", "find DDP traps in training scripts, without running them"),
 }
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _launch_config(ns: argparse.Namespace, target: str, args: Sequence[str], module: bool):
-    from ddpkit.launch import LaunchConfig
+    from ddpkit.cluster.launch import LaunchConfig
 
     return LaunchConfig(
         target=target,
@@ -121,11 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         if ns.command == "run":
-            from ddpkit.launch import launch
+            from ddpkit.cluster.launch import launch
 
             return launch(_launch_config(ns, ns.target, ns.args, ns.module))
         if ns.command == "demo":
-            from ddpkit.demo import launch_demo
+            from ddpkit.tools.demo import launch_demo
 
             return launch_demo(ns, _launch_config)
     except DdpkitError as err:

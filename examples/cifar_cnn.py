@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
+from ddpkit.tools.workloads import TutorialCNN
 from ddpkit.verify import Report, VerifySpec, verify
-from ddpkit.workloads import TutorialCNN
 
 # The tutorial's network: conv 3->6 (5x5), pool, conv 6->16 (5x5), pool, fc 400->120->84->10,
 # shared with the benchmarks' "cnn" workload so both measure the same model.

@@ -25,4 +25,4 @@ missing = [name for mod, name in needs.items() if importlib.util.find_spec(mod) 
 if missing:
     print("gpu-check: missing package(s): " + ", ".join(missing) + "; the checks that need them will fail")
 PY
-exec "$py" -m ddpkit.gpucheck "$@"
+exec "$py" -m ddpkit.tools.gpucheck "$@"

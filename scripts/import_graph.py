@@ -5,7 +5,10 @@
     python scripts/import_graph.py --mermaid  # the same graph as a mermaid flowchart
 
 A module's layer is 0 when it imports no other ddpkit module, else one more than the highest layer it
-imports, so every arrow points down. Subpackages (verify, bench, plan, lint, strategy) count as one node.
+imports, so every arrow points down. The wings (training, cluster, step, checkpoint, observe, tools) are
+drawn module by module; the other subpackages (verify, bench, plan, lint, strategy, data) count as one node
+each; `ddpkit` is the public namespace (`import ddpkit`, `from ddpkit import session`), so a tool that
+reaches the facade through it ranks above the facade.
 docs/architecture.md holds the table this prints; tests/test_architecture.py checks they agree.
 """
 
@@ -19,12 +22,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "ddpkit"
 
 
+TOOL_PACKAGES = ("verify", "bench", "plan", "lint")  # the tools with their own package
+WHOLE = (*TOOL_PACKAGES, "strategy", "data")  # subpackages drawn as one node each
+WINGS = ("training", "cluster", "step", "checkpoint", "observe", "tools")  # packages drawn module by module
+
+
 def node(module: str) -> str | None:
-    """`ddpkit.verify.run` -> "verify", `ddpkit.session` -> "session", `ddpkit` -> None (the package)."""
+    """`ddpkit.verify.run` -> "verify", `ddpkit.cluster.launch` -> "cluster.launch", `ddpkit` -> "ddpkit"
+    (the public namespace, `import ddpkit`), a wing's own `__init__` -> None (it holds only its docstring)."""
     parts = module.split(".")
-    if parts[0] != "ddpkit" or len(parts) == 1:
+    if parts[0] != "ddpkit":
         return None
+    if len(parts) == 1:
+        return "ddpkit"
+    if parts[1] in WINGS:
+        return ".".join(parts[1:3]) if len(parts) > 2 else None
     return parts[1]
+
+
+def wing(n: str) -> str:
+    """The wing a node belongs to, as `ls ddpkit/` shows it."""
+    if n in TOOL_PACKAGES or n.startswith("tools.") or n == "cli":
+        return "tools"
+    if "." in n:
+        return n.split(".")[0]
+    return {"ddpkit": "public API", "errors": "root", "names": "root"}.get(n, n)
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -52,13 +74,20 @@ def imports_of(name: str, path: Path) -> set[str]:
                 parts = package.split(".")
                 base = ".".join([*parts[: len(parts) - stmt.level + 1], base]).strip(".")
             if base.startswith("ddpkit"):
-                out.add(base)
-                out.update(f"{base}.{a.name}" for a in stmt.names)  # `from ddpkit import workloads`
+                out.update(f"{base}.{a.name}" for a in stmt.names)  # a module, or a name in one
     return out
 
 
+def resolve(target: str, mods: dict[str, Path]) -> str:
+    """The module an imported name lives in: its longest dotted prefix that is a module
+    (`ddpkit.cluster.launch.LaunchConfig` -> `ddpkit.cluster.launch`, `ddpkit.session` -> `ddpkit`)."""
+    while target not in mods and "." in target:
+        target = target.rsplit(".", 1)[0]
+    return target
+
+
 def graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """node -> the nodes it imports (the package `ddpkit` itself and self-imports left out)."""
+    """node -> the nodes it imports (self-imports left out; `ddpkit` is the public namespace)."""
     mods = modules(root)
     known = {node(m) for m in mods} - {None}
     edges: dict[str, set[str]] = {n: set() for n in known if n}
@@ -67,7 +96,7 @@ def graph(root: Path = ROOT) -> dict[str, set[str]]:
         if src is None:
             continue
         for target in imports_of(name, path):
-            dst = node(target)
+            dst = node(resolve(target, mods))
             if dst and dst != src and dst in known:
                 edges[src].add(dst)
     return edges
@@ -95,16 +124,20 @@ def layers(edges: dict[str, set[str]]) -> dict[str, int]:
 
 def table(edges: dict[str, set[str]]) -> str:
     level = layers(edges)
-    rows = ["| layer | module | imports (ddpkit) |", "|---|---|---|"]
+    rows = ["| layer | wing | module | imports (ddpkit) |", "|---|---|---|---|"]
     for n in sorted(edges, key=lambda n: (level[n], n)):
-        rows.append(f"| {level[n]} | `{n}` | {', '.join(sorted(edges[n])) or '—'} |")
+        rows.append(f"| {level[n]} | {wing(n)} | `{n}` | {', '.join(sorted(edges[n])) or '—'} |")
     return "\n".join(rows)
 
 
 def mermaid(edges: dict[str, set[str]]) -> str:
     lines = ["flowchart TD"]
+    for w in sorted({wing(n) for n in edges}):
+        lines.append(f'    subgraph {w.replace(" ", "_")}["{w}"]')
+        lines += [f'        {n.replace(".", "_")}["{n}"]' for n in sorted(edges) if wing(n) == w]
+        lines.append("    end")
     for n in sorted(edges):
-        lines += [f"    {n} --> {d}" for d in sorted(edges[n])]
+        lines += [f'    {n.replace(".", "_")} --> {d.replace(".", "_")}' for d in sorted(edges[n])]
     return "\n".join(lines)
 
 

@@ -43,7 +43,7 @@ class Mutant:
 MUTANTS = [
     Mutant(
         "compile",
-        "ddpkit/compiling.py",
+        "ddpkit/step/compiling.py",
         "compiled = torch.compile(module, **kwargs)",
         "compiled = module",
         (
@@ -53,7 +53,7 @@ MUTANTS = [
     ),
     Mutant(
         "compile-cache",
-        "ddpkit/compiling.py",
+        "ddpkit/step/compiling.py",
         "if not value or os.path.abspath(value) == torch_default_cache_dir():",
         "if not value:",
         ("tests/test_compile.py::test_a_fresh_process_compiles_into_ddpkits_cache_directory",),
@@ -61,7 +61,7 @@ MUTANTS = [
     ),
     Mutant(
         "shm-hook",
-        "ddpkit/comm_hooks.py",
+        "ddpkit/step/comm_hooks.py",
         "    model.register_comm_hook(state, hook)",
         "    pass  # mutant: hook never registered",
         ("tests/test_shm_allreduce.py::test_ddp_with_shm_hook_trains_the_same_weights_as_gloo",),
@@ -69,7 +69,7 @@ MUTANTS = [
     ),
     Mutant(
         "sharded-step",
-        "ddpkit/sharding.py",
+        "ddpkit/step/sharding.py",
         "aside = [(p, p.grad) for p in self.foreign if p.grad is not None]",
         "aside = []",
         ("tests/test_sharding.py::test_sharded_steps_give_the_unsharded_weights_bitwise",),
@@ -85,7 +85,7 @@ MUTANTS = [
     ),
     Mutant(
         "syncbn-allreduce",
-        "ddpkit/syncbn.py",
+        "ddpkit/step/syncbn.py",
         "        out = tensor.clone(memory_format=torch.contiguous_format)\n"
         "        dist.all_reduce(out, group=group)\n",
         "        out = tensor.clone(memory_format=torch.contiguous_format)\n",
@@ -102,7 +102,7 @@ MUTANTS = [
     ),
     Mutant(
         "rng-restore",
-        "ddpkit/checkpoint_state.py",
+        "ddpkit/checkpoint/state.py",
         '        set_rng_state(files.decode(tree["rng"], tensors))',
         "        pass  # mutant: RNG states not restored",
         ("tests/test_checkpoint.py::test_rng_streams_continue_where_they_were_saved",),
@@ -110,7 +110,7 @@ MUTANTS = [
     ),
     Mutant(
         "watchdog",
-        "ddpkit/lifecycle.py",
+        "ddpkit/cluster/lifecycle.py",
         "        watchdog.start()\n",
         "        watchdog = None  # mutant: never started\n",
         ("tests/test_faults.py::test_a_stalled_rank_fails_the_job_within_the_timeout_and_is_named",),
@@ -118,7 +118,7 @@ MUTANTS = [
     ),
     Mutant(
         "shm-mean",
-        "ddpkit/shm_allreduce.py",
+        "ddpkit/step/shm_allreduce.py",
         "torch.div(part, self.world, out=slots[self.rank, :n])",
         "slots[self.rank, :n].copy_(part)",
         ("tests/test_shm_allreduce.py::test_ddp_with_shm_hook_trains_the_same_weights_as_gloo",),
@@ -126,7 +126,7 @@ MUTANTS = [
     ),
     Mutant(
         "token-rescale",
-        "ddpkit/tokens.py",
+        "ddpkit/step/tokens.py",
         "        factor = world * unit / total",
         "        factor = 1.0",
         ("tests/test_tokens.py::test_proof_token_weighted_matches_one_process_and_the_naive_mean_does_not",),
@@ -169,7 +169,7 @@ MUTANTS = [
     ),
     Mutant(
         "launcher-signal",
-        "ddpkit/launch.py",
+        "ddpkit/cluster/launch.py",
         'handled = dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", preempt])',
         'handled = dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"])',
         ("tests/test_preemption.py::test_the_preemption_signal_sent_to_ddpkit_run_saves_and_ends_with_75",),
@@ -185,7 +185,7 @@ MUTANTS = [
     ),
     Mutant(
         "agree-interval",
-        "ddpkit/preemption.py",
+        "ddpkit/cluster/preemption.py",
         "        return max(1, min(wanted, int(MAX_LATENCY_S / self._step), MAX_INTERVAL))",
         "        return 1",
         ("tests/test_preemption.py::test_agreeing_costs_one_all_reduce_every_k_calls_and_a_scheduled_save_agrees_at_once",),
@@ -193,7 +193,7 @@ MUTANTS = [
     ),
     Mutant(
         "agree-latency",
-        "ddpkit/preemption.py",
+        "ddpkit/cluster/preemption.py",
         "        return max(1, min(wanted, int(MAX_LATENCY_S / self._step), MAX_INTERVAL))",
         "        return max(1, min(wanted, MAX_INTERVAL))",
         ("tests/test_preemption.py::test_a_stop_is_seen_within_about_a_second_however_dear_the_agreement",),
@@ -201,7 +201,7 @@ MUTANTS = [
     ),
     Mutant(
         "bg-optimizer-staging",
-        "ddpkit/checkpoint_write.py",
+        "ddpkit/checkpoint/write.py",
         'staged = checkpoint_dcp.stage({name: state_dicts.pop("model"), **state_dicts})',
         'staged = {name: checkpoint_dcp.stage(state_dicts.pop("model")), **state_dicts}',
         ("tests/test_background_fsdp.py::test_a_background_fsdp_save_loads_the_weights_and_optimizer_state_of_the_call",),
@@ -209,7 +209,7 @@ MUTANTS = [
     ),
     Mutant(
         "dead-rank-first",
-        "ddpkit/run_report.py",
+        "ddpkit/cluster/run_report.py",
         "        return (0, failure_time(failure))  # killed from outside",
         "        return (1, failure_time(failure))  # mutant: a killed rank ranks like one that raised",
         ("tests/test_run_reports.py::test_a_rank_killed_from_outside_is_named_before_the_peer_it_broke",),
@@ -217,7 +217,7 @@ MUTANTS = [
     ),
     Mutant(
         "restart-report",
-        "ddpkit/run_report.py",
+        "ddpkit/cluster/run_report.py",
         "            if result.failures:\n                print(restart_line(",
         "            if False:  # mutant: restarts are silent\n                print(restart_line(",
         ("tests/test_run_reports.py::test_each_restart_names_the_rank_that_died_first",),
@@ -225,7 +225,7 @@ MUTANTS = [
     ),
     Mutant(
         "tracker-auto",
-        "ddpkit/tracking.py",
+        "ddpkit/observe/tracking.py",
         'names = ("tensorboard",) if importlib.util.find_spec("tensorboard") else ()',
         "names = ()",
         ("tests/test_tracking.py::test_by_default_a_session_logs_to_tensorboard_when_it_is_installed",),
@@ -233,7 +233,7 @@ MUTANTS = [
     ),
     Mutant(
         "tracker-resume",
-        "ddpkit/tracking.py",
+        "ddpkit/observe/tracking.py",
         "purge_step=resume_at)",
         "purge_step=None)",
         ("tests/test_tracking.py::test_tensorboard_events_read_back_and_a_resumed_session_replaces_the_points_after_its_start",),
@@ -241,7 +241,7 @@ MUTANTS = [
     ),
     Mutant(
         "fork-threads",
-        "ddpkit/spawn.py",
+        "ddpkit/cluster/spawn.py",
         '        1\n        if method == "fork"',
         '        2\n        if method == "fork"',
         ("tests/test_notebooks.py::test_forked_ranks_run_one_thread_whatever_omp_num_threads_says",),
@@ -249,7 +249,7 @@ MUTANTS = [
     ),
     Mutant(
         "fork-threads-refusal",
-        "ddpkit/spawn.py",
+        "ddpkit/cluster/spawn.py",
         "    if threads is not None and threads > 1:",
         "    if False:  # mutant: threads>1 with fork accepted",
         ("tests/test_notebooks.py::test_forked_ranks_refuse_more_than_one_thread_with_the_fix",),
@@ -257,7 +257,7 @@ MUTANTS = [
     ),
     Mutant(
         "progress-time",
-        "ddpkit/progress.py",
+        "ddpkit/observe/progress.py",
         " or now - self.last_line >= self.every_s",
         "",
         ("tests/test_progress.py::test_a_run_of_unknown_length_logs_a_line_every_every_s_seconds",),
@@ -419,7 +419,7 @@ MUTANTS = [
     ),
     Mutant(
         "stateful-per-rank",
-        "ddpkit/checkpoint_state.py",
+        "ddpkit/checkpoint/state.py",
         "isinstance(obj, (ShardedLoader, torch.Generator)) or stream_position(obj):",
         "isinstance(obj, (ShardedLoader, torch.Generator)):  # mutant: a StatefulDataLoader saved by rank 0",
         ("tests/test_data_hf.py::test_a_stateful_dataloader_resumes_at_each_ranks_own_position",),

@@ -169,7 +169,7 @@ def units_per_model() -> list[list[str]]:
 def background_save_and_load(root: str) -> dict:
     """An FSDP background save (copied shards, saved by the writer), training going on meanwhile, then a load into a
     fresh model: the loaded weights are the ones of the call."""
-    from ddpkit import checkpoint_dcp
+    from ddpkit.checkpoint import dcp as checkpoint_dcp
 
     with ddpkit.session(seed=0, verbose=False, strategy="fsdp") as s:
         first, second = net(), net()  # both before s.model, which seeds each rank on its own after

@@ -37,14 +37,14 @@ def test_import_contracts_fail_when_broken(tmp_path: Path) -> None:
     """A copy of the package where a tool reaches past the public API and a lower layer imports the
     facade: the contracts must say so."""
     shutil.copytree(ROOT / "ddpkit", tmp_path / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
-    with open(tmp_path / "ddpkit" / "trace.py", "a") as f:
-        f.write("\nfrom ddpkit import sharding  # noqa\n")
-    with open(tmp_path / "ddpkit" / "stepping.py", "a") as f:
-        f.write("\nfrom ddpkit.session import Session  # noqa\n")
+    with open(tmp_path / "ddpkit" / "tools" / "trace.py", "a") as f:
+        f.write("\nfrom ddpkit.step import sharding  # noqa\n")
+    with open(tmp_path / "ddpkit" / "step" / "stepping.py", "a") as f:
+        f.write("\nfrom ddpkit.training.session import Session  # noqa\n")
     run = _lint_imports(tmp_path)
     assert run.returncode != 0
-    assert "ddpkit.trace is not allowed to import ddpkit.sharding" in run.stdout
-    assert "ddpkit.stepping is not allowed to import ddpkit.session" in run.stdout
+    assert "ddpkit.tools.trace is not allowed to import ddpkit.step.sharding" in run.stdout
+    assert "ddpkit.step.stepping is not allowed to import ddpkit.training.session" in run.stdout
 
 
 def test_architecture_doc_matches_the_import_graph() -> None:
@@ -117,7 +117,7 @@ def test_a_ddp_first_step_does_not_import_fsdp_or_checkpoint_files() -> None:
         "    model = s.model(lambda: torch.nn.Linear(4, 1))  # a factory, as FSDP users pass\n"
         "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
         "    s.backward(model(torch.ones(2, 4)).sum()); s.step(opt)\n"
-        "    print(sorted(m for m in ('ddpkit.strategy.fsdp', 'ddpkit.checkpoint_files', 'safetensors')"
+        "    print(sorted(m for m in ('ddpkit.strategy.fsdp', 'ddpkit.checkpoint.files', 'safetensors')"
         " if m in sys.modules))\n"
         "    import ddpkit.strategy as st\n"
         "    print(st.FSDP.__module__, 'ddpkit.strategy.fsdp' in sys.modules)\n"

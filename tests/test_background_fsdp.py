@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import run_cli
 
-from ddpkit.checkpoint_background import lower_priority
-from ddpkit.checkpoint_write import to_cpu
+from ddpkit.checkpoint.background import lower_priority
+from ddpkit.checkpoint.write import to_cpu
 
 JOB = """
 import os, signal, sys, torch, ddpkit

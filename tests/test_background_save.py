@@ -115,8 +115,8 @@ def test_a_background_save_of_a_sharded_step_holds_the_whole_optimizer_state(tmp
 def test_the_writer_threads_safetensors_file_is_one_safetensors_reads_with_its_hash(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from ddpkit import checkpoint_files as files
-    from ddpkit.checkpoint_write import stream_tensors
+    from ddpkit.checkpoint import files
+    from ddpkit.checkpoint.write import stream_tensors
 
     tensors = {
         "w": torch.randn(300, 70),
@@ -144,10 +144,10 @@ def test_an_fsdp_background_save_is_the_state_of_the_call(pool2, tmp_path: Path)
 
 
 def test_the_writer_thread_runs_at_idle_priority() -> None:
-    """It takes no CPU time from training ranks that fill the cores (ddpkit.checkpoint_background)."""
+    """It takes no CPU time from training ranks that fill the cores (ddpkit.checkpoint.background)."""
     import os
 
-    from ddpkit.checkpoint_background import Background
+    from ddpkit.checkpoint.background import Background
 
     writer = Background()
     writer.run(lambda: os.sched_getscheduler(0))  # 0: the calling thread, here the writer

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from ddpkit import workloads
 from ddpkit.bench import cli, collectives, report, scaling, tune
 from ddpkit.bench.runner import Config, Stats
 from ddpkit.errors import DdpkitError
+from ddpkit.tools import workloads
 
 
 def test_sizes_and_nccl_tests_bus_bandwidth_factors() -> None:
@@ -60,7 +60,7 @@ def test_user_workload_must_be_module_function_returning_a_workload() -> None:
     with pytest.raises(DdpkitError, match="neither a named workload"):
         workloads.load("resnet")
     with pytest.raises(DdpkitError, match=r"not a ddpkit\.workloads\.Workload"):
-        workloads.load("ddpkit.workloads:make_mlp")
+        workloads.load("ddpkit.tools.workloads:make_mlp")
     assert workloads.load("mlp").name == "mlp"
     assert workloads.parameter_bytes(workloads.load("mlp").build()) == 37_801_994 * 4
 

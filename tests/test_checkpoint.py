@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit import checkpoint
-from ddpkit import checkpoint_files as files
-from ddpkit.checkpoint_files import CheckpointError
+from ddpkit.checkpoint import checkpoints as checkpoint
+from ddpkit.checkpoint import files
+from ddpkit.checkpoint.files import CheckpointError
 
 HW = ddpkit.Hardware(gpus=0, cpu_cores=2)
 
@@ -149,7 +149,7 @@ def test_a_planted_pickle_is_refused_without_running(tmp_path: Path, capsys, mon
 CRASH_SCRIPT = """
 import os, signal, sys
 import torch, ddpkit
-from ddpkit import checkpoint_files
+from ddpkit.checkpoint import files as checkpoint_files
 
 root = sys.argv[1]
 model = torch.nn.Linear(2, 2)

@@ -6,14 +6,14 @@ import json
 import subprocess
 import sys
 
-from ddpkit import doctor
+from ddpkit.tools import doctor
 
 
 def _doctor(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
     return subprocess.run(
-        [sys.executable, "-m", "ddpkit.doctor", *args],
+        [sys.executable, "-m", "ddpkit.tools.doctor", *args],
         capture_output=True,
         text=True,
         timeout=90,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit import environments
-from ddpkit.environments import DETECTORS, detect, tasks_on_node
+from ddpkit.cluster import environments
+from ddpkit.cluster.environments import DETECTORS, detect, tasks_on_node
+from ddpkit.cluster.topology import Hardware, resolve
 from ddpkit.errors import DdpkitError
-from ddpkit.topology import Hardware, resolve
 
 MASTER = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",

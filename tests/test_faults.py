@@ -22,7 +22,7 @@ import torch
 from conftest import REPO, run_cli
 from resume_train import reference, same
 
-from ddpkit import lifecycle
+from ddpkit.cluster import lifecycle
 
 TRAIN = str(REPO / "tests" / "resume_train.py")
 
@@ -207,7 +207,7 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
 
 FINISHES = """
 import sys, threading, time, torch, ddpkit
-from ddpkit import checkpoint_files
+from ddpkit.checkpoint import files as checkpoint_files
 
 with ddpkit.session(timeout=2, save_timeout=60, verbose=False) as s:
     if s.rank == 0:  # rank 0's disk is slower than the 2 s collective timeout

@@ -16,8 +16,8 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit.errors import DdpkitError
-from ddpkit.fit import Callback, FitState, fit
-from ddpkit.metrics import Accuracy, Mean
+from ddpkit.observe.metrics import Accuracy, Mean
+from ddpkit.training.fit import Callback, FitState, fit
 
 
 def _data(n: int = 64) -> TensorDataset:

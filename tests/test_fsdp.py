@@ -132,8 +132,8 @@ def test_dcp_metadata_reader_refuses_anything_but_dcp_classes(tmp_path: Path) ->
 
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from ddpkit.checkpoint_dcp import MetadataUnpickler
-    from ddpkit.checkpoint_files import CheckpointError
+    from ddpkit.checkpoint.dcp import MetadataUnpickler
+    from ddpkit.checkpoint.files import CheckpointError
 
     good = MetadataUnpickler(io.BytesIO(pickle.dumps(Metadata(state_dict_metadata={})))).load()
     assert isinstance(good, Metadata)

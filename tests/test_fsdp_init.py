@@ -83,7 +83,7 @@ def test_a_meta_module_without_its_factory_is_a_clear_error(pool2) -> None:
 
 
 def test_build_keeps_a_quarter_and_leaves_the_generator_as_one_process_does() -> None:
-    from ddpkit import workloads
+    from ddpkit.tools import workloads
 
     torch.manual_seed(0)
     workloads.load("mlp").build()

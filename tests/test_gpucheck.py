@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit import gpucheck
+from ddpkit.tools import gpucheck
 
 REPO = Path(__file__).resolve().parents[1]
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check runs")

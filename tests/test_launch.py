@@ -141,7 +141,7 @@ def test_bad_command_lines_are_clear_errors(tmp_path: Path, args: list[str], mes
 
 
 def test_elastic_command_line_for_torchrun(tmp_path: Path) -> None:
-    from ddpkit.launch import LaunchConfig, torchrun_argv
+    from ddpkit.cluster.launch import LaunchConfig, torchrun_argv
 
     (tmp_path / "x.py").write_text("")
     common = dict(
@@ -246,7 +246,7 @@ def test_spawn_refuses_what_cannot_be_sent() -> None:
 
 
 def test_more_cpu_ranks_than_cores_warns_once(tmp_path: Path) -> None:
-    from ddpkit.launch import oversubscription
+    from ddpkit.cluster.launch import oversubscription
 
     assert oversubscription(2, "1", 2) is None and oversubscription(1, "2", 2) is None
     text = oversubscription(4, "1", 2)

@@ -407,7 +407,7 @@ def test_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_doctor_runs_lint_on_a_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from ddpkit import doctor
+    from ddpkit.tools import doctor
 
     bad = tmp_path / "train.py"
     bad.write_text(textwrap.dedent(SAVE.format(comment="")))

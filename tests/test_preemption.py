@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO, communicate, popen_cli
 from safetensors.torch import load_file
 
-from ddpkit.preemption import Preemption, PreemptionOptions, signal_of
+from ddpkit.cluster.preemption import Preemption, PreemptionOptions, signal_of
 
 SCRIPT = str(REPO / "tests" / "preempt_train.py")
 STEPS = 24

@@ -47,7 +47,7 @@ def test_on_a_terminal_the_bar_refreshes_in_place(tmp_path: Path) -> None:
     """The control: the same run on a pseudo-terminal draws tqdm's bar (carriage returns)."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # 120 columns for the bar
-    proc = subprocess.Popen([sys.executable, "-m", "ddpkit.demo", "--epochs", "1", "--out", str(tmp_path / "out")],
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit.tools.demo", "--epochs", "1", "--out", str(tmp_path / "out")],
                             stdout=follower, stderr=follower, cwd=tmp_path, env=_env(), start_new_session=True)  # fmt: skip
     os.close(follower)
     chunks = []
@@ -74,7 +74,7 @@ def test_a_run_of_unknown_length_logs_a_line_every_every_s_seconds() -> None:
     """No total (an iterable without a length): no tenths to print at, so the lines come by time."""
     import io
 
-    from ddpkit.progress import Progress
+    from ddpkit.observe.progress import Progress
 
     stream = io.StringIO()
     progress = Progress(None, every_s=0.05, stream=stream)

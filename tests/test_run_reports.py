@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from ddpkit import checkpoint_files as files
+from ddpkit.checkpoint import files
 
 HERE = Path(__file__).parent
 SCRIPT = str(HERE / "refusal_train.py")
@@ -80,7 +80,7 @@ def test_each_restart_names_the_rank_that_died_first(tmp_path: Path, how: str, s
 def _failure(tmp_path: Path, rank: int, exitcode: int, exc: BaseException | None, when: float):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from ddpkit.failures import write_error_file
+    from ddpkit.cluster.failures import write_error_file
 
     path = tmp_path / f"error-{rank}.json"
     if exc is not None:
@@ -93,7 +93,7 @@ def test_a_rank_killed_from_outside_is_named_before_the_peer_it_broke(tmp_path: 
     (torchrun then names the peer); a signal nobody in the job sent is the cause."""
     import time
 
-    from ddpkit.run_report import first_failure
+    from ddpkit.cluster.run_report import first_failure
 
     peer = _failure(tmp_path, 0, 1, ConnectionError("Connection closed by peer"), time.time() - 5)
     killed = _failure(tmp_path, 1, -9, None, 0)

@@ -1,4 +1,4 @@
-"""Sharded optimizer steps (ddpkit.sharding): the same weights bit for bit, state only where it is owned,
+"""Sharded optimizer steps (ddpkit.step.sharding): the same weights bit for bit, state only where it is owned,
 full state in checkpoints, the broadcast path across machines, and a clear error with s.join."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit import sharding, shm_allreduce
 from ddpkit.errors import DdpkitError
-from ddpkit.shm_allreduce import ShmAllReduce
+from ddpkit.step import sharding, shm_allreduce
+from ddpkit.step.shm_allreduce import ShmAllReduce
 
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
 
@@ -159,7 +159,7 @@ def test_bad_shard_option_is_a_clear_error() -> None:
 
 
 def _plan():
-    from ddpkit import topology
+    from ddpkit.cluster import topology
 
     return topology.resolve({}, topology.Hardware(gpus=0, cpu_cores=2))
 

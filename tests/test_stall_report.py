@@ -3,7 +3,7 @@
 The classification runs on stacks whose frames point at torch's real files (DDP's collectives are
 issued from its Python methods straight into C++, so no torch.distributed function is on the stack);
 the launcher's choice runs on torchrun's own `ProcessFailure`, reading error files that
-`ddpkit.failures.record_failure` wrote. Real 2-rank runs are in test_faults.py.
+`ddpkit.cluster.failures.record_failure` wrote. Real 2-rank runs are in test_faults.py.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch.distributed.utils
 import torch.nn.parallel.distributed as ddp_module
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from ddpkit import failures
+from ddpkit.cluster import failures
+from ddpkit.cluster.watchdog import describe, format_report
 from ddpkit.errors import DdpkitError
-from ddpkit.watchdog import describe, format_report
 
 DDP = ddp_module.__file__
 USER = "/home/me/train.py"
@@ -126,8 +126,8 @@ def test_a_wait_through_the_store_gives_up_on_a_rank_that_stopped_beating() -> N
     import pytest
     import torch.distributed as dist
 
+    from ddpkit.cluster.lifecycle import wait_for_keys
     from ddpkit.errors import DdpkitError
-    from ddpkit.lifecycle import wait_for_keys
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

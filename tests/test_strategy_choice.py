@@ -21,7 +21,7 @@ def test_model_state_counts_parameters_gradients_and_optimizer_state() -> None:
 
 def test_adam_state_of_measured_mlp_matches_the_memory_benchmark() -> None:
     """docs/performance.md §7 measured 576.8 MiB of model state per DDP rank for the 37.8M-parameter MLP."""
-    from ddpkit import workloads
+    from ddpkit.tools import workloads
 
     mlp = workloads.load("mlp").build()
     assert model_state_bytes(mlp, 2) / 2**20 == pytest.approx(576.8, abs=0.1)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
-from ddpkit.wrap import convert_batchnorm
+from ddpkit.step.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from ddpkit.step.wrap import convert_batchnorm
 
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
 

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 import ddpkit
 from ddpkit.errors import DdpkitError
-from ddpkit.precision import PrecisionPlan
+from ddpkit.step.precision import PrecisionPlan
+from ddpkit.tools.workloads import TinyGPT
 from ddpkit.verify.calibrate import deviation, floor_summary, floors, limit
 from ddpkit.verify.spec import Tolerance
-from ddpkit.workloads import TinyGPT
 
 VOCAB, SEQ, GLOBAL, STEPS = 32, 16, 12, 4  # 12 sequences per step split over 1..6 micro-batches x ranks
 CLIP = 0.7  # some steps clip, some do not: a wrong scale shows, and so does clipping before the rescale

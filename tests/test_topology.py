@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.environments import first_slurm_host
+from ddpkit.cluster.environments import first_slurm_host
+from ddpkit.cluster.topology import Hardware, detect_ranks, resolve, threads_per_process
 from ddpkit.errors import DdpkitError
-from ddpkit.topology import Hardware, detect_ranks, resolve, threads_per_process
 
 CPU = Hardware(gpus=0, cpu_cores=2)
 ONE_GPU = Hardware(gpus=1, cpu_cores=16)

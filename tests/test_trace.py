@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ddpkit import trace
+from ddpkit.tools import trace
 
 
 def test_trace_writes_chrome_trace_png_and_explains_buckets(tmp_path, capsys) -> None:

@@ -44,8 +44,8 @@ class Config:
     hook_options: dict[str, Any] = field(default_factory=dict)
     zero: bool = False  # torch's ZeroRedundancyOptimizer: each rank updates a shard, then broadcasts
     fused: bool = False  # the user's optimizer class with fused=True (one kernel per step, same math)
-    cpu_allocator: bool = False  # ddpkit's CPU allocator settings (ddpkit.cpu_allocator); False: glibc's
-    shard: bool = False  # ddpkit.sharding: each rank steps its share of the parameters, then publishes
+    cpu_allocator: bool = False  # ddpkit's CPU allocator settings (ddpkit.step.cpu_allocator); False: glibc's
+    shard: bool = False  # ddpkit.step.sharding: each rank steps its share of the parameters, then publishes
     compile: bool = False  # s.model(..., compile=True): Inductor; compilation happens in the warm-up steps
 
     @property
@@ -164,7 +164,7 @@ def run_group(
 ) -> list[dict]:
     """Rank body: time each config once (one block of >= `target_s` seconds); return rank 0's measurements."""
     import ddpkit
-    from ddpkit import workloads
+    from ddpkit.tools import workloads
 
     workload = workloads.load(spec)
     out = []

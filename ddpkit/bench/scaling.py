@@ -17,9 +17,9 @@ import os
 import statistics
 from typing import Any
 
-from ddpkit import workloads
 from ddpkit.bench import report
 from ddpkit.bench.runner import LOSSY_HOOKS, Config, Stats, measure
+from ddpkit.tools import workloads
 
 
 def plan(workload: workloads.Workload, max_nproc: int, threads: int, cores: int,

@@ -92,10 +92,10 @@ def list_links() -> str:
 
 
 def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
-    from ddpkit import workloads
     from ddpkit.bench.report import machine
     from ddpkit.plan import advice, links, planner, profile
     from ddpkit.plan.simulate import Options
+    from ddpkit.tools import workloads
 
     spec = ns.model or ns.workload
     counts = [int(c) for c in ns.counts.split(",") if c] if ns.counts else planner.counts_up_to(ns.max_gpus)

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddpkit import workloads
 from ddpkit.plan import links
 from ddpkit.plan.planner import Planner
 from ddpkit.plan.profile import Profile
 from ddpkit.plan.simulate import Options
+from ddpkit.tools import workloads
 
 # A V100's fp32 step at 32 samples per GPU (assumed from commonly published throughputs: ResNet-50
 # ~375 images/s, BERT-base at sequence 128 ~160 sequences/s); the optimizer step is scaled alike.

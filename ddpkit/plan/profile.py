@@ -239,7 +239,7 @@ def _rank(spec: str, batches: list[int], steps: int, warmup: int, device: str) -
     import torch
 
     import ddpkit
-    from ddpkit import workloads
+    from ddpkit.tools import workloads
 
     wl = workloads.load(spec)
     out = {}

@@ -18,7 +18,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from ddpkit import workloads
+from ddpkit.tools import workloads
 
 
 def cnn48() -> workloads.Workload:

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from ddpkit.collectives import Ranks
 from ddpkit.errors import problem
 from ddpkit.names import DISTRIBUTED, STRATEGIES
-from ddpkit.precision import PrecisionPlan, resolve_precision
+from ddpkit.step.collectives import Ranks
+from ddpkit.step.precision import PrecisionPlan, resolve_precision
+from ddpkit.step.wrap import DDPOptions
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.ddp import DDP
 from ddpkit.strategy.fsdp_options import FSDPOptions
 from ddpkit.strategy.single import Single
-from ddpkit.wrap import DDPOptions
 
 NAMES = STRATEGIES  # the one list (`ddpkit.names`)
 

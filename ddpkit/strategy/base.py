@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import problem
-from ddpkit.wrap import unwrap
+from ddpkit.step.wrap import unwrap
 
 
 class Strategy:
@@ -34,7 +34,7 @@ class Strategy:
 
     name: ClassVar[str] = "single"
     shards_state: ClassVar[bool] = False  # model and optimizer state live in shards (checkpoints via DCP)
-    allows_sharded_step: ClassVar[bool] = False  # ddpkit.sharding may split the optimizer step
+    allows_sharded_step: ClassVar[bool] = False  # ddpkit.step.sharding may split the optimizer step
     grads_between_micro_batches: ClassVar[bool] = True  # skipped-sync gradients sit in `p.grad`
     collective_forward: ClassVar[bool] = False  # the eval module's forward is a collective (FSDP)
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit import cpu_allocator
+from ddpkit.step import cpu_allocator
 from ddpkit.strategy import checkpointing, rank_memory, weights
 from ddpkit.strategy.base import Strategy
 
@@ -28,7 +28,7 @@ def before_wrap(
     stepper: Any, module: nn.Module | Callable[[], nn.Module], *, world_size: int,
     device: torch.device, weights_from: weights.Weights, recompute: Any = None,
 ) -> nn.Module:  # fmt: skip
-    """`stepper`: the session's `ddpkit.stepping.Stepper` (its strategy, whether it shards the step)."""
+    """`stepper`: the session's `ddpkit.step.stepping.Stepper` (its strategy, whether it shards the step)."""
     chosen: Strategy = stepper.strategy
     sharded_step = chosen.allows_sharded_step and stepper.shard is not False
     if not isinstance(module, nn.Module):  # a factory: under FSDP, built shard by shard

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpkit.step.wrap import DDPOptions, wrap_model
 from ddpkit.strategy.base import Strategy
-from ddpkit.wrap import DDPOptions, wrap_model
 
 
 def ddp_of(model: nn.Module) -> DistributedDataParallel | None:

@@ -14,10 +14,10 @@ sharding and stops with the name of the first one that differs.
 
 Precision: "bf16" computes in bf16 (`MixedPrecisionPolicy(param_dtype=bf16)`, from
 `PrecisionPlan.fsdp_policy`) and reduces gradients in fp32; "16" (fp16 with a loss scale) is refused by
-`ddpkit.precision.resolve_precision(..., loss_scale=False)`: the scaler's inf check would be per shard,
+`ddpkit.step.precision.resolve_precision(..., loss_scale=False)`: the scaler's inf check would be per shard,
 so ranks could disagree about skipping a step. Micro-batches skip the reduce-scatter with
 `set_requires_gradient_sync(False)`; the clipped norm is the all-reduced norm of the sharded gradients,
-identical on every rank. `ddpkit.sharding` does not apply: the optimizer state is already sharded.
+identical on every rank. `ddpkit.step.sharding` does not apply: the optimizer state is already sharded.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit import cpu_allocator
-from ddpkit.collectives import Ranks, same_everywhere
 from ddpkit.errors import problem
-from ddpkit.precision import PrecisionPlan
+from ddpkit.step import cpu_allocator
+from ddpkit.step.collectives import Ranks, same_everywhere
+from ddpkit.step.precision import PrecisionPlan
 from ddpkit.strategy import checkpointing, fsdp_export, fsdp_init, hf
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.fsdp_options import FSDPOptions

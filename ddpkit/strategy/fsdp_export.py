@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddpkit.checkpoint_files import safetensors_header
+from ddpkit.checkpoint.files import safetensors_header
 
 
 def write(model: nn.Module, path: str | Path, rank: int) -> int:

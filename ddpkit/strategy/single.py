@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.step.wrap import DDPOptions, wrap_model
 from ddpkit.strategy.base import Strategy
-from ddpkit.wrap import DDPOptions, wrap_model
 
 
 class Single(Strategy):

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from ddpkit.errors import problem
+from ddpkit.step.wrap import unwrap
 from ddpkit.strategy.checkpointing import plain_name
-from ddpkit.wrap import unwrap
 
 Weights = str | os.PathLike | None
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import ddpkit
-from ddpkit.topology import Hardware, threads_per_process
+from ddpkit.cluster.topology import Hardware, threads_per_process
 from ddpkit.verify import calibrate
 from ddpkit.verify.diagnose import diagnose
 from ddpkit.verify.report import Report, TensorRow

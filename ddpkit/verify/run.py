@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit import tokens
 from ddpkit.errors import problem
+from ddpkit.step import tokens
 from ddpkit.verify.spec import VerifySpec, build_data, build_loss, build_model, build_optimizer, resolve
 
 
@@ -283,7 +283,7 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
             rng = _rng_state(s.device) if step == 1 else None
             with autocast:
                 loss = loss_fn(Chunked(model, chunks) if chunks else model, batch)
-            if isinstance(loss, tuple):  # (loss_sum, valid tokens): the global token mean (ddpkit.tokens)
+            if isinstance(loss, tuple):  # (loss_sum, valid tokens): the global token mean (step.tokens)
                 loss = tokens.global_mean(s, *loss)
             if rng is not None:
                 out.random_forward = any(

@@ -76,7 +76,7 @@ def _diagnose(spec: VerifySpec, single: Trajectory) -> list[Diagnosis]:
             "back-propagate the SUM of the per-token losses and pass the micro-batch's count: "
             "s.backward(F.cross_entropy(logits, labels, reduction='sum'), tokens=(labels != -100).sum()); "
             "s.step then all-reduces the count once and scales the gradient to the global token mean "
-            "(ddpkit.tokens, any ranks x accumulation).",
+            "(ddpkit.step.tokens, any ranks x accumulation).",
         )
     ]
 

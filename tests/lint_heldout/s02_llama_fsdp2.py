@@ -1,14 +1,17 @@
 """Pretraining a small decoder-only transformer with FSDP2 (fully_shard). Launch with torchrun."""
-import os
 import math
+import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 class Block(nn.Module):

@@ -8,10 +8,10 @@ import glob
 import os
 
 import torch
-import torch.nn as nn
 import torch.distributed as dist
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, TensorDataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from transformers import AutoModelForCausalLM
 
 

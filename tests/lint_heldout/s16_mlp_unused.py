@@ -2,13 +2,12 @@
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.distributed as dist
+from title_pairs import TitlePairs  # project-local: yields (anchor_ids, positive_ids)
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
-
-from title_pairs import TitlePairs  # project-local: yields (anchor_ids, positive_ids)
 
 DDP_OPTS = {
     "broadcast_buffers": False,

@@ -1,18 +1,17 @@
 """Streaming pretraining on a directory of .jsonl.gz shards (too big for a map-style dataset)."""
-import os
 import glob
 import gzip
-import json
 import itertools
+import json
+import os
 
 import torch
-import torch.nn.functional as F
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import IterableDataset, DataLoader
-from tokenizers import Tokenizer
-
+import torch.nn.functional as F
 from lm_model import DecoderLM  # project-local
+from tokenizers import Tokenizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, IterableDataset
 
 
 class JsonlStream(IterableDataset):

@@ -1,15 +1,15 @@
 """Multi-horizon load forecasting with a GRU encoder; DDP, wandb logging on the master process."""
-import os
-import json
 import argparse
+import json
+import os
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.distributed as dist
+import torch.nn as nn
+import wandb
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-import wandb
 
 
 class Windows(Dataset):

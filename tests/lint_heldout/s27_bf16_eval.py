@@ -3,13 +3,12 @@ for serving and run a quick offline evaluation with it."""
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.distributed as dist
+from recsys_data import InteractionDataset  # project-local
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
-
-from recsys_data import InteractionDataset  # project-local
 
 N_USERS, N_ITEMS, DIM = 200_000, 50_000, 128
 

@@ -1,16 +1,15 @@
 import os
 import threading
-from datetime import datetime
 import warnings
+from datetime import datetime
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 import torch.nn as nn
-from torch import optim
-
 import torchvision
+from torch import optim
 
 # Suppress deprecated ProcessGroup warning
 warnings.filterwarnings("ignore", message="You are using a Backend.*ProcessGroup")

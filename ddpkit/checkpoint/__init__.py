@@ -1,0 +1,14 @@
+"""The checkpoint wing: save and resume the whole training state (`s.save` / `s.load`).
+
+    checkpoints  the facade the session holds (`Checkpoints`): who writes, who waits, load's choice
+    write        a save's two phases: `capture` (every rank, in step) and `write` (files, manifest)
+    background   the writer thread for `background=True`
+    sync         `CheckpointContext` (the typed values a save needs) and the ranks' agreement
+    state        what each keyword becomes (weights, loaders, RNGs, values)
+    dcp          sharded (FSDP) state through torch.distributed.checkpoint
+    gather       a sharded step's optimizer state, gathered behind training
+    files        the directory layout, checksums, the manifest, `CheckpointError`
+
+Owns: the bytes on disk and their meaning. May import the step, cluster and data wings, errors and
+names; never the training facade (contract "facade"): the session passes its values in.
+"""

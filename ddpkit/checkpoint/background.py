@@ -1,0 +1,80 @@
+"""A checkpoint written behind training: one thread, one write at a time, errors raised to the caller.
+
+    s.save("runs/ckpt", **state, step=step, background=True)   # copies the state to CPU and returns
+
+The state was already copied (`ddpkit.checkpoint.write.capture(copy=True)`), so training may change
+the originals while the thread writes the files, hashes them and (rank 0, once every rank's part is
+in) commits the checkpoint by renaming it into place. Until then the previous checkpoint is the
+newest valid one, so a crash in the middle loses nothing that was committed. The next save, a load,
+and the session's end wait for the write in flight; its error, if any, is raised there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+NICE = 19  # the writer's niceness: it runs on CPU time training leaves idle
+
+
+def idle_priority() -> bool:
+    """Run the calling thread only when a core would otherwise be idle (Linux SCHED_IDLE, this thread
+    only): the writer then takes no CPU time from training ranks that fill every core. A thread that
+    blocks on it (the next save, a load, the end) leaves its core idle, so the writer always
+    finishes. True if set."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        return True
+    return False
+
+
+def lower_priority(nice: int = NICE) -> bool:
+    """Make the calling thread the lowest CPU priority (Linux: a thread is a task with its own nice
+    value, set through its native id). Measured: with two ranks on two cores the writer otherwise
+    takes CPU time from training at equal priority. False where the platform cannot do it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+class Background:
+    """At most one write in flight; `wait` joins it and raises what it raised."""
+
+    def __init__(self, *, nice: int | None = NICE) -> None:
+        self._nice = nice  # None: the writer keeps training's priority
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.result: Any = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def run(self, write: Callable[[], Any]) -> None:
+        self.wait()
+
+        def body() -> None:
+            if self._nice is not None:  # SCHED_IDLE, and nice (which counts where SCHED_IDLE is refused)
+                idle_priority()
+                lower_priority(self._nice)
+            try:
+                self.result = write()
+            except BaseException as err:  # handed to the main thread by wait()
+                self._error = err
+
+        # not a daemon: an interpreter that exits waits for the commit rather than cut it off
+        self._thread = threading.Thread(target=body, name="ddpkit-checkpoint-writer")
+        self._thread.start()
+
+    def wait(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error

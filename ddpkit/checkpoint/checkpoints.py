@@ -1,0 +1,276 @@
+"""Save and resume the whole training state, exactly: `s.save(root, **state)` / `s.load(root, **state)`.
+
+    values = s.load("runs/ckpt", model=model, optimizer=opt, scheduler=sched, loader=train, step=0)
+    step = values["step"]                     # saved value, or the default on a fresh start
+    for epoch in range(train.epoch, epochs):  # a resumed epoch continues after its last saved batch
+        for x, y in train:
+            ...
+            step += 1
+            if step % 100 == 0:
+                s.save("runs/ckpt", model=model, optimizer=opt, scheduler=sched, loader=train, step=step)
+
+What each keyword becomes (`ddpkit.checkpoint.state`; the directory layout is `ddpkit.checkpoint.files`):
+- an `nn.Module`: its unwrapped weights in `<name>.safetensors` (no `module.` prefix; plain
+  `model.load_state_dict(safetensors.torch.load_file(...))` reads them), written by global rank 0;
+- a ddpkit loader or a `torch.Generator`: per rank (position in the epoch, generator state);
+- anything with `state_dict()`/`load_state_dict()` (optimizer, LR scheduler, GradScaler): saved from
+  global rank 0, whose state every rank shares in data-parallel training (an optimizer whose steps are
+  sharded, `ddpkit.step.sharding`, is gathered to rank 0 first, so the file always holds its full state);
+- anything else (step, epoch, best loss, a dict of JSON-able extras such as a tracker's run id): a
+  value, returned by `load` (passed to `load`, a default); a keyword set to None is left out.
+Every rank also saves its torch, CUDA, numpy and Python RNG states, and gets them back on `load`.
+
+`load(root)` resumes from the newest checkpoint that verifies, says which newer ones it skipped and
+why, and returns the defaults when `root` holds none yet (a fresh start); `load(root/"ckpt-000004")`
+loads that one or fails. At another world size the global batch and the data position are kept
+(the sampler's order does not depend on the world size) and the changes are printed.
+
+A save is two phases: `capture` (every rank, in step: the collectives that gather sharded state,
+and a copy of everything to CPU memory) and `write` (files, checksums, the manifest, the atomic
+rename by rank 0), in `ddpkit.checkpoint.write`; `background=True` runs the second on a thread.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.checkpoint import dcp as checkpoint_dcp
+from ddpkit.checkpoint import files
+from ddpkit.checkpoint import state as checkpoint_state
+from ddpkit.checkpoint.background import NICE, Background
+from ddpkit.checkpoint.files import CheckpointError, Found, Tensors
+from ddpkit.checkpoint.sync import CheckpointContext, Sync
+from ddpkit.checkpoint.write import capture, full_weights, start, start_sharded, write
+from ddpkit.cluster.preemption import Preempted, Preemption, PreemptionOptions
+from ddpkit.errors import problem
+from ddpkit.step.wrap import unwrap
+
+__all__ = ["CheckpointContext", "CheckpointError", "Checkpoints", "Preempted", "latest"]
+
+
+def _require_safe_torch() -> None:
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    if (major, minor) < (2, 10):
+        raise problem(
+            f"torch {torch.__version__} is older than 2.10, whose weights-only loader has no known bypass",
+            "Upgrade torch (pip install 'torch>=2.10') before saving or loading checkpoints",
+        )
+
+
+def latest(path: str | Path) -> Path | None:
+    """The newest checkpoint under `path` whose files all verify, or None."""
+    found, _ = files.newest_valid(Path(path))
+    return found.path if found else None
+
+
+class Checkpoints:
+    """One session's checkpoints: save, load, export, and the background write in flight (if any).
+
+    `context` is called at each operation (the strategy is chosen by `s.model`, after the session
+    starts). Objects given to `register` (name -> anything with state_dict/load_state_dict, or a
+    callable returning a JSON-able value) join every save and load, e.g. a tracker's run id.
+    """
+
+    def __init__(self, context: Callable[[], CheckpointContext], env: Mapping[str, str]) -> None:
+        self._context = context
+        self._background = Background(nice=int(env.get("DDPKIT_WRITER_NICE", NICE)))
+        self._preemption = Preemption(PreemptionOptions.from_env(env), env)
+        self._registered: dict[str, Any] = {}
+        self._group: Any = None  # background saves' own process group (made once, at the first)
+        self._where: tuple[bool, torch.device] | None = None  # (distributed, device) for the agreement
+        self.last: Path | None = None  # the newest checkpoint this session committed or started
+
+    def register(self, name: str, obj: Any) -> None:
+        """Save and load `obj` under `name` with every checkpoint of this session."""
+        self._registered[name] = obj
+
+    # -- save -----------------------------------------------------------------------------------
+    def save(self, path: str | Path, *, keep: int = 3, background: bool = False, every: int | None = None,
+             **state: Any) -> Path | None:  # fmt: skip
+        """Write a new checkpoint under `path` atomically; keep the newest `keep`; return its directory.
+
+        Every rank must call it at the same point. Rank 0 writes the shared files, every rank its own;
+        the others wait for rank 0 through the store for up to `save_timeout`, not in a collective.
+        With `background=True` the state is copied to CPU memory and the call returns; the files are
+        written and committed behind training. The next save (and the session's end) waits for it.
+
+        With `every=N`, call it after every step: it saves when `step % N == 0` (None otherwise), and
+        it is where a preemption signal is acted on: all ranks agree, save, and raise `Preempted`
+        (exit code 75). See `ddpkit.cluster.preemption`.
+        """
+        if every is not None:
+            return self._save_every(path, every, keep=keep, background=background, **state)
+        _require_safe_torch()
+        if keep < 1:
+            raise problem(f"keep={keep} would delete the checkpoint just written", "Pass keep=1 or more")
+        root = Path(path)
+        if files.is_checkpoint(root):
+            raise problem(f"{root} is a checkpoint, not a folder of checkpoints",
+                          f"Save to its parent folder {root.parent}")  # fmt: skip
+        self._background.wait()  # the previous save first: one write at a time, in order
+        ctx = self._context()
+        if background and ctx.distributed and self._group is None:  # collective: all ranks are here
+            self._group = dist.new_group(backend="gloo")  # the writer's own (DCP, sharded steps' state)
+        group = self._group if background else None
+        snapshot = capture(ctx, {**self._extras(), **state}, copy=background, group=group)
+        job = start(ctx, root, snapshot, keep)
+        if background and snapshot.sharded is not None:  # copied now; DCP saves the copy on the writer
+            start_sharded(ctx, job, snapshot, self._group)
+        self.last = files.final_dir(root, job.seq)
+        if background:
+            self._background.run(lambda: write(ctx, job, snapshot))
+            return self.last
+        self.last = write(ctx, job, snapshot)
+        return self.last
+
+    def _save_every(self, path: str | Path, every: int, **state: Any) -> Path | None:
+        step = state.get("step")
+        if not isinstance(every, int) or every < 1 or not isinstance(step, int):
+            raise problem(f"every={every!r} needs a whole number of steps, and step= an int (got {step!r})",
+                          "Pass every=N (N >= 1) together with step=<your optimizer step count>")  # fmt: skip
+        if self._where is None:  # once: the facts the agreement needs (cheap calls every step after)
+            self._preemption.arm()
+            ctx = self._context()
+            self._where = (ctx.distributed, ctx.device)
+        if not self._preemption.agree(*self._where, now=step % every == 0):
+            return self.save(path, **state) if step % every == 0 else None
+        final = self.save(path, **dict(state, background=False))
+        assert final is not None
+        ctx = self._context()
+        raise self._preemption.finish(is_main=ctx.is_main, step=step, checkpoint=final, say=ctx.say)
+
+    def wait(self) -> None:
+        """Wait for a background save to be committed on every rank; raise its error, if any."""
+        self._background.wait()
+
+    def close(self) -> None:
+        """At the session's end: finish a background save (its error is raised here), drop the handlers."""
+        try:
+            self._background.wait()
+        finally:
+            self._preemption.close()
+            if self._group is not None and dist.is_initialized():
+                dist.destroy_process_group(self._group)
+            self._group = None
+
+    def _extras(self) -> dict[str, Any]:
+        return {
+            n: (o() if callable(o) and not hasattr(o, "state_dict") else o)
+            for n, o in self._registered.items()
+        }
+
+    # -- export ---------------------------------------------------------------------------------
+    def export(self, path: str | Path, model: nn.Module) -> Path | None:
+        """Write the full weights of `model` to one plain safetensors file (for inference); every rank calls
+        it. Global rank 0 writes. Under FSDP no rank holds the model whole: the file is streamed one
+        gathered tensor at a time (`ddpkit.strategy.fsdp_export`). The path on rank 0."""
+        ctx = self._context()
+        target = Path(path)
+        if ctx.strategy.shards_state and ctx.strategy.owns(model):
+            count = ctx.strategy.write_full_state(model, target, ctx.rank)  # collective, tensor by tensor
+        else:
+            count = self._export_whole(ctx, target, model)
+        ctx.barrier()
+        ctx.say(f"ddpkit: exported {count} tensors of the full model to {target}")
+        return target if ctx.is_main else None
+
+    @staticmethod
+    def _export_whole(ctx: CheckpointContext, target: Path, model: nn.Module) -> int:
+        weights = full_weights(ctx, model)
+        if ctx.is_main:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tensors = Tensors()
+            for key, value in weights.items():
+                tensors[key] = files.own_storage(value.detach(), tensors)
+            partial = target.with_name(f".{target.name}.tmp")
+            files.write_tensors(partial, tensors)
+            partial.replace(target)
+        return len(weights)
+
+    # -- load -----------------------------------------------------------------------------------
+    def load(self, path: str | Path, *, strict: bool = True, **state: Any) -> dict[str, Any]:
+        """Restore the objects passed as keywords from the newest valid checkpoint; return the values.
+
+        Plain keywords (step=0) are defaults for values the checkpoint lacks, and the whole answer on a
+        fresh start. `strict` applies to module weights (missing or unexpected keys are errors).
+        """
+        _require_safe_torch()
+        self._background.wait()
+        ctx = self._context()
+        registered = {n: o for n, o in self._registered.items() if hasattr(o, "state_dict")}
+        parts = checkpoint_state.split({**registered, **state})
+        sharded = checkpoint_dcp.split(ctx.strategy, parts)
+        found = _choose(ctx, Path(path))
+        if found is None:
+            ctx.say(f"ddpkit: no checkpoint in {path} yet: starting fresh")
+            return dict(parts["values"])
+        manifest = found.manifest
+        saved = {name for names in manifest["objects"].values() for name in names}
+        wanted = set(parts["modules"]) | set(parts["per_rank"]) | set(parts["shared"])
+        if sharded is not None:
+            wanted |= {sharded[0][0], *sharded[1]}
+        if wanted - saved:
+            raise problem(
+                f"{found.path} has no {', '.join(sorted(wanted - saved))} "
+                f"(it holds {', '.join(sorted(saved))})",
+                "Pass only what was saved, or save it from now on (an older checkpoint cannot gain it)",
+            )
+        if sharded is not None:
+            checkpoint_dcp.load_into(ctx.strategy, found, sharded, strict=strict)
+        for name, module in parts["modules"].items():
+            weights = found.read_tensors(f"{name}.safetensors")
+            if ctx.strategy.owns(module):
+                ctx.strategy.load_full_state(module, weights, strict=strict)
+            else:
+                unwrap(module).load_state_dict(weights, strict=strict)
+        shared = found.read_json("state.json")
+        shared_tensors = found.read_tensors("state.safetensors")
+        for name, obj in parts["shared"].items():
+            obj.load_state_dict(files.decode(shared["objects"][name], shared_tensors))
+            ctx.optimizers.loaded_optimizer_state(obj)  # a sharded step keeps only this rank's share
+        notes = checkpoint_state.restore_per_rank(ctx.rank, ctx.world_size, found, parts["per_rank"])
+        values = {**parts["values"], **files.decode(shared["values"], shared_tensors)}
+        step = values.get("step")
+        head = f"ddpkit: resumed from {found.path}" + (f" (step {step})" if step is not None else "")
+        ctx.say("; ".join([head, *notes]))
+        self.last = found.path
+        return values
+
+
+def _choose(ctx: CheckpointContext, root: Path) -> Found | None:
+    """Rank 0 picks the checkpoint (verifying every file); the others read its choice from the store."""
+    sync = Sync(ctx, "load")
+    if not ctx.is_main:
+        answer = json.loads(sync.wait_one(0, "choice", "rank 0 to choose a checkpoint"))
+        if answer.get("path") is None:
+            return None
+        chosen = Path(answer["path"])  # each rank re-checks the files it reads against this manifest
+        return files.Found(chosen, json.loads((chosen / files.MANIFEST).read_text()))
+    try:
+        if files.is_checkpoint(root):
+            found, skipped = files.verify(root), []
+        else:
+            found, skipped = files.newest_valid(root)
+            if found is None and skipped:
+                raise CheckpointError(
+                    f"every checkpoint in {root} is damaged:\n  " + "\n  ".join(skipped) + "\nRestore one "
+                    "from a backup, or delete the folder to start afresh (nothing usable is left)."
+                )
+    except Exception as err:
+        sync.publish("choice", f"error: rank 0: {err}")  # the others stop waiting, with the reason
+        raise
+    for line in skipped:
+        ctx.say(f"ddpkit: skipped a damaged checkpoint: {line}")
+    if found is not None and not files.is_checkpoint(root):
+        for unfinished in files.unfinished_after(root, found.path):
+            ctx.say(f"ddpkit: ignored {unfinished.name}: a save that never finished (the job ended "
+                    f"while it was written); {found.path.name} is the newest complete one")  # fmt: skip
+    sync.publish("choice", json.dumps({"path": str(found.path) if found else None}))
+    return found

@@ -1,0 +1,154 @@
+"""What the keywords of `s.save` / `s.load` become, and the per-rank part of a checkpoint.
+
+    parts = split(dict(model=model, optimizer=opt, loader=train, step=12))
+    # {"modules": {"model": ...}, "per_rank": {"loader": ...}, "shared": {"optimizer": ...},
+    #  "values": {"step": 12}}
+
+Kept apart from the save/load protocol (`ddpkit.checkpoint.checkpoints`) so that the rules for each kind of
+object, and the per-rank files (RNG streams, loader position), read in one place.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from ddpkit.checkpoint import files
+from ddpkit.checkpoint.files import Found, Tensors
+from ddpkit.data import ShardedLoader
+from ddpkit.errors import problem
+
+
+def rank_files(rank: int) -> tuple[str, str]:
+    return f"rank-{rank:05d}.json", f"rank-{rank:05d}.safetensors"
+
+
+def split(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Sort the keywords into modules, per-rank objects, shared objects and plain values."""
+    parts: dict[str, dict[str, Any]] = {"modules": {}, "per_rank": {}, "shared": {}, "values": {}}
+    for name, obj in state.items():
+        if obj is None:
+            continue
+        if isinstance(obj, nn.Module):
+            if name == "state":
+                raise problem("a module cannot be saved under the name 'state' (a reserved file name)",
+                              "Pick another keyword, e.g. model=")  # fmt: skip
+            parts["modules"][name] = obj
+        elif isinstance(obj, (ShardedLoader, torch.Generator)) or stream_position(obj):
+            parts["per_rank"][name] = obj
+        elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+            parts["shared"][name] = obj
+        else:
+            parts["values"][name] = obj
+    return parts
+
+
+def stream_position(obj: Any) -> bool:
+    """A loader or an iterable data set with a state: a position in this rank's own stream (torchdata's
+    StatefulDataLoader, a Hugging Face IterableDataset), so each rank saves and loads its own."""
+    stateful = callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    return stateful and isinstance(obj, (DataLoader, IterableDataset))
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def per_rank_tree(per_rank: Mapping[str, Any], tensors: Tensors) -> dict[str, Any]:
+    """This rank's RNG streams and per-rank objects as JSON (tensors into `tensors`), taken now."""
+    return {
+        "rng": files.encode(rng_state(), tensors, "rng"),
+        "objects": {n: files.encode(_per_rank_state(o), tensors, n) for n, o in per_rank.items()},
+    }
+
+
+def write_rank(tmp: Path, rank: int, tree: Any, tensors: Tensors) -> dict[str, Any]:
+    """Write this rank's two files into the temporary checkpoint; their manifest entries."""
+    json_name, tensor_name = rank_files(rank)
+    return {
+        tensor_name: files.write_tensors(tmp / tensor_name, tensors),
+        json_name: files.write_json(tmp / json_name, tree),
+    }
+
+
+def _per_rank_state(obj: Any) -> Any:
+    return obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
+
+
+def restore_per_rank(rank: int, world_size: int, found: Found, per_rank: Mapping[str, Any]) -> list[str]:
+    """Set this rank's RNG streams and per-rank objects; notes on what a new world size changed."""
+    saved_world = int(found.manifest["world_size"])
+    own = rank < saved_world
+    json_name, tensor_name = rank_files(rank if own else 0)
+    tree = found.read_json(json_name)
+    tensors = found.read_tensors(tensor_name)
+    if own:
+        set_rng_state(files.decode(tree["rng"], tensors))
+    notes = []
+    if saved_world != world_size:
+        notes.append(f"world size {saved_world} -> {world_size}")
+        if world_size > saved_world:
+            notes.append(f"ranks {saved_world}..{world_size - 1} start fresh RNG streams")
+        else:
+            notes.append(f"the RNG streams of ranks {world_size}..{saved_world - 1} are dropped")
+    for name, obj in per_rank.items():
+        value = files.decode(tree["objects"][name], tensors)
+        if stream_position(obj) and saved_world != world_size:
+            raise problem(
+                f"{name}= ({type(obj).__name__}) holds a position in each rank's own stream, saved at world "
+                f"size {saved_world}; at world size {world_size} the streams are split otherwise, so no "
+                "rank's saved position belongs to it (loading rank 0's would repeat or skip data)",
+                f"Resume at world size {saved_world}, or leave {name}= out of s.load to start its epoch "
+                "afresh; s.loader(...) (ddpkit's loader) re-splits a stream at another world size",
+            )
+        if isinstance(obj, torch.Generator):
+            if own:
+                obj.set_state(value)
+            continue
+        obj.load_state_dict(value if own else dict(value, generator=None))
+        if isinstance(obj, ShardedLoader):
+            notes.append(describe_position(name, value, obj))
+    return notes
+
+
+def describe_position(name: str, old: Mapping[str, Any], loader: ShardedLoader) -> str:
+    """The data position, and what a change of world size, accumulation or batch did to it.
+
+    Like is compared with like: the true global batch (per rank x world x accumulation), so trading
+    accumulation steps for ranks keeps it. Checkpoints from before `accumulation` was saved stored
+    per rank x world as their global batch, which is the true one when they did not accumulate.
+    """
+    batch = loader.batch
+    now, was_accumulation = batch.global_size, int(old.get("accumulation", 1))
+    split_now = f"{batch.world_size} x {batch.per_rank} x {batch.accumulation}"
+    was = f"{old['world_size']} x {old['per_rank_batch']} x {was_accumulation}"
+    text = f"{name} at epoch {old['epoch']}, sample {old['samples']}"
+    if loader.note:
+        text = f"{text}; {loader.note}"
+    if old["global_batch"] != now:
+        return f"{text}; the global batch changed {old['global_batch']} -> {now}, so the rest differs"
+    if (old["world_size"], was_accumulation) != (batch.world_size, batch.accumulation):
+        return f"{text}, global batch {now} kept (ranks x per rank x accumulation: {was} -> {split_now})"
+    return text

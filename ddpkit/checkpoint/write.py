@@ -1,0 +1,263 @@
+"""One save, in three steps: `capture` the state, `start` the checkpoint, `write` and commit it.
+
+    snapshot = capture(ctx, state, copy=False)   # every rank, in step: gathers, encodes to CPU memory
+    job = start(ctx, root, snapshot, keep=3)      # rank 0 opens .ckpt-000005.tmp/; the others learn 5
+    final = write(ctx, job, snapshot)             # files, checksums; rank 0 commits when all are in
+
+Why three: `capture` holds every collective a save needs (whole optimizer states of sharded steps,
+full weights of sharded models), so it must run on the main thread with every rank; after it, the
+state lives in CPU memory (`copy=True` clones every tensor, so training may go on and change the
+originals), and `write` needs no collective (ranks meet through the store), so it may run behind
+training (`ddpkit.checkpoint.background`). FSDP's DCP shards are written by a collective: in a
+synchronous save inside `write`; in the background `start_sharded` (main thread) copies them and
+`write` (writer thread) saves the copy with DCP over the writer's own group before it commits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit.checkpoint import dcp as checkpoint_dcp
+from ddpkit.checkpoint import files
+from ddpkit.checkpoint import state as checkpoint_state
+from ddpkit.checkpoint.files import Tensors
+from ddpkit.checkpoint.gather import local_share
+from ddpkit.checkpoint.sync import CheckpointContext, Sync
+from ddpkit.step.sharding import gather_state
+from ddpkit.step.wrap import unwrap
+
+
+@dataclass
+class Snapshot:
+    """The state of one save, encoded: JSON trees and the tensors they point to (rank 0 holds the
+    shared part; every rank its own part)."""
+
+    objects: dict[str, list[str]]  # kind -> names, for the manifest
+    step: int | None
+    strategy: str
+    rank_tree: Any
+    rank_tensors: Tensors
+    weights: dict[str, Tensors] = field(default_factory=dict)  # rank 0: name -> its weights
+    shared_tree: Any = None  # rank 0: objects and values
+    shared_tensors: Tensors = field(default_factory=Tensors)
+    sharded: tuple[tuple[str, Any], dict] | None = None  # FSDP: (name, model), optimizers (DCP)
+    pending: Any = None  # FSDP in the background: saves the copied shards (`start_sharded`), on the writer
+    shares: dict[str, Any] = field(default_factory=dict)  # sharded steps: this rank's optimizer state
+    group: Any = None  # the process group `write` gathers `shares` over (a background save's own)
+
+    def nbytes(self) -> int:
+        groups = [self.rank_tensors, self.shared_tensors, *self.weights.values()]
+        return sum(t.numel() * t.element_size() for g in groups for t in g.values())
+
+
+@dataclass(frozen=True)
+class Job:
+    """A started checkpoint: its root, sequence number and the store keys the ranks meet under."""
+
+    root: Path
+    seq: int
+    keep: int
+    sync: Sync
+
+    @property
+    def tmp(self) -> Path:
+        return files.tmp_dir(self.root, self.seq)
+
+
+def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool, group: Any = None) -> Snapshot:
+    """Every rank, at the same point: the collectives of a save, then the state encoded in memory.
+
+    With `group` (a background save's own process group) the optimizer states of sharded steps are
+    not gathered here: each rank copies its share, and `write` gathers them (`checkpoint_gather`)."""
+    parts = checkpoint_state.split(state)
+    sharded = checkpoint_dcp.split(ctx.strategy, parts)
+    fresh: set[int] = set()  # storages already copied to CPU here (GPU tensors): not copied twice
+    # collectives, while every rank is here: whole optimizer states of sharded steps (unless the
+    # writer gathers them), and the full weights of modules sharded without a sharded checkpoint
+    stepped = [n for n, obj in parts["shared"].items() if ctx.optimizers.sharded_step(obj) is not None]
+    shares = {n: local_share(parts["shared"][n], fresh, to_cpu) for n in stepped} if group is not None else {}
+    gathered = {n: ctx.optimizers.optimizer_state(parts["shared"][n]) for n in stepped if n not in shares}
+    weights = {name: full_weights(ctx, module) for name, module in parts["modules"].items()}
+    objects = {kind: sorted(parts[kind]) for kind in ("modules", "per_rank", "shared", "values")}
+    if sharded is not None:
+        objects["sharded"] = sorted([sharded[0][0], *sharded[1]])
+    step = parts["values"].get("step")
+    rank_tensors = Tensors()
+    snap = Snapshot(objects, step if isinstance(step, int) else None, ctx.strategy.name,
+                    checkpoint_state.per_rank_tree(parts["per_rank"], rank_tensors), rank_tensors,
+                    sharded=sharded, shares=shares, group=group)  # fmt: skip
+    if ctx.is_main:
+        for name, state_dict in weights.items():
+            snap.weights[name] = Tensors()
+            for key, value in state_dict.items():
+                value = to_cpu(value.detach(), fresh) if copy else value.detach()
+                snap.weights[name][key] = files.own_storage(value, snap.weights[name])
+        tensors = snap.shared_tensors
+        shared = {
+            n: gathered[n] if n in gathered else o.state_dict()
+            for n, o in parts["shared"].items()
+            if n not in shares
+        }  # fmt: skip  (shares: encoded by `write` once gathered)
+        snap.shared_tree = {
+            "objects": {n: files.encode(to_cpu(v, fresh) if copy else v, tensors, n)
+                        for n, v in shared.items()},
+            "values": {n: files.encode(v, tensors, f"values/{n}") for n, v in parts["values"].items()},
+        }  # fmt: skip
+    if copy:
+        if fresh and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the pinned copies were asynchronous
+        for kept in (snap.rank_tensors, snap.shared_tensors, *snap.weights.values()):
+            for key, value in kept.items():
+                if value.untyped_storage().data_ptr() not in fresh:
+                    kept[key] = value.clone()
+    return snap
+
+
+def to_cpu(tree: Any, fresh: set[int]) -> Any:
+    """`tree` with its GPU tensors copied to pinned CPU memory (asynchronous DMA copies: synchronize
+    before reading them); CPU tensors are left for the caller's clone. `fresh` collects the copies."""
+    if isinstance(tree, torch.Tensor):
+        if tree.device.type == "cpu":
+            return tree
+        pinned = torch.empty(tree.shape, dtype=tree.dtype, pin_memory=torch.cuda.is_available())
+        pinned.copy_(tree, non_blocking=pinned.is_pinned())
+        fresh.add(pinned.untyped_storage().data_ptr())
+        return pinned
+    if isinstance(tree, dict):
+        return {k: to_cpu(v, fresh) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_cpu(v, fresh) for v in tree)
+    return tree
+
+
+def full_weights(ctx: CheckpointContext, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's full weights (on rank 0 at least); a collective where the strategy shards them."""
+    strategy = ctx.strategy
+    return strategy.full_state(module) if strategy.owns(module) else unwrap(module).state_dict()
+
+
+def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int) -> Job:
+    """Rank 0 opens the temporary directory and tells the others its number (through the store)."""
+    sync = Sync(ctx, "save")
+    if ctx.is_main:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            seq = files.next_seq(root)
+            files.tmp_dir(root, seq).mkdir()
+            if snap.sharded is not None:
+                (files.tmp_dir(root, seq) / checkpoint_dcp.DIRECTORY).mkdir()
+        except OSError as err:
+            sync.publish("dir", f"error: rank 0: {err}")  # the others stop waiting
+            raise
+        sync.publish("dir", str(seq))
+    else:
+        seq = int(sync.wait_one(0, "dir", "rank 0 to start the checkpoint"))
+    return Job(root, seq, keep, sync)
+
+
+def start_sharded(ctx: CheckpointContext, job: Job, snap: Snapshot, group: Any) -> None:
+    """FSDP in the background, every rank on the main thread: gather the shards' state dicts (a
+    collective on training's group) and copy them (`checkpoint_dcp.stage`); the writer thread saves
+    the copy with DCP, with collectives on `group` only."""
+    assert snap.sharded is not None
+    (name, model), optimizers = snap.sharded
+    state_dicts = ctx.strategy.sharded_state(model, optimizers)
+    staged = checkpoint_dcp.stage({name: state_dicts.pop("model"), **state_dicts})
+    snap.pending = lambda: checkpoint_dcp.save(staged, job.tmp, ctx.rank, group)
+
+
+def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
+    """Write this rank's files; rank 0 also the shared ones, then the manifest and the atomic rename.
+
+    The checkpoint exists only once every rank's part is in: the others wait for rank 0's "done".
+    """
+    listed: dict[str, Any] = {}
+    try:
+        for name in sorted(snap.shares):  # the optimizer states of sharded steps, whole on rank 0
+            full = gather_state(snap.shares.pop(name), ctx.rank, ctx.world_size, snap.group)
+            if full is not None:
+                snap.shared_tree["objects"][name] = files.encode(full, snap.shared_tensors, name)
+        if snap.pending is not None:  # the shards copied by `start_sharded`, saved here behind training
+            listed.update(snap.pending())
+        elif snap.sharded is not None:  # a collective; DCP reports an error on any rank to every rank
+            (name, model), optimizers = snap.sharded
+            state_dicts = ctx.strategy.sharded_state(model, optimizers)
+            state = {name: state_dicts.pop("model"), **state_dicts}
+            listed.update(checkpoint_dcp.save(state, job.tmp, ctx.rank))
+        listed.update(checkpoint_state.write_rank(job.tmp, ctx.rank, snap.rank_tree, snap.rank_tensors))
+        job.sync.publish(f"rank{ctx.rank}", json.dumps(listed))
+    except Exception as err:
+        job.sync.publish(f"rank{ctx.rank}", f"error: rank {ctx.rank}: {err}")
+        raise
+    if ctx.is_main:
+        final = _write_shared_and_commit(ctx, job, snap, listed)
+    else:
+        final = Path(job.sync.wait_one(0, "done", f"rank 0 to write checkpoint {job.seq}"))
+    ctx.say(f"ddpkit: saved {final}" + (f" (step {snap.step})" if snap.step is not None else ""))
+    return final
+
+
+def _write_shared_and_commit(
+    ctx: CheckpointContext, job: Job, snap: Snapshot, listed: dict[str, Any]
+) -> Path:
+    tmp, final = job.tmp, files.final_dir(job.root, job.seq)
+    try:
+        entries: dict[str, Any] = dict(listed)
+        for name, tensors in snap.weights.items():
+            entries[f"{name}.safetensors"] = stream_tensors(tmp / f"{name}.safetensors", tensors)
+        entries["state.safetensors"] = stream_tensors(tmp / "state.safetensors", snap.shared_tensors)
+        entries["state.json"] = files.write_json(tmp / "state.json", snap.shared_tree)
+        for r in range(1, ctx.world_size):
+            answer = job.sync.wait_one(r, f"rank{r}", f"rank {r} to write its part of checkpoint {job.seq}")
+            entries.update(json.loads(answer))
+        files.write_manifest(tmp, {
+            "seq": job.seq, "created": time.time(), "torch": torch.__version__, "world_size": ctx.world_size,
+            "step": snap.step, "strategy": snap.strategy, "objects": snap.objects, "files": entries,
+        })  # fmt: skip
+        files.commit(tmp, final)
+        files.prune(job.root, job.keep, job.seq)
+    except Exception as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        job.sync.publish("done", f"error: rank 0: {err}")
+        raise
+    job.sync.publish("done", str(final))
+    return final
+
+
+_CHUNK = 8 << 20
+
+
+def stream_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """`files.write_tensors` for the writer thread: the same safetensors file, hashed while written.
+
+    safetensors' `save_file` builds the file's bytes while holding the GIL, and the files were then
+    read back to hash them; a writer thread that holds the GIL stalls training's thread (the more so
+    at the lowest CPU priority). Here the tensors' memory goes to `write` and to SHA-256 in 8 MiB
+    slices, both of which release the GIL, and nothing is read back. Other dtypes: `save_file`."""
+    if any(t.dtype not in files.SAFETENSORS_DTYPES for t in tensors.values()):
+        return files.write_tensors(path, tensors)
+    head = files.safetensors_header(tensors.items(), {"format": files.FORMAT})
+    digest = hashlib.sha256()
+    with open(path, "wb", buffering=0) as f:
+        f.write(head)
+        digest.update(head)
+        for t in tensors.values():
+            if not t.numel():
+                continue
+            data = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            for start in range(0, len(data), _CHUNK):
+                piece = data[start : start + _CHUNK]
+                digest.update(piece)
+                while piece:
+                    piece = piece[f.write(piece) :]
+        os.fsync(f.fileno())
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}

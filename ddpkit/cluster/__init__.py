@@ -1,0 +1,17 @@
+"""The cluster wing: processes, ranks and their lifetime (the launch side and the rank's membership).
+
+    environments  which launcher started this process (torchrun, SLURM, MPI, ...): its rank contract
+    topology      the hardware and the environment -> the `Plan` (mode, device, backend, world size)
+    launch        `ddpkit run`: the local torchrun agent, restarts, signals, the run report
+    spawn         `ddpkit.spawn`: N local rank processes from a function (notebooks, tests, tools)
+    failures      which rank failed first, and why (the error file torchrun's agent reads)
+    run_report    what `ddpkit run` says when workers fail: at every restart, and when the job ends
+    lifecycle     `Membership`: the only calls to init/destroy_process_group (group, store, watchdog)
+    watchdog      where every rank stands: Python stacks through the c10d store, for stall reports
+    exit_guard    an exit that cannot turn a finished run into a failure
+    preemption    a signal asks the job to stop: every rank stops at the same step, saves, exits 75
+    ranks         `RankContext`: rank, world size, print once, `s.all_reduce`, ...
+
+Owns: who runs where, and for how long. May import errors, names and the step wing's leaf helpers
+(`step.collectives`, `step.cpu_allocator`); never the training facade (contract "facade") nor the tools.
+"""

@@ -1,0 +1,218 @@
+"""The optimizer step, sharded: each rank updates only the parameters it owns, then owners publish them.
+
+    with ddpkit.session(shard_optimizer="auto") as s:   # the default
+        ...
+        s.step(opt)        # this rank steps its share of the parameters; every rank ends with all of them
+
+Why: after DDP's all-reduce every rank holds the same averaged gradients and, in plain DDP, repeats the
+same optimizer update on every parameter. On CPU ranks that repeated update competes for the cores with
+everything else (AdamW on the 37.8M-parameter `mlp` takes longer than its forward pass). Here rank r
+steps only the parameters it owns (a greedy split by size, whole tensors), so optimizer state exists
+only there too, and then every rank receives the owners' new values: through shared memory when the
+ranks share a machine (`ddpkit.step.shm_allreduce`), else by broadcasts from each owner.
+
+How, without touching the user's optimizer: during `optimizer.step()` the gradients of the parameters
+this rank does not own are set aside (`p.grad = None`), which every torch optimizer skips. The update
+of each parameter is the same computation the unsharded step would do, by the same kernels on the
+same values, so the weights are bitwise those of the unsharded step (tests/test_sharding.py).
+
+"auto" shards the step of torch's per-parameter optimizers (SGD, Adam, AdamW, ...) on CPU ranks that
+share a machine, once there are enough parameters for it to pay (`AUTO_MIN_PARAMETERS`, measured by
+benchmarks/shard_breakeven.py; below it the step stays whole, silently); True shards any optimizer but
+L-BFGS and SparseAdam (for per-parameter update rules only: one that reads other parameters, e.g. a
+global trust ratio, must not be sharded); False never.
+Checkpoints hold the full optimizer state (gathered at save, `full_state_dict`), so they load at any
+world size, sharded or not. Only `s.step(opt)` shards: call it rather than `opt.step()` throughout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.errors import problem
+
+PER_PARAMETER = {
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD",
+    "Adafactor",
+}  # fmt: skip
+NEVER = {"LBFGS", "SparseAdam"}
+_BROADCAST_BUCKET = 256 * 2**20
+# Below this many parameters the plain step is as fast as the sharded one (publishing costs a barrier
+# and a copy per step). benchmarks/shard_breakeven.py, 2 ranks: AdamW sharded / plain 0.91 at 1M
+# parameters (spread crossing 1), 0.73 at 4M; SGD with momentum (one cheap pass) 1.18 at 4M, 1.00 at 17M.
+AUTO_MIN_PARAMETERS = 4_000_000
+AUTO_MIN_PARAMETERS_BY_OPTIMIZER = {"SGD": 16_000_000}
+# Publishing streams parameters through 2 buffers x ranks slots of this size; every byte of them ends
+# up in each rank's resident memory, so they are smaller than the shm hook's 16 MiB (same speed).
+PUBLISH_CHUNK_MB = 4.0
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def partition(sizes: list[int], world: int) -> list[int]:
+    """Owner rank of each tensor: largest first, to the least-loaded rank (ties: lower index, rank)."""
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+class ShardedStep:
+    """One optimizer's split over the ranks of `group`, and the publishing of updated parameters."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group: Any, shm: Any | None) -> None:
+        self.optimizer = optimizer
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.shm = shm  # a ShmAllReduce whose segment carries the parameters, or None: broadcasts
+        self.params = _params(optimizer)
+        self.ids = [id(p) for p in self.params]
+        pairs = list(zip(self.params, partition([p.numel() for p in self.params], self.world), strict=True))
+        self.owned = [[p for p, o in pairs if o == r] for r in range(self.world)]
+        self.foreign = [p for p, o in pairs if o != self.rank]  # their gradients are set aside in step()
+        self.drop_foreign_state()
+
+    def describe(self) -> str:
+        shares = [sum(p.numel() for p in ps) for ps in self.owned]
+        total = sum(shares) or 1
+        via = "shared memory" if self.shm is not None else "broadcasts"
+        return (
+            f"optimizer step sharded over {self.world} ranks ({type(self.optimizer).__name__}; largest "
+            f"share {max(shares) / total:.0%} of the parameters); new values published through {via}"
+        )
+
+    def drop_foreign_state(self) -> None:
+        """Forget optimizer state of parameters other ranks own (after a full load, or at the start)."""
+        for p in self.foreign:
+            self.optimizer.state.pop(p, None)
+
+    def step(self, run: Callable[[], Any]) -> Any:
+        """`run()` (the optimizer step) on this rank's parameters only, then publish them to every rank."""
+        if [id(p) for p in _params(self.optimizer)] != self.ids:
+            raise problem(
+                "the optimizer's parameters changed after sharded steps began (add_param_group?)",
+                "Build the optimizer with all its parameters before the first s.step, or pass "
+                "shard_optimizer=False to ddpkit.session",
+            )
+        aside = [(p, p.grad) for p in self.foreign if p.grad is not None]
+        for p, _ in aside:
+            p.grad = None
+        try:
+            result = run()
+        finally:
+            for p, g in aside:
+                p.grad = g
+        self.publish()
+        return result
+
+    def publish(self) -> None:
+        """Every rank gets the values of the parameters each owner just updated."""
+        with torch.no_grad():
+            if self.shm is not None:
+                self.shm.all_gather_([[p.detach() for p in ps] for ps in self.owned])
+                return
+            for r, ps in enumerate(self.owned):
+                if ps:
+                    src = dist.get_global_rank(self.group, r)
+                    dist._broadcast_coalesced(self.group, [p.detach() for p in ps], _BROADCAST_BUCKET, src)
+
+    def full_state_dict(self) -> dict[str, Any] | None:
+        """The unsharded `optimizer.state_dict()` on rank 0 (None elsewhere). Collective."""
+        return gather_state(self.optimizer.state_dict(), self.rank, self.world, self.group)
+
+
+def gather_state(own: dict[str, Any], rank: int, world: int, group: Any) -> dict[str, Any] | None:
+    """Every rank's share of a sharded step's `state_dict()` merged on the group's rank 0 (None
+    elsewhere); every rank of `group` calls it (a synchronous save on training's group, the background
+    writer on its own). Only the layout travels pickled; the tensors go as raw bytes, point to point:
+    `gather_object` of the tensors themselves was 0.56 s of a 0.63 s background save of the 37.8M
+    MLP's AdamW state (session 5, cProfile)."""
+    layouts: list[Any] | None = [None] * world if rank == 0 else None
+    root = dist.get_global_rank(group, 0)
+    dist.gather_object(_layout(own["state"]), layouts, dst=root, group=group)  # small: no tensors
+    if rank != 0:
+        for i in sorted(own["state"]):
+            for value in own["state"][i].values():
+                if isinstance(value, torch.Tensor):
+                    dist.send(value.contiguous(), dst=root, group=group)
+        return None
+    assert layouts is not None
+    merged: dict[int, Any] = dict(own["state"])
+    for source in range(1, world):
+        src = dist.get_global_rank(group, source)
+        for i in sorted(layouts[source]):
+            entries = {}
+            for key, (kind, *rest) in layouts[source][i].items():
+                if kind == "tensor":
+                    shape, dtype = rest
+                    entries[key] = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+                    dist.recv(entries[key], src=src, group=group)
+                else:
+                    entries[key] = rest[0]
+            merged[i] = entries
+    return {"state": dict(sorted(merged.items())), "param_groups": own["param_groups"]}
+
+
+def _layout(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """What rank 0 needs to receive a share: each tensor's shape and dtype, the other values as is."""
+    return {
+        i: {k: ("tensor", list(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("value", v)
+            for k, v in entries.items()}
+        for i, entries in state.items()
+    }  # fmt: skip
+
+
+def choose(
+    optimizer: torch.optim.Optimizer,
+    mode: bool | str,
+    device: torch.device,
+    *,
+    timeout: float = 1800.0,
+    report: Callable[[str], None] | None = None,
+) -> ShardedStep | None:
+    """A ShardedStep for the optimizer, or None when its step stays whole (collective: every rank calls it).
+
+    The caller (the session's `Stepper`) calls it once per optimizer, at its first step, and keeps the
+    answer; `report` is told when the step starts being sharded."""
+    name = type(optimizer).__name__
+    decided: ShardedStep | None = None
+    if mode is True and name in NEVER:
+        raise problem(f"shard_optimizer=True cannot shard {name} (its step is not per parameter)",
+                      "Pass shard_optimizer='auto' or False to ddpkit.session")  # fmt: skip
+    wanted = mode is True or (
+        mode == "auto"
+        and device.type == "cpu"
+        and name in PER_PARAMETER
+        and sum(p.numel() for p in _params(optimizer))
+        >= AUTO_MIN_PARAMETERS_BY_OPTIMIZER.get(name, AUTO_MIN_PARAMETERS)
+    )
+    if wanted and dist.is_initialized() and dist.get_world_size() > 1:
+        shm = _shared_memory(optimizer, device, timeout)
+        if shm is not None or mode is True:
+            decided = ShardedStep(optimizer, dist.group.WORLD, shm)
+            if report is not None:
+                report(f"ddpkit: {decided.describe()}")
+    return decided
+
+
+def _shared_memory(optimizer: torch.optim.Optimizer, device: torch.device, timeout: float) -> Any | None:
+    """A shared-memory channel when every rank is on this machine and the parameters can use it."""
+    from ddpkit.step.shm_allreduce import ShmAllReduce
+
+    params = _params(optimizer)
+    usable = device.type == "cpu" and all(p.is_contiguous() and p.device.type == "cpu" for p in params)
+    # collective; `usable` is equal on all ranks
+    state = ShmAllReduce(timeout=timeout, chunk_mb=PUBLISH_CHUNK_MB) if usable else None
+    if state is None or not state.active:
+        return None
+    return state

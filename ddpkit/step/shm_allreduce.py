@@ -1,0 +1,319 @@
+"""An exact shared-memory all-reduce for CPU ranks on one machine, as a DDP communication hook ("shm").
+
+    state, hook = shm_hook_factory()          # collective: every rank of the group calls it
+    ddp_model.register_comm_hook(state, hook)
+
+Why: gloo moves gradients between processes on one machine through TCP loopback, about 1.6 GB/s and
+0.7 ms per call, while memory copies run at 17-50 GB/s. Here every rank of the machine maps one
+shared-memory segment; for each chunk of a gradient bucket a rank writes its gradient (already divided
+by the world size) into its own slot, waits at a spin barrier, and sums all slots into its bucket.
+
+Exact: every rank sums the same slots in rank order 0, 1, ..., W-1 with the same kernels, so the result
+is bitwise identical on every rank and from run to run; with two ranks it also equals gloo's bits
+(a/2 + b/2 is commutative). It is the mean DDP's default hook computes (divide first, then sum).
+
+Crash-safe: global rank 0 of the group creates the segment as /dev/shm/ddpkit-shm-<pid>-<token>, the
+others map it, and it is unlinked as soon as everyone has (also when attaching fails), so the memory
+is returned when the processes die, even by kill -9. A segment left by a creator killed within that
+short window carries its dead pid in its name and is removed by the next creator on the machine. A
+waiting rank notices a dead peer (by pid) or a timeout and raises instead of hanging.
+
+Falls back to the default gloo/NCCL all-reduce hook, and says why in `state.reason`, when the ranks are
+on different machines, cannot share /dev/shm, the bucket is not a CPU float tensor, or the CPU is not
+x86-64 (the spin barrier relies on x86's total store order).
+
+Double buffering: chunk k uses buffer k % 2. A rank that writes buffer b again (chunk k + 2) has passed
+the barrier of chunk k + 1, which every rank reaches only after reading chunk k: one barrier per chunk.
+"""
+
+import contextlib
+import glob
+import mmap
+import os
+import platform
+import re
+import secrets
+import socket
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+PREFIX = "ddpkit-shm"
+SHM_DIR = "/dev/shm"
+_FLAG_STRIDE = 8  # int64 entries: one 64-byte cache line per rank's flag, no false sharing
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _machine_id() -> str:
+    """Hostname plus boot id: containers on different machines may share a hostname."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (killed, not yet reaped by its parent) counts as dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def clean_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove segments whose creator pid is dead (it was killed before it could unlink); return them."""
+    removed = []
+    for path in glob.glob(os.path.join(shm_dir, f"{PREFIX}-*")):
+        match = re.match(rf"{PREFIX}-(\d+)-", os.path.basename(path))
+        if match and not _alive(int(match.group(1))):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+class _Segment:
+    """The mapped memory: a header of per-rank flags and pids, then 2 buffers x W slots x chunk bytes."""
+
+    def __init__(self, mm: mmap.mmap, world: int, chunk_bytes: int) -> None:
+        self.mm = mm
+        header = -(-world * _FLAG_STRIDE * 8 * 2 // 4096) * 4096
+        words = np.frombuffer(mm, dtype=np.int64, count=header // 8)
+        self.flags = words[: world * _FLAG_STRIDE : _FLAG_STRIDE]
+        self.pids = words[world * _FLAG_STRIDE : world * _FLAG_STRIDE * 2 : _FLAG_STRIDE]
+        data = torch.frombuffer(mm, dtype=torch.uint8, offset=header, count=2 * world * chunk_bytes)
+        self.buffers = data.view(2, world, chunk_bytes)
+
+    @staticmethod
+    def size(world: int, chunk_bytes: int) -> int:
+        return -(-world * _FLAG_STRIDE * 8 * 2 // 4096) * 4096 + 2 * world * chunk_bytes
+
+
+def _open(path: str, size: int, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+class ShmAllReduce:
+    """Hook state: the group, the mapped segment (None when falling back) and the chunk sequence number.
+
+    Construction is collective over `process_group` (default: the whole world).
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        chunk_mb: float = 16.0,
+        timeout: float = 600.0,
+    ) -> None:
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.chunk_bytes = max(4096, int(chunk_mb * 2**20) // 4096 * 4096)
+        self.timeout = timeout
+        self.seq = 0
+        self.segment: _Segment | None = None
+        self.reason = self._attach()
+        self._check_pids = self.segment is not None and all(_alive(int(p)) for p in self.segment.pids)
+
+    @property
+    def active(self) -> bool:
+        """True when all-reduces go through shared memory, False when they fall back to the group."""
+        return self.segment is not None
+
+    def _attach(self) -> str:
+        """Map the segment on every rank; return why shared memory is used or not."""
+        if self.world == 1:
+            return "one rank: nothing to reduce"
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            return f"CPU {platform.machine()} is not x86-64: falling back to {dist.get_backend(self.group)}"
+        machines: list[str] = [""] * self.world
+        dist.all_gather_object(machines, _machine_id(), group=self.group)
+        if len(set(machines)) > 1:
+            return f"ranks on {len(set(machines))} machines: falling back to {dist.get_backend(self.group)}"
+        size = _Segment.size(self.world, self.chunk_bytes)
+        name = [""]
+        path = ""
+        mm: mmap.mmap | None = None
+        error = ""
+        try:
+            if self.rank == 0:
+                clean_stale_segments()
+                path = os.path.join(SHM_DIR, f"{PREFIX}-{os.getpid()}-{secrets.token_hex(6)}")
+                try:
+                    mm = _open(path, size, create=True)
+                    name[0] = path
+                except OSError as err:
+                    error = f"cannot create {path}: {err}"
+            dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
+            if self.rank != 0 and name[0]:
+                try:
+                    mm = _open(name[0], size, create=False)
+                except OSError as err:
+                    error = f"cannot map {name[0]}: {err}"
+            errors: list[str] = [""] * self.world
+            dist.all_gather_object(errors, error if name[0] else "no segment", group=self.group)
+        finally:
+            if path:  # everyone has mapped it (or failed): the name is no longer needed
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+        if failed or mm is None:
+            if mm is not None:
+                mm.close()
+            return f"shared memory unavailable ({'; '.join(failed)}): falling back to gloo"
+        self.segment = _Segment(mm, self.world, self.chunk_bytes)
+        self.segment.pids[self.rank] = os.getpid()
+        dist.barrier(group=self.group)  # every pid is written before anyone reads them
+        return f"shared memory, {self.world} ranks, {self.chunk_bytes >> 20} MiB chunks, double-buffered"
+
+    # -- the all-reduce ---------------------------------------------------------------------------
+    def all_reduce_mean_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Average `tensor` (contiguous, CPU, floating point) over the ranks, in place; return it."""
+        seg = self.segment
+        if seg is None:
+            raise RuntimeError(f"ddpkit shm all-reduce is not active: {self.reason}")
+        flat = tensor.view(-1)
+        per_chunk = self.chunk_bytes // flat.element_size()
+        for start in range(0, flat.numel(), per_chunk):
+            part = flat[start : start + per_chunk]
+            n = part.numel()
+            slots = seg.buffers[self.seq % 2].view(flat.dtype)  # [world, per_chunk]
+            torch.div(part, self.world, out=slots[self.rank, :n])
+            self.seq += 1
+            seg.flags[self.rank] = self.seq  # an aligned 8-byte store, after the copy (x86 TSO)
+            self._wait(self.seq)
+            torch.add(slots[0, :n], slots[1, :n], out=part)
+            for k in range(2, self.world):
+                part.add_(slots[k, :n])
+        return tensor
+
+    def all_gather_(self, owned: list[list[torch.Tensor]]) -> None:
+        """Rank r's tensors `owned[r]` to every rank, in place (contiguous CPU tensors, the same shapes on
+        every rank). Each rank streams its own tensors' bytes through its slot, chunk by chunk, and copies
+        the others' slots into their tensors: the parameter publishing of `ddpkit.step.sharding`."""
+        seg = self.segment
+        if seg is None:
+            raise RuntimeError(f"ddpkit shm all-gather is not active: {self.reason}")
+        streams = [_ByteStream(ts) for ts in owned]
+        for start in range(0, max(st.nbytes for st in streams), self.chunk_bytes):
+            slots = seg.buffers[self.seq % 2]  # [world, chunk_bytes] bytes
+            streams[self.rank].copy_to(start, slots[self.rank])
+            self.seq += 1
+            seg.flags[self.rank] = self.seq
+            self._wait(self.seq)
+            for r, stream in enumerate(streams):
+                if r != self.rank:
+                    stream.copy_from(start, slots[r])
+
+    def _wait(self, seq: int) -> None:
+        """Wait until every rank has published chunk `seq`.
+
+        Spin first (ranks in lockstep arrive within microseconds), then sleep with a growing pause up to
+        1 ms: on a busy machine, where the late peer may be waiting for a core, a spinning rank would
+        take that core from it. Peers are checked for death and the timeout every ~10 ms of waiting.
+        """
+        flags = self.segment.flags  # type: ignore[union-attr]
+        spins = 0
+        while flags.min() < seq:
+            spins += 1
+            if spins > 500:
+                break
+        else:
+            return
+        start = last_check = time.monotonic()
+        pause = 20e-6
+        while flags.min() < seq:
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+            now = time.monotonic()
+            if now - last_check > 0.01:
+                last_check = now
+                self._check_peers(now - start > self.timeout)
+
+    def _check_peers(self, timed_out: bool) -> None:
+        seg = self.segment
+        assert seg is not None
+        if self._check_pids:
+            for r, pid in enumerate(seg.pids):
+                if r != self.rank and not _alive(int(pid)):
+                    raise RuntimeError(f"ddpkit shm all-reduce: rank {r} (pid {pid}) died while reducing")
+        if timed_out:
+            late = [r for r, f in enumerate(seg.flags) if f < self.seq]
+            raise RuntimeError(
+                f"ddpkit shm all-reduce: rank(s) {late} did not arrive within {self.timeout:.0f} s "
+                f"(chunk {self.seq})"
+            )
+
+    def close(self) -> None:
+        if self.segment is not None:
+            seg, self.segment = self.segment, None
+            del seg.flags, seg.pids, seg.buffers
+            with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with the process
+                seg.mm.close()
+
+    def __getstate__(self) -> None:
+        raise TypeError("ShmAllReduce holds a process's mapping and cannot be pickled")
+
+
+class _ByteStream:
+    """Tensors seen as one run of bytes, so a chunk of the run can be copied out or in."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.parts = [t.reshape(-1).view(torch.uint8) for t in tensors]
+        self.nbytes = sum(p.numel() for p in self.parts)
+
+    def _pieces(self, start: int, length: int):  # -> (part slice, offset in the chunk)
+        end, offset = start + length, 0
+        for part in self.parts:
+            lo, hi = max(start, offset), min(end, offset + part.numel())
+            if lo < hi:
+                yield part[lo - offset : hi - offset], lo - start
+            offset += part.numel()
+
+    def copy_to(self, start: int, chunk: torch.Tensor) -> None:
+        for piece, at in self._pieces(start, chunk.numel()):
+            chunk[at : at + piece.numel()].copy_(piece)
+
+    def copy_from(self, start: int, chunk: torch.Tensor) -> None:
+        for piece, at in self._pieces(start, chunk.numel()):
+            piece.copy_(chunk[at : at + piece.numel()])
+
+
+def shm_allreduce_hook(state: ShmAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's mean over ranks through shared memory (see module doc)."""
+    buffer = bucket.buffer()
+    if state.segment is None or buffer.device.type != "cpu" or buffer.dtype not in _FLOATS:
+        return default_hooks.allreduce_hook(state.group, bucket)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(state.all_reduce_mean_(buffer))
+    return fut
+
+
+def shm_hook_factory(
+    process_group: dist.ProcessGroup | None = None, *, chunk_mb: float = 16.0, timeout: float = 600.0
+) -> tuple[ShmAllReduce, Callable[[ShmAllReduce, dist.GradBucket], torch.futures.Future[torch.Tensor]]]:
+    """`(state, hook)` for `ddp.register_comm_hook(state, hook)`. Collective: call it on every rank."""
+    return ShmAllReduce(process_group, chunk_mb=chunk_mb, timeout=timeout), shm_allreduce_hook

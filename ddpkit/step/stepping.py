@@ -1,0 +1,274 @@
+"""One optimizer step over k micro-batches: autocast, skipped sync, loss scaling, unscale, clip, step.
+
+    for x, y in loader:                      # the loader's per-rank batch is global / (world x k)
+        with s.accumulate(model):            # autocast; DDP's no_sync on micro-batches 1..k-1
+            s.backward(loss_fn(model(x), y)) # loss / k (x the fp16 loss scale); autocast off for backward
+        info = s.step(opt, max_norm=1.0)     # on micro-batch k: unscale, clip, step, zero_grad
+
+Why this shape: every micro-batch is one `accumulate` block followed by one `s.step`, so the loop
+body never changes with k, and the group boundary lives in one place (here), not in the user's
+`if i % k` arithmetic. DDP all-reduces each bucket once, in the backward of the k-th micro-batch;
+the gradients of the first k-1 pile up locally in `.grad` under `no_sync`. What "skip the sync" and
+"clip" mean is the strategy's (`ddpkit.strategy`: DDP's `no_sync`, FSDP's
+`set_requires_gradient_sync(False)` and a norm over sharded gradients). Dividing each loss by k makes
+the summed gradient that of one batch of k x b samples (for a loss averaged over its batch).
+
+Groups of k may span an epoch boundary (each optimizer step always uses exactly k micro-batches);
+micro-batches left over at the very end of training (fewer than k) are not applied: `pending` says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.errors import problem
+from ddpkit.step import sharding
+from ddpkit.step.precision import PrecisionPlan
+from ddpkit.step.tokens import Count, TokenWeighting
+from ddpkit.strategy import Strategy
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The micro-batch an `accumulate` block runs: `index` of `steps`; `sync` on the last one."""
+
+    index: int
+    steps: int
+
+    @property
+    def sync(self) -> bool:
+        """True when this micro-batch all-reduces gradients and `s.step` steps the optimizer."""
+        return self.index == self.steps - 1
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What `s.step(opt)` did.
+
+    `stepped`: the optimizer stepped (False on micro-batches 1..k-1). `skipped`: fp16 only, the
+    gradients held inf/nan, so the scaler skipped the update and lowered the loss scale.
+    `grad_norm`: total gradient norm before clipping (when `max_norm` is given), identical on every
+    rank because it is computed from the all-reduced gradients. `step`: optimizer steps so far.
+    """
+
+    stepped: bool
+    skipped: bool = False
+    grad_norm: torch.Tensor | None = None
+    step: int = 0
+
+
+class Stepper:
+    """The accumulation state machine behind `Session.accumulate/backward/step` (one per session)."""
+
+    def __init__(
+        self,
+        accumulation: int,
+        precision: PrecisionPlan,
+        *,
+        distributed: bool,
+        report: Callable[[str], None],
+        shard: bool | str = False,
+        device: torch.device | None = None,
+        timeout: float = 1800.0,
+        strategy: Strategy | None = None,
+    ) -> None:
+        self.accumulation = accumulation
+        self.strategy = strategy or Strategy()  # the session's, built once before this stepper
+        self.shard = shard  # ddpkit.step.sharding: each rank steps its share of the parameters
+        self._sharded: weakref.WeakKeyDictionary[torch.optim.Optimizer, sharding.ShardedStep | None] = (
+            weakref.WeakKeyDictionary()
+        )  # the decision for each optimizer, made at its first step
+        self.device = device or torch.device("cpu")
+        self._in_join = False
+        self.timeout = timeout  # a publishing rank waits this long for its peers, like a collective
+        self.precision = precision
+        self.distributed = distributed
+        self.report = report
+        self.scaler = precision.make_scaler()
+        self.steps = 0  # optimizer steps taken (skipped fp16 steps included)
+        self.skipped = 0  # fp16 steps skipped for inf/nan gradients
+        self._micro = 0  # accumulate blocks finished since the last optimizer step
+        self._backwards = 0  # s.backward calls since the last optimizer step
+        self._block: MicroBatch | None = None  # the block being run
+        self._awaiting_step = False  # a block finished; s.step must come next
+        self._params: list[nn.Parameter] = []
+        self.tokens = TokenWeighting(distributed=distributed, device=self.device, report=report)
+
+    @property
+    def pending(self) -> int:
+        """Micro-batches accumulated since the last optimizer step (0..k-1 between steps)."""
+        return self._micro
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return self.precision.forward_context()
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module) -> Iterator[MicroBatch]:
+        if self._block is not None:
+            raise problem(
+                "`s.accumulate` blocks are nested", "Run one block per micro-batch, one after the other"
+            )
+        if self._awaiting_step:
+            raise problem(
+                "a new `s.accumulate` block started before `s.step(opt)` was called for the previous one",
+                "Call s.step(opt) once after every block; it steps only on the last of the k micro-batches",
+            )
+        if self.distributed:
+            self.strategy.expect(model, "s.accumulate")
+        block = MicroBatch(self._micro, self.accumulation)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        defer = self.strategy.skip_sync(model) if not block.sync else contextlib.nullcontext()
+        self._block = block
+        try:
+            with defer, self.autocast():
+                yield block
+        finally:
+            self._block = None
+        self._micro += 1
+        self._awaiting_step = True
+
+    def backward(self, loss: torch.Tensor, tokens: Count | None = None) -> None:
+        k = self.accumulation
+        if self._block is None and k > 1:
+            raise problem(
+                f"s.backward(loss) ran outside `with s.accumulate(model):` with accumulation={k}",
+                "Put the forward and s.backward in the block, so the first k-1 micro-batches skip the "
+                "gradient all-reduce and the step happens after k",
+            )
+        block = self._block
+        if (
+            block is not None
+            and block.index > 0
+            and self.strategy.grads_between_micro_batches
+            and all(p.grad is None for p in self._params)
+        ):
+            raise problem(
+                f"the gradients were cleared in the middle of an accumulation group (micro-batch "
+                f"{block.index + 1} of {k})",
+                "Remove opt.zero_grad() from the loop: s.step(opt) zeroes them after each optimizer step",
+            )
+        loss = self.tokens.prepare(loss, tokens, k)  # loss / k, or a token sum (ddpkit.step.tokens)
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        with torch.autocast(self.precision.device_type, enabled=False):  # backward runs outside autocast
+            loss.backward()
+        self._backwards += 1
+
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> StepInfo:
+        k = self.accumulation
+        if not self._awaiting_step:
+            if k > 1 or self._backwards == 0:
+                raise problem(
+                    "s.step(opt) was called without a micro-batch since the last call",
+                    "Call it exactly once after each `with s.accumulate(model):` block that ran "
+                    "s.backward(loss)",
+                )
+            self._micro = k  # accumulation=1 without a block: s.backward(loss); s.step(opt)
+        self._awaiting_step = False
+        if self._micro < k:
+            return StepInfo(stepped=False, step=self.steps)
+        if self._backwards == 0:
+            raise problem(
+                f"no s.backward(loss) ran in the {k} micro-batch(es) before this s.step(opt)",
+                "Call s.backward(loss) instead of loss.backward(): it divides by the accumulation steps "
+                "and applies the fp16 loss scale",
+            )
+        self._micro = self._backwards = 0
+        if not self.tokens.settle(optimizer, accumulation=k, joining=self._in_join):
+            optimizer.zero_grad(set_to_none=True)  # no valid token on any rank: nothing to learn from
+            return StepInfo(stepped=False, skipped=True, step=self.steps)
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        norm = None
+        if max_norm is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            norm = self.strategy.clip(params, max_norm)
+        skipped = False
+        sharder = self._sharder(optimizer)
+        scaler = self.scaler
+        update: Callable[[], Any] = optimizer.step if scaler is None else lambda: scaler.step(optimizer)
+        before = scaler.get_scale() if scaler is not None else 0.0
+        if sharder is not None:
+            sharder.step(update)
+        else:
+            update()
+        if scaler is not None:
+            scaler.update()
+            skipped = scaler.get_scale() < before
+        optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        if skipped:
+            self.skipped += 1
+            self.report(
+                f"ddpkit: optimizer step {self.steps} skipped: fp16 gradients held inf/nan; loss scale "
+                f"lowered to {self.scaler.get_scale():g} ({self.skipped} skipped so far)"  # type: ignore[union-attr]
+            )
+        return StepInfo(stepped=True, skipped=skipped, grad_norm=norm, step=self.steps)
+
+    def sharded_step(self, optimizer: Any) -> sharding.ShardedStep | None:
+        """The optimizer's sharded step (`ddpkit.step.sharding`) once it takes sharded steps, else None."""
+        return self._sharded.get(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
+
+    def optimizer_state(self, optimizer: Any) -> dict | None:
+        """The full `state_dict()` of an optimizer, gathered when its step is sharded (collective then:
+        every rank calls it; rank 0 gets the state, the others None)."""
+        sharded = self.sharded_step(optimizer)
+        return optimizer.state_dict() if sharded is None else sharded.full_state_dict()
+
+    def loaded_optimizer_state(self, optimizer: Any) -> None:
+        """After loading a full optimizer state: keep only this rank's share when the step is sharded."""
+        sharded = self.sharded_step(optimizer)
+        if sharded is not None:
+            sharded.drop_foreign_state()
+
+    def _sharder(self, optimizer: torch.optim.Optimizer) -> sharding.ShardedStep | None:
+        if not self.distributed or self.shard is False or not self.strategy.allows_sharded_step:
+            return None
+        if self._in_join:
+            if self.sharded_step(optimizer) is not None:
+                raise problem(
+                    "s.join began after sharded optimizer steps: inside it, a rank that ran out of data "
+                    "cannot update its share of the parameters",
+                    "Enter `with s.join(model):` before the first s.step, or pass shard_optimizer=False "
+                    "to ddpkit.session",
+                )
+            return None
+        if optimizer not in self._sharded:
+            self._sharded[optimizer] = sharding.choose(
+                optimizer, self.shard, self.device, timeout=self.timeout, report=self.report
+            )
+        return self._sharded[optimizer]
+
+    @contextlib.contextmanager
+    def joining(self) -> Iterator[None]:
+        """Inside `s.join`: whole optimizer steps on every rank (see `_sharder`)."""
+        self._in_join = True
+        try:
+            yield
+        finally:
+            self._in_join = False
+
+    def state_dict(self) -> dict:
+        """The loss scale (fp16) and step counts, for checkpoints; save between optimizer steps, since
+        the gradients of a group in progress (`pending` > 0) are not part of it."""
+        scaler = self.scaler.state_dict() if self.scaler is not None else None
+        return {
+            "scaler": scaler,
+            "steps": self.steps,
+            "skipped": self.skipped,
+            "tokens": self.tokens.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.steps = int(state.get("steps", self.steps))
+        self.skipped = int(state.get("skipped", self.skipped))
+        self.tokens.load_state_dict(state.get("tokens", {}))

@@ -1,0 +1,12 @@
+"""The training wing: the facade a script holds and the optional loop on top of it.
+
+    session.py     `ddpkit.session(...)` / `Session`: seeds, output, the precision plan, the strategy
+                   (built once), the stepper, `s.model`, `s.loader`, `s.save`/`s.load`, `s.log`
+    fit.py         `ddpkit.fit(...)`: the optional loop (callbacks, non-finite losses, progress)
+    evaluation.py  `ddpkit.evaluate`: evaluation that keeps the ranks in step
+
+Owns: what a user's script calls. May import every library wing below it (step, cluster, checkpoint,
+observe, strategy, data, errors, names); nothing below imports it (`.importlinter`, contract "facade"):
+lower layers get typed values, never the session. The public names live in `ddpkit` itself
+(`ddpkit.session` is the function; this module is `ddpkit.training.session`).
+"""

@@ -1,0 +1,411 @@
+"""The session: the one place where ddpkit has process-group side effects.
+
+    with ddpkit.session(seed=0) as s:          # reads the launcher's env, picks the mode, joins the group
+        model = s.model(Net())                 # on s.device; DDP only when s.world_size > 1
+        train = s.loader(data, batch_size=64, shuffle=True)   # 64 is the global batch
+        ...
+        s.print("done")                        # printed once, by global rank 0
+
+Training steps (`ddpkit.step.stepping`): `with s.accumulate(model): s.backward(loss)`, then `s.step(opt)`,
+for mixed precision (`precision=`), gradient accumulation (`accumulation=`) and clipping (`max_norm=`).
+
+One owner per concept: `precision=` is resolved once against the device (`ddpkit.step.precision`); the
+strategy (`ddpkit.strategy`, with its `DDPOptions` / `FSDPOptions`) is built once, at the first
+`s.model` or when first needed, and then the `Stepper` that holds it; neither is replaced. The strategy
+and the stepper get typed values (`_Group`, the plan, `Limits`), not the session; rank and output
+live in `RankContext`.
+
+Seeding: every rank starts from the same `seed`, so models are initialised identically; once the model
+is prepared, each rank's global generators move to a stream of its own (`rank_seed`), so dropout and
+augmentation differ across ranks while the sampler's shuffle stays shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ddpkit import strategy as strategies
+from ddpkit.cluster import lifecycle, topology
+from ddpkit.cluster.lifecycle import Limits
+from ddpkit.cluster.ranks import RankContext
+from ddpkit.data import ShardedLoader, elastic_accumulation, make_loader, plan_batch
+from ddpkit.errors import problem
+from ddpkit.observe.tracking import Tracking
+from ddpkit.step import compiling, cpu_allocator
+from ddpkit.step.precision import PrecisionPlan, device_supports_bf16, resolve_precision
+from ddpkit.step.stepping import MicroBatch, StepInfo, Stepper
+from ddpkit.strategy import Choice, DDPOptions, Strategy, building, hf
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's (CPU and CUDA) global generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """What the strategy's collectives need to know about the ranks (`collectives.Ranks`), not the session."""
+
+    device: torch.device
+    distributed: bool
+    world_size: int
+
+
+class Session(RankContext):
+    """A training session on one process; create it with `ddpkit.session(...)`."""
+
+    def __init__(
+        self,
+        plan: topology.Plan,
+        *,
+        seed: int = 0,
+        accumulation: int = 1,
+        precision: str | PrecisionPlan = "32",
+        limits: Limits | None = None,
+        verbose: bool = True,
+        shard_optimizer: bool | str = "auto",
+        strategy: Choice = "auto",
+        log_to: str | list[str] | None = "auto",
+        log_dir: str | None = None,
+    ) -> None:
+        if shard_optimizer not in (True, False, "auto"):
+            raise problem(f"shard_optimizer={shard_optimizer!r} is not True, False or 'auto'",
+                          "Pass 'auto' (the default), True or False")  # fmt: skip
+        if accumulation < 1:
+            raise problem(f"accumulation={accumulation} is below 1", "Pass 1 (no accumulation) or more")
+        strategies.check_name(strategy)
+        super().__init__(plan, verbose=verbose)
+        self.seed = seed
+        self.accumulation = accumulation
+        self.limits = limits or Limits()  # built once (ddpkit.session), passed down explicitly
+        self._group: lifecycle.Membership | None = None  # this session's place in the process group
+        self._checkpoints: Any = None  # checkpoint.checkpoints.Checkpoints, made at the first save/load
+        self.tracking = Tracking(log_to, log_dir, enabled=self.is_main)  # observe.tracking; opens lazily
+        self._on_close = contextlib.ExitStack()  # process-wide settings put back by close()
+        self.precision = resolve_precision(precision, self.device.type,
+                                           bf16_supported=device_supports_bf16(self.device))  # fmt: skip
+        self._choice = strategy  # what the strategy is built from ("auto": the first s.model's kind)
+        self._shard = shard_optimizer
+        self._strategy: Strategy | None = None  # built once (`_build`), then the stepper that asks it
+        self._stepper: Stepper | None = None
+        if strategies.kind(strategy, plan) == "fsdp":  # fp16 under FSDP: said now, not at s.model
+            resolve_precision(self.precision, self.device.type, loss_scale=False)
+
+    def _build(self, choice: Choice) -> Stepper:
+        """The session's strategy, built once (at the first s.model, or when first needed), then the
+        stepper that holds it; neither is replaced. A later s.model may not ask for another kind."""
+        if self._strategy is None:
+            group = _Group(self.device, self.distributed, self.world_size)
+            self._strategy = strategies.make(choice, group, precision=self.precision)
+        elif strategies.kind(choice, self) != self._strategy.name:
+            raise problem(
+                f"this session's strategy is already {self._strategy.name!r} (set by its first s.model, or "
+                f"when it was first needed), now {strategies.kind(choice, self)!r} was asked for",
+                "Use one strategy per session (pass strategy= to ddpkit.session)",
+            )
+        if self._stepper is None:
+            self._stepper = Stepper(self.accumulation, self.precision, distributed=self.distributed,
+                                    report=self.print, shard=self._shard, device=self.device,
+                                    timeout=self.limits.collective, strategy=self._strategy)  # fmt: skip
+        return self._stepper
+
+    @property
+    def rank_seed(self) -> int:
+        """A seed distinct per rank, derived from `seed`, for per-rank randomness."""
+        return self.seed + 1_000_003 * (self.rank + 1)
+
+    # -- life cycle -----------------------------------------------------------------------------
+    def start(self) -> Session:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            cpu_allocator.prepare()  # huge pages asked for before any tensor; s.model decides per model
+        self._group = lifecycle.join(self.plan, self.limits)
+        seed_everything(self.seed)
+        threads = torch.get_num_threads()
+        detail = f", {threads} CPU thread(s) per rank" if self.device.type == "cpu" else ""
+        self.print(f"ddpkit: {self.plan.describe()}{detail}")
+        for note in self.plan.notes:  # the Slurm batch-script trap; ranks sharing a GPU
+            self.print(f"ddpkit: {note}")
+        if self.precision.note:
+            self.print(f"ddpkit: {self.precision.note}")
+        elif self.precision.name != "32":
+            self.print(f"ddpkit: {self.precision.describe()}")
+        return self
+
+    def close(self) -> None:
+        """Finish a background save, leave the process group (if this session created it). Safe twice."""
+        try:
+            self.tracking.close()
+            if self._checkpoints is not None:
+                self._checkpoints.close()
+        finally:
+            if self._group is not None:
+                self._group.leave()
+            self._group = None
+            self._on_close.close()
+
+    def log(self, values: Mapping[str, Any], *, step: int) -> None:
+        """Scalars to the trackers of `log_to` at `step` (global rank 0; see `ddpkit.observe.tracking`)."""
+        self.tracking.log(values, step)
+
+    # -- training steps (ddpkit.step.stepping) ------------------------------------------------------
+    @property
+    def stepper(self) -> Stepper:
+        """The step state (fp16 loss scale, optimizer steps); `s.save(..., stepper=s.stepper)` keeps it."""
+        return self._stepper or self._build(self._choice)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the fp16 gradient scaler skipped (inf/nan gradients) in this session."""
+        return self.stepper.skipped
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The precision's autocast context (a no-op for "32"); `accumulate` enters it for you."""
+        return self.precision.forward_context()
+
+    def accumulate(self, model: nn.Module) -> contextlib.AbstractContextManager[MicroBatch]:
+        """One micro-batch: autocast, and DDP's `no_sync` unless it is the k-th of `accumulation`.
+
+        Run the forward and `s.backward(loss)` inside; call `s.step(opt)` after every block.
+        """
+        return self.stepper.accumulate(model)
+
+    def backward(self, loss: torch.Tensor, *, tokens: int | torch.Tensor | None = None) -> None:
+        """`loss.backward()` with the loss divided by `accumulation` (and scaled for fp16).
+
+        `tokens=n`: `loss` is the SUM of the micro-batch's per-token losses over its n valid tokens;
+        `s.step` then makes the gradient the mean over all tokens of the global batch (`ddpkit.step.tokens`).
+        """
+        self.stepper.backward(loss, tokens)
+
+    def step(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None) -> StepInfo:
+        """After each micro-batch: on the k-th, unscale, clip to `max_norm`, step, zero_grad.
+
+        On the first k-1 it does nothing and returns `StepInfo(stepped=False)`.
+        """
+        return self.stepper.step(optimizer, max_norm)
+
+    @contextmanager
+    def join(self, model: nn.Module, *joinables: Any) -> Iterator[None]:
+        """Train on per-rank iterables of different lengths without hanging (torch's `Join`).
+
+        A rank that runs out of batches shadows the others' gradient all-reduces until all are done;
+        each step averages the gradients of the ranks that still had a batch (not divided by the
+        full world size, so finished ranks do not shrink it). At exit, the last rank to finish
+        broadcasts its weights, so replicas are identical. Only DDP's own collectives are shadowed:
+        no other collective (s.all_reduce, SyncBatchNorm) may run inside, and `s.step` takes the whole
+        optimizer step on every rank (not sharded: a finished rank could not publish its share).
+        Under FSDP it is an error (every rank takes part in every block's all-gather).
+        """
+        with self.strategy.join(model, joinables), self.stepper.joining():
+            yield
+
+    # -- checkpoints (ddpkit.checkpoint.checkpoints) -------------------------------------------------------
+    def save(self, path: str, **state: Any) -> Any:
+        """Save the training state atomically; see `ddpkit.checkpoint.checkpoints.Checkpoints.save`."""
+        return self.checkpoints.save(path, **state)
+
+    def load(self, path: str, **state: Any) -> Any:
+        """Restore state saved by `save` into the given objects; see `ddpkit.checkpoint.checkpoints`."""
+        return self.checkpoints.load(path, **state)
+
+    def export(self, path: str, model: nn.Module) -> Any:
+        """The full weights of `model` as one plain safetensors file (`ddpkit.checkpoint.checkpoints`); an HF
+        model to a directory (no .safetensors suffix): one `from_pretrained` loads (`ddpkit.strategy.hf`)."""
+        return hf.export(self.checkpoints.export, path, model, main=self.is_main)
+
+    @property
+    def checkpoints(self) -> Any:
+        """This session's `ddpkit.checkpoint.checkpoints.Checkpoints` (background saves, registered extra
+        state)."""
+        if self._checkpoints is None:
+            from ddpkit.checkpoint import checkpoints as checkpoint
+
+            self._checkpoints = checkpoint.Checkpoints(lambda: checkpoint.CheckpointContext(
+                rank=self.rank, world_size=self.world_size, device=self.device, strategy=self.strategy,
+                optimizers=self.stepper, group=self._group, save_timeout=self.limits.save, say=self.print,
+                barrier=self.barrier,
+            ), os.environ)  # fmt: skip
+        return self._checkpoints
+
+    # -- building blocks ------------------------------------------------------------------------
+    def model(
+        self,
+        module: nn.Module | Callable[[], nn.Module],
+        *,
+        strategy: Choice | None = None,
+        sync_batchnorm: bool = False,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        bucket_cap_mb: float | None = None,
+        gradient_as_bucket_view: bool = True,
+        broadcast_buffers: bool = True,
+        comm_hook: str | None = None,
+        comm_hook_options: Mapping[str, Any] | None = None,
+        compile: bool | Mapping[str, Any] = False,
+        weights: str | os.PathLike | None = None,
+        activation_checkpointing: Any = None,
+    ) -> nn.Module:
+        """Move `module` to the device and prepare it for data-parallel training.
+
+        `module` may be a factory (the class, or `lambda: Net(cfg)`): under FSDP, no rank then ever
+        holds the whole model (`ddpkit.strategy.fsdp_init`); otherwise it is simply called.
+
+        `strategy` (default: the session's, "auto"): "ddp" replicates the model and wraps it in DDP,
+        which copies global rank 0's weights to every rank here, once; "fsdp" shards parameters,
+        gradients and optimizer state over the ranks with FSDP2 (`FSDPOptions` for its settings; see
+        `ddpkit.strategy.fsdp`). With one process the model is used as is. Build the optimizer from
+        the returned model's parameters, after this call. The DDP keywords (`sync_batchnorm=True`:
+        BatchNorm statistics over the global batch; `comm_hook`: a gradient compression, "fp16",
+        "bf16", "powersgd", see `ddpkit.step.comm_hooks`; the DDP constructor's options) are sugar for
+        `strategy=DDPOptions(...)`. `compile=True` (or a dict of torch.compile arguments) compiles the
+        module, then wraps it (see `ddpkit.step.compiling`). `weights`: a safetensors file or a directory
+        `save_pretrained` wrote, read into the model (FSDP: each rank its own rows; `strategy.weights`);
+        `activation_checkpointing`: a block class or "auto", recomputed in the backward (`.checkpointing`).
+        """
+        sugar = DDPOptions(
+            find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+            bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
+            broadcast_buffers=broadcast_buffers, sync_batchnorm=sync_batchnorm, comm_hook=comm_hook,
+            comm_hook_options=comm_hook_options,
+        )  # fmt: skip
+        options = strategies.options_of(strategy, sugar)  # this model's own options, if any
+        # The strategy comes from the session's choice (its options are the default for every model);
+        # a model's own options apply to that model only, so a first s.model(strategy=...) gives the kind.
+        explicit = strategy is None or self._choice != "auto"
+        stepper = self._build(self._choice if explicit else strategies.check_name(strategy))
+        if strategy is not None:
+            self._build(strategy)  # built already: only checks that the model asks for the same kind
+        chosen = stepper.strategy
+        module = building.before_wrap(stepper, module, world_size=self.world_size, device=self.device,
+                                      weights_from=weights, recompute=activation_checkpointing)  # fmt: skip
+        compiler = compiling.CompileOptions.parse(compile)
+        if compiler is None:
+            model = chosen.wrap(module, self.device, options)
+        else:
+            chosen.check_compile()
+            self._on_close.callback(compiling.cache_env_restorer())
+            model, notes = compiling.apply(
+                module, compiler, lambda m: chosen.wrap(m, self.device, options), distributed=self.distributed
+            )
+            chosen.notes.extend(notes)
+        building.after_wrap(chosen, model, weights)
+        if stepper.shard is True and not chosen.allows_sharded_step and self.distributed:
+            chosen.notes.append(f"shard_optimizer=True has no effect with strategy={chosen.name!r}: the "
+                                "optimizer state is already sharded")  # fmt: skip
+        for note in chosen.notes:
+            self.print(f"ddpkit: {note}")
+        chosen.notes.clear()
+        seed_everything(self.rank_seed)
+        return model
+
+    @property
+    def strategy(self) -> Strategy:
+        """The session's strategy (built by the first `s.model`, or here from the session's choice)."""
+        return self.stepper.strategy
+
+    def loader(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        *,
+        per_rank_batch_size: int | None = None,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        evaluation: bool = False,
+        presplit: bool = False,
+        **dataloader_kwargs: Any,
+    ) -> ShardedLoader:
+        """A sharded DataLoader over a map-style or iterable source; `batch_size` is the global batch.
+
+        `evaluation=True` shards without padding so metrics summed over ranks are exact, and ignores
+        accumulation. `presplit=True`: `dataset` is this rank's own part already (never split again).
+        Iterable sources, Hugging Face data sets, the tail rule: see `ddpkit.data`.
+        """
+        accumulation = 1 if evaluation else self.accumulation
+        batch = plan_batch(batch_size, per_rank_batch_size, world_size=self.world_size,
+                           accumulation=accumulation)  # fmt: skip
+        built = make_loader(dataset, batch, rank=self.rank, device=self.device, seed=self.seed,
+                            shuffle=shuffle, drop_last=drop_last, evaluation=evaluation,
+                            presplit=presplit, **dataloader_kwargs)  # fmt: skip
+        if not evaluation:
+            self.print(f"ddpkit: {batch.describe()}")
+        return built
+
+
+@contextmanager
+def session(
+    *,
+    seed: int = 0,
+    device: str = "auto",
+    backend: str = "auto",
+    accumulation: int = 1,
+    precision: str | PrecisionPlan = "32",
+    timeout: float = 1800.0,
+    rendezvous_timeout: float = 600.0,
+    save_timeout: float = 3600.0,
+    verbose: bool = True,
+    shard_optimizer: bool | str = "auto",
+    share_gpu: bool = False,
+    strategy: Choice = "auto",
+    log_to: str | list[str] | None = "auto",
+    log_dir: str | None = None,
+    env: Mapping[str, str] | None = None,
+    hardware: topology.Hardware | None = None,
+) -> Iterator[Session]:
+    """Open a `Session` for this process; the process group is torn down on exit, also on errors.
+
+    `device` ("auto", "cpu", "cuda") and `backend` ("auto", "gloo", "nccl") override the automatic
+    choice; `timeout` bounds every collective, `rendezvous_timeout` the start-up meeting of the ranks
+    and `save_timeout` a checkpoint save (seconds; see `ddpkit.cluster.lifecycle.Limits`). `precision` is
+    "32", "bf16" or "16" (see `ddpkit.step.precision`); `accumulation` is the number of micro-batches per
+    optimizer step. `shard_optimizer` lets each rank update only its share of the parameters in
+    `s.step` ("auto": torch's per-parameter optimizers on CPU ranks of one machine; see
+    `ddpkit.step.sharding`; not under FSDP, which shards the optimizer state itself). `strategy` is what
+    `s.model` does with the model: "auto" (DDP with more than one process), "ddp" or "fsdp" (FSDP2,
+    `ddpkit.strategy.fsdp`). `share_gpu=True` lets more local ranks than GPUs share them round-robin
+    over gloo, for debugging multi-GPU code on one card (`ddpkit.cluster.topology`). `log_to` chooses where
+    `s.log` writes ("auto": TensorBoard when installed; names or a list; None) and `log_dir` the run's
+    directory (see `ddpkit.observe.tracking`). `env` and `hardware`
+    default to this process's environment and machine.
+    """
+    limits = Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)  # validated here
+    env = os.environ if env is None else env
+    plan = topology.resolve(env, hardware or topology.Hardware.detect(), device=device, backend=backend,
+                            share_gpu=share_gpu)  # fmt: skip
+    accumulation, note = elastic_accumulation(accumulation, plan.ranks.world_size, env)  # ddpkit run --nnodes
+    plan = dataclasses.replace(plan, notes=(*plan.notes, note)) if note else plan
+    s = Session(
+        plan,
+        seed=seed,
+        accumulation=accumulation,
+        precision=precision,
+        limits=limits,
+        verbose=verbose,
+        shard_optimizer=shard_optimizer,
+        strategy=strategy,
+        log_to=log_to,
+        log_dir=log_dir,
+    )
+    try:
+        yield s.start()
+    except BaseException as exc:
+        # for `ddpkit run`: who failed first; a stalled collective, explained
+        lifecycle.on_failure(exc, s.rank, s._group)
+        raise
+    finally:
+        s.close()
