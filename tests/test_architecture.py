@@ -43,8 +43,10 @@ def test_import_contracts_fail_when_broken(tmp_path: Path) -> None:
         f.write("\nfrom ddpkit.training.session import Session  # noqa\n")
     run = _lint_imports(tmp_path)
     assert run.returncode != 0
-    assert "ddpkit.tools.trace is not allowed to import ddpkit.step.sharding" in run.stdout
-    assert "ddpkit.step.stepping is not allowed to import ddpkit.training.session" in run.stdout
+    assert "ddpkit.tools is not allowed to import ddpkit.step.sharding" in run.stdout
+    assert "ddpkit.tools.trace -> ddpkit.step.sharding" in run.stdout
+    assert "ddpkit.step is not allowed to import ddpkit.training" in run.stdout
+    assert "ddpkit.step.stepping -> ddpkit.training.session" in run.stdout
 
 
 def test_architecture_doc_matches_the_import_graph() -> None:
@@ -123,3 +125,24 @@ def test_a_ddp_first_step_does_not_import_fsdp_or_checkpoint_files() -> None:
         "    print(st.FSDP.__module__, 'ddpkit.strategy.fsdp' in sys.modules)\n"
     )
     assert fresh_python(code).splitlines() == ["[]", "ddpkit.strategy.fsdp True"]
+
+
+def test_every_module_is_in_a_layer() -> None:
+    """Each module of ddpkit is in the layers contract (named, or inside a package named there), so no
+    module can import upward unnoticed; a wing's `__init__` holds only its docstring."""
+    config = (ROOT / ".importlinter").read_text()
+    block = config[config.index("[importlinter:contract:layers]") :].split("\n\n")[0]
+    listed = {m.strip() for line in block.split("layers =")[1].splitlines() for m in line.split("|") if m.strip()}
+    modules = {
+        p.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".").removesuffix(".__init__")
+        for p in (ROOT / "ddpkit").rglob("*.py")
+    }
+    wings = {m for m in modules if m.count(".") == 1 and (ROOT / m.replace(".", "/") / "__init__.py").exists()}
+    outside = sorted(
+        m for m in modules - {"ddpkit"} - (wings - listed)
+        if not any(m == layer or m.startswith(layer + ".") for layer in listed)
+    )
+    assert not outside, f"modules in no layer of .importlinter: {outside}"
+    for wing in wings - listed:  # the wings drawn module by module: their __init__ imports nothing
+        text = (ROOT / wing.replace(".", "/") / "__init__.py").read_text()
+        assert "import" not in text.split('"""')[-1], f"{wing}/__init__.py should hold only its docstring"
