@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ddpkit.checkpoint.files import CheckpointError
     from ddpkit.cluster.spawn import SpawnError, spawn
-    from ddpkit.cluster.topology import Hardware, Plan
+    from ddpkit.cluster.topology import Hardware, Placement
     from ddpkit.data import to_device
     from ddpkit.errors import DdpkitError
     from ddpkit.observe.metrics import Accuracy, Mean, MetricSet, Sum
@@ -39,7 +39,7 @@ _HOME = {
     "session": "training.session", "SpawnError": "cluster.spawn", "spawn": "cluster.spawn",
     "StepInfo": "step.stepping", "DDPOptions": "strategy", "FSDPOptions": "strategy",
     "ShmAllReduce": "step.shm_allreduce", "to_device": "data", "Hardware": "cluster.topology",
-    "Plan": "cluster.topology", "unwrap": "step.wrap",
+    "Placement": "cluster.topology", "unwrap": "step.wrap",
 }  # fmt: skip
 
 
@@ -69,7 +69,7 @@ __all__ = [
     "Hardware",
     "Mean",
     "MetricSet",
-    "Plan",
+    "Placement",
     "Session",
     "ShmAllReduce",
     "SpawnError",

@@ -1,7 +1,7 @@
 """The cluster wing: processes, ranks and their lifetime (the launch side and the rank's membership).
 
     environments  which launcher started this process (torchrun, SLURM, MPI, ...): its rank contract
-    topology      the hardware and the environment -> the `Plan` (mode, device, backend, world size)
+    topology      the hardware and the environment -> the `Placement` (mode, device, backend, world size)
     launch        `ddpkit run`: the local torchrun agent, restarts, signals, the run report
     spawn         `ddpkit.spawn`: N local rank processes from a function (notebooks, tests, tools)
     failures      which rank failed first, and why (the error file torchrun's agent reads)

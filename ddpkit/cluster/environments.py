@@ -1,6 +1,6 @@
 """Launcher environments: one small pure `detect(env)` function per launcher, tried in a fixed order.
 
-Each function reads a mapping of environment variables and returns the `Ranks` it describes, or None
+Each function reads a mapping of environment variables and returns the `RankEnv` it describes, or None
 when the environment is not its launcher. `detect` tries them in the order of `DETECTORS`; the first
 answer wins. `ddpkit.cluster.topology` turns the answer into a plan, and `ddpkit doctor` shows it.
 
@@ -31,7 +31,7 @@ Env = Mapping[str, str]
 
 
 @dataclass(frozen=True)
-class Ranks:
+class RankEnv:
     """Who this process is, as a launcher described it; `note` is a warning to print once at start."""
 
     launcher: str  # "torchrun", "pytorchjob", "env", "mpi", "slurm", "slurm-batch" or "none"
@@ -70,13 +70,13 @@ def _master(env: Env, default_port: int = 29500) -> dict:
 
 
 # -- one function per launcher ---------------------------------------------------------------------
-def torchrun(env: Env) -> Ranks | None:
+def torchrun(env: Env) -> RankEnv | None:
     """torchrun, `ddpkit run`, `ddpkit.spawn`: the full elastic contract, LOCAL_RANK included."""
     if not {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= env.keys():
         return None
     world, rank = env_int(env, "WORLD_SIZE"), env_int(env, "RANK")
     local_world = env_int(env, "LOCAL_WORLD_SIZE", world)
-    return Ranks(
+    return RankEnv(
         launcher="torchrun",
         rank=rank,
         world_size=world,
@@ -87,7 +87,7 @@ def torchrun(env: Env) -> Ranks | None:
     )
 
 
-def pytorchjob(env: Env) -> Ranks | None:
+def pytorchjob(env: Env) -> RankEnv | None:
     """Kubeflow's PyTorchJob: the operator sets RANK, WORLD_SIZE and MASTER_* in each pod, no LOCAL_*.
 
     One process per pod, so every process is local rank 0 of a local world of 1 and its pod is node
@@ -97,11 +97,11 @@ def pytorchjob(env: Env) -> Ranks | None:
     if not needed <= env.keys() or "LOCAL_RANK" in env:
         return None
     rank = env_int(env, "RANK")
-    return Ranks(launcher="pytorchjob", rank=rank, world_size=env_int(env, "WORLD_SIZE"), node_rank=rank,
+    return RankEnv(launcher="pytorchjob", rank=rank, world_size=env_int(env, "WORLD_SIZE"), node_rank=rank,
                  **_master(env))  # fmt: skip
 
 
-def env_vars(env: Env) -> Ranks | None:
+def env_vars(env: Env) -> RankEnv | None:
     """RANK and WORLD_SIZE set by hand (torch's env:// contract) without LOCAL_RANK.
 
     With LOCAL_WORLD_SIZE, the local rank is RANK % LOCAL_WORLD_SIZE (ranks numbered node by node, as
@@ -113,11 +113,11 @@ def env_vars(env: Env) -> Ranks | None:
         return None
     world, rank = env_int(env, "WORLD_SIZE"), env_int(env, "RANK")
     local_world = max(env_int(env, "LOCAL_WORLD_SIZE", world), 1)
-    return Ranks(launcher="env", rank=rank, world_size=world, local_rank=rank % local_world,
+    return RankEnv(launcher="env", rank=rank, world_size=world, local_rank=rank % local_world,
                  local_world_size=local_world, node_rank=rank // local_world, **_master(env))  # fmt: skip
 
 
-def mpi(env: Env) -> Ranks | None:
+def mpi(env: Env) -> RankEnv | None:
     """mpirun/mpiexec: Open MPI's OMPI_COMM_WORLD_*, or the PMI_* of MPICH and Intel MPI (hydra).
 
     Tried before Slurm: mpirun inside an sbatch script starts its ranks through one srun per node,
@@ -145,7 +145,7 @@ def mpi(env: Env) -> Ranks | None:
             source="mpi",
         )
     node = rank // max(local_world, 1)
-    return Ranks(launcher="mpi", rank=rank, world_size=world, local_rank=local_rank,
+    return RankEnv(launcher="mpi", rank=rank, world_size=world, local_rank=local_rank,
                  local_world_size=local_world, node_rank=node, **_master(env))  # fmt: skip
 
 
@@ -161,7 +161,7 @@ def _in_step(env: Env) -> bool:
 NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
 
 
-def slurm(env: Env) -> Ranks | None:
+def slurm(env: Env) -> RankEnv | None:
     """A task of an `srun` job step: SLURM_PROCID among SLURM_STEP_NUM_TASKS (or SLURM_NTASKS)."""
     if "SLURM_PROCID" not in env or not _in_step(env) or _interactive(env):
         return None
@@ -171,7 +171,7 @@ def slurm(env: Env) -> Ranks | None:
     spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
     local_world = tasks_on_node(spec, node) or max(1, world // max(nodes, 1))
     nodelist = next((env[k] for k in NODELISTS if env.get(k)), "")
-    return Ranks(
+    return RankEnv(
         launcher="slurm",
         rank=env_int(env, "SLURM_PROCID"),
         world_size=world,
@@ -184,14 +184,14 @@ def slurm(env: Env) -> Ranks | None:
     )
 
 
-def slurm_batch(env: Env) -> Ranks | None:
+def slurm_batch(env: Env) -> RankEnv | None:
     """The sbatch script itself (or an salloc shell): N tasks allocated, but no srun step started them."""
     if "SLURM_PROCID" not in env or _in_step(env) or _interactive(env):
         return None
     tasks = env_int(env, "SLURM_NTASKS", 1)
     if tasks <= 1:
         return None
-    return Ranks(
+    return RankEnv(
         launcher="slurm-batch",
         note=f"Slurm allocated {tasks} tasks (SLURM_NTASKS={tasks}) but this process was not started by "
         "srun (no SLURM_STEP_ID: it runs in the batch script itself), so it trains alone, in one "
@@ -201,13 +201,13 @@ def slurm_batch(env: Env) -> Ranks | None:
     )
 
 
-def plain(env: Env) -> Ranks:
+def plain(env: Env) -> RankEnv:
     """No launcher: one process (the zero-configuration default)."""
-    return Ranks(launcher="none")
+    return RankEnv(launcher="none")
 
 
 # Priority order, first match wins. Why this order:
-DETECTORS: tuple[Callable[[Env], Ranks | None], ...] = (
+DETECTORS: tuple[Callable[[Env], RankEnv | None], ...] = (
     torchrun,  # an agent's LOCAL_RANK is the most specific; torchrun inside srun or a pod wins
     pytorchjob,  # RANK/WORLD_SIZE without LOCAL_* in a Kubernetes pod: one process per pod
     env_vars,  # RANK/WORLD_SIZE without LOCAL_* anywhere else: someone set env:// by hand
@@ -218,7 +218,7 @@ DETECTORS: tuple[Callable[[Env], Ranks | None], ...] = (
 )
 
 
-def detect(env: Env) -> Ranks:
+def detect(env: Env) -> RankEnv:
     """The first answer of `DETECTORS` for `env`."""
     for detector in DETECTORS:
         ranks = detector(env)
@@ -227,7 +227,7 @@ def detect(env: Env) -> Ranks:
     raise AssertionError("plain() always answers")  # pragma: no cover
 
 
-def describe(ranks: Ranks) -> str:
+def describe(ranks: RankEnv) -> str:
     """One human line: which launcher, and who this process is."""
     names = {
         "torchrun": "torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK)",

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ddpkit.cluster import exit_guard, failures
 from ddpkit.cluster.exit_guard import finished_with_zero
-from ddpkit.cluster.topology import Plan
+from ddpkit.cluster.topology import Placement
 from ddpkit.cluster.watchdog import Watchdog, exception_position
 from ddpkit.errors import DdpkitError, problem
 
@@ -96,7 +96,7 @@ class Membership:
         self.owns = False
 
 
-def join(plan: Plan, limits: Limits) -> Membership | None:
+def join(plan: Placement, limits: Limits) -> Membership | None:
     """Join (or, in a group made by someone else, enter) the default process group for `plan`.
 
     None for one process. Every rank calls it at the same point of the program, since the key
@@ -118,7 +118,7 @@ def join(plan: Plan, limits: Limits) -> Membership | None:
     return Membership(store, prefix, plan.ranks.rank, limits, owns=owns, watchdog=watchdog)
 
 
-def _init_group(plan: Plan, limits: Limits) -> None:
+def _init_group(plan: Placement, limits: Limits) -> None:
     r = plan.ranks
     init_method = "env://" if r.launcher == "torchrun" else f"tcp://{r.master_addr}:{r.master_port}"
     store, _, _ = next(

@@ -18,7 +18,7 @@ from ddpkit.step import collectives
 class RankContext:
     """This process's rank, device and output (global rank 0 prints); a `collectives.Ranks`."""
 
-    def __init__(self, plan: topology.Plan, *, verbose: bool = True) -> None:
+    def __init__(self, plan: topology.Placement, *, verbose: bool = True) -> None:
         self.plan = plan
         self.verbose = verbose
         self.device = torch.device(plan.device)

@@ -1,4 +1,4 @@
-"""Pure resolution of "where am I running?" into a `Plan`.
+"""Pure resolution of "where am I running?" into a `Placement`.
 
 Nothing here touches a process group, a GPU or `os.environ`: the functions take a mapping of
 environment variables and a `Hardware` description, so every combination is a table test.
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ddpkit.cluster import environments
-from ddpkit.cluster.environments import Ranks
+from ddpkit.cluster.environments import RankEnv
 from ddpkit.errors import problem
 
 Mode = Literal["single-cpu", "single-gpu", "ddp-cpu", "ddp-gpu"]
@@ -54,13 +54,13 @@ class Hardware:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Placement:
     """The resolved decision: how this process trains. Printed once at start by global rank 0."""
 
     mode: Mode
     device: str  # "cpu" or "cuda:<local rank>"
     backend: str | None  # None when there is no process group (world size 1)
-    ranks: Ranks
+    ranks: RankEnv
     notes: tuple[str, ...] = ()  # warnings to print once at start (global rank 0)
     shared_gpu: bool = False  # several local ranks on one GPU, over gloo (`share_gpu=True`)
 
@@ -76,7 +76,7 @@ class Plan:
         return f"mode {self.mode}, world size {r.world_size} ({r.launcher}), device {self.device}, {comm}"
 
 
-def detect_ranks(env: Mapping[str, str]) -> Ranks:
+def detect_ranks(env: Mapping[str, str]) -> RankEnv:
     """Read the launcher's contract from `env` (`ddpkit.cluster.environments`, first detector that
     answers)."""
     ranks = environments.detect(env)
@@ -84,7 +84,7 @@ def detect_ranks(env: Mapping[str, str]) -> Ranks:
     return ranks
 
 
-def _check_ranks(r: Ranks) -> None:
+def _check_ranks(r: RankEnv) -> None:
     if r.world_size < 1:
         raise problem(f"world size {r.world_size} is below 1", "Set WORLD_SIZE to at least 1")
     if not 0 <= r.rank < r.world_size:
@@ -108,8 +108,8 @@ def resolve(
     device: str = "auto",
     backend: str = "auto",
     share_gpu: bool = False,
-) -> Plan:
-    """Combine the launcher's ranks, the hardware and the user's overrides into a `Plan`."""
+) -> Placement:
+    """Combine the launcher's ranks, the hardware and the user's overrides into a `Placement`."""
     if device == "auto":
         device = env.get("DDPKIT_DEVICE", "auto")
     share_gpu = share_gpu or env.get("DDPKIT_SHARE_GPU", "") not in ("", "0")
@@ -138,7 +138,7 @@ def resolve(
         )
     world = ranks.world_size
     if not use_gpu:
-        return Plan(
+        return Placement(
             mode="ddp-cpu" if world > 1 else "single-cpu",
             device="cpu",
             backend=("gloo" if backend == "auto" else backend) if world > 1 else None,
@@ -167,7 +167,7 @@ def resolve(
             "must see all of this node's GPUs), or pass --share-gpu to place ranks on the GPUs round-robin",
             source=ranks.launcher,
         )
-    return Plan(
+    return Placement(
         mode="ddp-gpu" if world > 1 else "single-gpu",
         device=f"cuda:{ranks.local_rank}",
         backend=("nccl" if backend == "auto" else backend) if world > 1 else None,
@@ -176,7 +176,7 @@ def resolve(
     )
 
 
-def _shared_plan(ranks: Ranks, hardware: Hardware, backend: str, notes: tuple[str, ...]) -> Plan:
+def _shared_plan(ranks: RankEnv, hardware: Hardware, backend: str, notes: tuple[str, ...]) -> Placement:
     """More local ranks than GPUs, by request: round-robin placement, gloo for the CUDA tensors."""
     if backend == "nccl":
         raise problem(
@@ -191,7 +191,7 @@ def _shared_plan(ranks: Ranks, hardware: Hardware, backend: str, notes: tuple[st
         "per GPU, round-robin) and communicate through gloo: for checking multi-GPU code for "
         "correctness, not for speed",
     )
-    return Plan(
+    return Placement(
         mode="ddp-gpu",
         device=f"cuda:{ranks.local_rank % hardware.gpus}",
         backend="gloo",

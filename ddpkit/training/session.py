@@ -69,7 +69,7 @@ class Session(RankContext):
 
     def __init__(
         self,
-        plan: topology.Plan,
+        plan: topology.Placement,
         *,
         seed: int = 0,
         accumulation: int = 1,
