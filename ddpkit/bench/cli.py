@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("scaling", scaling, "throughput and efficiency for nproc 1..N, buckets and hooks"),
         ("tune", tune, "try DDP options, hooks, ZeRO and one process; recommend the fastest"),
     ):
-        p = sub.add_parser(name, help=summary, description=module.__doc__.split("\n\n")[0])
+        p = sub.add_parser(name, help=summary, description=(module.__doc__ or "").split("\n\n")[0])
         module.add_arguments(p)
         p.set_defaults(run=module.run)
     return parser

@@ -81,8 +81,8 @@ def _time_ops(ops: list[str], sizes: list[int], rounds: int) -> dict[str, Any]:
                 run = {
                     "all_reduce": lambda full=full: dist.all_reduce(full),
                     "broadcast": lambda full=full: dist.broadcast(full, src=0),
-                    "all_gather": lambda full=full, part=part: all_gather(full, part),
-                    "reduce_scatter": lambda full=full, part=part: reduce_scatter(part, full),
+                    "all_gather": lambda full=full, part=part: all_gather(full, part),  # type: ignore[misc]
+                    "reduce_scatter": lambda full=full, part=part: reduce_scatter(part, full),  # type: ignore[misc]
                     "all_reduce[shm]": lambda full=full: shm.all_reduce_mean_(full),  # type: ignore[union-attr]
                 }
                 for op in ops:

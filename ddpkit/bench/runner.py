@@ -127,7 +127,8 @@ def fused(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         raise ValueError(f"{cls.__name__} has no fused implementation")
     keep = {k for k in accepted if k not in ("params", "fused", "foreach")}
     groups = [{k: v for k, v in g.items() if k in keep or k == "params"} for g in opt.param_groups]
-    return cls(groups, **{k: v for k, v in constructor_defaults(opt).items() if k in keep}, fused=True)
+    kwargs = {k: v for k, v in constructor_defaults(opt).items() if k in keep}
+    return cls(groups, **kwargs, fused=True)  # type: ignore[call-arg]  # "fused" is accepted: checked above
 
 
 def constructor_defaults(opt: torch.optim.Optimizer) -> dict[str, Any]:

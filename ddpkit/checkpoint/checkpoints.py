@@ -253,9 +253,10 @@ def _choose(ctx: CheckpointContext, root: Path) -> Found | None:
             return None
         chosen = Path(answer["path"])  # each rank re-checks the files it reads against this manifest
         return files.Found(chosen, json.loads((chosen / files.MANIFEST).read_text()))
+    found: Found | None
     try:
         if files.is_checkpoint(root):
-            found, skipped = files.verify(root), []
+            found, skipped = files.verify(root), list[str]()
         else:
             found, skipped = files.newest_valid(root)
             if found is None and skipped:

@@ -27,8 +27,10 @@ from ddpkit.errors import problem
 class StateOwner(Protocol):
     """What a strategy says about a model's state (`ddpkit.strategy.base.Strategy` is one)."""
 
-    name: str
-    shards_state: bool
+    @property
+    def name(self) -> str: ...
+    @property
+    def shards_state(self) -> bool: ...  # read-only: a strategy's kind says it (a class variable)
 
     def owns(self, model: nn.Module) -> bool: ...
     def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]: ...

@@ -253,7 +253,7 @@ def stream_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, An
         for t in tensors.values():
             if not t.numel():
                 continue
-            data = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            data = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
             for start in range(0, len(data), _CHUNK):
                 piece = data[start : start + _CHUNK]
                 digest.update(piece)

@@ -48,7 +48,8 @@ def arm() -> None:
 
 def _main_frame() -> FrameType | None:
     """The outermost frame of the `__main__` module (the user's script), if we are inside it."""
-    frame, found = sys._getframe(), None
+    frame: FrameType | None = sys._getframe()
+    found: FrameType | None = None
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
             found = frame

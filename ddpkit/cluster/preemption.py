@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from signal import Signals  # the field `signal` shadows the module in the class body's annotations
 from typing import Any
 
 import torch
@@ -99,7 +100,7 @@ class PreemptionOptions:
         return cls(signal=env.get("DDPKIT_PREEMPTION_SIGNAL", DEFAULT_SIGNAL), requeue=requeue)
 
     @property
-    def signals(self) -> tuple[signal.Signals, ...]:
+    def signals(self) -> tuple[Signals, ...]:
         return tuple(dict.fromkeys((signal.SIGTERM, signal_of(self.signal))))
 
 

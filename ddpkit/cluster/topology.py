@@ -118,7 +118,7 @@ def resolve(
     if backend not in BACKENDS:
         raise problem(f"backend={backend!r} is not one of {BACKENDS}", "Pass 'auto', 'gloo' or 'nccl'")
     ranks = detect_ranks(env)
-    notes = (ranks.note,) if ranks.note else ()
+    notes: tuple[str, ...] = (ranks.note,) if ranks.note else ()
     use_gpu = hardware.gpus > 0 if device == "auto" else device == "cuda"
     if use_gpu and hardware.gpus == 0:
         raise problem(

@@ -257,8 +257,8 @@ def _culprit(answers: dict[int, dict[str, Any]], world_size: int) -> str | None:
             + where
         )
     if len({a["state"] for a in waiting.values()}) > 1:
-        spots = "; ".join(f"rank {r} {a['state']} at {a['at']}" for r, a in waiting.items())
-        return (f"every rank waits in a collective, but not in the same one ({spots}): every rank must call "
+        places = "; ".join(f"rank {r} {a['state']} at {a['at']}" for r, a in waiting.items())
+        return (f"every rank waits in a collective, but not in the same one ({places}): every rank must call "
                 "the same collectives in the same order")  # fmt: skip
     return None
 

@@ -51,11 +51,13 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, Mapping):
-        return type(batch)({k: to_device(v, device, non_blocking) for k, v in batch.items()})
+        mapping: Any = type(batch)  # the batch's own mapping type (dict, OrderedDict, a BatchEncoding, ...)
+        return mapping({k: to_device(v, device, non_blocking) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(to_device(v, device, non_blocking) for v in batch))
     if isinstance(batch, Sequence) and not isinstance(batch, str):
-        return type(batch)(to_device(v, device, non_blocking) for v in batch)
+        sequence: Any = type(batch)  # list, or the batch's own sequence type
+        return sequence(to_device(v, device, non_blocking) for v in batch)
     return batch
 
 
@@ -91,7 +93,7 @@ class ShardedLoader:
     @property
     def sampler(self) -> Sampler | None:
         """The map-style sampler; None for an iterable source (torch's placeholder is no sampler)."""
-        return None if isinstance(self.loader.dataset, IterableDataset) else self.loader.sampler
+        return None if isinstance(self.loader.dataset, IterableDataset) else self.loader.sampler  # type: ignore[return-value]
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch of the next pass (for resuming); passes count up from there."""
@@ -122,7 +124,7 @@ class ShardedLoader:
             self.loader.batch_sampler.set_epoch(self.epoch)
             self.loader.batch_sampler.skip = self._skip // (world * self.batch.per_rank)
         if self.kind == "presplit" and self.sampler is None:  # an iterable's own part: re-read, skip
-            dataset = self.loader.dataset
+            dataset: Any = self.loader.dataset
             if callable(getattr(dataset, "set_epoch", None)):
                 dataset.set_epoch(self.epoch)
             batches: Any = itertools.islice(self.loader, self._skip // world // self.batch.per_rank, None)
@@ -246,9 +248,9 @@ def make_loader(
         loader = DataLoader(dataset, batch_sampler=batches, **options)
         return ShardedLoader(loader, device=device, batch=batch, kind="sampler")
     if user_sampler is not None:
-        sampler = SharedOrderSampler(user_sampler, rank=rank, world=world, per_rank=batch.per_rank, seed=seed,
-                                     drop_last=drop_last)  # fmt: skip
-        loader = DataLoader(dataset, batch_size=batch.per_rank, sampler=sampler, **options)
+        order = SharedOrderSampler(user_sampler, rank=rank, world=world, per_rank=batch.per_rank, seed=seed,
+                                   drop_last=drop_last)  # fmt: skip
+        loader = DataLoader(dataset, batch_size=batch.per_rank, sampler=order, **options)
         return ShardedLoader(loader, device=device, batch=batch, kind="sampler")
     size = len(dataset)
     if size < world:

@@ -26,8 +26,10 @@ def _criteria(script: Script) -> dict[str, ast.Call]:
     out: dict[str, ast.Call] = {}
     for node in ast.walk(script.tree):
         call = node.value if isinstance(node, ast.Assign) else None
-        if isinstance(call, ast.Call) and last(script.callee(call)).endswith("Loss"):
-            out.update({unparse(t): node.value for t in node.targets})
+        if isinstance(node, ast.Assign) and isinstance(call, ast.Call) and last(script.callee(call)).endswith(
+            "Loss"
+        ):
+            out.update({unparse(t): call for t in node.targets})  # call is node.value
     return out
 
 
@@ -50,7 +52,7 @@ def _lossy(script: Script, node: ast.AST, criteria: dict[str, ast.Call], depth: 
             return True
         if isinstance(sub, ast.Name) and depth < 3:
             value = script.value_of(sub)
-            if value is not sub and _lossy(script, value, criteria, depth + 1):
+            if value is not sub and _lossy(script, value, criteria, depth + 1):  # type: ignore[arg-type]
                 return True
     return False
 
@@ -80,7 +82,7 @@ def _sum_site(script: Script, node: ast.AST, criteria: dict[str, ast.Call], dept
         for fn in script.functions.get(f.id, []):
             for ret in ast.walk(fn):
                 if isinstance(ret, ast.Return) and ret.value is not None and script.scope(ret) is fn:
-                    site = _sum_site(script, script.value_of(ret.value), criteria, depth + 1)
+                    site = _sum_site(script, script.value_of(ret.value), criteria, depth + 1)  # type: ignore[arg-type]
                     if site is not None:
                         return site
     return None
@@ -131,7 +133,7 @@ def summed_loss(script: Script) -> Found:
     for backward, target in _backward_targets(script):
         if _grads_reduced_by_hand(script, script.scope(backward)):
             continue  # gradients combined by hand: the user chose the arithmetic
-        value = target
+        value: ast.expr | None = target
         if isinstance(target, ast.Name | ast.Attribute):
             value = script.last_assignment(unparse(target), backward)
         site = None if value is None else _sum_site(script, value, criteria)

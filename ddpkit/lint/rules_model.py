@@ -102,14 +102,16 @@ def _param_loop_var(node: ast.AST, roots: set[str]) -> str:
         return ""
     if it.func.attr not in ("parameters", "named_parameters") or not _under(unparse(it.func.value), roots):
         return ""
-    return unparse(node.target.elts[-1] if isinstance(node.target, ast.Tuple) else node.target)
+    return unparse(node.target.elts[-1] if isinstance(node.target, ast.Tuple) else node.target)  # type: ignore[attr-defined]
 
 
-def _false(node: ast.AST | None, falsy: set[str]) -> bool:
+def _false(node: ast.AST | None, falsy: set[str] | frozenset[str]) -> bool:
     return is_const(node, False) or (isinstance(node, ast.Name) and node.id in falsy)
 
 
-def _change(node: ast.AST, roots: set[str], loop_vars: set[str], falsy: set[str] = frozenset()) -> str:
+def _change(
+    node: ast.AST, roots: set[str], loop_vars: set[str], falsy: set[str] | frozenset[str] = frozenset()
+) -> str:
     """What `node` does to the wrapped model's parameters, or ''. `falsy`: names that hold False
     (a helper's `trainable` parameter, called with False)."""
     if (
@@ -137,7 +139,7 @@ def _change(node: ast.AST, roots: set[str], loop_vars: set[str], falsy: set[str]
             and _under(unparse(t), roots)
             and _constructs(node.value)
         ):
-            return f"`{unparse(t)} = {unparse(node.value.func)}(...)`"
+            return f"`{unparse(t)} = {unparse(node.value.func)}(...)`"  # type: ignore[attr-defined]
     return ""
 
 
@@ -175,7 +177,7 @@ def _change_in_helper(script: Script, call: ast.Call, roots: set[str]) -> str:
         for node in inner:
             change = _change(node, inner_roots, loop_vars, falsy)
             if change:
-                return f"`{unparse(call)}` (its {change}, line {node.lineno})"
+                return f"`{unparse(call)}` (its {change}, line {node.lineno})"  # type: ignore[attr-defined]
     return ""
 
 
@@ -196,7 +198,7 @@ def _half(script: Script, dtype: ast.AST) -> bool:
     if script.qualname(dtype) in _HALF:
         return True
     value = script.value_of(dtype)
-    return value is not dtype and any(script.qualname(n) in _HALF for n in ast.walk(value))
+    return value is not dtype and any(script.qualname(n) in _HALF for n in ast.walk(value))  # type: ignore[arg-type]
 
 
 def cast_with_fp32_optimizer(script: Script) -> Found:

@@ -48,7 +48,7 @@ def print_every_rank(script: Script) -> Found:
     for call in script.calls():
         if not (isinstance(call.func, ast.Name) and call.func.id == "print"):
             continue
-        message = ast.Tuple(elts=[script.value_of(a) for a in call.args], ctx=ast.Load())
+        message = ast.Tuple(elts=[script.value_of(a) for a in call.args], ctx=ast.Load())  # type: ignore[misc]
         if not _looks_like_metric(message) or rankish(message) or "getpid" in unparse(message):
             continue
         if script.guarded(call):
@@ -168,7 +168,7 @@ def hard_coded_cuda(script: Script) -> Found:
             else []
         )
         named_device = any("device" in unparse(t).lower() for t in target)
-        if named_device and _cuda_n(node.value):
+        if named_device and _cuda_n(node.value):  # type: ignore[attr-defined]
             yield node, f"`{unparse(node)}` puts every rank on the same GPU"
 
 
@@ -221,7 +221,7 @@ def _under_device_test(script: Script, node: ast.AST) -> bool:
         return True
     scope = script.scope(node)
     for stmt in getattr(scope, "body", []):
-        if stmt.lineno >= node.lineno:
+        if stmt.lineno >= node.lineno:  # type: ignore[attr-defined]
             break
         if isinstance(stmt, ast.Assert) and _GUARDS_DEVICE.search(unparse(stmt.test)):
             return True

@@ -60,7 +60,7 @@ def lint_source(source: str, path: str = "<string>", rules: Iterable[Rule] | Non
     found: dict[tuple[int, int, str], Finding] = {}
     for rule in all_rules() if rules is None else rules:
         for node, detail in rule.check(script):
-            line, col = node.lineno, node.col_offset + 1
+            line, col = node.lineno, node.col_offset + 1  # type: ignore[attr-defined]
             end = getattr(node, "end_lineno", None) or line
             if _silenced(lines, line, end, rule.code):
                 continue

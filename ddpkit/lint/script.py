@@ -235,7 +235,7 @@ class Script:
         """`later` runs after `earlier` in the same function body (source order, not in another branch)."""
         return (
             self.scope(later) is self.scope(earlier)
-            and (later.lineno, later.col_offset) > (earlier.lineno, earlier.col_offset)
+            and (later.lineno, later.col_offset) > (earlier.lineno, earlier.col_offset)  # type: ignore[attr-defined]
             and not self.exclusive(later, earlier)
         )
 
@@ -249,7 +249,7 @@ class Script:
                 isinstance(node, ast.Assign | ast.AugAssign)
                 and any(unparse(t) == name for t in targets)
                 and self.scope(node) is self.scope(before)
-                and node.lineno < before.lineno
+                and node.lineno < before.lineno  # type: ignore[attr-defined]
                 and (best is None or node.lineno > best.lineno)
             ):
                 best = node
@@ -326,7 +326,7 @@ class Script:
         return [
             n
             for n in ast.walk(self.tree)
-            if isinstance(n, kind) and (n.attr if method else n.id) == fn.name and isinstance(n.ctx, ast.Load)
+            if isinstance(n, kind) and (n.attr if method else n.id) == fn.name and isinstance(n.ctx, ast.Load)  # type: ignore[union-attr]
         ]
 
     # -- who runs it: every rank, or a guarded few ----------------------------------------------
@@ -339,12 +339,12 @@ class Script:
             if (
                 isinstance(a, ast.BoolOp)
                 and isinstance(a.op, ast.And)
-                and any(rank_test(v) for v in a.values[: a.values.index(child)])
+                and any(rank_test(v) for v in a.values[: a.values.index(child)])  # type: ignore[arg-type]
             ):
                 return True
             body = self._block_of(a, child)
             if body is not None:
-                for stmt in body[: body.index(child)]:
+                for stmt in body[: body.index(child)]:  # type: ignore[arg-type]
                     if isinstance(stmt, ast.If) and rank_test(stmt.test) and exits(stmt.body):
                         return True
             if isinstance(a, (*FUNCTIONS, ast.Lambda)):
@@ -365,7 +365,7 @@ class Script:
         if self.guarded_here(node):
             return True
         fn = self.scope(node)
-        if fn is self.tree:
+        if isinstance(fn, ast.Module):  # the tree itself: module-level code
             return self.spawner  # top-level code of an mp.spawn launcher runs once, in the parent
         if isinstance(fn, ast.Lambda) or fn in _seen:
             return True
@@ -381,7 +381,7 @@ class Script:
     def _guarded_ref(self, ref: ast.AST, seen: frozenset) -> bool:
         call = self.parents.get(ref)
         if isinstance(ref, ast.Call) or (isinstance(call, ast.Call) and call.func is ref):
-            return self.guarded(ref if isinstance(ref, ast.Call) else call, seen)
+            return self.guarded(ref if isinstance(ref, ast.Call) else call, seen)  # type: ignore[arg-type]
         return self.guarded_here(ref)  # passed along (mp.spawn(fn), a callback): runs on every rank
 
 

@@ -30,7 +30,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from ddpkit.errors import problem
@@ -43,13 +43,16 @@ STEPS_FILE = "ddpkit-steps.txt"
 class Tracker(Protocol):
     """One adapter per tracker: open lazily, write scalars at a step, close."""
 
+    skip_through: int  # steps up to here were written by an earlier session of this run
+
+    def durable_through(self, written: int) -> int: ...
     def log(self, values: Mapping[str, float], step: int) -> None: ...
     def close(self) -> None: ...
 
 
 def parse(log_to: str | Sequence[str] | None) -> tuple[str, ...]:
     """The tracker names `log_to` asks for ("auto" stays "auto"); a clear error for an unknown one."""
-    if log_to is None or log_to is False:
+    if log_to is None or log_to is False:  # type: ignore[comparison-overlap]  # False: from a user's config
         return ()
     names = (log_to,) if isinstance(log_to, str) else tuple(log_to)
     if names == ("auto",):
@@ -128,7 +131,9 @@ class Tracking:
         steps_path = os.path.join(root, STEPS_FILE)
         written = _last_step(steps_path)
         resume_at = first_step if self._state or written >= 0 else None
-        built = {"tensorboard": TensorBoard, "mlflow": MLflow, "wandb": WandB}
+        built: dict[str, Callable[..., Tracker]] = {
+            "tensorboard": TensorBoard, "mlflow": MLflow, "wandb": WandB
+        }
         self._trackers = []
         for name in names:
             tracker = built[name](

@@ -158,7 +158,7 @@ def apply(
     cache = set_up_cache()
     kwargs, scalar = _honour_aten_capability(dict(options.kwargs))
     compiled = torch.compile(module, **kwargs)
-    model = wrap(compiled)
+    model = wrap(compiled)  # type: ignore[arg-type]  # typed a callable; a module's is an OptimizedModule
     scalar_note = "compile: ATEN_CPU_CAPABILITY=default: scalar Inductor C++ kernels (cpp.simdlen=1)"
     notes = [scalar_note] if scalar else []
     where = ", then wrapped in DDP (DDP(torch.compile(module)))" if distributed else " (one process: no DDP)"

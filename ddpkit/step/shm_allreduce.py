@@ -36,6 +36,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -128,7 +129,8 @@ class ShmAllReduce:
         chunk_mb: float = 16.0,
         timeout: float = 600.0,
     ) -> None:
-        self.group = process_group if process_group is not None else dist.group.WORLD
+        world: Any = dist.group.WORLD  # typed Optional; set once the default group exists (it does here)
+        self.group: dist.ProcessGroup = process_group if process_group is not None else world
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.chunk_bytes = max(4096, int(chunk_mb * 2**20) // 4096 * 4096)

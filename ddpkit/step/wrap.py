@@ -139,6 +139,6 @@ def unwrap(model: nn.Module) -> nn.Module:
         if isinstance(model, DistributedDataParallel):
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
-            model = model._orig_mod
+            model = model._orig_mod  # type: ignore[assignment]  # checked to be a module just above
         else:
             return model

@@ -59,5 +59,6 @@ class DDP(Strategy):
         from torch.distributed.algorithms.join import Join
 
         self.expect(model, "s.join")
-        with Join([ddp_of(model), *joinables], divide_by_initial_world_size=False):
+        ddp: Any = ddp_of(model)  # a DDP module: `expect` has just checked it
+        with Join([ddp, *joinables], divide_by_initial_world_size=False):
             yield

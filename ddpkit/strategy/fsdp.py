@@ -186,7 +186,7 @@ class FSDP(Strategy):
     # -- a training step ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def skip_sync(self, model: nn.Module) -> Iterator[None]:
-        inner = getattr(model, "_orig_mod", model)
+        inner: Any = getattr(model, "_orig_mod", model)  # an FSDPModule
         inner.set_requires_gradient_sync(False)
         try:
             yield
@@ -217,7 +217,8 @@ class FSDP(Strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(model, options=options)  # collective; empty except on rank 0
+        state = get_model_state_dict(model, options=options)  # collective; empty except on rank 0
+        return state  # type: ignore[return-value]  # a model's state dict: tensors only
 
     def load_full_state(self, model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -232,7 +233,7 @@ class FSDP(Strategy):
     def sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        state = {"model": get_model_state_dict(model)}
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
         for name, opt in optimizers.items():
             state[name] = get_optimizer_state_dict(model, opt)
         return state

@@ -130,7 +130,8 @@ class ShardedInit(TorchDispatchMode):
 
     def _regather(self, k: int) -> torch.Tensor:
         """A parameter's full values back from every rank's chunk (the ranks run the same code)."""
-        param, mine = self.params[k](), self.chunks[k]
+        param: Any = self.params[k]()  # live: the caller holds it
+        mine = self.chunks[k]
         if self.world == 1:
             return mine.reshape(-1).clone()
         if not dist.is_initialized():
@@ -149,7 +150,7 @@ class ShardedInit(TorchDispatchMode):
         """Reduce every parameter not written by the current operation to this rank's chunk."""
         live = [k for k in self.full if k in self.params and self.params[k]() is not None]
         for k in [k for k in live if k not in keep]:
-            whole = self._real(self.params[k](), overwrite=False)
+            whole = self._real(self.params[k](), overwrite=False)  # type: ignore[arg-type]  # live: above
             self.sums[k] = checksum(whole)
             self.chunks[k] = chunk(whole, self.rank, self.world).clone()
             del self.full[k], self.refs[k]

@@ -107,7 +107,7 @@ def export(write: Callable[[Path, nn.Module], Any], path: str | Path, model: nn.
     from ddpkit.step.wrap import unwrap
 
     target = Path(path)
-    inner = unwrap(model)
+    inner: Any = unwrap(model)  # a transformers PreTrainedModel (config, generation_config)
     if not is_hf(inner) or target.suffix == ".safetensors":
         return write(target, model)
     written = write(target / "model.safetensors", model)  # every rank (a collective under FSDP)

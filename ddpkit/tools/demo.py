@@ -61,7 +61,8 @@ def train_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> to
 
 def eval_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], metrics: MetricSet) -> None:
     x, y = batch
-    metrics["accuracy"].update(model(x), y)  # correct and total, summed over ranks: every digit once
+    accuracy: Any = metrics["accuracy"]  # the Accuracy that `make_metrics` put there
+    accuracy.update(model(x), y)  # correct and total, summed over ranks: every digit once
 
 
 class EpochReport(Callback):

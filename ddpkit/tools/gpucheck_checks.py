@@ -313,7 +313,7 @@ def _verify(ctx: Context, env: dict[str, str], name: str) -> str:
          env=env)  # fmt: skip
     facts = json.loads(report.read_text())
     assert facts["passed"] and facts["replicas_identical"], facts.get("error")
-    worst = max(facts["tensors"], key=lambda r: r.get("rel_norm", 0.0), default={})
+    worst: dict[str, Any] = max(facts["tensors"], key=lambda r: r.get("rel_norm", 0.0), default={})
     return f"PASS over {len(facts['tensors'])} tensors, worst relative norm {worst.get('rel_norm', 0.0):.1e}"
 
 

@@ -101,7 +101,7 @@ class Session(RankContext):
         self._shard = shard_optimizer
         self._strategy: Strategy | None = None  # built once (`_build`), then the stepper that asks it
         self._stepper: Stepper | None = None
-        if strategies.kind(strategy, plan) == "fsdp":  # fp16 under FSDP: said now, not at s.model
+        if strategies.kind(strategy, self) == "fsdp":  # fp16 under FSDP: said now, not at s.model
             resolve_precision(self.precision, self.device.type, loss_scale=False)
 
     def _build(self, choice: Choice) -> Stepper:

@@ -60,6 +60,7 @@ def verify(spec: VerifySpec, *, runner: Runner | None = None) -> Report:
             variants.append(run)
     seconds["floor"] = time.perf_counter() - start - seconds["single"]
     start = time.perf_counter()
+    results: Sequence[Any]
     if runner is None:
         results = ddpkit.spawn(ddp_rank, spec.nproc, (spec,), timeout=spec.timeout, threads=threads)
     else:

@@ -202,7 +202,7 @@ def _snapshot(s: Any, model: nn.Module, optimizer: Any, state: Resumable, step: 
                            "_saved": sorted(state.saved)}  # fmt: skip
     if trained is not None:
         batch, loss = trained
-        rows = [digest(map_rows(batch, lambda t, i=i: t[i : i + 1])) for i in range(_rows(batch))]
+        rows = [digest(map_rows(batch, lambda t, i=i: t[i : i + 1])) for i in range(_rows(batch))]  # type: ignore[misc]
         everyone = s.gather_object(rows) if s.distributed else [rows]
         out["data.global_batch"] = hashlib.sha1(
             "".join(sorted(row for rank in everyone for row in rank)).encode()
@@ -217,14 +217,19 @@ def _snapshot(s: Any, model: nn.Module, optimizer: Any, state: Resumable, step: 
             continue
         _flatten(out, name, _state_of(obj))
     out["rng.torch"] = torch.get_rng_state()
-    out["rng.numpy"] = digest(torch.from_numpy(np.random.get_state()[1].astype(np.int64)))
+    out["rng.numpy"] = digest(torch.from_numpy(np.random.get_state()[1].astype(np.int64)))  # type: ignore[index]
     out["rng.python"] = hashlib.sha1(repr(random.getstate()).encode()).hexdigest()[:16]
     return out
 
 
 def _rows(batch: Any) -> int:
     found: list[int] = []
-    map_rows(batch, lambda t: found.append(t.shape[0]) or t)
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        found.append(t.shape[0])
+        return t
+
+    map_rows(batch, note)
     return found[0] if found else 0
 
 
@@ -266,7 +271,7 @@ def check(rs: ResumeSpec) -> ResumeReport:
             floor = calibrate.floors(tensors(full), [tensors(other)])
     report.compared, report.difference = compare(full, resumed, floor, spec.tolerance, spec.steps)
     report.passed = report.difference is None
-    if not report.passed:
+    if report.difference is not None:  # not passed
         meta = full[0] if full else {}
         report.culprit, report.fix = culprit(
             report.difference, meta, save_at=rs.k, dataset=spec.data is not None

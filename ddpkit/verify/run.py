@@ -332,7 +332,7 @@ def _rng_state(device: torch.device) -> list[torch.Tensor]:
 
 
 def _live(net: nn.Module, sharded: bool = False) -> dict[str, torch.Tensor]:
-    tensors = dict(net.named_parameters())
+    tensors: dict[str, torch.Tensor] = dict(net.named_parameters())
     tensors.update(net.named_buffers())
     return {n: _whole(t) for n, t in tensors.items()} if sharded else tensors
 

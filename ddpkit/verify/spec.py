@@ -271,9 +271,9 @@ def build_data(spec: VerifySpec) -> Dataset:
     needed = spec.batch_size * spec.steps
     if not hasattr(data, "__len__"):  # an iterable source: s.loader splits it (ddpkit.data.streams)
         return data
-    if len(data) < spec.batch_size:  # type: ignore[arg-type]
+    if len(data) < spec.batch_size:
         raise problem(
-            f"the data set has {len(data)} samples, fewer than the global batch {spec.batch_size}",  # type: ignore[arg-type]
+            f"the data set has {len(data)} samples, fewer than the global batch {spec.batch_size}",
             f"Use a smaller batch_size or more data ({needed} samples give {spec.steps} distinct steps)",
         )
     return data
