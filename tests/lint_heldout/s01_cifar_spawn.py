@@ -1,12 +1,12 @@
 """Small CIFAR-10 convnet trained with DistributedDataParallel (mp.spawn launcher)."""
-import argparse
 import os
+import argparse
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler

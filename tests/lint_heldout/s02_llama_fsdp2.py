@@ -1,17 +1,14 @@
 """Pretraining a small decoder-only transformer with FSDP2 (fully_shard). Launch with torchrun."""
-import math
 import os
+import math
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
 
 
 class Block(nn.Module):

@@ -3,16 +3,17 @@ Minimal GPT training loop in the style of nanoGPT.
 Single GPU:   python s04_gpt_nano.py
 DDP:          torchrun --standalone --nproc_per_node=8 s04_gpt_nano.py
 """
-import math
 import os
-import pickle
 import time
+import math
+import pickle
 
 import numpy as np
 import torch
-from model import GPT, GPTConfig  # local module
-from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed import init_process_group, destroy_process_group
+
+from model import GPTConfig, GPT  # local module
 
 out_dir = "out"
 eval_interval = 2000

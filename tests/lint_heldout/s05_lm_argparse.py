@@ -8,10 +8,10 @@ import glob
 import os
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset, DistributedSampler
 from transformers import AutoModelForCausalLM
 
 

@@ -1,15 +1,15 @@
 """Fine-tune a ViT-B/16 on a folder dataset, linear-probe style warmup then full FT."""
-import argparse
 import os
+import argparse
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
-from torchvision.models import ViT_B_16_Weights, vit_b_16
+from torchvision.models import vit_b_16, ViT_B_16_Weights
 
 
 def init_distributed():

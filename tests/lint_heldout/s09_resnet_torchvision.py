@@ -1,11 +1,11 @@
 """Train a torchvision ResNet-50 from scratch on ImageNet-style folders (torchrun, 8 GPUs/node)."""
-import argparse
 import os
 import time
+import argparse
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+import torch.distributed as dist
 import torchvision
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import transforms as T

@@ -1,17 +1,17 @@
 """Supervised fine-tuning with FSDP2 (per-block fully_shard) on a packed instruction dataset."""
-import functools
 import os
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from datasets import load_from_disk
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.checkpoint.state_dict import get_state_dict, StateDictOptions
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoModelForCausalLM
+from datasets import load_from_disk
 
 
 @dataclass

@@ -2,18 +2,19 @@
 
 Usage: torchrun --nproc_per_node=4 s11_seq2seq_seed.py --src de --tgt en
 """
-import argparse
 import os
 import random
+import argparse
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from data import ParallelCorpus, pad_collate  # project-local
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
+
+from data import ParallelCorpus, pad_collate  # project-local
 
 
 def seed_everything(seed: int):

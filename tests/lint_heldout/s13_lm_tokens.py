@@ -3,18 +3,19 @@
 Each rank's batch has a different number of non-pad tokens, so we sum the token losses and
 normalise by the global token count (DDP averages grads over ranks, hence the * world_size).
 """
-import math
 import os
+import math
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from lm_data import BucketedTextDataset, collate_pad  # project-local
-from lm_model import DecoderLM
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
+
+from lm_data import BucketedTextDataset, collate_pad  # project-local
+from lm_model import DecoderLM
 
 PAD = 0
 

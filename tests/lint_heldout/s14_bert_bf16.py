@@ -1,17 +1,13 @@
 """Sentence classification fine-tuning (BERT-base) with DDP, with an optional low-memory mode."""
-import argparse
 import os
+import argparse
 
 import torch
 import torch.distributed as dist
-from datasets import load_dataset
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
-from transformers import (
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    get_linear_schedule_with_warmup,
-)
+from transformers import AutoTokenizer, AutoModelForSequenceClassification, get_linear_schedule_with_warmup
+from datasets import load_dataset
 
 
 def parse():

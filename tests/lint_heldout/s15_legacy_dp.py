@@ -1,15 +1,15 @@
 """Semantic segmentation training (DeepLabV3) on all visible GPUs."""
+import os
 import argparse
 import logging
-import os
 
 import torch
 import torch.nn as nn
-import torchvision.transforms.v2 as T
 from torch.nn import DataParallel as Parallel
 from torch.utils.data import DataLoader
-from torchvision.datasets import VOCSegmentation
 from torchvision.models.segmentation import deeplabv3_resnet50
+from torchvision.datasets import VOCSegmentation
+import torchvision.transforms.v2 as T
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 log = logging.getLogger("seg")

@@ -2,12 +2,13 @@
 import os
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from title_pairs import TitlePairs  # project-local: yields (anchor_ids, positive_ids)
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
+
+from title_pairs import TitlePairs  # project-local: yields (anchor_ids, positive_ids)
 
 DDP_OPTS = {
     "broadcast_buffers": False,

@@ -1,17 +1,18 @@
 """Streaming pretraining on a directory of .jsonl.gz shards (too big for a map-style dataset)."""
+import os
 import glob
 import gzip
-import itertools
 import json
-import os
+import itertools
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from lm_model import DecoderLM  # project-local
-from tokenizers import Tokenizer
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset, DataLoader
+from tokenizers import Tokenizer
+
+from lm_model import DecoderLM  # project-local
 
 
 class JsonlStream(IterableDataset):

@@ -1,10 +1,10 @@
 """Deep residual MLP-Mixer on 64x64 images, activation checkpointing to fit batch 256/GPU."""
-import argparse
 import os
+import argparse
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint as ckpt
 from torch.utils.data import DataLoader

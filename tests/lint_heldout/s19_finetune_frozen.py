@@ -1,15 +1,15 @@
 """Partial fine-tuning of ConvNeXt-T: replace the head and freeze the early stages, then DDP."""
-import argparse
 import os
+import argparse
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets
-from torchvision.models import ConvNeXt_Tiny_Weights, convnext_tiny
+from torchvision.models import convnext_tiny, ConvNeXt_Tiny_Weights
 
 
 def freeze_(module: nn.Module):

@@ -1,23 +1,22 @@
 """T5-style encoder-decoder summarisation fine-tune with FSDP (torch.distributed.fsdp.FullyShardedDataParallel)."""
-import functools
 import os
+import functools
 
 import torch
 import torch.distributed as dist
-from summ_data import load_summarisation  # project-local
 from torch.distributed.fsdp import (
-    FullStateDictConfig,
+    FullyShardedDataParallel as FSDP,
     MixedPrecision,
     ShardingStrategy,
     StateDictType,
-)
-from torch.distributed.fsdp import (
-    FullyShardedDataParallel as FSDP,
+    FullStateDictConfig,
 )
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import T5ForConditionalGeneration
 from transformers.models.t5.modeling_t5 import T5Block
+
+from summ_data import load_summarisation  # project-local
 
 
 class FSDPTrainer:

@@ -1,10 +1,10 @@
 """Convolutional beta-VAE on CelebA 64x64, DDP via torchrun."""
-import argparse
 import os
+import argparse
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import datasets, transforms

@@ -1,12 +1,12 @@
 """Keyword-spotting (Speech Commands v2) with a 1-D conv net; config-dict driven, torchrun launch."""
 import os
+import yaml
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.distributed as dist
 import torchaudio
-import yaml
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 

@@ -1,16 +1,17 @@
 """BiLSTM sentiment classifier with DDP (mp.spawn) and resumable checkpoints."""
-import argparse
 import os
+import argparse
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
-from imdb_tokens import IMDBTokens, collate_batch  # project-local
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
+
+from imdb_tokens import IMDBTokens, collate_batch  # project-local
 
 
 class BiLSTM(nn.Module):

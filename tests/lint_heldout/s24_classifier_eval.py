@@ -1,14 +1,14 @@
 """Swin-T on a 100-class subset with periodic distributed validation (torchrun)."""
-import argparse
 import os
+import argparse
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import datasets
-from torchvision.models import Swin_T_Weights, swin_t
+from torchvision.models import swin_t, Swin_T_Weights
 
 
 def make_loaders(root, bs):

@@ -1,15 +1,15 @@
 """Multi-horizon load forecasting with a GRU encoder; DDP, wandb logging on the master process."""
-import argparse
-import json
 import os
+import json
+import argparse
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-import wandb
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+import wandb
 
 
 class Windows(Dataset):

@@ -3,12 +3,13 @@ for serving and run a quick offline evaluation with it."""
 import os
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from recsys_data import InteractionDataset  # project-local
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
+
+from recsys_data import InteractionDataset  # project-local
 
 N_USERS, N_ITEMS, DIM = 200_000, 50_000, 128
 

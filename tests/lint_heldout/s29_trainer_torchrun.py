@@ -5,17 +5,13 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from modelnet import ModelNet40  # project-local
-from torch.distributed import (
-    all_reduce,
-    destroy_process_group,
-    get_rank,
-    init_process_group,
-)
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed import init_process_group, destroy_process_group, get_rank, all_reduce
+from torch.utils.checkpoint import checkpoint
+
+from modelnet import ModelNet40  # project-local
 
 ckpt_fn = partial(checkpoint, use_reentrant=False)
 

@@ -1,16 +1,16 @@
 """Multi-task streaming training: each shard belongs to one task, and each batch only
 exercises that task's head, so DDP must tolerate unused parameters."""
-import glob
-import itertools
-import json
 import os
+import glob
+import json
+import itertools
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, DataLoader, get_worker_info
 
 TASKS = {"sentiment": 3, "topic": 20, "toxicity": 2}
 

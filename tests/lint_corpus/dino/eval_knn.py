@@ -11,19 +11,20 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-import argparse
 import os
 import sys
+import argparse
 
 import torch
-import torch.backends.cudnn as cudnn
+from torch import nn
 import torch.distributed as dist
+import torch.backends.cudnn as cudnn
+from torchvision import datasets
+from torchvision import transforms as pth_transforms
+from torchvision import models as torchvision_models
+
 import utils
 import vision_transformer as vits
-from torch import nn
-from torchvision import datasets
-from torchvision import models as torchvision_models
-from torchvision import transforms as pth_transforms
 
 
 def extract_feature_pipeline(args):

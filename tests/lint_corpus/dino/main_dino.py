@@ -12,25 +12,26 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 import argparse
-import datetime
-import json
-import math
 import os
 import sys
+import datetime
 import time
+import math
+import json
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.backends.cudnn as cudnn
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
-import utils
-import vision_transformer as vits
 from PIL import Image
+import torch
+import torch.nn as nn
+import torch.distributed as dist
+import torch.backends.cudnn as cudnn
+import torch.nn.functional as F
 from torchvision import datasets, transforms
 from torchvision import models as torchvision_models
+
+import utils
+import vision_transformer as vits
 from vision_transformer import DINOHead
 
 torchvision_archs = sorted(name for name in torchvision_models.__dict__

@@ -30,36 +30,25 @@ import torch
 import torch.nn as nn
 import torchvision.utils
 import yaml
-from timm.data import (
-    AugMixDataset,
-    FastCollateMixup,
-    Mixup,
-    create_dataset,
-    create_loader,
-    create_naflex_loader,
-    resolve_data_config,
-)
+
+from timm import utils
+from timm.data import create_dataset, create_loader, create_naflex_loader, resolve_data_config, \
+    Mixup, FastCollateMixup, AugMixDataset
 from timm.layers import convert_splitbn_model, convert_sync_batchnorm, set_fast_norm
-from timm.loss import (
-    BinaryCrossEntropy,
-    JsdCrossEntropy,
-    LabelSmoothingCrossEntropy,
-    SoftTargetCrossEntropy,
-)
+from timm.loss import JsdCrossEntropy, SoftTargetCrossEntropy, BinaryCrossEntropy, LabelSmoothingCrossEntropy
 from timm.models import create_model, safe_model_name
 from timm.optim import create_optimizer_v2, optimizer_kwargs
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
+from timm.utils import NativeScaler
 from timm.task import (
     ClassificationTask,
-    FeatureDistillationTask,
     LogitDistillationTask,
+    FeatureDistillationTask,
     TokenDistillationTask,
-    load_task_ema_checkpoint,
     resume_task_checkpoint,
+    load_task_ema_checkpoint,
 )
-from timm.utils import NativeScaler
 
-from timm import utils
 
 try:
     import wandb

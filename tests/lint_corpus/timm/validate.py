@@ -21,27 +21,14 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.parallel
-from timm.data import (
-    RealLabelsImagenet,
-    create_dataset,
-    create_loader,
-    resolve_data_config,
-)
-from timm.layers import apply_test_time_pool, set_fast_norm
-from timm.models import create_model, is_model, list_models, load_checkpoint
-from timm.utils import (
-    AverageMeter,
-    ParseKwargs,
-    accuracy,
-    check_batch_size_retry,
-    decay_batch_step,
-    natural_key,
-    reparameterize_model,
-    set_jit_fuser,
-    setup_default_logging,
-)
 
 from timm import utils
+from timm.data import create_dataset, create_loader, resolve_data_config, RealLabelsImagenet
+from timm.layers import apply_test_time_pool, set_fast_norm
+from timm.models import create_model, load_checkpoint, is_model, list_models
+from timm.utils import accuracy, AverageMeter, natural_key, setup_default_logging, set_jit_fuser, \
+    decay_batch_step, check_batch_size_retry, ParseKwargs, reparameterize_model
+
 
 try:
     from functorch.compile import memory_efficient_fusion
@@ -52,7 +39,7 @@ except ImportError as e:
 has_compile = hasattr(torch, 'compile')
 
 try:
-    from sklearn.metrics import f1_score, precision_score, recall_score
+    from sklearn.metrics import precision_score, recall_score, f1_score
     has_sklearn = True
 except ImportError:
     has_sklearn = False
@@ -320,7 +307,7 @@ def validate(args):
         if hasattr(model, 'embeds') and hasattr(model.embeds, 'patch_size'):
             # NaFlexVit models have embeds.patch_size
             model_patch_size = model.embeds.patch_size
-        from timm.data import create_naflex_loader
+        from timm.data  import create_naflex_loader
         loader = create_naflex_loader(
             dataset,
             batch_size=args.batch_size,

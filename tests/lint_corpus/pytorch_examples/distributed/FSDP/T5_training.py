@@ -1,56 +1,47 @@
-import argparse
-import functools
 import os
-import time
-from datetime import datetime
-from functools import partial
-from pathlib import Path
-from typing import Type
-
-import model_checkpointing
-import policies
+import argparse
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-import tqdm
-from configs import fsdp_config, train_config
+from transformers import AutoTokenizer, GPT2TokenizerFast
+from transformers import T5Tokenizer, T5ForConditionalGeneration
+import functools
+from torch.optim.lr_scheduler import StepLR
+import torch.nn.functional as F
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+from transformers.models.t5.modeling_t5 import T5Block
 from nlp import load_dataset
-from summarization_dataset import *
-from torch.distributed.fsdp import (
-    BackwardPrefetch,
-    CPUOffload,
-    FullStateDictConfig,
-    MixedPrecision,
-    ShardingStrategy,
-    StateDictType,
-)
+
 from torch.distributed.fsdp import (
     FullyShardedDataParallel as FSDP,
+    CPUOffload,
+    MixedPrecision,
+    BackwardPrefetch,
+    ShardingStrategy,
+    FullStateDictConfig,
+    StateDictType,
 )
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.optim.lr_scheduler import StepLR
+
+from functools import partial
 from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
-from transformers import (
-    AutoTokenizer,
-    GPT2TokenizerFast,
-    T5ForConditionalGeneration,
-    T5Tokenizer,
-)
+from pathlib import Path
+from summarization_dataset import *
+import policies
+import model_checkpointing
+from configs import fsdp_config, train_config
+from utils import (bfloat_support, setup,
+                   cleanup, get_date_of_run,
+                   format_metrics_to_gb,
+                   train,validation,setup_model)
 from transformers.models.t5.modeling_t5 import T5Block
-from utils import (
-    bfloat_support,
-    cleanup,
-    format_metrics_to_gb,
-    get_date_of_run,
-    setup,
-    setup_model,
-    train,
-    validation,
-)
+from typing import Type
+import time
+import tqdm
+from datetime import datetime
 
 
 def get_policies(cfg, rank):

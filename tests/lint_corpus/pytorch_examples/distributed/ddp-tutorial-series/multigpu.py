@@ -1,13 +1,13 @@
-import os
-
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.utils.data import Dataset, DataLoader
 from datautils import MyTrainDataset
-from torch.distributed import destroy_process_group, init_process_group
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+
+import torch.multiprocessing as mp
 from torch.utils.data.distributed import DistributedSampler
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed import init_process_group, destroy_process_group
+import os
 
 
 def ddp_setup(rank, world_size):

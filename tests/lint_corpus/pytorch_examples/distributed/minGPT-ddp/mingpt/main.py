@@ -1,15 +1,13 @@
 import os
 import sys
-
-import hydra
 import torch
-from char_dataset import CharDataset, DataConfig
-from model import GPT, GPTConfig, OptimizerConfig, create_optimizer
-from omegaconf import DictConfig
-from torch.distributed import destroy_process_group, init_process_group
 from torch.utils.data import random_split
+from torch.distributed import init_process_group, destroy_process_group
+from model import GPT, GPTConfig, OptimizerConfig, create_optimizer
 from trainer import Trainer, TrainerConfig
-
+from char_dataset import CharDataset, DataConfig
+from omegaconf import DictConfig
+import hydra
 
 def verify_min_gpu_count(min_gpus: int = 2) -> bool:
     has_gpu = torch.accelerator.is_available()

@@ -3,20 +3,20 @@ Simple training loop; Boilerplate that could apply to any arbitrary neural netwo
 so nothing in this file really has anything to do with GPT specifically.
 """
 
-import io
-import os
+from dataclasses import dataclass, asdict
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional
-from urllib.parse import urlparse
+from typing import Optional, Any, Dict
+import os
 
-import boto3
-import fsspec
 import torch
+from torch.utils.data import Dataset, DataLoader
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+import boto3
+from urllib.parse import urlparse
+import fsspec
+import io
 
 @dataclass
 class TrainerConfig:

@@ -1,15 +1,16 @@
 import os
 import threading
-import warnings
 from datetime import datetime
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 import torch.nn as nn
-import torchvision
 from torch import optim
+
+import torchvision
 
 # Suppress deprecated ProcessGroup warning
 warnings.filterwarnings("ignore", message="You are using a Backend.*ProcessGroup")

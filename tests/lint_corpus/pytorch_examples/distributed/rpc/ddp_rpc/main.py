@@ -8,7 +8,8 @@ import torch.multiprocessing as mp
 import torch.optim as optim
 from torch.distributed.nn import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
-from torch.distributed.rpc import RRef, TensorPipeRpcBackendOptions
+from torch.distributed.rpc import RRef
+from torch.distributed.rpc import TensorPipeRpcBackendOptions
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 NUM_EMBEDDINGS = 100
