@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit.errors import DdpkitError
+from ddpkit.names import DEFAULT_PREEMPTION_SIGNAL
 
 # Tools parse their own arguments; their modules are imported only when asked for (fast start-up).
 # Each module has `main(argv: list[str]) -> int`.
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="launch a script on N processes (torchrun-compatible)")
     _add_launch_options(run, default_nproc="auto")
     run.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
-    run.add_argument("--preemption-signal", default="USR1", help="besides SIGTERM: save and stop (USR1)")
+    run.add_argument("--preemption-signal", default=DEFAULT_PREEMPTION_SIGNAL,
+                     help="besides SIGTERM: save and stop (USR1)")
     run.add_argument("--requeue", choices=("auto", "1", "0"), default="auto", help="Slurm: requeue after it")
     run.add_argument("--grace", type=float, default=30.0, help="seconds to let ranks save when stopped")
     run.add_argument("--elastic-batch", choices=("per-rank", "accumulation"), default="per-rank",

@@ -46,7 +46,15 @@ from ddpkit.cluster.failures import RUN_ENV
 from ddpkit.cluster.run_report import report, restart_reports
 from ddpkit.cluster.topology import Hardware, threads_per_process
 from ddpkit.errors import DdpkitError, problem
-from ddpkit.names import ELASTIC_BATCH_ENV, ELASTIC_WORLD_ENV
+from ddpkit.names import (
+    DEFAULT_PREEMPTION_SIGNAL,
+    ELASTIC_BATCH_ENV,
+    ELASTIC_WORLD_ENV,
+    PREEMPTED_EXIT_CODE,
+    PREEMPTION_RECORD_ENV,
+    PREEMPTION_SIGNAL_ENV,
+    REQUEUE_ENV,
+)
 from ddpkit.step import cpu_allocator
 
 
@@ -70,7 +78,7 @@ class LaunchConfig:
     port: int | None = None
     max_restarts: int = 0
     monitor_interval: float = 0.1
-    preemption_signal: str = "USR1"  # besides SIGTERM: the signal that asks for a save-and-stop
+    preemption_signal: str = DEFAULT_PREEMPTION_SIGNAL  # besides SIGTERM: asks for a save-and-stop
     requeue: str = "auto"  # under Slurm: "auto" (if submitted with --requeue), "1" or "0"
     grace: float = 30.0  # seconds the agent waits for workers to stop (save) before SIGKILL
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -248,8 +256,8 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         # sharing, rank 0 publishes it in every round.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     record = Path(tempfile.mkdtemp(prefix="ddpkit-run-")) / "preempted.json"
-    os.environ.update(DDPKIT_PREEMPTION_SIGNAL=cfg.preemption_signal, DDPKIT_REQUEUE=cfg.requeue,
-                      DDPKIT_PREEMPTION_RECORD=str(record), **{RUN_ENV: "1"})  # fmt: skip
+    os.environ.update({PREEMPTION_SIGNAL_ENV: cfg.preemption_signal, REQUEUE_ENV: cfg.requeue,
+                       PREEMPTION_RECORD_ENV: str(record), RUN_ENV: "1"})  # fmt: skip
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(hardware.cpu_cores, nproc)))
     if cfg.device == "cpu" or hardware.gpus == 0:
         os.environ.update(cpu_allocator.rank_env())  # read by torch as each rank starts
@@ -313,13 +321,14 @@ def _drain(grace: float) -> None:
 
 
 def _preempted(record: Path) -> int:
-    """75 and one line when global rank 0 saved a preemption checkpoint; 0 otherwise."""
+    """`PREEMPTED_EXIT_CODE` (75) and one line when global rank 0 saved a preemption checkpoint; else 0."""
     try:
         done = json.loads(record.read_text())
     except (OSError, ValueError):
         return 0
     requeued = " The Slurm job was requeued." if done.get("requeued") else ""
     print(f"ddpkit run: preempted ({done.get('signal')}) at step {done.get('step')}, checkpoint "
-          f"{done.get('checkpoint')}; run the same command to resume (exit code 75).{requeued}",
+          f"{done.get('checkpoint')}; run the same command to resume (exit code {PREEMPTED_EXIT_CODE})."
+          f"{requeued}",
           file=sys.stderr, flush=True)  # fmt: skip
-    return 75
+    return PREEMPTED_EXIT_CODE

@@ -48,12 +48,19 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.errors import problem
+from ddpkit.names import (
+    DEFAULT_PREEMPTION_SIGNAL,
+    PREEMPTED_EXIT_CODE,
+    PREEMPTION_RECORD_ENV,
+    PREEMPTION_SIGNAL_ENV,
+    REQUEUE_ENV,
+)
 
 COST_SHARE = 0.005  # agreements may cost this share of the training time
 MAX_LATENCY_S = 1.0  # ... but come at least about this often
 MAX_INTERVAL = 1000
-EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, try again": preempted, resume me
-DEFAULT_SIGNAL = "USR1"
+EXIT_CODE = PREEMPTED_EXIT_CODE  # the one exit code (`ddpkit.names`), which `ddpkit run` passes on
+DEFAULT_SIGNAL = DEFAULT_PREEMPTION_SIGNAL
 
 
 class Preempted(SystemExit):
@@ -96,8 +103,8 @@ class PreemptionOptions:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> PreemptionOptions:
-        requeue = {"1": True, "0": False}.get(env.get("DDPKIT_REQUEUE", "auto"), "auto")
-        return cls(signal=env.get("DDPKIT_PREEMPTION_SIGNAL", DEFAULT_SIGNAL), requeue=requeue)
+        requeue = {"1": True, "0": False}.get(env.get(REQUEUE_ENV, "auto"), "auto")
+        return cls(signal=env.get(PREEMPTION_SIGNAL_ENV, DEFAULT_SIGNAL), requeue=requeue)
 
     @property
     def signals(self) -> tuple[Signals, ...]:
@@ -188,7 +195,7 @@ class Preemption:
             "(resume by starting the same command)")  # fmt: skip
         if is_main:
             requeued = self._requeue(say)
-            record = self.env.get("DDPKIT_PREEMPTION_RECORD")
+            record = self.env.get(PREEMPTION_RECORD_ENV)
             if record:
                 with contextlib.suppress(OSError):
                     Path(record).write_text(json.dumps({"step": step, "checkpoint": str(checkpoint),
