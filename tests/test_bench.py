@@ -59,7 +59,7 @@ def test_table_aligns_numbers_right() -> None:
 def test_user_workload_must_be_module_function_returning_a_workload() -> None:
     with pytest.raises(DdpkitError, match="neither a named workload"):
         workloads.load("resnet")
-    with pytest.raises(DdpkitError, match=r"not a ddpkit\.workloads\.Workload"):
+    with pytest.raises(DdpkitError, match=r"not a ddpkit\.tools\.workloads\.Workload"):
         workloads.load("ddpkit.tools.workloads:make_mlp")
     assert workloads.load("mlp").name == "mlp"
     assert workloads.parameter_bytes(workloads.load("mlp").build()) == 37_801_994 * 4
