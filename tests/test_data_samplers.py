@@ -43,11 +43,12 @@ def make_sampler(name: str) -> Sampler:
     return LengthGrouped([(i * 7) % 13 for i in range(N)])
 
 
-def read(name: str, ckpt: str | None = None, stop_after: int | None = None) -> dict:
-    """Two epochs of global batches of 8 sample ids; with `stop_after`, save there; with `ckpt`, resume."""
+def _two_epochs(ckpt: str | None, stop_after: int | None, **how) -> dict:
+    """Two epochs of global batches of 8 sample ids, read through `s.loader(..., **how)`; with
+    `stop_after`, save there and stop; with `ckpt` alone, resume from it."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out), ddpkit.session(seed=4) as s:
-        loader = s.loader(TensorDataset(torch.arange(N)), batch_size=GLOBAL, sampler=make_sampler(name))
+        loader = s.loader(TensorDataset(torch.arange(N)), batch_size=GLOBAL, **how)
         if ckpt and stop_after is None:
             s.load(ckpt, loader=loader)
         seen = []
@@ -58,6 +59,11 @@ def read(name: str, ckpt: str | None = None, stop_after: int | None = None) -> d
                     s.save(ckpt, loader=loader)
                     return {"seen": seen}
         return {"seen": seen, "batches": len(loader), "out": out.getvalue()}
+
+
+def read(name: str, ckpt: str | None = None, stop_after: int | None = None) -> dict:
+    """Through sampler= (the user's sampler, shared out per rank)."""
+    return _two_epochs(ckpt, stop_after, sampler=make_sampler(name))
 
 
 def _global(per_rank: list[dict]) -> list[list[int]]:
@@ -103,18 +109,7 @@ class Buckets(Sampler[list[int]]):
 def read_batches(name: str, ckpt: str | None = None, stop_after: int | None = None) -> dict:
     """Like `read`, with batch_sampler= (its batches are the global micro-batches)."""
     user = Buckets() if name == "buckets" else BatchSampler(RandomSampler(range(N)), batch_size=GLOBAL, drop_last=False)
-    with ddpkit.session(seed=4, verbose=False) as s:
-        loader = s.loader(TensorDataset(torch.arange(N)), batch_size=GLOBAL, batch_sampler=user)
-        if ckpt and stop_after is None:
-            s.load(ckpt, loader=loader)
-        seen = []
-        for _ in range(2 - loader.epoch):
-            for (ids,) in loader:
-                seen.append(ids.tolist())
-                if len(seen) == stop_after:
-                    s.save(ckpt, loader=loader)
-                    return {"seen": seen}
-        return {"seen": seen}
+    return _two_epochs(ckpt, stop_after, batch_sampler=user)
 
 
 @pytest.mark.parametrize("name", ["torch", "buckets"])
