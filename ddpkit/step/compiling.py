@@ -142,27 +142,50 @@ def already_compiled(module: nn.Module) -> bool:
     return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
 
 
+CompileBlock = Callable[[nn.Module], None]  # compiles one submodule in place (FSDP: each block)
+
+
 def apply(
     module: nn.Module,
     options: CompileOptions,
     wrap: Callable[[nn.Module], nn.Module],
     *,
     distributed: bool,
+    per_block: Callable[[nn.Module, CompileBlock], tuple[nn.Module, list[str]]] | None = None,
 ) -> tuple[nn.Module, list[str]]:
     """Compile `module`, then `wrap` it (to the device, DDP when distributed); return it and notes.
 
     `wrap` is what `s.model` does without compile (the strategy's wrap, with the user's options).
+    `per_block`: a strategy that compiles blocks itself while it wraps (FSDP: each unit before
+    `fully_shard`, see `compile_in_place`); it gets the module and the function that compiles one
+    block, and returns the model and the names of the blocks it compiled.
     """
     if already_compiled(module):
         return wrap(module), ["compile: the module is already compiled (torch.compile); kept as it is"]
     cache = set_up_cache()
     kwargs, scalar = _honour_aten_capability(dict(options.kwargs))
-    compiled = torch.compile(module, **kwargs)
-    model = wrap(compiled)  # type: ignore[arg-type]  # typed a callable; a module's is an OptimizedModule
     scalar_note = "compile: ATEN_CPU_CAPABILITY=default: scalar Inductor C++ kernels (cpp.simdlen=1)"
     notes = [scalar_note] if scalar else []
+    if per_block is not None:
+        model, blocks = per_block(module, lambda block: compile_in_place(block, kwargs))
+        shown = ", ".join(blocks[:3]) + (", ..." if len(blocks) > 3 else "")
+        return model, [*notes, f"compile: {options.describe()} on each of {len(blocks)} block(s) ({shown}) "
+                                f"before sharding; {cache}"]  # fmt: skip
+    compiled = torch.compile(module, **kwargs)
+    model = wrap(compiled)  # type: ignore[arg-type]  # typed a callable; a module's is an OptimizedModule
     where = ", then wrapped in DDP (DDP(torch.compile(module)))" if distributed else " (one process: no DDP)"
     return model, [*notes, f"compile: {options.describe()} on the module{where}; {cache}"]
+
+
+def compile_in_place(block: nn.Module, kwargs: Mapping[str, Any]) -> None:
+    """`block.compile(...)`: its `__call__` compiled, the module itself kept. Unlike replacing the child
+    with `torch.compile(block)` (an OptimizedModule), the state dict's names gain no `_orig_mod.`, so
+    checkpoints, `s.export` and DCP's FSDP names stay those of the eager model."""
+    block.compile(**kwargs)
+
+
+def is_compiled_in_place(block: nn.Module) -> bool:
+    return getattr(block, "_compiled_call_impl", None) is not None
 
 
 def _honour_aten_capability(kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:

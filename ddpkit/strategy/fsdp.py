@@ -34,6 +34,7 @@ from torch import nn
 from ddpkit.errors import problem
 from ddpkit.step import cpu_allocator
 from ddpkit.step.collectives import Ranks, same_everywhere
+from ddpkit.step.compiling import CompileBlock
 from ddpkit.step.precision import PrecisionPlan
 from ddpkit.strategy import checkpointing, fsdp_export, fsdp_init, hf
 from ddpkit.strategy.base import Strategy
@@ -73,11 +74,7 @@ class FSDP(Strategy):
         return module
 
     def check_compile(self) -> None:
-        raise problem(
-            "compile=... is not supported with strategy='fsdp' yet (ddpkit compiles before wrapping, "
-            "and FSDP2 must shard the plain module)",
-            "Drop compile=, or compile after sharding yourself: torch.compile(s.model(net, strategy='fsdp'))",
-        )
+        """FSDP compiles per block (`wrap_compiling`): torch.compile is never applied to the whole model."""
 
     def check_loadable(self, saved: str, optimizers: Collection[str], path: Any) -> None:
         if saved != "fsdp" and optimizers:
@@ -93,6 +90,20 @@ class FSDP(Strategy):
 
     # -- the model ----------------------------------------------------------------------------------
     def wrap(self, module: nn.Module, device: torch.device, options: Any = None) -> nn.Module:
+        return self._shard(module, device, options, None)[0]
+
+    def wrap_compiling(
+        self, module: nn.Module, device: torch.device, options: Any, compile_block: CompileBlock
+    ) -> tuple[nn.Module, list[str]]:
+        """`wrap` with torch.compile the torchtitan way: each FSDP unit (the blocks `_choose_units`
+        picks) compiled in place BEFORE `fully_shard`, so that FSDP2's all-gather and reduce-scatter
+        hooks stay eager around the compiled blocks (they are `torch._dynamo.disable`d). A model with no
+        unit of its own (every parameter in the root) is compiled whole, in place. Returns the model
+        and the names of the compiled modules ("" for the root)."""
+        return self._shard(module, device, options, compile_block)
+
+    def _shard(self, module: nn.Module, device: torch.device, options: Any,
+               compile_block: CompileBlock | None) -> tuple[nn.Module, list[str]]:  # fmt: skip
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -131,6 +142,11 @@ class FSDP(Strategy):
         kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload,
                       reshard_after_forward=opts.reshard_after_forward)  # fmt: skip
         units = self._choose_units(module, opts)
+        compiled: list[str] = []
+        if compile_block is not None:  # before fully_shard: the torchtitan order (hooks outside the graphs)
+            compiled = units or [""]
+            for name in compiled:
+                compile_block(module.get_submodule(name))
         for name in units:
             fully_shard(module.get_submodule(name), **kwargs)
         fully_shard(module, **kwargs)
@@ -140,7 +156,7 @@ class FSDP(Strategy):
             f"FSDP2: {len(units)} block(s) sharded on their own + the root, over {world} ranks "
             f"({total / 1e6:.1f}M parameters, about {total / world / 1e6:.1f}M per rank)"
         )
-        return module
+        return module, compiled
 
     def _choose_units(self, module: nn.Module, opts: FSDPOptions) -> list[str]:
         """Names of the submodules that become FSDP units, children before parents."""

@@ -299,9 +299,10 @@ class Session(RankContext):
         else:
             chosen.check_compile()
             self._on_close.callback(compiling.cache_env_restorer())
-            model, notes = compiling.apply(
-                module, compiler, lambda m: chosen.wrap(m, self.device, options), distributed=self.distributed
-            )
+            blockwise = getattr(chosen, "wrap_compiling", None)  # FSDP: each block, before sharding
+            per_block = None if blockwise is None else lambda m, c: blockwise(m, self.device, options, c)
+            model, notes = compiling.apply(module, compiler, lambda m: chosen.wrap(m, self.device, options),
+                                           distributed=self.distributed, per_block=per_block)  # fmt: skip
             chosen.notes.extend(notes)
         building.after_wrap(chosen, model, weights)
         if stepper.shard is True and not chosen.allows_sharded_step and self.distributed:

@@ -4,7 +4,7 @@
     ddpkit verify --model nets:make_net --data data:train --optimizer adamw --lr 3e-4 --steps 20
     ddpkit verify --model nets:make_net --batches data:batch_of_step --loss mse --json report.json
     ddpkit verify ... --sync-batchnorm            # check the fix the diagnosis suggests
-    ddpkit verify ... --compile                   # DDP + torch.compile against one eager process
+    ddpkit verify ... --compile                   # DDP/FSDP + torch.compile against one eager process
     ddpkit verify ... --resume --setup train:setup --save-at 5    # save, restart, load: all state saved?
 
 `module:function` references are imported from the current folder (or PYTHONPATH) in every process.
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-batchnorm", action="store_true", help="s.model(..., sync_batchnorm=True)")
     p.add_argument("--find-unused-parameters", action="store_true")
     p.add_argument("--static-graph", action="store_true")
-    p.add_argument("--compile", action="store_true", help="DDP side: s.model(..., compile=True)")
+    p.add_argument("--compile", action="store_true", help="DDP/FSDP side: s.model(..., compile=True)")
     p.add_argument("--after-wrap", default=None, help="module:function(module, session) run after s.model")
     p.add_argument(
         "--floor",

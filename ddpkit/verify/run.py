@@ -255,11 +255,11 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
         "find_unused_parameters": spec.find_unused_parameters,
         "static_graph": spec.static_graph,
     }
-    if spec.strategy == "ddp":
-        ddp_options["compile"] = spec.compile and world > 1  # DDP + compile against one eager process
-        if ddp_options["compile"]:
-            torch._dynamo.reset()  # graphs cached from an earlier run in this process would not be counted
-    model = s.model(module, strategy=spec.strategy, **(ddp_options if spec.strategy == "ddp" else {}))
+    compiled = spec.compile and world > 1  # DDP/FSDP + compile against one eager process
+    if compiled:
+        torch._dynamo.reset()  # graphs cached from an earlier run in this process would not be counted
+    options = ddp_options if spec.strategy == "ddp" else {}
+    model = s.model(module, strategy=spec.strategy, compile=compiled, **options)
     net = ddpkit.unwrap(model)
     sharded = s.strategy.shards_state  # FSDP: gather whole tensors on every rank before comparing
     if spec.after_wrap is not None:

@@ -102,7 +102,7 @@ class VerifySpec:
     find_unused_parameters: bool = False
     static_graph: bool = False
     strategy: str = "ddp"  # or "fsdp": FSDP2 over nproc ranks against the same single process
-    compile: bool = False  # the DDP side runs s.model(..., compile=True); the reference stays eager
+    compile: bool = False  # the DDP/FSDP side runs s.model(..., compile=True); the reference eager
     after_wrap: Callable[[nn.Module, Any], None] | str | None = None
     floor: tuple[str, ...] = ("permuted", "chunked")
     tolerance: Tolerance = field(default_factory=Tolerance)
