@@ -60,6 +60,14 @@ MUTANTS = [
         "torch's own /tmp cache directory taken for the user's",
     ),
     Mutant(
+        "fsdp-compile",
+        "ddpkit/strategy/fsdp.py",
+        "                compile_block(module.get_submodule(name))",
+        "                pass  # mutant: blocks never compiled",
+        ("tests/test_fsdp_compile.py::test_fsdp_compile_trains_like_eager_fsdp_and_one_process_with_the_same_names",),
+        "s.model(strategy='fsdp', compile=True): no block compiled before fully_shard",
+    ),
+    Mutant(
         "shm-hook",
         "ddpkit/step/comm_hooks.py",
         "    model.register_comm_hook(state, hook)",

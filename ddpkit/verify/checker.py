@@ -189,6 +189,7 @@ def _config(spec: VerifySpec) -> dict[str, Any]:
         "device": spec.device,
         "sync_batchnorm": spec.sync_batchnorm,
         "find_unused_parameters": spec.find_unused_parameters,
+        "strategy": spec.strategy,
         "compile": spec.compile,
         "floor": list(spec.floor),
     }

@@ -36,16 +36,16 @@ def diagnose(
 
 
 def _not_compiled(spec: VerifySpec, single: Trajectory, ranks: Runs, report: Report) -> list[Diagnosis]:
-    """--compile asked, yet torch.compile built no graph on the DDP side: eager compared with eager."""
+    """--compile asked, yet torch.compile built no graph on the DDP/FSDP side: eager compared with eager."""
     if not spec.compile or spec.nproc == 1 or ranks[0].error or ranks[0].graphs_compiled > 0:
         return []
     return [
         Diagnosis(
             "not_compiled",
             "cause",
-            "--compile was asked, but torch.compile built no graph on the DDP side (every frame ran eagerly: "
-            "skipped by Dynamo, or compiled earlier in this process and disabled), so this run did not check "
-            "the compiled model.",
+            "--compile was asked, but torch.compile built no graph on the DDP/FSDP side (every frame ran "
+            "eagerly: skipped by Dynamo, or compiled earlier in this process and disabled), so this run did "
+            "not check the compiled model.",
             "Run with TORCH_LOGS=graph_breaks,recompiles to see why Dynamo skipped the model's forward, and "
             "check that TORCHDYNAMO_DISABLE and torch.compiler.disable are not in effect.",
         )

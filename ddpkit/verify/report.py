@@ -105,7 +105,8 @@ class Report:
             lines.append(f"replicas: DIFFER from step {self.replica_divergence['step']} on ({names})")
         if c.get("compile"):
             built = c.get("graphs_compiled", 0)
-            lines.append(f"compile: {built} graph(s) built by torch.compile on DDP rank 0")
+            side = str(c.get("strategy", "ddp")).upper()
+            lines.append(f"compile: {built} graph(s) built by torch.compile on {side} rank 0")
         if self.error:
             lines.append(f"DDP run failed: {self.error.splitlines()[0]}")
         if self.losses.get("single"):
