@@ -10,6 +10,8 @@ Each mode runs in fresh processes (`ddpkit.spawn`, so nothing compiled in one mo
 - outer: `torch.compile(s.model(net))`: DDP compiled from outside, TorchDynamo's DDPOptimizer splits the
   graph at bucket boundaries;
 - ca: outer, with compiled autograd and DDP's python reducer (`optimize_ddp="python_reducer"`).
+- fsdp / fsdp-inner: FSDP2 (each `Block` its own unit), eager / `s.model(net, strategy=..., compile=True)`:
+  each block compiled in place before `fully_shard` (the torchtitan order).
 `--cache cold` gives every run an empty Inductor cache directory; `warm` fills it with one run first
 and then times a second run against it; `keep` uses one directory for every mode and invocation
 (repeat the modes for interleaved rounds of steady steps: `--modes eager,inner,outer,eager,...`).
@@ -47,6 +49,9 @@ def body(spec: str, mode: str, steps: int) -> dict:
                 dynamo_config.optimize_ddp = "python_reducer"
                 dynamo_config.compiled_autograd = True
             model = torch.compile(s.model(net))
+        elif mode in ("fsdp", "fsdp-inner"):  # FSDP2, each gpt Block a unit; fsdp-inner: compiled first
+            blocks = tuple({type(m) for m in net.modules() if type(m).__name__ == "Block"}) or None
+            model = s.model(net, strategy=ddpkit.FSDPOptions(blocks=blocks), compile=mode == "fsdp-inner")
         else:
             model = s.model(net)
         opt = wl.optimizer(model.parameters())
@@ -60,6 +65,8 @@ def body(spec: str, mode: str, steps: int) -> dict:
             s.step(opt)
             times.append(time.perf_counter() - start)
         loss = float(s.all_reduce(wl.step_loss(model, (x, y)).detach(), op="mean"))
+    from torch._dynamo.utils import counters
+
     steady = times[1:]
     med = statistics.median(steady)
     return {
@@ -67,6 +74,7 @@ def body(spec: str, mode: str, steps: int) -> dict:
         "step_ms": med * 1e3,
         "spread": (max(steady) - min(steady)) / med,
         "loss": loss,
+        "graphs": int(counters["stats"]["unique_graphs"]),  # Dynamo's count: 0 means nothing was compiled
     }
 
 

@@ -118,3 +118,18 @@ def test_verify_strategy_fsdp_compile_on_the_command_line() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert '"compile": true' in out.stdout and '"strategy": "fsdp"' in out.stdout, out.stdout
     assert '"graphs_compiled": 0' not in out.stdout and '"graphs_compiled"' in out.stdout
+
+
+def precompiled_refused() -> str:
+    with ddpkit.session(seed=0, verbose=False) as s:
+        try:
+            s.model(torch.compile(net()), strategy="fsdp", compile=True)
+        except ddpkit.DdpkitError as err:
+            return str(err)
+        return "accepted"
+
+
+def test_fsdp_compile_refuses_a_module_compiled_already(pool2) -> None:
+    for message in pool2.run(precompiled_refused, timeout=60):
+        assert "already compiled (torch.compile(Sequential))" in message, message
+        assert "Pass the uncompiled module" in message

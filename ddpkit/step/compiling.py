@@ -1,4 +1,4 @@
-"""torch.compile as an option of `s.model`: the order that is right for DDP, and one cache per machine.
+"""torch.compile as an option of `s.model`: the orders that are right for DDP and FSDP, one cache per machine.
 
     model = s.model(Net(), compile=True)                       # torch.compile's defaults (Inductor)
     model = s.model(Net(), compile={"mode": "max-autotune"})   # any torch.compile keyword arguments
@@ -19,6 +19,13 @@ everything that talks to DDP works unchanged: `s.accumulate` (no_sync), communic
 static_graph, the sharded step, `ddpkit trace`. ddpkit's CPU SyncBatchNorm works too; Dynamo breaks the
 graph at its all-reduce (compiled in pieces, the same statistics). On these CPU ranks compile itself did
 not pay (cnn 16 % slower, mlp and gpt equal within the spread); on a GPU it usually does.
+
+With FSDP the order is torchtitan's: each FSDP unit (the blocks `FSDPOptions(blocks=...)` or the size
+rule picks; the whole model when no module is a unit of its own) is compiled in place, `block.compile()`,
+BEFORE `fully_shard` (`FSDP.wrap_compiling`). FSDP2's hooks (all-gather before a block, reduce-scatter
+after) are `torch._dynamo.disable`d, so they run eagerly between the compiled blocks; repeated blocks
+share one graph. In place, not `torch.compile(block)`: the module stays itself, so state dict names, DCP
+checkpoints and `s.export` gain no `_orig_mod.`.
 
 Compile once per machine, not once per rank and run: before the first compilation ddpkit points
 Inductor's caches (FX graph cache, AOTAutograd cache, the compiled C++ kernels) at one directory shared
@@ -160,6 +167,13 @@ def apply(
     `fully_shard`, see `compile_in_place`); it gets the module and the function that compiles one
     block, and returns the model and the names of the blocks it compiled.
     """
+    if already_compiled(module) and per_block is not None:
+        inner = type(getattr(module, "_orig_mod", module)).__name__
+        raise problem(
+            f"compile= was passed with a module already compiled (torch.compile({inner})); FSDP must shard "
+            "the plain module and compiles each block itself before sharding",
+            "Pass the uncompiled module (or its factory) with compile=True, or drop compile=",
+        )
     if already_compiled(module):
         return wrap(module), ["compile: the module is already compiled (torch.compile); kept as it is"]
     cache = set_up_cache()

@@ -18,6 +18,9 @@ Precision: "bf16" computes in bf16 (`MixedPrecisionPolicy(param_dtype=bf16)`, fr
 so ranks could disagree about skipping a step. Micro-batches skip the reduce-scatter with
 `set_requires_gradient_sync(False)`; the clipped norm is the all-reduced norm of the sharded gradients,
 identical on every rank. `ddpkit.step.sharding` does not apply: the optimizer state is already sharded.
+
+torch.compile (`s.model(..., compile=True)`): `wrap_compiling` compiles each unit in place before
+`fully_shard`, torchtitan's order (why: `ddpkit.step.compiling`).
 """
 
 from __future__ import annotations
