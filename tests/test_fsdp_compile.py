@@ -70,8 +70,13 @@ def train_fsdp(compile: bool, root: str) -> dict:
         s.barrier()
         with safe_open(f"{root}/model.safetensors", "pt") as f:
             exported_keys = sorted(f.keys())
+        weights = s.strategy.full_state(model)  # collective; whole tensors on rank 0
+        fresh = s.model(net, strategy=FSDPOptions(blocks=(Block,)), compile=compile)
+        s.load(root, model=fresh)  # the sharded checkpoint back into a (compiled) FSDP model
+        reloaded = s.strategy.full_state(fresh)
         return {
-            "weights": s.strategy.full_state(model),  # collective; whole tensors on rank 0
+            "weights": weights,
+            "reloaded": all(torch.equal(weights[k], reloaded[k]) for k in weights),
             "compiled": sorted(n for n, m in modules.items() if compiling.is_compiled_in_place(m)),
             "graphs": int(counters["stats"]["unique_graphs"]) - graphs,
             "keys": sorted(model.state_dict()),  # FSDP's own (DTensor) names, as DCP checkpoints them
@@ -97,6 +102,7 @@ def test_fsdp_compile_trains_like_eager_fsdp_and_one_process_with_the_same_names
     compiled = pool2.run(train_fsdp, True, str(tmp_path / "compiled"), timeout=200)
     assert compiled[0]["compiled"] == ["1", "2"] and eager[0]["compiled"] == []  # each Block, in place
     assert all(r["graphs"] > 0 for r in compiled), [r["graphs"] for r in compiled]  # compile was active
+    assert compiled[0]["reloaded"] and eager[0]["reloaded"]  # s.load restores the saved weights exactly
     assert eager[0]["graphs"] == 0
     names = sorted(net().state_dict())
     for r in (*eager, *compiled):
