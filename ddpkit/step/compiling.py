@@ -182,7 +182,7 @@ def apply(
     notes = [scalar_note] if scalar else []
     if per_block is not None:
         model, blocks = per_block(module, lambda block: compile_in_place(block, kwargs))
-        shown = ", ".join(blocks[:3]) + (", ..." if len(blocks) > 3 else "")
+        shown = ", ".join(b or "the whole model" for b in blocks[:3]) + (", ..." if len(blocks) > 3 else "")
         return model, [*notes, f"compile: {options.describe()} on each of {len(blocks)} block(s) ({shown}) "
                                 f"before sharding; {cache}"]  # fmt: skip
     compiled = torch.compile(module, **kwargs)
