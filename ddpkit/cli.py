@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit.errors import DdpkitError
-from ddpkit.names import DEFAULT_PREEMPTION_SIGNAL
+from ddpkit.names import DEFAULT_PREEMPTION_SIGNAL, REQUEUE_CHOICES
 
 # Tools parse their own arguments; their modules are imported only when asked for (fast start-up).
 # Each module has `main(argv: list[str]) -> int`.
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
     run.add_argument("--preemption-signal", default=DEFAULT_PREEMPTION_SIGNAL,
                      help="besides SIGTERM: save and stop (USR1)")
-    run.add_argument("--requeue", choices=("auto", "1", "0"), default="auto", help="Slurm: requeue after it")
+    run.add_argument("--requeue", choices=REQUEUE_CHOICES, default="auto", help="Slurm: requeue after it")
     run.add_argument("--grace", type=float, default=30.0, help="seconds to let ranks save when stopped")
     run.add_argument("--elastic-batch", choices=("per-rank", "accumulation"), default="per-rank",
                      help="--nnodes MIN:MAX at fewer nodes: keep the per-rank batch (accumulate more) or not")

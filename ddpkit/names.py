@@ -1,7 +1,7 @@
-"""The names users pass for a strategy, in one list, and the variables and codes `ddpkit run` and its
-ranks share, elastic and preemption, each with this one owner (torch-free, so that the tools' argument
-parsers, `plan` and the launcher import them without loading torch). `ddpkit.strategy` re-exports the
-strategy names."""
+"""The names users pass for a strategy, in one list, and every `DDPKIT_*` environment variable and exit
+code ddpkit reads or writes, each with this one owner (torch-free, so that the tools' argument parsers,
+`plan` and the launcher import them without loading torch). `ddpkit.strategy` re-exports the strategy
+names. No other module spells a `DDPKIT_*` variable as a literal (`tests/test_architecture.py` checks)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,20 @@ DISTRIBUTED = ("ddp", "fsdp")  # the kinds that run over several ranks (verify, 
 ELASTIC_WORLD_ENV = "DDPKIT_ELASTIC_WORLD"  # the world size at the most nodes
 ELASTIC_BATCH_ENV = "DDPKIT_ELASTIC_BATCH"  # "per-rank" or "accumulation": which one a smaller world keeps
 
-# Preemption (`ddpkit run` -> every rank; `ddpkit.cluster.preemption` reads them, `launch` writes them).
+# Preemption (`ddpkit run` -> every rank; `ddpkit.cluster.signals` parses them, `launch` writes them).
 PREEMPTION_SIGNAL_ENV = "DDPKIT_PREEMPTION_SIGNAL"  # a signal name (besides SIGTERM): save and stop
 REQUEUE_ENV = "DDPKIT_REQUEUE"  # "auto", "1" or "0": requeue the Slurm job after the save
+REQUEUE_CHOICES = ("auto", "1", "0")  # what --requeue and DDPKIT_REQUEUE accept
 PREEMPTION_RECORD_ENV = "DDPKIT_PREEMPTION_RECORD"  # where global rank 0 tells `ddpkit run` what it saved
 DEFAULT_PREEMPTION_SIGNAL = "USR1"  # Slurm's --signal=USR1@120
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, try again": preempted, resume me
+
+# What `ddpkit run` tells its ranks, and the switches a user sets (README).
+RUN_ENV = "DDPKIT_RUN"  # "1" in a rank of `ddpkit run`: the launcher reports user errors itself
+DEVICE_ENV = "DDPKIT_DEVICE"  # `ddpkit run --device`: read by `cluster.topology` when device="auto"
+SHARE_GPU_ENV = "DDPKIT_SHARE_GPU"  # `ddpkit run --share-gpu`: more local ranks than GPUs
+EXIT_GUARD_ENV = "DDPKIT_EXIT_GUARD"  # "0" turns `cluster.exit_guard` off
+WRITER_NICE_ENV = "DDPKIT_WRITER_NICE"  # the background checkpoint writer's niceness
+CPU_ALLOCATOR_ENV = "DDPKIT_CPU_ALLOCATOR"  # "default" (opt out) or "hugepages" (`step.cpu_allocator`)
+MEMORY_CHECK_ENV = "DDPKIT_MEMORY_CHECK"  # "off" skips `strategy.rank_memory`'s check
+GPUCHECK_DEVICE_ENV = "DDPKIT_GPUCHECK_DEVICE"  # "cpu": `ddpkit gpucheck` rehearses on CPU

@@ -33,7 +33,6 @@ rename by rank 0), in `ddpkit.checkpoint.write`; `background=True` runs the seco
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +46,8 @@ from ddpkit.checkpoint import state as checkpoint_state
 from ddpkit.checkpoint.background import NICE, Background
 from ddpkit.checkpoint.files import CheckpointError, Found, Tensors
 from ddpkit.checkpoint.sync import CheckpointContext, Sync
-from ddpkit.checkpoint.write import capture, full_weights, start, start_sharded, write
-from ddpkit.cluster.preemption import Preempted, Preemption, PreemptionOptions
+from ddpkit.checkpoint.write import capture, full_weights, start, write
+from ddpkit.cluster.preemption import Preempted, Preemption
 from ddpkit.errors import problem
 from ddpkit.step.wrap import unwrap
 
@@ -73,18 +72,19 @@ def latest(path: str | Path) -> Path | None:
 class Checkpoints:
     """One session's checkpoints: save, load, export, and the background write in flight (if any).
 
-    `context` is called at each operation (the strategy is chosen by `s.model`, after the session
-    starts). Objects given to `register` (name -> anything with state_dict/load_state_dict, or a
-    callable returning a JSON-able value) join every save and load, e.g. a tracker's run id.
+    `context` is a value the session built (its strategy already built, so nothing here calls back);
+    `preemption` is the job's stop policy, which the session owns (`ddpkit.cluster.preemption`): this
+    facade only asks it at `every=` saves. Objects given to `register` (name -> anything with
+    state_dict/load_state_dict, or a callable returning a JSON-able value) join every save and load,
+    e.g. a tracker's run id.
     """
 
-    def __init__(self, context: Callable[[], CheckpointContext], env: Mapping[str, str]) -> None:
-        self._context = context
-        self._background = Background(nice=int(env.get("DDPKIT_WRITER_NICE", NICE)))
-        self._preemption = Preemption(PreemptionOptions.from_env(env), env)
+    def __init__(self, context: CheckpointContext, *, preemption: Preemption, writer_nice: int = NICE) -> None:  # noqa: E501
+        self._ctx = context
+        self._background = Background(nice=writer_nice)
+        self._preemption = preemption
         self._registered: dict[str, Any] = {}
-        self._group: Any = None  # background saves' own process group (made once, at the first)
-        self._where: tuple[bool, torch.device] | None = None  # (distributed, device) for the agreement
+        self._writer_group: Any = None  # background saves' own process group (made once, at the first)
         self.last: Path | None = None  # the newest checkpoint this session committed or started
 
     def register(self, name: str, obj: Any) -> None:
@@ -115,14 +115,11 @@ class Checkpoints:
             raise problem(f"{root} is a checkpoint, not a folder of checkpoints",
                           f"Save to its parent folder {root.parent}")  # fmt: skip
         self._background.wait()  # the previous save first: one write at a time, in order
-        ctx = self._context()
-        if background and ctx.distributed and self._group is None:  # collective: all ranks are here
-            self._group = dist.new_group(backend="gloo")  # the writer's own (DCP, sharded steps' state)
-        group = self._group if background else None
-        snapshot = capture(ctx, {**self._extras(), **state}, copy=background, group=group)
-        job = start(ctx, root, snapshot, keep)
-        if background and snapshot.sharded is not None:  # copied now; DCP saves the copy on the writer
-            start_sharded(ctx, job, snapshot, self._group)
+        ctx = self._ctx
+        if background and ctx.distributed and self._writer_group is None:  # collective: all ranks are here
+            self._writer_group = dist.new_group(backend="gloo")  # the writer's own (DCP, optimizer shares)
+        snapshot = capture(ctx, {**self._extras(), **state}, copy=background)
+        job = start(ctx, root, snapshot, keep, group=self._writer_group if background else None)
         self.last = files.final_dir(root, job.seq)
         if background:
             self._background.run(lambda: write(ctx, job, snapshot))
@@ -135,15 +132,12 @@ class Checkpoints:
         if not isinstance(every, int) or every < 1 or not isinstance(step, int):
             raise problem(f"every={every!r} needs a whole number of steps, and step= an int (got {step!r})",
                           "Pass every=N (N >= 1) together with step=<your optimizer step count>")  # fmt: skip
-        if self._where is None:  # once: the facts the agreement needs (cheap calls every step after)
-            self._preemption.arm()
-            ctx = self._context()
-            self._where = (ctx.distributed, ctx.device)
-        if not self._preemption.agree(*self._where, now=step % every == 0):
+        self._preemption.arm()  # once (a no-op after the first call)
+        ctx = self._ctx
+        if not self._preemption.agree(ctx.distributed, ctx.device, now=step % every == 0):
             return self.save(path, **state) if step % every == 0 else None
         final = self.save(path, **dict(state, background=False))
         assert final is not None
-        ctx = self._context()
         raise self._preemption.finish(is_main=ctx.is_main, step=step, checkpoint=final, say=ctx.say)
 
     def wait(self) -> None:
@@ -155,10 +149,9 @@ class Checkpoints:
         try:
             self._background.wait()
         finally:
-            self._preemption.close()
-            if self._group is not None and dist.is_initialized():
-                dist.destroy_process_group(self._group)
-            self._group = None
+            if self._writer_group is not None and dist.is_initialized():
+                dist.destroy_process_group(self._writer_group)
+            self._writer_group = None
 
     def _extras(self) -> dict[str, Any]:
         return {
@@ -171,7 +164,7 @@ class Checkpoints:
         """Write the full weights of `model` to one plain safetensors file (for inference); every rank calls
         it. Global rank 0 writes. Under FSDP no rank holds the model whole: the file is streamed one
         gathered tensor at a time (`ddpkit.strategy.fsdp_export`). The path on rank 0."""
-        ctx = self._context()
+        ctx = self._ctx
         target = Path(path)
         if ctx.strategy.shards_state and ctx.strategy.owns(model):
             count = ctx.strategy.write_full_state(model, target, ctx.rank)  # collective, tensor by tensor
@@ -203,7 +196,7 @@ class Checkpoints:
         """
         _require_safe_torch()
         self._background.wait()
-        ctx = self._context()
+        ctx = self._ctx
         registered = {n: o for n, o in self._registered.items() if hasattr(o, "state_dict")}
         parts = checkpoint_state.split({**registered, **state})
         sharded = checkpoint_dcp.split(ctx.strategy, parts)

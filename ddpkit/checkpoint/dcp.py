@@ -169,6 +169,14 @@ def split(strategy: Any, parts: dict[str, dict[str, Any]]) -> tuple[tuple[str, A
     return (name, model), paired
 
 
+def assemble(strategy: Any, sharded: tuple[tuple[str, Any], dict]) -> dict[str, Any]:
+    """The state DCP saves and loads for `split`'s (name, model), optimizers: the model's under its name,
+    each optimizer's under its own (the strategy's `sharded_state`, one place for saves and loads)."""
+    (name, model), optimizers = sharded
+    state_dicts = strategy.sharded_state(model, optimizers)
+    return {name: state_dicts.pop("model"), **state_dicts}
+
+
 def load_into(strategy: Any, found: Found, sharded: tuple[tuple[str, Any], dict], *, strict: bool) -> None:
     """Model and optimizer shards through DCP, at any world size; or full weights saved without FSDP."""
     (name, model), optimizers = sharded
@@ -177,7 +185,6 @@ def load_into(strategy: Any, found: Found, sharded: tuple[tuple[str, Any], dict]
     if saved != "fsdp":  # saved by DDP or one process: full weights, sharded here
         strategy.load_full_state(model, found.read_tensors(f"{name}.safetensors"), strict=strict)
         return
-    state_dicts = strategy.sharded_state(model, optimizers)
-    state = {name: state_dicts.pop("model"), **state_dicts}
+    state = assemble(strategy, sharded)
     load(state, found.path)
     strategy.load_sharded_state(model, optimizers, {"model": state.pop(name), **state})

@@ -1,26 +1,31 @@
-"""The optimizer state of a sharded step, gathered behind training rather than on its path.
+"""The optimizer state of a sharded step, one route for every save: this rank's share, then gathered.
 
-    share = local_share(optimizer, fresh, to_cpu)    # main thread, every rank: its share, copied
-    full = sharding.gather_state(share, rank, world, group)   # writer thread: whole on rank 0
+    share = local_share(optimizer, fresh, to_cpu, copy=background)   # `capture`, every rank
+    full = sharding.gather_state(share, rank, world, job.group)      # `write`: whole on rank 0
 
 A sharded step (`ddpkit.step.sharding`) keeps each parameter's optimizer state on its owner only, and a
-checkpoint holds the whole state. A synchronous save gathers it in the call (`sharding.gather_state`,
-training waits); a background save only copies this rank's share here, and the writer thread
-gathers it with the same function over a process group of its own (collectives on training's group
-from a second thread could interleave with training's), so rank 0 writes the same files.
+checkpoint holds the whole state. Every save takes this rank's share in `capture` and gathers it in
+`write` with the same function over the save's one group (`write.Job.group`): training's group in a
+synchronous save (training waits), the checkpoints' own group on the writer thread in a background
+save (collectives on training's group from a second thread could interleave with training's), where
+the share is a copy (`copy=True`) so training may go on. Rank 0 writes the same files either way.
 """
 
 from __future__ import annotations
 
-import copy
+import copy as copying
 from typing import Any
 
 import torch
 
 
-def local_share(optimizer: torch.optim.Optimizer, fresh: set[int], to_cpu: Any) -> dict[str, Any]:
-    """This rank's `optimizer.state_dict()`, its tensors copied to CPU memory (training goes on)."""
+def local_share(
+    optimizer: torch.optim.Optimizer, fresh: set[int], to_cpu: Any, *, copy: bool
+) -> dict[str, Any]:
+    """This rank's `optimizer.state_dict()`; with `copy`, its tensors copied to CPU memory."""
     own = optimizer.state_dict()
+    if not copy:
+        return own
     state = {}
     for index, entries in own["state"].items():
         moved = to_cpu(entries, fresh)
@@ -28,4 +33,4 @@ def local_share(optimizer: torch.optim.Optimizer, fresh: set[int], to_cpu: Any) 
             k: v.clone() if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in fresh else v
             for k, v in moved.items()
         }
-    return {"state": state, "param_groups": copy.deepcopy(own["param_groups"])}
+    return {"state": state, "param_groups": copying.deepcopy(own["param_groups"])}

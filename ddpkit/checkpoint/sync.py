@@ -3,11 +3,12 @@
     ctx = CheckpointContext(rank=0, world_size=2, strategy=strategy, optimizers=stepper,
                             group=membership, save_timeout=3600.0, say=s.print, barrier=s.barrier)
 
-The checkpoint layer receives exactly this (built by the session for each call, since `s.model`
-picks the strategy after the session starts), never the session itself: the strategy for what the
-model's state is, the stepper for optimizers whose step is sharded, the group's store for waiting
-without a collective. `Sync` is one save's or load's keys in that store, polled with the save limit
-(no collective), so a slow rank-0 write never trips the collective timeout of the others.
+The checkpoint layer receives exactly this value (built once by the session at the first save, load
+or export, after the session built its strategy), never the session itself nor a call back into it:
+the strategy for what the model's state is, the stepper for optimizers whose step is sharded, the
+group's store for waiting without a collective. `Sync` is one save's or load's keys in that store,
+polled with the save limit (no collective), so a slow rank-0 write never trips the collective timeout
+of the others.
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ class StateOwner(Protocol):
 
 
 class OptimizerStates(Protocol):
-    """Whole optimizer states where steps are sharded (`ddpkit.step.stepping.Stepper` is one)."""
+    """Which optimizers take sharded steps (`ddpkit.step.stepping.Stepper` is one): a save takes their
+    share and gathers it (`ddpkit.checkpoint.gather`), a load keeps only this rank's share."""
 
-    def sharded_step(self, optimizer: Any) -> Any: ...
-    def optimizer_state(self, optimizer: Any) -> dict | None: ...
+    def sharded_step(self, optimizer: Any) -> Any: ...  # not None: `capture` takes its share
     def loaded_optimizer_state(self, optimizer: Any) -> None: ...
 
 

@@ -1,16 +1,18 @@
 """One save, in three steps: `capture` the state, `start` the checkpoint, `write` and commit it.
 
-    snapshot = capture(ctx, state, copy=False)   # every rank, in step: gathers, encodes to CPU memory
+    snapshot = capture(ctx, state, copy=False)   # every rank, in step: the state encoded, a frozen value
     job = start(ctx, root, snapshot, keep=3)      # rank 0 opens .ckpt-000005.tmp/; the others learn 5
-    final = write(ctx, job, snapshot)             # files, checksums; rank 0 commits when all are in
+    final = write(ctx, job, snapshot)             # gathers, files, checksums; rank 0 commits when all are in
 
-Why three: `capture` holds every collective a save needs (whole optimizer states of sharded steps,
-full weights of sharded models), so it must run on the main thread with every rank; after it, the
-state lives in CPU memory (`copy=True` clones every tensor, so training may go on and change the
-originals), and `write` needs no collective (ranks meet through the store), so it may run behind
-training (`ddpkit.checkpoint.background`). FSDP's DCP shards are written by a collective: in a
-synchronous save inside `write`; in the background `start_sharded` (main thread) copies them and
-`write` (writer thread) saves the copy with DCP over the writer's own group before it commits.
+Why three: `capture` runs on the main thread with every rank, at the same point, and leaves the state
+in memory (`copy=True` clones every tensor, so training may go on and change the originals): full
+weights of sharded models (a collective), each sharded step's optimizer share (`checkpoint.gather`),
+FSDP's DCP state assembled once (`checkpoint.dcp.assemble`; staged, i.e. copied, in the background).
+`write` needs no collective on training's group: the two collectives left in a save, the optimizer
+shares gathered to rank 0 (`sharding.gather_state`) and DCP's save, run over `job.group`, which is the
+one route of the writer's group: None (training's group) in a synchronous save, the checkpoints' own
+gloo group in a background one, where `write` runs behind training (`ddpkit.checkpoint.background`).
+Ranks meet through the store. The snapshot is never changed after `capture`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,23 +39,21 @@ from ddpkit.step.sharding import gather_state
 from ddpkit.step.wrap import unwrap
 
 
-@dataclass
+@dataclass(frozen=True)
 class Snapshot:
-    """The state of one save, encoded: JSON trees and the tensors they point to (rank 0 holds the
-    shared part; every rank its own part)."""
+    """The state of one save, encoded, taken by `capture` and never changed after: JSON trees and the
+    tensors they point to (rank 0 holds the shared part; every rank its own part)."""
 
-    objects: dict[str, list[str]]  # kind -> names, for the manifest
+    objects: Mapping[str, list[str]]  # kind -> names, for the manifest
     step: int | None
     strategy: str
-    rank_tree: Any
+    rank_tree: dict[str, Any]  # this rank's RNG streams and per-rank objects
     rank_tensors: Tensors
-    weights: dict[str, Tensors] = field(default_factory=dict)  # rank 0: name -> its weights
-    shared_tree: Any = None  # rank 0: objects and values
-    shared_tensors: Tensors = field(default_factory=Tensors)
-    sharded: tuple[tuple[str, Any], dict] | None = None  # FSDP: (name, model), optimizers (DCP)
-    pending: Any = None  # FSDP in the background: saves the copied shards (`start_sharded`), on the writer
-    shares: dict[str, Any] = field(default_factory=dict)  # sharded steps: this rank's optimizer state
-    group: Any = None  # the process group `write` gathers `shares` over (a background save's own)
+    weights: Mapping[str, Tensors]  # rank 0: module name -> its full weights
+    shared_tree: dict[str, Any] | None  # rank 0: shared objects and values (None elsewhere)
+    shared_tensors: Tensors
+    shares: Mapping[str, dict[str, Any]]  # sharded steps: this rank's optimizer share, gathered by `write`
+    dcp: dict[str, Any] | None  # FSDP: the model's and its optimizers' state for DCP (staged: a copy)
 
     def nbytes(self) -> int:
         groups = [self.rank_tensors, self.shared_tensors, *self.weights.values()]
@@ -61,65 +62,61 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class Job:
-    """A started checkpoint: its root, sequence number and the store keys the ranks meet under."""
+    """A started checkpoint: its root, sequence number, the store keys the ranks meet under, and the
+    process group `write`'s collectives run over (None: training's; a background save: its own)."""
 
     root: Path
     seq: int
     keep: int
     sync: Sync
+    group: Any = None
 
     @property
     def tmp(self) -> Path:
         return files.tmp_dir(self.root, self.seq)
 
 
-def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool, group: Any = None) -> Snapshot:
-    """Every rank, at the same point: the collectives of a save, then the state encoded in memory.
-
-    With `group` (a background save's own process group) the optimizer states of sharded steps are
-    not gathered here: each rank copies its share, and `write` gathers them (`checkpoint_gather`)."""
+def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool) -> Snapshot:
+    """Every rank, at the same point: the state encoded in memory (copied when `copy`), a frozen value."""
     parts = checkpoint_state.split(state)
     sharded = checkpoint_dcp.split(ctx.strategy, parts)
     fresh: set[int] = set()  # storages already copied to CPU here (GPU tensors): not copied twice
-    # collectives, while every rank is here: whole optimizer states of sharded steps (unless the
-    # writer gathers them), and the full weights of modules sharded without a sharded checkpoint
     stepped = [n for n, obj in parts["shared"].items() if ctx.optimizers.sharded_step(obj) is not None]
-    shares = {n: local_share(parts["shared"][n], fresh, to_cpu) for n in stepped} if group is not None else {}
-    gathered = {n: ctx.optimizers.optimizer_state(parts["shared"][n]) for n in stepped if n not in shares}
-    weights = {name: full_weights(ctx, module) for name, module in parts["modules"].items()}
+    shares = {n: local_share(parts["shared"][n], fresh, to_cpu, copy=copy) for n in stepped}
+    weights = {name: full_weights(ctx, module) for name, module in parts["modules"].items()}  # collective
+    dcp_state = None
+    if sharded is not None:
+        dcp_state = checkpoint_dcp.assemble(ctx.strategy, sharded)
+        dcp_state = checkpoint_dcp.stage(dcp_state) if copy else dcp_state
     objects = {kind: sorted(parts[kind]) for kind in ("modules", "per_rank", "shared", "values")}
     if sharded is not None:
         objects["sharded"] = sorted([sharded[0][0], *sharded[1]])
     step = parts["values"].get("step")
-    rank_tensors = Tensors()
-    snap = Snapshot(objects, step if isinstance(step, int) else None, ctx.strategy.name,
-                    checkpoint_state.per_rank_tree(parts["per_rank"], rank_tensors), rank_tensors,
-                    sharded=sharded, shares=shares, group=group)  # fmt: skip
+    rank_tensors, shared_tensors = Tensors(), Tensors()
+    rank_tree = checkpoint_state.per_rank_tree(parts["per_rank"], rank_tensors)
+    kept: dict[str, Tensors] = {}
+    shared_tree = None
     if ctx.is_main:
         for name, state_dict in weights.items():
-            snap.weights[name] = Tensors()
+            kept[name] = Tensors()
             for key, value in state_dict.items():
                 value = to_cpu(value.detach(), fresh) if copy else value.detach()
-                snap.weights[name][key] = files.own_storage(value, snap.weights[name])
-        tensors = snap.shared_tensors
-        shared = {
-            n: gathered[n] if n in gathered else o.state_dict()
-            for n, o in parts["shared"].items()
-            if n not in shares
-        }  # fmt: skip  (shares: encoded by `write` once gathered)
-        snap.shared_tree = {
-            "objects": {n: files.encode(to_cpu(v, fresh) if copy else v, tensors, n)
+                kept[name][key] = files.own_storage(value, kept[name])
+        shared = {n: o.state_dict() for n, o in parts["shared"].items() if n not in shares}
+        shared_tree = {
+            "objects": {n: files.encode(to_cpu(v, fresh) if copy else v, shared_tensors, n)
                         for n, v in shared.items()},
-            "values": {n: files.encode(v, tensors, f"values/{n}") for n, v in parts["values"].items()},
-        }  # fmt: skip
+            "values": {n: files.encode(v, shared_tensors, f"values/{n}") for n, v in parts["values"].items()},
+        }  # fmt: skip  (shares: encoded by `write` once gathered)
     if copy:
         if fresh and torch.cuda.is_available():
             torch.cuda.synchronize()  # the pinned copies were asynchronous
-        for kept in (snap.rank_tensors, snap.shared_tensors, *snap.weights.values()):
-            for key, value in kept.items():
+        for group in (rank_tensors, shared_tensors, *kept.values()):
+            for key, value in group.items():
                 if value.untyped_storage().data_ptr() not in fresh:
-                    kept[key] = value.clone()
-    return snap
+                    group[key] = value.clone()
+    return Snapshot(objects, step if isinstance(step, int) else None, ctx.strategy.name, rank_tree,
+                    rank_tensors, kept, shared_tree, shared_tensors, shares, dcp_state)  # fmt: skip
 
 
 def to_cpu(tree: Any, fresh: set[int]) -> Any:
@@ -145,15 +142,16 @@ def full_weights(ctx: CheckpointContext, module: torch.nn.Module) -> dict[str, t
     return strategy.full_state(module) if strategy.owns(module) else unwrap(module).state_dict()
 
 
-def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int) -> Job:
-    """Rank 0 opens the temporary directory and tells the others its number (through the store)."""
+def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int, group: Any = None) -> Job:
+    """Rank 0 opens the temporary directory and tells the others its number (through the store);
+    `group` is the process group of `write`'s collectives (None: training's)."""
     sync = Sync(ctx, "save")
     if ctx.is_main:
         try:
             root.mkdir(parents=True, exist_ok=True)
             seq = files.next_seq(root)
             files.tmp_dir(root, seq).mkdir()
-            if snap.sharded is not None:
+            if snap.dcp is not None:
                 (files.tmp_dir(root, seq) / checkpoint_dcp.DIRECTORY).mkdir()
         except OSError as err:
             sync.publish("dir", f"error: rank 0: {err}")  # the others stop waiting
@@ -161,18 +159,7 @@ def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int) -> Job:
         sync.publish("dir", str(seq))
     else:
         seq = int(sync.wait_one(0, "dir", "rank 0 to start the checkpoint"))
-    return Job(root, seq, keep, sync)
-
-
-def start_sharded(ctx: CheckpointContext, job: Job, snap: Snapshot, group: Any) -> None:
-    """FSDP in the background, every rank on the main thread: gather the shards' state dicts (a
-    collective on training's group) and copy them (`checkpoint_dcp.stage`); the writer thread saves
-    the copy with DCP, with collectives on `group` only."""
-    assert snap.sharded is not None
-    (name, model), optimizers = snap.sharded
-    state_dicts = ctx.strategy.sharded_state(model, optimizers)
-    staged = checkpoint_dcp.stage({name: state_dicts.pop("model"), **state_dicts})
-    snap.pending = lambda: checkpoint_dcp.save(staged, job.tmp, ctx.rank, group)
+    return Job(root, seq, keep, sync, group)
 
 
 def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
@@ -181,25 +168,21 @@ def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
     The checkpoint exists only once every rank's part is in: the others wait for rank 0's "done".
     """
     listed: dict[str, Any] = {}
+    gathered: dict[str, Any] = {}
     try:
         for name in sorted(snap.shares):  # the optimizer states of sharded steps, whole on rank 0
-            full = gather_state(snap.shares.pop(name), ctx.rank, ctx.world_size, snap.group)
+            full = gather_state(snap.shares[name], ctx.rank, ctx.world_size, job.group)
             if full is not None:
-                snap.shared_tree["objects"][name] = files.encode(full, snap.shared_tensors, name)
-        if snap.pending is not None:  # the shards copied by `start_sharded`, saved here behind training
-            listed.update(snap.pending())
-        elif snap.sharded is not None:  # a collective; DCP reports an error on any rank to every rank
-            (name, model), optimizers = snap.sharded
-            state_dicts = ctx.strategy.sharded_state(model, optimizers)
-            state = {name: state_dicts.pop("model"), **state_dicts}
-            listed.update(checkpoint_dcp.save(state, job.tmp, ctx.rank))
+                gathered[name] = full
+        if snap.dcp is not None:  # a collective; DCP reports an error on any rank to every rank
+            listed.update(checkpoint_dcp.save(snap.dcp, job.tmp, ctx.rank, job.group))
         listed.update(checkpoint_state.write_rank(job.tmp, ctx.rank, snap.rank_tree, snap.rank_tensors))
         job.sync.publish(f"rank{ctx.rank}", json.dumps(listed))
     except Exception as err:
         job.sync.publish(f"rank{ctx.rank}", f"error: rank {ctx.rank}: {err}")
         raise
     if ctx.is_main:
-        final = _write_shared_and_commit(ctx, job, snap, listed)
+        final = _write_shared_and_commit(ctx, job, snap, listed, gathered)
     else:
         final = Path(job.sync.wait_one(0, "done", f"rank 0 to write checkpoint {job.seq}"))
     ctx.say(f"ddpkit: saved {final}" + (f" (step {snap.step})" if snap.step is not None else ""))
@@ -207,15 +190,20 @@ def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
 
 
 def _write_shared_and_commit(
-    ctx: CheckpointContext, job: Job, snap: Snapshot, listed: dict[str, Any]
+    ctx: CheckpointContext, job: Job, snap: Snapshot, listed: dict[str, Any], gathered: dict[str, Any]
 ) -> Path:
     tmp, final = job.tmp, files.final_dir(job.root, job.seq)
+    assert snap.shared_tree is not None  # rank 0's
+    shared = Tensors()  # the snapshot's shared tensors and the gathered optimizer states' (a new dict)
+    shared.update(snap.shared_tensors)
+    shared.storages |= snap.shared_tensors.storages
+    objects = {**snap.shared_tree["objects"], **{n: files.encode(v, shared, n) for n, v in gathered.items()}}
     try:
         entries: dict[str, Any] = dict(listed)
         for name, tensors in snap.weights.items():
             entries[f"{name}.safetensors"] = stream_tensors(tmp / f"{name}.safetensors", tensors)
-        entries["state.safetensors"] = stream_tensors(tmp / "state.safetensors", snap.shared_tensors)
-        entries["state.json"] = files.write_json(tmp / "state.json", snap.shared_tree)
+        entries["state.safetensors"] = stream_tensors(tmp / "state.safetensors", shared)
+        entries["state.json"] = files.write_json(tmp / "state.json", {**snap.shared_tree, "objects": objects})
         for r in range(1, ctx.world_size):
             answer = job.sync.wait_one(r, f"rank{r}", f"rank {r} to write its part of checkpoint {job.seq}")
             entries.update(json.loads(answer))

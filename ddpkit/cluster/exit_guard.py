@@ -30,12 +30,14 @@ import sys
 from types import FrameType
 from typing import Any
 
+from ddpkit.names import EXIT_GUARD_ENV
+
 _guard: dict[str, Any] = {}
 
 
 def arm() -> None:
     """After a successful session: end the process with os._exit(0) if the script then ends with 0."""
-    if _guard or os.environ.get("DDPKIT_EXIT_GUARD") == "0":
+    if _guard or os.environ.get(EXIT_GUARD_ENV) == "0":
         return
     main = _main_frame()
     if main is None:

@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Any
 
-RUN_ENV = "DDPKIT_RUN"  # set by `ddpkit run` for its ranks: it reports user errors itself
+from ddpkit.names import PREEMPTED_EXIT_CODE, RUN_ENV
 
 
 def raised_at(exc: BaseException) -> float:
@@ -39,6 +39,11 @@ _seen: list[float] = []  # this process's failures: a process that failed never 
 def failure_seen() -> bool:
     """True once a session in this process has failed (see `ddpkit.cluster.lifecycle`'s exit guard)."""
     return bool(_seen)
+
+
+def stopped_cleanly(exc: BaseException) -> bool:
+    """A preemption that saved (`ddpkit.cluster.preemption.Preempted`, exit code 75): not a failure."""
+    return isinstance(exc, SystemExit) and exc.code == PREEMPTED_EXIT_CODE
 
 
 def record_failure(
@@ -56,6 +61,8 @@ def record_failure(
     `stalled` is that report's headline: which rank(s) did not reach the collective, and where.
     `user_error`: a DdpkitError, whose message is the whole report (see the module docstring).
     """
+    if stopped_cleanly(exc):
+        return  # a preemption that saved: the launcher's "resume me", not a failure
     now = when or getattr(exc, "_ddpkit_time", None) or time.time()
     _seen.append(now)
     with contextlib.suppress(AttributeError):

@@ -42,18 +42,19 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpkit.cluster.failures import RUN_ENV
 from ddpkit.cluster.run_report import report, restart_reports
+from ddpkit.cluster.signals import PreemptionOptions, signal_of
 from ddpkit.cluster.topology import Hardware, threads_per_process
 from ddpkit.errors import DdpkitError, problem
 from ddpkit.names import (
     DEFAULT_PREEMPTION_SIGNAL,
+    DEVICE_ENV,
     ELASTIC_BATCH_ENV,
     ELASTIC_WORLD_ENV,
     PREEMPTED_EXIT_CODE,
     PREEMPTION_RECORD_ENV,
-    PREEMPTION_SIGNAL_ENV,
-    REQUEUE_ENV,
+    RUN_ENV,
+    SHARE_GPU_ENV,
 )
 from ddpkit.step import cpu_allocator
 
@@ -105,11 +106,7 @@ class LaunchConfig:
             )
         if self.max_restarts < 0:
             raise problem(f"--max-restarts {self.max_restarts} is negative", "Pass 0 or more")
-        if not hasattr(signal, "SIG" + self.preemption_signal.upper().removeprefix("SIG")):
-            raise problem(f"--preemption-signal {self.preemption_signal} is not a signal name",
-                          "Pass e.g. USR1 (Slurm's --signal=USR1@120), USR2 (submitit) or TERM")  # fmt: skip
-        if self.requeue not in ("auto", "1", "0"):
-            raise problem(f"--requeue {self.requeue} is not auto, 1 or 0", "Pass --requeue auto, 1 or 0")
+        PreemptionOptions(signal=self.preemption_signal, requeue=self.requeue)  # checked by `cluster.signals`
         if not self.grace > 0:
             raise problem(
                 f"--grace {self.grace} is not a positive number of seconds", "Pass e.g. --grace 120"
@@ -123,6 +120,11 @@ class LaunchConfig:
                 "Check the path (relative to the current directory), or use -m for a module",
             )
 
+
+    @property
+    def stop_policy(self) -> PreemptionOptions:
+        """--preemption-signal and --requeue, as the ranks will read them (`ddpkit.cluster.signals`)."""
+        return PreemptionOptions(signal=self.preemption_signal, requeue=self.requeue)
 
     def _check_elastic(self) -> None:
         span = f"--nnodes {self.min_nodes}:{self.nnodes}"
@@ -179,7 +181,7 @@ def torchrun_argv(cfg: LaunchConfig, nproc: int) -> list[str]:
     """The torchrun command line that implements `cfg` (also handy to print for users)."""
     argv = [f"--nproc-per-node={nproc}", f"--max-restarts={cfg.max_restarts}"]
     argv.append(f"--monitor-interval={cfg.monitor_interval}")
-    preempt = "SIG" + cfg.preemption_signal.upper().removeprefix("SIG")
+    preempt = signal_of(cfg.preemption_signal).name
     handled = dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", preempt])  # the agent passes them on
     argv += [f"--signals-to-handle={','.join(handled)}", f"--shutdown-timeout={int(cfg.grace)}"]
     if cfg.nnodes == 1 and cfg.rdzv_endpoint is None:
@@ -246,9 +248,9 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
     argv = torchrun_argv(cfg, nproc)
     os.environ.update(cfg.extra_env)
     if cfg.device != "auto":
-        os.environ["DDPKIT_DEVICE"] = cfg.device
+        os.environ[DEVICE_ENV] = cfg.device
     if cfg.share_gpu:
-        os.environ["DDPKIT_SHARE_GPU"] = "1"
+        os.environ[SHARE_GPU_ENV] = "1"
     if cfg.min_nodes is not None:  # read by ddpkit.data.elastic_accumulation in every rank
         os.environ.update({ELASTIC_WORLD_ENV: str(cfg.nnodes * nproc), ELASTIC_BATCH_ENV: cfg.elastic_batch})
         # torch's shared rendezvous store keeps the first round's address: a node that joins a later
@@ -256,8 +258,7 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         # sharing, rank 0 publishes it in every round.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     record = Path(tempfile.mkdtemp(prefix="ddpkit-run-")) / "preempted.json"
-    os.environ.update({PREEMPTION_SIGNAL_ENV: cfg.preemption_signal, REQUEUE_ENV: cfg.requeue,
-                       PREEMPTION_RECORD_ENV: str(record), RUN_ENV: "1"})  # fmt: skip
+    os.environ.update({**cfg.stop_policy.env(), PREEMPTION_RECORD_ENV: str(record), RUN_ENV: "1"})
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(hardware.cpu_cores, nproc)))
     if cfg.device == "cpu" or hardware.gpus == 0:
         os.environ.update(cpu_allocator.rank_env())  # read by torch as each rank starts

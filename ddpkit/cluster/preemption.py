@@ -39,76 +39,29 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from signal import Signals  # the field `signal` shadows the module in the class body's annotations
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ddpkit.errors import problem
-from ddpkit.names import (
-    DEFAULT_PREEMPTION_SIGNAL,
-    PREEMPTED_EXIT_CODE,
-    PREEMPTION_RECORD_ENV,
-    PREEMPTION_SIGNAL_ENV,
-    REQUEUE_ENV,
-)
+from ddpkit.cluster.signals import PreemptionOptions, signal_of
+from ddpkit.names import PREEMPTED_EXIT_CODE, PREEMPTION_RECORD_ENV
+
+__all__ = ["Preempted", "Preemption", "PreemptionOptions", "signal_of"]
 
 COST_SHARE = 0.005  # agreements may cost this share of the training time
 MAX_LATENCY_S = 1.0  # ... but come at least about this often
 MAX_INTERVAL = 1000
-EXIT_CODE = PREEMPTED_EXIT_CODE  # the one exit code (`ddpkit.names`), which `ddpkit run` passes on
-DEFAULT_SIGNAL = DEFAULT_PREEMPTION_SIGNAL
 
 
 class Preempted(SystemExit):
-    """Raised by `s.save(..., every=N)` after the preemption checkpoint is committed (exit code 75)."""
+    """Raised at the agreed stop after the preemption checkpoint is committed (exit code 75, `ddpkit.names`;
+    `ddpkit.cluster.failures` does not count it as a failure)."""
 
     def __init__(self, step: Any, checkpoint: Path, signal_name: str) -> None:
-        super().__init__(EXIT_CODE)
+        super().__init__(PREEMPTED_EXIT_CODE)
         self.step, self.checkpoint, self.signal_name = step, checkpoint, signal_name
-
-
-def signal_of(name: str) -> signal.Signals:
-    """SIGUSR1 from "USR1", "SIGUSR1" or "10"; a clear error otherwise."""
-    text = str(name).strip().upper()
-    try:
-        return (
-            signal.Signals(int(text)) if text.isdigit() else signal.Signals[f"SIG{text.removeprefix('SIG')}"]
-        )
-    except (KeyError, ValueError):
-        raise problem(
-            f"{name!r} is not a signal name",
-            "Pass a name such as USR1 (Slurm's --signal=USR1@120), USR2 (submitit) or TERM",
-        ) from None
-
-
-@dataclass(frozen=True, kw_only=True)
-class PreemptionOptions:
-    """Which signal asks for a stop (besides SIGTERM), and whether to requeue a Slurm job.
-
-    requeue: "auto" requeues when the Slurm job was submitted with --requeue (asked of `scontrol`),
-    True always under Slurm, False never.
-    """
-
-    signal: str = DEFAULT_SIGNAL
-    requeue: bool | str = "auto"
-
-    def __post_init__(self) -> None:
-        signal_of(self.signal)
-        if self.requeue not in (True, False, "auto"):
-            raise problem(f"requeue={self.requeue!r} is not True, False or 'auto'", "Pass one of those")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> PreemptionOptions:
-        requeue = {"1": True, "0": False}.get(env.get(REQUEUE_ENV, "auto"), "auto")
-        return cls(signal=env.get(PREEMPTION_SIGNAL_ENV, DEFAULT_SIGNAL), requeue=requeue)
-
-    @property
-    def signals(self) -> tuple[Signals, ...]:
-        return tuple(dict.fromkeys((signal.SIGTERM, signal_of(self.signal))))
 
 
 class Preemption:
@@ -191,8 +144,8 @@ class Preemption:
     def finish(self, *, is_main: bool, step: Any, checkpoint: Path, say: Callable[[str], None]) -> Preempted:
         """After the preemption checkpoint is committed: tell the launcher, requeue, and the exception."""
         how = self.asked or "a signal"
-        say(f"ddpkit: preempted ({how}) at step {step}: saved {checkpoint}; exiting with code {EXIT_CODE} "
-            "(resume by starting the same command)")  # fmt: skip
+        say(f"ddpkit: preempted ({how}) at step {step}: saved {checkpoint}; exiting with code "
+            f"{PREEMPTED_EXIT_CODE} (resume by starting the same command)")  # fmt: skip
         if is_main:
             requeued = self._requeue(say)
             record = self.env.get(PREEMPTION_RECORD_ENV)

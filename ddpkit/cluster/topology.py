@@ -28,6 +28,7 @@ from typing import Literal
 from ddpkit.cluster import environments
 from ddpkit.cluster.environments import RankEnv
 from ddpkit.errors import problem
+from ddpkit.names import DEVICE_ENV, SHARE_GPU_ENV
 
 Mode = Literal["single-cpu", "single-gpu", "ddp-cpu", "ddp-gpu"]
 DEVICES = ("auto", "cpu", "cuda")
@@ -111,8 +112,8 @@ def resolve(
 ) -> Placement:
     """Combine the launcher's ranks, the hardware and the user's overrides into a `Placement`."""
     if device == "auto":
-        device = env.get("DDPKIT_DEVICE", "auto")
-    share_gpu = share_gpu or env.get("DDPKIT_SHARE_GPU", "") not in ("", "0")
+        device = env.get(DEVICE_ENV, "auto")
+    share_gpu = share_gpu or env.get(SHARE_GPU_ENV, "") not in ("", "0")
     if device not in DEVICES:
         raise problem(f"device={device!r} is not one of {DEVICES}", "Pass device='auto', 'cpu' or 'cuda'")
     if backend not in BACKENDS:

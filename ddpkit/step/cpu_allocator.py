@@ -48,10 +48,12 @@ import platform
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from ddpkit.names import CPU_ALLOCATOR_ENV
+
 if TYPE_CHECKING:
     import torch
 
-OPT_OUT = "DDPKIT_CPU_ALLOCATOR"
+OPT_OUT = CPU_ALLOCATOR_ENV
 HUGE_PAGES = "hugepages"  # DDPKIT_CPU_ALLOCATOR=hugepages: huge pages for big models (opt-in, see above)
 KEEP_FROM_BYTES = 32 << 20  # glibc's largest mmap threshold: blocks this big are mmapped, faulted every step
 _M_TRIM_THRESHOLD = -1  # glibc <malloc.h>

@@ -25,6 +25,7 @@ Everything here is pure except `make_scaler`; `resolve_precision` is table-teste
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,10 @@ class PrecisionPlan:
         """A gradient scaler for fp16 (on the plan's device type), else None."""
         return torch.amp.GradScaler(self.device_type) if self.scaler else None
 
+    def loss_scale(self) -> LossScale:
+        """The loss scale the stepper drives: fp16's scaler, or a pass-through for the others."""
+        return LossScale(self.make_scaler())
+
     def fsdp_policy(self) -> Any:
         """FSDP2's `MixedPrecisionPolicy`: bf16 compute, fp32 gradient reduction ("32": torch's default)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -109,6 +114,52 @@ class PrecisionPlan:
         dtype = str(self.autocast_dtype).removeprefix("torch.")
         scaler = ", gradient scaler" if self.scaler else ""
         return f"precision {self.name}: autocast {dtype} on {self.device_type}, fp32 weights{scaler}"
+
+
+FP32 = PrecisionPlan("32", "cpu")  # the plan where none is given: fp32, no autocast, no scaler
+
+
+class LossScale:
+    """fp16's loss scale, driven by its owner: scale the loss, unscale before clipping, step unless the
+    gradients hold inf/nan (then the scale is lowered and the step skipped). Without a scaler ("32",
+    "bf16") every call passes through, so the stepper has one path for every precision."""
+
+    def __init__(self, scaler: torch.amp.GradScaler | None) -> None:
+        self.scaler = scaler
+
+    @property
+    def active(self) -> bool:
+        return self.scaler is not None
+
+    def get_scale(self) -> float:
+        return self.scaler.get_scale() if self.scaler is not None else 1.0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients divided by the scale (before clipping reads them)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, run: Callable[[Callable[[], Any]], Any]) -> bool:
+        """`run(update)` runs the optimizer's update (the sharded step wraps it); True when fp16 skipped it
+        for inf/nan gradients, in which case the scale was lowered."""
+        scaler = self.scaler
+        if scaler is None:
+            run(optimizer.step)
+            return False
+        before = scaler.get_scale()
+        run(lambda: scaler.step(optimizer))
+        scaler.update()
+        return scaler.get_scale() < before
+
+    def state_dict(self) -> dict | None:
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
 
 
 def resolve_precision(

@@ -30,7 +30,7 @@ from torch import nn
 
 from ddpkit.errors import problem
 from ddpkit.step import sharding
-from ddpkit.step.precision import PrecisionPlan
+from ddpkit.step.precision import LossScale, PrecisionPlan
 from ddpkit.step.tokens import Count, TokenWeighting
 from ddpkit.strategy import Strategy
 
@@ -91,7 +91,7 @@ class Stepper:
         self.precision = precision
         self.distributed = distributed
         self.report = report
-        self.scaler = precision.make_scaler()
+        self.loss_scale = precision.loss_scale()  # fp16's scaler (its owner drives it), or a pass-through
         self.steps = 0  # optimizer steps taken (skipped fp16 steps included)
         self.skipped = 0  # fp16 steps skipped for inf/nan gradients
         self._micro = 0  # accumulate blocks finished since the last optimizer step
@@ -154,9 +154,7 @@ class Stepper:
                 f"{block.index + 1} of {k})",
                 "Remove opt.zero_grad() from the loop: s.step(opt) zeroes them after each optimizer step",
             )
-        loss = self.tokens.prepare(loss, tokens, k)  # loss / k, or a token sum (ddpkit.step.tokens)
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
+        loss = self.loss_scale.scale(self.tokens.prepare(loss, tokens, k))  # loss / k (ddpkit.step.tokens)
         with torch.autocast(self.precision.device_type, enabled=False):  # backward runs outside autocast
             loss.backward()
         self._backwards += 1
@@ -184,33 +182,27 @@ class Stepper:
         if not self.tokens.settle(optimizer, accumulation=k, joining=self._in_join):
             optimizer.zero_grad(set_to_none=True)  # no valid token on any rank: nothing to learn from
             return StepInfo(stepped=False, skipped=True, step=self.steps)
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+        self.loss_scale.unscale(optimizer)
         norm = None
         if max_norm is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             norm = self.strategy.clip(params, max_norm)
-        skipped = False
         sharder = self._sharder(optimizer)
-        scaler = self.scaler
-        update: Callable[[], Any] = optimizer.step if scaler is None else lambda: scaler.step(optimizer)
-        before = scaler.get_scale() if scaler is not None else 0.0
-        if sharder is not None:
-            sharder.step(update)
-        else:
-            update()
-        if scaler is not None:
-            scaler.update()
-            skipped = scaler.get_scale() < before
+        skipped = self.loss_scale.step(optimizer, sharder.step if sharder is not None else _run)
         optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         if skipped:
             self.skipped += 1
             self.report(
                 f"ddpkit: optimizer step {self.steps} skipped: fp16 gradients held inf/nan; loss scale "
-                f"lowered to {self.scaler.get_scale():g} ({self.skipped} skipped so far)"  # type: ignore[union-attr]
+                f"lowered to {self.loss_scale.get_scale():g} ({self.skipped} skipped so far)"
             )
         return StepInfo(stepped=True, skipped=skipped, grad_norm=norm, step=self.steps)
+
+    @property
+    def scaler(self) -> LossScale | None:
+        """fp16's loss scale (`get_scale()`), None for the other precisions."""
+        return self.loss_scale if self.loss_scale.active else None
 
     def sharded_step(self, optimizer: Any) -> sharding.ShardedStep | None:
         """The optimizer's sharded step (`ddpkit.step.sharding`) once it takes sharded steps, else None."""
@@ -258,17 +250,19 @@ class Stepper:
     def state_dict(self) -> dict:
         """The loss scale (fp16) and step counts, for checkpoints; save between optimizer steps, since
         the gradients of a group in progress (`pending` > 0) are not part of it."""
-        scaler = self.scaler.state_dict() if self.scaler is not None else None
         return {
-            "scaler": scaler,
+            "scaler": self.loss_scale.state_dict(),
             "steps": self.steps,
             "skipped": self.skipped,
             "tokens": self.tokens.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+        self.loss_scale.load_state_dict(state.get("scaler"))
         self.steps = int(state.get("steps", self.steps))
         self.skipped = int(state.get("skipped", self.skipped))
         self.tokens.load_state_dict(state.get("tokens", {}))
+
+
+def _run(update: Callable[[], Any]) -> Any:
+    return update()

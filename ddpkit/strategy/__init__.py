@@ -17,7 +17,7 @@ from typing import Any, Union
 from ddpkit.errors import problem
 from ddpkit.names import DISTRIBUTED, STRATEGIES
 from ddpkit.step.collectives import Ranks
-from ddpkit.step.precision import PrecisionPlan, resolve_precision
+from ddpkit.step.precision import FP32, PrecisionPlan, resolve_precision
 from ddpkit.step.wrap import DDPOptions
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.ddp import DDP
@@ -75,7 +75,7 @@ def make(strategy: Choice, ranks: Ranks, *, precision: PrecisionPlan | None = No
         asked = name if name in DISTRIBUTED else None
         return Single(options if isinstance(options, DDPOptions) else None, asked=asked)
     if name == "fsdp":
-        plan = resolve_precision(precision or PrecisionPlan("32", "cpu"), "", loss_scale=False)  # no fp16
+        plan = resolve_precision(precision or FP32, "", loss_scale=False)  # no fp16: the one refusal
         from ddpkit.strategy.fsdp import FSDP
 
         return FSDP(options if isinstance(options, FSDPOptions) else None, ranks, plan)

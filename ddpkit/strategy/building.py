@@ -1,8 +1,9 @@
 """What `s.model` does to a module around the strategy's `wrap`, kept out of the session (its size cap):
 build a factory, apply activation checkpointing, check memory, read pretrained weights.
 
+    model = building.prepare(stepper, module, options, compiler, ...)   # what s.model does, in order:
     module = building.before_wrap(stepper, module, ...)  # the whole (or meta, FSDP) module
-    model = chosen.wrap(module, device, options)
+    model = chosen.wrap(module, device, options)         # (compiled first, when asked)
     building.after_wrap(chosen, model, weights)          # FSDP: each rank reads its own rows
 
 Weights (`ddpkit.strategy.weights`): a strategy that replicates the model reads them on global rank 0
@@ -12,6 +13,7 @@ only, before wrapping, because DDP's constructor broadcasts rank 0's weights any
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -19,9 +21,41 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.step import cpu_allocator
+from ddpkit.step import compiling, cpu_allocator
 from ddpkit.strategy import checkpointing, rank_memory, weights
 from ddpkit.strategy.base import Strategy
+
+
+def prepare(
+    stepper: Any, module: nn.Module | Callable[[], nn.Module], options: Any, compiler: Any, *,
+    device: torch.device, weights_from: weights.Weights, recompute: Any, world_size: int,
+    distributed: bool, on_close: contextlib.ExitStack, say: Callable[[str], None],
+) -> nn.Module:  # fmt: skip
+    """`s.model`'s third question, how to prepare: build, compile (`compiler`: `compiling.CompileOptions`
+    or None) and wrap `module` for the stepper's strategy, then read sharded weights; notes go to the
+    strategy's `notes`, said (`say`) and cleared. `on_close` puts torch.compile's cache variables back
+    at the session's end."""
+    chosen: Strategy = stepper.strategy
+    module = before_wrap(stepper, module, world_size=world_size, device=device, weights_from=weights_from,
+                         recompute=recompute)  # fmt: skip
+    if compiler is None:
+        model = chosen.wrap(module, device, options)
+    else:
+        chosen.check_compile()
+        on_close.callback(compiling.cache_env_restorer())
+        blockwise = getattr(chosen, "wrap_compiling", None)  # FSDP: each block, before sharding
+        per_block = None if blockwise is None else lambda m, c: blockwise(m, device, options, c)
+        model, notes = compiling.apply(module, compiler, lambda m: chosen.wrap(m, device, options),
+                                       distributed=distributed, per_block=per_block)  # fmt: skip
+        chosen.notes.extend(notes)
+    after_wrap(chosen, model, weights_from)
+    if stepper.shard is True and not chosen.allows_sharded_step and distributed:
+        chosen.notes.append(f"shard_optimizer=True has no effect with strategy={chosen.name!r}: the "
+                            "optimizer state is already sharded")  # fmt: skip
+    for note in chosen.notes:
+        say(f"ddpkit: {note}")
+    chosen.notes.clear()
+    return model
 
 
 def before_wrap(

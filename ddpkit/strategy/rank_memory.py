@@ -23,10 +23,11 @@ from pathlib import Path
 from torch import nn
 
 from ddpkit.errors import problem
+from ddpkit.names import MEMORY_CHECK_ENV
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.choice import model_state_bytes, optimizer_slots
 
-OPT_OUT = "DDPKIT_MEMORY_CHECK"
+OPT_OUT = MEMORY_CHECK_ENV
 _UNLIMITED = 1 << 60  # v1 reports "no limit" as a huge page-rounded number
 
 

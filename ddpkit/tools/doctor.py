@@ -23,6 +23,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ddpkit.names import DEVICE_ENV
+
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "NCCL_", "GLOO_", "DDPKIT_", "PMI_", "OMPI_")
 LAUNCHER_VARS = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -137,8 +139,8 @@ def facts(env: dict[str, str]) -> dict[str, Any]:
 
 def _why(hw: Any, env: dict[str, str], launcher: str) -> str:
     """Why auto chose the plan: the launcher (`ddpkit.cluster.environments`) and the device."""
-    if env.get("DDPKIT_DEVICE"):
-        device = f"DDPKIT_DEVICE={env['DDPKIT_DEVICE']}"
+    if env.get(DEVICE_ENV):
+        device = f"{DEVICE_ENV}={env[DEVICE_ENV]}"
     elif hw.gpus:
         device = f"{hw.gpus} visible GPU(s): CUDA, NCCL between processes"
     else:

@@ -23,10 +23,11 @@ from torch.utils.data import TensorDataset
 import ddpkit
 from ddpkit.cluster import topology
 from ddpkit.errors import DdpkitError
+from ddpkit.names import DEVICE_ENV, GPUCHECK_DEVICE_ENV, SHARE_GPU_ENV
 from ddpkit.step.precision import PrecisionPlan
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                 "MASTER_PORT", "DDPKIT_DEVICE", "DDPKIT_SHARE_GPU", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK",
+                 "MASTER_PORT", DEVICE_ENV, SHARE_GPU_ENV, "SLURM_PROCID", "OMPI_COMM_WORLD_RANK",
                  "PMI_RANK")  # fmt: skip
 
 
@@ -36,7 +37,7 @@ class Skip(Exception):
 
 def device() -> str:
     """ "cuda", or "cpu" for the rehearsal (DDPKIT_GPUCHECK_DEVICE=cpu)."""
-    return os.environ.get("DDPKIT_GPUCHECK_DEVICE", "cuda")
+    return os.environ.get(GPUCHECK_DEVICE_ENV, "cuda")
 
 
 def cuda_only() -> None:
@@ -53,9 +54,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 def share_env() -> dict[str, str]:
     """Two ranks sharing the first visible GPU over gloo; plain gloo CPU ranks in the rehearsal."""
     if device() != "cuda":
-        return {"DDPKIT_DEVICE": "cpu"}
+        return {DEVICE_ENV: "cpu"}
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    return {"DDPKIT_SHARE_GPU": "1", "CUDA_VISIBLE_DEVICES": first}
+    return {SHARE_GPU_ENV: "1", "CUDA_VISIBLE_DEVICES": first}
 
 
 # -- small models and data, importable by the ranks and by `ddpkit verify` -----------------------------
@@ -104,7 +105,7 @@ def check_auto_single_gpu(ctx: Context) -> str:
 
 def check_demo(ctx: Context) -> str:
     """The demo (`python -m ddpkit.tools.demo`) trains on the GPU to at least 95% held-out accuracy."""
-    env = clean_env(**({} if device() == "cuda" else {"DDPKIT_DEVICE": "cpu"}))
+    env = clean_env(**({} if device() == "cuda" else {DEVICE_ENV: "cpu"}))
     argv = [sys.executable, "-m", "ddpkit.tools.demo", "--epochs", "12", "--out", str(ctx.out / "demo")]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     text = out.stdout + out.stderr
@@ -253,7 +254,7 @@ def _resume_rank(root: str, stop: int | None, steps: int) -> dict[str, torch.Ten
 
 def check_resume_bitwise(ctx: Context) -> str:
     """Deterministic algorithms on: stop mid-epoch, resume in a new process, end bitwise like one run."""
-    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **({} if device() == "cuda" else {"DDPKIT_DEVICE": "cpu"})}
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **({} if device() == "cuda" else {DEVICE_ENV: "cpu"})}
     full = ddpkit.spawn(_resume_rank, nproc=1, args=(str(ctx.out / "resume-full"), None, 30), env=env)[0]
     ddpkit.spawn(_resume_rank, nproc=1, args=(str(ctx.out / "resume"), 17, 30), env=env)
     resumed = ddpkit.spawn(_resume_rank, nproc=1, args=(str(ctx.out / "resume"), None, 30), env=env)[0]

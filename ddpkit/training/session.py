@@ -29,7 +29,7 @@ import random
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,14 +38,19 @@ from torch import nn
 from ddpkit import strategy as strategies
 from ddpkit.cluster import lifecycle, topology
 from ddpkit.cluster.lifecycle import Limits
+from ddpkit.cluster.preemption import Preemption, PreemptionOptions
 from ddpkit.cluster.ranks import RankContext
 from ddpkit.data import ShardedLoader, elastic_accumulation, make_loader, plan_batch
 from ddpkit.errors import problem
+from ddpkit.names import WRITER_NICE_ENV
 from ddpkit.observe.tracking import Tracking
 from ddpkit.step import compiling, cpu_allocator
 from ddpkit.step.precision import PrecisionPlan, device_supports_bf16, resolve_precision
 from ddpkit.step.stepping import MicroBatch, StepInfo, Stepper
 from ddpkit.strategy import Choice, DDPOptions, Strategy, building, hf
+
+if TYPE_CHECKING:  # imported at the first save or load: a run that never saves never loads safetensors
+    from ddpkit.checkpoint.checkpoints import Checkpoints
 
 
 def seed_everything(seed: int) -> None:
@@ -80,6 +85,7 @@ class Session(RankContext):
         strategy: Choice = "auto",
         log_to: str | list[str] | None = "auto",
         log_dir: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         if shard_optimizer not in (True, False, "auto"):
             raise problem(f"shard_optimizer={shard_optimizer!r} is not True, False or 'auto'",
@@ -92,7 +98,9 @@ class Session(RankContext):
         self.accumulation = accumulation
         self.limits = limits or Limits()  # built once (ddpkit.session), passed down explicitly
         self._group: lifecycle.Membership | None = None  # this session's place in the process group
-        self._checkpoints: Any = None  # checkpoint.checkpoints.Checkpoints, made at the first save/load
+        self._checkpoints: Checkpoints | None = None  # made at the first save/load/export
+        self._env = os.environ if env is None else env
+        self.preemption = Preemption(PreemptionOptions.from_env(self._env), self._env)  # stop policy
         self.tracking = Tracking(log_to, log_dir, enabled=self.is_main)  # observe.tracking; opens lazily
         self._on_close = contextlib.ExitStack()  # process-wide settings put back by close()
         self.precision = resolve_precision(precision, self.device.type,
@@ -101,15 +109,14 @@ class Session(RankContext):
         self._shard = shard_optimizer
         self._strategy: Strategy | None = None  # built once (`_build`), then the stepper that asks it
         self._stepper: Stepper | None = None
-        if strategies.kind(strategy, self) == "fsdp":  # fp16 under FSDP: said now, not at s.model
-            resolve_precision(self.precision, self.device.type, loss_scale=False)
+        if strategies.kind(strategy, self) == "fsdp":  # built now: fp16 under FSDP is refused at the start
+            self._strategy = strategies.make(strategy, self._ranks(), precision=self.precision)
 
     def _build(self, choice: Choice) -> Stepper:
         """The session's strategy, built once (at the first s.model, or when first needed), then the
         stepper that holds it; neither is replaced. A later s.model may not ask for another kind."""
         if self._strategy is None:
-            group = _Group(self.device, self.distributed, self.world_size)
-            self._strategy = strategies.make(choice, group, precision=self.precision)
+            self._strategy = strategies.make(choice, self._ranks(), precision=self.precision)
         elif strategies.kind(choice, self) != self._strategy.name:
             raise problem(
                 f"this session's strategy is already {self._strategy.name!r} (set by its first s.model, or "
@@ -121,6 +128,9 @@ class Session(RankContext):
                                     report=self.print, shard=self._shard, device=self.device,
                                     timeout=self.limits.collective, strategy=self._strategy)  # fmt: skip
         return self._stepper
+
+    def _ranks(self) -> _Group:
+        return _Group(self.device, self.distributed, self.world_size)
 
     @property
     def rank_seed(self) -> int:
@@ -153,6 +163,7 @@ class Session(RankContext):
             if self._checkpoints is not None:
                 self._checkpoints.close()
         finally:
+            self.preemption.close()
             if self._group is not None:
                 self._group.leave()
             self._group = None
@@ -229,17 +240,22 @@ class Session(RankContext):
         return hf.export(self.checkpoints.export, path, model, main=self.is_main)
 
     @property
-    def checkpoints(self) -> Any:
+    def checkpoints(self) -> Checkpoints:
         """This session's `ddpkit.checkpoint.checkpoints.Checkpoints` (background saves, registered extra
-        state)."""
+        state). Made once, here: the session builds its strategy first (a save or load before s.model
+        builds the session's choice), then hands the checkpoint wing a value, never a call back."""
         if self._checkpoints is None:
-            from ddpkit.checkpoint import checkpoints as checkpoint
+            from ddpkit.checkpoint.background import NICE
+            from ddpkit.checkpoint.checkpoints import CheckpointContext, Checkpoints
 
-            self._checkpoints = checkpoint.Checkpoints(lambda: checkpoint.CheckpointContext(
-                rank=self.rank, world_size=self.world_size, device=self.device, strategy=self.strategy,
-                optimizers=self.stepper, group=self._group, save_timeout=self.limits.save, say=self.print,
+            stepper = self.stepper  # the strategy, built by the session (once), and the stepper
+            context = CheckpointContext(
+                rank=self.rank, world_size=self.world_size, device=self.device, strategy=stepper.strategy,
+                optimizers=stepper, group=self._group, save_timeout=self.limits.save, say=self.print,
                 barrier=self.barrier,
-            ), os.environ)  # fmt: skip
+            )  # fmt: skip
+            nice = int(self._env.get(WRITER_NICE_ENV, NICE))
+            self._checkpoints = Checkpoints(context, preemption=self.preemption, writer_nice=nice)
         return self._checkpoints
 
     # -- building blocks ------------------------------------------------------------------------
@@ -277,42 +293,28 @@ class Session(RankContext):
         `save_pretrained` wrote, read into the model (FSDP: each rank its own rows; `strategy.weights`);
         `activation_checkpointing`: a block class or "auto", recomputed in the backward (`.checkpointing`).
         """
-        sugar = DDPOptions(
+        options = strategies.options_of(strategy, DDPOptions(  # which options (this model's own, if any)
             find_unused_parameters=find_unused_parameters, static_graph=static_graph,
             bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers, sync_batchnorm=sync_batchnorm, comm_hook=comm_hook,
             comm_hook_options=comm_hook_options,
-        )  # fmt: skip
-        options = strategies.options_of(strategy, sugar)  # this model's own options, if any
-        # The strategy comes from the session's choice (its options are the default for every model);
-        # a model's own options apply to that model only, so a first s.model(strategy=...) gives the kind.
+        ))  # fmt: skip
+        stepper = self._strategy_for(strategy)  # which strategy (the session's, built once)
+        model = building.prepare(stepper, module, options, compiling.CompileOptions.parse(compile),
+                                 device=self.device, weights_from=weights, recompute=activation_checkpointing,
+                                 world_size=self.world_size, distributed=self.distributed,
+                                 on_close=self._on_close, say=self.print)  # fmt: skip  (how to prepare)
+        seed_everything(self.rank_seed)  # each rank's own stream from here on (the module docstring)
+        return model
+
+    def _strategy_for(self, strategy: Choice | None) -> Stepper:
+        """The session's choice gives the strategy (its options are every model's default); a first
+        s.model(strategy=...) in an "auto" session gives the kind; a later one only checks it."""
         explicit = strategy is None or self._choice != "auto"
         stepper = self._build(self._choice if explicit else strategies.check_name(strategy))
         if strategy is not None:
             self._build(strategy)  # built already: only checks that the model asks for the same kind
-        chosen = stepper.strategy
-        module = building.before_wrap(stepper, module, world_size=self.world_size, device=self.device,
-                                      weights_from=weights, recompute=activation_checkpointing)  # fmt: skip
-        compiler = compiling.CompileOptions.parse(compile)
-        if compiler is None:
-            model = chosen.wrap(module, self.device, options)
-        else:
-            chosen.check_compile()
-            self._on_close.callback(compiling.cache_env_restorer())
-            blockwise = getattr(chosen, "wrap_compiling", None)  # FSDP: each block, before sharding
-            per_block = None if blockwise is None else lambda m, c: blockwise(m, self.device, options, c)
-            model, notes = compiling.apply(module, compiler, lambda m: chosen.wrap(m, self.device, options),
-                                           distributed=self.distributed, per_block=per_block)  # fmt: skip
-            chosen.notes.extend(notes)
-        building.after_wrap(chosen, model, weights)
-        if stepper.shard is True and not chosen.allows_sharded_step and self.distributed:
-            chosen.notes.append(f"shard_optimizer=True has no effect with strategy={chosen.name!r}: the "
-                                "optimizer state is already sharded")  # fmt: skip
-        for note in chosen.notes:
-            self.print(f"ddpkit: {note}")
-        chosen.notes.clear()
-        seed_everything(self.rank_seed)
-        return model
+        return stepper
 
     @property
     def strategy(self) -> Strategy:
@@ -401,6 +403,7 @@ def session(
         strategy=strategy,
         log_to=log_to,
         log_dir=log_dir,
+        env=env,
     )
     try:
         yield s.start()
