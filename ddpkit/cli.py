@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit.errors import DdpkitError
-from ddpkit.names import DEFAULT_PREEMPTION_SIGNAL, REQUEUE_CHOICES
+from ddpkit.names import DEFAULT_PREEMPTION_SIGNAL, ELASTIC_BATCH_CHOICES, REQUEUE_CHOICES
 
 # Tools parse their own arguments; their modules are imported only when asked for (fast start-up).
 # Each module has `main(argv: list[str]) -> int`.
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="besides SIGTERM: save and stop (USR1)")
     run.add_argument("--requeue", choices=REQUEUE_CHOICES, default="auto", help="Slurm: requeue after it")
     run.add_argument("--grace", type=float, default=30.0, help="seconds to let ranks save when stopped")
-    run.add_argument("--elastic-batch", choices=("per-rank", "accumulation"), default="per-rank",
+    run.add_argument("--elastic-batch", choices=ELASTIC_BATCH_CHOICES, default="auto",
                      help="--nnodes MIN:MAX at fewer nodes: keep the per-rank batch (accumulate more) or not")
     run.add_argument("--rdzv-conf", default=None, help="elastic: torchrun's rendezvous settings (k=v,...)")
     run.add_argument("--local-addr", default=None, help="this node's address as the other nodes reach it")

@@ -10,13 +10,15 @@ DISTRIBUTED = ("ddp", "fsdp")  # the kinds that run over several ranks (verify, 
 
 # What `ddpkit run --nnodes MIN:MAX` tells every rank (`ddpkit.data.elastic_accumulation` reads them).
 ELASTIC_WORLD_ENV = "DDPKIT_ELASTIC_WORLD"  # the world size at the most nodes
-ELASTIC_BATCH_ENV = "DDPKIT_ELASTIC_BATCH"  # "per-rank" or "accumulation": which one a smaller world keeps
+ELASTIC_BATCH_ENV = "DDPKIT_ELASTIC_BATCH"  # which one a smaller world keeps (ELASTIC_BATCH_CHOICES)
+ELASTIC_BATCH_CHOICES = ("auto", "per-rank", "accumulation")  # auto: per-rank if the session accumulates
 
 # Preemption (`ddpkit run` -> every rank; `ddpkit.cluster.signals` parses them, `launch` writes them).
 PREEMPTION_SIGNAL_ENV = "DDPKIT_PREEMPTION_SIGNAL"  # a signal name (besides SIGTERM): save and stop
 REQUEUE_ENV = "DDPKIT_REQUEUE"  # "auto", "1" or "0": requeue the Slurm job after the save
 REQUEUE_CHOICES = ("auto", "1", "0")  # what --requeue and DDPKIT_REQUEUE accept
 PREEMPTION_RECORD_ENV = "DDPKIT_PREEMPTION_RECORD"  # where global rank 0 tells `ddpkit run` what it saved
+SIGNALLED_FILE = "signalled"  # beside the record: `ddpkit run` was signalled (its SIGTERM is a preemption)
 DEFAULT_PREEMPTION_SIGNAL = "USR1"  # Slurm's --signal=USR1@120
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, try again": preempted, resume me
 

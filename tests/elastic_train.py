@@ -1,11 +1,15 @@
 """An elastic run for tests/test_elastic.py, under `ddpkit run --nnodes MIN:MAX` (or `--nproc N`).
 
-    ddpkit run ... tests/elastic_train.py CKPT OUT [--sleep S]
+    ddpkit run ... tests/elastic_train.py CKPT OUT [--sleep S] [--loop accumulate|step|plain]
 
 96 samples, global batch 8, 2 epochs: 24 optimizer steps, a checkpoint after each. The world size may
-change between restarts; ddpkit keeps the per-rank batch (4) and the global batch (8) by accumulating.
-Global rank 0 appends "world accumulation step per-rank-batch" to OUT/steps.txt after each optimizer step and writes
-OUT/final.safetensors at the end.
+change between restarts; ddpkit keeps the global batch (8): by accumulating more (`ddpkit run
+--elastic-batch per-rank`, the loop must accumulate) or with a larger per-rank batch (the default
+for a session without accumulation=, `docs/fault-tolerance.md`). --loop: "accumulate" (`with
+s.accumulate(model)`, the default), "step" (`s.backward(loss); s.step(opt)`, no block) or "plain"
+(the README's first loop: `opt.zero_grad(); loss.backward(); opt.step()`, nothing of ddpkit's).
+Global rank 0 appends "world accumulation step per-rank-batch" to OUT/steps.txt after each optimizer
+step (the accumulation the loop really ran: 1 for "plain") and writes OUT/final.safetensors at the end.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ def main() -> None:
     ap.add_argument("ckpt")
     ap.add_argument("out")
     ap.add_argument("--sleep", type=float, default=0.3)
+    ap.add_argument("--loop", choices=("accumulate", "step", "plain"), default="accumulate")
     ns = ap.parse_args()
     torch.set_num_threads(1)
     with ddpkit.session(seed=0) as s:
@@ -44,14 +49,25 @@ def main() -> None:
         log = Path(ns.out) / "steps.txt"
         for _epoch in range(loader.epoch, EPOCHS):
             for xb, yb in loader:
-                with s.accumulate(model):  # a smaller world accumulates: see ddpkit.data.elastic_accumulation
+                if ns.loop == "plain":  # the README's first loop
+                    loss = F.cross_entropy(model(xb), yb)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                elif ns.loop == "step":
                     s.backward(F.cross_entropy(model(xb), yb))
-                if not s.step(opt).stepped:
-                    continue
+                    if not s.step(opt).stepped:
+                        continue
+                else:
+                    with s.accumulate(model):  # see ddpkit.data.elastic_accumulation
+                        s.backward(F.cross_entropy(model(xb), yb))
+                    if not s.step(opt).stepped:
+                        continue
                 step += 1
                 if s.is_main:
+                    ran = 1 if ns.loop == "plain" else s.accumulation  # what this loop really accumulated
                     with open(log, "a") as f:
-                        f.write(f"{s.world_size} {s.accumulation} {step} {len(xb)}\n")
+                        f.write(f"{s.world_size} {ran} {step} {len(xb)}\n")
                 s.save(ns.ckpt, **state, step=step)
                 time.sleep(ns.sleep)  # long enough steps for a node to leave or join mid-run
         if s.is_main:

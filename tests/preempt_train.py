@@ -1,6 +1,7 @@
 """A small preemptible run for tests/test_preemption.py, under `ddpkit run --nproc 2`.
 
     ddpkit run --nproc 2 tests/preempt_train.py CKPT OUT [--signal-at PHASE:STEP:RANK[:WHO]]
+        [--idiom every|if|none] [--save-every N]
 
 96 samples, global batch 12, 3 epochs: 24 optimizer steps, `s.save(..., every=5)` after each. With
 --signal-at, global rank RANK sends a signal at optimizer step STEP, in PHASE (forward, backward,
@@ -8,8 +9,13 @@ optimizer, save: inside the next save's capture, on rank 0). WHO is "launcher" (
 launcher's process group, the default), "self" (the preemption signal to this rank only: its peer
 learns of it only through the agreement) or a signal name such as USR1 (that signal to the launcher
 alone, as Slurm's --signal=USR1@120 sends it). With --slow-save S, the save that follows the signal
-takes S seconds longer on the signalling rank (a save longer than `ddpkit run --grace`). Rank 0 writes OUT/final.safetensors at the end, and every
+takes S seconds longer on the signalling rank (a save longer than `ddpkit run --grace`); with
+--second-signal, rank 0 SIGTERMs the launcher again in the middle of that save. Rank 0 writes OUT/final.safetensors at the end, and every
 launch appends "start END" lines to OUT/log.txt (the steps it began from and reached).
+
+--idiom: "every" (the default) calls `s.save(..., every=N)` after every step; "if" saves like the README's
+checkpoint section, `if step % N == 0: s.save(...)` (N from --save-every, default 5); "none" never
+passes its state to s.load or s.save (ddpkit can only say what to add).
 """
 
 from __future__ import annotations
@@ -35,12 +41,15 @@ EPOCHS, SAMPLES, GLOBAL_BATCH = 3, 96, 12
 class Probe:
     """Shared state that can send the signal from inside a save (its state_dict runs in the save)."""
 
-    def __init__(self, fire, fired: list, slow_save: float = 0.0) -> None:
-        self.fire, self.saves, self.fired, self.slow_save = fire, 0, fired, slow_save
+    def __init__(self, fire, fired: list, slow_save: float = 0.0, again=None) -> None:
+        self.fire, self.saves, self.fired, self.slow_save, self.again = fire, 0, fired, slow_save, again
 
     def state_dict(self) -> dict:
         self.saves += 1
         self.fire("save")
+        if self.fired and self.again is not None:  # a second signal, in the middle of the preemption's save
+            self.again()
+            self.again = None
         if self.fired and self.slow_save:  # the preemption's save, on the rank that signalled
             time.sleep(self.slow_save)
         return {"saves": self.saves}
@@ -56,6 +65,9 @@ def main() -> None:
     ap.add_argument("--signal-at", default=None)
     ap.add_argument("--sleep", type=float, default=0.04)
     ap.add_argument("--slow-save", type=float, default=0.0)
+    ap.add_argument("--idiom", choices=("every", "if", "none"), default="every")
+    ap.add_argument("--save-every", type=int, default=5)
+    ap.add_argument("--second-signal", action="store_true", help="SIGTERM the launcher again in the save")
     ns = ap.parse_args()
     torch.set_num_threads(1)
     with ddpkit.session(seed=0, verbose=True) as s:
@@ -86,8 +98,12 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=0.02)
         opt.register_step_pre_hook(lambda *a: fire("optimizer"))
         loader = s.loader(data, batch_size=GLOBAL_BATCH, shuffle=True)
-        state = dict(model=model, optimizer=opt, loader=loader, probe=Probe(fire, fired, ns.slow_save))
-        step = start = s.load(ns.ckpt, **state, step=0)["step"]
+        def again() -> None:
+            os.kill(os.getppid(), signal.SIGTERM)
+
+        probe = Probe(fire, fired, ns.slow_save, again if ns.second_signal else None)
+        state = dict(model=model, optimizer=opt, loader=loader, probe=probe)
+        step = start = s.load(ns.ckpt, **state, step=0)["step"] if ns.idiom != "none" else 0
         for _epoch in range(loader.epoch, EPOCHS):
             for xb, yb in loader:
                 xb = xb + 0.05 * torch.from_numpy(np.random.randn(*xb.shape).astype(np.float32))
@@ -95,7 +111,10 @@ def main() -> None:
                 s.step(opt)
                 step += 1
                 time.sleep(ns.sleep)  # a step long enough for the signal to arrive mid-run
-                s.save(ns.ckpt, **state, step=step, every=5)
+                if ns.idiom == "every":
+                    s.save(ns.ckpt, **state, step=step, every=ns.save_every)
+                elif ns.idiom == "if" and step % ns.save_every == 0:
+                    s.save(ns.ckpt, **state, step=step)
         if s.is_main:
             with open(Path(ns.out) / "log.txt", "a") as f:
                 f.write(f"{start} {step}\n")

@@ -261,14 +261,20 @@ def test_more_cpu_ranks_than_cores_warns_once(tmp_path: Path) -> None:
     assert done.stderr.count(f"ddpkit run: warning: 2 processes x {cores} thread(s)") == 1
 
 
-@pytest.mark.parametrize(("mode", "accumulation", "batch"), [("per-rank", 2, 4), ("accumulation", 1, 8)])
+@pytest.mark.parametrize(
+    ("mode", "loop", "accumulation", "batch"),
+    [("per-rank", "accumulate", 2, 4), ("accumulation", "accumulate", 1, 8), ("auto", "step", 1, 8),
+     ("auto", "plain", 1, 8)],
+)  # fmt: skip
 def test_an_elastic_job_below_its_largest_size_keeps_the_global_batch(
-    tmp_path: Path, mode: str, accumulation: int, batch: int
+    tmp_path: Path, mode: str, loop: str, accumulation: int, batch: int
 ) -> None:
     # One node of an elastic job of up to 2 (one rank each): world 1 of up to 2. The global batch (8)
-    # stays; per-rank (the default) keeps 4 samples per rank and accumulates 2 micro-batches,
-    # --elastic-batch accumulation grows the per-rank batch to 8 instead. No network namespaces: the
-    # second node never comes, the rendezvous closes 1 s after the first.
+    # stays: per-rank keeps 4 samples per rank and accumulates 2 micro-batches; --elastic-batch
+    # accumulation grows the per-rank batch to 8 instead, and so does auto (the default) for a session
+    # without accumulation=, whose loop may not accumulate at all: `s.backward; s.step` without a block,
+    # or the README's first loop (issue 32). No network namespaces: the second node never comes, the
+    # rendezvous closes 1 s after the first.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -277,8 +283,10 @@ def test_an_elastic_job_below_its_largest_size_keeps_the_global_batch(
     done = run_cli("run", "--nnodes", "1:2", "--nproc", "1", "--max-restarts", "1", "--elastic-batch", mode,
                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=1",
                    str(REPO / "tests" / "elastic_train.py"), str(tmp_path / "ck"), str(out), "--sleep", "0",
-                   timeout=90, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+                   "--loop", loop, timeout=90, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    if mode == "auto":
+        assert "elastic: world size 1 of up to 2: the per-rank batch grows 2x" in done.stdout, done.stdout
     steps = [tuple(map(int, line.split())) for line in (out / "steps.txt").read_text().splitlines()]
     assert len(steps) == 24, "96 samples / global batch 8 x 2 epochs"
     assert {(world, acc, size) for world, acc, _, size in steps} == {(1, accumulation, batch)}, steps[:3]

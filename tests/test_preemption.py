@@ -53,16 +53,16 @@ def uninterrupted(tmp_path_factory) -> dict:
 
 
 def preempted_then_resumed(
-    tmp_path: Path, signal_at: str, sleep: str = "0.04"
+    tmp_path: Path, signal_at: str, sleep: str = "0.04", idiom: tuple[str, ...] = ()
 ) -> tuple[subprocess.CompletedProcess, int]:
-    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", signal_at, "--sleep", sleep)
+    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", signal_at, "--sleep", sleep, *idiom)
     assert first.returncode == 75, f"exit {first.returncode}\n{first.stdout[-2000:]}\n{first.stderr[-3000:]}"
     found = re.search(r"ddpkit run: preempted \((\w+)\) at step (\d+), checkpoint (\S+);", first.stderr)
     assert found, first.stderr[-3000:]
     step = int(found.group(2))
     assert Path(found.group(3)).is_dir() and f"step {step}" in first.stdout
     assert "Traceback" not in first.stderr, "a preemption is not an error"
-    second = launch(tmp_path / "ck", tmp_path / "out")
+    second = launch(tmp_path / "ck", tmp_path / "out", *idiom)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"(step {step})" in second.stdout  # resumed from the preemption checkpoint
     return first, step
@@ -86,6 +86,34 @@ def test_sigterm_to_the_launcher_then_a_relaunch_ends_like_the_uninterrupted_run
     assert "SIGTERM" in first.stderr
     assert int(phase.split(":")[1]) <= step < STEPS
     assert_same(tmp_path, uninterrupted, step)
+
+
+@pytest.mark.parametrize(
+    ("signal_at", "idiom"),
+    [("forward:8:0", ("--idiom", "if", "--save-every", "100")),  # SIGTERM; no periodic save in the run
+     ("forward:9:1:USR1", ("--idiom", "if", "--save-every", "7")),  # SIGUSR1, as Slurm sends it
+     ("backward:11:0:USR1", ("--idiom", "every", "--save-every", "5"))],
+    ids=["if-TERM", "if-USR1", "every-USR1"],
+)  # fmt: skip
+def test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise(
+    uninterrupted, tmp_path: Path, signal_at: str, idiom: tuple[str, ...]
+) -> None:
+    # Issue 32: the README's `if step % N == 0: s.save(...)` idiom, with s.load at the start, is saved at
+    # the step the ranks agree on (at s.step; written at the loader's next batch, with `step` advanced),
+    # not at the next periodic save: with --save-every 100 there is none in the run at all.
+    first, step = preempted_then_resumed(tmp_path, signal_at, idiom=idiom)
+    name = "SIGUSR1" if signal_at.endswith("USR1") else "SIGTERM"
+    assert f"preempted ({name}) at step {step}" in first.stderr
+    assert int(signal_at.split(":")[1]) <= step < STEPS
+    assert_same(tmp_path, uninterrupted, step)
+
+
+def test_a_script_that_never_gave_its_state_is_told_what_to_add(tmp_path: Path) -> None:
+    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:6:0", "--idiom", "none")
+    assert first.returncode == 128 + signal.SIGTERM, first.stderr[-3000:]
+    said = [line for line in (first.stdout + first.stderr).splitlines() if "nothing to save" in line]
+    assert len(said) == 1, said  # once (global rank 0), naming what to add
+    assert "s.load(" in said[0] and "SIGTERM" in said[0]
 
 
 @pytest.mark.parametrize("sleep", ["0.04", "0.001"], ids=["agree-every-step", "agree-every-k-steps"])
@@ -124,20 +152,40 @@ def test_a_save_longer_than_grace_is_cut_off_and_the_previous_checkpoint_stays(t
     assert "ckpt-000001" in done and "ckpt-000002" not in done, done  # step 5's save, not the cut-off one
 
 
-def test_slurm_requeue_runs_scontrol_once_after_the_save(tmp_path: Path) -> None:
+@pytest.mark.parametrize("requeueable", [1, 0])
+def test_slurm_requeue_runs_scontrol_once_after_the_save(tmp_path: Path, requeueable: int) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "scontrol.txt"
     fake = bin_dir / "scontrol"
     fake.write_text(
-        f'#!/bin/sh\necho "$@" >> {calls}\n[ "$1" = show ] && echo "JobId=$4 Requeue=1"\nexit 0\n'
+        f'#!/bin/sh\necho "$@" >> {calls}\n[ "$1" = show ] && echo "JobId=$4 Requeue={requeueable}"\nexit 0\n'
     )
     fake.chmod(0o755)
     env = {"SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:5:0", env=env)
     assert first.returncode == 75, first.stderr[-3000:]
-    assert calls.read_text().splitlines() == ["show job -o 4242", "requeue 4242"]
-    assert "The Slurm job was requeued" in first.stderr and "requeued Slurm job 4242" in first.stdout
+    if requeueable:
+        assert calls.read_text().splitlines() == ["show job -o 4242", "requeue 4242"]
+        assert "The Slurm job was requeued" in first.stderr and "requeued Slurm job 4242" in first.stdout
+    else:  # scontrol says the job was not submitted with --requeue: asked once, never requeued
+        assert calls.read_text().splitlines() == ["show job -o 4242"]
+        assert "was not submitted with --requeue: not requeued" in first.stdout
+        assert "requeued" not in first.stderr
+
+
+def test_a_second_signal_during_a_save_within_grace_changes_nothing(uninterrupted, tmp_path: Path) -> None:
+    # Issue 32: --grace 20, longer than the preemption's save (2 s slower here), and a second SIGTERM to
+    # the launcher in the middle of that save: the save completes, exit 75, the relaunch ends bitwise.
+    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:9:0", "--slow-save", "2",
+                   "--second-signal", "--idiom", "if", "--save-every", "7", run_args=("--grace", "20"))  # fmt: skip
+    assert first.returncode == 75, f"exit {first.returncode}\n{first.stderr[-3000:]}"
+    found = re.search(r"ddpkit run: preempted \((\w+)\) at step (\d+), checkpoint (\S+);", first.stderr)
+    assert found, first.stderr[-3000:]
+    step = int(found.group(2))
+    second = launch(tmp_path / "ck", tmp_path / "out", "--idiom", "if", "--save-every", "7")
+    assert second.returncode == 0 and f"(step {step})" in second.stdout, second.stderr[-3000:]
+    assert_same(tmp_path, uninterrupted, step)
 
 
 def test_a_missing_scontrol_is_a_clear_message_and_the_checkpoint_is_kept(tmp_path: Path) -> None:

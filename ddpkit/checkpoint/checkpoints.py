@@ -85,6 +85,8 @@ class Checkpoints:
         self._preemption = preemption
         self._registered: dict[str, Any] = {}
         self._writer_group: Any = None  # background saves' own process group (made once, at the first)
+        self._remembered: tuple[str | Path, int, dict[str, Any]] | None = None  # the last save's or load's
+        self._steps_since = 0  # s.step calls since then: how far its `step` value is behind
         self.last: Path | None = None  # the newest checkpoint this session committed or started
 
     def register(self, name: str, obj: Any) -> None:
@@ -101,12 +103,29 @@ class Checkpoints:
         With `background=True` the state is copied to CPU memory and the call returns; the files are
         written and committed behind training. The next save (and the session's end) waits for it.
 
-        With `every=N`, call it after every step: it saves when `step % N == 0` (None otherwise), and
-        it is where a preemption signal is acted on: all ranks agree, save, and raise `Preempted`
-        (exit code 75). See `ddpkit.cluster.preemption`.
+        With `every=N`, call it after every step: it saves when `step % N == 0` (None otherwise).
+
+        Preemption (`ddpkit.cluster.preemption`): the state of the last `save` or `load` is remembered.
+        When the ranks agree to stop (at `s.step`, or here), this call, or else the next step boundary
+        ddpkit owns (`stop_at_boundary`: the loader's next batch, `s.accumulate`, `s.backward`), saves
+        and raises `Preempted` (exit code 75).
         """
+        due = True
         if every is not None:
-            return self._save_every(path, every, keep=keep, background=background, **state)
+            step = state.get("step")
+            if not isinstance(every, int) or every < 1 or not isinstance(step, int):
+                raise problem(
+                    f"every={every!r} needs a whole number of steps, and step= an int (got {step!r})",
+                    "Pass every=N (N >= 1) together with step=<your optimizer step count>",
+                )
+            due = step % every == 0
+        self._remember(path, keep, state)
+        ctx = self._ctx
+        if not (self._preemption.agreed or self._preemption.agree(ctx.distributed, ctx.device, now=due)):
+            return self._write(path, keep, background, state) if due else None
+        raise self._preempted(self._write(path, keep, False, state), state.get("step"))
+
+    def _write(self, path: str | Path, keep: int, background: bool, state: dict[str, Any]) -> Path:
         _require_safe_torch()
         if keep < 1:
             raise problem(f"keep={keep} would delete the checkpoint just written", "Pass keep=1 or more")
@@ -127,18 +146,33 @@ class Checkpoints:
         self.last = write(ctx, job, snapshot)
         return self.last
 
-    def _save_every(self, path: str | Path, every: int, **state: Any) -> Path | None:
+    # -- preemption: the state last given to save or load, saved at the agreed stop -----------------
+    def _remember(self, path: str | Path, keep: int, state: dict[str, Any]) -> None:
+        self._remembered = (path, keep, state)  # references only: what they hold when the stop comes
+        self._steps_since = 0
+        self._preemption.remedy = None  # a signal now sets the flag (the session said what to add before)
+
+    def stepped(self) -> None:
+        """At every `s.step`, every rank: count it, and (once there is state to save) agree on a stop."""
+        self._steps_since += 1
+        if self._remembered is not None and not self._preemption.agreed:
+            self._preemption.agree(self._ctx.distributed, self._ctx.device)
+
+    def stop_at_boundary(self) -> None:
+        """At a step boundary ddpkit owns, after the agreed stop: save the remembered state, its `step`
+        advanced by the `s.step` calls since it was given, and raise `Preempted`."""
+        if not self._preemption.agreed or self._remembered is None:
+            return
+        path, keep, state = self._remembered
         step = state.get("step")
-        if not isinstance(every, int) or every < 1 or not isinstance(step, int):
-            raise problem(f"every={every!r} needs a whole number of steps, and step= an int (got {step!r})",
-                          "Pass every=N (N >= 1) together with step=<your optimizer step count>")  # fmt: skip
-        self._preemption.arm()  # once (a no-op after the first call)
+        if isinstance(step, int) and not isinstance(step, bool):
+            state = {**state, "step": step + self._steps_since}
+        raise self._preempted(self._write(path, keep, False, state), state.get("step"))
+
+    def _preempted(self, final: Path, step: Any) -> Preempted:
+        self._remembered = None  # saved once: a boundary reached while `Preempted` unwinds saves nothing
         ctx = self._ctx
-        if not self._preemption.agree(ctx.distributed, ctx.device, now=step % every == 0):
-            return self.save(path, **state) if step % every == 0 else None
-        final = self.save(path, **dict(state, background=False))
-        assert final is not None
-        raise self._preemption.finish(is_main=ctx.is_main, step=step, checkpoint=final, say=ctx.say)
+        return self._preemption.finish(is_main=ctx.is_main, step=step, checkpoint=final, say=ctx.say)
 
     def wait(self) -> None:
         """Wait for a background save to be committed on every rank; raise its error, if any."""
@@ -192,8 +226,14 @@ class Checkpoints:
         """Restore the objects passed as keywords from the newest valid checkpoint; return the values.
 
         Plain keywords (step=0) are defaults for values the checkpoint lacks, and the whole answer on a
-        fresh start. `strict` applies to module weights (missing or unexpected keys are errors).
+        fresh start. `strict` applies to module weights (missing or unexpected keys are errors). The
+        objects and the values returned are what a preemption saves until the next `save` or `load`.
         """
+        values = self._load(path, strict, state)
+        self._remember(path, 3, {**state, **{n: values[n] for n in state if n in values}})
+        return values
+
+    def _load(self, path: str | Path, strict: bool, state: dict[str, Any]) -> dict[str, Any]:
         _require_safe_torch()
         self._background.wait()
         ctx = self._ctx

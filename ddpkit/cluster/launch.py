@@ -39,8 +39,10 @@ import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ddpkit.cluster.run_report import report, restart_reports
 from ddpkit.cluster.signals import PreemptionOptions, signal_of
@@ -49,12 +51,14 @@ from ddpkit.errors import DdpkitError, problem
 from ddpkit.names import (
     DEFAULT_PREEMPTION_SIGNAL,
     DEVICE_ENV,
+    ELASTIC_BATCH_CHOICES,
     ELASTIC_BATCH_ENV,
     ELASTIC_WORLD_ENV,
     PREEMPTED_EXIT_CODE,
     PREEMPTION_RECORD_ENV,
     RUN_ENV,
     SHARE_GPU_ENV,
+    SIGNALLED_FILE,
 )
 from ddpkit.step import cpu_allocator
 
@@ -71,7 +75,7 @@ class LaunchConfig:
     share_gpu: bool = False  # more local ranks than GPUs, round-robin over gloo (ddpkit.cluster.topology)
     nnodes: int = 1  # the most nodes; with `min_nodes`, an elastic job of min_nodes..nnodes
     min_nodes: int | None = None  # --nnodes MIN:MAX: nodes may leave or join (torchrun's elastic agent)
-    elastic_batch: str = "per-rank"  # at fewer ranks keep "per-rank" (accumulate more) or "accumulation"
+    elastic_batch: str = "auto"  # at fewer ranks keep "per-rank" (accumulate more) or "accumulation"
     rdzv_conf: str | None = None  # torchrun's --rdzv-conf, over ddpkit's elastic timeouts
     local_addr: str | None = None  # this node's address for the others (torchrun's --local-addr)
     node_rank: int | None = None
@@ -138,9 +142,12 @@ class LaunchConfig:
                 f"{span} restarts the workers when a node is lost, but --max-restarts is {self.max_restarts}",
                 "Give it a budget, e.g. --max-restarts 3 (a node joining does not use it)",
             )
-        if self.elastic_batch not in ("per-rank", "accumulation"):
-            raise problem(f"--elastic-batch {self.elastic_batch} is not per-rank or accumulation",
-                          "Pass per-rank (more accumulation at fewer ranks) or accumulation")  # fmt: skip
+        if self.elastic_batch not in ELASTIC_BATCH_CHOICES:
+            raise problem(
+                f"--elastic-batch {self.elastic_batch} is not auto, per-rank or accumulation",
+                "Pass auto (the default: per-rank if the session accumulates), per-rank (more "
+                "accumulation at fewer ranks) or accumulation (a larger per-rank batch)",
+            )
 
 
 ELASTIC_RDZV_CONF = (  # see docs/fault-tolerance.md, "Elastic membership"
@@ -266,7 +273,7 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         if note:
             print(note, file=sys.stderr, flush=True)
     try:
-        with restart_reports(cfg.max_restarts):
+        with restart_reports(cfg.max_restarts), marking_signals(record.with_name(SIGNALLED_FILE)):
             run(parse_args(argv))
     except ChildFailedError as err:
         return _preempted(record) or report(err, cfg.max_restarts)
@@ -283,6 +290,32 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
             record.unlink(missing_ok=True)
             record.parent.rmdir()
     return 0
+
+
+@contextlib.contextmanager
+def marking_signals(marker: Path) -> Iterator[None]:
+    """While torchrun's agent runs here: `marker` exists once it passes a signal on to the workers.
+
+    The agent stops its workers with SIGTERM both when this process was signalled (a preemption: the
+    ranks should save) and when a peer failed (the survivors should end at once, as they always did,
+    not wait 30 s for SIGKILL). Only the first calls `LocalElasticAgent._shutdown` with the signal, so
+    this wraps it (a private seam of torch, for the duration of the run, put back after) and creates
+    `marker` first; `ddpkit.cluster.preemption` reads it before it takes a SIGTERM for a preemption."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    original = LocalElasticAgent._shutdown
+
+    def shutdown(agent: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or "death_sig" in kwargs:  # the signal path; a failure or the end pass no signal
+            with contextlib.suppress(OSError):
+                marker.touch()
+        return original(agent, *args, **kwargs)
+
+    LocalElasticAgent._shutdown = shutdown  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        LocalElasticAgent._shutdown = original  # type: ignore[method-assign]
 
 
 def _children() -> list[int]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -46,10 +47,15 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.cluster.signals import PreemptionOptions, signal_of
-from ddpkit.names import PREEMPTED_EXIT_CODE, PREEMPTION_RECORD_ENV
+from ddpkit.names import PREEMPTED_EXIT_CODE, PREEMPTION_RECORD_ENV, SIGNALLED_FILE
 
 __all__ = ["Preempted", "Preemption", "PreemptionOptions", "signal_of"]
 
+NOTHING_TO_SAVE = (
+    "nothing to save: this script never passed its state to s.load or s.save. Add, before the loop, "
+    '`step = s.load("runs/ckpt", model=model, optimizer=opt, loader=train, step=0)["step"]` and ddpkit '
+    "saves that state at the step a preemption stops (README, Checkpoints and restarts)"
+)
 COST_SHARE = 0.005  # agreements may cost this share of the training time
 MAX_LATENCY_S = 1.0  # ... but come at least about this often
 MAX_INTERVAL = 1000
@@ -70,6 +76,8 @@ class Preemption:
     def __init__(self, options: PreemptionOptions, env: Mapping[str, str]) -> None:
         self.options, self.env = options, env
         self.asked: str | None = None  # the name of the first signal seen
+        self.agreed = False  # every rank agreed to stop (set by `agree`, at the same call everywhere)
+        self.remedy: str | None = None  # nothing to save yet: said at a signal, which then acts as before
         self._previous: dict[signal.Signals, Any] = {}
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._calls, self._due = 0, 1  # calls of agree(); the call of the next agreement
@@ -77,15 +85,41 @@ class Preemption:
         self._step: float | None = None  # seconds between calls (a moving average)
         self._cost: float | None = None  # seconds an agreement takes (a moving average)
 
-    def arm(self) -> None:
-        """Install the flag-setting handlers (once; only the main thread may)."""
+    def arm(self, remedy: str | None = None) -> None:
+        """Install the flag-setting handlers (once; only the main thread may). Until `remedy` is cleared
+        (the session was given state to save), a signal prints `remedy` (if not empty) and then does
+        what it did before ddpkit (the previous handler, e.g. the default: the process ends)."""
         if self._previous or threading.current_thread() is not threading.main_thread():
             return
+        self.remedy = remedy
         for sig in self.options.signals:
             self._previous[sig] = signal.signal(sig, self._handler)
 
     def _handler(self, signum: int, frame: Any) -> None:
+        stopping = signum == signal.SIGTERM and not self._launcher_signalled()
+        if self.remedy is not None or stopping:  # nothing to save, or not a preemption: as without ddpkit
+            if self.remedy and not stopping:
+                os.write(2, f"ddpkit: {signal.Signals(signum).name}: {self.remedy}\n".encode())
+            self.close()
+            signal.raise_signal(signum)
+            return
         self.asked = self.asked or signal.Signals(signum).name  # only a flag: see the module docstring
+
+    def _launcher_signalled(self, wait: float = 1.0) -> bool:
+        """Under `ddpkit run`, a SIGTERM is a preemption only when the launcher itself was signalled (it
+        marks that before passing the signal on: `cluster.launch.marking_signals`); its agent also
+        SIGTERMs the survivors of a failed rank, which must end at once. Slurm may signal the ranks
+        and the launcher together, so the mark is waited for up to `wait` seconds. Elsewhere: True."""
+        record = self.env.get(PREEMPTION_RECORD_ENV)
+        if not record:
+            return True
+        marker = Path(record).with_name(SIGNALLED_FILE)
+        end = time.monotonic() + wait
+        while not marker.exists():
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.02)
+        return True
 
     def agree(self, distributed: bool, device: torch.device, *, now: bool = False) -> bool:
         """True on every rank at the same call when any rank was signalled before the last agreement.
@@ -97,7 +131,8 @@ class Preemption:
         later than the next regular checkpoint, however long the interval grew.
         """
         if not distributed:
-            return self.asked is not None
+            self.agreed = self.agreed or self.asked is not None
+            return self.agreed
         self._calls += 1
         t0 = time.perf_counter()
         if self._last_call is not None:
@@ -114,7 +149,7 @@ class Preemption:
             self._due = self._calls + max(1, interval)
             if signum:
                 self.asked = self.asked or signal.Signals(signum).name
-                stop = True
+                stop = self.agreed = True
         else:
             self._due = self._calls + 1
         mine = 0 if self.asked is None else int(signal.Signals[self.asked])
@@ -126,7 +161,7 @@ class Preemption:
             self._due = self._calls + max(1, interval)
             if signum:
                 self.asked = self.asked or signal.Signals(signum).name
-                stop = True
+                stop = self.agreed = True
         else:
             self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
         spent = time.perf_counter() - t0

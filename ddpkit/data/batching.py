@@ -61,14 +61,26 @@ def elastic_accumulation(
 ) -> tuple[int, str | None]:
     """The accumulation this world size trains with in an elastic job, and a note when it changed.
 
-    `ddpkit run --nnodes MIN:MAX` runs at any world size up to the most nodes' (ELASTIC_WORLD_ENV). By
-    default ("per-rank") a smaller world keeps the per-rank batch, which is what fits a GPU's memory,
-    and accumulates more micro-batches, so the global batch stays the user's; with "accumulation" the
-    per-rank batch grows instead (`plan_batch` splits the global batch over fewer ranks).
+    `ddpkit run --nnodes MIN:MAX` runs at any world size up to the most nodes' (ELASTIC_WORLD_ENV); the
+    global batch stays the user's either way. "per-rank" keeps the per-rank batch, which is what fits a
+    GPU's memory, and accumulates more micro-batches (the loop must run `with s.accumulate(model)`);
+    "accumulation" keeps the accumulation and the per-rank batch grows (`plan_batch` splits the global
+    batch over fewer ranks), which every loop survives, plain `loss.backward(); opt.step()` included.
+    "auto" (the default): "per-rank" for a session that accumulates (accumulation > 1: its loop has
+    the block), "accumulation" for one that does not (its loop may have no block at all).
     """
     most = int(env.get(ELASTIC_WORLD_ENV, "0") or 0)
-    if most <= world_size or env.get(ELASTIC_BATCH_ENV, "per-rank") != "per-rank":
+    mode = env.get(ELASTIC_BATCH_ENV, "auto")
+    if mode == "auto":
+        mode = "per-rank" if accumulation > 1 else "accumulation"
+    if most <= world_size:
         return accumulation, None
+    if mode != "per-rank":
+        return accumulation, (
+            f"elastic: world size {world_size} of up to {most}: the per-rank batch grows "
+            f"{most / world_size:g}x (accumulation stays {accumulation}: this session does not accumulate), "
+            f"so the global batch stays as at {most}"
+        )
     if most % world_size:
         raise problem(
             f"the elastic job runs at world size {world_size}, which does not divide its largest world size "

@@ -61,6 +61,9 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     return batch
 
 
+_END = object()  # the end of a pass (a batch may be anything, None included)
+
+
 class ShardedLoader:
     """A DataLoader that sets the sampler's epoch on every new pass and yields batches on `device`.
 
@@ -89,6 +92,7 @@ class ShardedLoader:
         self._generator = loader.generator
         self._skip = 0  # global samples the next pass skips (set by load_state_dict)
         self._pass: dict[str, Any] | None = None  # the pass in progress: epoch, position, generator
+        self.boundary: Callable[[], None] | None = None  # the session's: called before each batch is read
 
     @property
     def sampler(self) -> Sampler | None:
@@ -135,7 +139,13 @@ class ShardedLoader:
         self._skip = 0
         self.epoch += 1
         non_blocking = self.device.type == "cuda" and self.loader.pin_memory
-        for batch in batches:
+        batches = iter(batches)
+        while True:
+            if self.boundary is not None:  # the loop's body is done: a preemption's stop saves here
+                self.boundary()
+            batch = next(batches, _END)
+            if batch is _END:
+                break
             self._pass["per_rank_samples"] += self.batch.per_rank
             yield to_device(batch, self.device, non_blocking)
         self._pass = None

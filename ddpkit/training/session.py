@@ -38,7 +38,7 @@ from torch import nn
 from ddpkit import strategy as strategies
 from ddpkit.cluster import lifecycle, topology
 from ddpkit.cluster.lifecycle import Limits
-from ddpkit.cluster.preemption import Preemption, PreemptionOptions
+from ddpkit.cluster.preemption import NOTHING_TO_SAVE, Preemption, PreemptionOptions
 from ddpkit.cluster.ranks import RankContext
 from ddpkit.data import ShardedLoader, elastic_accumulation, make_loader, plan_batch
 from ddpkit.errors import problem
@@ -110,13 +110,14 @@ class Session(RankContext):
         self._strategy: Strategy | None = None  # built once (`_build`), then the stepper that asks it
         self._stepper: Stepper | None = None
         if strategies.kind(strategy, self) == "fsdp":  # built now: fp16 under FSDP is refused at the start
-            self._strategy = strategies.make(strategy, self._ranks(), precision=self.precision)
+            self._build(strategy)
 
     def _build(self, choice: Choice) -> Stepper:
         """The session's strategy, built once (at the first s.model, or when first needed), then the
         stepper that holds it; neither is replaced. A later s.model may not ask for another kind."""
         if self._strategy is None:
-            self._strategy = strategies.make(choice, self._ranks(), precision=self.precision)
+            group = _Group(self.device, self.distributed, self.world_size)  # not the session: a value
+            self._strategy = strategies.make(choice, group, precision=self.precision)
         elif strategies.kind(choice, self) != self._strategy.name:
             raise problem(
                 f"this session's strategy is already {self._strategy.name!r} (set by its first s.model, or "
@@ -128,9 +129,6 @@ class Session(RankContext):
                                     report=self.print, shard=self._shard, device=self.device,
                                     timeout=self.limits.collective, strategy=self._strategy)  # fmt: skip
         return self._stepper
-
-    def _ranks(self) -> _Group:
-        return _Group(self.device, self.distributed, self.world_size)
 
     @property
     def rank_seed(self) -> int:
@@ -144,6 +142,7 @@ class Session(RankContext):
         else:
             cpu_allocator.prepare()  # huge pages asked for before any tensor; s.model decides per model
         self._group = lifecycle.join(self.plan, self.limits)
+        self.preemption.arm(NOTHING_TO_SAVE if self.is_main else "")  # a flag once state is given to save
         seed_everything(self.seed)
         threads = torch.get_num_threads()
         detail = f", {threads} CPU thread(s) per rank" if self.device.type == "cpu" else ""
@@ -193,6 +192,7 @@ class Session(RankContext):
 
         Run the forward and `s.backward(loss)` inside; call `s.step(opt)` after every block.
         """
+        self._boundary()
         return self.stepper.accumulate(model)
 
     def backward(self, loss: torch.Tensor, *, tokens: int | torch.Tensor | None = None) -> None:
@@ -201,6 +201,7 @@ class Session(RankContext):
         `tokens=n`: `loss` is the SUM of the micro-batch's per-token losses over its n valid tokens;
         `s.step` then makes the gradient the mean over all tokens of the global batch (`ddpkit.step.tokens`).
         """
+        self._boundary()
         self.stepper.backward(loss, tokens)
 
     def step(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None) -> StepInfo:
@@ -208,7 +209,14 @@ class Session(RankContext):
 
         On the first k-1 it does nothing and returns `StepInfo(stepped=False)`.
         """
-        return self.stepper.step(optimizer, max_norm)
+        info = self.stepper.step(optimizer, max_norm)
+        if self._checkpoints is not None:  # given state to save: agree on a preemption stop
+            self._checkpoints.stepped()
+        return info
+
+    def _boundary(self) -> None:  # the loader's next batch, s.accumulate, s.backward: a preemption saves
+        if self._checkpoints is not None:
+            self._checkpoints.stop_at_boundary()
 
     @contextmanager
     def join(self, model: nn.Module, *joinables: Any) -> Iterator[None]:
@@ -347,6 +355,7 @@ class Session(RankContext):
                             presplit=presplit, **dataloader_kwargs)  # fmt: skip
         if not evaluation:
             self.print(f"ddpkit: {batch.describe()}")
+            built.boundary = self._boundary  # before each batch: where a preemption's stop saves
         return built
 
 
@@ -392,19 +401,9 @@ def session(
                             share_gpu=share_gpu)  # fmt: skip
     accumulation, note = elastic_accumulation(accumulation, plan.ranks.world_size, env)  # ddpkit run --nnodes
     plan = dataclasses.replace(plan, notes=(*plan.notes, note)) if note else plan
-    s = Session(
-        plan,
-        seed=seed,
-        accumulation=accumulation,
-        precision=precision,
-        limits=limits,
-        verbose=verbose,
-        shard_optimizer=shard_optimizer,
-        strategy=strategy,
-        log_to=log_to,
-        log_dir=log_dir,
-        env=env,
-    )
+    s = Session(plan, seed=seed, accumulation=accumulation, precision=precision, limits=limits,
+                verbose=verbose, shard_optimizer=shard_optimizer, strategy=strategy, log_to=log_to,
+                log_dir=log_dir, env=env)  # fmt: skip
     try:
         yield s.start()
     except BaseException as exc:
