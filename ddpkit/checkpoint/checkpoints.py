@@ -153,14 +153,16 @@ class Checkpoints:
         self._preemption.remedy = None  # a signal now sets the flag (the session said what to add before)
 
     def stepped(self) -> None:
-        """At every `s.step`, every rank: count it, and (once there is state to save) agree on a stop."""
+        """At every optimizer step (`s.step` on the k-th micro-batch), every rank: count it, and (once there
+        is state to save) agree on a stop. Only there: a group in progress is not saved (`Stepper`), and
+        `step` is the optimizer step count (`every=` says so)."""
         self._steps_since += 1
         if self._remembered is not None and not self._preemption.agreed:
             self._preemption.agree(self._ctx.distributed, self._ctx.device)
 
     def stop_at_boundary(self) -> None:
         """At a step boundary ddpkit owns, after the agreed stop: save the remembered state, its `step`
-        advanced by the `s.step` calls since it was given, and raise `Preempted`."""
+        advanced by the optimizer steps since it was given, and raise `Preempted`."""
         if not self._preemption.agreed or self._remembered is None:
             return
         path, keep, state = self._remembered

@@ -210,7 +210,7 @@ class Session(RankContext):
         On the first k-1 it does nothing and returns `StepInfo(stepped=False)`.
         """
         info = self.stepper.step(optimizer, max_norm)
-        if self._checkpoints is not None:  # given state to save: agree on a preemption stop
+        if info.stepped and self._checkpoints is not None:  # an optimizer step: agree on a preemption stop
             self._checkpoints.stepped()
         return info
 
