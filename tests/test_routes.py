@@ -84,3 +84,19 @@ def test_the_loss_scale_is_driven_by_its_owner() -> None:
     assert scale.step(opt, lambda update: update()) and scale.get_scale() < before  # skipped, lowered
     passthrough = FP32.loss_scale()
     assert not passthrough.active and passthrough.step(opt, lambda update: update()) is False
+
+
+def test_ddpkit_variables_are_spelled_only_in_names() -> None:
+    import ast
+    import re
+
+    package = Path(ddpkit.__file__).parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "names.py" and path.parent == package:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            spelled = isinstance(node, ast.Constant) and isinstance(node.value, str)
+            if spelled and re.fullmatch(r"DDPKIT_[A-Z0-9_]+", node.value):
+                found.append(f"{path.relative_to(package)}:{node.lineno} {node.value}")
+    assert not found, f"DDPKIT_* variables spelled outside ddpkit/names.py: {found}"

@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-CPU_ALLOCATOR_OPT_OUT = "DDPKIT_CPU_ALLOCATOR"  # the documented switch (README), as a user sets it
+from ddpkit.names import CPU_ALLOCATOR_ENV
+
+CPU_ALLOCATOR_OPT_OUT = CPU_ALLOCATOR_ENV  # the documented switch (README), as a user sets it
 
 HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "shm")
 LOSSY_HOOKS = ("fp16", "bf16", "powersgd")

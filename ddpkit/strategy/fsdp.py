@@ -38,7 +38,7 @@ from ddpkit.errors import problem
 from ddpkit.step import cpu_allocator
 from ddpkit.step.collectives import Ranks, same_everywhere
 from ddpkit.step.compiling import CompileBlock
-from ddpkit.step.precision import PrecisionPlan
+from ddpkit.step.precision import FP32, PrecisionPlan
 from ddpkit.strategy import checkpointing, fsdp_export, fsdp_init, hf
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.fsdp_options import FSDPOptions
@@ -62,7 +62,7 @@ class FSDP(Strategy):
         super().__init__()
         self.options = options or FSDPOptions()
         self.ranks = ranks
-        self.precision = precision or PrecisionPlan("32", "cpu")  # fp16: refused by `make`
+        self.precision = precision or FP32  # the one default plan; fp16: refused by `make`
         self._built: dict[int, fsdp_init.Shards] = {}  # modules `build` made, until `wrap` takes them
 
     def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
