@@ -303,7 +303,12 @@ def marking_signals(marker: Path) -> Iterator[None]:
     `marker` first; `ddpkit.cluster.preemption` reads it before it takes a SIGTERM for a preemption."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    original = LocalElasticAgent._shutdown
+    original = getattr(LocalElasticAgent, "_shutdown", None)
+    if original is None:  # another torch: every SIGTERM counts as a preemption (the ranks save, then end)
+        with contextlib.suppress(OSError):
+            marker.touch()
+        yield
+        return
 
     def shutdown(agent: Any, *args: Any, **kwargs: Any) -> Any:
         if args or "death_sig" in kwargs:  # the signal path; a failure or the end pass no signal
