@@ -465,6 +465,40 @@ MUTANTS = [
         ("tests/test_data_samplers.py::test_a_batch_sampler_gives_each_rank_its_part_of_every_global_batch",),
         "every rank reads the first part of each of the user's batch sampler's batches",
     ),
+    Mutant(
+        "flops-count",
+        "ddpkit/observe/monitor.py",
+        "        self.flops_per_step = float(flops * self.accumulation) if flops > 0 else None",
+        "        self.flops_per_step = None  # mutant: the counted FLOPs are dropped (no FLOP/s, no MFU)",
+        ("tests/test_anatomy.py::test_fit_shows_mfu_and_counts_flops",),
+        "fit counts no model FLOPs: no FLOP/s and no MFU in the progress line and the logs",
+    ),
+    Mutant(
+        "anatomy-sync",
+        "ddpkit/observe/anatomy.py",
+        "        if i == _BACKWARD and self._cursor < self._last_grad <= now:",
+        "        if False:  # mutant: the sync wait stays inside backward",
+        ("tests/test_anatomy.py::test_anatomy_marks_split_backward_at_the_last_gradient",
+         "tests/test_anatomy.py::test_slow_rank_named_with_its_cause"),
+        "backward is not split at the last gradient: no gradient-sync wait measured",
+    ),
+    Mutant(
+        "slow-rank-cause",
+        "ddpkit/observe/slowrank.py",
+        "        cause = max(mine, key=lambda k: mine[k] - median(t[k] for t in theirs))",
+        '        cause = "compute"  # mutant: every slow rank is blamed on its compute',
+        ("tests/test_anatomy.py::test_slow_rank_named_with_its_cause",),
+        "a slow rank's cause is always compute, whatever phase its time goes to",
+    ),
+    Mutant(
+        "slow-rank-threshold",
+        "ddpkit/observe/slowrank.py",
+        '        limit = max(self.absolute_s, self.relative * median(row["step"] for row in others))',
+        "        limit = 0.0  # mutant: any difference between ranks is a slow rank",
+        ("tests/test_anatomy.py::test_detector_thresholds_and_persistence",
+         "tests/test_anatomy.py::test_balanced_run_names_nobody"),
+        "no relative or absolute threshold: noise on a balanced run names a slow rank",
+    ),
 ]
 
 

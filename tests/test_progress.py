@@ -20,8 +20,9 @@ import pytest
 from conftest import REPO
 
 LINE = re.compile(
-    r"^fit: step (\d+)/(\d+) \(\d+%\), epoch \d+, loss [\d.e+-]+, \d+ samples/s, [\d.]+ ms/step, \d+ s left$"
-)
+    r"^fit: step (\d+)/(\d+) \(\d+%\), epoch \d+, loss [\d.e+-]+, \d+ samples/s, [\d.]+ ms/step, "
+    r"[\d.]+ [TGM]?FLOP/s, MFU [\d.]+% \(measured peak\), \d+ s left$"
+)  # issue 33: FLOP/s and MFU against the CPU's measured matmul peak
 
 
 def _env() -> dict[str, str]:
