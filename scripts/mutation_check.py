@@ -499,6 +499,22 @@ MUTANTS = [
          "tests/test_anatomy.py::test_balanced_run_names_nobody"),
         "no relative or absolute threshold: noise on a balanced run names a slow rank",
     ),
+    Mutant(
+        "rank-scalars",
+        "ddpkit/observe/slowrank.py",
+        '            f"anatomy/rank{r}/{name}_ms": row[name] * 1e3',
+        '            f"anatomy/{name}_ms": row[name] * 1e3  # mutant: the ranks overwrite each other',
+        ("tests/test_anatomy.py::test_slow_rank_named_with_its_cause",),
+        "the trackers get one anatomy/<phase>_ms per phase, not one per rank",
+    ),
+    Mutant(
+        "trace-ranks",
+        "ddpkit/tools/trace.py",
+        "    if ns.ranks:",
+        "    if False:  # mutant: --ranks ignored",
+        ("tests/test_anatomy.py::test_trace_ranks_draws_every_rank_and_names_the_planted_one",),
+        "`ddpkit trace --ranks` draws the one-step timeline instead of the ranks side by side",
+    ),
 ]
 
 

@@ -8,6 +8,7 @@ for 3 gathers in a row: the noise of a shared 2-core machine moves neither). No 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
+from ddpkit.errors import DdpkitError
 from ddpkit.observe.anatomy import StepAnatomy
 from ddpkit.observe.flops import cpu_peak, gpu_peak
 from ddpkit.observe.slowrank import SlowRankDetector
@@ -180,3 +182,22 @@ def test_peak_table_and_cpu_cache(tmp_path: Path) -> None:
     first = cpu_peak(1, directory=str(tmp_path), measure=lambda t: calls.append(t) or 1e9)
     again = cpu_peak(1, directory=str(tmp_path), measure=lambda t: calls.append(t) or 2e9)
     assert calls == [1] and first.flops == again.flops == 1e9 and again.measured
+
+
+def test_trace_ranks_draws_every_rank_and_names_the_planted_one(tmp_path: Path, capsys, monkeypatch) -> None:
+    """`ddpkit trace --ranks`: one panel per rank over 40 steps, and fit's slow-rank report for a plant."""
+    from ddpkit.tools import trace
+
+    monkeypatch.setenv("DDPKIT_CACHE_DIR", str(tmp_path / "cache"))
+    code = trace.main(
+        ["--ranks", "--workload", "cnn", "--steps", "40", "--slow", "1:30:data", "--out", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    ranks = json.loads((tmp_path / "ranks_anatomy.json").read_text())
+    assert [len(r["history"]) for r in ranks] == [40, 40]  # every step of both ranks, 6 phases each
+    assert all(len(row) == 6 for r in ranks for row in r["history"])
+    assert (tmp_path / "ranks.png").stat().st_size > 10_000
+    assert "slow rank: rank 1 on" in out and "in data loading" in out, out
+    with pytest.raises(DdpkitError, match="RANK:MS:data"):
+        trace.main(["--ranks", "--slow", "1:x:disk", "--out", str(tmp_path)])
