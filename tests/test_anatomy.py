@@ -201,3 +201,17 @@ def test_trace_ranks_draws_every_rank_and_names_the_planted_one(tmp_path: Path, 
     assert "slow rank: rank 1 on" in out and "in data loading" in out, out
     with pytest.raises(DdpkitError, match="RANK:MS:data"):
         trace.main(["--ranks", "--slow", "1:x:disk", "--out", str(tmp_path)])
+
+
+def test_bad_options_are_one_paragraph_errors() -> None:
+    with ddpkit.session(seed=0, verbose=False, log_to=None) as s:
+        model = s.model(_net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = s.loader(_data(), batch_size=16)
+        step = lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+        with pytest.raises(DdpkitError, match="flops=-1 is not 'count'"):
+            fit(s, model, opt, loader, step, max_steps=1, flops=-1)
+        with pytest.raises(DdpkitError, match="anatomy every=0 is below 1"):
+            fit(s, model, opt, loader, step, max_steps=1, anatomy_every=0, flops=None)
+    with pytest.raises(DdpkitError, match="out of range"):
+        SlowRankDetector(persistence=0)

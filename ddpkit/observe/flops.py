@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -166,7 +167,11 @@ def count_flops(run: Callable[[], object]) -> int:
     """FLOPs of whatever `run()` computes (one micro-batch's forward and backward), counted by torch."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:
+    with warnings.catch_warnings(), FlopCounterMode(display=False) as counter:
+        # the counter's module tracker is a global module hook, which torch.compile warns about once
+        warnings.filterwarnings(
+            "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks"
+        )
         run()
     return int(counter.get_total_flops())
 
