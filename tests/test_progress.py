@@ -69,6 +69,7 @@ def test_on_a_terminal_the_bar_refreshes_in_place(tmp_path: Path) -> None:
     text = b"".join(chunks).decode(errors="replace")
     assert re.search(r"\rfit: +\d+%", text), "tqdm redraws the bar in place (a carriage return, then the bar)"
     assert not any(LINE.match(x.strip()) for x in text.splitlines()), "and prints no plain progress line"
+    assert "perf=" in text and "MFU" in text, "the bar's postfix shows FLOP/s and MFU (issue 33)"
 
 
 def test_a_run_of_unknown_length_logs_a_line_every_every_s_seconds() -> None:

@@ -61,7 +61,8 @@ class Progress:
         `detail(seconds per step)` adds to the plain line (e.g. "41.2 TFLOP/s, MFU 42%")."""
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}")
+            perf = detail((time.perf_counter() - self.start) / step) if detail and step else ""  # mean so far
+            self.bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", **({"perf": perf} if perf else {}))
             return
         self.window_steps += 1
         self.window_samples += samples
