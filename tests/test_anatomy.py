@@ -143,9 +143,9 @@ def test_anatomy_marks_split_backward_at_the_last_gradient() -> None:
     loss.backward()
     time.sleep(0.002)  # between the last gradient and the mark: counted as waiting
     anatomy.mark("backward")
-    anatomy.mark("optimizer")
-    anatomy.end_step()
+    anatomy.stepped(applied=True)
     anatomy.end_step()  # a repeated end is no step
+    anatomy.stepped(applied=False)  # an accumulation micro-batch's s.step: no step either
     assert anatomy.steps == 1
     med = anatomy.medians()
     assert (

@@ -81,6 +81,12 @@ class StepAnatomy:
         self.steps += 1
         self._current = [0.0] * len(PHASES)
 
+    def stepped(self, applied: bool) -> None:
+        """After `s.step`: the optimizer phase ended; a step when the optimizer step applied."""
+        self.mark("optimizer")
+        if applied:
+            self.end_step()
+
     def watch(self, model: torch.nn.Module) -> None:
         """Time this rank's last gradient (see the module docstring); once per model."""
         if id(model) in self._watched:
