@@ -5,8 +5,10 @@
 
 Two measurements:
 1. A/B in the same two gloo processes: the same loop over the same loader (s.backward, s.step) without the
-   anatomy ("off") and with exactly the calls `fit` makes ("on": the phase marks, the gradient hooks that
-   time the last gradient, end_step, and every 10 steps the 9-number all_gather and the slow-rank check).
+   anatomy ("off": the session's `s.anatomy` swapped for a do-nothing object, its gradient hooks removed)
+   and with exactly what `fit` runs ("on": the session's marks in s.backward / s.step, fit's own marks,
+   the gradient hooks that time the last gradient, and every 10 steps the 9-number all_gather and the
+   slow-rank check).
    Interleaved blocks of one epoch each (off on on off ...: neither always goes first), the per-round
    ratio on/off summarised as median and [min, max]. On a shared machine this ratio's spread is larger
    than the effect, so:
@@ -57,16 +59,27 @@ def _epoch(s, wl, model, opt, loader, monitor: StepMonitor | None) -> int:
     return steps
 
 
+class _Off:
+    """A do-nothing anatomy for the "off" arm (the session calls mark / stepped / watch)."""
+
+    def mark(self, phase: str) -> None: ...
+    def stepped(self, applied: bool) -> None: ...
+    def watch(self, model: torch.nn.Module) -> None: ...
+
+
 def _direct_costs(model: torch.nn.Module, n: int = 20000) -> dict[str, float]:
     """Seconds per step of the anatomy's own calls (no training), and per hook call."""
     anatomy = StepAnatomy()
     t0 = time.perf_counter()
-    for _ in range(n):
+    for _ in range(n):  # what fit and the session call per step (fit's marks, then the session's)
         anatomy.mark("data")
+        anatomy.mark("forward")
         anatomy.mark("forward")
         anatomy._grad_ready(None)  # type: ignore[arg-type]
         anatomy.mark("backward")
+        anatomy.mark("backward")
         anatomy.mark("other")
+        anatomy.stepped(True)
         anatomy.mark("optimizer")
         anatomy.end_step()
         anatomy.mark("other")
@@ -98,18 +111,22 @@ def rank_main(rounds: int, batches: int) -> dict:
         model = s.model(wl.build())
         opt = wl.optimizer(model.parameters())
         loader = s.loader(data, batch_size=wl.global_batch, shuffle=True)
-        monitor = StepMonitor(s, flops=None, every=10, main=s.is_main, report=lambda _: None)
+        real = s.anatomy
+        monitor = StepMonitor(s, flops=None, every=10, main=s.is_main, report=lambda _: None, anatomy=real)
         _epoch(s, wl, model, opt, loader, None)  # warm-up
         times: dict[str, list[float]] = {"off": [], "on": []}
         for r in range(rounds):
             for arm in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 if arm == "on":
-                    monitor.anatomy.watch(model)
+                    s.anatomy = real
+                    real.watch(model)
+                else:
+                    real.unwatch()
+                    s.anatomy = _Off()  # type: ignore[assignment]
                 dist.barrier()
                 t0 = time.perf_counter()
                 steps = _epoch(s, wl, model, opt, loader, monitor if arm == "on" else None)
                 times[arm].append((time.perf_counter() - t0) / steps)
-                monitor.anatomy.unwatch()
         gathers = []
         for _ in range(50):  # the gather alone: one all_gather of 9 numbers and the check
             dist.barrier()
