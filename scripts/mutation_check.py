@@ -515,6 +515,14 @@ MUTANTS = [
         ("tests/test_anatomy.py::test_trace_ranks_draws_every_rank_and_names_the_planted_one",),
         "`ddpkit trace --ranks` draws the one-step timeline instead of the ranks side by side",
     ),
+    Mutant(
+        "session-anatomy",
+        "ddpkit/training/session.py",
+        "        self.anatomy.stepped(info.stepped)  # the optimizer phase; a step when it applied",
+        "        pass  # mutant: s.step records no step",
+        ("tests/test_anatomy.py::test_a_hand_loop_gets_its_steps_anatomy_through_the_session",),
+        "s.step ends no step of the anatomy: a hand loop's medians stay empty",
+    ),
 ]
 
 

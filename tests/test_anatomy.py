@@ -215,3 +215,18 @@ def test_bad_options_are_one_paragraph_errors() -> None:
             fit(s, model, opt, loader, step, max_steps=1, anatomy_every=0, flops=None)
     with pytest.raises(DdpkitError, match="out of range"):
         SlowRankDetector(persistence=0)
+
+
+def test_a_hand_loop_gets_its_steps_anatomy_through_the_session() -> None:
+    """s.backward / s.step mark the phases (the session's hook lines); s.model watched the gradients."""
+    with ddpkit.session(seed=0, verbose=False, log_to=None, accumulation=2) as s:
+        model = s.model(_net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        applied = 0
+        for x, y in s.loader(_data(), batch_size=8):
+            with s.accumulate(model):
+                s.backward(nn.functional.cross_entropy(model(x), y))
+            applied += s.step(opt).stepped
+        assert s.anatomy.steps == applied == 8  # 64 samples, global batch 8: 8 optimizer steps
+        med = s.anatomy.medians()
+        assert med["forward"] > 0 and med["backward"] > 0 and med["optimizer"] > 0

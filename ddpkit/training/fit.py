@@ -148,7 +148,7 @@ def fit(
     bar = Progress(total) if progress and s.is_main else None
     metric_set = MetricSet(s, **(metrics or {}))
     monitor = StepMonitor(s, precision=s.precision.name, accumulation=s.accumulation, flops=flops,
-                          every=anatomy_every, main=s.is_main, report=s.print)  # fmt: skip
+                          every=anatomy_every, main=s.is_main, report=s.print, anatomy=s.anatomy)  # fmt: skip
     monitor.anatomy.watch(model)
     loop = _Loop(s, FitState(s, model, optimizer), plan, metric_set, RunLog(log, s.is_main), bar, monitor)
     return loop.run(train_loader)
@@ -218,7 +218,6 @@ class _Loop:
             ):
                 self.evaluate()
         finally:
-            self.monitor.anatomy.unwatch()
             if self.bar is not None:
                 self.bar.close()
         self.emit("fit_end")

@@ -41,6 +41,7 @@ from ddpkit.cluster.lifecycle import Limits
 from ddpkit.cluster.ranks import RankContext
 from ddpkit.data import ShardedLoader, elastic_accumulation, make_loader, plan_batch
 from ddpkit.errors import problem
+from ddpkit.observe.anatomy import StepAnatomy
 from ddpkit.observe.tracking import Tracking
 from ddpkit.step import compiling, cpu_allocator
 from ddpkit.step.precision import PrecisionPlan, device_supports_bf16, resolve_precision
@@ -94,6 +95,7 @@ class Session(RankContext):
         self._group: lifecycle.Membership | None = None  # this session's place in the process group
         self._checkpoints: Any = None  # checkpoint.checkpoints.Checkpoints, made at the first save/load
         self.tracking = Tracking(log_to, log_dir, enabled=self.is_main)  # observe.tracking; opens lazily
+        self.anatomy = StepAnatomy()  # where this rank's step time goes (observe.anatomy; fit reports it)
         self._on_close = contextlib.ExitStack()  # process-wide settings put back by close()
         self.precision = resolve_precision(precision, self.device.type,
                                            bf16_supported=device_supports_bf16(self.device))  # fmt: skip
@@ -190,14 +192,18 @@ class Session(RankContext):
         `tokens=n`: `loss` is the SUM of the micro-batch's per-token losses over its n valid tokens;
         `s.step` then makes the gradient the mean over all tokens of the global batch (`ddpkit.step.tokens`).
         """
+        self.anatomy.mark("forward")
         self.stepper.backward(loss, tokens)
+        self.anatomy.mark("backward")
 
     def step(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None) -> StepInfo:
         """After each micro-batch: on the k-th, unscale, clip to `max_norm`, step, zero_grad.
 
         On the first k-1 it does nothing and returns `StepInfo(stepped=False)`.
         """
-        return self.stepper.step(optimizer, max_norm)
+        info = self.stepper.step(optimizer, max_norm)
+        self.anatomy.stepped(info.stepped)  # the optimizer phase; a step when it applied
+        return info
 
     @contextmanager
     def join(self, model: nn.Module, *joinables: Any) -> Iterator[None]:
@@ -312,6 +318,7 @@ class Session(RankContext):
             self.print(f"ddpkit: {note}")
         chosen.notes.clear()
         seed_everything(self.rank_seed)
+        self.anatomy.watch(model)
         return model
 
     @property
