@@ -20,8 +20,9 @@ import pytest
 from conftest import REPO
 
 LINE = re.compile(
-    r"^fit: step (\d+)/(\d+) \(\d+%\), epoch \d+, loss [\d.e+-]+, \d+ samples/s, [\d.]+ ms/step, \d+ s left$"
-)
+    r"^fit: step (\d+)/(\d+) \(\d+%\), epoch \d+, loss [\d.e+-]+, \d+ samples/s, [\d.]+ ms/step, "
+    r"[\d.]+ [TGM]?FLOP/s, MFU [\d.]+% \(measured peak\), \d+ s left$"
+)  # issue 33: FLOP/s and MFU against the CPU's measured matmul peak
 
 
 def _env() -> dict[str, str]:
@@ -68,6 +69,7 @@ def test_on_a_terminal_the_bar_refreshes_in_place(tmp_path: Path) -> None:
     text = b"".join(chunks).decode(errors="replace")
     assert re.search(r"\rfit: +\d+%", text), "tqdm redraws the bar in place (a carriage return, then the bar)"
     assert not any(LINE.match(x.strip()) for x in text.splitlines()), "and prints no plain progress line"
+    assert "perf=" in text and "MFU" in text, "the bar's postfix shows FLOP/s and MFU (issue 33)"
 
 
 def test_a_run_of_unknown_length_logs_a_line_every_every_s_seconds() -> None:

@@ -3,6 +3,10 @@
     metrics    `Accuracy`, `Mean`, `Sum`, `MetricSet`: metrics reduced over ranks
     progress   progress lines and `RunLog` (JSON-lines or CSV rows, global rank 0)
     tracking   `s.log` to TensorBoard, MLflow, Weights & Biases (opened lazily)
+    anatomy    where one rank's step time goes (phase marks; the gradient-sync wait from the last gradient)
+    slowrank   every rank's medians to rank 0 (one small all_gather), the slow rank named with its cause
+    flops      model FLOPs (counted once), FLOP/s and MFU against a GPU table or a measured CPU peak
+    monitor    the pieces above, as `fit` drives them
 
 Owns: numbers leaving the run. May import errors and `step.collectives`; never the facade.
 """

@@ -4,7 +4,10 @@ On a terminal: tqdm's bar, refreshed in place. When stdout or stderr is a file (
 one plain line at a time, no carriage returns, at most every `every_s` seconds and at every tenth of
 the run when its length is known, plus the last step:
 
-    fit: step 120/500 (24%), epoch 3, loss 0.1234, 812 samples/s, 12.3 ms/step, 31 s left
+    fit: step 120/500 (24%), epoch 3, loss 0.1234, 812 samples/s, 12.3 ms/step, 41.2 TFLOP/s, MFU 42%,
+         31 s left
+
+(`detail`, from `ddpkit.observe.monitor`, gives the FLOP/s and MFU part for the window's step time.)
 
 `RunLog` writes rows to a JSON-lines or CSV file (global rank 0 only); the trackers are
 `ddpkit.observe.tracking`.
@@ -17,6 +20,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from ddpkit.errors import problem
@@ -50,11 +54,15 @@ class Progress:
         self.last_tenth = 0
         self.window_steps = self.window_samples = 0  # since the last plain line
 
-    def update(self, step: int, epoch: int, loss: float, samples: int) -> None:
-        """After optimizer step `step`, which took `samples` samples over all ranks (0: unknown)."""
+    def update(
+        self, step: int, epoch: int, loss: float, samples: int, detail: Callable[[float], str] | None = None
+    ) -> None:
+        """After optimizer step `step`, which took `samples` samples over all ranks (0: unknown);
+        `detail(seconds per step)` adds to the plain line (e.g. "41.2 TFLOP/s, MFU 42%")."""
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}")
+            perf = detail((time.perf_counter() - self.start) / step) if detail and step else ""  # mean so far
+            self.bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", **({"perf": perf} if perf else {}))
             return
         self.window_steps += 1
         self.window_samples += samples
@@ -65,18 +73,28 @@ class Progress:
             return
         seconds = now - max(self.last_line, self.start)
         rate = self.window_samples / seconds if self.window_samples and seconds > 0 else None
-        text = self.line(step, epoch, loss, rate, seconds / self.window_steps, now - self.start)
+        step_s = seconds / self.window_steps
+        text = self.line(step, epoch, loss, rate, step_s, now - self.start, detail(step_s) if detail else "")
         print(text, file=self.stream or sys.stdout, flush=True)
         self.last_line, self.last_tenth, self.window_steps, self.window_samples = now, tenth, 0, 0
 
     def line(
-        self, step: int, epoch: int, loss: float, samples_per_s: float | None, step_s: float, elapsed: float
+        self,
+        step: int,
+        epoch: int,
+        loss: float,
+        samples_per_s: float | None,
+        step_s: float,
+        elapsed: float,
+        detail: str = "",
     ) -> str:
         where = f"step {step}" if not self.total else f"step {step}/{self.total} ({step / self.total:.0%})"
         parts = [f"{self.desc}: {where}", f"epoch {epoch}", f"loss {loss:.4g}"]
         if samples_per_s is not None:
             parts.append(f"{samples_per_s:.0f} samples/s")
         parts.append(f"{step_s * 1e3:.1f} ms/step")
+        if detail:
+            parts.append(detail)
         if self.total:
             left = elapsed / step * (self.total - step)
             parts.append(f"{left:.0f} s left")

@@ -5,6 +5,7 @@ paths).
     doctor           `ddpkit doctor`: what this machine offers, and a 2-rank smoke test
     demo             `ddpkit demo`: a CNN on scikit-learn's digits with DDP
     trace            `ddpkit trace`: a per-rank timeline of forward, backward, buckets and all-reduce
+    trace_ranks      `ddpkit trace --ranks`: every rank's step anatomy side by side over many steps
     gpucheck         `python -m ddpkit.tools.gpucheck`: prove the CUDA paths on the GPU(s) at hand
     gpucheck_checks  the checks it runs
     workloads        the named benchmark workloads (cnn, mlp, gpt, ...) and `Workload`

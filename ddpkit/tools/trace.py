@@ -3,6 +3,7 @@
     ddpkit trace --workload mlp                     # 2 CPU ranks, 3 traced steps after 2 warm-up steps
     ddpkit trace --workload gpt --strategy fsdp     # FSDP2: each block's all-gather and reduce-scatter
     ddpkit trace --workload gpt --hook shm --explain --out runs/trace-gpt
+    ddpkit trace --ranks --workload cnn --steps 200  # every rank's phases side by side over many steps
 
 Recorded on every rank: forward, backward and optimizer step, and each gradient bucket's all-reduce from
 launch (DDP calls the communication hook when the bucket's last gradient is ready) to completion (the
@@ -15,6 +16,7 @@ backward is waiting for communication. The share of all-reduce time that falls b
 hidden behind computation; the rest was exposed (it lengthened the step). Clocks: CLOCK_MONOTONIC,
 shared by the processes of one machine. `--explain` lists the buckets: which parameters, bytes, and the
 order they fire in (reverse registration order after DDP rebuilds buckets on the first step).
+`--ranks` draws many steps instead, one panel per rank (`ddpkit.tools.trace_ranks`).
 """
 
 import argparse
@@ -304,13 +306,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--strategy", choices=DISTRIBUTED, default="ddp",
                    help="fsdp: each block's all-gather and reduce-scatter, not buckets")  # fmt: skip
     p.add_argument("--warmup", type=int, default=2, help="untraced steps first (DDP rebuilds buckets)")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None, help="traced steps (default 3; with --ranks 200)")
+    p.add_argument("--ranks", action="store_true", help="every rank's step anatomy over many steps (PNG)")
+    p.add_argument("--slow", default=None, help="with --ranks: plant RANK:MS:data|forward, e.g. 1:30:data")
     p.add_argument("--explain", action="store_true", help="list the buckets: parameters, bytes, order")
     p.add_argument("--out", default="runs/trace")
     ns = p.parse_args(argv)
     if ns.nproc < 2:
         print("ddpkit trace: --nproc must be 2 or more: with one process there is no all-reduce to trace")
         return 2
+    if ns.ranks:
+        from ddpkit.tools import trace_ranks
+
+        return trace_ranks.main_ranks(ns.workload, ns.nproc, ns.steps or 200, ns.slow, ns.out)
+    ns.steps = ns.steps or 3
     args = (ns.workload, ns.hook, ns.bucket_cap_mb, max(1, ns.warmup), ns.steps, ns.strategy)
     ranks = ddpkit.spawn(_rank, nproc=ns.nproc, args=args, threads=1, timeout=600)
     for r in ranks:  # JSON keys: bucket indices arrive as ints from the ranks

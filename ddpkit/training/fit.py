@@ -23,7 +23,11 @@ forward may broadcast buffers (a collective), and evaluation shards may differ b
 FSDP the forward itself all-gathers, so the ranks evaluate in lockstep (`ddpkit.training.evaluation`).
 Rank 0 alone shows progress (a tqdm bar on a terminal, plain lines in a log file: `ddpkit.observe.progress`),
 writes the log (`.jsonl` or `.csv`) and the trackers (`s.log`: loss, lr, throughput in samples/s over
-all ranks, step time in seconds, the clipped gradient norm; `eval/<metric>` after each evaluation).
+all ranks, step time in seconds, the clipped gradient norm, TFLOP/s and MFU per device; `eval/<metric>`
+after each evaluation). Every rank marks its phases (data wait, forward, backward, sync wait, optimizer,
+the loop's own work: `ddpkit.observe.anatomy`); every `anatomy_every` steps one all_gather brings the
+ranks' medians to rank 0, which logs them per rank and names a persistently slow rank once, with the
+phase its time goes to (`ddpkit.observe.slowrank`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from torch import nn
 
 from ddpkit.errors import problem
 from ddpkit.observe.metrics import Metric, MetricSet
+from ddpkit.observe.monitor import StepMonitor, Window
 from ddpkit.observe.progress import Progress, RunLog
 from ddpkit.step.stepping import StepInfo
 from ddpkit.training.evaluation import EvalStep, evaluate
@@ -95,6 +100,7 @@ class FitResult:
     seconds: float
     stop_reason: str | None
     skipped_steps: int  # fp16 steps skipped for inf/nan gradients
+    anatomy: dict[str, Any] = field(default_factory=dict)  # StepMonitor.summary(): ranks, findings, MFU
 
 
 def fit(
@@ -118,6 +124,8 @@ def fit(
     log_every: int = 1,
     track_every: int = 10,
     progress: bool = True,
+    flops: float | str | None = "count",
+    anatomy_every: int = 10,
 ) -> FitResult:
     """Train `model` (from `s.model`) with `train_step(model, batch) -> loss`; see the module docstring.
 
@@ -128,6 +136,8 @@ def fit(
     norm, throughput and step time (averaged since the last report) go to `log` every `log_every` steps
     and to the session's trackers every `track_every` steps (`s.log` at the session's optimizer step
     `s.stepper.steps`, which a checkpoint restores; a TensorBoard write costs ~0.5 ms on rank 0).
+    `flops`: "count" (the first micro-batch under torch's FLOP counter), the model FLOPs of one optimizer
+    step on one device, or None (no FLOP/s, no MFU). `anatomy_every`: steps between the ranks' gathers.
     """
     _check(epochs, max_steps, eval_loader, eval_step, metrics, eval_every, scheduler_interval, log_every)
     if track_every < 1:
@@ -137,7 +147,10 @@ def fit(
     total = _total_steps(train_loader, epochs, max_steps, s.accumulation)
     bar = Progress(total) if progress and s.is_main else None
     metric_set = MetricSet(s, **(metrics or {}))
-    loop = _Loop(s, FitState(s, model, optimizer), plan, metric_set, RunLog(log, s.is_main), bar)
+    monitor = StepMonitor(s, precision=s.precision.name, accumulation=s.accumulation, flops=flops,
+                          every=anatomy_every, main=s.is_main, report=s.print, anatomy=s.anatomy)  # fmt: skip
+    monitor.anatomy.watch(model)
+    loop = _Loop(s, FitState(s, model, optimizer), plan, metric_set, RunLog(log, s.is_main), bar, monitor)
     return loop.run(train_loader)
 
 
@@ -170,13 +183,15 @@ class _Loop:
         metric_set: MetricSet,
         logger: RunLog,
         bar: Progress | None,
+        monitor: StepMonitor,
     ) -> None:
         self.s, self.state, self.plan = s, state, plan
-        self.metric_set, self.logger, self.bar = metric_set, logger, bar
+        self.metric_set, self.logger, self.bar, self.monitor = metric_set, logger, bar, monitor
+        self.mark = monitor.anatomy.mark
         self.start = self.last_step_end = time.perf_counter()
         self.started_epochs = self.micro_batches = 0
         self.samples = 0  # this rank's samples in the current optimizer step
-        self.rows, self.tracked = _Window(), _Window()  # since the last log row, the last s.log
+        self.rows, self.tracked = Window(), Window()  # since the last log row, the last s.log
 
     def emit(self, name: str) -> None:
         for cb in self.plan.callbacks:
@@ -214,6 +229,7 @@ class _Loop:
             seconds=time.perf_counter() - self.start,
             stop_reason=state.stop_reason,
             skipped_steps=s.skipped_steps - skipped_before,
+            anatomy=self.monitor.summary(),
         )
 
     def epoch(self, train_loader: Iterable) -> None:
@@ -224,6 +240,7 @@ class _Loop:
         local_loss = torch.zeros(2, dtype=torch.float64, device=s.device)  # [loss sum, non-finite count]
         batches = 0
         for batch in train_loader:
+            self.mark("data")
             batches += 1
             if self.micro_batches % s.accumulation == 0:
                 self.emit("step_start")
@@ -232,6 +249,7 @@ class _Loop:
                 local_loss.zero_()
                 if self.done():
                     break
+            self.mark("other")  # the loop's own work; next: the wait for the next batch
         if batches == 0:
             raise problem("the training loader yielded no batch in an epoch", "Pass a non-empty loader")
         if self.plan.scheduler is not None and self.plan.scheduler_interval == "epoch":
@@ -247,17 +265,20 @@ class _Loop:
         """Forward and backward of one micro-batch; on the k-th, the optimizer step. True after a step."""
         s, state = self.s, self.state
         with s.accumulate(state.model) as micro:
-            loss = self.plan.train_step(state.model, batch)
-            s.backward(loss)
+            loss = self.monitor.counting(self.forward_backward, batch)
         self.samples += _batch_len(batch)
         value = loss.detach().double()
         finite = torch.isfinite(value)  # kept on the device: no host sync per micro-batch
         local_loss += torch.stack([torch.where(finite, value, 0.0), (~finite).double()])
         if not micro.sync:
             s.step(state.optimizer, max_norm=self.plan.max_norm)
+            self.mark("optimizer")
             return False
         mean_loss = _agree(s, state, local_loss / s.accumulation)
+        self.mark("other")
         info = s.step(state.optimizer, max_norm=self.plan.max_norm)
+        self.mark("optimizer")
+        self.monitor.anatomy.end_step()
         plan = self.plan
         if plan.scheduler is not None and plan.scheduler_interval == "step" and not info.skipped:
             plan.scheduler.step()  # not after a step the fp16 scaler skipped: the schedule follows updates
@@ -275,6 +296,13 @@ class _Loop:
             self.evaluate()
         return True
 
+    def forward_backward(self, batch: Any) -> torch.Tensor:
+        loss = self.plan.train_step(self.state.model, batch)
+        self.mark("forward")
+        self.s.backward(loss)
+        self.mark("backward")
+        return loss
+
     def after_step(self, mean_loss: float, info: StepInfo) -> None:
         """Throughput and step time; the log row, the trackers and the progress line."""
         s, state, plan = self.s, self.state, self.plan
@@ -287,13 +315,18 @@ class _Loop:
         values = {"loss": mean_loss, "lr": state.optimizer.param_groups[0]["lr"]}
         if info.grad_norm is not None:
             values["grad_norm"] = float(info.grad_norm)
+        monitor = self.monitor
+        monitor.after_step(s.stepper.steps)  # every anatomy_every steps: one all_gather (every rank)
         if state.step % plan.log_every == 0:
-            row = {"phase": "train", "step": state.step, "epoch": state.epoch, **values, **self.rows.take()}
+            rates = self.rows.take()
+            row = {"phase": "train", "step": state.step, "epoch": state.epoch, **values, **rates,
+                   **monitor.scalars(rates["step_time"], anatomy=False)}  # fmt: skip
             self.logger.write({**row, "seconds": round(now - self.start, 3)})
         if state.step % plan.track_every == 0:
-            s.log({**values, **self.tracked.take()}, step=s.stepper.steps)
+            rates = self.tracked.take()
+            s.log({**values, **rates, **monitor.scalars(rates["step_time"])}, step=s.stepper.steps)
         if self.bar is not None:
-            self.bar.update(state.step, state.epoch, mean_loss, samples)
+            self.bar.update(state.step, state.epoch, mean_loss, samples, monitor.detail)
 
     def evaluate(self) -> None:
         s, state = self.s, self.state
@@ -307,29 +340,7 @@ class _Loop:
         if s.any_rank(state.stop_reason is not None):
             state._agree_stop()
         self.last_step_end = time.perf_counter()  # step time and throughput leave evaluation out
-
-
-@dataclass
-class _Window:
-    """Optimizer steps, samples over all ranks and seconds since the last report: its rates."""
-
-    steps: int = 0
-    samples: int = 0
-    seconds: float = 0.0
-
-    def add(self, samples: int, seconds: float) -> None:
-        self.steps, self.samples, self.seconds = (
-            self.steps + 1,
-            self.samples + samples,
-            self.seconds + seconds,
-        )
-
-    def take(self) -> dict[str, float]:
-        rates = {"step_time": self.seconds / max(1, self.steps)}
-        if self.samples and self.seconds > 0:
-            rates["throughput"] = self.samples / self.seconds
-        self.steps, self.samples, self.seconds = 0, 0, 0.0
-        return rates
+        self.monitor.anatomy.skip()  # and so do the phases
 
 
 def _batch_len(batch: Any) -> int:

@@ -43,6 +43,7 @@ from ddpkit.cluster.ranks import RankContext
 from ddpkit.data import ShardedLoader, elastic_accumulation, make_loader, plan_batch
 from ddpkit.errors import problem
 from ddpkit.names import WRITER_NICE_ENV
+from ddpkit.observe.anatomy import StepAnatomy
 from ddpkit.observe.tracking import Tracking
 from ddpkit.step import compiling, cpu_allocator
 from ddpkit.step.precision import PrecisionPlan, device_supports_bf16, resolve_precision
@@ -102,6 +103,7 @@ class Session(RankContext):
         self._env = os.environ if env is None else env
         self.preemption = Preemption(PreemptionOptions.from_env(self._env), self._env)  # stop policy
         self.tracking = Tracking(log_to, log_dir, enabled=self.is_main)  # observe.tracking; opens lazily
+        self.anatomy = StepAnatomy()  # where this rank's step time goes (observe.anatomy; fit reports it)
         self._on_close = contextlib.ExitStack()  # process-wide settings put back by close()
         self.precision = resolve_precision(precision, self.device.type,
                                            bf16_supported=device_supports_bf16(self.device))  # fmt: skip
@@ -202,7 +204,9 @@ class Session(RankContext):
         `s.step` then makes the gradient the mean over all tokens of the global batch (`ddpkit.step.tokens`).
         """
         self._boundary()
+        self.anatomy.mark("forward")
         self.stepper.backward(loss, tokens)
+        self.anatomy.mark("backward")
 
     def step(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None) -> StepInfo:
         """After each micro-batch: on the k-th, unscale, clip to `max_norm`, step, zero_grad.
@@ -212,6 +216,7 @@ class Session(RankContext):
         info = self.stepper.step(optimizer, max_norm)
         if info.stepped and self._checkpoints is not None:  # an optimizer step: agree on a preemption stop
             self._checkpoints.stepped()
+        self.anatomy.stepped(info.stepped)  # the optimizer phase; a step when it applied
         return info
 
     def _boundary(self) -> None:  # the loader's next batch, s.accumulate, s.backward: a preemption saves
@@ -313,6 +318,7 @@ class Session(RankContext):
                                  world_size=self.world_size, distributed=self.distributed,
                                  on_close=self._on_close, say=self.print)  # fmt: skip  (how to prepare)
         seed_everything(self.rank_seed)  # each rank's own stream from here on (the module docstring)
+        self.anatomy.watch(model)  # its gradient hooks time the sync wait (observe.anatomy)
         return model
 
     def _strategy_for(self, strategy: Choice | None) -> Stepper:
