@@ -465,6 +465,30 @@ MUTANTS = [
         ("tests/test_data_samplers.py::test_a_batch_sampler_gives_each_rank_its_part_of_every_global_batch",),
         "every rank reads the first part of each of the user's batch sampler's batches",
     ),
+    Mutant(
+        "invariant-tree",
+        "ddpkit/step/chunktree.py",
+        "        while self._stack and self._stack[-1][0] == size:",
+        "        while self._stack:  # mutant: a running sum, whose order depends on where the ranks cut it",
+        ("tests/test_invariant.py::test_mlp_cnn_and_gpt_train_the_same_weights_on_1_2_and_4_ranks",),
+        "reproducible='any-world' sums the chunks' gradients left to right instead of in the fixed tree",
+    ),
+    Mutant(
+        "invariant-chunk-seed",
+        "ddpkit/step/invariant.py",
+        "            torch.manual_seed(_chunk_seed(self.seed, self.counters.steps, index))",
+        "            pass  # mutant: dropout draws from the rank's own stream",
+        ("tests/test_invariant.py::test_mlp_cnn_and_gpt_train_the_same_weights_on_1_2_and_4_ranks",),
+        "reproducible='any-world' no longer seeds each chunk's random draws by its global index",
+    ),
+    Mutant(
+        "invariant-batchnorm",
+        "ddpkit/step/invariant.py",
+        "        if isinstance(sub, nn.modules.batchnorm._BatchNorm):",
+        "        if False:  # mutant: BatchNorm accepted",
+        ("tests/test_invariant.py::test_batchnorm_fp16_accumulation_and_a_ragged_tree_are_refused",),
+        "reproducible='any-world' accepts BatchNorm, whose statistics depend on the chunking",
+    ),
 ]
 
 
