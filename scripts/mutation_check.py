@@ -489,6 +489,14 @@ MUTANTS = [
         ("tests/test_invariant.py::test_batchnorm_fp16_accumulation_and_a_ragged_tree_are_refused",),
         "reproducible='any-world' accepts BatchNorm, whose statistics depend on the chunking",
     ),
+    Mutant(
+        "verify-bitwise",
+        "ddpkit/verify/bitwise.py",
+        "            if outputs.get(key, (None, None, None))[2] != digest:",
+        "            if False:  # mutant: module outputs never compared",
+        ("tests/test_invariant.py::test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_own_generator",),
+        "verify --bitwise no longer names the first module whose output differs (only gradients and weights)",
+    ),
 ]
 
 

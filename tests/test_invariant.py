@@ -7,15 +7,22 @@ runs as plain DDP show the mode is what does it: their hashes differ with the wo
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import invariant_models
 import invariant_ranks
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import run_cli
 from torch import nn
 
 from ddpkit.errors import DdpkitError
 from ddpkit.step import invariant
 from ddpkit.step.chunktree import TreeSum, combine
+from ddpkit.verify import VerifySpec, bitwise
+
+HERE = Path(__file__).parent
 
 
 def test_the_tree_is_the_same_split_over_ranks_and_not_a_running_sum():
@@ -106,3 +113,20 @@ def test_mlp_cnn_and_gpt_train_the_same_weights_on_1_2_and_4_ranks(pool4):
             assert counters["gathers"] == (steps if world > 1 else 0)
     assert ddp_differs["mlp"], "plain DDP with per-rank dropout streams must differ across world sizes"
     assert ddp_differs["cnn"] or ddp_differs["gpt"], ddp_differs
+
+
+def test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_own_generator():
+    """`ddpkit verify --bitwise` as a user runs it: a Noise layer drawing from a generator of its own is
+    the first operation whose output differs (global chunk 2, the first chunk of rank 1 at W = 2)."""
+    args = ("verify", "--bitwise", "--data", "invariant_models:data", "--optimizer", "adamw", "--steps", "3",
+            "--batch-size", "16", "--chunk", "4", "--timeout", "100")  # fmt: skip
+    noisy = run_cli(*args, "--model", "invariant_models:noisy", cwd=HERE, timeout=150)
+    assert noisy.returncode == 1, noisy.stdout + noisy.stderr
+    assert "first difference: step 1, global chunk 2: the output of module `2` (Noise), call 3" in noisy.stdout
+    spec = VerifySpec(model=invariant_models.mlp, data=invariant_models.data, optimizer="adamw", steps=3,
+                      batch_size=16, timeout=100)  # fmt: skip
+    report = bitwise.check(spec, chunk=4)
+    assert report.passed, report.render()
+    assert "bitwise equal (4 tensors x 3 steps)" in report.render()
+    refused = bitwise.check(VerifySpec(model=invariant_models.batchnorm, data=invariant_models.data), chunk=4)
+    assert not refused.passed and "1 is a BatchNorm1d" in refused.render()

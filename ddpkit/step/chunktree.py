@@ -1,4 +1,4 @@
-"""The fixed binary tree that makes a sum of chunk gradients the same on 1, 2, 4, ... ranks.
+r"""The fixed binary tree that makes a sum of chunk gradients the same on 1, 2, 4, ... ranks.
 
 Floating-point addition is commutative but not associative: a + b == b + a bit for bit, while
 (a + b) + c may differ from a + (b + c). A sum is therefore reproducible when its *tree* is fixed.
@@ -65,11 +65,12 @@ class TreeSum:
         return self._stack[0][1]
 
 
-def combine(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The ranks' partial sums (rank order; each a node of the same level) summed along the tree."""
+def combine(parts: Sequence[torch.Tensor], *, fresh: bool = False) -> torch.Tensor:
+    """The ranks' partial sums (rank order; each a node of the same level) summed along the tree.
+    `fresh`: the parts are the caller's scratch buffers (an all-gather's), summed into in place."""
     if not is_power_of_two(len(parts)):
         raise problem(f"{len(parts)} partial sums are not a power of two", "Use 1, 2, 4, 8, ... ranks")
     tree = TreeSum()
     for part in parts:
-        tree.add(part.clone())
+        tree.add(part if fresh else part.clone())
     return tree.total()

@@ -157,12 +157,15 @@ class AnyWorld:
         return {**options, "sampler": global_order(dataset, shuffle)}, False, True
 
     # -- the step ----------------------------------------------------------------------------------
-    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn, *,
-             max_norm: float | None = None) -> torch.Tensor:  # fmt: skip
+    def step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn, *,
+        max_norm: float | None = None, inspect: Callable[[], None] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """One optimizer step on this rank's share of the global batch; returns the global mean loss.
 
         `loss_fn(module, chunk)` returns the MEAN loss over the chunk's samples; `batch` is this rank's
-        share (a tensor, or a tuple/list/dict of tensors, samples along dim 0).
+        share (a tensor, or a tuple/list/dict of tensors, samples along dim 0). `inspect()` is called
+        once the combined gradients are in `.grad`, before clipping and the optimizer (verify reads them).
         """
         module = _inner(model)
         check_model(module)
@@ -187,6 +190,8 @@ class AnyWorld:
         total = self._across_ranks(tree.total(), local)
         total.mul_(1.0 / (local * self.world))  # C is a power of two: exact
         _write_grads(params, total)
+        if inspect is not None:
+            inspect()
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, max_norm)
         optimizer.step()
@@ -194,11 +199,11 @@ class AnyWorld:
         self.counters.steps += 1
         self.counters.chunks += local
         self.counters.peak_buffers = max(self.counters.peak_buffers, tree.peak_buffers)
-        return total[-1].clone()
+        return total[-2].clone()
 
     def _chunk_grad(self, module: nn.Module, params: Sequence[nn.Parameter], part: Any, loss_fn: LossFn,
                     index: int) -> torch.Tensor:  # fmt: skip
-        """One chunk's gradients (and loss, last) as one flat fresh buffer; its draws seeded by the chunk."""
+        """One chunk's gradients, its loss and a free slot in one fresh flat buffer (draws seeded)."""
         for p in params:
             p.grad = None
         devices = [torch.cuda.current_device()] if params and params[0].is_cuda else []
@@ -211,15 +216,17 @@ class AnyWorld:
             loss.backward()
         flat = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params]
         flat.append(loss.detach().to(params[0].dtype).reshape(1))
+        flat.append(torch.zeros(1, dtype=params[0].dtype, device=params[0].device))  # the count's slot
         return torch.cat(flat)
 
     def _across_ranks(self, partial: torch.Tensor, local: int) -> torch.Tensor:
-        """All ranks' subtree sums, then the tree's top levels, identically on every rank."""
+        """All ranks' subtree sums, then the tree's top levels, identically on every rank. The buffer's
+        last slot (a sum of zeros) carries this rank's chunk count, so the ranks check they agree."""
+        partial[-1] = float(local)
         if self.world == 1:
             return partial
-        mine = torch.cat([partial, partial.new_tensor([float(local)])])
-        parts = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(parts, mine, group=self.group)
+        parts = [torch.empty_like(partial) for _ in range(self.world)]
+        dist.all_gather(parts, partial, group=self.group)
         self.counters.gathers += 1
         counts = [int(p[-1].item()) for p in parts]
         if len(set(counts)) != 1:
@@ -227,7 +234,7 @@ class AnyWorld:
                 f"the ranks hold different numbers of chunks this step ({counts})",
                 "Give every rank the same share: s.loader(..., batch_size=global) in this mode",
             )
-        return combine([p[:-1] for p in parts])
+        return combine(parts, fresh=True)
 
 
 def _inner(model: nn.Module) -> nn.Module:
