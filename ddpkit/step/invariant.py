@@ -61,9 +61,11 @@ class Counters:
     peak_buffers: int = 0
 
 
-def configure(reproducible: str | None, chunk: int | None, *, seed: int = 0, precision: str = "32",
-              accumulation: int = 1, group: Any = None) -> AnyWorld | None:  # fmt: skip
-    """The session's option: None (normal DDP) or "any-world" with a chunk size (see the docstring)."""
+def configure(reproducible: str | None, chunk: int | None, *, seed: int = 0, precision: Any = None,
+              accumulation: int = 1, group: Any = None, rank: int | None = None,
+              world_size: int | None = None) -> AnyWorld | None:  # fmt: skip
+    """The session's option: None (normal DDP) or "any-world" with a chunk size (see the docstring).
+    `precision`: the session's `PrecisionPlan` (its autocast runs each chunk's forward; fp16 refused)."""
     if reproducible not in MODES:
         raise problem(f"reproducible={reproducible!r} is not a mode ddpkit knows",
                       "Pass reproducible='any-world' (with chunk=, e.g. 4) or leave it out")  # fmt: skip
@@ -72,7 +74,8 @@ def configure(reproducible: str | None, chunk: int | None, *, seed: int = 0, pre
             raise problem(f"chunk={chunk} was given without reproducible='any-world'",
                           "Pass reproducible='any-world' too, or leave chunk out")  # fmt: skip
         return None
-    if precision in ("16", "fp16", "16-mixed"):
+    name = getattr(precision, "name", precision or "32")
+    if name in ("16", "fp16", "16-mixed"):
         raise problem("reproducible='any-world' with fp16: the loss scale and its skipped steps are "
                       "not part of the fixed tree", "Use precision='32' or 'bf16'")  # fmt: skip
     if accumulation != 1:
@@ -81,7 +84,9 @@ def configure(reproducible: str | None, chunk: int | None, *, seed: int = 0, pre
             "batch as chunks, one after the other",
             "Leave accumulation out (1); a larger global batch costs memory only per chunk",
         )
-    return AnyWorld(chunk if chunk is not None else 4, seed=seed, group=group)
+    context = getattr(precision, "forward_context", None)
+    return AnyWorld(chunk if chunk is not None else 4, seed=seed, group=group, rank=rank,
+                    world_size=world_size, forward_context=context)  # fmt: skip
 
 
 def check_model(module: nn.Module) -> None:
@@ -107,13 +112,19 @@ def global_order(dataset: Any, shuffle: bool) -> Sampler:
 class AnyWorld:
     """The mode's state for one session: the chunk size, the ranks, the step counter."""
 
-    def __init__(self, chunk: int, *, seed: int = 0, group: Any = None) -> None:
+    def __init__(self, chunk: int, *, seed: int = 0, group: Any = None, rank: int | None = None,
+                 world_size: int | None = None,
+                 forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 ) -> None:  # fmt: skip
+        """`rank`/`world_size`: given by a session before it joins the group; else read from `group`."""
         if not isinstance(chunk, int) or chunk < 1:
             raise problem(f"chunk={chunk!r} is not a positive number of samples", "Pass e.g. chunk=4")
         self.chunk, self.seed, self.group = chunk, seed, group
+        self.forward_context = forward_context or contextlib.nullcontext
         distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(group) if distributed else 0
-        self.world = dist.get_world_size(group) if distributed else 1
+        self.rank = rank if rank is not None else dist.get_rank(group) if distributed else 0
+        self.world = (world_size if world_size is not None
+                      else dist.get_world_size(group) if distributed else 1)  # fmt: skip
         if not is_power_of_two(self.world):
             raise problem(
                 f"reproducible='any-world' on {self.world} ranks: the ranks' partial sums are nodes of a "
@@ -209,7 +220,8 @@ class AnyWorld:
         devices = [torch.cuda.current_device()] if params and params[0].is_cuda else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(_chunk_seed(self.seed, self.counters.steps, index))
-            loss = loss_fn(module, part)
+            with self.forward_context():
+                loss = loss_fn(module, part)
             if loss.dim() != 0:
                 raise problem(f"loss_fn returned a tensor of shape {tuple(loss.shape)}, not a scalar",
                               "Return the mean loss over the chunk's samples")  # fmt: skip
