@@ -133,6 +133,21 @@ class AnyWorld:
             )
         self.counters = Counters()
 
+    # -- checkpoints: s.save(..., invariant=s.invariant) -------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """The step counter (it seeds each chunk's draws) and the chunking a resumed run must keep."""
+        return {"steps": self.counters.steps, "chunk": self.chunk, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if (state["chunk"], state["seed"]) != (self.chunk, self.seed):
+            raise problem(
+                f"the checkpoint was trained with chunk={state['chunk']}, seed={state['seed']}; this session "
+                f"has chunk={self.chunk}, seed={self.seed}, so the chunks and their draws would differ",
+                f"Resume with ddpkit.session(reproducible='any-world', chunk={state['chunk']}, "
+                f"seed={state['seed']})",
+            )
+        self.counters.steps = state["steps"]
+
     # -- data ------------------------------------------------------------------------------------
     def chunks_of(self, global_batch: int) -> int:
         """C for a global batch, checked: a whole power-of-two number of chunks that W divides."""
