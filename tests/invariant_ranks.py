@@ -70,7 +70,8 @@ def _train(name: str, world: int, group: Any, mode: str) -> tuple[str, dict[str,
     if mode == "any-world":
         mode_state = invariant.configure("any-world", CHUNK, seed=0, group=group)
         assert mode_state is not None
-        options, shuffle, drop_last = mode_state.loader_options(data, BATCH, True, {})
+        options: dict[str, Any] = {}
+        shuffle, drop_last = mode_state.loader_options(data, BATCH, True, options)
         loader = make_loader(data, batch, rank=rank, device=torch.device("cpu"), seed=0, shuffle=shuffle,
                              drop_last=drop_last, **options)  # fmt: skip
         for b in loader:

@@ -169,18 +169,20 @@ class AnyWorld:
         return count
 
     def loader_options(self, dataset: Any, batch_size: int | None, shuffle: bool,
-                       options: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:  # fmt: skip
-        """`s.loader`'s (options, shuffle, drop_last) in this mode: a map-style source read in the global
-        order one process reads (`global_order` as `sampler=`, which the loader cuts into contiguous
-        shares); an iterable source is already split that way; whole global batches only."""
+                       options: dict[str, Any]) -> tuple[bool, bool]:  # fmt: skip
+        """`s.loader`'s (shuffle, drop_last) in this mode, `options` (its DataLoader keywords) completed in
+        place: a map-style source read in the global order one process reads (`global_order` as
+        `sampler=`, which the loader cuts into contiguous shares); an iterable source is already split
+        that way; whole global batches only."""
         if batch_size is None:
             raise problem("reproducible='any-world' needs the global batch_size= in s.loader",
                           "Pass batch_size= (the global batch, chunk x 2^k samples)")  # fmt: skip
         self.chunks_of(batch_size)
         own = options.get("sampler") is not None or options.get("batch_sampler") is not None
         if own or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
-            return options, shuffle, True
-        return {**options, "sampler": global_order(dataset, shuffle)}, False, True
+            return shuffle, True
+        options["sampler"] = global_order(dataset, shuffle)
+        return False, True
 
     # -- the step ----------------------------------------------------------------------------------
     def step(

@@ -114,7 +114,8 @@ def bitwise_rank(spec: VerifySpec, chunk: int) -> bytes:
 def _batches(spec: VerifySpec, s: Any, mode: invariant.AnyWorld) -> Any:
     if spec.data is not None:
         data = build_data(spec)
-        options, shuffle, drop_last = mode.loader_options(data, spec.batch_size, spec.shuffle, {})
+        options: dict[str, Any] = {}
+        shuffle, drop_last = mode.loader_options(data, spec.batch_size, spec.shuffle, options)
         loader = s.loader(data, batch_size=spec.batch_size, shuffle=shuffle, drop_last=drop_last, **options)
         while True:
             yield from loader
