@@ -1,7 +1,7 @@
 """World-size-invariant training: the same weights, bit for bit, on 1, 2, 4, ... ranks.
 
     with ddpkit.session(reproducible="any-world", chunk=4, seed=0) as s:
-        model = s.model(net)                                   # BatchNorm refused (a batch-wide op)
+        model = s.model(net)                           # BatchNorm: refused at the first step (batch-wide)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for x, y in s.loader(data, batch_size=32, shuffle=True):   # rank r: chunks r*C/W..(r+1)*C/W-1
             loss = s.invariant.step(model, opt, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]))
