@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -210,7 +211,7 @@ class AnyWorld:
                 f"{self.chunk}", "Build the loader with s.loader(..., batch_size=chunk x 2^k) in this mode"
             )  # fmt: skip
         tree = TreeSum()
-        with _deterministic():
+        with _deterministic(params[0].is_cuda if params else False):
             for j in range(local):
                 index = self.rank * local + j  # the global chunk index
                 part = _slice(batch, j * self.chunk, (j + 1) * self.chunk)
@@ -280,7 +281,13 @@ def _chunk_seed(seed: int, step: int, index: int) -> int:
 
 
 @contextlib.contextmanager
-def _deterministic() -> Iterator[None]:
+def _deterministic(cuda: bool) -> Iterator[None]:
+    if cuda and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        raise problem(
+            "reproducible='any-world' on CUDA needs cuBLAS's deterministic workspace, and "
+            f"CUBLAS_WORKSPACE_CONFIG is {os.environ.get('CUBLAS_WORKSPACE_CONFIG')!r}",
+            "Start the ranks with CUBLAS_WORKSPACE_CONFIG=:4096:8 in their environment",
+        )
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
