@@ -131,3 +131,7 @@ def test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_ow
     assert "bitwise equal (4 tensors x 3 steps)" in report.render()
     refused = bitwise.check(VerifySpec(model=invariant_models.batchnorm, data=invariant_models.data), chunk=4)
     assert not refused.passed and "1 is a BatchNorm1d" in refused.render()
+    with pytest.raises(DdpkitError, match="on 3 ranks"):  # before any rank starts
+        bitwise.check(VerifySpec(model=invariant_models.mlp, data=invariant_models.data, nproc=3, batch_size=48),
+                      chunk=4)
+

@@ -127,7 +127,9 @@ def _batches(spec: VerifySpec, s: Any, mode: invariant.AnyWorld) -> Any:
 
 
 def check(spec: VerifySpec, *, chunk: int = 4) -> BitwiseReport:
-    """Train `spec` in reproducible="any-world" on 1 rank and on `spec.nproc`; compare bit for bit."""
+    """Train `spec` in reproducible="any-world" on 1 rank and on `spec.nproc`; compare bit for bit.
+    A chunking the mode refuses (world size, global batch) raises its paragraph before any rank starts."""
+    invariant.AnyWorld(chunk, rank=0, world_size=spec.nproc).chunks_of(spec.batch_size)
     head = (f"ddpkit verify --bitwise: reproducible='any-world', chunk {chunk}, global batch "
             f"{spec.batch_size}, 1 vs {spec.nproc} rank(s), {spec.steps} step(s)")  # fmt: skip
     try:
