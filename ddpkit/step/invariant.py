@@ -20,7 +20,8 @@ differently for 16 and 32 rows, so the additions happen in another order and the
    index (`ddpkit.step.chunktree`): within a rank, then across ranks (an all-gather of the W partial
    sums, each one a node of the tree, then the same pairing on every rank). DDP's all-reduce is never
    used (the inner module runs the chunks; DDP's hooks fire only after its own forward).
-4. One normalisation: the sum of the C chunk means times 1/C, a power of two, so exact.
+4. One normalisation: each chunk's mean loss times 1/C before its backward (a power of two, so exact:
+   the same bits as scaling the sum afterwards, without a pass over it), so the tree sums to the mean.
 5. `torch.use_deterministic_algorithms(True)` during the step; then clipping and the optimizer act on
    identical gradients on every rank.
 
@@ -215,9 +216,8 @@ class AnyWorld:
             for j in range(local):
                 index = self.rank * local + j  # the global chunk index
                 part = _slice(batch, j * self.chunk, (j + 1) * self.chunk)
-                tree.add(self._chunk_grad(module, params, part, loss_fn, index))
+                tree.add(self._chunk_grad(module, params, part, loss_fn, index, 1.0 / (local * self.world)))
         total = self._across_ranks(tree.total(), local)
-        total.mul_(1.0 / (local * self.world))  # C is a power of two: exact
         _write_grads(params, total)
         if inspect is not None:
             inspect()
@@ -231,7 +231,7 @@ class AnyWorld:
         return total[-2].clone()
 
     def _chunk_grad(self, module: nn.Module, params: Sequence[nn.Parameter], part: Any, loss_fn: LossFn,
-                    index: int) -> torch.Tensor:  # fmt: skip
+                    index: int, scale: float) -> torch.Tensor:  # fmt: skip
         """One chunk's gradients, its loss and a free slot in one fresh flat buffer (draws seeded)."""
         for p in params:
             p.grad = None
@@ -243,9 +243,9 @@ class AnyWorld:
             if loss.dim() != 0:
                 raise problem(f"loss_fn returned a tensor of shape {tuple(loss.shape)}, not a scalar",
                               "Return the mean loss over the chunk's samples")  # fmt: skip
-            loss.backward()
+            (loss * scale).backward()  # 1/C, a power of two: exact, and no pass over the sum afterwards
         flat = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params]
-        flat.append(loss.detach().to(params[0].dtype).reshape(1))
+        flat.append((loss.detach() * scale).to(params[0].dtype).reshape(1))
         flat.append(torch.zeros(1, dtype=params[0].dtype, device=params[0].device))  # the count's slot
         return torch.cat(flat)
 
