@@ -497,6 +497,22 @@ MUTANTS = [
         ("tests/test_invariant.py::test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_own_generator",),
         "verify --bitwise no longer names the first module whose output differs (only gradients and weights)",
     ),
+    Mutant(
+        "invariant-sampler",
+        "ddpkit/step/invariant.py",
+        "        options[\"sampler\"] = global_order(dataset, shuffle)",
+        "        pass  # mutant: DistributedSampler's interleaved split, not contiguous chunks",
+        ("tests/test_invariant.py::test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal",),
+        "s.loader in reproducible='any-world' keeps DistributedSampler's split (rank r: rows r, r+W, ...)",
+    ),
+    Mutant(
+        "invariant-resume",
+        "ddpkit/step/invariant.py",
+        "        self.counters.steps = state[\"steps\"]",
+        "        pass  # mutant: the step counter (the chunks' seeds) restarts at 0 after s.load",
+        ("tests/test_invariant.py::test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal",),
+        "s.load(invariant=s.invariant) leaves the mode's step counter at 0",
+    ),
 ]
 
 

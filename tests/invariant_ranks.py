@@ -100,3 +100,29 @@ def train_all(names: list[str], modes: list[str]) -> dict[str, Any]:
                     out[f"{name}/{mode}/{world}"] = _train(name, world, group, mode)
                 dist.barrier()
     return out
+
+
+def session_run(root: str | None, steps: int, save_at: int | None, load: bool, env: dict | None) -> str:
+    """The MLP (with dropout) through `ddpkit.session(reproducible="any-world")`: `steps` steps; saves at
+    `save_at` (model, optimizer, loader, the mode's step counter), or with `load` resumes from there."""
+    import ddpkit
+
+    with ddpkit.session(reproducible="any-world", chunk=CHUNK, seed=0, verbose=False, env=env) as s:
+        build, data, loss_fn = workload("mlp")
+        torch.manual_seed(0)
+        model = s.model(build())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loader = s.loader(data, batch_size=BATCH, shuffle=True)
+        state = dict(model=model, optimizer=opt, loader=loader, invariant=s.invariant)
+        done = 0
+        if load:
+            s.load(root, **state)
+            done = s.invariant.counters.steps
+        for batch in loader:
+            if done == steps:
+                break
+            s.invariant.step(model, opt, batch, loss_fn)
+            done += 1
+            if done == save_at and not load:
+                s.save(root, **state)
+        return weights_hash(ddpkit.unwrap(model))

@@ -135,3 +135,24 @@ def test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_ow
         bitwise.check(VerifySpec(model=invariant_models.mlp, data=invariant_models.data, nproc=3, batch_size=48),
                       chunk=4)
 
+
+def test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal(pool2, tmp_path):
+    """`ddpkit.session(reproducible="any-world", chunk=4)`: 6 steps on 2 ranks = 6 steps on 1 rank = 3 steps
+    on 2 ranks, saved, then resumed on 1 rank for 3 more (a scale-down by restart, mid-epoch)."""
+    root = str(tmp_path / "ckpt")
+    two = pool2.run(invariant_ranks.session_run, None, 6, None, False, None)
+    pool2.run(invariant_ranks.session_run, root, 6, 3, False, None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks' thread count: a kernel splits its sums by threads
+    try:
+        one = invariant_ranks.session_run(None, 6, None, False, {})
+        resumed = invariant_ranks.session_run(root, 6, None, True, {})
+    finally:
+        torch.set_num_threads(threads)
+    assert two[0] == two[1] == one == resumed, (two, one, resumed)
+    import ddpkit
+
+    with pytest.raises(DdpkitError, match="accumulation=2"), ddpkit.session(
+        reproducible="any-world", accumulation=2, env={}, verbose=False
+    ):
+        pass

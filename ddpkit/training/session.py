@@ -42,7 +42,7 @@ from ddpkit.cluster.ranks import RankContext
 from ddpkit.data import ShardedLoader, elastic_accumulation, make_loader, plan_batch
 from ddpkit.errors import problem
 from ddpkit.observe.tracking import Tracking
-from ddpkit.step import compiling, cpu_allocator
+from ddpkit.step import compiling, cpu_allocator, invariant
 from ddpkit.step.precision import PrecisionPlan, device_supports_bf16, resolve_precision
 from ddpkit.step.stepping import MicroBatch, StepInfo, Stepper
 from ddpkit.strategy import Choice, DDPOptions, Strategy, building, hf
@@ -80,6 +80,7 @@ class Session(RankContext):
         strategy: Choice = "auto",
         log_to: str | list[str] | None = "auto",
         log_dir: str | None = None,
+        reproducible: str | None = None, chunk: int | None = None,  # any-world: ddpkit.step.invariant
     ) -> None:
         if shard_optimizer not in (True, False, "auto"):
             raise problem(f"shard_optimizer={shard_optimizer!r} is not True, False or 'auto'",
@@ -97,6 +98,8 @@ class Session(RankContext):
         self._on_close = contextlib.ExitStack()  # process-wide settings put back by close()
         self.precision = resolve_precision(precision, self.device.type,
                                            bf16_supported=device_supports_bf16(self.device))  # fmt: skip
+        self.invariant = invariant.configure(reproducible, chunk, seed=seed, precision=self.precision,
+            accumulation=accumulation, rank=self.rank, world_size=self.world_size)  # fmt: skip
         self._choice = strategy  # what the strategy is built from ("auto": the first s.model's kind)
         self._shard = shard_optimizer
         self._strategy: Strategy | None = None  # built once (`_build`), then the stepper that asks it
@@ -338,6 +341,9 @@ class Session(RankContext):
         Iterable sources, Hugging Face data sets, the tail rule: see `ddpkit.data`.
         """
         accumulation = 1 if evaluation else self.accumulation
+        if self.invariant is not None and not evaluation:  # any-world: the global order, contiguous shares
+            shuffle, drop_last = self.invariant.loader_options(dataset, batch_size, shuffle,
+                                                               dataloader_kwargs)  # fmt: skip
         batch = plan_batch(batch_size, per_rank_batch_size, world_size=self.world_size,
                            accumulation=accumulation)  # fmt: skip
         built = make_loader(dataset, batch, rank=self.rank, device=self.device, seed=self.seed,
@@ -367,6 +373,7 @@ def session(
     log_dir: str | None = None,
     env: Mapping[str, str] | None = None,
     hardware: topology.Hardware | None = None,
+    reproducible: str | None = None, chunk: int | None = None,
 ) -> Iterator[Session]:
     """Open a `Session` for this process; the process group is torn down on exit, also on errors.
 
@@ -381,8 +388,8 @@ def session(
     `ddpkit.strategy.fsdp`). `share_gpu=True` lets more local ranks than GPUs share them round-robin
     over gloo, for debugging multi-GPU code on one card (`ddpkit.cluster.topology`). `log_to` chooses where
     `s.log` writes ("auto": TensorBoard when installed; names or a list; None) and `log_dir` the run's
-    directory (see `ddpkit.observe.tracking`). `env` and `hardware`
-    default to this process's environment and machine.
+    directory (see `ddpkit.observe.tracking`). `env` and `hardware` default to this process's environment
+    and machine. `reproducible="any-world"` with `chunk=`: bitwise any world size (`ddpkit.step.invariant`).
     """
     limits = Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)  # validated here
     env = os.environ if env is None else env
@@ -401,6 +408,7 @@ def session(
         strategy=strategy,
         log_to=log_to,
         log_dir=log_dir,
+        reproducible=reproducible, chunk=chunk,
     )
     try:
         yield s.start()
