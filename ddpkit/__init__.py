@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from ddpkit.step.wrap import unwrap
     from ddpkit.strategy import DDPOptions, FSDPOptions
     from ddpkit.training.fit import Callback, FitResult, FitState, evaluate, fit
-    from ddpkit.training.session import Session, seed_everything, session
+    from ddpkit.training.seeding import seed_everything
+    from ddpkit.training.session import Session, session
 
 # Imported on first use (PEP 562): `ddpkit run` and the tools then load only what they need, and the
 # launcher process does not import the training modules it never runs.
@@ -35,7 +36,7 @@ _HOME = {
     "FitResult": "training.fit", "FitState": "training.fit", "evaluate": "training.fit",
     "fit": "training.fit",
     "Accuracy": "observe.metrics", "Mean": "observe.metrics", "MetricSet": "observe.metrics",
-    "Sum": "observe.metrics", "Session": "training.session", "seed_everything": "training.session",
+    "Sum": "observe.metrics", "Session": "training.session", "seed_everything": "training.seeding",
     "session": "training.session", "SpawnError": "cluster.spawn", "spawn": "cluster.spawn",
     "StepInfo": "step.stepping", "DDPOptions": "strategy", "FSDPOptions": "strategy",
     "ShmAllReduce": "step.shm_allreduce", "to_device": "data", "Hardware": "cluster.topology",

@@ -38,6 +38,12 @@ def pool3() -> RankPool:
     return _pool(3)
 
 
+@pytest.fixture(scope="session")
+def pool4() -> RankPool:
+    """Four gloo ranks (oversubscribed on 2 cores): world sizes 1, 2 and 4 through subgroups."""
+    return _pool(4)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for pool in _pools.values():
         pool.close()

@@ -25,13 +25,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import random
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -45,20 +43,14 @@ from ddpkit.errors import problem
 from ddpkit.names import WRITER_NICE_ENV
 from ddpkit.observe.anatomy import StepAnatomy
 from ddpkit.observe.tracking import Tracking
-from ddpkit.step import compiling, cpu_allocator
+from ddpkit.step import compiling, cpu_allocator, invariant
 from ddpkit.step.precision import PrecisionPlan, device_supports_bf16, resolve_precision
 from ddpkit.step.stepping import MicroBatch, StepInfo, Stepper
 from ddpkit.strategy import Choice, DDPOptions, Strategy, building, hf
+from ddpkit.training.seeding import seed_everything
 
 if TYPE_CHECKING:  # imported at the first save or load: a run that never saves never loads safetensors
     from ddpkit.checkpoint.checkpoints import Checkpoints
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's, numpy's and torch's (CPU and CUDA) global generators."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 @dataclass(frozen=True)
@@ -87,6 +79,7 @@ class Session(RankContext):
         log_to: str | list[str] | None = "auto",
         log_dir: str | None = None,
         env: Mapping[str, str] | None = None,
+        reproducible: str | None = None, chunk: int | None = None,  # any-world: ddpkit.step.invariant
     ) -> None:
         if shard_optimizer not in (True, False, "auto"):
             raise problem(f"shard_optimizer={shard_optimizer!r} is not True, False or 'auto'",
@@ -107,6 +100,8 @@ class Session(RankContext):
         self._on_close = contextlib.ExitStack()  # process-wide settings put back by close()
         self.precision = resolve_precision(precision, self.device.type,
                                            bf16_supported=device_supports_bf16(self.device))  # fmt: skip
+        self.invariant = invariant.configure(reproducible, chunk, seed=seed, precision=self.precision,
+            accumulation=accumulation, rank=self.rank, world_size=self.world_size)  # fmt: skip
         self._choice = strategy  # what the strategy is built from ("auto": the first s.model's kind)
         self._shard = shard_optimizer
         self._strategy: Strategy | None = None  # built once (`_build`), then the stepper that asks it
@@ -149,12 +144,10 @@ class Session(RankContext):
         threads = torch.get_num_threads()
         detail = f", {threads} CPU thread(s) per rank" if self.device.type == "cpu" else ""
         self.print(f"ddpkit: {self.plan.describe()}{detail}")
-        for note in self.plan.notes:  # the Slurm batch-script trap; ranks sharing a GPU
-            self.print(f"ddpkit: {note}")
-        if self.precision.note:
-            self.print(f"ddpkit: {self.precision.note}")
-        elif self.precision.name != "32":
-            self.print(f"ddpkit: {self.precision.describe()}")
+        precision = self.precision.note or (self.precision.describe() if self.precision.name != "32" else "")
+        for note in (*self.plan.notes, precision):  # the Slurm batch-script trap; ranks sharing a GPU
+            if note:
+                self.print(f"ddpkit: {note}")
         return self
 
     def close(self) -> None:
@@ -354,6 +347,9 @@ class Session(RankContext):
         Iterable sources, Hugging Face data sets, the tail rule: see `ddpkit.data`.
         """
         accumulation = 1 if evaluation else self.accumulation
+        if self.invariant is not None and not evaluation:  # any-world: the global order, contiguous shares
+            shuffle, drop_last = self.invariant.loader_options(dataset, batch_size, shuffle,
+                                                               dataloader_kwargs)  # fmt: skip
         batch = plan_batch(batch_size, per_rank_batch_size, world_size=self.world_size,
                            accumulation=accumulation)  # fmt: skip
         built = make_loader(dataset, batch, rank=self.rank, device=self.device, seed=self.seed,
@@ -384,6 +380,7 @@ def session(
     log_dir: str | None = None,
     env: Mapping[str, str] | None = None,
     hardware: topology.Hardware | None = None,
+    reproducible: str | None = None, chunk: int | None = None,
 ) -> Iterator[Session]:
     """Open a `Session` for this process; the process group is torn down on exit, also on errors.
 
@@ -398,8 +395,8 @@ def session(
     `ddpkit.strategy.fsdp`). `share_gpu=True` lets more local ranks than GPUs share them round-robin
     over gloo, for debugging multi-GPU code on one card (`ddpkit.cluster.topology`). `log_to` chooses where
     `s.log` writes ("auto": TensorBoard when installed; names or a list; None) and `log_dir` the run's
-    directory (see `ddpkit.observe.tracking`). `env` and `hardware`
-    default to this process's environment and machine.
+    directory (see `ddpkit.observe.tracking`). `env` and `hardware` default to this process's environment
+    and machine. `reproducible="any-world"` with `chunk=`: bitwise any world size (`ddpkit.step.invariant`).
     """
     limits = Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)  # validated here
     env = os.environ if env is None else env
@@ -409,7 +406,7 @@ def session(
     plan = dataclasses.replace(plan, notes=(*plan.notes, note)) if note else plan
     s = Session(plan, seed=seed, accumulation=accumulation, precision=precision, limits=limits,
                 verbose=verbose, shard_optimizer=shard_optimizer, strategy=strategy, log_to=log_to,
-                log_dir=log_dir, env=env)  # fmt: skip
+                log_dir=log_dir, env=env, reproducible=reproducible, chunk=chunk)  # fmt: skip
     try:
         yield s.start()
     except BaseException as exc:

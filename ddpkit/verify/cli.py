@@ -6,6 +6,7 @@
     ddpkit verify ... --sync-batchnorm            # check the fix the diagnosis suggests
     ddpkit verify ... --compile                   # DDP/FSDP + torch.compile against one eager process
     ddpkit verify ... --resume --setup train:setup --save-at 5    # save, restart, load: all state saved?
+    ddpkit verify ... --bitwise --chunk 4         # reproducible="any-world": 1 rank = N ranks, bit for bit
 
 `module:function` references are imported from the current folder (or PYTHONPATH) in every process.
 Exit status: 0 when DDP matches, 1 when it does not (the report says why), 2 for a usage error.
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--setup", default=None, help="--resume: module:function(s, model, opt, loader) -> Resumable"
     )
+    p.add_argument("--bitwise", action="store_true",
+                   help="check reproducible='any-world' (verify.bitwise): 1 rank vs --nproc, bit for bit")
+    p.add_argument("--chunk", type=int, default=4, help="--bitwise: samples per chunk (default 4)")
     return p
 
 
@@ -116,6 +120,12 @@ def main(argv: list[str]) -> int:
         from ddpkit.verify import resume
 
         return resume.main(ns, spec_from_args(argparse.Namespace(**{**vars(ns), "nproc": max(2, ns.nproc)})))
+    if ns.bitwise:
+        from ddpkit.verify import bitwise
+
+        checked = bitwise.check(spec_from_args(ns), chunk=ns.chunk)
+        print(checked.render(), flush=True)
+        return 0 if checked.passed else 1
     report = verify(spec_from_args(ns))
     if ns.json == "-":
         print(report.to_json())
