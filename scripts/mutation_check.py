@@ -133,6 +133,14 @@ MUTANTS = [
         "the shm all-reduce sums instead of averaging",
     ),
     Mutant(
+        "shm-reduce-scatter",
+        "ddpkit/step/shm_allreduce.py",
+        "                if owner == self.rank:\n",
+        "                if owner == -1:  # mutant: no rank sums its share\n",
+        ("tests/test_shard_exchange.py::test_reduce_scatter_is_the_all_reduce_on_owned_tensors",),
+        "the shm reduce-scatter leaves each rank's share unreduced",
+    ),
+    Mutant(
         "token-rescale",
         "ddpkit/step/tokens.py",
         "        factor = world * unit / total",
