@@ -141,6 +141,14 @@ MUTANTS = [
         "the shm reduce-scatter leaves each rank's share unreduced",
     ),
     Mutant(
+        "bench-floor",
+        "ddpkit/bench/floor.py",
+        "return ideal_traffic(grad_bytes, world) / (2 * copy_bps) if world > 1 else 0.0",
+        "return ideal_traffic(grad_bytes, world) / copy_bps if world > 1 else 0.0  # mutant: traffic as copies",
+        ("tests/test_bench.py::test_floor_is_the_least_exchange_at_copy_bandwidth",),
+        "the exchange's floor counts read + written bytes at the copy rate (twice too slow a floor)",
+    ),
+    Mutant(
         "token-rescale",
         "ddpkit/step/tokens.py",
         "        factor = world * unit / total",
