@@ -144,7 +144,7 @@ MUTANTS = [
         "bench-floor",
         "ddpkit/bench/floor.py",
         "return ideal_traffic(grad_bytes, world) / (2 * copy_bps) if world > 1 else 0.0",
-        "return ideal_traffic(grad_bytes, world) / copy_bps if world > 1 else 0.0  # mutant: traffic as copies",
+        "return ideal_traffic(grad_bytes, world) / copy_bps if world > 1 else 0.0  # mutant: x2",
         ("tests/test_bench.py::test_floor_is_the_least_exchange_at_copy_bandwidth",),
         "the exchange's floor counts read + written bytes at the copy rate (twice too slow a floor)",
     ),
