@@ -181,17 +181,22 @@ class Stepper:
                 "and applies the fp16 loss scale",
             )
         self._micro = self._backwards = 0
+        sharder = self._sharder(optimizer)
+        if sharder is not None:  # ZeRO-2 on one machine: this rank's share of the gradients, reduced now
+            sharder.reduce_gradients()
         if not self.tokens.settle(optimizer, accumulation=k, joining=self._in_join):
             optimizer.zero_grad(set_to_none=True)  # no valid token on any rank: nothing to learn from
             return StepInfo(stepped=False, skipped=True, step=self.steps)
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
+            if sharder is not None:
+                sharder.agree_found_inf(self.scaler, optimizer)
         norm = None
         if max_norm is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            norm = self.strategy.clip(params, max_norm)
+            clip = self.strategy.clip
+            norm = clip(params, max_norm) if sharder is None else sharder.clip(params, max_norm, clip)
         skipped = False
-        sharder = self._sharder(optimizer)
         scaler = self.scaler
         update: Callable[[], Any] = optimizer.step if scaler is None else lambda: scaler.step(optimizer)
         before = scaler.get_scale() if scaler is not None else 0.0

@@ -42,7 +42,7 @@ from ddpkit.cluster.ranks import RankContext
 from ddpkit.data import ShardedLoader, elastic_accumulation, make_loader, plan_batch
 from ddpkit.errors import problem
 from ddpkit.observe.tracking import Tracking
-from ddpkit.step import compiling, cpu_allocator
+from ddpkit.step import compiling, cpu_allocator, shard_exchange
 from ddpkit.step.precision import PrecisionPlan, device_supports_bf16, resolve_precision
 from ddpkit.step.stepping import MicroBatch, StepInfo, Stepper
 from ddpkit.strategy import Choice, DDPOptions, Strategy, building, hf
@@ -305,6 +305,8 @@ class Session(RankContext):
                                            distributed=self.distributed, per_block=per_block)  # fmt: skip
             chosen.notes.extend(notes)
         building.after_wrap(chosen, model, weights)
+        if self.distributed and stepper.shard is not False and self.device.type == "cpu":
+            shard_exchange.attach(model)  # a sharded step may reduce-scatter its gradients (ZeRO-2)
         if stepper.shard is True and not chosen.allows_sharded_step and self.distributed:
             chosen.notes.append(f"shard_optimizer=True has no effect with strategy={chosen.name!r}: the "
                                 "optimizer state is already sharded")  # fmt: skip
