@@ -69,7 +69,7 @@ def _forever(loader: Any, sampler: Any = None) -> Iterator[Any]:
         epoch += 1
 
 
-def make(variant: str, wl: workloads.Workload, data: Any) -> Loop:
+def make(variant: str, wl: workloads.Workload, data: Any, shard_optimizer: bool | str = "auto") -> Loop:
     torch.manual_seed(0)
     if variant == "single":
         model = wl.build()
@@ -98,7 +98,7 @@ def make(variant: str, wl: workloads.Workload, data: Any) -> Loop:
         import ddpkit
 
         stack = contextlib.ExitStack()
-        s = stack.enter_context(ddpkit.session(seed=0, verbose=False))
+        s = stack.enter_context(ddpkit.session(seed=0, verbose=False, shard_optimizer=shard_optimizer))
         MARKS["group"] = time.time()
         net = wl.build()
         MARKS["build"] = time.time()
@@ -165,11 +165,12 @@ def main() -> None:
     p.add_argument("--workload", default="cnn")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default=None, help="folder for rank<r>.json (default: print a PEERS line)")
+    p.add_argument("--shard-optimizer", default="auto", help='"auto" or "gradients"')
     ns = p.parse_args()
     wl = workloads.load(ns.workload)
     data = wl.dataset(batches=4)
     made_at = time.time()
-    loop = make(ns.variant, wl, data)
+    loop = make(ns.variant, wl, data, ns.shard_optimizer)
     set_up = time.time()
     times, first_done = [], 0.0
     for i in range(ns.steps):

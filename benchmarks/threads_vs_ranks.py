@@ -22,21 +22,27 @@ import subprocess
 import sys
 import tempfile
 
+from ddpkit.bench import floor
+from ddpkit.tools import workloads
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "peers_worker.py")
 STEPS, WARMUP = 35, 5
 
 
 def run(layout: str, workload: str, cores: int) -> float:
-    """Median step (ms) of one launch in `layout`: "threads", "ranks" or "single"."""
+    """Median step (ms) of one launch in `layout`: "threads", "ranks", "ranks-allreduce" (ranks with the
+    sharded step's gradient reduce-scatter off: DDP's all-reduce, the path before issue 34) or "single"."""
     bin_dir = os.path.dirname(sys.executable)
     with tempfile.TemporaryDirectory() as out:
         script = [WORKER, "--variant", "ddpkit", "--workload", workload, "--steps", str(STEPS), "--out", out]
-        if layout == "ranks":
+        if layout.startswith("ranks"):
             cmd, threads = [os.path.join(bin_dir, "ddpkit"), "run", "--nproc", str(cores), *script], 1
         else:
             cmd, threads = [sys.executable, *script], cores if layout == "threads" else 1
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        if layout == "ranks":  # the reduce-scatter step is asked for (shard_optimizer="gradients")
+            script += ["--shard-optimizer", "gradients"]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise RuntimeError(f"{layout} on {workload} failed:\n{done.stderr[-3000:]}")
@@ -52,13 +58,15 @@ def main() -> int:
     p.add_argument("--json", default=None)
     ns = p.parse_args()
     cores = len(os.sched_getaffinity(0))
-    layouts = ["threads", "ranks", "single"]
+    layouts = ["threads", "ranks", "ranks-allreduce", "single"]
     print(f"threads_vs_ranks: {cores} cores; load average {os.getloadavg()[0]:.2f}", flush=True)
+    copy_bps = floor.copy_bandwidth()
+    print(f"one core copies {copy_bps / 1e9:.1f} GB/s (b.copy_(a), 64 MiB, median of 7)", flush=True)
     results: dict[str, dict[str, list[float]]] = {}
     for wl in ns.workloads.split(","):
         results[wl] = {lay: [] for lay in layouts}
         for rep in range(ns.reps):
-            for lay in layouts[rep % 3 :] + layouts[: rep % 3]:
+            for lay in layouts[rep % len(layouts) :] + layouts[: rep % len(layouts)]:
                 ms = run(lay, wl, cores)
                 results[wl][lay].append(ms)
                 print(f"  {wl} rep {rep + 1}/{ns.reps} {lay}: {ms:.1f} ms", flush=True)
@@ -66,10 +74,30 @@ def main() -> int:
     for wl, by in results.items():
         cells = {k: f"{statistics.median(v):.1f} [{min(v):.1f}, {max(v):.1f}]" for k, v in by.items()}
         ratio = [r / t for r, t in zip(by["ranks"], by["threads"], strict=True)]
+        before = [r / t for r, t in zip(by["ranks-allreduce"], by["threads"], strict=True)]
         scale = [s / t for s, t in zip(by["single"], by["threads"], strict=True)]
-        print(f"{wl}: 1 x {cores} {cells['threads']}; {cores} x 1 {cells['ranks']}; 1 x 1 {cells['single']}; "
-              f"ranks / threads {statistics.median(ratio):.2f} [{min(ratio):.2f}, {max(ratio):.2f}]; "
-              f"threads speed-up {statistics.median(scale):.2f} [{min(scale):.2f}, {max(scale):.2f}]")
+        grads = floor.grad_bytes_of(workloads.load(wl).build())
+        floor_ratio = 1 + floor.exchange_floor_s(grads, cores, copy_bps) * 1e3 / statistics.median(
+            by["threads"]
+        )
+        print(
+            f"{wl}: 1 x {cores} {cells['threads']}; {cores} x 1 {cells['ranks']}; "
+            f"{cores} x 1 all-reduce {cells['ranks-allreduce']}; 1 x 1 {cells['single']}; "
+            f"ranks / threads {statistics.median(ratio):.2f} [{min(ratio):.2f}, {max(ratio):.2f}] "
+            f"(all-reduce: {statistics.median(before):.2f} [{min(before):.2f}, {max(before):.2f}]); "
+            f"floor {floor_ratio:.2f}, measured / floor {statistics.median(ratio) / floor_ratio:.2f}; "
+            f"threads speed-up {statistics.median(scale):.2f} [{min(scale):.2f}, {max(scale):.2f}]"
+        )
+        print(
+            "  "
+            + floor.floor_line(
+                statistics.median(by["ranks"]) / 1e3,
+                statistics.median(by["threads"]) / 1e3,
+                grads,
+                cores,
+                copy_bps,
+            )
+        )
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     if ns.json:
         with open(ns.json, "w") as f:

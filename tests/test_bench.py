@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ddpkit.bench import cli, collectives, report, scaling, tune
+from ddpkit.bench import cli, collectives, floor, report, scaling, tune
 from ddpkit.bench.runner import Config, Stats
 from ddpkit.errors import DdpkitError
 from ddpkit.tools import workloads
@@ -111,6 +111,8 @@ def test_tune_small_run(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "recommendation:" in out and "speed-up" in out
     assert "memory: model state" in out and "DDP fits; FSDP not needed" in out  # the cnn is tiny
+    if report.machine()["cores"] > 1:  # a one-process layout to compare with: the floor is printed
+        assert "x the floor" in out and "cannot be exchanged in less than" in out
     data = json.loads((tmp_path / "tune.json").read_text())
     assert data["recommendation"]["speedup"] > 0 and data["memory"]["fsdp"] is False
 
@@ -179,3 +181,15 @@ def test_cpu_steal_reads_ticks_that_advance_with_work() -> None:
     after = report.cpu_steal()
     assert after is not None and after[0] >= before[0] + 5, (before, after)
     assert 0 <= before[1] <= after[1] <= after[0]
+
+
+def test_floor_is_the_least_exchange_at_copy_bandwidth() -> None:
+    """At 2 ranks the least exchange moves 4.5 x the gradient bytes (read + written), at twice the copy
+    bandwidth in traffic: 100 MB at 10 GB/s copied is 22.5 ms; ddpkit's own step moves 5.5 x."""
+    assert floor.ideal_traffic(100e6, 2) == pytest.approx(450e6)
+    assert floor.ddpkit_traffic(100e6, 2) == pytest.approx(550e6)
+    assert floor.exchange_floor_s(100e6, 2, 10e9) == pytest.approx(0.0225)
+    assert floor.exchange_floor_s(100e6, 1, 10e9) == 0.0
+    line = floor.floor_line(0.2, 0.1, 100e6, 2, 10e9)
+    assert "22.5 ms" in line and "floor is 122 ms (1.22x it)" in line and "1.63x the floor" in line
+    assert floor.copy_bandwidth(nbytes=2**20, reps=2) > 0

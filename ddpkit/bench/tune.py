@@ -15,9 +15,11 @@ Tried, each against hand-written DDP with torch's defaults (the baseline, ratio 
 - one process using every core (no DDP at all): on a small CPU machine often the fastest, because
   processes x threads must not exceed the cores and a CPU all-reduce competes with compute for them;
 - with --fused, the user's optimizer built with fused=True (reported apart: it changes the user's code).
-Then one line on memory: whether the replicated model state fits this machine's memory per rank, or
-FSDP (`strategy="fsdp"`) is needed (`ddpkit.strategy.choice`). The recommendation is the configuration
-with the lowest median step time among the exact ones, with its gain and the spread that qualifies it.
+Then the floor (`ddpkit.bench.floor`): ddpkit's defaults against the one-process step plus the least
+gradient exchange at this machine's measured copy bandwidth, as measured / floor. Then one line on
+memory: whether the replicated model state fits this machine's memory per rank, or FSDP
+(`strategy="fsdp"`) is needed (`ddpkit.strategy.choice`). The recommendation is the configuration with
+the lowest median step time among the exact ones, with its gain and the spread that qualifies it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.bench import report
+from ddpkit.bench import floor, report
 from ddpkit.bench.runner import LOSSY_HOOKS, Config, Stats, measure
 from ddpkit.strategy import choice
 from ddpkit.tools import workloads
@@ -112,6 +114,9 @@ def run(ns: argparse.Namespace) -> int:
         gain_fused = base / stats[top.label].median
         print(f"beyond ddpkit's options: {top.label} -- {gain_fused:.2f}x (construct your optimizer with "
               "fused=True: one kernel per tensor, the same update up to float rounding)")
+    line = floor_of(ns.workload, configs, stats, nproc)
+    if line:
+        print(line)
     memory = memory_verdict(ns.workload, nproc)
     print(f"memory: {memory.text}")
     note = report.load_note(before, after, cores, (steal0, steal1))
@@ -127,6 +132,19 @@ def run(ns: argparse.Namespace) -> int:
     if ns.json:
         print(f"json: {report.write_json(ns.json, data)}")
     return 0
+
+
+def floor_of(workload: str, configs: list[Config], stats: dict[str, Stats], nproc: int) -> str | None:
+    """ddpkit's defaults at `nproc` ranks against what the machine allows: the one-process step plus the
+    least gradient exchange at this machine's copy bandwidth (`ddpkit.bench.floor`); None without a
+    one-process configuration to compare with."""
+    ranks = next((c for c in configs if c.nproc > 1 and c.shard and c.hook == "allreduce"), None)
+    one = next((c for c in configs if c.nproc == 1 and not c.fused), None)
+    if ranks is None or one is None:
+        return None
+    grads = floor.grad_bytes_of(workloads.load(workload).build())
+    return floor.floor_line(stats[ranks.label].median, stats[one.label].median, grads, nproc,
+                            floor.copy_bandwidth())  # fmt: skip
 
 
 def memory_verdict(workload: str, nproc: int) -> choice.MemoryVerdict:

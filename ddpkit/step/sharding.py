@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.errors import problem
+from ddpkit.step import shard_exchange
 
 PER_PARAMETER = {
     "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD",
@@ -77,18 +78,39 @@ class ShardedStep:
         self.shm = shm  # a ShmAllReduce whose segment carries the parameters, or None: broadcasts
         self.params = _params(optimizer)
         self.ids = [id(p) for p in self.params]
-        pairs = list(zip(self.params, partition([p.numel() for p in self.params], self.world), strict=True))
+        owners = partition([p.numel() for p in self.params], self.world)
+        pairs = list(zip(self.params, owners, strict=True))
         self.owned = [[p for p, o in pairs if o == r] for r in range(self.world)]
         self.foreign = [p for p, o in pairs if o != self.rank]  # their gradients are set aside in step()
         self.drop_foreign_state()
+        # ZeRO-2 on one machine: gradients reduce-scattered into each rank's share (None: DDP all-reduces)
+        self.exchange = shard_exchange.claim(shm, group, self.params, owners)
+
+    # -- the gradient exchange (`ddpkit.step.shard_exchange`); the Stepper calls these in this order --
+    def reduce_gradients(self) -> None:
+        """At `s.step`, first: this rank's share of the averaged gradients (when they were deferred)."""
+        if self.exchange is not None:
+            self.exchange.reduce()
+
+    def agree_found_inf(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+        """After fp16 unscaling: the overflow flag of the whole gradients, on every rank."""
+        if self.exchange is not None:
+            self.exchange.agree_found_inf(scaler, optimizer)
+
+    def clip(self, params: list[Any], max_norm: float, whole: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """The total norm before clipping, computed on shards after a reduce-scatter, else `whole`'s."""
+        if self.exchange is None:
+            return whole(params, max_norm)
+        return self.exchange.clip(params, max_norm, whole)
 
     def describe(self) -> str:
         shares = [sum(p.numel() for p in ps) for ps in self.owned]
         total = sum(shares) or 1
         via = "shared memory" if self.shm is not None else "broadcasts"
+        grads = "; gradients reduce-scattered into each share" if self.exchange is not None else ""
         return (
             f"optimizer step sharded over {self.world} ranks ({type(self.optimizer).__name__}; largest "
-            f"share {max(shares) / total:.0%} of the parameters); new values published through {via}"
+            f"share {max(shares) / total:.0%} of the parameters); new values published through {via}{grads}"
         )
 
     def drop_foreign_state(self) -> None:
@@ -187,6 +209,7 @@ def choose(
     answer; `report` is told when the step starts being sharded."""
     name = type(optimizer).__name__
     decided: ShardedStep | None = None
+    mode = True if mode == "gradients" else mode  # asked for, with its gradients reduce-scattered too
     if mode is True and name in NEVER:
         raise problem(f"shard_optimizer=True cannot shard {name} (its step is not per parameter)",
                       "Pass shard_optimizer='auto' or False to ddpkit.session")  # fmt: skip

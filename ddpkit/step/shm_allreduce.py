@@ -212,6 +212,48 @@ class ShmAllReduce:
                 part.add_(slots[k, :n])
         return tensor
 
+    def reduce_scatter_mean_(self, tensors: list[torch.Tensor], owners: list[int]) -> None:
+        """The mean over ranks of each tensor, in place, but only in the tensors this rank owns
+        (`owners[i]` is the rank of `tensors[i]`); the others keep this rank's own values.
+
+        Every rank streams all its tensors (divided by the world size) through its slot, chunk by
+        chunk, as `all_reduce_mean_` does, and then sums the slots in rank order only where it owns
+        the tensor: per value the same division and the same additions in the same order as
+        `all_reduce_mean_`, so an owned tensor ends bitwise equal to what the all-reduce gives, while
+        no rank reads or writes the sums of tensors it does not own. Tensors: contiguous, CPU, one
+        floating dtype, the same shapes and owners on every rank (`ddpkit.step.shard_exchange`)."""
+        seg = self.segment
+        if seg is None:
+            raise RuntimeError(f"ddpkit shm reduce-scatter is not active: {self.reason}")
+        flats = [t.view(-1) for t in tensors]
+        if not flats:
+            return
+        size = flats[0].element_size()
+        per_chunk = self.chunk_bytes // size
+        offsets, total = [], 0
+        for f in flats:
+            offsets.append(total)
+            total += f.numel()
+        for start in range(0, total, per_chunk):
+            end = min(start + per_chunk, total)
+            slots = seg.buffers[self.seq % 2].view(flats[0].dtype)  # [world, per_chunk]
+            pieces = [
+                (f[lo - at : hi - at], lo - start, hi - start, owners[i])
+                for i, (f, at) in enumerate(zip(flats, offsets, strict=True))
+                for lo, hi in [(max(start, at), min(end, at + f.numel()))]
+                if lo < hi
+            ]
+            for part, lo, hi, _ in pieces:
+                torch.div(part, self.world, out=slots[self.rank, lo:hi])
+            self.seq += 1
+            seg.flags[self.rank] = self.seq  # an aligned 8-byte store, after the copy (x86 TSO)
+            self._wait(self.seq)
+            for part, lo, hi, owner in pieces:
+                if owner == self.rank:
+                    torch.add(slots[0, lo:hi], slots[1, lo:hi], out=part)
+                    for k in range(2, self.world):
+                        part.add_(slots[k, lo:hi])
+
     def all_gather_(self, owned: list[list[torch.Tensor]]) -> None:
         """Rank r's tensors `owned[r]` to every rank, in place (contiguous CPU tensors, the same shapes on
         every rank). Each rank streams its own tensors' bytes through its slot, chunk by chunk, and copies

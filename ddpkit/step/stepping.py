@@ -179,15 +179,20 @@ class Stepper:
                 "and applies the fp16 loss scale",
             )
         self._micro = self._backwards = 0
+        sharder = self._sharder(optimizer)
+        if sharder is not None:  # ZeRO-2 on one machine: this rank's share of the gradients, reduced now
+            sharder.reduce_gradients()
         if not self.tokens.settle(optimizer, accumulation=k, joining=self._in_join):
             optimizer.zero_grad(set_to_none=True)  # no valid token on any rank: nothing to learn from
             return StepInfo(stepped=False, skipped=True, step=self.steps)
         self.loss_scale.unscale(optimizer)
+        if sharder is not None and self.loss_scale.scaler is not None:
+            sharder.agree_found_inf(self.loss_scale.scaler, optimizer)  # a share's inf/nan, every rank's
         norm = None
         if max_norm is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            norm = self.strategy.clip(params, max_norm)
-        sharder = self._sharder(optimizer)
+            clip = self.strategy.clip
+            norm = clip(params, max_norm) if sharder is None else sharder.clip(params, max_norm, clip)
         skipped = self.loss_scale.step(optimizer, sharder.step if sharder is not None else _run)
         optimizer.zero_grad(set_to_none=True)
         self.steps += 1

@@ -43,7 +43,7 @@ from ddpkit.errors import problem
 from ddpkit.names import WRITER_NICE_ENV
 from ddpkit.observe.anatomy import StepAnatomy
 from ddpkit.observe.tracking import Tracking
-from ddpkit.step import compiling, cpu_allocator, invariant
+from ddpkit.step import compiling, cpu_allocator, invariant, shard_exchange
 from ddpkit.step.precision import PrecisionPlan, device_supports_bf16, resolve_precision
 from ddpkit.step.stepping import MicroBatch, StepInfo, Stepper
 from ddpkit.strategy import Choice, DDPOptions, Strategy, building, hf
@@ -81,9 +81,9 @@ class Session(RankContext):
         env: Mapping[str, str] | None = None,
         reproducible: str | None = None, chunk: int | None = None,  # any-world: ddpkit.step.invariant
     ) -> None:
-        if shard_optimizer not in (True, False, "auto"):
-            raise problem(f"shard_optimizer={shard_optimizer!r} is not True, False or 'auto'",
-                          "Pass 'auto' (the default), True or False")  # fmt: skip
+        if shard_optimizer not in (True, False, "auto", "gradients"):
+            raise problem(f"shard_optimizer={shard_optimizer!r} is not True, False, 'auto' or 'gradients'",
+                          "Pass 'auto' (the default), True, False or 'gradients'")  # fmt: skip
         if accumulation < 1:
             raise problem(f"accumulation={accumulation} is below 1", "Pass 1 (no accumulation) or more")
         strategies.check_name(strategy)
@@ -310,6 +310,8 @@ class Session(RankContext):
                                  device=self.device, weights_from=weights, recompute=activation_checkpointing,
                                  world_size=self.world_size, distributed=self.distributed,
                                  on_close=self._on_close, say=self.print)  # fmt: skip  (how to prepare)
+        if self.distributed and stepper.shard == "gradients" and self.device.type == "cpu":
+            shard_exchange.attach(model)  # the sharded step may reduce-scatter its gradients (ZeRO-2)
         seed_everything(self.rank_seed)  # each rank's own stream from here on (the module docstring)
         self.anatomy.watch(model)  # its gradient hooks time the sync wait (observe.anatomy)
         return model
@@ -390,7 +392,8 @@ def session(
     "32", "bf16" or "16" (see `ddpkit.step.precision`); `accumulation` is the number of micro-batches per
     optimizer step. `shard_optimizer` lets each rank update only its share of the parameters in
     `s.step` ("auto": torch's per-parameter optimizers on CPU ranks of one machine; see
-    `ddpkit.step.sharding`; not under FSDP, which shards the optimizer state itself). `strategy` is what
+    `ddpkit.step.sharding`; not under FSDP, which shards the optimizer state itself); "gradients" also
+    reduce-scatters the gradients into each share (ZeRO-2, `ddpkit.step.shard_exchange`). `strategy` is what
     `s.model` does with the model: "auto" (DDP with more than one process), "ddp" or "fsdp" (FSDP2,
     `ddpkit.strategy.fsdp`). `share_gpu=True` lets more local ranks than GPUs share them round-robin
     over gloo, for debugging multi-GPU code on one card (`ddpkit.cluster.topology`). `log_to` chooses where
