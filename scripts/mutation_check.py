@@ -298,8 +298,8 @@ MUTANTS = [
     Mutant(
         "nothing-to-save",
         "ddpkit/cluster/preemption.py",
-        "        if self.remedy is not None:",
-        "        if False:",
+        "            if self.remedy and not stopping:",
+        "            if False:  # mutant: the remedy is never said",
         ("tests/test_preemption.py::test_a_script_that_never_gave_its_state_is_told_what_to_add",),
         "a script that never gave ddpkit its state is not told what to add at a signal",
     ),
@@ -405,9 +405,9 @@ MUTANTS = [
     Mutant(
         "elastic-batch-accumulation",
         "ddpkit/data/batching.py",
-        'if most <= world_size or env.get(ELASTIC_BATCH_ENV, "per-rank") != "per-rank":',
-        "if most <= world_size:",
-        ("tests/test_launch.py::test_an_elastic_job_below_its_largest_size_keeps_the_global_batch",),
+        "    if mode != \"per-rank\":\n        return accumulation, (",
+        "    if False:  # mutant: --elastic-batch accumulation ignored\n        return accumulation, (",
+        ("tests/test_launch.py::test_an_elastic_job_below_its_largest_size_keeps_the_global_batch[accumulation-accumulate-1-8]",),
         "`ddpkit run --elastic-batch accumulation` ignored (per-rank batch kept, more accumulation)",
     ),
     Mutant(
@@ -636,6 +636,8 @@ MUTANTS = [
         "        pass  # mutant: s.step records no step",
         ("tests/test_anatomy.py::test_a_hand_loop_gets_its_steps_anatomy_through_the_session",),
         "s.step ends no step of the anatomy: a hand loop's medians stay empty",
+    ),
+    Mutant(
         "invariant-tree",
         "ddpkit/step/chunktree.py",
         "        while self._stack and self._stack[-1][0] == size:",
