@@ -312,6 +312,15 @@ MUTANTS = [
         "`ddpkit run` never marks that it was signalled: the ranks take its SIGTERM for the agent's stop",
     ),
     Mutant(
+        "survivor-stop",
+        "ddpkit/cluster/preemption.py",
+        "        while not marker.exists():",
+        "        while False:  # mutant: every SIGTERM under ddpkit run is a preemption",
+        ("tests/test_background_save.py::test_a_crash_during_a_background_write_leaves_the_previous_checkpoint[ddp]",),
+        "the survivors of a failed rank take the agent's SIGTERM for a preemption and live on until its "
+        "SIGKILL",
+    ),
+    Mutant(
         "elastic-auto",
         "ddpkit/data/batching.py",
         'mode = "per-rank" if accumulation > 1 else "accumulation"',

@@ -66,6 +66,12 @@ def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(
     root = tmp_path / "ck"
     crashed = run_cli("run", "--nproc", "2", str(script), str(root), "crash", strategy, timeout=50)
     assert crashed.returncode != 0 and "SIGKILL" in crashed.stderr, crashed.stderr[-2000:]
+    # The survivor ends at once: at the agent's SIGTERM (DDP: it waits for the dead rank's commit
+    # through the store) or by its own error (FSDP: DCP's collective sees the peer gone). It must not
+    # take the agent's SIGTERM for a preemption and live on until the agent's SIGKILL 30 s later.
+    ended = [f"the others were stopped {how}" in crashed.stderr for how in ("(1 by SIGTERM)", "(1 raised)")]
+    assert any(ended), crashed.stderr[-2000:]
+    assert "preempted" not in crashed.stdout + crashed.stderr
     assert (root / "ckpt-000001").is_dir() and not (root / "ckpt-000002").exists()
     assert (root / ".ckpt-000002.tmp").is_dir(), "the background write was not in flight"
     resumed = run_cli("run", "--nproc", "2", str(script), str(root), "load", strategy, timeout=50)

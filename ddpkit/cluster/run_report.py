@@ -52,6 +52,24 @@ def how_it_ended(failure: Any) -> str:
     return f"exited first with code {failure.exitcode}"
 
 
+def how_the_others_ended(failures: dict[int, Any], first: int) -> str:
+    """How the ranks other than `first` ended, counted, e.g. "1 by SIGTERM": the agent's SIGTERM should
+    end them at once; "by SIGKILL" means one lived on through it until the agent's kill (30 s later),
+    e.g. a survivor that took the agent's stop for a preemption (`cluster.preemption`)."""
+    endings: dict[str, int] = {}
+    for rank, failure in failures.items():
+        if rank == first:
+            continue
+        if failure_message(failure):
+            how = "raised"
+        elif failure.exitcode < 0:
+            how = f"by {signal.Signals(-failure.exitcode).name}"
+        else:
+            how = f"exited with code {failure.exitcode}"
+        endings[how] = endings.get(how, 0) + 1
+    return ", ".join(f"{n} {how}" for how, n in sorted(endings.items()))
+
+
 def restart_line(failures: dict[int, Any], restart: int, budget: int, host: str) -> str:
     rank, first = first_failure(failures)
     return (
@@ -131,7 +149,7 @@ def report(err: Exception, max_restarts: int = 0) -> int:
     print(
         f"ddpkit run: {lead}rank {rank} (local rank {first.local_rank}, pid {first.pid}) {verb} "
         f"{how}{': ' + message if message else ''}{above}. {len(failures)} rank(s) failed; the others "
-        "were stopped."
+        f"were stopped{f' ({others})' if (others := how_the_others_ended(failures, rank)) else ''}."
         + (f" The restart budget (--max-restarts {max_restarts}) is used up." if max_restarts else ""),
         file=sys.stderr,
         flush=True,
