@@ -53,10 +53,10 @@ with ddpkit.session(seed=0) as s:
     elif mode == "load":
         want = torch.load(f"{out}/want.pt")
         got, got_opt = full(), full_opt()
-        print("SAME" if all(got[k].equal(want["model"][k]) for k in want["model"]) else "DIFFERENT", flush=True)
+        s.print("SAME" if all(got[k].equal(want["model"][k]) for k in want["model"]) else "DIFFERENT")
         same = got_opt.keys() == want["opt"].keys() and all(got_opt[k].equal(want["opt"][k]) for k in got_opt)
-        print("OPTIMIZER", "SAME" if same and got_opt else "DIFFERENT", flush=True)
-    print("STEP", values["step"], flush=True)
+        s.print("OPTIMIZER " + ("SAME" if same and got_opt else "DIFFERENT"))
+    s.print(f"STEP {values['step']}")  # rank 0 only: two ranks' lines interleave in one pipe
 """
 
 
