@@ -60,20 +60,10 @@ def defer_hook(state: Deferred, bucket: dist.GradBucket) -> torch.futures.Future
     return fut
 
 
-def _ddp_of(model: nn.Module) -> DistributedDataParallel | None:
-    while not isinstance(model, DistributedDataParallel):
-        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if not isinstance(inner, nn.Module):
-            return None
-        model = inner
-    return model
-
-
-def attach(model: nn.Module) -> None:
-    """Note a DDP model (`s.model`) whose gradients a sharded step may reduce-scatter; nothing else
-    happens until a sharded step over its parameters `claim`s it (not when the model has a
-    communication hook of the user's: it keeps it). Called only for shard_optimizer="gradients"."""
-    ddp = _ddp_of(model)
+def attach(ddp: DistributedDataParallel | None) -> None:
+    """Note a DDP model (`s.model`, found by `step.wrap.ddp_of`) whose gradients a sharded step may
+    reduce-scatter; nothing else happens until a sharded step over its parameters `claim`s it (not when
+    the model has a communication hook of the user's: it keeps it). Only for shard_optimizer="gradients"."""
     if ddp is not None:
         _attached[:] = [r for r in _attached if r() is not None]
         _attached.append(weakref.ref(ddp))

@@ -129,6 +129,16 @@ def wrap_model(
 _DEFAULTS = DDPOptions().ddp_kwargs()
 
 
+def ddp_of(model: nn.Module) -> DistributedDataParallel | None:
+    """The DDP wrapper of `model` (also under any number of torch.compile wrappers), or None."""
+    while not isinstance(model, DistributedDataParallel):
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
+    return model
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside any nesting of DDP and torch.compile wrappers: keys without `module.`.
 

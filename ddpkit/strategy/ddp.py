@@ -14,20 +14,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.step.wrap import DDPOptions, wrap_model
+from ddpkit.step.wrap import DDPOptions, ddp_of, wrap_model
 from ddpkit.strategy.base import Strategy
-
-
-def ddp_of(model: nn.Module) -> DistributedDataParallel | None:
-    """The DDP wrapper of `model` (also under any number of torch.compile wrappers), or None."""
-    while not isinstance(model, DistributedDataParallel):
-        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if not isinstance(inner, nn.Module):
-            return None
-        model = inner
-    return model
 
 
 class DDP(Strategy):
