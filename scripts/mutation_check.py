@@ -693,6 +693,14 @@ MUTANTS = [
         ("tests/test_invariant.py::test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal",),
         "s.load(invariant=s.invariant) leaves the mode's step counter at 0",
     ),
+    Mutant(
+        "cpu-allocator-keep",
+        "ddpkit/step/cpu_allocator.py",
+        "        ok = libc.mallopt(_M_MMAP_MAX, int(env.get(\"MALLOC_MMAP_MAX_\", 0))) == 1",
+        "        ok = True  # mutant: big blocks stay mmapped, faulted in again at every step",
+        ("tests/test_cpu_allocator.py::test_a_model_with_big_tensors_reuses_blocks_instead_of_faulting_them_in",),
+        "a big model's freed blocks go back to the kernel and are faulted in at every step",
+    ),
 ]
 
 
