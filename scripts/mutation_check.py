@@ -694,6 +694,14 @@ MUTANTS = [
         "s.load(invariant=s.invariant) leaves the mode's step counter at 0",
     ),
     Mutant(
+        "verify-shard-path",
+        "ddpkit/verify/run.py",
+        '    shard = "auto" if spec.shard_optimizer is None else spec.shard_optimizer',
+        '    shard = "auto"  # mutant: the N-rank side never asks for the path under test',
+        ("tests/test_verify.py::test_the_sharded_step_and_its_reduce_scatter_train_one_process_weights",),
+        "verify --shard-optimizer gradients passes without the reduce-scatter having run",
+    ),
+    Mutant(
         "cpu-allocator-keep",
         "ddpkit/step/cpu_allocator.py",
         "        ok = libc.mallopt(_M_MMAP_MAX, int(env.get(\"MALLOC_MMAP_MAX_\", 0))) == 1",

@@ -82,6 +82,17 @@ def test_other_precisions(precision: str, largest: float, pool2) -> None:
     assert {r.dtype for r in report.tensors} == {"float64" if precision == "fp64" else "float32"}
 
 
+@pytest.mark.parametrize("mode,path", [(True, "sharded over 2 ranks"), ("gradients", "reduce-scattered")])
+def test_the_sharded_step_and_its_reduce_scatter_train_one_process_weights(pool2, mode, path) -> None:
+    """Issue 34: `verify --shard-optimizer` runs s.step(opt) in session(shard_optimizer=...) on both sides;
+    the report names the path rank 0 took, and a run where it was not taken cannot pass."""
+    spec = VerifySpec(model=mlp, data=data, optimizer="adamw", steps=6, batch_size=32, shard_optimizer=mode)
+    report = verify(spec, runner=pool2.run)
+    assert report.passed and report.replicas_identical, report.render()
+    assert path in report.config["step_path"], report.config["step_path"]
+    assert "step (rank 0): optimizer step sharded" in report.render()
+
+
 def test_report_as_json_and_text(pool2) -> None:
     report = verify(VerifySpec(model=mlp, data=data, steps=2, batch_size=16), runner=pool2.run)
     loaded = json.loads(report.to_json())
@@ -151,6 +162,8 @@ def _lambda_model():
         ({"model": _lambda_model()}, r"cannot be sent to the DDP ranks .* pass model='module:function'"),
         ({"optimizer": "m:f", "optimizer_options": {"lr": 1}}, r"optimizer_options apply to the built-in optimizers only"),
         ({"floor": ("reversed",)}, r"names no known reference variant"),
+        ({"shard_optimizer": "zero3"}, r"shard_optimizer='zero3' is not True, 'auto' or 'gradients'"),
+        ({"shard_optimizer": True, "strategy": "fsdp"}, r"FSDP already shards the step. Leave --shard-optimizer out"),
     ],
 )  # fmt: skip
 def test_spec_errors(kwargs: dict, message: str) -> None:

@@ -113,8 +113,12 @@ def compare(
     # Random numbers drawn in forward (dropout) make the permuted reference draw other masks, so its
     # spread is no rounding floor: such a run cannot pass, whatever the numbers say.
     report.config["graphs_compiled"] = ddp.graphs_compiled  # rank 0's; compile=True must have built some
+    if spec.shard_optimizer is not None:
+        report.config["step_path"] = ddp.step_path  # rank 0's: what the check actually ran
+    wanted = "reduce-scattered" if spec.shard_optimizer == "gradients" else "sharded"
     report.passed = (
         error is None
+        and (spec.shard_optimizer in (None, False) or wanted in ddp.step_path)  # the path asked for ran
         and divergence is None
         and all(r.passed for r in rows)
         and not reference.random_forward
@@ -191,5 +195,6 @@ def _config(spec: VerifySpec) -> dict[str, Any]:
         "find_unused_parameters": spec.find_unused_parameters,
         "strategy": spec.strategy,
         "compile": spec.compile,
+        "shard_optimizer": spec.shard_optimizer,
         "floor": list(spec.floor),
     }

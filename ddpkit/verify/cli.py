@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--find-unused-parameters", action="store_true")
     p.add_argument("--static-graph", action="store_true")
     p.add_argument("--compile", action="store_true", help="DDP/FSDP side: s.model(..., compile=True)")
+    p.add_argument("--shard-optimizer", choices=("true", "auto", "gradients"), default=None,
+                   help="both sides step with s.step(opt) in session(shard_optimizer=...); 'gradients': "
+                        "the reduce-scatter step")  # fmt: skip
     p.add_argument("--after-wrap", default=None, help="module:function(module, session) run after s.model")
     p.add_argument(
         "--floor",
@@ -102,6 +105,7 @@ def spec_from_args(ns: argparse.Namespace) -> VerifySpec:
         static_graph=ns.static_graph,
         strategy=ns.strategy,
         compile=ns.compile,
+        shard_optimizer={"true": True, None: None}.get(ns.shard_optimizer, ns.shard_optimizer),
         after_wrap=ns.after_wrap,
         floor=tuple(v.strip() for v in ns.floor.split(",") if v.strip()),
         tolerance=Tolerance(floor_multiple=ns.floor_multiple, eps_multiple=ns.eps_multiple),

@@ -107,6 +107,8 @@ class Report:
             built = c.get("graphs_compiled", 0)
             side = str(c.get("strategy", "ddp")).upper()
             lines.append(f"compile: {built} graph(s) built by torch.compile on {side} rank 0")
+        if c.get("step_path"):
+            lines.append(f"step (rank 0): {c['step_path']}")
         if self.error:
             lines.append(f"DDP run failed: {self.error.splitlines()[0]}")
         if self.losses.get("single"):

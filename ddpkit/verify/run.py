@@ -36,6 +36,7 @@ class Trajectory:
     states: list[dict[str, torch.Tensor]] = field(default_factory=list)  # index 0: before the first step
     params: list[str] = field(default_factory=list)  # which names in `states` are parameters
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)  # first step, after backward
+    step_path: str = ""  # with spec.shard_optimizer: how rank 0's s.step ran (the sharded step's own words)
     losses: list[float] = field(default_factory=list)  # DDP: the mean over ranks
     batch_hashes: list[list[str]] = field(default_factory=list)  # single: every rank's shard; DDP: own
     replica_diff: list[dict[str, float]] = field(default_factory=list)  # per step: name -> spread
@@ -290,15 +291,21 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
                     not torch.equal(a, b) for a, b in zip(rng, _rng_state(s.device), strict=True)
                 )
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if step == 1 and (keep or sharded):
-                grads = {
+            if spec.shard_optimizer is None:
+                loss.backward()
+            else:
+                s.backward(loss)  # s.step(opt) below: the session's own backward-step pair
+            if step == 1 and (keep or sharded) and not (world > 1 and spec.shard_optimizer == "gradients"):
+                grads = {  # (reduce-scattered in s.step: before it a rank's .grad is its own, unreduced)
                     n: None if p.grad is None else _whole(p.grad).clone().cpu()
                     for n, p in net.named_parameters()
                 }
                 if keep:
                     out.grads = grads
-            optimizer.step()  # every rank steps everything (plain DDP), so per-rank optimizer bugs show
+            if spec.shard_optimizer is None:
+                optimizer.step()  # every rank steps everything (plain DDP), so per-rank optimizer bugs show
+            else:
+                s.step(optimizer)  # the sharded step under test
             out.losses.append(float(s.all_reduce(loss.detach().float(), op="mean")))
             if world > 1:
                 out.replica_diff.append(_replica_diff(s, _live(net, sharded)))
@@ -313,6 +320,9 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
         out.error_step = step
         out.error += "\n" + traceback.format_exc(limit=-3)
     out.graphs_compiled = _graphs_compiled() - graphs_before
+    if spec.shard_optimizer is not None:
+        sharder = s.stepper.sharded_step(optimizer)
+        out.step_path = sharder.describe() if sharder is not None else "optimizer step not sharded"
     return out
 
 
@@ -363,8 +373,10 @@ def ddp_rank(spec: VerifySpec) -> bytes:
     Pickled here because tensors sent through a torch.multiprocessing queue travel as shared-memory
     handles, which vanish when the rank exits before the parent has read them.
     """
+    shard = "auto" if spec.shard_optimizer is None else spec.shard_optimizer  # "auto": the session's default
     with ddpkit.session(
-        seed=spec.seed, device=spec.device, timeout=spec.timeout, verbose=False, strategy=spec.strategy
+        seed=spec.seed, device=spec.device, timeout=spec.timeout, verbose=False, strategy=spec.strategy,
+        shard_optimizer=shard,
     ) as s:
         if s.world_size != spec.nproc:
             raise problem(

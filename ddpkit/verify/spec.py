@@ -103,6 +103,10 @@ class VerifySpec:
     static_graph: bool = False
     strategy: str = "ddp"  # or "fsdp": FSDP2 over nproc ranks against the same single process
     compile: bool = False  # the DDP/FSDP side runs s.model(..., compile=True); the reference eager
+    # None: every rank runs optimizer.step() on every parameter (plain DDP). Else both sides step with
+    # s.step(opt) in ddpkit.session(shard_optimizer=...): True/"auto" the sharded step, "gradients" its
+    # reduce-scatter (ddpkit.step.shard_exchange), checked against one process like any other path.
+    shard_optimizer: bool | str | None = None
     after_wrap: Callable[[nn.Module, Any], None] | str | None = None
     floor: tuple[str, ...] = ("permuted", "chunked")
     tolerance: Tolerance = field(default_factory=Tolerance)
@@ -130,6 +134,12 @@ class VerifySpec:
                 "sync_batchnorm, find_unused_parameters and static_graph are DDP-only options",
                 "Leave them out with --strategy fsdp",
             )
+        if self.shard_optimizer not in (None, True, False, "auto", "gradients"):
+            raise problem(f"shard_optimizer={self.shard_optimizer!r} is not True, 'auto' or 'gradients'",
+                          "Pass --shard-optimizer true, auto or gradients, or leave it out")  # fmt: skip
+        if self.shard_optimizer is not None and self.strategy != "ddp":
+            raise problem(f"shard_optimizer with strategy={self.strategy!r}: FSDP already shards the step",
+                          "Leave --shard-optimizer out with --strategy fsdp")  # fmt: skip
         if self.steps < 1:
             raise problem(f"steps={self.steps} is below 1", "Pass steps=1 or more (default 10)")
         if self.batch_size < self.nproc or self.batch_size % self.nproc:
