@@ -28,7 +28,8 @@ first step runs DDP's own all-reduce (the sharded step is decided there, after t
 hook is registered then and takes effect from the next backward. Between `s.backward` and `s.step`
 each rank's `.grad` then holds its own, unreduced gradient: read gradients after the exchange, i.e.
 clip with `s.step(opt, max_norm=...)`, not by hand. That is why it is asked for, never automatic:
-`ddpkit.session(shard_optimizer="gradients")` (the session then `attach`es its DDP models); without it
+`ddpkit.session(shard_optimizer="gradients")` (the session's Stepper then keeps its DDP models as the
+`candidates` a sharded step may `claim`, for that session only); without it
 the sharded step keeps DDP's all-reduce and `.grad` holds the averaged gradients as usual.
 """
 
@@ -42,7 +43,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_attached: list[weakref.ref] = []  # DDP models of this process whose step may shard (see `attach`)
 
 
 class Deferred:
@@ -60,13 +60,21 @@ def defer_hook(state: Deferred, bucket: dist.GradBucket) -> torch.futures.Future
     return fut
 
 
-def attach(ddp: DistributedDataParallel | None) -> None:
-    """Note a DDP model (`s.model`, found by `step.wrap.ddp_of`) whose gradients a sharded step may
-    reduce-scatter; nothing else happens until a sharded step over its parameters `claim`s it (not when
-    the model has a communication hook of the user's: it keeps it). Only for shard_optimizer="gradients"."""
-    if ddp is not None:
-        _attached[:] = [r for r in _attached if r() is not None]
-        _attached.append(weakref.ref(ddp))
+class Candidates:
+    """The DDP models of one session whose gradients a sharded step may reduce-scatter (`s.model` adds
+    them, found by `step.wrap.ddp_of`, only for shard_optimizer="gradients"); held weakly, by the
+    session's Stepper, so nothing outlives the session. Nothing happens until a sharded step over a
+    model's parameters `claim`s it (not when the model has a communication hook of the user's)."""
+
+    def __init__(self) -> None:
+        self._models: list[weakref.ref[DistributedDataParallel]] = []
+
+    def add(self, ddp: DistributedDataParallel | None) -> None:
+        if ddp is not None:
+            self._models = [r for r in self._models if r() is not None] + [weakref.ref(ddp)]
+
+    def newest_first(self) -> list[DistributedDataParallel]:
+        return [m for m in (r() for r in reversed(self._models)) if m is not None]
 
 
 class ScatteredGradients:
@@ -125,11 +133,13 @@ class ScatteredGradients:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
 
 
-def claim(shm: Any, group: Any, params: list[torch.Tensor], owners: list[int]) -> ScatteredGradients | None:
+def claim(
+    shm: Any, group: Any, params: list[torch.Tensor], owners: list[int], candidates: Candidates | None
+) -> ScatteredGradients | None:
     """The exchange for a sharded step over `params` (`owners[i]` updates `params[i]`), with the defer
     hook registered on the attached DDP model holding them; None when the step keeps DDP's all-reduce.
     Every rank decides alike: the same model, parameters and environment everywhere."""
-    if shm is None:
+    if shm is None or candidates is None:
         return None
     trained = {id(p) for p in params if p.requires_grad}
     dtypes = {p.dtype for p in params}
@@ -137,9 +147,8 @@ def claim(shm: Any, group: Any, params: list[torch.Tensor], owners: list[int]) -
         return None
     if not all(p.device.type == "cpu" and p.is_contiguous() for p in params):
         return None
-    for ref in reversed(_attached):  # the newest model first
-        ddp = ref()
-        if ddp is None or getattr(ddp, "_comm_hooks", None):
+    for ddp in candidates.newest_first():
+        if getattr(ddp, "_comm_hooks", None):
             continue
         # all the model's trained parameters: none left unreduced for another optimizer
         if trained == {id(p) for p in ddp.parameters() if p.requires_grad}:

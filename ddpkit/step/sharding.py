@@ -70,7 +70,13 @@ def partition(sizes: list[int], world: int) -> list[int]:
 class ShardedStep:
     """One optimizer's split over the ranks of `group`, and the publishing of updated parameters."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group: Any, shm: Any | None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        group: Any,
+        shm: Any | None,
+        candidates: shard_exchange.Candidates | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.group = group
         self.rank = dist.get_rank(group)
@@ -84,7 +90,7 @@ class ShardedStep:
         self.foreign = [p for p, o in pairs if o != self.rank]  # their gradients are set aside in step()
         self.drop_foreign_state()
         # ZeRO-2 on one machine: gradients reduce-scattered into each rank's share (None: DDP all-reduces)
-        self.exchange = shard_exchange.claim(shm, group, self.params, owners)
+        self.exchange = shard_exchange.claim(shm, group, self.params, owners, candidates)
 
     # -- the gradient exchange (`ddpkit.step.shard_exchange`); the Stepper calls these in this order --
     def reduce_gradients(self) -> None:
@@ -202,11 +208,13 @@ def choose(
     *,
     timeout: float = 1800.0,
     report: Callable[[str], None] | None = None,
+    candidates: shard_exchange.Candidates | None = None,
 ) -> ShardedStep | None:
     """A ShardedStep for the optimizer, or None when its step stays whole (collective: every rank calls it).
 
     The caller (the session's `Stepper`) calls it once per optimizer, at its first step, and keeps the
-    answer; `report` is told when the step starts being sharded."""
+    answer; `report` is told when the step starts being sharded. `candidates`: the session's DDP models
+    whose gradients the step may reduce-scatter (shard_optimizer="gradients"), else None."""
     name = type(optimizer).__name__
     decided: ShardedStep | None = None
     mode = True if mode == "gradients" else mode  # asked for, with its gradients reduce-scattered too
@@ -223,7 +231,7 @@ def choose(
     if wanted and dist.is_initialized() and dist.get_world_size() > 1:
         shm = _shared_memory(optimizer, device, timeout)
         if shm is not None or mode is True:
-            decided = ShardedStep(optimizer, dist.group.WORLD, shm)
+            decided = ShardedStep(optimizer, dist.group.WORLD, shm, candidates)
             if report is not None:
                 report(f"ddpkit: {decided.describe()}")
     return decided

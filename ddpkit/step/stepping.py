@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import problem
-from ddpkit.step import sharding
+from ddpkit.step import shard_exchange, sharding
 from ddpkit.step.precision import LossScale, PrecisionPlan
 from ddpkit.step.tokens import Count, TokenWeighting
 from ddpkit.strategy import Strategy
@@ -82,6 +82,8 @@ class Stepper:
         self.accumulation = accumulation
         self.strategy = strategy or Strategy()  # the session's, built once before this stepper
         self.shard = shard  # ddpkit.step.sharding: each rank steps its share of the parameters
+        # shard="gradients": this session's DDP models whose gradients a sharded step may reduce-scatter
+        self.exchange_candidates = shard_exchange.Candidates()
         self._sharded: weakref.WeakKeyDictionary[torch.optim.Optimizer, sharding.ShardedStep | None] = (
             weakref.WeakKeyDictionary()
         )  # the decision for each optimizer, made at its first step
@@ -239,7 +241,8 @@ class Stepper:
             return None
         if optimizer not in self._sharded:
             self._sharded[optimizer] = sharding.choose(
-                optimizer, self.shard, self.device, timeout=self.timeout, report=self.report
+                optimizer, self.shard, self.device, timeout=self.timeout, report=self.report,
+                candidates=self.exchange_candidates,  # empty unless shard_optimizer="gradients"
             )
         return self._sharded[optimizer]
 

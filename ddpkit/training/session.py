@@ -43,7 +43,7 @@ from ddpkit.errors import problem
 from ddpkit.names import WRITER_NICE_ENV
 from ddpkit.observe.anatomy import StepAnatomy
 from ddpkit.observe.tracking import Tracking
-from ddpkit.step import compiling, cpu_allocator, invariant, shard_exchange, wrap
+from ddpkit.step import compiling, cpu_allocator, invariant, wrap
 from ddpkit.step.precision import PrecisionPlan, device_supports_bf16, resolve_precision
 from ddpkit.step.stepping import MicroBatch, StepInfo, Stepper
 from ddpkit.strategy import Choice, DDPOptions, Strategy, building, hf
@@ -311,7 +311,7 @@ class Session(RankContext):
                                  world_size=self.world_size, distributed=self.distributed,
                                  on_close=self._on_close, say=self.print)  # fmt: skip  (how to prepare)
         if self.distributed and stepper.shard == "gradients" and self.device.type == "cpu":
-            shard_exchange.attach(wrap.ddp_of(model))  # the sharded step may reduce-scatter (ZeRO-2)
+            stepper.exchange_candidates.add(wrap.ddp_of(model))  # its step may reduce-scatter (ZeRO-2)
         seed_everything(self.rank_seed)  # each rank's own stream from here on (the module docstring)
         self.anatomy.watch(model)  # its gradient hooks time the sync wait (observe.anatomy)
         return model
