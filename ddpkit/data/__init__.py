@@ -12,6 +12,9 @@ and the position inside an epoch goes into a checkpoint:
     loader     `ShardedLoader` (one pass per epoch, batches on the device) and `make_loader`
 
 The tables of what is exact for which source: docs/equivalence.md, "Data".
+
+Owns: which samples each rank reads, in which order, and where in the epoch it stands. May import
+errors and names only (torch's DataLoader and samplers underneath); never the facade.
 """
 
 from ddpkit.data.batching import BatchPlan, elastic_accumulation, plan_batch

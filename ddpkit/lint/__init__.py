@@ -7,6 +7,10 @@
 Rules are in `rules_model` (building and wrapping the model), `rules_ranks` (what each rank does) and
 `rules_loop` (loss and sampler); `ddpkit lint --list-rules` and docs/lint.md describe each. Precision
 comes first: a rule stays silent when the script does not show enough to be sure.
+
+Owns: the rules and their findings; it runs nothing of the script.
+May import `ddpkit` and its public modules only (the `tools` contract in `.importlinter`): never
+the session, the checkpoint wing or the step's and cluster's internals.
 """
 
 from __future__ import annotations

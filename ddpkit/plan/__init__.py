@@ -7,4 +7,8 @@ profile.py runs the model on one device (forward, backward, when each DDP bucket
 optimizer step); links.py holds the link presets and the fit of latency and bandwidth from `ddpkit bench
 collectives`; simulate.py replays the backward with buckets launched as they become ready on one
 communication stream; advice.py says what would help; report.py prints, writes JSON and the plot.
+
+Owns: the prediction (profile, link model, simulation, advice).
+May import `ddpkit` and its public modules only (the `tools` contract in `.importlinter`): never
+the session, the checkpoint wing or the step's and cluster's internals.
 """

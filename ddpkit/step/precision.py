@@ -137,10 +137,20 @@ class LossScale:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
-    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        """The gradients divided by the scale (before clipping reads them)."""
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+    def unscale(
+        self, optimizer: torch.optim.Optimizer, agree: Callable[[list[torch.Tensor]], None] | None = None
+    ) -> None:
+        """The gradients divided by the scale (before clipping reads them). `agree` receives the
+        optimizer's overflow flags to make them every rank's (a sharded step whose ranks each hold only
+        their share of the reduced gradients); the step then skips, or not, on every rank alike."""
+        if self.scaler is None:
+            return
+        self.scaler.unscale_(optimizer)
+        if agree is not None:
+            # GradScaler keeps the flags unscale_ found per optimizer and has no public accessor: read
+            # here, by the scaler's one owner, so no other module touches the scaler's state
+            found = self.scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
+            agree(list(found.values()))
 
     def step(self, optimizer: torch.optim.Optimizer, run: Callable[[Callable[[], Any]], Any]) -> bool:
         """`run(update)` runs the optimizer's update (the sharded step wraps it); True when fp16 skipped it

@@ -122,14 +122,14 @@ class ScatteredGradients:
         nn.utils.clip_grads_with_norm_([with_grad[i] for i in mine], max_norm, total)
         return total
 
-    def agree_found_inf(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
-        """fp16: after `scaler.unscale_`, the overflow flags agreed by every rank (max over ranks).
-        A non-finite sum has a non-finite term on some rank, seen there in its share or its own
-        gradients, so the max is the flag the all-reduced gradients would have given everywhere."""
-        if not self.scattered or scaler is None:
+    def agree_found_inf(self, flags: list[torch.Tensor]) -> None:
+        """fp16: after unscaling, the overflow flags (from `precision.LossScale`, their owner) agreed by
+        every rank (max over ranks). A non-finite sum has a non-finite term on some rank, seen there in
+        its share or its own gradients, so the max is the flag the all-reduced gradients would have
+        given everywhere."""
+        if not self.scattered:
             return
-        found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
-        for flag in found.values():
+        for flag in flags:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
 
 

@@ -98,10 +98,11 @@ class ShardedStep:
         if self.exchange is not None:
             self.exchange.reduce()
 
-    def agree_found_inf(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
-        """After fp16 unscaling: the overflow flag of the whole gradients, on every rank."""
+    def agree_found_inf(self, flags: list[torch.Tensor]) -> None:
+        """After fp16 unscaling (`LossScale.unscale` passes its flags): the overflow flags of the whole
+        gradients, on every rank."""
         if self.exchange is not None:
-            self.exchange.agree_found_inf(scaler, optimizer)
+            self.exchange.agree_found_inf(flags)
 
     def clip(self, params: list[Any], max_norm: float, whole: Callable[..., torch.Tensor]) -> torch.Tensor:
         """The total norm before clipping, computed on shards after a reduce-scatter, else `whole`'s."""

@@ -187,9 +187,8 @@ class Stepper:
         if not self.tokens.settle(optimizer, accumulation=k, joining=self._in_join):
             optimizer.zero_grad(set_to_none=True)  # no valid token on any rank: nothing to learn from
             return StepInfo(stepped=False, skipped=True, step=self.steps)
-        self.loss_scale.unscale(optimizer)
-        if sharder is not None and self.loss_scale.scaler is not None:
-            sharder.agree_found_inf(self.loss_scale.scaler, optimizer)  # a share's inf/nan, every rank's
+        # fp16: unscaled; a sharded step's overflow flags agreed by every rank (a share's inf/nan)
+        self.loss_scale.unscale(optimizer, agree=sharder.agree_found_inf if sharder is not None else None)
         norm = None
         if max_norm is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]

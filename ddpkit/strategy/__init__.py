@@ -8,6 +8,10 @@ one process (said once). `NAMES` is the one list of names; tools that compare or
 
 `FSDP` is imported when first asked for (`make` with "fsdp", or `ddpkit.strategy.FSDP`): a DDP session
 does not load FSDP2's machinery before its first step.
+
+Owns: how a model is wrapped, synchronised, clipped, saved and loaded for each kind of parallelism.
+May import the step wing's lower pieces (precision, collectives, wrap, compiling), the checkpoint
+format (`checkpoint.files`), errors and names; never the facade, the stepper or the cluster wing.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ paths).
     gpucheck_checks  the checks it runs
     workloads        the named benchmark workloads (cnn, mlp, gpt, ...) and `Workload`
 
+Owns: the commands' behaviour and output, and the named workloads.
 May import `ddpkit` (the public namespace) and the public modules (strategy, precision, topology,
 environments, launch, workloads, comm_hooks, data, metrics, tokens, names, errors); never the internals
 the "tools" contract in `.importlinter` lists (session, stepping, sharding, checkpoint, ...).

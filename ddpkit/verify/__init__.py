@@ -8,6 +8,10 @@
     ddpkit verify --model mypkg.nets:make_net --data mypkg.data:make_train --nproc 2 --steps 10
 
 See docs/equivalence.md for what tolerance to expect and why the numbers differ at all.
+
+Owns: the comparison of N ranks with one process, and its report.
+May import `ddpkit` and its public modules only (the `tools` contract in `.importlinter`): never
+the session, the checkpoint wing or the step's and cluster's internals.
 """
 
 from ddpkit.verify.checker import compare, verify
