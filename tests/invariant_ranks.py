@@ -126,3 +126,29 @@ def session_run(root: str | None, steps: int, save_at: int | None, load: bool, e
             if done == save_at and not load:
                 s.save(root, **state)
         return weights_hash(ddpkit.unwrap(model))
+
+
+def ddp_loops_refused() -> list[str]:
+    """A loop written for DDP in an any-world session: `loss.backward()` through the DDP model, then
+    `s.backward` and `s.step`; each must fail with its paragraph instead of training another run.
+    (`s.invariant.step` runs the inner module: `session_run` and the tests above train with it.)"""
+    import ddpkit
+
+    said = []
+    with ddpkit.session(reproducible="any-world", chunk=CHUNK, seed=0, verbose=False) as s:
+        build, data, _ = workload("mlp")
+        model = s.model(build())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x, y = next(iter(s.loader(data, batch_size=BATCH, shuffle=True)))
+        for attempt in ("plain", "s.backward", "s.step"):
+            try:
+                if attempt == "plain":  # DDP's forward, then its all-reduce in the backward: the guard
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                elif attempt == "s.backward":  # refused before any backward
+                    s.backward(torch.zeros((), requires_grad=True))
+                else:
+                    s.step(opt)
+                said.append(f"{attempt}: no error")
+            except Exception as err:  # the comm hook's error reaches the caller through autograd
+                said.append(f"{attempt}: {type(err).__name__}: {err}")
+    return said

@@ -2,7 +2,7 @@
 
 Real gloo ranks (the shared pool) run `fit` on a tiny model; one rank gets a planted sleep in its data
 loading, or in its forward, and rank 0 must name that rank and that cause within 50 steps. A balanced
-run of 200 steps must name nobody (the detector's thresholds are relative AND absolute, and must hold
+run of 500 steps must name nobody (the detector's thresholds are relative AND absolute, and must hold
 for 3 gathers in a row: the noise of a shared 2-core machine moves neither). No timing is asserted.
 """
 

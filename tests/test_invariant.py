@@ -152,6 +152,11 @@ def test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_b
     assert two[0] == two[1] == one == resumed, (two, one, resumed)
     import ddpkit
 
+    for said in pool2.run(invariant_ranks.ddp_loops_refused):  # a loop written for DDP: refused, not run
+        assert len(said) == 3, said
+        assert "ran through the DDP model in a session with reproducible='any-world'" in said[0], said
+        assert said[1].startswith("s.backward: DdpkitError") and "s.invariant.step(model" in said[1], said
+        assert said[2].startswith("s.step: DdpkitError") and "s.invariant.step(model" in said[2], said
     with pytest.raises(DdpkitError, match="accumulation=2"), ddpkit.session(
         reproducible="any-world", accumulation=2, env={}, verbose=False
     ):

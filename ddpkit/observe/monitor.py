@@ -73,8 +73,8 @@ class StepMonitor:
     def after_step(self, step: int) -> None:
         """After each optimizer step, on every rank (every `every` steps it is a collective)."""
         scalars = self.view.after_step(step)
-        if scalars is not None:
-            self._pending = scalars
+        if scalars is not None:  # merged: a gather's slow-rank scalars survive later gathers until logged
+            self._pending.update(scalars)
 
     def utilisation(self, step_s: float) -> Utilisation | None:
         if self.flops_per_step is None or not self.main:

@@ -17,19 +17,25 @@ differently for 16 and 32 rows, so the additions happen in another order and the
 2. Each chunk runs forward and backward on its own, with the same shapes at every world size, so the
    same kernels; its random draws (dropout) come from a generator seeded by (seed, step, global chunk).
 3. The chunks' gradients (and losses) are summed pairwise in a fixed binary tree over the global chunk
-   index (`ddpkit.step.chunktree`): within a rank, then across ranks (an all-gather of the W partial
-   sums, each one a node of the tree, then the same pairing on every rank). DDP's all-reduce is never
-   used (the inner module runs the chunks; DDP's hooks fire only after its own forward).
+   index (`ddpkit.step.chunktree`): within a rank, then across ranks. Each rank's partial sum is a node
+   of the tree; rank j receives the j-th slice of every rank's partial sum (one all-to-all), pairs them
+   in rank order, and the summed slices are all-gathered: every element is added in the tree's order
+   (addition is element-wise, so slicing changes no bit), over any process group and across machines,
+   with about two gradient buffers per rank instead of W. DDP's all-reduce is never used (the inner
+   module runs the chunks); `guard` makes a backward through the DDP wrapper an error, so a loop
+   written for DDP (`loss.backward()`, `s.backward`) cannot silently train a world-size-dependent run.
 4. One normalisation: each chunk's mean loss times 1/C before its backward (a power of two, so exact:
    the same bits as scaling the sum afterwards, without a pass over it), so the tree sums to the mean.
 5. `torch.use_deterministic_algorithms(True)` during the step; then clipping and the optimizer act on
    identical gradients on every rank.
 
-Limits (each refused with a paragraph): BatchNorm (its statistics span the chunk, and its running
-statistics would be updated per rank), world sizes that are not a power of two or do not divide C,
-fp16 (its loss scale); the intra-op thread count must be the same in the runs compared (a kernel splits
-its sums by threads). Its price: the chunks run one after the other in small kernels; see
-docs/equivalence.md ("World-size-invariant training").
+Limits (each refused with a paragraph): `s.backward`/`s.step`/`fit` or a plain `loss.backward()`
+through the DDP model (step with `s.invariant.step`), BatchNorm (its statistics span the chunk, and its
+running statistics would be updated per rank), world sizes that are not a power of two or do not divide
+C, fp16 (its loss scale). Not offered: token-weighted losses (the mode normalises by the global number
+of chunks, so `loss_fn` returns each chunk's mean). The intra-op thread count must be the same in the
+runs compared (a kernel splits its sums by threads). Its price: the chunks run one after the other in
+small kernels; see docs/equivalence.md ("World-size-invariant training").
 """
 
 from __future__ import annotations
@@ -228,7 +234,7 @@ class AnyWorld:
         self.counters.steps += 1
         self.counters.chunks += local
         self.counters.peak_buffers = max(self.counters.peak_buffers, tree.peak_buffers)
-        return total[-2].clone()
+        return total[-3].clone()
 
     def _chunk_grad(self, module: nn.Module, params: Sequence[nn.Parameter], part: Any, loss_fn: LossFn,
                     index: int, scale: float) -> torch.Tensor:  # fmt: skip
@@ -246,25 +252,55 @@ class AnyWorld:
             (loss * scale).backward()  # 1/C, a power of two: exact, and no pass over the sum afterwards
         flat = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params]
         flat.append((loss.detach() * scale).to(params[0].dtype).reshape(1))
-        flat.append(torch.zeros(1, dtype=params[0].dtype, device=params[0].device))  # the count's slot
+        flat.append(torch.zeros(2, dtype=params[0].dtype, device=params[0].device))  # the counts' slots
         return torch.cat(flat)
 
     def _across_ranks(self, partial: torch.Tensor, local: int) -> torch.Tensor:
-        """All ranks' subtree sums, then the tree's top levels, identically on every rank. The buffer's
-        last slot (a sum of zeros) carries this rank's chunk count, so the ranks check they agree."""
-        partial[-1] = float(local)
+        """All ranks' subtree sums, then the tree's top levels, identically on every rank: a reduce-scatter
+        by slices (one all-to-all; rank j pairs the j-th slices in rank order) and an all-gather of the
+        summed slices. The buffer's last two slots (sums of zeros) carry this rank's chunk count n and
+        n * n: every rank then reads the same totals, and W * sum(n * n) == sum(n) ** 2 only when every
+        rank holds as many chunks, so they agree to go on or to refuse."""
+        partial[-2], partial[-1] = float(local), float(local * local)
         if self.world == 1:
             return partial
-        parts = [torch.empty_like(partial) for _ in range(self.world)]
-        dist.all_gather(parts, partial, group=self.group)
+        size = partial.numel()
+        width = -(-size // self.world)  # each rank sums one slice of the buffer
+        padded = torch.zeros(width * self.world, dtype=partial.dtype, device=partial.device)
+        padded[:size] = partial
+        del partial
+        slices = torch.empty_like(padded)  # row r: rank r's partial sum over this rank's slice
+        dist.all_to_all_single(slices, padded, group=self.group)
+        mine = combine(list(slices.view(self.world, width)), fresh=True)
+        dist.all_gather(list(padded.view(self.world, width)), mine, group=self.group)
+        del slices, mine
         self.counters.gathers += 1
-        counts = [int(p[-1].item()) for p in parts]
-        if len(set(counts)) != 1:
+        counts, squares = padded[size - 2].item(), padded[size - 1].item()
+        if self.world * squares != counts * counts:
             raise problem(
-                f"the ranks hold different numbers of chunks this step ({counts})",
+                f"the ranks hold different numbers of chunks this step ({int(counts)} in all over "
+                f"{self.world} ranks, {local} here)",
                 "Give every rank the same share: s.loader(..., batch_size=global) in this mode",
             )
-        return combine(parts, fresh=True)
+        return padded[:size]
+
+    def guard(self, ddp: nn.parallel.DistributedDataParallel | None) -> None:
+        """Make DDP's all-reduce an error for a model `s.model` wrapped: in this mode the gradients are
+        summed by `step` in the fixed tree, so a backward through the wrapper (`loss.backward()` after
+        `model(x)`, `s.backward`) would train an ordinary, world-size-dependent run without a word."""
+        if ddp is None:
+            return
+
+        def refuse(state, bucket):  # unannotated: DDP checks the annotations, and they are strings here
+            raise problem(
+                "a backward ran through the DDP model in a session with reproducible='any-world': DDP's "
+                "all-reduce sums the gradients in its own order, so the weights would depend on the "
+                "world size again",
+                "Step with loss = s.invariant.step(model, opt, batch, loss_fn) (loss_fn(module, chunk) "
+                "returns the chunk's mean loss) instead of loss.backward() / s.backward / s.step / fit",
+            )
+
+        ddp.register_comm_hook(None, refuse)
 
 
 def _inner(model: nn.Module) -> nn.Module:

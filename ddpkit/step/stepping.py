@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import problem
-from ddpkit.step import shard_exchange, sharding
+from ddpkit.step import invariant, shard_exchange, sharding
 from ddpkit.step.precision import LossScale, PrecisionPlan
 from ddpkit.step.tokens import Count, TokenWeighting
 from ddpkit.strategy import Strategy
@@ -78,8 +79,10 @@ class Stepper:
         device: torch.device | None = None,
         timeout: float = 1800.0,
         strategy: Strategy | None = None,
+        invariant_mode: invariant.AnyWorld | None = None,
     ) -> None:
         self.accumulation = accumulation
+        self.invariant = invariant_mode  # reproducible="any-world": s.invariant.step is the only step
         self.strategy = strategy or Strategy()  # the session's, built once before this stepper
         self.shard = shard  # ddpkit.step.sharding: each rank steps its share of the parameters
         # shard="gradients": this session's DDP models whose gradients a sharded step may reduce-scatter
@@ -136,7 +139,26 @@ class Stepper:
         self._micro += 1
         self._awaiting_step = True
 
+    def adopt(self, ddp: DistributedDataParallel | None) -> None:
+        """A model `s.model` wrapped in DDP (`step.wrap.ddp_of`; None otherwise). reproducible="any-world":
+        its all-reduce becomes an error (`invariant.AnyWorld.guard`); shard="gradients" on CPU ranks: its
+        gradients may be reduce-scattered by the sharded step (`shard_exchange.Candidates`)."""
+        if self.invariant is not None:
+            self.invariant.guard(ddp)
+        elif self.shard == "gradients" and self.device.type == "cpu":
+            self.exchange_candidates.add(ddp)
+
+    def _refuse_in_invariant_mode(self, call: str) -> None:
+        if self.invariant is not None:
+            raise problem(
+                f"{call} ran in a session with reproducible='any-world': it would sum the gradients in "
+                "DDP's order, so the weights would depend on the world size again (fit steps this way too)",
+                "Step with loss = s.invariant.step(model, opt, batch, loss_fn) (loss_fn(module, chunk) "
+                "returns the chunk's mean loss), or leave reproducible= out",
+            )
+
     def backward(self, loss: torch.Tensor, tokens: Count | None = None) -> None:
+        self._refuse_in_invariant_mode("s.backward(loss)")
         k = self.accumulation
         if self._block is None and k > 1:
             raise problem(
@@ -162,6 +184,7 @@ class Stepper:
         self._backwards += 1
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> StepInfo:
+        self._refuse_in_invariant_mode("s.step(opt)")
         k = self.accumulation
         if not self._awaiting_step:
             if k > 1 or self._backwards == 0:

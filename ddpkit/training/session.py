@@ -124,7 +124,8 @@ class Session(RankContext):
         if self._stepper is None:
             self._stepper = Stepper(self.accumulation, self.precision, distributed=self.distributed,
                                     report=self.print, shard=self._shard, device=self.device,
-                                    timeout=self.limits.collective, strategy=self._strategy)  # fmt: skip
+                                    timeout=self.limits.collective, strategy=self._strategy,
+                                    invariant_mode=self.invariant)  # fmt: skip
         return self._stepper
 
     @property
@@ -310,8 +311,7 @@ class Session(RankContext):
                                  device=self.device, weights_from=weights, recompute=activation_checkpointing,
                                  world_size=self.world_size, distributed=self.distributed,
                                  on_close=self._on_close, say=self.print)  # fmt: skip  (how to prepare)
-        if self.distributed and stepper.shard == "gradients" and self.device.type == "cpu":
-            stepper.exchange_candidates.add(wrap.ddp_of(model))  # its step may reduce-scatter (ZeRO-2)
+        stepper.adopt(wrap.ddp_of(model))  # ZeRO-2's reduce-scatter, or any-world's guard (step.stepping)
         seed_everything(self.rank_seed)  # each rank's own stream from here on (the module docstring)
         self.anatomy.watch(model)  # its gradient hooks time the sync wait (observe.anatomy)
         return model
