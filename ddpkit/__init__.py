@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ddpkit.data import to_device
     from ddpkit.errors import DdpkitError
     from ddpkit.observe.metrics import Accuracy, Mean, MetricSet, Sum
+    from ddpkit.observe.monitor import StepMonitor
     from ddpkit.step.shm_allreduce import ShmAllReduce
     from ddpkit.step.stepping import StepInfo
     from ddpkit.step.wrap import unwrap
@@ -36,7 +37,8 @@ _HOME = {
     "FitResult": "training.fit", "FitState": "training.fit", "evaluate": "training.fit",
     "fit": "training.fit",
     "Accuracy": "observe.metrics", "Mean": "observe.metrics", "MetricSet": "observe.metrics",
-    "Sum": "observe.metrics", "Session": "training.session", "seed_everything": "training.seeding",
+    "Sum": "observe.metrics", "StepMonitor": "observe.monitor", "Session": "training.session",
+    "seed_everything": "training.seeding",
     "session": "training.session", "SpawnError": "cluster.spawn", "spawn": "cluster.spawn",
     "StepInfo": "step.stepping", "DDPOptions": "strategy", "FSDPOptions": "strategy",
     "ShmAllReduce": "step.shm_allreduce", "to_device": "data", "Hardware": "cluster.topology",
@@ -75,6 +77,7 @@ __all__ = [
     "ShmAllReduce",
     "SpawnError",
     "StepInfo",
+    "StepMonitor",
     "Sum",
     "__version__",
     "evaluate",

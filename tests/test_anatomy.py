@@ -76,6 +76,40 @@ def _run(plant: str, steps: int, cache: str, log_dir: str | None = None) -> dict
         return {"anatomy": result.anatomy, "steps": result.steps}
 
 
+def _hand_loop(steps: int, cache: str) -> dict:
+    """A loop written by hand (no fit): `ddpkit.StepMonitor.of(s)`, rank 1's forward 30 ms slower."""
+    os.environ["DDPKIT_CACHE_DIR"] = cache
+    with ddpkit.session(seed=0, verbose=False) as s:
+        model = s.model(_net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        monitor = ddpkit.StepMonitor.of(s)
+        logged, step = [], 0
+        while step < steps:
+            for x, y in s.loader(_data(), batch_size=8, shuffle=True):
+                with s.accumulate(model):
+                    loss = monitor.counting(lambda b: nn.functional.cross_entropy(model(b[0]), b[1]), (x, y))
+                    if s.rank == 1:
+                        time.sleep(DELAY)  # inside the forward's mark (s.backward marks it on entry)
+                    s.backward(loss)
+                s.step(opt)
+                step += 1
+                monitor.after_step(step)
+                if step % 10 == 0:
+                    logged.append(monitor.scalars())  # what the loop passes to s.log
+                if step == steps:
+                    break
+        return {"logged": logged, "findings": monitor.summary()["findings"]}
+
+
+def test_a_hand_written_loop_gets_mfu_per_rank_medians_and_the_slow_rank(pool2, tmp_path: Path) -> None:
+    r0, _r1 = pool2.run(_hand_loop, 40, str(tmp_path), timeout=120)
+    assert len(r0["logged"]) == 4
+    last = r0["logged"][-1]
+    assert last["flops_per_step"] > 0 and 0 < last["mfu"] < 1, last  # counted once, against the CPU peak
+    assert last["anatomy/rank1/forward_ms"] > DELAY * 1e3 * 0.8, last  # every rank's medians, on rank 0
+    assert [(f.rank, f.cause) for f in r0["findings"]] == [(1, "compute")], r0["findings"]
+
+
 @pytest.mark.parametrize("plant,cause", [("data", "data"), ("forward", "compute")])
 def test_slow_rank_named_with_its_cause(plant: str, cause: str, pool2, tmp_path: Path) -> None:
     r0, _r1 = pool2.run(_run, plant, 50, str(tmp_path), str(tmp_path / "tb"), timeout=120)

@@ -10,6 +10,18 @@
 
 MFU's peak is looked up (GPU) or measured (CPU, cached per machine) on rank 0 only, which alone shows
 and logs it (`ddpkit.observe.flops`).
+
+A loop written by hand gets the same through `s.log` (`ddpkit.StepMonitor.of(s)`; its step time is then
+this rank's median step from the anatomy that `s.backward`/`s.step` mark):
+
+    monitor = ddpkit.StepMonitor.of(s)                  # after s.model; flops="count" by default
+    for step, (x, y) in enumerate(train, 1):
+        with s.accumulate(model):
+            s.backward(monitor.counting(lambda b: F.cross_entropy(model(b[0]), b[1]), (x, y)))
+        s.step(opt)
+        monitor.after_step(step)                        # every rank: every 10 steps one all_gather
+        if step % 10 == 0:
+            s.log({"loss": ..., **monitor.scalars()}, step=step)   # TFLOP/s, MFU, per-rank medians
 """
 
 from __future__ import annotations
@@ -60,6 +72,13 @@ class StepMonitor:
             self.peak = device_peak(ranks.device, precision)
         self._pending: dict[str, float] = {}
 
+    @classmethod
+    def of(cls, s: Any, *, flops: float | str | None = "count", every: int = 10) -> StepMonitor:
+        """The monitor of a session `s` (its ranks, precision, accumulation, output and the anatomy its
+        `s.backward`/`s.step` mark), for a loop written by hand; `fit` builds the same."""
+        return cls(s, precision=s.precision.name, accumulation=s.accumulation, flops=flops, every=every,
+                   main=s.is_main, report=s.print, anatomy=s.anatomy)  # fmt: skip
+
     def counting(self, run: Callable[[Any], T], arg: Any) -> T:
         """`run(arg)`; the first time (flops="count"), under the FLOP counter: per step = x accumulation."""
         if not self._count:
@@ -93,10 +112,12 @@ class StepMonitor:
         )
         return util.text() + measured
 
-    def scalars(self, step_s: float, *, anatomy: bool = True) -> dict[str, float]:
-        """FLOPs/MFU for a window of `step_s` seconds per step, then (once each) the last gather's per-rank
-        medians and slow-rank scalars."""
-        util = self.utilisation(step_s)
+    def scalars(self, step_s: float | None = None, *, anatomy: bool = True) -> dict[str, float]:
+        """FLOPs/MFU for a window of `step_s` seconds per step (None: this rank's median step from the
+        anatomy), then (once each) the last gather's per-rank medians and slow-rank scalars."""
+        if step_s is None:
+            step_s = self.anatomy.medians().get("step", 0.0)
+        util = self.utilisation(step_s) if step_s > 0 else None
         out = util.scalars() if util is not None else {}
         if anatomy:
             out.update(self._pending)
