@@ -92,15 +92,18 @@ def test_sigterm_to_the_launcher_then_a_relaunch_ends_like_the_uninterrupted_run
     ("signal_at", "idiom"),
     [("forward:8:0", ("--idiom", "if", "--save-every", "100")),  # SIGTERM; no periodic save in the run
      ("forward:9:1:USR1", ("--idiom", "if", "--save-every", "7")),  # SIGUSR1, as Slurm sends it
-     ("backward:11:0:USR1", ("--idiom", "every", "--save-every", "5"))],
-    ids=["if-TERM", "if-USR1", "every-USR1"],
+     ("backward:11:0:USR1", ("--idiom", "every", "--save-every", "5")),
+     # the README's first loop (loss.backward(); opt.step(), no s.step): agreed at the loader's next batch
+     ("forward:8:0", ("--loop", "plain", "--idiom", "if", "--save-every", "100"))],
+    ids=["if-TERM", "if-USR1", "every-USR1", "plain-if-TERM"],
 )  # fmt: skip
 def test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise(
     uninterrupted, tmp_path: Path, signal_at: str, idiom: tuple[str, ...]
 ) -> None:
     # Issue 32: the README's `if step % N == 0: s.save(...)` idiom, with s.load at the start, is saved at
     # the step the ranks agree on (at s.step; written at the loader's next batch, with `step` advanced),
-    # not at the next periodic save: with --save-every 100 there is none in the run at all.
+    # not at the next periodic save: with --save-every 100 there is none in the run at all. The plain loop
+    # (no s.step: ddpkit owns only the loader's batches) is bitwise the s.step loop's run (checked).
     first, step = preempted_then_resumed(tmp_path, signal_at, idiom=idiom)
     name = "SIGUSR1" if signal_at.endswith("USR1") else "SIGTERM"
     assert f"preempted ({name}) at step {step}" in first.stderr
@@ -255,3 +258,37 @@ def test_a_stop_is_seen_within_about_a_second_however_dear_the_agreement() -> No
     assert p._propose() == 100
     p._step, p._cost = 0.010, 0.0002
     assert p._propose() == 4
+
+
+def test_a_plain_loop_stops_at_the_loaders_next_batch_with_its_steps_counted(tmp_path: Path) -> None:
+    # One process, no ddpkit run: the README's first loop (opt.step(), never s.step) saving every 4 steps.
+    # The flag is set in step 11's body; the loader's next batch agrees and saves step 11: 8 (the last
+    # save) + 3 batches, counting neither the batch that followed the save's body nor the next epoch's
+    # first boundary (no body ran before it).
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+    from ddpkit.cluster.preemption import Preempted
+
+    with ddpkit.session(env={}, hardware=ddpkit.Hardware(gpus=0, cpu_cores=2), verbose=False) as s:
+        model = s.model(nn.Linear(2, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = s.loader(TensorDataset(torch.ones(20, 2)), batch_size=2)  # 10 batches an epoch
+        state = dict(model=model, optimizer=opt, loader=loader)
+        step = s.load(tmp_path, **state, step=0)["step"]
+        with pytest.raises(Preempted) as stop:
+            for _epoch in range(loader.epoch, 3):
+                for (x,) in loader:
+                    model(x).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    step += 1
+                    if step % 4 == 0:
+                        s.save(tmp_path, **state, step=step)
+                    if step == 11:
+                        s.preemption.asked = "SIGTERM"  # what the handler does
+        assert stop.value.step == 11 and stop.value.code == 75
+        again = s.load(stop.value.checkpoint, **state, step=-1)
+    assert again["step"] == 11 and loader.state_dict()["samples"] == 2 and loader.epoch == 1
