@@ -8,7 +8,8 @@
 optimizer, save: inside the next save's capture, on rank 0). WHO is "launcher" (SIGTERM to the
 launcher's process group, the default), "self" (the preemption signal to this rank only: its peer
 learns of it only through the agreement) or a signal name such as USR1 (that signal to the launcher
-alone, as Slurm's --signal=USR1@120 sends it). With --slow-save S, the save that follows the signal
+alone, as Slurm's --signal=USR1@120 sends it), or "group-NAME" (that signal to this rank's process group:
+every rank of an srun-like launch, which the test starts in one group, as Slurm signals a step's tasks). With --slow-save S, the save that follows the signal
 takes S seconds longer on the signalling rank (a save longer than `ddpkit run --grace`); with
 --second-signal, rank 0 SIGTERMs the launcher again in the middle of that save. Rank 0 writes OUT/final.safetensors at the end, and every
 launch appends "start END" lines to OUT/log.txt (the steps it began from and reached).
@@ -83,6 +84,8 @@ def main() -> None:
                 who = at[3] if len(at) > 3 else "launcher"
                 if who == "self":
                     os.kill(os.getpid(), signal.SIGUSR1)
+                elif who.startswith("group-"):  # every rank at once (no launcher: an srun-like start)
+                    os.killpg(os.getpgrp(), getattr(signal, f"SIG{who.removeprefix('group-')}"))
                 elif who != "launcher":  # the launcher alone, the signal a scheduler sends it
                     os.kill(os.getppid(), getattr(signal, f"SIG{who}"))
                 elif os.getpgid(os.getppid()) == os.getppid():  # the launcher leads its own group

@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, communicate, popen_cli
+from conftest import LAUNCH_MARK, REPO, communicate, end_launch, popen_cli
 from safetensors.torch import load_file
 
 from ddpkit.cluster.preemption import Preemption, PreemptionOptions, signal_of
@@ -108,6 +110,62 @@ def test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise(
     name = "SIGUSR1" if signal_at.endswith("USR1") else "SIGTERM"
     assert f"preempted ({name}) at step {step}" in first.stderr
     assert int(signal_at.split(":")[1]) <= step < STEPS
+    assert_same(tmp_path, uninterrupted, step)
+
+
+def srun_like(ckpt: Path, out: Path, *script_args: str, env: dict | None = None,
+              timeout: float = LAUNCH_TIMEOUT) -> list[subprocess.CompletedProcess]:  # fmt: skip
+    """Two ranks as `srun python preempt_train.py` starts them: no launcher, no agent, each rank a process
+    of its own with Slurm's task variables (MASTER_ADDR/PORT given, as a batch script exports them), both
+    in one process group (a step's tasks, which Slurm signals together). On a timeout both are killed."""
+    out.mkdir(exist_ok=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mark, procs = uuid.uuid4().hex, []
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2", "SLURM_NNODES": "1",
+             "SLURM_NODEID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1",
+             "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DDPKIT_REQUEUE": "0",
+             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+             LAUNCH_MARK: mark}  # fmt: skip
+    for rank in (0, 1):
+        rank_env = {**os.environ, **slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), **(env or {})}
+        procs.append(subprocess.Popen(
+            [sys.executable, SCRIPT, str(ckpt), str(out), *script_args], env=rank_env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=procs[0].pid if procs else 0))  # fmt: skip
+    try:
+        return [communicate(proc, mark, timeout) for proc in procs]
+    except subprocess.TimeoutExpired as err:
+        end_launch(procs[0], mark)
+        pytest.fail(f"the srun-like ranks did not finish in {timeout} s:\n{(err.stderr or '')[-3000:]}")
+
+
+@pytest.mark.parametrize(
+    ("name", "idiom"),
+    [("USR1", ("--idiom", "every", "--save-every", "5")),  # Slurm's --signal=USR1@120, configured by env
+     ("TERM", ("--loop", "plain", "--idiom", "if", "--save-every", "100"))],  # its time limit's SIGTERM
+    ids=["USR1-every", "TERM-plain-if"],
+)  # fmt: skip
+def test_signals_to_every_rank_of_an_srun_like_launch_save_and_resume_bitwise(
+    uninterrupted, tmp_path: Path, name: str, idiom: tuple[str, ...]
+) -> None:
+    # Issue 32: `srun python train.py` (one task a rank, no ddpkit run): Slurm signals every task of the
+    # step. Each rank takes the signal for a preemption (no launcher mark to wait for), they agree on one
+    # step, save it and exit 75; the checkpoint verifies and a relaunch ends bitwise like the reference.
+    from ddpkit.checkpoint.checkpoints import latest
+
+    env = {"DDPKIT_PREEMPTION_SIGNAL": "USR1"} if name == "USR1" else {}
+    ranks = srun_like(tmp_path / "ck", tmp_path / "out", "--signal-at", f"forward:8:0:group-{name}", *idiom, env=env)
+    said = "\n".join(f"rank {r}: exit {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-2000:]}" for r, p in
+                     enumerate(ranks))  # fmt: skip
+    assert [p.returncode for p in ranks] == [75, 75], said
+    found = re.search(rf"ddpkit: preempted \(SIG{name}\) at step (\d+): saved (\S+);", ranks[0].stdout)
+    assert found and "Traceback" not in ranks[0].stderr + ranks[1].stderr, said
+    step, saved = int(found.group(1)), Path(found.group(2))
+    assert 8 <= step < STEPS and latest(tmp_path / "ck") == saved  # the newest checkpoint, and it verifies
+    again = srun_like(tmp_path / "ck", tmp_path / "out", *idiom)
+    assert [p.returncode for p in again] == [0, 0] and f"(step {step})" in again[0].stdout, again[0].stderr[-3000:]
     assert_same(tmp_path, uninterrupted, step)
 
 
