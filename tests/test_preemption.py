@@ -211,6 +211,18 @@ def test_a_save_longer_than_grace_is_cut_off_and_the_previous_checkpoint_stays(t
     assert "stopped by SIGTERM" in first.stderr and "preempted (" not in first.stderr, first.stderr[-3000:]
     done = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert "ckpt-000001" in done and "ckpt-000002" not in done, done  # step 5's save, not the cut-off one
+    import torch
+    from torch import nn
+
+    import ddpkit
+    from ddpkit.checkpoint.checkpoints import latest
+
+    assert latest(tmp_path / "ck") == tmp_path / "ck" / "ckpt-000001"  # every file verifies, and it is chosen
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+    before = [p.detach().clone() for p in net.parameters()]
+    with ddpkit.session(env={}, hardware=ddpkit.Hardware(gpus=0, cpu_cores=2), verbose=False) as s:
+        values = s.load(tmp_path / "ck", model=net, optimizer=torch.optim.AdamW(net.parameters()), step=-1)
+    assert values["step"] == 5 and not all(a.equal(b) for a, b in zip(before, net.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("requeueable", [1, 0])
