@@ -134,11 +134,12 @@ def srun_like(ckpt: Path, out: Path, *script_args: str, env: dict | None = None,
         procs.append(subprocess.Popen(
             [sys.executable, SCRIPT, str(ckpt), str(out), *script_args], env=rank_env, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=procs[0].pid if procs else 0))  # fmt: skip
-    try:
-        return [communicate(proc, mark, timeout) for proc in procs]
+    try:  # each rank to its end (communicate() would end the other rank, still saving, as left over)
+        outs = [proc.communicate(timeout=timeout) for proc in procs]
     except subprocess.TimeoutExpired as err:
         end_launch(procs[0], mark)
         pytest.fail(f"the srun-like ranks did not finish in {timeout} s:\n{(err.stderr or '')[-3000:]}")
+    return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs, strict=True)]
 
 
 @pytest.mark.parametrize(
