@@ -274,10 +274,12 @@ MUTANTS = [
     Mutant(
         "stop-at-step",
         "ddpkit/training/session.py",
-        "            self._checkpoints.stepped()",
+        "            self._checkpoints.stepped(info.stepped)",
         "            pass",
-        ("tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[if-TERM]",),
-        "s.step never agrees on a preemption stop: a script saving under `if step % N == 0` runs on",
+        ("tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[if-TERM]",
+         "tests/test_preemption.py::test_an_accumulating_step_loop_is_stopped_at_an_optimizer_step_not_at_a_batch"),
+        "s.step never agrees on a preemption stop nor counts its steps: an accumulating loop is stopped by "
+        "the plain loop's rule (a step a batch), its checkpoint a step ahead of its weights",
     ),
     Mutant(
         "stop-at-next-batch",

@@ -363,3 +363,36 @@ def test_a_plain_loop_stops_at_the_loaders_next_batch_with_its_steps_counted(tmp
         assert stop.value.step == 11 and stop.value.code == 75
         again = s.load(stop.value.checkpoint, **state, step=-1)
     assert again["step"] == 11 and loader.state_dict()["samples"] == 2 and loader.epoch == 1
+
+
+def test_an_accumulating_step_loop_is_stopped_at_an_optimizer_step_not_at_a_batch(tmp_path: Path) -> None:
+    # One process, accumulation 2, s.accumulate/s.backward/s.step: the loader's next batch must not count
+    # or agree (a group in progress is never saved); s.step does, on its optimizer steps. The flag set
+    # after step 5 is agreed at step 6's s.step and saved before batch 13: step 6, 12 batches consumed.
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+    from ddpkit.cluster.preemption import Preempted
+
+    with ddpkit.session(env={}, hardware=ddpkit.Hardware(gpus=0, cpu_cores=2), verbose=False,
+                        accumulation=2) as s:  # fmt: skip
+        model = s.model(nn.Linear(2, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = s.loader(TensorDataset(torch.ones(80, 2)), batch_size=4)  # 20 micro-batches of 2 an epoch
+        state = dict(model=model, optimizer=opt, loader=loader)
+        step = s.load(tmp_path, **state, step=0)["step"]
+        with pytest.raises(Preempted) as stop:
+            for (x,) in loader:
+                with s.accumulate(model):
+                    s.backward(model(x).sum())
+                if s.step(opt).stepped:
+                    step += 1
+                    if step % 4 == 0:
+                        s.save(tmp_path, **state, step=step)
+                    if step == 5:
+                        s.preemption.asked = "SIGTERM"
+        assert stop.value.step == 6
+        s.load(stop.value.checkpoint, **state, step=-1)
+    assert loader.state_dict()["samples"] == 12 * 2  # 6 optimizer steps x 2 micro-batches of 2
