@@ -1,6 +1,6 @@
 """What preemption safety costs a step (issue 32): the small CNN under `ddpkit run --nproc 2`.
 
-    flock /tmp/ddpkit-cpu.lock .venv/bin/ddpkit run --nproc 2 scripts/bench_preemption_step.py [BLOCKS]
+    flock /tmp/ddpkit-cpu.lock .venv/bin/ddpkit run --nproc 2 scripts/bench_preemption_step.py [N] [plain]
 
 Once a script has passed its state to `s.load`/`s.save`, every `s.step` counts the call and takes part
 in the (usually skipped) preemption agreement (`Checkpoints.stepped`), and every batch of `s.loader`,
@@ -8,7 +8,9 @@ every `s.accumulate` and `s.backward` checks the agreed flag (`Checkpoints.stop_
 runs the CIFAR tutorial CNN (ddpkit.tools.workloads "cnn", global batch 64) through `s.loader` in
 interleaved blocks with that state remembered (after `s.load`) and forgotten (as before any), and
 reports the median step of each and the time spent inside the two calls, timed one by one, as a
-share of the median step. Nothing is written (the checkpoint folder stays empty).
+share of the median step. Nothing is written (the checkpoint folder stays empty). With `plain`, the
+loop is the README's first (`loss.backward(); opt.step(); opt.zero_grad()`, no s.backward or s.step):
+the loader's next batch then also counts the step and takes part in the agreement.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from ddpkit.tools.workloads import NAMED
 
 
 def main() -> None:
-    blocks = int(sys.argv[1]) if len(sys.argv) > 1 else 12
+    blocks = int(sys.argv[1])  # N blocks if len(sys.argv) > 1 else 12
+    plain = "plain" in sys.argv[2:]
     per_block = 30
     with ddpkit.session(seed=0, log_to=None) as s:
         wl = NAMED["cnn"]
@@ -42,9 +45,9 @@ def main() -> None:
         for name in ("stepped", "stop_at_boundary"):  # time each call of the two hooks
             real = getattr(ckpts, name)
 
-            def timed(real=real) -> None:
+            def timed(*args, real=real) -> None:
                 t0 = time.perf_counter()
-                real()
+                real(*args)
                 if ckpts._remembered is not None:
                     inside.append(time.perf_counter() - t0)
 
@@ -64,14 +67,20 @@ def main() -> None:
                     batches = iter(loader)
                     batch = next(batches)
                 xb, yb = batch
-                s.backward(wl.loss(model(xb), yb))
-                s.step(opt)
+                if plain:
+                    wl.loss(model(xb), yb).backward()
+                    opt.step()
+                    opt.zero_grad()
+                else:
+                    s.backward(wl.loss(model(xb), yb))
+                    s.step(opt)
                 if b >= 2:
                     steps[on].append(time.perf_counter() - t0)
         off, on_ = (statistics.median(steps[k]) * 1e3 for k in (False, True))
         per_step = sum(inside) / max(1, len(steps[True]))  # the hooks' time per step with state remembered
+        loop = "plain loop" if plain else "s.step loop"
         s.print(
-            f"preemption safety: step {off:.3f} ms without remembered state, {on_:.3f} ms with "
+            f"preemption safety ({loop}): step {off:.3f} ms without remembered state, {on_:.3f} ms with "
             f"({len(steps[False])} + {len(steps[True])} steps, median); inside the hooks: median call "
             f"{statistics.median(inside) * 1e6:.1f} us, mean {statistics.mean(inside) * 1e6:.1f} us, "
             f"{per_step * 1e6:.1f} us per step = {100 * per_step / (off / 1e3):.2f}% of the median step; "

@@ -274,18 +274,46 @@ MUTANTS = [
     Mutant(
         "stop-at-step",
         "ddpkit/training/session.py",
-        "            self._checkpoints.stepped()",
+        "            self._checkpoints.stepped(info.stepped)",
         "            pass",
-        ("tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[if-TERM]",),
-        "s.step never agrees on a preemption stop: a script saving under `if step % N == 0` runs on",
+        ("tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[if-TERM]",
+         "tests/test_preemption.py::test_an_accumulating_step_loop_is_stopped_at_an_optimizer_step_not_at_a_batch"),
+        "s.step never agrees on a preemption stop nor counts its steps: an accumulating loop is stopped by "
+        "the plain loop's rule (a step a batch), its checkpoint a step ahead of its weights",
     ),
     Mutant(
         "stop-at-next-batch",
         "ddpkit/data/loader.py",
-        "                self.boundary()",
+        "                self.boundary(body)",
         "                pass",
         ("tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[if-TERM]",),
         "the loader's next batch is no stop boundary: the stop saves at s.backward, a batch too far",
+    ),
+    Mutant(
+        "stop-at-plain-batch",
+        "ddpkit/checkpoint/checkpoints.py",
+        "                    self._preemption.agree(self._ctx.distributed, self._ctx.device)",
+        "                    pass",
+        ("tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[plain-if-TERM]",),
+        "the loader's next batch never agrees on a stop: the README's first loop (opt.step(), no s.step) "
+        "saving under `if step % N == 0` runs on past the signal to its next periodic save",
+    ),
+    Mutant(
+        "stop-plain-after-save",
+        "ddpkit/checkpoint/checkpoints.py",
+        "        self._saved = True  # this call agrees",
+        "        pass  # this call agrees",
+        ("tests/test_preemption.py::test_a_plain_loop_stops_at_the_loaders_next_batch_with_its_steps_counted",),
+        "a plain loop's stop counts the batch after a save's body again (the save reset the count after "
+        "its step): `step` saved one too high",
+    ),
+    Mutant(
+        "stop-plain-new-epoch",
+        "ddpkit/checkpoint/checkpoints.py",
+        "self._steps_since += body  #",
+        "self._steps_since += 1  #",
+        ("tests/test_preemption.py::test_a_plain_loop_stops_at_the_loaders_next_batch_with_its_steps_counted",),
+        "a plain loop's stop counts a new epoch's first batch as a step (no body ran before it)",
     ),
     Mutant(
         "stop-step-advanced",

@@ -1,8 +1,10 @@
 """An elastic run for tests/test_elastic.py, under `ddpkit run --nnodes MIN:MAX` (or `--nproc N`).
 
     ddpkit run ... tests/elastic_train.py CKPT OUT [--sleep S] [--loop accumulate|step|plain]
+        [--idiom every|if] [--save-every N]
 
-96 samples, global batch 8, 2 epochs: 24 optimizer steps, a checkpoint after each. The world size may
+96 samples, global batch 8, 2 epochs: 24 optimizer steps, a checkpoint after each (--save-every N:
+every N-th, by `s.save(..., every=N)` after every step, or with --idiom if, `if step % N == 0: s.save`). The world size may
 change between restarts; ddpkit keeps the global batch (8): by accumulating more (`ddpkit run
 --elastic-batch per-rank`, the loop must accumulate) or with a larger per-rank batch (the default
 for a session without accumulation=, `docs/fault-tolerance.md`). --loop: "accumulate" (`with
@@ -35,6 +37,8 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--sleep", type=float, default=0.3)
     ap.add_argument("--loop", choices=("accumulate", "step", "plain"), default="accumulate")
+    ap.add_argument("--idiom", choices=("every", "if"), default="every")
+    ap.add_argument("--save-every", type=int, default=1)
     ns = ap.parse_args()
     torch.set_num_threads(1)
     with ddpkit.session(seed=0) as s:
@@ -68,7 +72,10 @@ def main() -> None:
                     ran = 1 if ns.loop == "plain" else s.accumulation  # what this loop really accumulated
                     with open(log, "a") as f:
                         f.write(f"{s.world_size} {ran} {step} {len(xb)}\n")
-                s.save(ns.ckpt, **state, step=step)
+                if ns.idiom == "every":
+                    s.save(ns.ckpt, **state, step=step, every=ns.save_every)
+                elif step % ns.save_every == 0:
+                    s.save(ns.ckpt, **state, step=step)
                 time.sleep(ns.sleep)  # long enough steps for a node to leave or join mid-run
         if s.is_main:
             weights = {k: v.contiguous() for k, v in ddpkit.unwrap(model).state_dict().items()}

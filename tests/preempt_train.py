@@ -1,21 +1,23 @@
 """A small preemptible run for tests/test_preemption.py, under `ddpkit run --nproc 2`.
 
     ddpkit run --nproc 2 tests/preempt_train.py CKPT OUT [--signal-at PHASE:STEP:RANK[:WHO]]
-        [--idiom every|if|none] [--save-every N]
+        [--idiom every|if|none] [--save-every N] [--loop step|plain]
 
 96 samples, global batch 12, 3 epochs: 24 optimizer steps, `s.save(..., every=5)` after each. With
 --signal-at, global rank RANK sends a signal at optimizer step STEP, in PHASE (forward, backward,
 optimizer, save: inside the next save's capture, on rank 0). WHO is "launcher" (SIGTERM to the
 launcher's process group, the default), "self" (the preemption signal to this rank only: its peer
 learns of it only through the agreement) or a signal name such as USR1 (that signal to the launcher
-alone, as Slurm's --signal=USR1@120 sends it). With --slow-save S, the save that follows the signal
+alone, as Slurm's --signal=USR1@120 sends it), or "group-NAME" (that signal to this rank's process group:
+every rank of an srun-like launch, which the test starts in one group, as Slurm signals a step's tasks). With --slow-save S, the save that follows the signal
 takes S seconds longer on the signalling rank (a save longer than `ddpkit run --grace`); with
 --second-signal, rank 0 SIGTERMs the launcher again in the middle of that save. Rank 0 writes OUT/final.safetensors at the end, and every
 launch appends "start END" lines to OUT/log.txt (the steps it began from and reached).
 
 --idiom: "every" (the default) calls `s.save(..., every=N)` after every step; "if" saves like the README's
 checkpoint section, `if step % N == 0: s.save(...)` (N from --save-every, default 5); "none" never
-passes its state to s.load or s.save (ddpkit can only say what to add).
+passes its state to s.load or s.save (ddpkit can only say what to add). --loop plain trains like the
+README's first loop (`loss.backward(); opt.step(); opt.zero_grad()`, no s.backward or s.step).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def main() -> None:
     ap.add_argument("--slow-save", type=float, default=0.0)
     ap.add_argument("--idiom", choices=("every", "if", "none"), default="every")
     ap.add_argument("--save-every", type=int, default=5)
+    ap.add_argument("--loop", choices=("step", "plain"), default="step")
     ap.add_argument("--second-signal", action="store_true", help="SIGTERM the launcher again in the save")
     ns = ap.parse_args()
     torch.set_num_threads(1)
@@ -81,6 +84,8 @@ def main() -> None:
                 who = at[3] if len(at) > 3 else "launcher"
                 if who == "self":
                     os.kill(os.getpid(), signal.SIGUSR1)
+                elif who.startswith("group-"):  # every rank at once (no launcher: an srun-like start)
+                    os.killpg(os.getpgrp(), getattr(signal, f"SIG{who.removeprefix('group-')}"))
                 elif who != "launcher":  # the launcher alone, the signal a scheduler sends it
                     os.kill(os.getppid(), getattr(signal, f"SIG{who}"))
                 elif os.getpgid(os.getppid()) == os.getppid():  # the launcher leads its own group
@@ -107,8 +112,13 @@ def main() -> None:
         for _epoch in range(loader.epoch, EPOCHS):
             for xb, yb in loader:
                 xb = xb + 0.05 * torch.from_numpy(np.random.randn(*xb.shape).astype(np.float32))
-                s.backward(F.cross_entropy(model(xb), yb))
-                s.step(opt)
+                if ns.loop == "plain":  # the README's first loop: ddpkit owns only the loader's batches
+                    F.cross_entropy(model(xb), yb).backward()
+                    opt.step()
+                    opt.zero_grad()
+                else:
+                    s.backward(F.cross_entropy(model(xb), yb))
+                    s.step(opt)
                 step += 1
                 time.sleep(ns.sleep)  # a step long enough for the signal to arrive mid-run
                 if ns.idiom == "every":

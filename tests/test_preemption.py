@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, communicate, popen_cli
+from conftest import LAUNCH_MARK, REPO, communicate, end_launch, popen_cli
 from safetensors.torch import load_file
 
 from ddpkit.cluster.preemption import Preemption, PreemptionOptions, signal_of
@@ -92,19 +94,79 @@ def test_sigterm_to_the_launcher_then_a_relaunch_ends_like_the_uninterrupted_run
     ("signal_at", "idiom"),
     [("forward:8:0", ("--idiom", "if", "--save-every", "100")),  # SIGTERM; no periodic save in the run
      ("forward:9:1:USR1", ("--idiom", "if", "--save-every", "7")),  # SIGUSR1, as Slurm sends it
-     ("backward:11:0:USR1", ("--idiom", "every", "--save-every", "5"))],
-    ids=["if-TERM", "if-USR1", "every-USR1"],
+     ("backward:11:0:USR1", ("--idiom", "every", "--save-every", "5")),
+     # the README's first loop (loss.backward(); opt.step(), no s.step): agreed at the loader's next batch
+     ("forward:8:0", ("--loop", "plain", "--idiom", "if", "--save-every", "100"))],
+    ids=["if-TERM", "if-USR1", "every-USR1", "plain-if-TERM"],
 )  # fmt: skip
 def test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise(
     uninterrupted, tmp_path: Path, signal_at: str, idiom: tuple[str, ...]
 ) -> None:
     # Issue 32: the README's `if step % N == 0: s.save(...)` idiom, with s.load at the start, is saved at
     # the step the ranks agree on (at s.step; written at the loader's next batch, with `step` advanced),
-    # not at the next periodic save: with --save-every 100 there is none in the run at all.
+    # not at the next periodic save: with --save-every 100 there is none in the run at all. The plain loop
+    # (no s.step: ddpkit owns only the loader's batches) is bitwise the s.step loop's run (checked).
     first, step = preempted_then_resumed(tmp_path, signal_at, idiom=idiom)
     name = "SIGUSR1" if signal_at.endswith("USR1") else "SIGTERM"
     assert f"preempted ({name}) at step {step}" in first.stderr
     assert int(signal_at.split(":")[1]) <= step < STEPS
+    assert_same(tmp_path, uninterrupted, step)
+
+
+def srun_like(ckpt: Path, out: Path, *script_args: str, env: dict | None = None,
+              timeout: float = LAUNCH_TIMEOUT) -> list[subprocess.CompletedProcess]:  # fmt: skip
+    """Two ranks as `srun python preempt_train.py` starts them: no launcher, no agent, each rank a process
+    of its own with Slurm's task variables (MASTER_ADDR/PORT given, as a batch script exports them), both
+    in one process group (a step's tasks, which Slurm signals together). On a timeout both are killed."""
+    out.mkdir(exist_ok=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mark, procs = uuid.uuid4().hex, []
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2", "SLURM_NNODES": "1",
+             "SLURM_NODEID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1",
+             "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DDPKIT_REQUEUE": "0",
+             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+             LAUNCH_MARK: mark}  # fmt: skip
+    for rank in (0, 1):
+        rank_env = {**os.environ, **slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), **(env or {})}
+        procs.append(subprocess.Popen(
+            [sys.executable, SCRIPT, str(ckpt), str(out), *script_args], env=rank_env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=procs[0].pid if procs else 0))  # fmt: skip
+    try:  # each rank to its end (communicate() would end the other rank, still saving, as left over)
+        outs = [proc.communicate(timeout=timeout) for proc in procs]
+    except subprocess.TimeoutExpired as err:
+        end_launch(procs[0], mark)
+        pytest.fail(f"the srun-like ranks did not finish in {timeout} s:\n{(err.stderr or '')[-3000:]}")
+    return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs, strict=True)]
+
+
+@pytest.mark.parametrize(
+    ("name", "idiom"),
+    [("USR1", ("--idiom", "every", "--save-every", "5")),  # Slurm's --signal=USR1@120, configured by env
+     ("TERM", ("--loop", "plain", "--idiom", "if", "--save-every", "100"))],  # its time limit's SIGTERM
+    ids=["USR1-every", "TERM-plain-if"],
+)  # fmt: skip
+def test_signals_to_every_rank_of_an_srun_like_launch_save_and_resume_bitwise(
+    uninterrupted, tmp_path: Path, name: str, idiom: tuple[str, ...]
+) -> None:
+    # Issue 32: `srun python train.py` (one task a rank, no ddpkit run): Slurm signals every task of the
+    # step. Each rank takes the signal for a preemption (no launcher mark to wait for), they agree on one
+    # step, save it and exit 75; the checkpoint verifies and a relaunch ends bitwise like the reference.
+    from ddpkit.checkpoint.checkpoints import latest
+
+    env = {"DDPKIT_PREEMPTION_SIGNAL": "USR1"} if name == "USR1" else {}
+    ranks = srun_like(tmp_path / "ck", tmp_path / "out", "--signal-at", f"forward:8:0:group-{name}", *idiom, env=env)
+    said = "\n".join(f"rank {r}: exit {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-2000:]}" for r, p in
+                     enumerate(ranks))  # fmt: skip
+    assert [p.returncode for p in ranks] == [75, 75], said
+    found = re.search(rf"ddpkit: preempted \(SIG{name}\) at step (\d+): saved (\S+);", ranks[0].stdout)
+    assert found and "Traceback" not in ranks[0].stderr + ranks[1].stderr, said
+    step, saved = int(found.group(1)), Path(found.group(2))
+    assert 8 <= step < STEPS and latest(tmp_path / "ck") == saved  # the newest checkpoint, and it verifies
+    again = srun_like(tmp_path / "ck", tmp_path / "out", *idiom)
+    assert [p.returncode for p in again] == [0, 0] and f"(step {step})" in again[0].stdout, again[0].stderr[-3000:]
     assert_same(tmp_path, uninterrupted, step)
 
 
@@ -150,6 +212,18 @@ def test_a_save_longer_than_grace_is_cut_off_and_the_previous_checkpoint_stays(t
     assert "stopped by SIGTERM" in first.stderr and "preempted (" not in first.stderr, first.stderr[-3000:]
     done = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert "ckpt-000001" in done and "ckpt-000002" not in done, done  # step 5's save, not the cut-off one
+    import torch
+    from torch import nn
+
+    import ddpkit
+    from ddpkit.checkpoint.checkpoints import latest
+
+    assert latest(tmp_path / "ck") == tmp_path / "ck" / "ckpt-000001"  # every file verifies, and it is chosen
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+    before = [p.detach().clone() for p in net.parameters()]
+    with ddpkit.session(env={}, hardware=ddpkit.Hardware(gpus=0, cpu_cores=2), verbose=False) as s:
+        values = s.load(tmp_path / "ck", model=net, optimizer=torch.optim.AdamW(net.parameters()), step=-1)
+    assert values["step"] == 5 and not all(a.equal(b) for a, b in zip(before, net.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("requeueable", [1, 0])
@@ -255,3 +329,70 @@ def test_a_stop_is_seen_within_about_a_second_however_dear_the_agreement() -> No
     assert p._propose() == 100
     p._step, p._cost = 0.010, 0.0002
     assert p._propose() == 4
+
+
+def test_a_plain_loop_stops_at_the_loaders_next_batch_with_its_steps_counted(tmp_path: Path) -> None:
+    # One process, no ddpkit run: the README's first loop (opt.step(), never s.step) saving every 4 steps.
+    # The flag is set in step 11's body; the loader's next batch agrees and saves step 11: 8 (the last
+    # save) + 3 batches, counting neither the batch that followed the save's body nor the next epoch's
+    # first boundary (no body ran before it).
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+    from ddpkit.cluster.preemption import Preempted
+
+    with ddpkit.session(env={}, hardware=ddpkit.Hardware(gpus=0, cpu_cores=2), verbose=False) as s:
+        model = s.model(nn.Linear(2, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = s.loader(TensorDataset(torch.ones(20, 2)), batch_size=2)  # 10 batches an epoch
+        state = dict(model=model, optimizer=opt, loader=loader)
+        step = s.load(tmp_path, **state, step=0)["step"]
+        with pytest.raises(Preempted) as stop:
+            for _epoch in range(loader.epoch, 3):
+                for (x,) in loader:
+                    model(x).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    step += 1
+                    if step % 4 == 0:
+                        s.save(tmp_path, **state, step=step)
+                    if step == 11:
+                        s.preemption.asked = "SIGTERM"  # what the handler does
+        assert stop.value.step == 11 and stop.value.code == 75
+        again = s.load(stop.value.checkpoint, **state, step=-1)
+    assert again["step"] == 11 and loader.state_dict()["samples"] == 2 and loader.epoch == 1
+
+
+def test_an_accumulating_step_loop_is_stopped_at_an_optimizer_step_not_at_a_batch(tmp_path: Path) -> None:
+    # One process, accumulation 2, s.accumulate/s.backward/s.step: the loader's next batch must not count
+    # or agree (a group in progress is never saved); s.step does, on its optimizer steps. The flag set
+    # after step 5 is agreed at step 6's s.step and saved before batch 13: step 6, 12 batches consumed.
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+    from ddpkit.cluster.preemption import Preempted
+
+    with ddpkit.session(env={}, hardware=ddpkit.Hardware(gpus=0, cpu_cores=2), verbose=False,
+                        accumulation=2) as s:  # fmt: skip
+        model = s.model(nn.Linear(2, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = s.loader(TensorDataset(torch.ones(80, 2)), batch_size=4)  # 20 micro-batches of 2 an epoch
+        state = dict(model=model, optimizer=opt, loader=loader)
+        step = s.load(tmp_path, **state, step=0)["step"]
+        with pytest.raises(Preempted) as stop:
+            for (x,) in loader:
+                with s.accumulate(model):
+                    s.backward(model(x).sum())
+                if s.step(opt).stepped:
+                    step += 1
+                    if step % 4 == 0:
+                        s.save(tmp_path, **state, step=step)
+                    if step == 5:
+                        s.preemption.asked = "SIGTERM"
+        assert stop.value.step == 6
+        s.load(stop.value.checkpoint, **state, step=-1)
+    assert loader.state_dict()["samples"] == 12 * 2  # 6 optimizer steps x 2 micro-batches of 2

@@ -86,7 +86,9 @@ class Checkpoints:
         self._registered: dict[str, Any] = {}
         self._writer_group: Any = None  # background saves' own process group (made once, at the first)
         self._remembered: tuple[str | Path, int, dict[str, Any]] | None = None  # the last save's or load's
-        self._steps_since = 0  # s.step calls since then: how far its `step` value is behind
+        self._steps_since = 0  # optimizer steps since then: how far its `step` value is behind
+        self._stepping = False  # s.step was called: it agrees on a stop, at optimizer steps only
+        self._saved = False  # s.save agreed since the loader's last batch
         self.last: Path | None = None  # the newest checkpoint this session committed or started
 
     def register(self, name: str, obj: Any) -> None:
@@ -106,9 +108,10 @@ class Checkpoints:
         With `every=N`, call it after every step: it saves when `step % N == 0` (None otherwise).
 
         Preemption (`ddpkit.cluster.preemption`): the state of the last `save` or `load` is remembered.
-        When the ranks agree to stop (at `s.step`, or here), this call, or else the next step boundary
-        ddpkit owns (`stop_at_boundary`: the loader's next batch, `s.accumulate`, `s.backward`), saves
-        and raises `Preempted` (exit code 75).
+        When the ranks agree to stop (at `s.step`, here, or at the loader's next batch in a loop that
+        calls neither since the last batch), this call, or else the next step boundary ddpkit owns
+        (`stop_at_boundary`: the loader's next batch, `s.accumulate`, `s.backward`), saves and raises
+        `Preempted` (exit code 75).
         """
         due = True
         if every is not None:
@@ -120,6 +123,7 @@ class Checkpoints:
                 )
             due = step % every == 0
         self._remember(path, keep, state)
+        self._saved = True  # this call agrees: the loader's next batch need not
         ctx = self._ctx
         if not (self._preemption.agreed or self._preemption.agree(ctx.distributed, ctx.device, now=due)):
             return self._write(path, keep, background, state) if due else None
@@ -152,17 +156,32 @@ class Checkpoints:
         self._steps_since = 0
         self._preemption.remedy = None  # a signal now sets the flag (the session said what to add before)
 
-    def stepped(self) -> None:
-        """At every optimizer step (`s.step` on the k-th micro-batch), every rank: count it, and (once there
-        is state to save) agree on a stop. Only there: a group in progress is not saved (`Stepper`), and
-        `step` is the optimizer step count (`every=` says so)."""
+    def stepped(self, applied: bool = True) -> None:
+        """At every `s.step`, every rank: on an optimizer step (`applied`: the k-th micro-batch) count it,
+        and (once there is state to save) agree on a stop. Only there: a group in progress is not saved
+        (`Stepper`), and `step` is the optimizer step count (`every=` says so)."""
+        self._stepping = True  # this loop calls s.step: the loader's next batch leaves the agreement to it
+        if not applied:
+            return
         self._steps_since += 1
         if self._remembered is not None and not self._preemption.agreed:
             self._preemption.agree(self._ctx.distributed, self._ctx.device)
 
-    def stop_at_boundary(self) -> None:
+    def stop_at_boundary(self, body: bool | None = None) -> None:
         """At a step boundary ddpkit owns, after the agreed stop: save the remembered state, its `step`
-        advanced by the optimizer steps since it was given, and raise `Preempted`."""
+        advanced by the optimizer steps since it was given, and raise `Preempted`.
+
+        The loader's next batch passes `body` (a batch was handed out, and its body ran, since the last
+        one). In a loop that never calls `s.step` (the README's first loop, `loss.backward(); opt.step()`,
+        saving under `if step % N == 0`), each batch is one optimizer step: unless `s.save` agreed since
+        the last batch (it counted its own body's step), the batch's body is counted and the stop is
+        agreed here."""
+        if body is not None and self._remembered is not None:
+            if not (self._stepping or self._saved):
+                self._steps_since += body  # the body of the batch before ran (not at a pass's start)
+                if not self._preemption.agreed:
+                    self._preemption.agree(self._ctx.distributed, self._ctx.device)
+            self._saved = False
         if not self._preemption.agreed or self._remembered is None:
             return
         path, keep, state = self._remembered

@@ -23,8 +23,9 @@ SIGTERM stops every worker (the agent signals them, then kills what is left afte
 
 Preemption (`ddpkit.cluster.preemption`): SIGTERM or the preemption signal (--preemption-signal, USR1 by
 default) reaching this process is passed on to every worker (torchrun's --signals-to-handle), which
-save at their next `s.save(..., every=N)` and exit 75; this command then prints "preempted at step
-N, checkpoint ..." and returns 75 ("resume me"), not an error. --grace bounds how long the agent waits
+agree on one step (at `s.step`, `s.save` or the loader's next batch), save the state last given to
+`s.load`/`s.save` there and exit 75; this command then prints "preempted at step N, checkpoint ..."
+and returns 75 ("resume me"), not an error. --grace bounds how long the agent waits
 for that save (torchrun's --shutdown-timeout); --requeue (auto, 1, 0) is passed to the ranks, where
 global rank 0 runs `scontrol requeue $SLURM_JOB_ID` after the save.
 """

@@ -1,23 +1,27 @@
 """Preemption: a signal asks the job to stop; every rank stops at the same step, saves, and exits 75.
 
-    for x, y in train:
-        ...
-        s.step(opt)
+    step = s.load("runs/ckpt", **state, step=0)["step"]   # ddpkit now knows what to save
+    for x, y in train:                                    # s.loader: a stop is saved at the next batch
+        ...; opt.step()                                   # or s.step(opt)
         step += 1
-        s.save("runs/ckpt", **state, step=step, every=500)   # every 500 steps, and when preempted
+        if step % 500 == 0:                               # or s.save(..., every=500) after every step
+            s.save("runs/ckpt", **state, step=step)
 
-`s.save(..., every=N)` is called after every step. It writes a checkpoint when `step % N == 0`, and
-it is the step boundary where a preemption is acted on: SIGTERM, or the preemption signal (SIGUSR1 by
-default, as Slurm's `--signal=USR1@120` sends; `ddpkit run --preemption-signal USR2` for submitit's),
-only sets a flag (a handler that saved from inside the signal could run in the middle of a backward,
-or of Python's own internals). Every k-th call, every rank contributes its flag to one asynchronous
-all-reduce (MAX of [signal number, proposed k]) and reads the result of the previous one, which
-finished long before; so every rank reaches the same answer at the same call, even when the signal
-reached the ranks steps apart. k starts at 1 and is itself agreed in that all-reduce, chosen so that
-agreeing costs under 0.5% of the step time while a stop is still seen within about a second (on this
-2-core machine an agreement took ~0.2 ms of a 6 ms CNN step: every call would cost 3%). When the answer
-is "stop", the ranks save (synchronously) and raise `Preempted` (exit code 75, "preempted, resume me"),
-after global rank 0 has told `ddpkit run` where the checkpoint is and, under Slurm, requeued the job.
+SIGTERM, or the preemption signal (SIGUSR1 by default, as Slurm's `--signal=USR1@120` sends; `ddpkit
+run --preemption-signal USR2` for submitit's), only sets a flag (a handler that saved from inside the
+signal could run in the middle of a backward, or of Python's own internals). The ranks agree on the
+flag at the step boundaries ddpkit owns (`ddpkit.checkpoint.checkpoints`): `s.step` (an optimizer
+step), `s.save`, and, in a loop that calls neither since its last batch (plain `opt.step()`), the
+loader's next batch; the stop saves the state last given to `s.load`/`s.save` (its `step` advanced by
+the optimizer steps since) at the next boundary. Every k-th call, every rank contributes its flag to
+one asynchronous all-reduce (MAX of [signal number, proposed k]) and reads the result of the previous
+one, which finished long before; so every rank reaches the same answer at the same call, even when
+the signal reached the ranks steps apart. k starts at 1 and is itself agreed in that all-reduce,
+chosen so that agreeing costs under 0.5% of the step time while a stop is still seen within about a
+second (on this 2-core machine an agreement took ~0.2 ms of a 6 ms CNN step: every call would cost
+3%). When the answer is "stop", the ranks save (synchronously) and raise `Preempted` (exit code 75,
+"preempted, resume me"), after global rank 0 has told `ddpkit run` where the checkpoint is and, under
+Slurm, requeued the job.
 
 A second signal during the save only sets the flag again. A save that cannot finish in the grace
 time (the launcher's `--grace`, then SIGKILL) leaves the previous checkpoint the newest valid one:

@@ -92,7 +92,8 @@ class ShardedLoader:
         self._generator = loader.generator
         self._skip = 0  # global samples the next pass skips (set by load_state_dict)
         self._pass: dict[str, Any] | None = None  # the pass in progress: epoch, position, generator
-        self.boundary: Callable[[], None] | None = None  # the session's: called before each batch is read
+        # the session's, called before each batch is read: True when a batch's body ran since the last call
+        self.boundary: Callable[[bool], None] | None = None
 
     @property
     def sampler(self) -> Sampler | None:
@@ -140,13 +141,15 @@ class ShardedLoader:
         self.epoch += 1
         non_blocking = self.device.type == "cuda" and self.loader.pin_memory
         batches = iter(batches)
+        body = False  # a batch was handed out (and its body ran) since the last boundary
         while True:
-            if self.boundary is not None:  # the loop's body is done: a preemption's stop saves here
-                self.boundary()
+            if self.boundary is not None:  # the loop's body is done: a preemption is agreed and saved here
+                self.boundary(body)
             batch = next(batches, _END)
             if batch is _END:
                 break
             self._pass["per_rank_samples"] += self.batch.per_rank
+            body = True
             yield to_device(batch, self.device, non_blocking)
         self._pass = None
 

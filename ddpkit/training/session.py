@@ -208,14 +208,14 @@ class Session(RankContext):
         On the first k-1 it does nothing and returns `StepInfo(stepped=False)`.
         """
         info = self.stepper.step(optimizer, max_norm)
-        if info.stepped and self._checkpoints is not None:  # an optimizer step: agree on a preemption stop
-            self._checkpoints.stepped()
+        if self._checkpoints is not None:  # an optimizer step (info.stepped): agree on a preemption stop
+            self._checkpoints.stepped(info.stepped)
         self.anatomy.stepped(info.stepped)  # the optimizer phase; a step when it applied
         return info
 
-    def _boundary(self) -> None:  # the loader's next batch, s.accumulate, s.backward: a preemption saves
-        if self._checkpoints is not None:
-            self._checkpoints.stop_at_boundary()
+    def _boundary(self, body: bool | None = None) -> None:  # s.accumulate, s.backward, the loader's next
+        if self._checkpoints is not None:  # batch (body: a batch ran since): a preemption saves (agrees)
+            self._checkpoints.stop_at_boundary(body)
 
     @contextmanager
     def join(self, model: nn.Module, *joinables: Any) -> Iterator[None]:
