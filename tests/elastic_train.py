@@ -9,7 +9,8 @@ change between restarts; ddpkit keeps the global batch (8): by accumulating more
 --elastic-batch per-rank`, the loop must accumulate) or with a larger per-rank batch (the default
 for a session without accumulation=, `docs/fault-tolerance.md`). --loop: "accumulate" (`with
 s.accumulate(model)`, the default), "step" (`s.backward(loss); s.step(opt)`, no block) or "plain"
-(the README's first loop: `opt.zero_grad(); loss.backward(); opt.step()`, nothing of ddpkit's).
+(the README's first loop: `opt.zero_grad(); loss.backward(); opt.step()`, nothing of ddpkit's) or
+"invariant" (`reproducible="any-world", chunk=4`: `s.invariant.step`, 2 chunks per global batch).
 Global rank 0 appends "world accumulation step per-rank-batch" to OUT/steps.txt after each optimizer
 step (the accumulation the loop really ran: 1 for "plain") and writes OUT/final.safetensors at the end.
 """
@@ -36,12 +37,13 @@ def main() -> None:
     ap.add_argument("ckpt")
     ap.add_argument("out")
     ap.add_argument("--sleep", type=float, default=0.3)
-    ap.add_argument("--loop", choices=("accumulate", "step", "plain"), default="accumulate")
+    ap.add_argument("--loop", choices=("accumulate", "step", "plain", "invariant"), default="accumulate")
     ap.add_argument("--idiom", choices=("every", "if"), default="every")
     ap.add_argument("--save-every", type=int, default=1)
     ns = ap.parse_args()
     torch.set_num_threads(1)
-    with ddpkit.session(seed=0) as s:
+    invariant = {"reproducible": "any-world", "chunk": 4} if ns.loop == "invariant" else {}
+    with ddpkit.session(seed=0, **invariant) as s:
         g = torch.Generator().manual_seed(42)
         x = torch.randn(SAMPLES, 6, generator=g)
         data = TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
@@ -49,6 +51,8 @@ def main() -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         loader = s.loader(data, batch_size=GLOBAL_BATCH, shuffle=True)
         state = dict(model=model, optimizer=opt, loader=loader)
+        if invariant:
+            state["invariant"] = s.invariant  # its step counter seeds the chunks' draws
         step = s.load(ns.ckpt, **state, step=0)["step"]
         log = Path(ns.out) / "steps.txt"
         for _epoch in range(loader.epoch, EPOCHS):
@@ -58,6 +62,8 @@ def main() -> None:
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
+                elif ns.loop == "invariant":  # bitwise the same weights at world size 1 or 2
+                    s.invariant.step(model, opt, (xb, yb), lambda m, b: F.cross_entropy(m(b[0]), b[1]))
                 elif ns.loop == "step":
                     s.backward(F.cross_entropy(model(xb), yb))
                     if not s.step(opt).stepped:
