@@ -25,6 +25,7 @@ a torch without them (or without the setters) keeps gloo, which `attach`'s note 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +47,25 @@ class ShmComms:
         self.all_gathers = 0
         self.reduce_scatters = 0
         self.fallbacks = 0  # calls handed to the group's own collective (see the module doc)
+        self.keep = True  # reuse the buffers FSDP2 asks `allocate` for (see `allocate`)
+        self._kept: list[torch.Tensor] = []
+
+    def allocate(self, size: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer for FSDP2 (all-gather output, reduce-scatter input and output), reused from call to
+        call: a freshly mapped 64 MiB buffer costs its page faults on first touch at every call (FSDP
+        ranks return freed blocks to the kernel, `cpu_allocator.return_freed_blocks`). A kept buffer is
+        handed out as a new view, so its storage's use count says whether FSDP2 still holds it (the
+        sharded gradient is a view of the reduce-scatter output until the optimizer sets it to None)."""
+        numel = math.prod(int(s) for s in size)
+        if not self.keep or device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device).view(*size)
+        same = [buf for buf in self._kept if buf.numel() == numel and buf.dtype == dtype]
+        if same and _use_count(same[0]) > 2:  # held (a prefetched all-gather, a gradient): a passing one
+            return torch.empty(numel, dtype=dtype).view(*size)
+        if not same:  # one kept buffer per size: at most one block's buffers stay resident
+            self._kept.append(torch.empty(numel, dtype=dtype))
+            same = self._kept[-1:]
+        return same[0].view(*size)
 
     def _ours(self, group: dist.ProcessGroup, *tensors: torch.Tensor) -> bool:
         return (
@@ -78,7 +98,13 @@ class ShmComms:
         return None
 
     def close(self) -> None:
+        self._kept.clear()
         self.shm.close()
+
+
+def _use_count(buf: torch.Tensor) -> int:
+    """References to `buf`'s storage: `buf` itself, the temporary storage object, and any view."""
+    return int(torch._C._storage_Use_Count(buf.untyped_storage()._cdata))
 
 
 def open_comms(timeout: float = 600.0) -> ShmComms:
@@ -108,7 +134,7 @@ def attach(modules: Sequence[Any], comms: ShmComms) -> str:
 
     class ShmAllGather(AllGather):
         def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return torch.empty(*size, dtype=dtype, device=device)
+            return comms.allocate(size, dtype, device)
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                      group: dist.ProcessGroup, async_op: bool = False) -> Any:  # fmt: skip
@@ -116,7 +142,7 @@ def attach(modules: Sequence[Any], comms: ShmComms) -> str:
 
     class ShmReduceScatter(ReduceScatter):
         def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return torch.empty(*size, dtype=dtype, device=device)
+            return comms.allocate(size, dtype, device)
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                      group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:  # fmt: skip
