@@ -35,6 +35,7 @@ import torch.distributed as dist
 from ddpkit.step.shm_allreduce import ShmAllReduce
 
 CHUNK_MB = 4.0  # the sharded step's publishing chunk: as fast as 16 MiB, less resident shared memory
+KEEP_PER_SIZE = 2  # a block's all-gather and the prefetched next one's, or a reduce-scatter beside it
 _SETTERS = ("set_custom_all_gather", "set_custom_reduce_scatter")
 
 
@@ -47,7 +48,7 @@ class ShmComms:
         self.all_gathers = 0
         self.reduce_scatters = 0
         self.fallbacks = 0  # calls handed to the group's own collective (see the module doc)
-        self.keep = True  # reuse the buffers FSDP2 asks `allocate` for (see `allocate`)
+        self.keep = KEEP_PER_SIZE  # buffers of one size kept for reuse (`allocate`); 0: none
         self._kept: list[torch.Tensor] = []
 
     def allocate(self, size: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -57,15 +58,16 @@ class ShmComms:
         handed out as a new view, so its storage's use count says whether FSDP2 still holds it (the
         sharded gradient is a view of the reduce-scatter output until the optimizer sets it to None)."""
         numel = math.prod(int(s) for s in size)
-        if not self.keep or device.type != "cpu":
+        if device.type != "cpu":
             return torch.empty(numel, dtype=dtype, device=device).view(*size)
         same = [buf for buf in self._kept if buf.numel() == numel and buf.dtype == dtype]
-        if same and _use_count(same[0]) > 2:  # held (a prefetched all-gather, a gradient): a passing one
-            return torch.empty(numel, dtype=dtype).view(*size)
-        if not same:  # one kept buffer per size: at most one block's buffers stay resident
-            self._kept.append(torch.empty(numel, dtype=dtype))
-            same = self._kept[-1:]
-        return same[0].view(*size)
+        free = [buf for buf in same if _use_count(buf) <= 2]  # the others are held (a prefetch, a gradient)
+        if free:
+            return free[0].view(*size)
+        buf = torch.empty(numel, dtype=dtype)
+        if len(same) < self.keep:  # at most `keep` per size stay resident; beyond them, a passing one
+            self._kept.append(buf)
+        return buf.view(*size)
 
     def _ours(self, group: dist.ProcessGroup, *tensors: torch.Tensor) -> bool:
         return (
