@@ -20,10 +20,10 @@ from ddpkit.strategy import FSDPOptions
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
 
 
-def train(shm, accumulation: int = 1, steps: int = 4) -> dict:
+def train(shm, accumulation: int = 1, steps: int = 4, precision: str = "32") -> dict:
     """AdamW with clipping on fsdp_train's net (every Linear its own unit); what the collectives did."""
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), ddpkit.session(seed=0, accumulation=accumulation) as s:
+    with contextlib.redirect_stdout(out), ddpkit.session(seed=0, accumulation=accumulation, precision=precision) as s:
         model = s.model(net(), strategy=FSDPOptions(min_block_params=1, shm=shm))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         it = iter(s.loader(data(), batch_size=12, shuffle=True))
@@ -69,6 +69,15 @@ def test_fsdp_over_shm_at_three_ranks(pool3) -> None:
     assert all(r["counts"][1] > 0 and r["counts"][2] == 0 for r in on), [r["counts"] for r in on]
     assert all(_same(on[0]["params"], r["params"]) for r in on), "replicas differ across ranks"
     assert _close(on[0]["params"], off[0]["params"]) == []
+
+
+def test_fsdp_over_shm_in_bf16(pool2) -> None:
+    """bf16 compute: bf16 all-gathers (bytes), fp32 reduce-scatters (AVG) through shared memory."""
+    on = pool2.run(train, "auto", 1, 3, "bf16", timeout=120)
+    off = pool2.run(train, False, 1, 3, "bf16", timeout=120)
+    assert all(r["counts"][0] > 0 and r["counts"][1] > 0 and r["counts"][2] == 0 for r in on)
+    assert _same(on[0]["params"], on[1]["params"]), "replicas differ across ranks"
+    assert _close(on[0]["params"], off[0]["params"], tol=1e-3) == []
 
 
 def test_fsdp_shm_off_keeps_gloo(pool2) -> None:

@@ -58,7 +58,7 @@ class ShmComms:
         handed out as a new view, so its storage's use count says whether FSDP2 still holds it (the
         sharded gradient is a view of the reduce-scatter output until the optimizer sets it to None)."""
         numel = math.prod(int(s) for s in size)
-        if device.type != "cpu":
+        if device.type != "cpu" or not hasattr(torch._C, "_storage_Use_Count"):  # no way to tell: no reuse
             return torch.empty(numel, dtype=dtype, device=device).view(*size)
         same = [buf for buf in self._kept if buf.numel() == numel and buf.dtype == dtype]
         free = [buf for buf in same if _use_count(buf) <= 2]  # the others are held (a prefetch, a gradient)
