@@ -743,6 +743,14 @@ MUTANTS = [
         "FSDP's all-gather over shared memory publishes this rank's part but never copies in the others'",
     ),
     Mutant(
+        "fsdp-shm-keep-held",
+        "ddpkit/step/fsdp_shm.py",
+        "        free = [buf for buf in same if _use_count(buf) <= 2]",
+        "        free = same  # mutant: a kept buffer is handed out again while FSDP2 still holds it",
+        ("tests/test_fsdp_shm.py::test_fsdp_over_shm_trains_gloo_fsdp_weights_with_identical_replicas[1]",),
+        "FSDP's kept buffers reused while a gradient or a prefetched all-gather still lives in them",
+    ),
+    Mutant(
         "fsdp-shm-default",
         "ddpkit/strategy/fsdp_options.py",
         '    shm: bool | str = "auto"',
