@@ -751,6 +751,14 @@ MUTANTS = [
         "FSDP's kept buffers reused while a gradient or a prefetched all-gather still lives in them",
     ),
     Mutant(
+        "fsdp-shm-close",
+        "ddpkit/strategy/building.py",
+        "    on_close.callback(chosen.close)",
+        "    pass  # mutant: the strategy's shared-memory segment stays mapped after the session",
+        ("tests/test_fsdp_shm.py::test_fsdp_over_shm_trains_gloo_fsdp_weights_with_identical_replicas[1]",),
+        "FSDP's shared-memory segment outlives the session that mapped it",
+    ),
+    Mutant(
         "fsdp-shm-default",
         "ddpkit/strategy/fsdp_options.py",
         '    shm: bool | str = "auto"',

@@ -37,7 +37,9 @@ def train(shm, accumulation: int = 1, steps: int = 4, precision: str = "32") -> 
                 norms.append(float(info.grad_norm))  # type: ignore[arg-type]
         comms = s.strategy.shm_comms  # type: ignore[attr-defined]
         counts = (0, 0, 0) if comms is None else (comms.all_gathers, comms.reduce_scatters, comms.fallbacks)
-        return {"params": full_params(model), "norms": norms, "counts": counts, "printed": out.getvalue()}
+        params = full_params(model)
+    closed = comms is None or not comms.shm.active  # the session's end unmapped the segment
+    return {"params": params, "norms": norms, "counts": counts, "printed": out.getvalue(), "closed": closed}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -57,6 +59,7 @@ def test_fsdp_over_shm_trains_gloo_fsdp_weights_with_identical_replicas(pool2, a
         ag, rs, fallbacks = r["counts"]
         assert rs == 4 * units and ag >= 4 * units and fallbacks == 0, r["counts"]
     assert "through shared memory" in on[0]["printed"], on[0]["printed"]
+    assert all(r["closed"] for r in on), "the segment outlived the session"
     assert all(_same(on[0]["params"], r["params"]) for r in on), "replicas differ across ranks"
     assert on[0]["norms"] == on[1]["norms"], "the clipped norm differs between ranks"
     assert _close(on[0]["params"], off[0]["params"]) == [], "shm FSDP left gloo FSDP's weights"
