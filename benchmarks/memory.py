@@ -2,6 +2,7 @@
 
     python benchmarks/memory.py                          # mlp (37.8M parameters, AdamW), 2 and 4 CPU ranks
     python benchmarks/memory.py --nproc 2 --steps 8 --json runs/memory.json
+    python benchmarks/memory.py --nproc 2 --modes ddp fsdp fsdp-gloo --rounds 3   # interleaved rounds
 
 Per rank, counted from the tensors themselves (FSDP's DTensors by their local shard): parameter bytes,
 gradient bytes (after the backward of a step, before the optimizer zeroes them), optimizer-state bytes
@@ -12,6 +13,12 @@ is the rank's own. FSDP builds the model from the workload's factory (`s.model(w
 no rank holds it whole; DDP and the sharded step build it whole, as a user would. Step time: the median
 of `--steps` timed steps after one warm-up step, wall clock on rank 0 between barriers. Each mode runs
 in its own processes.
+
+Modes: "fsdp" is FSDP2 as ddpkit sets it up (on CPU ranks of one machine its all-gather and
+reduce-scatter go through shared memory, `ddpkit.step.fsdp_shm`); "fsdp-gloo" the same with
+`FSDPOptions(shm=False)` (FSDP2's own collectives over gloo). `--rounds N` runs the modes N times,
+interleaved (mode a, b, c, a, b, c, ...), and reports the median step and peak over the rounds with
+the step's [min, max].
 
 Goals (issue 21): FSDP's peak per rank <= 0.6x DDP's at 2 ranks, <= 0.45x at 4.
 """
@@ -28,9 +35,10 @@ import torch
 from torch import nn
 
 import ddpkit
+from ddpkit.strategy import FSDPOptions
 from ddpkit.tools import workloads
 
-MODES = ("ddp", "sharded-step", "fsdp")
+MODES = ("ddp", "sharded-step", "fsdp", "fsdp-gloo")
 
 
 def _bytes(t: torch.Tensor | None) -> int:
@@ -50,9 +58,10 @@ def _peak(device: torch.device) -> int:
 def _rank(workload_name: str, mode: str, steps: int) -> dict:
     workload = workloads.load(workload_name)
     shard = mode == "sharded-step"
-    strategy = "fsdp" if mode == "fsdp" else "ddp"
+    fsdp = mode.startswith("fsdp")
+    strategy = FSDPOptions(shm=mode != "fsdp-gloo") if fsdp else "ddp"
     with ddpkit.session(seed=0, verbose=False, shard_optimizer=shard, strategy=strategy) as s:
-        model: nn.Module = s.model(workload.build if strategy == "fsdp" else workload.build())
+        model: nn.Module = s.model(workload.build if fsdp else workload.build())
         opt = workload.optimizer(model.parameters())
         loader = s.loader(workload.dataset(batches=steps + 1), batch_size=workload.global_batch)
         grads, times = 0, []
@@ -81,20 +90,32 @@ def main() -> None:
     p.add_argument("--workload", default="mlp")
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, interleaved")
     p.add_argument("--json", default=None)
     ns = p.parse_args()
+    if "ddp" not in ns.modes:
+        ns.modes.insert(0, "ddp")  # the reference of every ratio
     rows = []
     for nproc in ns.nproc:
-        for mode in MODES:
-            ranks = ddpkit.spawn(_rank, nproc, (ns.workload, mode, ns.steps), threads=1, timeout=600)
-            worst = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the most loaded rank
-            rows.append({"nproc": nproc, "mode": mode, **worst, "step_s": ranks[0]["step_s"],
-                         "peaks": [r["peak"] for r in ranks]})  # fmt: skip
+        runs: dict[str, list[dict]] = {mode: [] for mode in ns.modes}
+        for _ in range(ns.rounds):
+            for mode in ns.modes:
+                ranks = ddpkit.spawn(_rank, nproc, (ns.workload, mode, ns.steps), threads=1, timeout=600)
+                worst = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the most loaded rank
+                peaks = [r["peak"] for r in ranks]
+                runs[mode].append({**worst, "step_s": ranks[0]["step_s"], "peaks": peaks})
+        for mode, done in runs.items():
+            steps = [d["step_s"] for d in done]
+            mid = sorted(done, key=lambda d: d["step_s"])[len(done) // 2]
+            rows.append({"nproc": nproc, "mode": mode, **mid, "step_s": statistics.median(steps),
+                         "step_min": min(steps), "step_max": max(steps),
+                         "peak": statistics.median(d["peak"] for d in done)})  # fmt: skip
     mib = 2**20
     print(f"{ns.workload}: per-rank bytes (largest rank), MiB; model state = parameters + gradients + "
           "optimizer state; peak = each rank's peak RSS from process start (GPU: max allocated)")  # fmt: skip
     print("| ranks | mode | parameters | gradients | optimizer state | model state | x DDP | peak per rank "
-          "| peak x DDP | step (s) | step x DDP |")  # fmt: skip
+          "| peak x DDP | step (s) [min, max] | step x DDP |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ddp = next(r for r in rows if r["nproc"] == row["nproc"] and r["mode"] == "ddp")
@@ -102,7 +123,8 @@ def main() -> None:
         print(f"| {row['nproc']} | {row['mode']} | {row['params'] / mib:.1f} | {row['grads'] / mib:.1f} | "
               f"{row['optimizer'] / mib:.1f} | {row['model_state'] / mib:.1f} | "
               f"{row['model_state'] / ddp['model_state']:.2f} | {peaks} | {row['peak'] / ddp['peak']:.2f} | "
-              f"{row['step_s']:.3f} | {row['step_s'] / ddp['step_s']:.2f} |")  # fmt: skip
+              f"{row['step_s']:.3f} [{row['step_min']:.3f}, {row['step_max']:.3f}] | "
+              f"{row['step_s'] / ddp['step_s']:.2f} |")  # fmt: skip
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(rows, f, indent=1)

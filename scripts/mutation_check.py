@@ -761,6 +761,63 @@ MUTANTS = [
         ("tests/test_cpu_allocator.py::test_a_model_with_big_tensors_reuses_blocks_instead_of_faulting_them_in",),
         "a big model's freed blocks go back to the kernel and are faulted in at every step",
     ),
+    Mutant(
+        "fsdp-shm-setters",
+        "ddpkit/step/fsdp_shm.py",
+        "        module.set_custom_all_gather(ShmAllGather())\n"
+        "        module.set_custom_reduce_scatter(ShmReduceScatter())",
+        "        pass  # mutant: FSDP2 keeps its own gloo collectives while the note says shared memory",
+        ("tests/test_fsdp_shm.py::test_fsdp_over_shm_trains_gloo_fsdp_weights_with_identical_replicas[1]",),
+        "FSDPOptions(shm='auto') prints the shared-memory note but never hands FSDP2 the collectives",
+    ),
+    Mutant(
+        "fsdp-shm-rs-own",
+        "ddpkit/step/shm_allreduce.py",
+        "            part = out[start : start + n]\n"
+        "            torch.add(slots[0, lo:hi], slots[1, lo:hi], out=part)",
+        "            part = out[start : start + n]\n"
+        "            torch.mul(slots[self.rank, lo:hi], w, out=part)",
+        (
+            "tests/test_fsdp_shm.py::test_fsdp_over_shm_trains_gloo_fsdp_weights_with_identical_replicas[1]",
+            "tests/test_fsdp_shm.py::test_shm_reduce_scatter_and_all_gather_are_exact",
+        ),
+        "FSDP's reduce-scatter over shared memory keeps each rank's own gradient, not the ranks' sum",
+    ),
+    Mutant(
+        "fsdp-shm-ag-others",
+        "ddpkit/step/shm_allreduce.py",
+        "        self.all_gather_([[rows[r]] for r in range(self.world)])",
+        "        self.all_gather_([[rows[r]] if r == self.rank else [] for r in range(self.world)])",
+        (
+            "tests/test_fsdp_shm.py::test_fsdp_over_shm_trains_gloo_fsdp_weights_with_identical_replicas[1]",
+            "tests/test_fsdp_shm.py::test_shm_reduce_scatter_and_all_gather_are_exact",
+        ),
+        "FSDP's all-gather over shared memory publishes this rank's part but never copies in the others'",
+    ),
+    Mutant(
+        "fsdp-shm-keep-held",
+        "ddpkit/step/fsdp_shm.py",
+        "        free = [buf for buf in same if _use_count(buf) <= 2]",
+        "        free = same  # mutant: a kept buffer is handed out again while FSDP2 still holds it",
+        ("tests/test_fsdp_shm.py::test_fsdp_over_shm_trains_gloo_fsdp_weights_with_identical_replicas[1]",),
+        "FSDP's kept buffers reused while a gradient or a prefetched all-gather still lives in them",
+    ),
+    Mutant(
+        "fsdp-shm-close",
+        "ddpkit/strategy/building.py",
+        "    on_close.callback(chosen.close)",
+        "    pass  # mutant: the strategy's shared-memory segment stays mapped after the session",
+        ("tests/test_fsdp_shm.py::test_fsdp_over_shm_trains_gloo_fsdp_weights_with_identical_replicas[1]",),
+        "FSDP's shared-memory segment outlives the session that mapped it",
+    ),
+    Mutant(
+        "fsdp-shm-default",
+        "ddpkit/strategy/fsdp_options.py",
+        '    shm: bool | str = "auto"',
+        "    shm: bool | str = False",
+        ("tests/test_fsdp_shm.py::test_verify_fsdp_passes_with_the_shm_path_on",),
+        "strategy='fsdp' on CPU ranks of one machine keeps gloo unless shm=True is asked for",
+    ),
 ]
 
 

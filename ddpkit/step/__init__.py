@@ -7,6 +7,7 @@
     syncbn         SyncBatchNorm that also runs on CPU (gloo)
     comm_hooks     DDP communication hooks by name (`s.model(net, comm_hook="fp16")`)
     shm_allreduce  an exact shared-memory all-reduce for CPU ranks on one machine (hook "shm")
+    fsdp_shm       FSDP2's all-gather and reduce-scatter through that shared memory (FSDPOptions(shm=...))
     cpu_allocator  keeps big CPU tensors' memory from step to step (for models that gain from it)
     compiling      `torch.compile` in the right order with DDP/FSDP
     wrap           `DDPOptions` and the DDP wrapper; `unwrap`

@@ -254,6 +254,42 @@ class ShmAllReduce:
                     for k in range(2, self.world):
                         part.add_(slots[k, lo:hi])
 
+    def reduce_scatter_into_(self, flat_input: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """`output` (m values) = the mean over ranks of this rank's chunk of `flat_input` (W*m values,
+        rank-major: chunk r for rank r), FSDP's reduce-scatter; `flat_input` is left as it was.
+
+        Per round every rank writes each destination's next n values (divided by W) into its slot, side
+        by side, and after the barrier sums its own piece of every slot in rank order: per value the
+        division and additions of `all_reduce_mean_`, so bitwise what it gives, and every rank sums
+        1/W of the round (balanced, unlike `reduce_scatter_mean_`'s owner-per-chunk)."""
+        seg = self.segment
+        if seg is None:
+            raise RuntimeError(f"ddpkit shm reduce-scatter is not active: {self.reason}")
+        m, w = output.numel(), self.world
+        rows = flat_input.view(w, m)
+        out = output.view(-1)
+        per = self.chunk_bytes // flat_input.element_size() // w
+        for start in range(0, m, per):
+            n = min(per, m - start)
+            slots = seg.buffers[self.seq % 2].view(flat_input.dtype)  # [world, per_chunk]
+            torch.div(rows[:, start : start + n], w, out=slots[self.rank, : w * n].view(w, n))
+            self.seq += 1
+            seg.flags[self.rank] = self.seq  # an aligned 8-byte store, after the copy (x86 TSO)
+            self._wait(self.seq)
+            lo, hi = self.rank * n, (self.rank + 1) * n
+            part = out[start : start + n]
+            torch.add(slots[0, lo:hi], slots[1, lo:hi], out=part)
+            for k in range(2, w):
+                part.add_(slots[k, lo:hi])
+        return output
+
+    def all_gather_into_(self, output: torch.Tensor) -> torch.Tensor:
+        """FSDP's all-gather in place: `output` flat, W equal chunks, this rank's already in its own
+        chunk; the others' chunks are copied in (bytes, any dtype) through `all_gather_`."""
+        rows = output.view(-1).view(self.world, -1)
+        self.all_gather_([[rows[r]] for r in range(self.world)])
+        return output
+
     def all_gather_(self, owned: list[list[torch.Tensor]]) -> None:
         """Rank r's tensors `owned[r]` to every rank, in place (contiguous CPU tensors, the same shapes on
         every rank). Each rank streams its own tensors' bytes through its slot, chunk by chunk, and copies

@@ -55,6 +55,9 @@ class Strategy:
         model's own options (`s.model(net, strategy=DDPOptions(...))`), else the strategy's."""
         return module.to(device)
 
+    def close(self) -> None:
+        """Release what `wrap` set up for the session (FSDP: its shared-memory segment); safe twice."""
+
     def check_compile(self) -> None:
         """Raise a clear error when this strategy cannot wrap a torch.compile'd module."""
 

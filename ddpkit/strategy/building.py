@@ -36,6 +36,7 @@ def prepare(
     strategy's `notes`, said (`say`) and cleared. `on_close` puts torch.compile's cache variables back
     at the session's end."""
     chosen: Strategy = stepper.strategy
+    on_close.callback(chosen.close)  # what wrap set up for the session (FSDP: its shared memory); idempotent
     module = before_wrap(stepper, module, world_size=world_size, device=device, weights_from=weights_from,
                          recompute=recompute)  # fmt: skip
     if compiler is None:

@@ -19,6 +19,10 @@ so ranks could disagree about skipping a step. Micro-batches skip the reduce-sca
 `set_requires_gradient_sync(False)`; the clipped norm is the all-reduced norm of the sharded gradients,
 identical on every rank. `ddpkit.step.sharding` does not apply: the optimizer state is already sharded.
 
+Collectives: on CPU ranks of one machine FSDP2's all-gather and reduce-scatter go through shared memory
+(`ddpkit.step.fsdp_shm`, `FSDPOptions(shm="auto")`; one segment per session, closed with it), else over
+the process group (gloo / NCCL); the note printed at `s.model` says which.
+
 torch.compile (`s.model(..., compile=True)`): `wrap_compiling` compiles each unit in place before
 `fully_shard`, torchtitan's order (why: `ddpkit.step.compiling`).
 """
@@ -35,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.errors import problem
-from ddpkit.step import cpu_allocator
+from ddpkit.step import cpu_allocator, fsdp_shm
 from ddpkit.step.collectives import Ranks, same_everywhere
 from ddpkit.step.compiling import CompileBlock
 from ddpkit.step.precision import FP32, PrecisionPlan
@@ -64,6 +68,7 @@ class FSDP(Strategy):
         self.ranks = ranks
         self.precision = precision or FP32  # the one default plan; fp16: refused by `make`
         self._built: dict[int, fsdp_init.Shards] = {}  # modules `build` made, until `wrap` takes them
+        self.shm_comms: fsdp_shm.ShmComms | None = None  # the shared-memory collectives, once opened
 
     def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
         """Run the model factory on the meta device, keeping this rank's shards of its initial weights
@@ -153,6 +158,8 @@ class FSDP(Strategy):
         for name in units:
             fully_shard(module.get_submodule(name), **kwargs)
         fully_shard(module, **kwargs)
+        note = self._collectives([module.get_submodule(n) for n in units] + [module], device, opts)
+        self.notes.extend([note] if note else [])
         fsdp_init.fill(module, shards, device)  # only this rank's shards are ever allocated on the device
         total = sum(p.numel() for p in module.parameters())
         self.notes.append(
@@ -160,6 +167,22 @@ class FSDP(Strategy):
             f"({total / 1e6:.1f}M parameters, about {total / world / 1e6:.1f}M per rank)"
         )
         return module, compiled
+
+    def _collectives(self, modules: list[nn.Module], device: torch.device, opts: FSDPOptions) -> str:
+        """Shared-memory all-gather and reduce-scatter for CPU ranks of one machine (`fsdp_shm`);
+        the note that says which path the collectives take. Collective (the segment is mapped once)."""
+        if device.type != "cpu" or dist.get_world_size() == 1:
+            return "FSDPOptions(shm=True) changes nothing on GPU ranks (NCCL)" if opts.shm is True else ""
+        if opts.shm is False:
+            return f"FSDP2 collectives over {dist.get_backend()} (FSDPOptions(shm=False))"
+        if self.shm_comms is None:
+            self.shm_comms = fsdp_shm.open_comms()
+        return fsdp_shm.attach(modules, self.shm_comms)
+
+    def close(self) -> None:
+        """Unmap the shared-memory segment (the session's end)."""
+        if self.shm_comms is not None:
+            self.shm_comms.close()
 
     def _choose_units(self, module: nn.Module, opts: FSDPOptions) -> list[str]:
         """Names of the submodules that become FSDP units, children before parents."""

@@ -19,15 +19,21 @@ class FSDPOptions:
     size, every module holding at least `min_block_params` parameters not yet in a unit.
     `reshard_after_forward`: free the gathered block after its forward (less memory, one more
     all-gather in backward). `cpu_offload`: keep the sharded parameters, gradients and optimizer step
-    on the CPU (GPU ranks; on CPU ranks it changes nothing).
+    on the CPU (GPU ranks; on CPU ranks it changes nothing). `shm`: FSDP2's all-gather and
+    reduce-scatter through shared memory (`ddpkit.step.fsdp_shm`); "auto" (and True) when the ranks are
+    CPU ranks of one machine and the segment maps, else the process group's (gloo); False: always gloo.
     """
 
     blocks: tuple[type[nn.Module], ...] | None = None
     min_block_params: int = 1_000_000
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    shm: bool | str = "auto"
 
     def __post_init__(self) -> None:
+        if self.shm not in (True, False, "auto"):
+            raise problem(f"shm={self.shm!r} is not True, False or 'auto'",
+                          "Pass shm='auto' (shared memory on one machine) or False")  # fmt: skip
         if self.min_block_params < 1:
             raise problem(f"min_block_params={self.min_block_params} is below 1",
                           "Pass a parameter count such as 1_000_000")  # fmt: skip
