@@ -773,10 +773,8 @@ MUTANTS = [
     Mutant(
         "fsdp-shm-rs-own",
         "ddpkit/step/shm_allreduce.py",
-        "            part = out[start : start + n]\n"
-        "            torch.add(slots[0, lo:hi], slots[1, lo:hi], out=part)",
-        "            part = out[start : start + n]\n"
-        "            torch.mul(slots[self.rank, lo:hi], w, out=part)",
+        "            self._sum_slots(slots, lo, hi, out[start : start + n])",
+        "            torch.mul(slots[self.rank, lo:hi], w, out=out[start : start + n])",
         (
             "tests/test_fsdp_shm.py::test_fsdp_over_shm_trains_gloo_fsdp_weights_with_identical_replicas[1]",
             "tests/test_fsdp_shm.py::test_shm_reduce_scatter_and_all_gather_are_exact",

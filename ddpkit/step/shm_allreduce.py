@@ -191,6 +191,20 @@ class ShmAllReduce:
         dist.barrier(group=self.group)  # every pid is written before anyone reads them
         return f"shared memory, {self.world} ranks, {self.chunk_bytes >> 20} MiB chunks, double-buffered"
 
+    # -- one round: every rank writes its slot, then reads the others' -------------------------------
+    def _publish(self, seg: _Segment) -> None:
+        """This rank's slot is written: raise its flag, then wait until every rank has raised its own."""
+        self.seq += 1
+        seg.flags[self.rank] = self.seq  # an aligned 8-byte store, after the copy (x86 TSO)
+        self._wait(self.seq)
+
+    def _sum_slots(self, slots: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
+        """`out` = the ranks' slots [lo:hi] summed in rank order 0, 1, ..., W-1: the one order of every
+        reduction here (all-reduce, reduce-scatter, FSDP's reduce-scatter), so they agree bitwise."""
+        torch.add(slots[0, lo:hi], slots[1, lo:hi], out=out)
+        for k in range(2, self.world):
+            out.add_(slots[k, lo:hi])
+
     # -- the all-reduce ---------------------------------------------------------------------------
     def all_reduce_mean_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Average `tensor` (contiguous, CPU, floating point) over the ranks, in place; return it."""
@@ -204,12 +218,8 @@ class ShmAllReduce:
             n = part.numel()
             slots = seg.buffers[self.seq % 2].view(flat.dtype)  # [world, per_chunk]
             torch.div(part, self.world, out=slots[self.rank, :n])
-            self.seq += 1
-            seg.flags[self.rank] = self.seq  # an aligned 8-byte store, after the copy (x86 TSO)
-            self._wait(self.seq)
-            torch.add(slots[0, :n], slots[1, :n], out=part)
-            for k in range(2, self.world):
-                part.add_(slots[k, :n])
+            self._publish(seg)
+            self._sum_slots(slots, 0, n, part)
         return tensor
 
     def reduce_scatter_mean_(self, tensors: list[torch.Tensor], owners: list[int]) -> None:
@@ -245,14 +255,10 @@ class ShmAllReduce:
             ]
             for part, lo, hi, _ in pieces:
                 torch.div(part, self.world, out=slots[self.rank, lo:hi])
-            self.seq += 1
-            seg.flags[self.rank] = self.seq  # an aligned 8-byte store, after the copy (x86 TSO)
-            self._wait(self.seq)
+            self._publish(seg)
             for part, lo, hi, owner in pieces:
                 if owner == self.rank:
-                    torch.add(slots[0, lo:hi], slots[1, lo:hi], out=part)
-                    for k in range(2, self.world):
-                        part.add_(slots[k, lo:hi])
+                    self._sum_slots(slots, lo, hi, part)
 
     def reduce_scatter_into_(self, flat_input: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """`output` (m values) = the mean over ranks of this rank's chunk of `flat_input` (W*m values,
@@ -273,14 +279,9 @@ class ShmAllReduce:
             n = min(per, m - start)
             slots = seg.buffers[self.seq % 2].view(flat_input.dtype)  # [world, per_chunk]
             torch.div(rows[:, start : start + n], w, out=slots[self.rank, : w * n].view(w, n))
-            self.seq += 1
-            seg.flags[self.rank] = self.seq  # an aligned 8-byte store, after the copy (x86 TSO)
-            self._wait(self.seq)
+            self._publish(seg)
             lo, hi = self.rank * n, (self.rank + 1) * n
-            part = out[start : start + n]
-            torch.add(slots[0, lo:hi], slots[1, lo:hi], out=part)
-            for k in range(2, w):
-                part.add_(slots[k, lo:hi])
+            self._sum_slots(slots, lo, hi, out[start : start + n])
         return output
 
     def all_gather_into_(self, output: torch.Tensor) -> torch.Tensor:
@@ -301,9 +302,7 @@ class ShmAllReduce:
         for start in range(0, max(st.nbytes for st in streams), self.chunk_bytes):
             slots = seg.buffers[self.seq % 2]  # [world, chunk_bytes] bytes
             streams[self.rank].copy_to(start, slots[self.rank])
-            self.seq += 1
-            seg.flags[self.rank] = self.seq
-            self._wait(self.seq)
+            self._publish(seg)
             for r, stream in enumerate(streams):
                 if r != self.rank:
                     stream.copy_from(start, slots[r])
