@@ -690,6 +690,14 @@ MUTANTS = [
         "a loss.backward() through the DDP model in reproducible='any-world' trains an ordinary DDP run",
     ),
     Mutant(
+        "invariant-anatomy",
+        "ddpkit/step/invariant.py",
+        "        self.phases.stepped(True)\n",
+        "        pass  # mutant: s.invariant.step never reaches the step anatomy\n",
+        ("tests/test_invariant.py::test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal",),
+        "an any-world loop shows no steps to StepMonitor, MFU or the slow-rank report",
+    ),
+    Mutant(
         "invariant-refuse-step",
         "ddpkit/step/stepping.py",
         '        self._refuse_in_invariant_mode("s.step(opt)")\n',

@@ -128,6 +128,21 @@ def session_run(root: str | None, steps: int, save_at: int | None, load: bool, e
         return weights_hash(ddpkit.unwrap(model))
 
 
+def anatomy_of_steps(steps: int, env: dict | None) -> dict[str, float]:
+    """`s.invariant.step` marks the session's step anatomy: the steps counted, their phases timed."""
+    import ddpkit
+
+    with ddpkit.session(reproducible="any-world", chunk=CHUNK, seed=0, verbose=False, env=env) as s:
+        build, data, loss_fn = workload("mlp")
+        model = s.model(build())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for done, batch in enumerate(s.loader(data, batch_size=BATCH, shuffle=True)):
+            if done == steps:
+                break
+            s.invariant.step(model, opt, batch, loss_fn)
+        return {"steps": s.anatomy.steps, **s.anatomy.medians()}
+
+
 def ddp_loops_refused() -> list[str]:
     """A loop written for DDP in an any-world session: `loss.backward()` through the DDP model, then
     `s.backward` and `s.step`; each must fail with its paragraph instead of training another run.

@@ -116,7 +116,11 @@ def test_verify_fsdp_against_one_process(pool2, pool3, world: int) -> None:
         model=net, data=data, optimizer="adamw", steps=6, batch_size=12, nproc=world, strategy="fsdp"
     )
     report = verify(spec, runner=(pool2 if world == 2 else pool3).run)
-    assert report.passed and report.replicas_identical, report.render()
+    text = report.render()
+    assert report.passed and report.replicas_identical, text
+    # the report names what ran on the ranks: FSDP, not DDP
+    assert text.startswith(f"ddpkit verify: FSDP on {world} ranks vs 1 process"), text.splitlines()[0]
+    assert "verdict: PASS, FSDP trains the same weights as one process" in text, text.splitlines()[-1]
 
 
 class _Planted:

@@ -150,6 +150,10 @@ def test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_b
     finally:
         torch.set_num_threads(threads)
     assert two[0] == two[1] == one == resumed, (two, one, resumed)
+    # the steps show in the session's anatomy (StepMonitor, MFU, the slow rank read it): each phase timed
+    for seen in pool2.run(invariant_ranks.anatomy_of_steps, 4, None):
+        assert seen["steps"] == 4, seen
+        assert all(seen[phase] > 0 for phase in ("forward", "backward", "sync", "optimizer")), seen
     import ddpkit
 
     for said in pool2.run(invariant_ranks.ddp_loops_refused):  # a loop written for DDP: refused, not run

@@ -45,7 +45,7 @@ import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,7 @@ class Counters:
 
 def configure(reproducible: str | None, chunk: int | None, *, seed: int = 0, precision: Any = None,
               accumulation: int = 1, group: Any = None, rank: int | None = None,
-              world_size: int | None = None) -> AnyWorld | None:  # fmt: skip
+              world_size: int | None = None, phases: Phases | None = None) -> AnyWorld | None:  # fmt: skip
     """The session's option: None (normal DDP) or "any-world" with a chunk size (see the docstring).
     `precision`: the session's `PrecisionPlan` (its autocast runs each chunk's forward; fp16 refused)."""
     if reproducible not in MODES:
@@ -94,7 +94,7 @@ def configure(reproducible: str | None, chunk: int | None, *, seed: int = 0, pre
         )
     context = getattr(precision, "forward_context", None)
     return AnyWorld(chunk if chunk is not None else 4, seed=seed, group=group, rank=rank,
-                    world_size=world_size, forward_context=context)  # fmt: skip
+                    world_size=world_size, forward_context=context, phases=phases)  # fmt: skip
 
 
 def check_model(module: nn.Module) -> None:
@@ -117,14 +117,32 @@ def global_order(dataset: Any, shuffle: bool) -> Sampler:
     return RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
 
 
+class Phases(Protocol):
+    """Where a step's time goes (the session's `observe.anatomy.StepAnatomy`): `mark(phase)` when a phase
+    ends, `stepped(applied)` after the optimizer. Duck-typed, so the step wing does not import observe."""
+
+    def mark(self, phase: str) -> None: ...
+
+    def stepped(self, applied: bool) -> None: ...
+
+
+class _NoPhases:
+    def mark(self, phase: str) -> None:
+        pass
+
+    def stepped(self, applied: bool) -> None:
+        pass
+
+
 class AnyWorld:
     """The mode's state for one session: the chunk size, the ranks, the step counter."""
 
     def __init__(self, chunk: int, *, seed: int = 0, group: Any = None, rank: int | None = None,
                  world_size: int | None = None,
                  forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 ) -> None:  # fmt: skip
-        """`rank`/`world_size`: given by a session before it joins the group; else read from `group`."""
+                 phases: Phases | None = None) -> None:  # fmt: skip
+        """`rank`/`world_size`: given by a session before it joins the group; else read from `group`.
+        `phases`: the session's step anatomy, so `StepMonitor`, MFU and the slow rank see these steps too."""
         if not isinstance(chunk, int) or chunk < 1:
             raise problem(f"chunk={chunk!r} is not a positive number of samples", "Pass e.g. chunk=4")
         self.chunk, self.seed, self.group = chunk, seed, group
@@ -140,6 +158,7 @@ class AnyWorld:
                 "Run on 1, 2, 4, 8, ... ranks",
             )
         self.counters = Counters()
+        self.phases: Phases = phases or _NoPhases()
 
     # -- checkpoints: s.save(..., invariant=s.invariant) -------------------------------------------
     def state_dict(self) -> dict[str, int]:
@@ -225,12 +244,14 @@ class AnyWorld:
                 tree.add(self._chunk_grad(module, params, part, loss_fn, index, 1.0 / (local * self.world)))
         total = self._across_ranks(tree.total(), local)
         _write_grads(params, total)
+        self.phases.mark("sync")  # the cross-rank combine, and the sums written into .grad
         if inspect is not None:
             inspect()
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        self.phases.stepped(True)
         self.counters.steps += 1
         self.counters.chunks += local
         self.counters.peak_buffers = max(self.counters.peak_buffers, tree.peak_buffers)
@@ -246,10 +267,12 @@ class AnyWorld:
             torch.manual_seed(_chunk_seed(self.seed, self.counters.steps, index))
             with self.forward_context():
                 loss = loss_fn(module, part)
+            self.phases.mark("forward")  # each chunk's forward and backward add to the step's phases
             if loss.dim() != 0:
                 raise problem(f"loss_fn returned a tensor of shape {tuple(loss.shape)}, not a scalar",
                               "Return the mean loss over the chunk's samples")  # fmt: skip
             (loss * scale).backward()  # 1/C, a power of two: exact, and no pass over the sum afterwards
+            self.phases.mark("backward")
         flat = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params]
         flat.append((loss.detach() * scale).to(params[0].dtype).reshape(1))
         flat.append(torch.zeros(2, dtype=params[0].dtype, device=params[0].device))  # the counts' slots

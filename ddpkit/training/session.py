@@ -88,8 +88,7 @@ class Session(RankContext):
             raise problem(f"accumulation={accumulation} is below 1", "Pass 1 (no accumulation) or more")
         strategies.check_name(strategy)
         super().__init__(plan, verbose=verbose)
-        self.seed = seed
-        self.accumulation = accumulation
+        self.seed, self.accumulation = seed, accumulation
         self.limits = limits or Limits()  # built once (ddpkit.session), passed down explicitly
         self._group: lifecycle.Membership | None = None  # this session's place in the process group
         self._checkpoints: Checkpoints | None = None  # made at the first save/load/export
@@ -101,7 +100,8 @@ class Session(RankContext):
         self.precision = resolve_precision(precision, self.device.type,
                                            bf16_supported=device_supports_bf16(self.device))  # fmt: skip
         self.invariant = invariant.configure(reproducible, chunk, seed=seed, precision=self.precision,
-            accumulation=accumulation, rank=self.rank, world_size=self.world_size)  # fmt: skip
+            accumulation=accumulation, rank=self.rank, world_size=self.world_size,
+            phases=self.anatomy)  # fmt: skip
         self._choice = strategy  # what the strategy is built from ("auto": the first s.model's kind)
         self._shard = shard_optimizer
         self._strategy: Strategy | None = None  # built once (`_build`), then the stepper that asks it

@@ -65,10 +65,16 @@ class Report:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
+    @property
+    def side(self) -> str:
+        """What ran on the N ranks, as the report names it: "DDP", or "FSDP" under --strategy fsdp."""
+        return str(self.config.get("strategy", "ddp")).upper()
+
     def render(self, max_rows: int = 30) -> str:
         c = self.config
+        side = self.side
         lines = [
-            f"ddpkit verify: DDP on {c['nproc']} ranks vs 1 process, {c['steps']} step(s), global batch "
+            f"ddpkit verify: {side} on {c['nproc']} ranks vs 1 process, {c['steps']} step(s), global batch "
             f"{c['batch_size']} ({c['batch_size'] // c['nproc']} per rank), {c['precision']}, "
             f"optimizer {c['optimizer']}, seed {c['seed']}",
             f"noise floor ({' + '.join(c['floor'])} reference runs): up to {self.floor['max_rel_norm']:.2g} "
@@ -105,29 +111,28 @@ class Report:
             lines.append(f"replicas: DIFFER from step {self.replica_divergence['step']} on ({names})")
         if c.get("compile"):
             built = c.get("graphs_compiled", 0)
-            side = str(c.get("strategy", "ddp")).upper()
             lines.append(f"compile: {built} graph(s) built by torch.compile on {side} rank 0")
         if c.get("step_path"):
             lines.append(f"step (rank 0): {c['step_path']}")
         if self.error:
-            lines.append(f"DDP run failed: {self.error.splitlines()[0]}")
+            lines.append(f"{side} run failed: {self.error.splitlines()[0]}")
         if self.losses.get("single"):
             s, d = self.losses["single"][-1], (self.losses.get("ddp") or [math.nan])[-1]
-            lines.append(f"last loss: single {s:.6g}, DDP (mean over ranks) {d:.6g}")
+            lines.append(f"last loss: single {s:.6g}, {side} (mean over ranks) {d:.6g}")
         for diag in self.diagnoses:
             tag = "why" if diag.severity == "cause" else "note"
             lines.append(f"{tag} [{diag.code}]: {diag.message} Fix: {diag.fix}")
         worst = self.worst
         if self.passed:
             detail = f"; worst {worst.name} at {worst.excess:.2g} of its tolerance" if worst else ""
-            lines.append(f"verdict: PASS, DDP trains the same weights as one process{detail}")
+            lines.append(f"verdict: PASS, {side} trains the same weights as one process{detail}")
         else:
             lines.append("verdict: FAIL, " + self._failure())
         return "\n".join(lines)
 
     def _failure(self) -> str:
         if self.error:
-            return "the DDP run stopped with an error"
+            return f"the {self.side} run stopped with an error"
         bad = [r for r in self.tensors if not r.passed]
         parts = []
         if bad:
