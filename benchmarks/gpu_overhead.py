@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_overhead.py                          # cnn, mlp, gpt; fp32 and bf16; 7 rounds
     python benchmarks/gpu_overhead.py --workload mlp --rounds 9 --json runs/gpu-overhead.json
+    python benchmarks/gpu_overhead.py --feed device --batches 300      # the step alone: data on the GPU
     python benchmarks/gpu_overhead.py --device cpu --workload mlp --rounds 1 --batches 2   # harness smoke
 
 Without a CUDA device it prints "skipped: no CUDA device" and exits 0 (unless --device cpu is asked for:
@@ -19,6 +20,11 @@ process. Both sides are rebuilt every round (a fresh model and optimizer), then 
 
 Rounds alternate the order (AB, BA, ...), so drift hits both sides alike; ratio = ddpkit / plain per
 round, reported as median [min, max]. Goal: steady ratio <= 1.01.
+
+--feed loader (the default) times the whole loop, DataLoader included; on small workloads that is host
+work (per-sample indexing, collation, pinning; docs/gpu.md). --feed device puts every batch on the GPU
+before the clock starts and both sides iterate the same list (ddpkit's side without `s.loader`), so the
+ratio is what `s.accumulate` / `s.backward` / `s.step` add to a launch-bound step.
 """
 
 from __future__ import annotations
@@ -65,7 +71,9 @@ def plain_round(wl: workloads.Workload, data: Any, batch: int, device: torch.dev
     torch.manual_seed(0)
     model = wl.build().to(device)
     opt = wl.optimizer(model.parameters())
-    loader = DataLoader(data, batch_size=batch, shuffle=True, pin_memory=device.type == "cuda")
+    loader = data if isinstance(data, list) else DataLoader(
+        data, batch_size=batch, shuffle=True, pin_memory=device.type == "cuda"
+    )
     cast: Callable[[], AbstractContextManager] = (
         (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
     )
@@ -90,7 +98,7 @@ def ddpkit_round(wl: workloads.Workload, data: Any, batch: int, device: torch.de
         torch.manual_seed(0)
         model = s.model(wl.build())
         opt = wl.optimizer(model.parameters())
-        loader = s.loader(data, batch_size=batch, shuffle=True)
+        loader = data if isinstance(data, list) else s.loader(data, batch_size=batch, shuffle=True)
 
         def step(b: Any) -> None:
             x, y = b
@@ -107,11 +115,14 @@ def _ratio(a: list[float], b: list[float]) -> list[float]:
     return [statistics.median(r), min(r), max(r)]
 
 
-def measure(spec: str, device: torch.device, rounds: int, scale: int, batches: int, bf16: bool) -> dict:
+def measure(spec: str, device: torch.device, rounds: int, scale: int, batches: int, bf16: bool,
+            feed: str = "loader") -> dict:  # fmt: skip
     wl = workloads.load(spec)
     batch = wl.global_batch * scale
     x, y = wl.sample(torch.Generator().manual_seed(0), batch * batches)
-    data = torch.utils.data.TensorDataset(x, y)
+    data: Any = torch.utils.data.TensorDataset(x, y)
+    if feed == "device":  # one list of on-device batches, the same for both sides
+        data = [(x[i : i + batch].to(device), y[i : i + batch].to(device)) for i in range(0, len(x), batch)]
     sides = {"plain": plain_round, "ddpkit": ddpkit_round}
     for fn in sides.values():  # warm-up: CUDA context, cuBLAS/cuDNN handles, allocator pools
         fn(wl, data, batch, device, bf16)
@@ -142,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-scale", type=int, default=8, help="global batch x this (a GPU wants more)")
     p.add_argument("--batches", type=int, default=0, help="steps per round (default per workload)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: harness smoke run only")
+    p.add_argument("--feed", choices=("loader", "device"), default="loader",
+                   help="device: batches on the device before timing (the step's own overhead)")  # fmt: skip
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
     if ns.device == "cuda" and not torch.cuda.is_available():
@@ -150,13 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda:0" if ns.device == "cuda" else "cpu")
     what = torch.cuda.get_device_name(0) if ns.device == "cuda" else "CPU SMOKE RUN (not a GPU figure)"
     print(f"gpu_overhead: {what}; torch {torch.__version__}, CUDA {torch.version.cuda}; load average "
-          f"{os.getloadavg()[0]:.2f}; {ns.rounds} rounds, batch x{ns.batch_scale}", flush=True)  # fmt: skip
+          f"{os.getloadavg()[0]:.2f}; {ns.rounds} rounds, batch x{ns.batch_scale}, feed {ns.feed}",
+          flush=True)  # fmt: skip
     default_batches = {"cnn": 40, "mlp": 20, "gpt": 10}
     rows: dict[str, Any] = {}
     for spec in ns.workload.split(","):
         for precision in ns.precision.split(","):
             r = measure(spec, device, ns.rounds, ns.batch_scale, ns.batches or default_batches.get(spec, 20),
-                        bf16=precision == "bf16")  # fmt: skip
+                        bf16=precision == "bf16", feed=ns.feed)  # fmt: skip
             rows[f"{spec}/{precision}"] = r
             s, f = r["steady_ratio"], r["first_ratio"]
             print(f"{spec:4s} {precision:4s} batch {r['batch']:5d}  "
