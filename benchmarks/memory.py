@@ -20,6 +20,12 @@ reduce-scatter go through shared memory, `ddpkit.step.fsdp_shm`); "fsdp-gloo" th
 interleaved (mode a, b, c, a, b, c, ...), and reports the median step and peak over the rounds with
 the step's [min, max].
 
+The floor (`ddpkit.bench.floor`): before the ranks start, one process at 1 thread times a rank's
+arithmetic alone (forward and backward on global_batch / W samples: `fwd+bwd`; the optimizer step on
+the whole model: `opt`), and one core's copy bandwidth. DDP's floor: fwd+bwd + opt + its least
+all-reduce (`exchange_floor_s`); FSDP's: fwd+bwd + opt / W + its least exchange (`fsdp_floor_s`);
+both stretched by W / cores when ranks outnumber the cores. The table gives each step / its floor.
+
 Goals (issue 21): FSDP's peak per rank <= 0.6x DDP's at 2 ranks, <= 0.45x at 4.
 """
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import time
@@ -35,6 +42,7 @@ import torch
 from torch import nn
 
 import ddpkit
+from ddpkit.bench import floor
 from ddpkit.strategy import FSDPOptions
 from ddpkit.tools import workloads
 
@@ -85,6 +93,41 @@ def _rank(workload_name: str, mode: str, steps: int) -> dict:
         }  # fmt: skip
 
 
+def _compute(workload_name: str, world: int, reps: int = 5) -> tuple[float, float]:
+    """(fwd+bwd, opt) seconds, medians of `reps` after one warm-up, one process at 1 thread: a rank's
+    forward and backward on its global_batch / `world` samples, and the optimizer on the whole model."""
+    workload = workloads.load(workload_name)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = workload.build()
+        opt = workload.optimizer(model.parameters())
+        x, y = workload.dataset(batches=1)[: max(1, workload.global_batch // world)]
+        passes, steps = [], []
+        for _ in range(reps + 1):
+            opt.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            workload.step_loss(model, (x, y)).backward()
+            mid = time.perf_counter()
+            opt.step()
+            passes.append(mid - start)
+            steps.append(time.perf_counter() - mid)
+        return statistics.median(passes[1:]), statistics.median(steps[1:])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def floor_s(mode: str, fwd_bwd: float, opt: float, param_bytes: float, world: int, copy_bps: float,
+            cores: int) -> float | None:  # fmt: skip
+    """The step's floor for `mode` (module doc), or None where none is computed (the sharded step)."""
+    if mode == "ddp":
+        exchange = floor.exchange_floor_s(param_bytes, world, copy_bps)
+        return (fwd_bwd + opt + exchange) * max(1.0, world / cores)
+    if mode.startswith("fsdp"):
+        return floor.fsdp_floor_s(fwd_bwd + opt / world, param_bytes, world, copy_bps, cores)
+    return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="mlp")
@@ -96,8 +139,17 @@ def main() -> None:
     ns = p.parse_args()
     if "ddp" not in ns.modes:
         ns.modes.insert(0, "ddp")  # the reference of every ratio
-    rows = []
+    cores = len(os.sched_getaffinity(0))
+    param_bytes = floor.grad_bytes_of(workloads.load(ns.workload).build())
+    copy_bps = floor.copy_bandwidth()
+    print(f"load average {os.getloadavg()[0]:.2f}; {cores} cores; one core copies {copy_bps / 1e9:.1f} GB/s "
+          f"(b.copy_(a), 64 MiB, median of 7)", flush=True)  # fmt: skip
+    rows, lines = [], []
     for nproc in ns.nproc:
+        fwd_bwd, opt = _compute(ns.workload, nproc)
+        print(f"{nproc} ranks: a rank's compute alone, 1 thread: fwd+bwd {fwd_bwd * 1e3:.0f} ms "
+              f"(batch {max(1, workloads.load(ns.workload).global_batch // nproc)}), opt {opt * 1e3:.0f} ms "
+              "(whole model)", flush=True)  # fmt: skip
         runs: dict[str, list[dict]] = {mode: [] for mode in ns.modes}
         for _ in range(ns.rounds):
             for mode in ns.modes:
@@ -110,13 +162,19 @@ def main() -> None:
             mid = sorted(done, key=lambda d: d["step_s"])[len(done) // 2]
             rows.append({"nproc": nproc, "mode": mode, **mid, "step_s": statistics.median(steps),
                          "step_min": min(steps), "step_max": max(steps),
-                         "peak": statistics.median(d["peak"] for d in done)})  # fmt: skip
+                         "peak": statistics.median(d["peak"] for d in done),
+                         "floor_s": floor_s(mode, fwd_bwd, opt, param_bytes, nproc, copy_bps,
+                                            cores)})  # fmt: skip
+            if mode.startswith("fsdp"):
+                line = floor.fsdp_floor_line(statistics.median(steps), fwd_bwd + opt / nproc, param_bytes,
+                                             nproc, copy_bps, cores)  # fmt: skip
+                lines.append(f"{mode}: {line}")
     mib = 2**20
     print(f"{ns.workload}: per-rank bytes (largest rank), MiB; model state = parameters + gradients + "
           "optimizer state; peak = each rank's peak RSS from process start (GPU: max allocated)")  # fmt: skip
     print("| ranks | mode | parameters | gradients | optimizer state | model state | x DDP | peak per rank "
-          "| peak x DDP | step (s) [min, max] | step x DDP |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| peak x DDP | step (s) [min, max] | step x DDP | floor (s) | step x floor |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ddp = next(r for r in rows if r["nproc"] == row["nproc"] and r["mode"] == "ddp")
         peaks = " / ".join(f"{p / mib:.0f}" for p in row["peaks"])
@@ -124,7 +182,12 @@ def main() -> None:
               f"{row['optimizer'] / mib:.1f} | {row['model_state'] / mib:.1f} | "
               f"{row['model_state'] / ddp['model_state']:.2f} | {peaks} | {row['peak'] / ddp['peak']:.2f} | "
               f"{row['step_s']:.3f} [{row['step_min']:.3f}, {row['step_max']:.3f}] | "
-              f"{row['step_s'] / ddp['step_s']:.2f} |")  # fmt: skip
+              f"{row['step_s'] / ddp['step_s']:.2f} | "
+              + (f"{row['floor_s']:.3f} | {row['step_s'] / row['floor_s']:.2f} |" if row["floor_s"]
+                 else "- | - |"))  # fmt: skip
+    for line in lines:
+        print(line)
+    print(f"load average {os.getloadavg()[0]:.2f}")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(rows, f, indent=1)
