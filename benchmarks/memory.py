@@ -16,13 +16,16 @@ in its own processes.
 
 Modes: "fsdp" is FSDP2 as ddpkit sets it up (on CPU ranks of one machine its all-gather and
 reduce-scatter go through shared memory, `ddpkit.step.fsdp_shm`); "fsdp-gloo" the same with
-`FSDPOptions(shm=False)` (FSDP2's own collectives over gloo). `--rounds N` runs the modes N times,
+`FSDPOptions(shm=False)` (FSDP2's own collectives over gloo); "fsdp-slots" the shared-memory path with
+the all-gather output private (`fsdp_shm.SHARED_GATHER = False`: the shard copied into a slot and the
+others' slots into the output, as before issue 34's copy cut). `--rounds N` runs the modes N times,
 interleaved (mode a, b, c, a, b, c, ...), and reports the median step and peak over the rounds with
 the step's [min, max].
 
 The floor (`ddpkit.bench.floor`): before the ranks start, one process at 1 thread times a rank's
 arithmetic alone (forward and backward on global_batch / W samples: `fwd+bwd`; the optimizer step on
-the whole model: `opt`), and one core's copy bandwidth. DDP's floor: fwd+bwd + opt + its least
+the whole model: `opt`; big blocks kept from step to step as on a DDP rank, `cpu_allocator.fit_to`,
+so no page faults), and one core's copy bandwidth. DDP's floor: fwd+bwd + opt + its least
 all-reduce (`exchange_floor_s`); FSDP's: fwd+bwd + opt / W + its least exchange (`fsdp_floor_s`);
 both stretched by W / cores when ranks outnumber the cores. The table gives each step / its floor.
 
@@ -43,10 +46,11 @@ from torch import nn
 
 import ddpkit
 from ddpkit.bench import floor
+from ddpkit.step import cpu_allocator, fsdp_shm
 from ddpkit.strategy import FSDPOptions
 from ddpkit.tools import workloads
 
-MODES = ("ddp", "sharded-step", "fsdp", "fsdp-gloo")
+MODES = ("ddp", "sharded-step", "fsdp", "fsdp-gloo", "fsdp-slots")
 
 
 def _bytes(t: torch.Tensor | None) -> int:
@@ -65,6 +69,7 @@ def _peak(device: torch.device) -> int:
 
 def _rank(workload_name: str, mode: str, steps: int) -> dict:
     workload = workloads.load(workload_name)
+    fsdp_shm.SHARED_GATHER = mode != "fsdp-slots"  # this rank's own process (spawned fresh)
     shard = mode == "sharded-step"
     fsdp = mode.startswith("fsdp")
     strategy = FSDPOptions(shm=mode != "fsdp-gloo") if fsdp else "ddp"
@@ -101,6 +106,7 @@ def _compute(workload_name: str, world: int, reps: int = 5) -> tuple[float, floa
     torch.set_num_threads(1)
     try:
         model = workload.build()
+        cpu_allocator.fit_to(model)  # as a DDP rank: a big model's blocks kept, no page faults per step
         opt = workload.optimizer(model.parameters())
         x, y = workload.dataset(batches=1)[: max(1, workload.global_batch // world)]
         passes, steps = [], []
