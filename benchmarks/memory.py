@@ -18,7 +18,11 @@ Modes: "fsdp" is FSDP2 as ddpkit sets it up (on CPU ranks of one machine its all
 reduce-scatter go through shared memory, `ddpkit.step.fsdp_shm`); "fsdp-gloo" the same with
 `FSDPOptions(shm=False)` (FSDP2's own collectives over gloo); "fsdp-slots" the shared-memory path with
 the all-gather output private (`fsdp_shm.SHARED_GATHER = False`: the shard copied into a slot and the
-others' slots into the output, as before issue 34's copy cut). `--rounds N` runs the modes N times,
+others' slots into the output, as before issue 34's copy cut); "fsdp-keep" the shared-memory path on
+a rank that keeps freed memory (`cpu_allocator.apply()` after `s.model`, as a DDP rank of a big model:
+FSDP2's per-block parameters and gradients are then not page-faulted in again at every step; the
+memory the FSDP ranks otherwise give back stays resident). Faults / step: the rank's minor page
+faults per timed step (`ru_minflt`), with its system time. `--rounds N` runs the modes N times,
 interleaved (mode a, b, c, a, b, c, ...), and reports the median step and peak over the rounds with
 the step's [min, max].
 
@@ -50,7 +54,7 @@ from ddpkit.step import cpu_allocator, fsdp_shm
 from ddpkit.strategy import FSDPOptions
 from ddpkit.tools import workloads
 
-MODES = ("ddp", "sharded-step", "fsdp", "fsdp-gloo", "fsdp-slots")
+MODES = ("ddp", "sharded-step", "fsdp", "fsdp-gloo", "fsdp-slots", "fsdp-keep")
 
 
 def _bytes(t: torch.Tensor | None) -> int:
@@ -67,19 +71,24 @@ def _peak(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _rank(workload_name: str, mode: str, steps: int) -> dict:
+def _rank(workload_name: str, mode: str, steps: int, keep: int) -> dict:
     workload = workloads.load(workload_name)
+    fsdp_shm.KEEP_PER_SIZE = keep
     fsdp_shm.SHARED_GATHER = mode != "fsdp-slots"  # this rank's own process (spawned fresh)
     shard = mode == "sharded-step"
     fsdp = mode.startswith("fsdp")
     strategy = FSDPOptions(shm=mode != "fsdp-gloo") if fsdp else "ddp"
     with ddpkit.session(seed=0, verbose=False, shard_optimizer=shard, strategy=strategy) as s:
         model: nn.Module = s.model(workload.build if fsdp else workload.build())
+        if mode == "fsdp-keep":
+            cpu_allocator.apply()
         opt = workload.optimizer(model.parameters())
         loader = s.loader(workload.dataset(batches=steps + 1), batch_size=workload.global_batch)
-        grads, times = 0, []
+        grads, times, usage = 0, [], resource.getrusage(resource.RUSAGE_SELF)
         for i, batch in enumerate(loader):
             s.barrier()
+            if i == 1:
+                usage = resource.getrusage(resource.RUSAGE_SELF)
             start = time.perf_counter()
             with s.accumulate(model):
                 s.backward(workload.step_loss(model, batch))
@@ -88,19 +97,25 @@ def _rank(workload_name: str, mode: str, steps: int) -> dict:
             s.barrier()
             if i > 0:
                 times.append(time.perf_counter() - start)
+        end = resource.getrusage(resource.RUSAGE_SELF)
+        timed = max(1, len(times))
         params = sum(_bytes(p) for p in model.parameters())
         tensors = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         state = sum(_bytes(v) for v in tensors)
         return {
             "params": params, "grads": grads, "optimizer": state, "model_state": params + grads + state,
             "peak": _peak(s.device),
+            "faults": (end.ru_minflt - usage.ru_minflt) / timed,
+            "sys_s": (end.ru_stime - usage.ru_stime) / timed,
             "step_s": statistics.median(times) if times else float("nan"),
         }  # fmt: skip
 
 
-def _compute(workload_name: str, world: int, reps: int = 5) -> tuple[float, float]:
+def _compute(workload_name: str, world: int, reps: int = 5) -> tuple[float, float, float]:
     """(fwd+bwd, opt) seconds, medians of `reps` after one warm-up, one process at 1 thread: a rank's
-    forward and backward on its global_batch / `world` samples, and the optimizer on the whole model."""
+    forward and backward on its global_batch / `world` samples, and the optimizer on the whole model;
+    and one core's copy bandwidth. Run in a process of its own: a process spawned later inherits its
+    parent's peak RSS (Linux keeps `ru_maxrss` across exec), so the parent must stay small."""
     workload = workloads.load(workload_name)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -118,7 +133,7 @@ def _compute(workload_name: str, world: int, reps: int = 5) -> tuple[float, floa
             opt.step()
             passes.append(mid - start)
             steps.append(time.perf_counter() - mid)
-        return statistics.median(passes[1:]), statistics.median(steps[1:])
+        return statistics.median(passes[1:]), statistics.median(steps[1:]), floor.copy_bandwidth()
     finally:
         torch.set_num_threads(threads)
 
@@ -141,28 +156,31 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, interleaved")
+    p.add_argument("--keep-per-size", type=int, default=fsdp_shm.KEEP_PER_SIZE,
+                   help="fsdp_shm.KEEP_PER_SIZE on the FSDP ranks: buffers kept per size")  # fmt: skip
     p.add_argument("--json", default=None)
     ns = p.parse_args()
     if "ddp" not in ns.modes:
         ns.modes.insert(0, "ddp")  # the reference of every ratio
     cores = len(os.sched_getaffinity(0))
     param_bytes = floor.grad_bytes_of(workloads.load(ns.workload).build())
-    copy_bps = floor.copy_bandwidth()
-    print(f"load average {os.getloadavg()[0]:.2f}; {cores} cores; one core copies {copy_bps / 1e9:.1f} GB/s "
-          f"(b.copy_(a), 64 MiB, median of 7)", flush=True)  # fmt: skip
+    print(f"load average {os.getloadavg()[0]:.2f}; {cores} cores", flush=True)
     rows, lines = [], []
     for nproc in ns.nproc:
-        fwd_bwd, opt = _compute(ns.workload, nproc)
+        fwd_bwd, opt, copy_bps = ddpkit.spawn(_compute, 1, (ns.workload, nproc), threads=1, timeout=600)[0]
+        print(f"one core copies {copy_bps / 1e9:.1f} GB/s (b.copy_(a), 64 MiB, median of 7)", flush=True)
         print(f"{nproc} ranks: a rank's compute alone, 1 thread: fwd+bwd {fwd_bwd * 1e3:.0f} ms "
               f"(batch {max(1, workloads.load(ns.workload).global_batch // nproc)}), opt {opt * 1e3:.0f} ms "
               "(whole model)", flush=True)  # fmt: skip
         runs: dict[str, list[dict]] = {mode: [] for mode in ns.modes}
         for _ in range(ns.rounds):
             for mode in ns.modes:
-                ranks = ddpkit.spawn(_rank, nproc, (ns.workload, mode, ns.steps), threads=1, timeout=600)
+                args = (ns.workload, mode, ns.steps, ns.keep_per_size)
+                ranks = ddpkit.spawn(_rank, nproc, args, threads=1, timeout=600)
                 worst = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the most loaded rank
                 peaks = [r["peak"] for r in ranks]
-                runs[mode].append({**worst, "step_s": ranks[0]["step_s"], "peaks": peaks})
+                runs[mode].append({**worst, "step_s": ranks[0]["step_s"], "peaks": peaks,
+                                   "faults": ranks[0]["faults"], "sys_s": ranks[0]["sys_s"]})  # fmt: skip
         for mode, done in runs.items():
             steps = [d["step_s"] for d in done]
             mid = sorted(done, key=lambda d: d["step_s"])[len(done) // 2]
@@ -173,14 +191,15 @@ def main() -> None:
                                             cores)})  # fmt: skip
             if mode.startswith("fsdp"):
                 line = floor.fsdp_floor_line(statistics.median(steps), fwd_bwd + opt / nproc, param_bytes,
-                                             nproc, copy_bps, cores)  # fmt: skip
+                                             nproc, copy_bps, cores, mode != "fsdp-slots")  # fmt: skip
                 lines.append(f"{mode}: {line}")
     mib = 2**20
     print(f"{ns.workload}: per-rank bytes (largest rank), MiB; model state = parameters + gradients + "
           "optimizer state; peak = each rank's peak RSS from process start (GPU: max allocated)")  # fmt: skip
     print("| ranks | mode | parameters | gradients | optimizer state | model state | x DDP | peak per rank "
-          "| peak x DDP | step (s) [min, max] | step x DDP | floor (s) | step x floor |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| peak x DDP | step (s) [min, max] | step x DDP | floor (s) | step x floor "
+          "| faults / step (sys ms) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ddp = next(r for r in rows if r["nproc"] == row["nproc"] and r["mode"] == "ddp")
         peaks = " / ".join(f"{p / mib:.0f}" for p in row["peaks"])
@@ -190,7 +209,8 @@ def main() -> None:
               f"{row['step_s']:.3f} [{row['step_min']:.3f}, {row['step_max']:.3f}] | "
               f"{row['step_s'] / ddp['step_s']:.2f} | "
               + (f"{row['floor_s']:.3f} | {row['step_s'] / row['floor_s']:.2f} |" if row["floor_s"]
-                 else "- | - |"))  # fmt: skip
+                 else "- | - |")
+              + f" {row['faults']:.0f} ({row['sys_s'] * 1e3:.0f}) |")  # fmt: skip
     for line in lines:
         print(line)
     print(f"load average {os.getloadavg()[0]:.2f}")

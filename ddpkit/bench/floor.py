@@ -144,11 +144,18 @@ def fsdp_floor_s(compute_s: float, param_bytes: float, world: int, copy_bps: flo
 
 
 def fsdp_floor_line(
-    measured_s: float, compute_s: float, param_bytes: float, world: int, copy_bps: float, cores: int
+    measured_s: float,
+    compute_s: float,
+    param_bytes: float,
+    world: int,
+    copy_bps: float,
+    cores: int,
+    shared_output: bool = True,
 ) -> str:
-    """One line: the FSDP step measured against `fsdp_floor_s`, and what ddpkit's path moves."""
+    """One line: the FSDP step measured against `fsdp_floor_s`, and what ddpkit's path moves (with the
+    all-gather output in shared memory, `fsdp_shm.SHARED_GATHER`, or not)."""
     least = fsdp_traffic(param_bytes, world)
-    ours = fsdp_ddpkit_traffic(param_bytes, world)
+    ours = fsdp_ddpkit_traffic(param_bytes, world, shared_output)
     floor = fsdp_floor_s(compute_s, param_bytes, world, copy_bps, cores)
     stretch = f" x {world / cores:.1f} ({world} ranks on {cores} cores)" if world > cores else ""
     return (
