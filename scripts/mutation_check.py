@@ -141,6 +141,14 @@ MUTANTS = [
         "the shm reduce-scatter leaves each rank's share unreduced",
     ),
     Mutant(
+        "bench-fsdp-floor",
+        "ddpkit/bench/floor.py",
+        "    return 2 * all_gather + reduce_scatter\n\n\ndef fsdp_ddpkit_traffic",
+        "    return all_gather + reduce_scatter  # mutant: one all-gather\n\n\ndef fsdp_ddpkit_traffic",
+        ("tests/test_bench.py::test_fsdp_floor_counts_fsdp2s_copies_and_the_least_exchange",),
+        "FSDP's floor counts one all-gather a step, not forward's and backward's (reshard_after_forward)",
+    ),
+    Mutant(
         "bench-floor",
         "ddpkit/bench/floor.py",
         "return ideal_traffic(grad_bytes, world) / (2 * copy_bps) if world > 1 else 0.0",
@@ -791,6 +799,14 @@ MUTANTS = [
             "tests/test_fsdp_shm.py::test_shm_reduce_scatter_and_all_gather_are_exact",
         ),
         "FSDP's all-gather over shared memory publishes this rank's part but never copies in the others'",
+    ),
+    Mutant(
+        "fsdp-shm-gather-region",
+        "ddpkit/step/fsdp_shm.py",
+        "        region = seg.buffers[self._handed % 2].view(-1)",
+        "        region = seg.buffers[(self._handed + self.shm.rank) % 2].view(-1)  # mutant: ranks disagree",
+        ("tests/test_fsdp_shm.py::test_all_gather_output_in_shared_memory_gives_the_slots_bytes",),
+        "the all-gather output in shared memory: each rank writes its shard where the others do not read",
     ),
     Mutant(
         "fsdp-shm-keep-held",
