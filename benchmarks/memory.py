@@ -21,10 +21,11 @@ the all-gather output private (`fsdp_shm.SHARED_GATHER = False`: the shard copie
 others' slots into the output, as before issue 34's copy cut); "fsdp-keep" the shared-memory path on
 a rank that keeps freed memory (`cpu_allocator.apply()` after `s.model`, as a DDP rank of a big model:
 FSDP2's per-block parameters and gradients are then not page-faulted in again at every step; the
-memory the FSDP ranks otherwise give back stays resident). Faults / step: the rank's minor page
-faults per timed step (`ru_minflt`), with its system time. `--rounds N` runs the modes N times,
-interleaved (mode a, b, c, a, b, c, ...), and reports the median step and peak over the rounds with
-the step's [min, max].
+memory the FSDP ranks otherwise give back stays resident). Faults / step: rank 0's minor page faults
+per timed step (`ru_minflt`), with its system time; shared RSS: rank 0's resident shared memory at the
+end (`RssShmem`: the segments, counted in full in every rank's RSS and peak though shared).
+`--rounds N` runs the modes N times, interleaved (mode a, b, c, a, b, c, ...), and reports the median
+step and peak over the rounds with the step's [min, max].
 
 The floor (`ddpkit.bench.floor`): before the ranks start, one process at 1 thread times a rank's
 arithmetic alone (forward and backward on global_batch / W samples: `fwd+bwd`; the optimizer step on
@@ -62,6 +63,16 @@ def _bytes(t: torch.Tensor | None) -> int:
         return 0
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
+
+
+def _rss_shmem() -> int:
+    """Bytes of shared memory this process has resident now (`RssShmem`, Linux): counted in full in
+    every rank's RSS (and so in its peak) though the ranks share them."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssShmem:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
 
 
 def _peak(device: torch.device) -> int:
@@ -104,7 +115,7 @@ def _rank(workload_name: str, mode: str, steps: int, keep: int) -> dict:
         state = sum(_bytes(v) for v in tensors)
         return {
             "params": params, "grads": grads, "optimizer": state, "model_state": params + grads + state,
-            "peak": _peak(s.device),
+            "peak": _peak(s.device), "shmem": _rss_shmem(),
             "faults": (end.ru_minflt - usage.ru_minflt) / timed,
             "sys_s": (end.ru_stime - usage.ru_stime) / timed,
             "step_s": statistics.median(times) if times else float("nan"),
@@ -180,7 +191,8 @@ def main() -> None:
                 worst = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the most loaded rank
                 peaks = [r["peak"] for r in ranks]
                 runs[mode].append({**worst, "step_s": ranks[0]["step_s"], "peaks": peaks,
-                                   "faults": ranks[0]["faults"], "sys_s": ranks[0]["sys_s"]})  # fmt: skip
+                                   "faults": ranks[0]["faults"], "sys_s": ranks[0]["sys_s"],
+                                   "shmem": ranks[0]["shmem"]})  # fmt: skip
         for mode, done in runs.items():
             steps = [d["step_s"] for d in done]
             mid = sorted(done, key=lambda d: d["step_s"])[len(done) // 2]
@@ -198,8 +210,8 @@ def main() -> None:
           "optimizer state; peak = each rank's peak RSS from process start (GPU: max allocated)")  # fmt: skip
     print("| ranks | mode | parameters | gradients | optimizer state | model state | x DDP | peak per rank "
           "| peak x DDP | step (s) [min, max] | step x DDP | floor (s) | step x floor "
-          "| faults / step (sys ms) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| faults / step (sys ms) | shared RSS (MiB) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ddp = next(r for r in rows if r["nproc"] == row["nproc"] and r["mode"] == "ddp")
         peaks = " / ".join(f"{p / mib:.0f}" for p in row["peaks"])
@@ -210,7 +222,7 @@ def main() -> None:
               f"{row['step_s'] / ddp['step_s']:.2f} | "
               + (f"{row['floor_s']:.3f} | {row['step_s'] / row['floor_s']:.2f} |" if row["floor_s"]
                  else "- | - |")
-              + f" {row['faults']:.0f} ({row['sys_s'] * 1e3:.0f}) |")  # fmt: skip
+              + f" {row['faults']:.0f} ({row['sys_s'] * 1e3:.0f}) | {row['shmem'] / mib:.0f} |")  # fmt: skip
     for line in lines:
         print(line)
     print(f"load average {os.getloadavg()[0]:.2f}")
