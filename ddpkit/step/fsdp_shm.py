@@ -54,7 +54,8 @@ _SETTERS = ("set_custom_all_gather", "set_custom_reduce_scatter")
 
 class ShmComms:
     """One `ShmAllReduce` serving every FSDP unit's all-gathers and reduce-scatters, in call order
-    (the same on every rank: FSDP2 runs them on the main thread on CPU). Counts what it did."""
+    (the same on every rank: FSDP2 runs them on the main thread on CPU), and a second one whose
+    buffers are the all-gather outputs (`gather`, module doc). Counts what it did."""
 
     def __init__(self, shm: ShmAllReduce, shared_gather: bool | None = None) -> None:
         self.shm = shm
@@ -69,11 +70,12 @@ class ShmComms:
         self._kept: list[torch.Tensor] = []
 
     def allocate(self, size: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer for FSDP2 (all-gather output, reduce-scatter input and output), reused from call to
-        call: a freshly mapped 64 MiB buffer costs its page faults on first touch at every call (FSDP
-        ranks return freed blocks to the kernel, `cpu_allocator.return_freed_blocks`). A kept buffer is
-        handed out as a new view, so its storage's use count says whether FSDP2 still holds it (the
-        sharded gradient is a view of the reduce-scatter output until the optimizer sets it to None)."""
+        """A buffer for FSDP2 (reduce-scatter input and output; the all-gather output when not shared),
+        reused from call to call: a freshly mapped 64 MiB buffer costs its page faults on first touch at
+        every call (FSDP ranks return freed blocks to the kernel, `cpu_allocator.return_freed_blocks`).
+        A kept buffer is handed out as a new view, so its storage's use count says whether FSDP2 still
+        holds it (the sharded gradient is a view of the reduce-scatter output until the optimizer sets it
+        to None)."""
         numel = math.prod(int(s) for s in size)
         if device.type != "cpu" or not hasattr(torch._C, "_storage_Use_Count"):  # no way to tell: no reuse
             return torch.empty(numel, dtype=dtype, device=device).view(*size)
