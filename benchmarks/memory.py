@@ -21,9 +21,10 @@ the all-gather output private (`fsdp_shm.SHARED_GATHER = False`: the shard copie
 others' slots into the output, as before issue 34's copy cut); "fsdp-keep" the shared-memory path on
 a rank that keeps freed memory (`cpu_allocator.apply()` after `s.model`, as a DDP rank of a big model:
 FSDP2's per-block parameters and gradients are then not page-faulted in again at every step; the
-memory the FSDP ranks otherwise give back stays resident). Faults / step: rank 0's minor page faults
-per timed step (`ru_minflt`), with its system time; shared RSS: rank 0's resident shared memory at the
-end (`RssShmem`: the segments, counted in full in every rank's RSS and peak though shared).
+memory the FSDP ranks otherwise give back stays resident); "fsdp-heap" the same ranks serving every
+block from malloc's heap (`M_MMAP_MAX=0`) but trimming its free top past 1 MiB. Faults / step: rank
+0's minor page faults per timed step (`ru_minflt`), with its system time; shared RSS: rank 0's resident
+shared memory at the end (`RssShmem`: the segments, counted in full in every rank's RSS and peak).
 `--rounds N` runs the modes N times, interleaved (mode a, b, c, a, b, c, ...), and reports the median
 step and peak over the rounds with the step's [min, max].
 
@@ -40,6 +41,7 @@ Goals (issue 21): FSDP's peak per rank <= 0.6x DDP's at 2 ranks, <= 0.45x at 4.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -55,7 +57,7 @@ from ddpkit.step import cpu_allocator, fsdp_shm
 from ddpkit.strategy import FSDPOptions
 from ddpkit.tools import workloads
 
-MODES = ("ddp", "sharded-step", "fsdp", "fsdp-gloo", "fsdp-slots", "fsdp-keep")
+MODES = ("ddp", "sharded-step", "fsdp", "fsdp-gloo", "fsdp-slots", "fsdp-keep", "fsdp-heap")
 
 
 def _bytes(t: torch.Tensor | None) -> int:
@@ -93,6 +95,10 @@ def _rank(workload_name: str, mode: str, steps: int, keep: int) -> dict:
         model: nn.Module = s.model(workload.build if fsdp else workload.build())
         if mode == "fsdp-keep":
             cpu_allocator.apply()
+        if mode == "fsdp-heap":  # every block from malloc's heap, its free top trimmed past 1 MiB
+            libc = ctypes.CDLL(None)
+            libc.mallopt(-4, 0)  # M_MMAP_MAX
+            libc.mallopt(-1, 2**20)  # M_TRIM_THRESHOLD
         opt = workload.optimizer(model.parameters())
         loader = s.loader(workload.dataset(batches=steps + 1), batch_size=workload.global_batch)
         grads, times, usage = 0, [], resource.getrusage(resource.RUSAGE_SELF)

@@ -803,10 +803,18 @@ MUTANTS = [
     Mutant(
         "fsdp-shm-gather-region",
         "ddpkit/step/fsdp_shm.py",
-        "        region = seg.buffers[self._handed % 2].view(-1)",
-        "        region = seg.buffers[(self._handed + self.shm.rank) % 2].view(-1)  # mutant: ranks disagree",
+        "        at = self._handed % 2\n",
+        "        at = (self._handed + self.shm.rank) % 2  # mutant: ranks disagree\n",
         ("tests/test_fsdp_shm.py::test_all_gather_output_in_shared_memory_gives_the_slots_bytes",),
         "the all-gather output in shared memory: each rank writes its shard where the others do not read",
+    ),
+    Mutant(
+        "fsdp-shm-gather-held",
+        "ddpkit/step/fsdp_shm.py",
+        "        if vote.item() > 0:",
+        "        if False:  # mutant: a region handed out again while a rank still holds its last output",
+        ("tests/test_fsdp_shm.py::test_shared_all_gather_output_grows_and_takes_explicit_prefetching[3]",),
+        "FSDP's shared all-gather output overwritten while a deep prefetch has not copied it out yet",
     ),
     Mutant(
         "fsdp-shm-keep-held",

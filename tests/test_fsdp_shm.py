@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from fsdp_train import data, full_params, net
+from torch.distributed.fsdp import FSDPModule
 
 import ddpkit
 from ddpkit.step import fsdp_shm
@@ -31,15 +32,21 @@ def _shared_gather(on: bool):
         fsdp_shm.SHARED_GATHER = True
 
 
-def train(shm, accumulation: int = 1, steps: int = 4, precision: str = "32", shared_gather: bool = True) -> dict:
-    """AdamW with clipping on fsdp_train's net (every Linear its own unit); what the collectives did."""
+def train(shm, accumulation: int = 1, steps: int = 4, precision: str = "32", shared_gather: bool = True,
+          prefetch: int = 0, d: int = 16) -> dict:  # fmt: skip
+    """AdamW with clipping on fsdp_train's net (every Linear its own unit; `prefetch` blocks ahead, set
+    explicitly, forward and backward); what the collectives did."""
     out = io.StringIO()
     with (
         _shared_gather(shared_gather),
         contextlib.redirect_stdout(out),
         ddpkit.session(seed=0, accumulation=accumulation, precision=precision) as s,
     ):
-        model = s.model(net(), strategy=FSDPOptions(min_block_params=1, shm=shm))
+        model = s.model(net(d), strategy=FSDPOptions(min_block_params=1, shm=shm))
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)][1:]  # forward order, no root
+        for i, unit in enumerate(units if prefetch else []):
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + prefetch])
+            unit.set_modules_to_backward_prefetch(units[max(0, i - prefetch) : i][::-1])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         it = iter(s.loader(data(), batch_size=12, shuffle=True))
         norms = []
@@ -53,11 +60,13 @@ def train(shm, accumulation: int = 1, steps: int = 4, precision: str = "32", sha
         comms = s.strategy.shm_comms  # type: ignore[attr-defined]
         counts = (0, 0, 0) if comms is None else (comms.all_gathers, comms.reduce_scatters, comms.fallbacks)
         shared = 0 if comms is None else comms.shared_gathers
+        held = 0 if comms is None else comms.held
+        region = 0 if comms is None or comms.gather is None else comms.gather.world * comms.gather.chunk_bytes
         params = full_params(model)
     closed = comms is None or not comms.shm.active  # the session's end unmapped the segment
     closed &= comms is None or comms.gather is None or not comms.gather.active
-    return {"params": params, "norms": norms, "counts": counts, "shared": shared, "printed": out.getvalue(),
-            "closed": closed}  # fmt: skip
+    return {"params": params, "norms": norms, "counts": counts, "shared": shared, "held": held, "region": region,
+            "printed": out.getvalue(), "closed": closed}  # fmt: skip
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -92,6 +101,20 @@ def test_all_gather_output_in_shared_memory_gives_the_slots_bytes(pool2) -> None
     slots = pool2.run(train, "auto", 1, 3, "32", False, timeout=120)
     assert all(r["shared"] > 0 for r in shared) and all(r["shared"] == 0 for r in slots)
     assert "all-gather outputs in shared memory" in shared[0]["printed"]
+    assert all(_same(shared[0]["params"], r["params"]) for r in shared + slots)
+    assert shared[0]["norms"] == slots[0]["norms"]
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+def test_shared_all_gather_output_grows_and_takes_explicit_prefetching(pool2, prefetch: int) -> None:
+    """Blocks of 64 x 64 after a first unit of 8 x 64: the segment is mapped for the first all-gather and
+    mapped again, larger, for the next; FSDP2 prefetching 1 block ahead (forward and backward) finds
+    every region released by every rank before it is written again; 2 or 3 ahead find some still held
+    and take those all-gathers through the slots: the slots path's bytes in every case."""
+    shared = pool2.run(train, "auto", 1, 3, "32", True, prefetch, 64, timeout=120)
+    slots = pool2.run(train, "auto", 1, 3, "32", False, prefetch, 64, timeout=120)
+    assert all(r["region"] >= 4 * (64 * 64 + 64) and r["shared"] > 0 for r in shared)
+    assert all((r["held"] > 0) == (prefetch > 1) and r["shared"] + r["held"] == r["counts"][0] for r in shared)
     assert all(_same(shared[0]["params"], r["params"]) for r in shared + slots)
     assert shared[0]["norms"] == slots[0]["norms"]
 

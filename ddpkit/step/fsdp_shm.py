@@ -19,9 +19,11 @@ whole output out into the parameters afterwards. So the output is handed out fro
 the same region on every rank: FSDP2's copy-in then writes the shard straight where the others read it,
 and the all-gather itself is one barrier, no copy (the shard into a slot and the others' slots into a
 private output are gone: 2 P per step of parameter bytes P copied, `ddpkit.bench.floor`). Two regions
-alternate; handing one out is a barrier too, so every rank has finished copying out what the region
-held before anyone writes it again (FSDP2 copies out an all-gather before it asks for the next-but-one
-output, with or without a prefetch of one block). The segment is mapped on the first all-gather and
+alternate. Before one is handed out again, the ranks agree (a one-value all-reduce, also a barrier)
+that none still holds its previous output (FSDP2 holds an output until it has copied it out, in
+forward until the next block's copy-out): with FSDP2's own prefetching, or explicit prefetching one
+block ahead, the region is always free; deeper prefetching finds it held at times, and that all-gather
+takes a private output through the slots (`held`). The segment is mapped on the first all-gather and
 again, larger, if a later block needs more (both collective: every rank asks for the same sizes in the
 same order); the reduce-scatter's buffers stay private (`allocate`).
 
@@ -38,6 +40,7 @@ a torch without them (or without the setters) keeps gloo, which `attach`'s note 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,6 +65,8 @@ class ShmComms:
         self.shared_gather = (SHARED_GATHER if shared_gather is None else shared_gather) and shm.active
         self.gather: ShmAllReduce | None = None  # the all-gather outputs' segment, once mapped
         self._handed = 0  # all-gather outputs handed out from `gather`: region = count % 2
+        self._last: list[weakref.ref[torch.Tensor] | None] = [None, None]  # each region's last output
+        self.held = 0  # all-gathers that found their region still held on some rank: private output
         self.shared_gathers = 0  # all-gathers that were one barrier (the output in `gather`)
         self.all_gathers = 0
         self.reduce_scatters = 0
@@ -106,10 +111,17 @@ class ShmComms:
             self.gather = grown
         seg = self.gather.segment
         assert seg is not None
-        region = seg.buffers[self._handed % 2].view(-1)
+        at = self._handed % 2
+        last = self._last[at]
+        vote = torch.tensor([0.0 if last is None or last() is None else 1.0])
+        self.shm.all_reduce_mean_(vote)  # a barrier: every rank is here, done with what it copied out
+        if vote.item() > 0:  # some rank still holds the region's last output (a deep prefetch)
+            self.held += 1
+            return self.allocate(size, dtype, device)
         self._handed += 1
-        self.gather._publish(seg)  # everyone is done with what the region held (module doc)
-        return region[:nbytes].view(dtype).view(*size)
+        output = seg.buffers[at].view(-1)[:nbytes].view(dtype).view(*size)
+        self._last[at] = weakref.ref(output)
+        return output
 
     def _in_gather(self, output: torch.Tensor) -> bool:
         seg = self.gather.segment if self.gather is not None else None
