@@ -148,8 +148,8 @@ class ShmComms:
         if mine.data_ptr() != input.data_ptr():  # FSDP2 copies in place; a caller that did not, gets it
             mine.copy_(input.view(-1))
         if self._in_gather(output):  # every rank wrote its chunk of the one shared output
-            assert self.gather is not None and self.gather.segment is not None
-            self.gather._publish(self.gather.segment)
+            assert self.gather is not None
+            self.gather.publish()
             self.shared_gathers += 1
         else:
             self.shm.all_gather_into_(output)
