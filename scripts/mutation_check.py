@@ -141,6 +141,14 @@ MUTANTS = [
         "the shm reduce-scatter leaves each rank's share unreduced",
     ),
     Mutant(
+        "bench-fsdp-floor",
+        "ddpkit/bench/floor.py",
+        "    return 2 * all_gather + reduce_scatter\n\n\ndef fsdp_ddpkit_traffic",
+        "    return all_gather + reduce_scatter  # mutant: one all-gather\n\n\ndef fsdp_ddpkit_traffic",
+        ("tests/test_bench.py::test_fsdp_floor_counts_fsdp2s_copies_and_the_least_exchange",),
+        "FSDP's floor counts one all-gather a step, not forward's and backward's (reshard_after_forward)",
+    ),
+    Mutant(
         "bench-floor",
         "ddpkit/bench/floor.py",
         "return ideal_traffic(grad_bytes, world) / (2 * copy_bps) if world > 1 else 0.0",
@@ -799,6 +807,22 @@ MUTANTS = [
             "tests/test_fsdp_shm.py::test_shm_reduce_scatter_and_all_gather_are_exact",
         ),
         "FSDP's all-gather over shared memory publishes this rank's part but never copies in the others'",
+    ),
+    Mutant(
+        "fsdp-shm-gather-region",
+        "ddpkit/step/fsdp_shm.py",
+        "        at = self._handed % 2\n",
+        "        at = (self._handed + self.shm.rank) % 2  # mutant: ranks disagree\n",
+        ("tests/test_fsdp_shm.py::test_all_gather_output_in_shared_memory_gives_the_slots_bytes",),
+        "the all-gather output in shared memory: each rank writes its shard where the others do not read",
+    ),
+    Mutant(
+        "fsdp-shm-gather-held",
+        "ddpkit/step/fsdp_shm.py",
+        "        if vote.item() > 0:",
+        "        if False:  # mutant: a region handed out again while a rank still holds its last output",
+        ("tests/test_fsdp_shm.py::test_shared_all_gather_output_grows_and_takes_explicit_prefetching[3]",),
+        "FSDP's shared all-gather output overwritten while a deep prefetch has not copied it out yet",
     ),
     Mutant(
         "fsdp-shm-keep-held",

@@ -193,3 +193,20 @@ def test_floor_is_the_least_exchange_at_copy_bandwidth() -> None:
     line = floor.floor_line(0.2, 0.1, 100e6, 2, 10e9)
     assert "22.5 ms" in line and "floor is 122 ms (1.22x it)" in line and "1.63x the floor" in line
     assert floor.copy_bandwidth(nbytes=2**20, reps=2) > 0
+
+
+def test_fsdp_floor_counts_fsdp2s_copies_and_the_least_exchange() -> None:
+    """FSDP's least exchange at W ranks moves G (7W + 5) / W (9.5 G at 2 ranks: two all-gathers of
+    G (W+1)/W copied, a reduce-scatter of 3 G + G/W read + written); ddpkit's path 15.5 G (11.5 G with
+    the all-gather output in shared memory). The floor adds it to the compute at twice the copy rate
+    and stretches both by W / cores when ranks outnumber cores."""
+    assert floor.fsdp_traffic(100e6, 2) == pytest.approx(950e6)
+    assert floor.fsdp_traffic(100e6, 4) == pytest.approx(825e6)
+    assert floor.fsdp_ddpkit_traffic(100e6, 2) == pytest.approx(1550e6)
+    assert floor.fsdp_ddpkit_traffic(100e6, 2, shared_output=True) == pytest.approx(1150e6)
+    assert floor.fsdp_floor_s(0.1, 100e6, 2, 10e9, cores=2) == pytest.approx(0.1475)
+    assert floor.fsdp_floor_s(0.1, 100e6, 4, 10e9, cores=2) == pytest.approx(0.2825)
+    assert floor.fsdp_floor_s(0.1, 100e6, 1, 10e9, cores=2) == pytest.approx(0.1)
+    line = floor.fsdp_floor_line(0.295, 0.1, 100e6, 2, 10e9, cores=2)
+    assert "950 MB" in line and "(48 ms)" in line and "= 148 ms" in line and "2.00x the floor" in line
+    assert "moves 1150 MB" in line and "moves 1550 MB" in floor.fsdp_floor_line(0.3, 0.1, 100e6, 2, 10e9, 2, False)

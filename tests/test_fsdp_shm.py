@@ -12,19 +12,41 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from fsdp_train import data, full_params, net
+from torch.distributed.fsdp import FSDPModule
 
 import ddpkit
+from ddpkit.step import fsdp_shm
 from ddpkit.step.shm_allreduce import ShmAllReduce
 from ddpkit.strategy import FSDPOptions
 
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
 
 
-def train(shm, accumulation: int = 1, steps: int = 4, precision: str = "32") -> dict:
-    """AdamW with clipping on fsdp_train's net (every Linear its own unit); what the collectives did."""
+@contextlib.contextmanager
+def _shared_gather(on: bool):
+    """fsdp_shm.SHARED_GATHER in the pool's (persistent) process, set back to its default after."""
+    fsdp_shm.SHARED_GATHER = on
+    try:
+        yield
+    finally:
+        fsdp_shm.SHARED_GATHER = True
+
+
+def train(shm, accumulation: int = 1, steps: int = 4, precision: str = "32", shared_gather: bool = True,
+          prefetch: int = 0, d: int = 16) -> dict:  # fmt: skip
+    """AdamW with clipping on fsdp_train's net (every Linear its own unit; `prefetch` blocks ahead, set
+    explicitly, forward and backward); what the collectives did."""
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), ddpkit.session(seed=0, accumulation=accumulation, precision=precision) as s:
-        model = s.model(net(), strategy=FSDPOptions(min_block_params=1, shm=shm))
+    with (
+        _shared_gather(shared_gather),
+        contextlib.redirect_stdout(out),
+        ddpkit.session(seed=0, accumulation=accumulation, precision=precision) as s,
+    ):
+        model = s.model(net(d), strategy=FSDPOptions(min_block_params=1, shm=shm))
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)][1:]  # forward order, no root
+        for i, unit in enumerate(units if prefetch else []):
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + prefetch])
+            unit.set_modules_to_backward_prefetch(units[max(0, i - prefetch) : i][::-1])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         it = iter(s.loader(data(), batch_size=12, shuffle=True))
         norms = []
@@ -37,9 +59,14 @@ def train(shm, accumulation: int = 1, steps: int = 4, precision: str = "32") -> 
                 norms.append(float(info.grad_norm))  # type: ignore[arg-type]
         comms = s.strategy.shm_comms  # type: ignore[attr-defined]
         counts = (0, 0, 0) if comms is None else (comms.all_gathers, comms.reduce_scatters, comms.fallbacks)
+        shared = 0 if comms is None else comms.shared_gathers
+        held = 0 if comms is None else comms.held
+        region = 0 if comms is None or comms.gather is None else comms.gather.world * comms.gather.chunk_bytes
         params = full_params(model)
     closed = comms is None or not comms.shm.active  # the session's end unmapped the segment
-    return {"params": params, "norms": norms, "counts": counts, "printed": out.getvalue(), "closed": closed}
+    closed &= comms is None or comms.gather is None or not comms.gather.active
+    return {"params": params, "norms": norms, "counts": counts, "shared": shared, "held": held, "region": region,
+            "printed": out.getvalue(), "closed": closed}  # fmt: skip
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -58,6 +85,7 @@ def test_fsdp_over_shm_trains_gloo_fsdp_weights_with_identical_replicas(pool2, a
     for r in on:  # every step: 2 all-gathers per unit (forward, backward), 1 reduce-scatter per unit
         ag, rs, fallbacks = r["counts"]
         assert rs == 4 * units and ag >= 4 * units and fallbacks == 0, r["counts"]
+        assert r["shared"] == ag, "an all-gather output was not in the shared segment"
     assert "through shared memory" in on[0]["printed"], on[0]["printed"]
     assert all(r["closed"] for r in on), "the segment outlived the session"
     assert all(_same(on[0]["params"], r["params"]) for r in on), "replicas differ across ranks"
@@ -66,10 +94,36 @@ def test_fsdp_over_shm_trains_gloo_fsdp_weights_with_identical_replicas(pool2, a
     assert torch.allclose(torch.tensor(on[0]["norms"]), torch.tensor(off[0]["norms"]), rtol=1e-5)
 
 
+def test_all_gather_output_in_shared_memory_gives_the_slots_bytes(pool2) -> None:
+    """The all-gather output in the shared segment (FSDP2's copy-in is the publishing) trains bitwise the
+    weights of the private output filled through the slots: both are byte copies of the same shards."""
+    shared = pool2.run(train, "auto", 1, 3, timeout=120)
+    slots = pool2.run(train, "auto", 1, 3, "32", False, timeout=120)
+    assert all(r["shared"] > 0 for r in shared) and all(r["shared"] == 0 for r in slots)
+    assert "all-gather outputs in shared memory" in shared[0]["printed"]
+    assert all(_same(shared[0]["params"], r["params"]) for r in shared + slots)
+    assert shared[0]["norms"] == slots[0]["norms"]
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+def test_shared_all_gather_output_grows_and_takes_explicit_prefetching(pool2, prefetch: int) -> None:
+    """Blocks of 64 x 64 after a first unit of 8 x 64: the segment is mapped for the first all-gather and
+    mapped again, larger, for the next; FSDP2 prefetching 1 block ahead (forward and backward) finds
+    every region released by every rank before it is written again; 2 or 3 ahead find some still held
+    and take those all-gathers through the slots: the slots path's bytes in every case."""
+    shared = pool2.run(train, "auto", 1, 3, "32", True, prefetch, 64, timeout=120)
+    slots = pool2.run(train, "auto", 1, 3, "32", False, prefetch, 64, timeout=120)
+    assert all(r["region"] >= 4 * (64 * 64 + 64) and r["shared"] > 0 for r in shared)
+    assert all((r["held"] > 0) == (prefetch > 1) and r["shared"] + r["held"] == r["counts"][0] for r in shared)
+    assert all(_same(shared[0]["params"], r["params"]) for r in shared + slots)
+    assert shared[0]["norms"] == slots[0]["norms"]
+
+
 def test_fsdp_over_shm_at_three_ranks(pool3) -> None:
     on = pool3.run(train, True, 2, timeout=120)
     off = pool3.run(train, False, 2, timeout=120)
     assert all(r["counts"][1] > 0 and r["counts"][2] == 0 for r in on), [r["counts"] for r in on]
+    assert all(r["shared"] == r["counts"][0] for r in on)
     assert all(_same(on[0]["params"], r["params"]) for r in on), "replicas differ across ranks"
     assert _close(on[0]["params"], off[0]["params"]) == []
 

@@ -18,6 +18,30 @@ copied per second, 2c of traffic). The step's floor is the one-process step plus
 reduce-scatter step (`ddpkit.step.shard_exchange`) moves G (5W + 1) / W (5.5 G at W = 2: it streams
 the whole gradient through its slot, 2 G instead of 2 G(W-1)/W, the same slot layout on every rank),
 so it can approach the floor, not reach it. `measured / floor` says how close a run is.
+
+FSDP (`fsdp_traffic`, `fsdp_floor_s`): FSDP2 keeps only a shard of each parameter and exchanges P bytes
+of parameters (= G of gradients) three times a step: an all-gather before forward, another before
+backward (`reshard_after_forward=True`, the default) and a reduce-scatter of the gradients. Its floor
+counts the copies torch 2.13's FSDP2 makes below the custom-collective API (`_fsdp_collectives.py`),
+which no collective can avoid, and lets the collective itself add nothing beyond them:
+
+- all-gather: FSDP2 copies the shard into its rank's chunk of the output the collective allocated
+  (`all_gather_copy_in`, P/W copied); if that output is shared memory this copy is the publishing, and
+  the others' chunks are already there; then FSDP2 copies the whole output out into each parameter's
+  own storage (`split_with_sizes_copy`, P copied), which the module computes with and which FSDP2
+  frees after the block. Least: P (W + 1) / W copied, 2 P (W + 1) / W of traffic, twice a step;
+- reduce-scatter: FSDP2 copies every unsharded gradient into the collective's input
+  (`foreach_reduce_scatter_copy_in`, G copied; autograd wrote each gradient to its own tensor); if
+  that input is shared memory it is the publishing; then this rank sums its share of every rank's
+  input (G read, G/W written; the division by W applied as the values are read). The output is the
+  sharded gradient itself (FSDP2 views it): no copy-out. Least: 3 G + G/W of traffic.
+
+Together G (7 W + 5) / W per rank per step (9.5 G at W = 2), against 4.5 G for DDP's least exchange:
+FSDP moves more, and every byte on the step's critical path (CPU ranks have no side streams). What
+ddpkit's shared-memory FSDP path moves is `fsdp_ddpkit_traffic`. Not counted: page faults (FSDP2 frees
+each block's parameter storages after use and allocates them again, fresh pages from the kernel on
+ranks that return freed blocks) and the optimizer's DTensor dispatch: costs of the measured step, not
+of moving bytes.
 """
 
 from __future__ import annotations
@@ -85,4 +109,59 @@ def floor_line(
         f"step ({one_process_s * 1e3:.0f} ms) the floor is {floor * 1e3:.0f} ms "
         f"({floor / one_process_s:.2f}x it); measured {measured_s * 1e3:.0f} ms = "
         f"{measured_s / floor:.2f}x the floor"
+    )
+
+
+def fsdp_traffic(param_bytes: float, world: int) -> float:
+    """Bytes read + written per rank per step by FSDP2's least exchange over shared memory (module doc):
+    two all-gathers of P (W + 1) / W copied each (shard in, whole block out to the parameters) and a
+    reduce-scatter of G copied in plus G read and G/W written by the sum."""
+    p, w = float(param_bytes), world
+    all_gather = 2 * (p / w + p)
+    reduce_scatter = 2 * p + p + p / w
+    return 2 * all_gather + reduce_scatter
+
+
+def fsdp_ddpkit_traffic(param_bytes: float, world: int, shared_output: bool = False) -> float:
+    """Bytes read + written per rank per step by ddpkit's FSDP path (`ddpkit.step.fsdp_shm`). Per
+    all-gather: FSDP2's copy-in (P/W) and copy-out (P), plus, unless the output is itself in shared
+    memory (`shared_output`), the shard into the slot (P/W) and the others' slots into the output
+    (P (W-1)/W). Reduce-scatter: FSDP2's copy-in (G), the input divided into the slot (G read, G
+    written), the share summed (G read, G/W written)."""
+    p, w = float(param_bytes), world
+    all_gather = 2 * (p / w + p) + (0.0 if shared_output else 2 * (p / w + p * (w - 1) / w))
+    reduce_scatter = 2 * p + 2 * p + p + p / w
+    return 2 * all_gather + reduce_scatter
+
+
+def fsdp_floor_s(compute_s: float, param_bytes: float, world: int, copy_bps: float, cores: int) -> float:
+    """The least FSDP step: a rank's compute plus its least exchange (`fsdp_traffic`) at `copy_bps`
+    (bytes copied per second, 2x that in traffic); ranks beyond `cores` (1 thread each) share them, so
+    W > cores stretches both by W / cores. `compute_s` is one rank's arithmetic alone: forward and
+    backward on its part of the batch, the optimizer on its shard."""
+    exchange = fsdp_traffic(param_bytes, world) / (2 * copy_bps) if world > 1 else 0.0
+    return (compute_s + exchange) * max(1.0, world / cores)
+
+
+def fsdp_floor_line(
+    measured_s: float,
+    compute_s: float,
+    param_bytes: float,
+    world: int,
+    copy_bps: float,
+    cores: int,
+    shared_output: bool = True,
+) -> str:
+    """One line: the FSDP step measured against `fsdp_floor_s`, and what ddpkit's path moves (with the
+    all-gather output in shared memory, `fsdp_shm.SHARED_GATHER`, or not)."""
+    least = fsdp_traffic(param_bytes, world)
+    ours = fsdp_ddpkit_traffic(param_bytes, world, shared_output)
+    floor = fsdp_floor_s(compute_s, param_bytes, world, copy_bps, cores)
+    stretch = f" x {world / cores:.1f} ({world} ranks on {cores} cores)" if world > cores else ""
+    return (
+        f"FSDP floor at {world} ranks: compute {compute_s * 1e3:.0f} ms + least exchange "
+        f"{least / 1e6:.0f} MB read+written at {copy_bps / 1e9:.1f} GB/s copied "
+        f"({least / (2 * copy_bps) * 1e3:.0f} ms){stretch} = {floor * 1e3:.0f} ms; measured "
+        f"{measured_s * 1e3:.0f} ms = {measured_s / floor:.2f}x the floor (ddpkit's path moves "
+        f"{ours / 1e6:.0f} MB, {ours / (2 * copy_bps) * 1e3:.0f} ms at that rate)"
     )

@@ -13,6 +13,20 @@ then summed in rank order 0..W-1, by the one rank that owns it; bitwise what the
 the same from run to run, and (every rank's replica being the owners' bytes, all-gathered) identical
 across ranks. With 2 ranks a/2 + b/2 is also gloo's AVG to within rounding of the division order.
 
+All-gather output in shared memory (`SHARED_GATHER`): FSDP2 copies each rank's shard into that rank's
+chunk of the all-gather output, which the collective allocates (`AllGather.allocate`), and copies the
+whole output out into the parameters afterwards. So the output is handed out from a second segment,
+the same region on every rank: FSDP2's copy-in then writes the shard straight where the others read it,
+and the all-gather itself is one barrier, no copy (the shard into a slot and the others' slots into a
+private output are gone: 2 P per step of parameter bytes P copied, `ddpkit.bench.floor`). Two regions
+alternate. Before one is handed out again, the ranks agree (a one-value all-reduce, also a barrier)
+that none still holds its previous output (FSDP2 holds an output until it has copied it out, in
+forward until the next block's copy-out): with FSDP2's own prefetching, or explicit prefetching one
+block ahead, the region is always free; deeper prefetching finds it held at times, and that all-gather
+takes a private output through the slots (`held`). The segment is mapped on the first all-gather and
+again, larger, if a later block needs more (both collective: every rank asks for the same sizes in the
+same order); the reduce-scatter's buffers stay private (`allocate`).
+
 Ops: FSDP2 asks for AVG when it reduces in fp32 or bf16 with no gradient divide factor, which is all
 ddpkit sets up (fp16 is refused under FSDP); that goes through shared memory. SUM (fp16's pre/post
 divide), PREMUL_SUM (a divide factor), a group that is not the segment's ranks, or a non-CPU tensor go
@@ -26,6 +40,7 @@ a torch without them (or without the setters) keeps gloo, which `attach`'s note 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,15 +51,23 @@ from ddpkit.step.shm_allreduce import ShmAllReduce
 
 CHUNK_MB = 4.0  # the sharded step's publishing chunk: as fast as 16 MiB, less resident shared memory
 KEEP_PER_SIZE = 2  # a block's all-gather and the prefetched next one's, or a reduce-scatter beside it
+SHARED_GATHER = True  # all-gather outputs in a shared segment (module doc); False: private, via the slots
 _SETTERS = ("set_custom_all_gather", "set_custom_reduce_scatter")
 
 
 class ShmComms:
     """One `ShmAllReduce` serving every FSDP unit's all-gathers and reduce-scatters, in call order
-    (the same on every rank: FSDP2 runs them on the main thread on CPU). Counts what it did."""
+    (the same on every rank: FSDP2 runs them on the main thread on CPU), and a second one whose
+    buffers are the all-gather outputs (`gather`, module doc). Counts what it did."""
 
-    def __init__(self, shm: ShmAllReduce) -> None:
+    def __init__(self, shm: ShmAllReduce, shared_gather: bool | None = None) -> None:
         self.shm = shm
+        self.shared_gather = (SHARED_GATHER if shared_gather is None else shared_gather) and shm.active
+        self.gather: ShmAllReduce | None = None  # the all-gather outputs' segment, once mapped
+        self._handed = 0  # all-gather outputs handed out from `gather`: region = count % 2
+        self._last: list[weakref.ref[torch.Tensor] | None] = [None, None]  # each region's last output
+        self.held = 0  # all-gathers that found their region still held on some rank: private output
+        self.shared_gathers = 0  # all-gathers that were one barrier (the output in `gather`)
         self.all_gathers = 0
         self.reduce_scatters = 0
         self.fallbacks = 0  # calls handed to the group's own collective (see the module doc)
@@ -52,11 +75,12 @@ class ShmComms:
         self._kept: list[torch.Tensor] = []
 
     def allocate(self, size: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer for FSDP2 (all-gather output, reduce-scatter input and output), reused from call to
-        call: a freshly mapped 64 MiB buffer costs its page faults on first touch at every call (FSDP
-        ranks return freed blocks to the kernel, `cpu_allocator.return_freed_blocks`). A kept buffer is
-        handed out as a new view, so its storage's use count says whether FSDP2 still holds it (the
-        sharded gradient is a view of the reduce-scatter output until the optimizer sets it to None)."""
+        """A buffer for FSDP2 (reduce-scatter input and output; the all-gather output when not shared),
+        reused from call to call: a freshly mapped 64 MiB buffer costs its page faults on first touch at
+        every call (FSDP ranks return freed blocks to the kernel, `cpu_allocator.return_freed_blocks`).
+        A kept buffer is handed out as a new view, so its storage's use count says whether FSDP2 still
+        holds it (the sharded gradient is a view of the reduce-scatter output until the optimizer sets it
+        to None)."""
         numel = math.prod(int(s) for s in size)
         if device.type != "cpu" or not hasattr(torch._C, "_storage_Use_Count"):  # no way to tell: no reuse
             return torch.empty(numel, dtype=dtype, device=device).view(*size)
@@ -69,6 +93,43 @@ class ShmComms:
             self._kept.append(buf)
         return buf.view(*size)
 
+    def allocate_gather(self, size: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An all-gather output: the next region of the shared `gather` segment (module doc), mapped or
+        grown here on every rank at once; a private buffer (`allocate`) off CPU or without the segment."""
+        numel = math.prod(int(s) for s in size)
+        nbytes = numel * dtype.itemsize
+        if not self.shared_gather or device.type != "cpu":
+            return self.allocate(size, dtype, device)
+        if self.gather is None or self.gather.world * self.gather.chunk_bytes < nbytes:
+            per_rank = -(-nbytes // self.shm.world // 4096) * 4096  # a region: all W slots of one buffer
+            grown = ShmAllReduce(self.shm.group, chunk_mb=per_rank / 2**20, timeout=self.shm.timeout)
+            if not grown.active:  # the ranks agree (ShmAllReduce gathers every rank's error)
+                self.shared_gather = False
+                return self.allocate(size, dtype, device)
+            if self.gather is not None:  # unmapped once FSDP2 drops its last output in it
+                self.gather.close()
+            self.gather = grown
+        seg = self.gather.segment
+        assert seg is not None
+        at = self._handed % 2
+        last = self._last[at]
+        vote = torch.tensor([0.0 if last is None or last() is None else 1.0])
+        self.shm.all_reduce_mean_(vote)  # a barrier: every rank is here, done with what it copied out
+        if vote.item() > 0:  # some rank still holds the region's last output (a deep prefetch)
+            self.held += 1
+            return self.allocate(size, dtype, device)
+        self._handed += 1
+        output = seg.buffers[at].view(-1)[:nbytes].view(dtype).view(*size)
+        self._last[at] = weakref.ref(output)
+        return output
+
+    def _in_gather(self, output: torch.Tensor) -> bool:
+        seg = self.gather.segment if self.gather is not None else None
+        if seg is None:
+            return False
+        base = seg.buffers.data_ptr()
+        return base <= output.data_ptr() < base + seg.buffers.numel()
+
     def _ours(self, group: dist.ProcessGroup, *tensors: torch.Tensor) -> bool:
         return (
             self.shm.active
@@ -80,13 +141,18 @@ class ShmComms:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
                    async_op: bool = False) -> Any:  # fmt: skip
         if not self._ours(group, output, input):
-            self.fallbacks += 1
+            self.fallbacks += 1  # (an output in `gather`: every rank writes the same bytes into it)
             return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
         n = input.numel()
         mine = output.view(-1)[self.shm.rank * n : (self.shm.rank + 1) * n]
         if mine.data_ptr() != input.data_ptr():  # FSDP2 copies in place; a caller that did not, gets it
             mine.copy_(input.view(-1))
-        self.shm.all_gather_into_(output)
+        if self._in_gather(output):  # every rank wrote its chunk of the one shared output
+            assert self.gather is not None
+            self.gather.publish()
+            self.shared_gathers += 1
+        else:
+            self.shm.all_gather_into_(output)
         self.all_gathers += 1
         return None  # done: FSDP2 waits on no work
 
@@ -101,6 +167,8 @@ class ShmComms:
 
     def close(self) -> None:
         self._kept.clear()
+        if self.gather is not None:
+            self.gather.close()
         self.shm.close()
 
 
@@ -136,7 +204,7 @@ def attach(modules: Sequence[Any], comms: ShmComms) -> str:
 
     class ShmAllGather(AllGather):
         def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return comms.allocate(size, dtype, device)
+            return comms.allocate_gather(size, dtype, device)
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                      group: dist.ProcessGroup, async_op: bool = False) -> Any:  # fmt: skip
@@ -155,5 +223,6 @@ def attach(modules: Sequence[Any], comms: ShmComms) -> str:
         module.set_custom_reduce_scatter(ShmReduceScatter())
     shm = comms.shm
     return (f"FSDP2 collectives (all-gather, reduce-scatter) through shared memory: {shm.world} ranks on "
-            f"this machine, {shm.chunk_bytes >> 20} MiB chunks, mean summed in rank order (exact); "
+            f"this machine, {shm.chunk_bytes >> 20} MiB chunks, mean summed in rank order (exact)"
+            f"{', all-gather outputs in shared memory' if comms.shared_gather else ''}; "
             f"FSDPOptions(shm=False) keeps {backend}")  # fmt: skip

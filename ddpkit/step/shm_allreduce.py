@@ -192,6 +192,12 @@ class ShmAllReduce:
         return f"shared memory, {self.world} ranks, {self.chunk_bytes >> 20} MiB chunks, double-buffered"
 
     # -- one round: every rank writes its slot, then reads the others' -------------------------------
+    def publish(self) -> None:
+        """One round for a caller that wrote straight into `segment.buffers` (FSDP's shared all-gather
+        output, `fsdp_shm`): this rank's part is written; returns once every rank's is."""
+        assert self.segment is not None, "publish on an inactive ShmAllReduce"
+        self._publish(self.segment)
+
     def _publish(self, seg: _Segment) -> None:
         """This rank's slot is written: raise its flag, then wait until every rank has raised its own."""
         self.seq += 1
