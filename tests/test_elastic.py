@@ -31,6 +31,9 @@ HERE = Path(__file__).parent
 SCRIPT = str(HERE / "elastic_train.py")
 DDPKIT = [sys.executable, "-m", "ddpkit.cli", "run"]
 PORT = 29400  # each namespace has its own ports: nothing else listens there
+# Two hosts started together meet within 2 s; a lost host's agent is dropped from the rendezvous after 3 s
+# without a heartbeat (ddpkit's defaults: 10 s and ~6 s, for real networks; torch's: 30 s and 15 s).
+RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 pytestmark = [
     pytest.mark.numerics,
@@ -69,7 +72,7 @@ def hosts():
     def start(i: int, ckpt: Path, out: Path, run_args: tuple = (), args: tuple = ()) -> subprocess.Popen:
         cmd = ["ip", "netns", "exec", names[i], *DDPKIT, "--nnodes", "1:2", "--nproc", "1", "--max-restarts",
                "3", "--rdzv-endpoint", f"10.77.0.1:{PORT}", "--local-addr", f"10.77.0.{i + 1}", "--rdzv-conf",
-               "last_call_timeout=2", *run_args, SCRIPT, str(ckpt), str(out), *args]  # fmt: skip
+               RDZV_CONF, *run_args, SCRIPT, str(ckpt), str(out), *args]  # fmt: skip
         env = {**os.environ, "GLOO_SOCKET_IFNAME": links[i], "OMP_NUM_THREADS": "1"}
         log = open(out / f"host{i}.log", "w")  # noqa: SIM115 (closed with the process)
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
