@@ -1,7 +1,7 @@
 """An elastic run for tests/test_elastic.py, under `ddpkit run --nnodes MIN:MAX` (or `--nproc N`).
 
-    ddpkit run ... tests/elastic_train.py CKPT OUT [--sleep S] [--loop accumulate|step|plain]
-        [--idiom every|if] [--save-every N]
+    ddpkit run ... tests/elastic_train.py CKPT OUT [--sleep S [--sleep-at-world W]]
+        [--loop accumulate|step|plain|invariant] [--idiom every|if] [--save-every N]
 
 96 samples, global batch 8, 2 epochs: 24 optimizer steps, a checkpoint after each (--save-every N:
 every N-th, by `s.save(..., every=N)` after every step, or with --idiom if, `if step % N == 0: s.save`). The world size may
@@ -11,6 +11,8 @@ for a session without accumulation=, `docs/fault-tolerance.md`). --loop: "accumu
 s.accumulate(model)`, the default), "step" (`s.backward(loss); s.step(opt)`, no block) or "plain"
 (the README's first loop: `opt.zero_grad(); loss.backward(); opt.step()`, nothing of ddpkit's) or
 "invariant" (`reproducible="any-world", chunk=4`: `s.invariant.step`, 2 chunks per global batch).
+--sleep S pauses S seconds after each step (a node leaves or joins mid-run); with --sleep-at-world W only
+while the world size is W (the steps after the change need no pause: nothing changes again).
 Global rank 0 appends "world accumulation step per-rank-batch" to OUT/steps.txt after each optimizer
 step (the accumulation the loop really ran: 1 for "plain") and writes OUT/final.safetensors at the end.
 """
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("ckpt")
     ap.add_argument("out")
     ap.add_argument("--sleep", type=float, default=0.3)
+    ap.add_argument("--sleep-at-world", type=int, default=None)
     ap.add_argument("--loop", choices=("accumulate", "step", "plain", "invariant"), default="accumulate")
     ap.add_argument("--idiom", choices=("every", "if"), default="every")
     ap.add_argument("--save-every", type=int, default=1)
@@ -82,7 +85,8 @@ def main() -> None:
                     s.save(ns.ckpt, **state, step=step, every=ns.save_every)
                 elif step % ns.save_every == 0:
                     s.save(ns.ckpt, **state, step=step)
-                time.sleep(ns.sleep)  # long enough steps for a node to leave or join mid-run
+                if ns.sleep_at_world in (None, s.world_size):
+                    time.sleep(ns.sleep)  # long enough steps for a node to leave or join mid-run
         if s.is_main:
             weights = {k: v.contiguous() for k, v in ddpkit.unwrap(model).state_dict().items()}
             save_file(weights, str(Path(ns.out) / "final.safetensors"))

@@ -28,6 +28,9 @@ STEPS = 24
 # One launch takes 6-12 s here; the slowest test launches three times (the module's reference run,
 # the preempted run, the relaunch): 3 x 50 s stays under the module's pytest-timeout of 180 s.
 LAUNCH_TIMEOUT = 50
+# A run that is not signalled (the reference, a relaunch) needs no 40 ms pause per step to let a signal
+# land mid-step; the weights do not depend on it (the same computation, bitwise).
+NO_PAUSE = ("--sleep", "0")
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -48,7 +51,7 @@ def launch(ckpt: Path, out: Path, *script_args: str, run_args: tuple[str, ...] =
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("reference")
-    done = launch(root / "ck", root / "out")
+    done = launch(root / "ck", root / "out", *NO_PAUSE)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (root / "out" / "log.txt").read_text().split() == ["0", str(STEPS)]
     return load_file(str(root / "out" / "final.safetensors"))
@@ -64,7 +67,7 @@ def preempted_then_resumed(
     step = int(found.group(2))
     assert Path(found.group(3)).is_dir() and f"step {step}" in first.stdout
     assert "Traceback" not in first.stderr, "a preemption is not an error"
-    second = launch(tmp_path / "ck", tmp_path / "out", *idiom)
+    second = launch(tmp_path / "ck", tmp_path / "out", *idiom, *NO_PAUSE)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"(step {step})" in second.stdout  # resumed from the preemption checkpoint
     return first, step
@@ -165,7 +168,7 @@ def test_signals_to_every_rank_of_an_srun_like_launch_save_and_resume_bitwise(
     assert found and "Traceback" not in ranks[0].stderr + ranks[1].stderr, said
     step, saved = int(found.group(1)), Path(found.group(2))
     assert 8 <= step < STEPS and latest(tmp_path / "ck") == saved  # the newest checkpoint, and it verifies
-    again = srun_like(tmp_path / "ck", tmp_path / "out", *idiom)
+    again = srun_like(tmp_path / "ck", tmp_path / "out", *idiom, *NO_PAUSE)
     assert [p.returncode for p in again] == [0, 0] and f"(step {step})" in again[0].stdout, again[0].stderr[-3000:]
     assert_same(tmp_path, uninterrupted, step)
 
@@ -257,7 +260,7 @@ def test_a_second_signal_during_a_save_within_grace_changes_nothing(uninterrupte
     found = re.search(r"ddpkit run: preempted \((\w+)\) at step (\d+), checkpoint (\S+);", first.stderr)
     assert found, first.stderr[-3000:]
     step = int(found.group(2))
-    second = launch(tmp_path / "ck", tmp_path / "out", "--idiom", "if", "--save-every", "7")
+    second = launch(tmp_path / "ck", tmp_path / "out", "--idiom", "if", "--save-every", "7", *NO_PAUSE)
     assert second.returncode == 0 and f"(step {step})" in second.stdout, second.stderr[-3000:]
     assert_same(tmp_path, uninterrupted, step)
 

@@ -138,8 +138,8 @@ def test_a_wait_through_the_store_gives_up_on_a_rank_that_stopped_beating() -> N
     with pytest.raises(
         DdpkitError, match=r"rank 1 stopped answering while this rank waited for rank 1's part"
     ):
-        wait_for_keys(store, ["part/1"], 60, "rank 1's part", heartbeats={1: "alive/1"}, silent_after=2)
-    assert clock.monotonic() - start < 6  # not the 60 s limit
+        wait_for_keys(store, ["part/1"], 60, "rank 1's part", heartbeats={1: "alive/1"}, silent_after=1)
+    assert clock.monotonic() - start < 5  # not the 60 s limit (~2 s: the beats are read once a second)
 
     stop = threading.Event()
 
@@ -150,10 +150,10 @@ def test_a_wait_through_the_store_gives_up_on_a_rank_that_stopped_beating() -> N
             store.set("alive/2", str(n))
 
     threading.Thread(target=beat, daemon=True).start()
-    threading.Timer(4.0, lambda: store.set("part/2", "done")).start()
-    try:  # 4 s > silent_after, but the rank beats: it is waited for
+    threading.Timer(2.5, lambda: store.set("part/2", "done")).start()
+    try:  # 2.5 s > silent_after (past two reads of the beats), but the rank beats: it is waited for
         assert wait_for_keys(
-            store, ["part/2"], 60, "rank 2's part", heartbeats={2: "alive/2"}, silent_after=2
+            store, ["part/2"], 60, "rank 2's part", heartbeats={2: "alive/2"}, silent_after=1
         )
     finally:
         stop.set()
