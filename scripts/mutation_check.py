@@ -698,6 +698,14 @@ MUTANTS = [
         "a loss.backward() through the DDP model in reproducible='any-world' trains an ordinary DDP run",
     ),
     Mutant(
+        "late-signal-exit",
+        "ddpkit/cluster/launch.py",
+        "        if ends.codes and all(code == 0 for code in ends.codes):",
+        "        if False:  # mutant: a finished run signalled at its end is reported as stopped (143)",
+        ("tests/test_preemption.py::test_a_signal_that_arrives_as_the_run_ends_is_no_failure",),
+        "a run that finished as a SIGTERM arrived ends 143: a scheduler takes finished work for lost",
+    ),
+    Mutant(
         "invariant-anatomy",
         "ddpkit/step/invariant.py",
         "        self.phases.stepped(True)\n",

@@ -31,6 +31,7 @@ LAUNCH_TIMEOUT = 50
 # A run that is not signalled (the reference, a relaunch) needs no 40 ms pause per step to let a signal
 # land mid-step; the weights do not depend on it (the same computation, bitwise).
 NO_PAUSE = ("--sleep", "0")
+SLOW = ("--sleep", "0.1")  # a signalled run with no periodic save: see test_every_save_idiom_...
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -83,6 +84,17 @@ def assert_same(tmp_path: Path, reference: dict, step: int) -> None:
         assert got[key].equal(reference[key]), f"{key} differs from the uninterrupted run"
 
 
+def test_a_signal_that_arrives_as_the_run_ends_is_no_failure(uninterrupted, tmp_path: Path) -> None:
+    # SIGTERM to the launcher in the last step: the ranks finish before they can agree to stop and exit 0.
+    # The launch ends 0, not 143: the work was done, and a scheduler must not take it for lost (or requeue
+    # a finished job). The weights are the uninterrupted run's.
+    done = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:23:0", "--idiom", "if",
+                  "--save-every", "100")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SIGTERM arrived as the run was ending: every rank finished and exited 0" in done.stderr
+    assert_same(tmp_path, uninterrupted, 0)
+
+
 @pytest.mark.parametrize("phase", ["forward:9:1", "backward:13:0", "optimizer:6:1", "save:10:0"])
 def test_sigterm_to_the_launcher_then_a_relaunch_ends_like_the_uninterrupted_run(
     uninterrupted, tmp_path: Path, phase: str
@@ -95,11 +107,15 @@ def test_sigterm_to_the_launcher_then_a_relaunch_ends_like_the_uninterrupted_run
 
 @pytest.mark.parametrize(
     ("signal_at", "idiom"),
-    [("forward:8:0", ("--idiom", "if", "--save-every", "100")),  # SIGTERM; no periodic save in the run
+    # Without a periodic save, only the asynchronous agreements see the stop: up to two intervals after the
+    # signal, each at most 1 s and, at 0.1 s a step, 10 steps (ddpkit.cluster.preemption); so these runs
+    # are signalled at step 3 with 0.1 s steps, >= 20 steps before the end (at step 8 with 40 ms steps a
+    # loaded machine at times ended the run first: exit 0, "arrived as the run was ending").
+    [("forward:3:0", ("--idiom", "if", "--save-every", "100", *SLOW)),  # SIGTERM; no periodic save in the run
      ("forward:9:1:USR1", ("--idiom", "if", "--save-every", "7")),  # SIGUSR1, as Slurm sends it
      ("backward:11:0:USR1", ("--idiom", "every", "--save-every", "5")),
      # the README's first loop (loss.backward(); opt.step(), no s.step): agreed at the loader's next batch
-     ("forward:8:0", ("--loop", "plain", "--idiom", "if", "--save-every", "100"))],
+     ("forward:3:0", ("--loop", "plain", "--idiom", "if", "--save-every", "100", *SLOW))],
     ids=["if-TERM", "if-USR1", "every-USR1", "plain-if-TERM"],
 )  # fmt: skip
 def test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise(
@@ -148,7 +164,7 @@ def srun_like(ckpt: Path, out: Path, *script_args: str, env: dict | None = None,
 @pytest.mark.parametrize(
     ("name", "idiom"),
     [("USR1", ("--idiom", "every", "--save-every", "5")),  # Slurm's --signal=USR1@120, configured by env
-     ("TERM", ("--loop", "plain", "--idiom", "if", "--save-every", "100"))],  # its time limit's SIGTERM
+     ("TERM", ("--loop", "plain", "--idiom", "if", "--save-every", "100", *SLOW))],  # its time limit's SIGTERM
     ids=["USR1-every", "TERM-plain-if"],
 )  # fmt: skip
 def test_signals_to_every_rank_of_an_srun_like_launch_save_and_resume_bitwise(
@@ -160,14 +176,15 @@ def test_signals_to_every_rank_of_an_srun_like_launch_save_and_resume_bitwise(
     from ddpkit.checkpoint.checkpoints import latest
 
     env = {"DDPKIT_PREEMPTION_SIGNAL": "USR1"} if name == "USR1" else {}
-    ranks = srun_like(tmp_path / "ck", tmp_path / "out", "--signal-at", f"forward:8:0:group-{name}", *idiom, env=env)
+    at = 8 if name == "USR1" else 3  # TERM: no periodic save, the asynchronous agreements only (see above)
+    ranks = srun_like(tmp_path / "ck", tmp_path / "out", "--signal-at", f"forward:{at}:0:group-{name}", *idiom, env=env)
     said = "\n".join(f"rank {r}: exit {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-2000:]}" for r, p in
                      enumerate(ranks))  # fmt: skip
     assert [p.returncode for p in ranks] == [75, 75], said
     found = re.search(rf"ddpkit: preempted \(SIG{name}\) at step (\d+): saved (\S+);", ranks[0].stdout)
     assert found and "Traceback" not in ranks[0].stderr + ranks[1].stderr, said
     step, saved = int(found.group(1)), Path(found.group(2))
-    assert 8 <= step < STEPS and latest(tmp_path / "ck") == saved  # the newest checkpoint, and it verifies
+    assert at <= step < STEPS and latest(tmp_path / "ck") == saved  # the newest checkpoint, and it verifies
     again = srun_like(tmp_path / "ck", tmp_path / "out", *idiom, *NO_PAUSE)
     assert [p.returncode for p in again] == [0, 0] and f"(step {step})" in again[0].stdout, again[0].stderr[-3000:]
     assert_same(tmp_path, uninterrupted, step)

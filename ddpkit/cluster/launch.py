@@ -19,7 +19,8 @@ Restarts: after a failure the agent stops every worker and starts them all again
 checkpoint, so a killed worker costs only the steps since that checkpoint. When the budget is used
 up, one report names the rank that failed first, its exit code and message. Ctrl-C (SIGINT) or
 SIGTERM stops every worker (the agent signals them, then kills what is left after --grace seconds,
-30 by default) and returns 128 + the signal number.
+30 by default) and returns 128 + the signal number; 0 when every rank had finished and exited 0 (a
+signal too late to be agreed on: the work was done, nothing is to be resumed).
 
 Preemption (`ddpkit.cluster.preemption`): SIGTERM or the preemption signal (--preemption-signal, USR1 by
 default) reaching this process is passed on to every worker (torchrun's --signals-to-handle), which
@@ -274,7 +275,7 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         if note:
             print(note, file=sys.stderr, flush=True)
     try:
-        with restart_reports(cfg.max_restarts), marking_signals(record.with_name(SIGNALLED_FILE)):
+        with restart_reports(cfg.max_restarts), marking_signals(record.with_name(SIGNALLED_FILE)) as ends:
             run(parse_args(argv))
     except ChildFailedError as err:
         return _preempted(record) or report(err, cfg.max_restarts)
@@ -283,6 +284,11 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         _drain(cfg.grace)  # a second signal cuts the agent's own wait short: the ranks may still be saving
         if code := _preempted(record):
             return code
+        if ends.codes and all(code == 0 for code in ends.codes):  # the work was done: nothing to resume
+            print(f"ddpkit run: {sig.name} arrived as the run was ending: every rank finished and exited 0 "
+                  "before the ranks agreed to stop, so nothing was cut short and no preemption checkpoint "
+                  "was needed.", file=sys.stderr, flush=True)  # fmt: skip
+            return 0
         print(f"ddpkit run: stopped by {sig.name}; every rank was signalled and has exited.",
               file=sys.stderr, flush=True)  # fmt: skip
         return 128 + int(sig)
@@ -293,33 +299,51 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
     return 0
 
 
+@dataclass
+class WorkerEnds:
+    """How this node's workers ended when the agent stopped them for a signal: their exit codes (None
+    when unknown). All 0: a signal that reached the ranks too late to be agreed on (the run finished
+    first) ends the launch with 0, not 128 + n: a scheduler must not take finished work for lost."""
+
+    codes: list[int] | None = None
+
+
 @contextlib.contextmanager
-def marking_signals(marker: Path) -> Iterator[None]:
+def marking_signals(marker: Path) -> Iterator[WorkerEnds]:
     """While torchrun's agent runs here: `marker` exists once it passes a signal on to the workers.
 
     The agent stops its workers with SIGTERM both when this process was signalled (a preemption: the
     ranks should save) and when a peer failed (the survivors should end at once, as they always did,
     not wait 30 s for SIGKILL). Only the first calls `LocalElasticAgent._shutdown` with the signal, so
     this wraps it (a private seam of torch, for the duration of the run, put back after) and creates
-    `marker` first; `ddpkit.cluster.preemption` reads it before it takes a SIGTERM for a preemption."""
+    `marker` first; `ddpkit.cluster.preemption` reads it before it takes a SIGTERM for a preemption.
+    Once the agent has stopped the workers, the exit codes it waited for go into the `WorkerEnds` this
+    yields (read from the agent's process context; another torch leaves them unknown)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+    ends = WorkerEnds()
     original = getattr(LocalElasticAgent, "_shutdown", None)
     if original is None:  # another torch: every SIGTERM counts as a preemption (the ranks save, then end)
         with contextlib.suppress(OSError):
             marker.touch()
-        yield
+        yield ends
         return
 
     def shutdown(agent: Any, *args: Any, **kwargs: Any) -> Any:
-        if args or "death_sig" in kwargs:  # the signal path; a failure or the end pass no signal
+        signalled = bool(args) or "death_sig" in kwargs  # the signal path; a failure or the end pass none
+        if signalled:
             with contextlib.suppress(OSError):
                 marker.touch()
-        return original(agent, *args, **kwargs)
+        result = original(agent, *args, **kwargs)
+        if signalled:
+            handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None)
+            codes = [getattr(getattr(h, "proc", None), "returncode", None) for h in (handlers or {}).values()]
+            ends.codes = [c for c in codes if isinstance(c, int)] if codes and None not in codes else None
+        return result
 
     LocalElasticAgent._shutdown = shutdown  # type: ignore[method-assign,assignment]
     try:
-        yield
+        yield ends
     finally:
         LocalElasticAgent._shutdown = original  # type: ignore[method-assign]
 
