@@ -18,16 +18,24 @@ is caught, 1 otherwise. docs/testing.md holds the latest table.
 from __future__ import annotations
 
 import argparse
+import compileall
+import contextlib
+import importlib
 import os
+import py_compile
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+JOBS = 2  # mutants at once (docs/testing.md: measured on 2 cores)
 
 
 @dataclass(frozen=True)
@@ -860,7 +868,10 @@ MUTANTS = [
 
 
 def copy_repo(dest: Path) -> None:
-    """The files git knows (tracked and untracked-not-ignored), as they are in the working tree."""
+    """The files git knows (tracked and untracked-not-ignored), as they are in the working tree, with
+    ddpkit/ byte-compiled into hash-checked .pyc files: a rank or a run imports them without compiling,
+    and a mutated file's .pyc no longer matches its source's hash, so it is compiled afresh (never stale,
+    whatever the file's size and time stamp)."""
     names = (
         subprocess.run(
             ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True
@@ -873,18 +884,121 @@ def copy_repo(dest: Path) -> None:
         if src.is_file() and not src.is_symlink():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
+    compileall.compile_dir(
+        dest / "ddpkit", quiet=1, invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH
+    )
 
 
-def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, str, float]:
-    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider", *tests]
-    start = time.monotonic()
+PYTEST_ARGS = ("-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider")
+# Imported once by this process before it forks a pytest run per mutant: torch's import is most of a short
+# run's cost. ddpkit is never among them: each run imports it from its own (mutated) copy.
+PRELOAD = ("torch", "torch.nn", "torch.distributed", "torch.multiprocessing", "numpy", "pytest")
+
+
+def preload() -> None:
+    for name in PRELOAD:
+        importlib.import_module(name)
+    assert not any(m == "ddpkit" or m.startswith("ddpkit.") for m in sys.modules), "ddpkit imported early"
+
+
+def _child(copy: Path, tests: tuple[str, ...], log: Path) -> None:
+    """In the forked process: pytest on `tests` in `copy`, output to `log`; never returns."""
+    code = 3
     try:
-        done = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return 124, "timed out", time.monotonic() - start
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
-    return done.returncode, "; ".join(lines)[:300], time.monotonic() - start
+        os.setsid()  # its own group: a timeout kills it and what it started
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.chdir(copy)
+        os.environ.update(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
+        sys.dont_write_bytecode = True
+        sys.path.insert(0, str(copy))
+        import pytest
+
+        code = int(pytest.main([*PYTEST_ARGS, *tests]))
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+@dataclass
+class Run:
+    """One pytest run: a forked child, its slot (copy of the repository), its deadline."""
+
+    key: object
+    slot: int
+    pid: int
+    log: Path
+    start: float
+    deadline: float
+    restore: Callable[[], None]
+
+
+def run_all(
+    jobs: list[tuple[object, tuple[str, ...], Callable[[Path], Callable[[], None]]]],
+    copies: list[Path],
+    timeout: float,
+    done: Callable[[object, int, str, float], None],
+) -> None:
+    """Run each job `(key, tests, prepare)` in a free copy, len(copies) at a time. `prepare(copy)`
+    mutates that copy and returns what undoes it; `done(key, exit code, failures, seconds)` is called
+    as each run ends (124: timed out). Single-threaded: fork, then poll with waitpid."""
+    pending, free, running = list(jobs), list(range(len(copies))), {}
+    logs = Path(tempfile.mkdtemp(prefix="ddpkit-mutant-logs-"))
+    try:
+        while pending or running:
+            while pending and free:
+                key, tests, prepare = pending.pop(0)
+                slot = free.pop(0)
+                restore = prepare(copies[slot])
+                log = logs / f"{slot}.log"
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(copies[slot], tests, log)
+                now = time.monotonic()
+                running[pid] = Run(key, slot, pid, log, now, now + timeout, restore)
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                for run in running.values():
+                    if time.monotonic() > run.deadline:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(run.pid, signal.SIGKILL)
+                        run.deadline = float("inf")
+                        run.restore = _timed_out(run.restore)
+                time.sleep(0.05)
+                continue
+            run = running.pop(pid)
+            code = os.waitstatus_to_exitcode(status)
+            timed_out = getattr(run.restore, "timed_out", False)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)  # anything it left in its group
+            run.restore()
+            free.append(run.slot)
+            out = run.log.read_text(errors="replace")
+            lines = [ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+            if timed_out:
+                code, lines = 124, ["timed out"]
+            elif code not in (0, 1) and not lines:
+                lines = out.splitlines()[-5:]
+            done(run.key, code, "; ".join(lines)[:300], time.monotonic() - run.start)
+    finally:
+        for run in running.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.pid, signal.SIGKILL)
+        shutil.rmtree(logs, ignore_errors=True)
+
+
+def _timed_out(restore: Callable[[], None]) -> Callable[[], None]:
+    def again() -> None:
+        restore()
+
+    again.timed_out = True  # type: ignore[attr-defined]
+    return again
 
 
 def apply(copy: Path, m: Mutant) -> str:
@@ -900,12 +1014,23 @@ def apply(copy: Path, m: Mutant) -> str:
     return text
 
 
+def mutate(m: Mutant) -> Callable[[Path], Callable[[], None]]:
+    def prepare(copy: Path) -> Callable[[], None]:
+        original = apply(copy, m)
+        return lambda: (copy / m.file).write_text(original)
+
+    return prepare
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run on unmodified code")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per pytest run (300)")
+    parser.add_argument(
+        "-j", "--jobs", type=int, default=JOBS, help=f"mutants run at once, each in its own copy ({JOBS})"
+    )
     ns = parser.parse_args(argv)
     unknown = sorted(set(ns.names) - {m.name for m in MUTANTS})
     if unknown:
@@ -915,33 +1040,44 @@ def main(argv: list[str] | None = None) -> int:
         for m in chosen:
             print(f"{m.name:18} {m.file:24} {m.what}\n{'':18} tests: {' '.join(m.tests)}")
         return 0
-    rows: list[tuple[str, str, str, float]] = []
+    began = time.monotonic()
+    preload()
+    results: dict[str, tuple[int, str, float]] = {}
+    ok = True
     with tempfile.TemporaryDirectory(prefix="ddpkit-mutants-") as tmp:
-        copy = Path(tmp)
-        copy_repo(copy)
+        copies = [Path(tmp) / f"copy{i}" for i in range(max(1, min(ns.jobs, len(chosen))))]
+        for copy in copies:
+            copy.mkdir()
+            copy_repo(copy)
         for m in chosen:  # every target must exist before anything runs
-            apply(copy, m)
-            (copy / m.file).write_text((REPO / m.file).read_text())
-        ok = True
+            apply(copies[0], m)
+            (copies[0] / m.file).write_text((REPO / m.file).read_text())
         if not ns.no_baseline:
             tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
-            rc, failed, secs = run_tests(copy, tests, ns.timeout * 2)
-            ok = rc == 0
-            verdict = "pass" if ok else f"FAIL {failed}"
-            print(f"baseline (no mutant), {len(tests)} tests: {verdict} ({secs:.0f} s)", flush=True)
-        for m in chosen:
-            original = apply(copy, m)
-            try:
-                rc, failed, secs = run_tests(copy, m.tests, ns.timeout)
-            finally:
-                (copy / m.file).write_text(original)
+
+            def baseline(key: object, rc: int, failed: str, secs: float) -> None:
+                nonlocal ok
+                ok = rc == 0
+                verdict = "pass" if ok else f"FAIL {failed}"
+                print(f"baseline (no mutant), {len(tests)} tests: {verdict} ({secs:.0f} s)", flush=True)
+
+            run_all([("baseline", tests, lambda copy: lambda: None)], copies[:1], ns.timeout * 2, baseline)
+
+        def record(key: object, rc: int, failed: str, secs: float) -> None:
             verdict = "caught" if rc == 1 else "MISSED" if rc == 0 else f"ERROR (pytest exit {rc})"
-            ok = ok and rc == 1
-            rows.append((m.name, f"{m.file}: {m.what}", verdict + (f": {failed}" if rc else ""), secs))
-            print(f"{m.name}: {verdict} ({secs:.0f} s)", flush=True)
+            results[str(key)] = (rc, verdict + (f": {failed}" if rc else ""), secs)
+            print(f"{key}: {verdict} ({secs:.0f} s)", flush=True)
+
+        # The longest runs first (by the number of test files they load), so that no slot ends alone.
+        run_all([(m.name, m.tests, mutate(m)) for m in chosen], copies, ns.timeout, record)
     print("\n| mutant | switched off | tests that fail | s |\n|---|---|---|---|")
-    for name, what, verdict, secs in rows:
-        print(f"| {name} | {what} | {verdict} | {secs:.0f} |")
+    for m in chosen:
+        rc, verdict, secs = results[m.name]
+        ok = ok and rc == 1
+        print(f"| {m.name} | {m.file}: {m.what} | {verdict} | {secs:.0f} |")
+    caught = sum(results[m.name][0] == 1 for m in chosen)
+    print(f"\n{caught} of {len(chosen)} mutants caught, {ns.jobs} at a time, "
+          f"in {time.monotonic() - began:.0f} s")  # fmt: skip
     return 0 if ok else 1
 
 

@@ -170,3 +170,82 @@ def fresh_python(code: str, timeout: float = 60) -> str:
                           env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+# The inner loop (`pytest -m quick`, docs/testing.md): a few fast tests per wing of ddpkit/, real ranks
+# included (the shared pools, one real `ddpkit run` launch), for use between commits; about a minute on
+# 2 cores. Listed here rather than marked in each file so that the whole selection reads in one place;
+# tests/test_ci_selection.py checks that every wing has an entry and every entry names collected tests.
+# An entry is a test's node id, or its id without the parameters (then every parametrisation).
+QUICK: dict[str, tuple[str, ...]] = {
+    "bench": ("test_bench.py::test_floor_is_the_least_exchange_at_copy_bandwidth",),
+    "checkpoint": (
+        "test_checkpoint.py::test_round_trip_restores_objects_values_and_rng",
+        "test_checkpoint.py::test_rng_streams_continue_where_they_were_saved",
+        "test_background_save.py::test_a_background_save_holds_the_state_of_the_call_not_of_later_steps",
+    ),
+    "cluster": (
+        "test_routes.py::test_a_clean_preemption_is_not_recorded_as_a_failure",
+        "test_routes.py::test_one_rule_for_a_signal_name_in_the_launcher_and_the_ranks",
+        "test_launch.py::test_module_target_and_exit_code_come_back",  # a real `ddpkit run --nproc 2`
+        "test_launch.py::test_spawn_returns_results_in_rank_order",
+    ),
+    "data": (
+        "test_ddp_core.py::test_each_rank_sees_a_disjoint_shard_and_the_order_changes",
+        "test_data_samplers.py::test_each_rank_takes_its_share_of_the_global_order",
+        "test_data_streams.py::test_a_one_pass_iterator_is_refused_with_a_paragraph",
+    ),
+    "lint": (
+        "test_lint_new_rules.py::test_iterable_dataset_read_whole_by_every_rank",
+        "test_lint_docs.py::test_no_finding_on_what_the_docs_recommend[README.md]",
+    ),
+    "observe": (
+        "test_tracking.py::test_tensorboard_events_read_back_and_a_resumed_session_replaces_the_points_after_its_start",
+        "test_anatomy.py::test_anatomy_marks_split_backward_at_the_last_gradient",
+    ),
+    "plan": ("test_plan.py::test_ring_tree_and_allgather_costs_follow_the_textbook_formulas",),
+    "step": (
+        "test_accumulate.py::test_one_all_reduce_per_bucket_per_optimizer_step",
+        "test_shard_exchange.py::test_reduce_scatter_step_gives_the_all_reduce_weights_bitwise",
+        "test_shm_allreduce.py::test_bitwise_equal_to_gloo_and_across_ranks",
+        "test_syncbn.py::test_sync_batchnorm_equals_batchnorm_on_the_concatenated_batch",
+    ),
+    "strategy": (
+        "test_fsdp_init.py::test_factory_built_shards_are_one_process_initial_weights",
+        "test_fsdp_shm.py::test_shm_reduce_scatter_and_all_gather_are_exact",
+        "test_memory_limit.py::test_ddp_refusal_names_fsdp_and_the_numbers",
+    ),
+    "tools": (
+        "test_public_api.py::test_tools_receive_their_own_options",
+        "test_gpucheck.py::test_rehearsal_on_cpu_one_line_per_check_and_summary",
+    ),
+    "training": (
+        "test_fit.py::test_a_stop_request_on_one_rank_stops_all_ranks_together",
+        "test_metrics.py::test_evaluation_equals_one_process",
+    ),
+    "verify": (
+        "test_verify.py::test_sgd_stays_within_1e_6_relative_norm_and_replicas_are_bitwise_identical",
+        "test_verify_diagnose.py::test_a_correct_setup_passes_with_no_diagnosis",
+    ),
+    "": (  # the package's top level and its layout
+        "test_public_api.py::test_public_names",
+        "test_architecture.py::test_every_module_is_in_a_layer",
+        "test_architecture.py::test_import_contracts_hold",
+    ),
+}
+
+
+def quick_entry(nodeid: str) -> str | None:
+    """The QUICK entry that selects this node id (`tests/` stripped), or None."""
+    name = nodeid.split("tests/", 1)[-1]
+    entries = {entry for wing in QUICK.values() for entry in wing}
+    if name in entries:
+        return name
+    base = name.split("[", 1)[0]
+    return base if base in entries else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if quick_entry(item.nodeid):
+            item.add_marker(pytest.mark.quick)

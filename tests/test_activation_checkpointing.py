@@ -17,6 +17,7 @@ import torch
 import ddpkit
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_recomputed_blocks_train_bitwise_the_same_weights(pool2, strategy: str) -> None:
     plain = pool2.run(recompute_ranks.train, strategy, False)

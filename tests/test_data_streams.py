@@ -222,6 +222,7 @@ def verify_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
+@pytest.mark.numerics
 def test_verify_reads_an_iterable_data_source(pool2) -> None:
     """verify's single process computes each rank's shard of the global batch: for a stream, the
     contiguous slices ddpkit's loader gives the ranks (a wrong split is reported as data_mismatch)."""

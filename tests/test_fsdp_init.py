@@ -25,6 +25,7 @@ def _differ(a: dict, b: dict) -> list[str]:
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("factory", ["net", "mixed"])
 def test_factory_built_shards_are_one_process_initial_weights(pool2, pool3, world: int, factory: str) -> None:
@@ -34,6 +35,7 @@ def test_factory_built_shards_are_one_process_initial_weights(pool2, pool3, worl
         assert r["local"] <= r["total"] // world + 64, f"rank {rank} holds more than its share"
 
 
+@pytest.mark.numerics
 def test_a_model_built_whole_is_cut_into_the_same_shards(pool3) -> None:
     for r in pool3.run(initial, "mixed", False, True):
         assert _differ(r["fsdp"], r["one"]) == []
@@ -82,6 +84,7 @@ def test_a_meta_module_without_its_factory_is_a_clear_error(pool2) -> None:
         assert "meta device" in message and "s.model(Net" in message
 
 
+@pytest.mark.numerics
 def test_build_keeps_a_quarter_and_leaves_the_generator_as_one_process_does() -> None:
     from ddpkit.tools import workloads
 
@@ -98,6 +101,7 @@ def test_build_keeps_a_quarter_and_leaves_the_generator_as_one_process_does() ->
     assert mine <= sum(sizes) / 4 * 1.01  # dim-0 chunks: uneven only by a row
 
 
+@pytest.mark.numerics
 def test_streamed_export_is_the_full_model(pool3, tmp_path) -> None:
     from fsdp_init_ranks import Mixed
     from safetensors.torch import load_file

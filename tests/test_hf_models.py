@@ -22,6 +22,8 @@ else:
 
 import hf_ranks
 
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
+
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "bert"])
 def test_initial_weights_are_one_process_weights_under_every_build(pool2, kind: str) -> None:

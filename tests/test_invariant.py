@@ -25,6 +25,7 @@ from ddpkit.verify import VerifySpec, bitwise
 HERE = Path(__file__).parent
 
 
+@pytest.mark.numerics
 def test_the_tree_is_the_same_split_over_ranks_and_not_a_running_sum():
     g = torch.Generator().manual_seed(0)
     leaves = [torch.randn(1000, generator=g) * 10 ** (i % 5) for i in range(8)]
@@ -116,6 +117,7 @@ def test_mlp_cnn_and_gpt_train_the_same_weights_on_1_2_and_4_ranks(pool4):
     assert ddp_differs["cnn"] or ddp_differs["gpt"], ddp_differs
 
 
+@pytest.mark.numerics
 def test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_own_generator():
     """`ddpkit verify --bitwise` as a user runs it: a Noise layer drawing from a generator of its own is
     the first operation whose output differs (global chunk 2, the first chunk of rank 1 at W = 2)."""
@@ -136,6 +138,7 @@ def test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_ow
                       chunk=4)
 
 
+@pytest.mark.numerics
 def test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal(pool2, tmp_path):
     """`ddpkit.session(reproducible="any-world", chunk=4)`: 6 steps on 2 ranks = 6 steps on 1 rank = 3 steps
     on 2 ranks, saved, then resumed on 1 rank for 3 more (a scale-down by restart, mid-epoch)."""

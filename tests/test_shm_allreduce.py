@@ -23,6 +23,9 @@ import ddpkit
 from ddpkit.step import shm_allreduce
 from ddpkit.step.shm_allreduce import PREFIX, ShmAllReduce, clean_stale_segments
 
+# the shared-memory sum (torch's kernels) bitwise gloo's (its own): .ci/run repeats them on the portable kernels
+pytestmark = pytest.mark.numerics
+
 
 def _segments(pid: int | None = None) -> list[str]:
     return glob.glob(f"/dev/shm/{PREFIX}-{pid if pid is not None else ''}*")

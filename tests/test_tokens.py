@@ -154,6 +154,7 @@ def test_fsdp_shards_take_the_same_rescale(pool2) -> None:
     assert excess <= 1, f"FSDP (2 ranks x 2) is {excess:.3g} x its tolerance"
 
 
+@pytest.mark.numerics
 def test_fp16_loss_scale_and_unit_leave_the_gradient_alone() -> None:
     """fp16 with a gradient scaler (CPU) at accumulation 3: the rescale comes before unscale and clip."""
     fp32 = pickle.loads(train(3, "tokens"))

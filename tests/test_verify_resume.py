@@ -159,6 +159,7 @@ def batch_of_step(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
 
 
+@pytest.mark.numerics
 def test_the_default_checkpoint_of_a_batches_spec_on_one_rank() -> None:
     """No setup: model, optimizer and s.stepper are saved; the batches follow the saved step."""
     base = VerifySpec(model=mlp, batches=batch_of_step, optimizer="adamw", steps=4, batch_size=16)
