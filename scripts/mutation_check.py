@@ -906,6 +906,7 @@ def _child(copy: Path, tests: tuple[str, ...], log: Path) -> None:
     code = 3
     try:
         os.setsid()  # its own group: a timeout kills it and what it started
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -1041,6 +1042,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m.name:18} {m.file:24} {m.what}\n{'':18} tests: {' '.join(m.tests)}")
         return 0
     began = time.monotonic()
+    # A TERM (CI's or `timeout`'s) unwinds through run_all's `finally`, which kills the runs in flight: they
+    # are in sessions of their own and would otherwise live on in a deleted copy.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     preload()
     results: dict[str, tuple[int, str, float]] = {}
     ok = True
@@ -1068,7 +1072,6 @@ def main(argv: list[str] | None = None) -> int:
             results[str(key)] = (rc, verdict + (f": {failed}" if rc else ""), secs)
             print(f"{key}: {verdict} ({secs:.0f} s)", flush=True)
 
-        # The longest runs first (by the number of test files they load), so that no slot ends alone.
         run_all([(m.name, m.tests, mutate(m)) for m in chosen], copies, ns.timeout, record)
     print("\n| mutant | switched off | tests that fail | s |\n|---|---|---|---|")
     for m in chosen:
