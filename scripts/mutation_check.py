@@ -1,6 +1,6 @@
 """Switch each key feature off in turn and show that a test notices: the suite's tests can fail.
 
-    .venv/bin/python scripts/mutation_check.py              # every mutant, a baseline run first (~4 min)
+    .venv/bin/python scripts/mutation_check.py              # every mutant, a baseline run first
     .venv/bin/python scripts/mutation_check.py shm no_sync  # only these mutants
     .venv/bin/python scripts/mutation_check.py --list       # the mutants and the tests that must catch them
 
@@ -9,6 +9,9 @@ not"), applied to a temporary copy of the repository (never the working tree), f
 only the tests named for it. A mutant is *caught* when at least one of them fails. Every replacement
 asserts that its target text occurs exactly once, so the script stops loudly when the code moves and
 the list needs updating, rather than reporting a mutant that changed nothing as caught or missed.
+
+Each run is pytest forked from this process after it imported torch (most of a short run's cost), in a
+copy whose ddpkit/ the run imports afresh; `-j N` runs N mutants at once, each in its own copy.
 
 The baseline (the same tests on the unmodified copy) runs first: a test that fails without any
 mutation would make every mutant look caught. Exit code 0 when the baseline passes and every mutant

@@ -142,3 +142,10 @@ def test_every_quick_entry_names_a_test() -> None:
         if not path.exists() or not re.search(rf"^def {name}\(", path.read_text(), re.M):
             missing.append(entry)
     assert not missing, f"QUICK entries that name no test: {missing}"
+
+
+def test_ci_runs_the_readmes_test_command_verbatim() -> None:
+    """Users and CI run the same suite: `.ci/run` calls the README's command as it is written there."""
+    command = "scripts/setup.sh && .venv/bin/python -m pytest -q"
+    assert f"{command}     #" in (REPO / "README.md").read_text()
+    assert any(line.strip().startswith(command) for line in (REPO / ".ci" / "run").read_text().splitlines())
