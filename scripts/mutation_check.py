@@ -43,7 +43,7 @@ class Mutant:
 MUTANTS = [
     Mutant(
         "compile",
-        "ddpkit/step/compiling.py",
+        "ddpkit/parallel/compiling.py",
         "compiled = torch.compile(module, **kwargs)",
         "compiled = module",
         (
@@ -53,7 +53,7 @@ MUTANTS = [
     ),
     Mutant(
         "compile-cache",
-        "ddpkit/step/compiling.py",
+        "ddpkit/parallel/compiling.py",
         "if not value or os.path.abspath(value) == torch_default_cache_dir():",
         "if not value:",
         ("tests/test_compile.py::test_a_fresh_process_compiles_into_ddpkits_cache_directory",),
@@ -69,7 +69,7 @@ MUTANTS = [
     ),
     Mutant(
         "shm-hook",
-        "ddpkit/step/comm_hooks.py",
+        "ddpkit/parallel/comm_hooks.py",
         "    model.register_comm_hook(state, hook)",
         "    pass  # mutant: hook never registered",
         ("tests/test_shm_allreduce.py::test_ddp_with_shm_hook_trains_the_same_weights_as_gloo",),
@@ -93,7 +93,7 @@ MUTANTS = [
     ),
     Mutant(
         "syncbn-allreduce",
-        "ddpkit/step/syncbn.py",
+        "ddpkit/parallel/syncbn.py",
         "        out = tensor.clone(memory_format=torch.contiguous_format)\n"
         "        dist.all_reduce(out, group=group)\n",
         "        out = tensor.clone(memory_format=torch.contiguous_format)\n",
@@ -126,7 +126,7 @@ MUTANTS = [
     ),
     Mutant(
         "shm-mean",
-        "ddpkit/step/shm_allreduce.py",
+        "ddpkit/parallel/shm_allreduce.py",
         "torch.div(part, self.world, out=slots[self.rank, :n])",
         "slots[self.rank, :n].copy_(part)",
         ("tests/test_shm_allreduce.py::test_ddp_with_shm_hook_trains_the_same_weights_as_gloo",),
@@ -134,7 +134,7 @@ MUTANTS = [
     ),
     Mutant(
         "shm-reduce-scatter",
-        "ddpkit/step/shm_allreduce.py",
+        "ddpkit/parallel/shm_allreduce.py",
         "                if owner == self.rank:\n",
         "                if owner == -1:  # mutant: no rank sums its share\n",
         ("tests/test_shard_exchange.py::test_reduce_scatter_is_the_all_reduce_on_owned_tensors",),
@@ -779,7 +779,7 @@ MUTANTS = [
     ),
     Mutant(
         "cpu-allocator-keep",
-        "ddpkit/step/cpu_allocator.py",
+        "ddpkit/parallel/cpu_allocator.py",
         "        ok = libc.mallopt(_M_MMAP_MAX, int(env.get(\"MALLOC_MMAP_MAX_\", 0))) == 1",
         "        ok = True  # mutant: big blocks stay mmapped, faulted in again at every step",
         ("tests/test_cpu_allocator.py::test_a_model_with_big_tensors_reuses_blocks_instead_of_faulting_them_in",),
@@ -787,7 +787,7 @@ MUTANTS = [
     ),
     Mutant(
         "fsdp-shm-setters",
-        "ddpkit/step/fsdp_shm.py",
+        "ddpkit/parallel/fsdp_shm.py",
         "        module.set_custom_all_gather(ShmAllGather())\n"
         "        module.set_custom_reduce_scatter(ShmReduceScatter())",
         "        pass  # mutant: FSDP2 keeps its own gloo collectives while the note says shared memory",
@@ -796,7 +796,7 @@ MUTANTS = [
     ),
     Mutant(
         "fsdp-shm-rs-own",
-        "ddpkit/step/shm_allreduce.py",
+        "ddpkit/parallel/shm_allreduce.py",
         "            self._sum_slots(slots, lo, hi, out[start : start + n])",
         "            torch.mul(slots[self.rank, lo:hi], w, out=out[start : start + n])",
         (
@@ -807,7 +807,7 @@ MUTANTS = [
     ),
     Mutant(
         "fsdp-shm-ag-others",
-        "ddpkit/step/shm_allreduce.py",
+        "ddpkit/parallel/shm_allreduce.py",
         "        self.all_gather_([[rows[r]] for r in range(self.world)])",
         "        self.all_gather_([[rows[r]] if r == self.rank else [] for r in range(self.world)])",
         (
@@ -818,7 +818,7 @@ MUTANTS = [
     ),
     Mutant(
         "fsdp-shm-gather-region",
-        "ddpkit/step/fsdp_shm.py",
+        "ddpkit/parallel/fsdp_shm.py",
         "        at = self._handed % 2\n",
         "        at = (self._handed + self.shm.rank) % 2  # mutant: ranks disagree\n",
         ("tests/test_fsdp_shm.py::test_all_gather_output_in_shared_memory_gives_the_slots_bytes",),
@@ -826,7 +826,7 @@ MUTANTS = [
     ),
     Mutant(
         "fsdp-shm-gather-held",
-        "ddpkit/step/fsdp_shm.py",
+        "ddpkit/parallel/fsdp_shm.py",
         "        if vote.item() > 0:",
         "        if False:  # mutant: a region handed out again while a rank still holds its last output",
         ("tests/test_fsdp_shm.py::test_shared_all_gather_output_grows_and_takes_explicit_prefetching[3]",),
@@ -834,7 +834,7 @@ MUTANTS = [
     ),
     Mutant(
         "fsdp-shm-keep-held",
-        "ddpkit/step/fsdp_shm.py",
+        "ddpkit/parallel/fsdp_shm.py",
         "        free = [buf for buf in same if _use_count(buf) <= 2]",
         "        free = same  # mutant: a kept buffer is handed out again while FSDP2 still holds it",
         ("tests/test_fsdp_shm.py::test_fsdp_over_shm_trains_gloo_fsdp_weights_with_identical_replicas[1]",),

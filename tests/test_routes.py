@@ -20,7 +20,7 @@ from ddpkit.cluster.preemption import Preempted
 from ddpkit.cluster.signals import PreemptionOptions, signal_of
 from ddpkit.errors import DdpkitError
 from ddpkit.names import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNAL_ENV, REQUEUE_ENV
-from ddpkit.step.precision import FP32, PrecisionPlan
+from ddpkit.parallel.precision import FP32, PrecisionPlan
 
 
 def test_one_rule_for_a_signal_name_in_the_launcher_and_the_ranks(tmp_path: Path) -> None:

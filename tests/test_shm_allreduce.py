@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import ddpkit
-from ddpkit.step import shm_allreduce
-from ddpkit.step.shm_allreduce import PREFIX, ShmAllReduce, clean_stale_segments
+from ddpkit.parallel import shm_allreduce
+from ddpkit.parallel.shm_allreduce import PREFIX, ShmAllReduce, clean_stale_segments
 
 
 def _segments(pid: int | None = None) -> list[str]:

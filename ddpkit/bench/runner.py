@@ -46,7 +46,7 @@ class Config:
     hook_options: dict[str, Any] = field(default_factory=dict)
     zero: bool = False  # torch's ZeroRedundancyOptimizer: each rank updates a shard, then broadcasts
     fused: bool = False  # the user's optimizer class with fused=True (one kernel per step, same math)
-    cpu_allocator: bool = False  # ddpkit's CPU allocator settings (ddpkit.step.cpu_allocator); False: glibc's
+    cpu_allocator: bool = False  # ddpkit's CPU allocator (ddpkit.parallel.cpu_allocator); False: glibc's
     shard: bool = False  # ddpkit.step.sharding: each rank steps its share of the parameters, then publishes
     compile: bool = False  # s.model(..., compile=True): Inductor; compilation happens in the warm-up steps
 

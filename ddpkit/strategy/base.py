@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import problem
-from ddpkit.step.wrap import unwrap
+from ddpkit.parallel.modules import unwrap
 
 
 class Strategy:

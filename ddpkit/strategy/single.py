@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.step.wrap import DDPOptions, wrap_model
 from ddpkit.strategy.base import Strategy
+from ddpkit.strategy.ddp import wrap_model
+from ddpkit.strategy.ddp_options import DDPOptions
 
 
 class Single(Strategy):

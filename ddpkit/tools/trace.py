@@ -92,7 +92,7 @@ def traced_hook(state: TracedHook, bucket: dist.GradBucket) -> torch.futures.Fut
 def _rank(spec: str, hook: str, bucket_cap_mb: float | None, warmup: int, steps: int,
           strategy: str = "ddp") -> dict[str, Any]:  # fmt: skip
     import ddpkit
-    from ddpkit.step import comm_hooks
+    from ddpkit.parallel import comm_hooks
     from ddpkit.tools import workloads
 
     wl = workloads.load(spec)
