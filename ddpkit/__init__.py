@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 # Imported on first use (PEP 562): `ddpkit run` and the tools then load only what they need, and the
 # launcher process does not import the training modules it never runs.
 _HOME = {
-    "CheckpointError": "checkpoint.files", "DdpkitError": "errors", "Callback": "training.fit",
-    "FitResult": "training.fit", "FitState": "training.fit", "evaluate": "training.fit",
+    "CheckpointError": "checkpoint.files", "DdpkitError": "errors", "Callback": "training.callbacks",
+    "FitResult": "training.callbacks", "FitState": "training.callbacks", "evaluate": "training.fit",
     "fit": "training.fit",
     "Accuracy": "observe.metrics", "Mean": "observe.metrics", "MetricSet": "observe.metrics",
     "Sum": "observe.metrics", "StepMonitor": "observe.monitor", "Session": "training.session",

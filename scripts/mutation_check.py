@@ -433,9 +433,9 @@ MUTANTS = [
     Mutant(
         "fsdp-whole-build",
         "ddpkit/strategy/fsdp.py",
-        "        module, shards, peak = fsdp_init.build(factory, dist.get_rank(), dist.get_world_size())\n",
+        "        module, shards, peak = fsdp_init.build(factory, self.shape.rank, self.shape.world_size)\n",
         "        return factory()  # mutant: every rank builds the whole model\n"
-        "        module, shards, peak = fsdp_init.build(factory, dist.get_rank(), dist.get_world_size())\n",
+        "        module, shards, peak = fsdp_init.build(factory, self.shape.rank, self.shape.world_size)\n",
         ("tests/test_fsdp_init.py::test_no_rank_ever_holds_the_whole_model_measured_by_the_kernel",),
         "s.model(factory, strategy='fsdp') builds the whole model on every rank, then shards it",
     ),

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.data import plan_batch
 from ddpkit.names import CPU_ALLOCATOR_ENV
 
 CPU_ALLOCATOR_OPT_OUT = CPU_ALLOCATOR_ENV  # the documented switch (README), as a user sets it
@@ -172,7 +173,7 @@ def run_group(
     workload = workloads.load(spec)
     out = []
     with ddpkit.session(seed=0, verbose=False) as s:
-        per_rank = workload.global_batch // s.world_size
+        per_rank = plan_batch(workload.global_batch, None, world_size=s.world_size).per_rank  # the loader's
         x, y = workload.sample(torch.Generator().manual_seed(1 + s.rank), per_rank)
         batch = (x.to(s.device), y.to(s.device))
         for raw in configs:

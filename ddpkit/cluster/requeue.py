@@ -41,14 +41,18 @@ class Slurm:
             return False
         scontrol = shutil.which("scontrol", path=self.path)
         if scontrol is None:
-            say(f"ddpkit: cannot requeue Slurm job {job}: `scontrol` is not on PATH in this environment (a "
+            say(
+                f"ddpkit: cannot requeue Slurm job {job}: `scontrol` is not on PATH in this environment (a "
                 "container without Slurm's client tools?). The checkpoint is saved; requeue from outside "
                 f"(`scontrol requeue {job}`), mount Slurm's binaries into the container, or pass "
-                "--requeue 0 to skip this")  # fmt: skip
+                "--requeue 0 to skip this"
+            )
             return False
         if mode == "auto" and not _requeueable(scontrol, job):
-            say(f"ddpkit: Slurm job {job} was not submitted with --requeue: not requeued (sbatch --requeue, "
-                "or ddpkit run --requeue 1, to have it requeued)")  # fmt: skip
+            say(
+                f"ddpkit: Slurm job {job} was not submitted with --requeue: not requeued (sbatch --requeue, "
+                "or ddpkit run --requeue 1, to have it requeued)"
+            )
             return False
         done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
         if done.returncode != 0:

@@ -7,7 +7,9 @@
     modules        `unwrap` (the user's module inside DDP / compile wrappers) and `ddp_of`
     syncbn         SyncBatchNorm that also runs on CPU (gloo); BatchNorm conversion
     comm_hooks     DDP communication hooks by name (`s.model(net, comm_hook="fp16")`)
-    shm_allreduce  an exact shared-memory all-reduce for CPU ranks on one machine (hook "shm")
+    shm_allreduce  an exact shared-memory all-reduce for CPU ranks on one machine (`ShmAllReduce`)
+    shm_segment    its segment: layout, create / map / unlink, stale segments of killed creators
+    shm_hook       it as a DDP communication hook ("shm")
     fsdp_shm       FSDP2's all-gather and reduce-scatter through that shared memory (FSDPOptions(shm=...))
     cpu_allocator  keeps big CPU tensors' memory from step to step (for models that gain from it)
 

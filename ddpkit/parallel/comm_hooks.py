@@ -47,7 +47,7 @@ HOOKS: dict[str, str] = {
     "fp16": "ddpkit.parallel.comm_hooks:fp16",
     "bf16": "ddpkit.parallel.comm_hooks:bf16",
     "powersgd": "ddpkit.parallel.comm_hooks:powersgd",
-    "shm": "ddpkit.parallel.shm_allreduce:shm_hook_factory",  # same-node shared memory; imported when asked
+    "shm": "ddpkit.parallel.shm_hook:shm_hook_factory",  # same-node shared memory; imported when asked
 }
 
 

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ddpkit.errors import problem
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 Mesh = tuple[tuple[str, int], ...]  # (dimension name, size), outermost first; sizes multiply to the world
 
@@ -66,7 +69,7 @@ class Shape:
         mesh = " x ".join(f"{name} {size}" for name, size in self.mesh)
         return f"{where} rank(s), mesh {mesh}" if len(self.mesh) > 1 else f"{where} rank(s)"
 
-    def device_mesh(self) -> Any:
+    def device_mesh(self) -> DeviceMesh:
         """torch's `DeviceMesh` for `mesh` (a collective: every rank calls it)."""
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -49,15 +49,31 @@ from ddpkit.strategy.single import Single
 
 NAMES = STRATEGIES  # the built-in names (`ddpkit.names`)
 
-Choice = Union[str, DDPOptions, FSDPOptions, Strategy, Any]  # noqa: UP007 (a runtime alias on Python 3.10)
+Choice = Union[str, DDPOptions, FSDPOptions, Strategy]  # noqa: UP007 (a runtime alias on Python 3.10)
 
 __all__ = [
-    "DDP", "DISTRIBUTED", "FSDP", "NAMES", "Builder", "Choice", "Chosen", "DDPOptions", "FSDPOptions",
-    "Shape", "Single", "Strategy", "check_name", "kind", "make", "options_of", "register", "resolve",
-]  # fmt: skip
+    "DDP",
+    "DISTRIBUTED",
+    "FSDP",
+    "NAMES",
+    "Builder",
+    "Choice",
+    "Chosen",
+    "DDPOptions",
+    "FSDPOptions",
+    "Shape",
+    "Single",
+    "Strategy",
+    "check_name",
+    "kind",
+    "make",
+    "options_of",
+    "register",
+    "resolve",
+]
 
 
-def check_name(strategy: Any) -> str:
+def check_name(strategy: object) -> str:
     """The strategy's name ("auto", "single", "ddp", "fsdp", a registered one), or a clear error."""
     return resolve(strategy).name
 
@@ -72,7 +88,7 @@ def kind(strategy: Choice, ranks: Ranks) -> str:
     return "ddp" if chosen.name == "auto" else chosen.name
 
 
-def options_of(strategy: Choice | None, sugar: DDPOptions) -> Any:
+def options_of(strategy: Choice | None, sugar: DDPOptions) -> object:
     """The options one `s.model` call gives its model: `strategy=` when it is options, or the flat DDP
     keywords (sugar for `DDPOptions`); None: the strategy's own. Both at once is an error."""
     given = None if strategy is None else resolve(strategy).options

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -50,7 +50,7 @@ class Strategy:
         shard so that no rank holds the whole model."""
         return factory()
 
-    def wrap(self, module: nn.Module, device: torch.device, options: Any = None) -> nn.Module:
+    def wrap(self, module: nn.Module, device: torch.device, options: object = None) -> nn.Module:
         """Prepare `module` for training on `device`; the model the user trains. `options`: this
         model's own options (`s.model(net, strategy=DDPOptions(...))`), else the strategy's."""
         return module.to(device)
@@ -61,7 +61,7 @@ class Strategy:
     def check_compile(self) -> None:
         """Raise a clear error when this strategy cannot wrap a torch.compile'd module."""
 
-    def check_loadable(self, saved: str, optimizers: Collection[str], path: Any) -> None:
+    def check_loadable(self, saved: str, optimizers: Collection[str], path: object) -> None:
         """Raise a clear error when a checkpoint saved with strategy `saved` cannot restore these
         optimizers into this strategy (the weights always can)."""
 
@@ -90,7 +90,7 @@ class Strategy:
         """Clip gradients to a total 2-norm of `max_norm`; the norm before clipping."""
         return nn.utils.clip_grad_norm_(list(params), max_norm)
 
-    def join(self, model: nn.Module, joinables: tuple[Any, ...]) -> contextlib.AbstractContextManager:
+    def join(self, model: nn.Module, joinables: tuple[object, ...]) -> contextlib.AbstractContextManager:
         """Inside: ranks may run out of batches at different times without hanging."""
         return contextlib.nullcontext()  # one process: nobody to wait for
 

@@ -97,9 +97,10 @@ class DDP(Strategy):
     def describe(self) -> str:
         return "DistributedDataParallel"
 
-    def wrap(self, module: nn.Module, device: torch.device, options: Any = None) -> nn.Module:
+    def wrap(self, module: nn.Module, device: torch.device, options: object = None) -> nn.Module:
         """`options`: this model's own `DDPOptions` (`s.model`'s keywords), else the strategy's."""
-        model, notes = wrap_model(module, device=device, distributed=True, options=options or self.options)
+        own = options if isinstance(options, DDPOptions) else self.options
+        model, notes = wrap_model(module, device=device, distributed=True, options=own)
         self.notes.extend(notes)
         return model
 

@@ -90,7 +90,7 @@ class FSDP(Strategy):
     def check_compile(self) -> None:
         """FSDP compiles per block (`wrap_compiling`): torch.compile is never applied to the whole model."""
 
-    def check_loadable(self, saved: str, optimizers: Collection[str], path: Any) -> None:
+    def check_loadable(self, saved: str, optimizers: Collection[str], path: object) -> None:
         if saved != "fsdp" and optimizers:
             raise problem(
                 f"{path} was saved with strategy={saved!r}; its optimizer state ({', '.join(optimizers)}) "
@@ -103,11 +103,11 @@ class FSDP(Strategy):
         return "FSDP2 (fully_shard)"
 
     # -- the model ----------------------------------------------------------------------------------
-    def wrap(self, module: nn.Module, device: torch.device, options: Any = None) -> nn.Module:
+    def wrap(self, module: nn.Module, device: torch.device, options: object = None) -> nn.Module:
         return self._shard(module, device, options, None)[0]
 
     def wrap_compiling(
-        self, module: nn.Module, device: torch.device, options: Any, compile_block: CompileBlock
+        self, module: nn.Module, device: torch.device, options: object, compile_block: CompileBlock
     ) -> tuple[nn.Module, list[str]]:
         """`wrap` with torch.compile the torchtitan way: each FSDP unit (the blocks `_choose_units`
         picks) compiled in place BEFORE `fully_shard`, so that FSDP2's all-gather and reduce-scatter
@@ -116,7 +116,7 @@ class FSDP(Strategy):
         and the names of the compiled modules ("" for the root)."""
         return self._shard(module, device, options, compile_block)
 
-    def _shard(self, module: nn.Module, device: torch.device, options: Any,
+    def _shard(self, module: nn.Module, device: torch.device, options: object,
                compile_block: CompileBlock | None) -> tuple[nn.Module, list[str]]:  # fmt: skip
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -251,7 +251,7 @@ class FSDP(Strategy):
         nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
-    def join(self, model: nn.Module, joinables: tuple[Any, ...]) -> contextlib.AbstractContextManager:
+    def join(self, model: nn.Module, joinables: tuple[object, ...]) -> contextlib.AbstractContextManager:
         raise problem(
             "s.join is not supported with strategy='fsdp': every rank takes part in each block's all-gather, "
             "so a rank cannot stop early",

@@ -72,11 +72,11 @@ class Chosen:
     instance to use as it is."""
 
     name: str
-    options: Any = None
+    options: object = None
     instance: Strategy | None = None
 
 
-def resolve(choice: Any) -> Chosen:
+def resolve(choice: object) -> Chosen:
     """The one reading of `strategy=`: a name, a registered strategy's options, or a `Strategy`."""
     if isinstance(choice, Strategy):
         return Chosen(choice.name, instance=choice)
@@ -84,7 +84,9 @@ def resolve(choice: Any) -> Chosen:
         if entry.options is not None and isinstance(choice, entry.options):
             return Chosen(entry.name, choice)
     if not isinstance(choice, str) or choice not in names():
-        raise problem(f"strategy={choice!r} is not one of {', '.join(map(repr, names()))}",
-                      "Pass 'ddp' (replicas), 'fsdp' (sharded parameters), 'auto', a registered "
-                      "strategy's name or options, or a Strategy instance")  # fmt: skip
+        raise problem(
+            f"strategy={choice!r} is not one of {', '.join(map(repr, names()))}",
+            "Pass 'ddp' (replicas), 'fsdp' (sharded parameters), 'auto', a registered "
+            "strategy's name or options, or a Strategy instance",
+        )
     return Chosen(choice)

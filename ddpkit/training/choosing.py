@@ -27,8 +27,9 @@ from ddpkit.strategy import Choice, Strategy
 class Choosing:
     """One session's choice of strategy and the stepper built on it."""
 
-    def __init__(self, strategy: Choice, shape: Shape, precision: PrecisionPlan, *,
-                 stepper: Callable[..., Stepper]) -> None:  # fmt: skip
+    def __init__(
+        self, strategy: Choice, shape: Shape, precision: PrecisionPlan, *, stepper: Callable[..., Stepper]
+    ) -> None:
         self.chosen = strategies.resolve(strategy)  # the one reading of strategy=
         self.shape, self.precision = shape, precision
         self._new_stepper = stepper  # `Stepper` with the session's values, given `strategy=`

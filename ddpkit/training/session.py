@@ -196,7 +196,7 @@ class Session(RankContext):
             self._checkpoints.stop_at_boundary(body)
 
     @contextmanager
-    def join(self, model: nn.Module, *joinables: Any) -> Iterator[None]:
+    def join(self, model: nn.Module, *joinables: object) -> Iterator[None]:
         """Train on per-rank iterables of different lengths without hanging (torch's `Join`).
 
         A rank that runs out of batches shadows the others' gradient all-reduces until all are done;
