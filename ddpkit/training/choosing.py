@@ -21,7 +21,7 @@ from ddpkit.errors import problem
 from ddpkit.parallel.precision import PrecisionPlan
 from ddpkit.parallel.shape import Shape
 from ddpkit.step.stepping import Stepper
-from ddpkit.strategy import Choice, Strategy
+from ddpkit.strategy import Choice, DDPOptions, Strategy
 
 
 class Choosing:
@@ -41,13 +41,15 @@ class Choosing:
     def stepper(self) -> Stepper:
         return self._stepper or self._build("auto")
 
-    def for_model(self, strategy: Choice | None) -> Stepper:
+    def for_model(self, strategy: Choice | None, sugar: DDPOptions) -> tuple[Stepper, object]:
         """`s.model(strategy=...)`: None or options for the session's strategy, or the first kind an
-        "auto" session is asked for; another kind later is an error."""
+        "auto" session is asked for (another kind later is an error); with the model's own options
+        (`strategy=` options or the DDP keywords, `sugar`; None: the strategy's)."""
+        options = strategies.options_of(strategy, sugar)
         if strategy is None:
-            return self.stepper()
+            return self.stepper(), options
         chosen = strategies.resolve(strategy)
-        return self._build(chosen.name if chosen.instance is None else strategy)
+        return self._build(chosen.name if chosen.instance is None else strategy), options
 
     def describe(self) -> str:
         """What was chosen and over which ranks; "auto" says what it becomes unless s.model names another."""

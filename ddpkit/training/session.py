@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ddpkit import strategy as strategies
 from ddpkit.cluster import lifecycle, topology
 from ddpkit.cluster.environments import Detector
 from ddpkit.cluster.lifecycle import Limits
@@ -278,13 +277,13 @@ class Session(RankContext):
         `save_pretrained` wrote, read into the model (FSDP: each rank its own rows; `strategy.weights`);
         `activation_checkpointing`: a block class or "auto", recomputed in the backward (`.checkpointing`).
         """
-        options = strategies.options_of(strategy, DDPOptions(  # which options (this model's own, if any)
+        sugar = DDPOptions(
             find_unused_parameters=find_unused_parameters, static_graph=static_graph,
             bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers, sync_batchnorm=sync_batchnorm, comm_hook=comm_hook,
             comm_hook_options=comm_hook_options,
-        ))  # fmt: skip
-        stepper = self._choosing.for_model(strategy)  # which strategy (the session's, built once)
+        )  # fmt: skip
+        stepper, options = self._choosing.for_model(strategy, sugar)  # the session's strategy; these options
         model = building.prepare(stepper.strategy, module, options, compiling.CompileOptions.parse(compile),
                                  shard=self._shard, device=self.device, weights_from=weights,
                                  recompute=activation_checkpointing, world_size=self.world_size,
