@@ -78,7 +78,7 @@ def check_name(strategy: object) -> str:
     return resolve(strategy).name
 
 
-def kind(strategy: Choice, ranks: Ranks) -> str:
+def kind(strategy: Choice | Chosen, ranks: Ranks) -> str:
     """The strategy `make` builds for this choice on these ranks: "single", "ddp", "fsdp", ..."""
     chosen = resolve(strategy)
     if chosen.instance is not None:
@@ -102,7 +102,7 @@ def options_of(strategy: Choice | None, sugar: DDPOptions) -> object:
     return sugar  # with FSDP, its wrap says that DDP options do not apply
 
 
-def make(strategy: Choice, shape: Shape, *, precision: PrecisionPlan | None = None) -> Strategy:
+def make(strategy: Choice | Chosen, shape: Shape, *, precision: PrecisionPlan | None = None) -> Strategy:
     """The strategy object for `strategy` on the ranks `shape` describes, carrying its options and, for
     FSDP, the precision checked against what FSDP can apply. An instance is used as it is."""
     chosen = resolve(strategy)

@@ -1,6 +1,6 @@
 """What "data parallel" means for one kind of training: the interface every strategy implements.
 
-    strategy = ddpkit.strategy.make("fsdp", ranks, precision=plan)   # the session does this, once
+    strategy = ddpkit.strategy.make("fsdp", shape, precision=plan)   # the session does this, once
     model = strategy.wrap(net, device)         # to the device; DDP, FSDP2 or nothing
     with strategy.skip_sync(model):            # micro-batches 1..k-1 of an accumulation group
         loss.backward()
@@ -11,8 +11,9 @@ Everything that differs between one device, DDP and FSDP lives behind this seam,
 the stepper, checkpoints, verify and trace ask the strategy instead of testing for DDP: also the checks
 that belong to a kind (`check_compile`: may it wrap a compiled module; `check_loadable`: what a
 checkpoint saved by another strategy may restore into it). A strategy carries its own options
-(`DDPOptions`, `FSDPOptions`). Strategies are named by plain strings ("single", "ddp", "fsdp"; the one
-list is `ddpkit.strategy.NAMES`), which is also what `plan` and `doctor` speak.
+(`DDPOptions`, `FSDPOptions`). Strategies are named by plain strings ("single", "ddp", "fsdp"; the
+built-in list is `ddpkit.strategy.NAMES`, which is also what `plan` and `doctor` speak); a strategy of
+your own is a subclass, registered by name (`ddpkit.strategy.register`) or passed as an instance.
 """
 
 from __future__ import annotations

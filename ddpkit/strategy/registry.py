@@ -77,7 +77,10 @@ class Chosen:
 
 
 def resolve(choice: object) -> Chosen:
-    """The one reading of `strategy=`: a name, a registered strategy's options, or a `Strategy`."""
+    """The one reading of `strategy=`: a name, a registered strategy's options, or a `Strategy` (a
+    `Chosen` is read already: passed on as it is)."""
+    if isinstance(choice, Chosen):
+        return choice
     if isinstance(choice, Strategy):
         return Chosen(choice.name, instance=choice)
     for entry in registered.values():

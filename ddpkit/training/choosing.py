@@ -21,7 +21,7 @@ from ddpkit.errors import problem
 from ddpkit.parallel.precision import PrecisionPlan
 from ddpkit.parallel.shape import Shape
 from ddpkit.step.stepping import Stepper
-from ddpkit.strategy import Choice, DDPOptions, Strategy
+from ddpkit.strategy import Choice, Chosen, DDPOptions, Strategy
 
 
 class Choosing:
@@ -36,10 +36,10 @@ class Choosing:
         self.strategy: Strategy | None = None
         self._stepper: Stepper | None = None
         if self.chosen.name != "auto":
-            self._build(strategy)
+            self._build(self.chosen)
 
     def stepper(self) -> Stepper:
-        return self._stepper or self._build("auto")
+        return self._stepper or self._build(self.chosen)
 
     def for_model(self, strategy: Choice | None, sugar: DDPOptions) -> tuple[Stepper, object]:
         """`s.model(strategy=...)`: None or options for the session's strategy, or the first kind an
@@ -48,8 +48,8 @@ class Choosing:
         options = strategies.options_of(strategy, sugar)
         if strategy is None:
             return self.stepper(), options
-        chosen = strategies.resolve(strategy)
-        return self._build(chosen.name if chosen.instance is None else strategy), options
+        chosen = strategies.resolve(strategy)  # its options are the model's: the kind builds the strategy
+        return self._build(chosen if chosen.instance is not None else Chosen(chosen.name)), options
 
     def describe(self) -> str:
         """What was chosen and over which ranks; "auto" says what it becomes unless s.model names another."""
@@ -57,7 +57,7 @@ class Choosing:
         name = built.name if built is not None else f"{strategies.kind('auto', self.shape)} (auto)"
         return f"strategy {name} over {self.shape.describe()}"
 
-    def _build(self, choice: Choice) -> Stepper:
+    def _build(self, choice: Chosen) -> Stepper:
         if self.strategy is None:
             self.strategy = strategies.make(choice, self.shape, precision=self.precision)
         elif (asked := strategies.kind(choice, self.shape)) != self.strategy.name:

@@ -9,11 +9,12 @@
 Training steps (`ddpkit.step.stepping`): `with s.accumulate(model): s.backward(loss)`, then `s.step(opt)`,
 for mixed precision (`precision=`), gradient accumulation (`accumulation=`) and clipping (`max_norm=`).
 
-One owner per concept: `precision=` is resolved once against the device (`ddpkit.parallel.precision`); the
-strategy (`ddpkit.strategy`, with its `DDPOptions` / `FSDPOptions`) is built once, at the first
-`s.model` or when first needed, and then the `Stepper` that holds it; neither is replaced. The strategy
-and the stepper get typed values (`_Group`, the plan, `Limits`), not the session; rank and output
-live in `RankContext`.
+One owner per concept: `precision=` is resolved once against the device (`ddpkit.parallel.precision`);
+the cluster's shape is one `ddpkit.parallel.shape.Shape` value; the strategy (`ddpkit.strategy`: a name,
+its options, or an instance) is chosen and built once from them (`ddpkit.training.choosing`: at the start,
+or, for "auto", at the first `s.model`), then the `Stepper` that holds it; neither is replaced. The
+strategy and the stepper get typed values (the shape, the plan, `Limits`), not the session; rank and
+output live in `RankContext`.
 
 Seeding: every rank starts from the same `seed`, so models are initialised identically; once the model
 is prepared, each rank's global generators move to a stream of its own (`rank_seed`), so dropout and
