@@ -51,7 +51,7 @@ def train_registered(steps: int) -> dict:
                 s.step(opt)
             chosen = s.strategy
             assert isinstance(chosen, Replicas)
-            return {"name": chosen.name, "mesh": chosen.shape.mesh, "first": out.getvalue().splitlines()[0],
+            return {"name": chosen.name, "mesh": chosen.shape.mesh, "said": out.getvalue().splitlines(),
                     "weights": torch.cat([p.detach().flatten() for p in model.parameters()])}  # fmt: skip
     finally:
         registered.pop("replicas")
@@ -62,18 +62,19 @@ def test_a_strategy_registered_from_outside_trains_with_its_shape(pool2) -> None
     assert r0["name"] == r1["name"] == "replicas"
     assert r0["mesh"] == (("replicate", 1), ("shard", 2))  # one node of two ranks
     assert torch.equal(r0["weights"], r1["weights"]), "the registered strategy's DDP kept the replicas equal"
-    assert r0["first"].startswith("ddpkit: strategy replicas over 2 rank(s); mode ddp-cpu, world size 2")
+    assert r0["said"][0].startswith("ddpkit: strategy replicas over 2 rank(s); mode ddp-cpu, world size 2")
+    assert r1["said"] == [], "global rank 0 alone says it"
 
 
-def fsdp_first_line() -> str:
+def fsdp_said() -> list[str]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out), ddpkit.session(seed=0, strategy="fsdp"):
         pass
-    return out.getvalue().splitlines()[0]
+    return out.getvalue().splitlines()
 
 
 def test_an_fsdp_session_says_its_strategy_and_shape_before_the_placement(pool2) -> None:
-    first = pool2.run(fsdp_first_line)[0]
+    first = pool2.run(fsdp_said)[0][0]  # global rank 0's first line
     assert first.startswith("ddpkit: strategy fsdp over 2 rank(s); mode ddp-cpu, world size 2"), first
 
 
@@ -174,3 +175,18 @@ def test_moved_paths_still_import_with_a_deprecation_warning() -> None:
         "print(old is new, DDPOptions is ddpkit.DDPOptions, unwrap is ddpkit.unwrap)\n"
     )
     assert fresh_python(code).splitlines() == ["warned True"] * 3 + ["True True True"]
+
+
+def test_the_shape_carries_nodes_and_a_mesh_that_must_cover_the_ranks() -> None:
+    shape = Shape(torch.device("cpu"), rank=5, world_size=8, local_rank=1, local_world_size=4)
+    assert (shape.nodes, shape.distributed, shape.mesh) == (2, True, (("shard", 8),))
+    assert shape.with_mesh(replicate=2, shard=4).describe() == "2 node(s) x 4 rank(s), mesh replicate 2 x shard 4"
+    with pytest.raises(ddpkit.DdpkitError, match=r"does not cover the 8 ranks"):
+        shape.with_mesh(replicate=3, shard=4)
+
+
+def test_fsdp_asks_its_shape_for_its_ranks_not_torch_distributed() -> None:
+    from pathlib import Path
+
+    source = (Path(ddpkit.__file__).parent / "strategy" / "fsdp.py").read_text()
+    assert "get_rank()" not in source and "get_world_size()" not in source and "init_device_mesh" not in source
