@@ -58,7 +58,7 @@ def test_a_clean_preemption_is_not_recorded_as_a_failure() -> None:
 
 def test_a_save_before_s_model_builds_the_strategy_in_the_session_and_hands_a_value(tmp_path: Path) -> None:
     with ddpkit.session(seed=0, env={}, verbose=False, log_to=None) as s:
-        assert s._strategy is None  # not built yet: "auto" waits for s.model
+        assert s._choosing.strategy is None  # not built yet: "auto" waits for s.model
         s.save(str(tmp_path / "ck"), step=1)
         context = s.checkpoints._ctx
         assert context.strategy is s.strategy and context.optimizers is s.stepper
