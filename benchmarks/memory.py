@@ -15,7 +15,7 @@ of `--steps` timed steps after one warm-up step, wall clock on rank 0 between ba
 in its own processes.
 
 Modes: "fsdp" is FSDP2 as ddpkit sets it up (on CPU ranks of one machine its all-gather and
-reduce-scatter go through shared memory, `ddpkit.step.fsdp_shm`); "fsdp-gloo" the same with
+reduce-scatter go through shared memory, `ddpkit.parallel.fsdp_shm`); "fsdp-gloo" the same with
 `FSDPOptions(shm=False)` (FSDP2's own collectives over gloo); "fsdp-slots" the shared-memory path with
 the all-gather output private (`fsdp_shm.SHARED_GATHER = False`: the shard copied into a slot and the
 others' slots into the output, as before issue 34's copy cut); "fsdp-keep" the shared-memory path on
@@ -53,7 +53,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.bench import floor
-from ddpkit.step import cpu_allocator, fsdp_shm
+from ddpkit.parallel import cpu_allocator, fsdp_shm
 from ddpkit.strategy import FSDPOptions
 from ddpkit.tools import workloads
 

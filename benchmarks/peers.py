@@ -7,7 +7,7 @@ Needs the development extras (`pip install -c constraints.txt -e . accelerate li
 separate .venv-bench so the test environment stays clean).
 
 Warm step time: 2 CPU ranks x 1 thread with gloo, one block of >= --block-seconds per tool, in an order
-that rotates every round. ddpkit sets the ranks' CPU allocator (`ddpkit.step.cpu_allocator`), a setting of
+that rotates every round. ddpkit sets the ranks' CPU allocator (`ddpkit.parallel.cpu_allocator`), a setting of
 the whole process, so the tools run in two pairs of processes per round: DDP, Accelerate and Fabric with
 glibc's defaults, as their users get them; ddpkit, ddpkit + "shm" hook and hand-written DDP with
 ddpkit's allocator settings ("DDP + kept memory": how much of ddpkit's lead is the allocator). One
@@ -76,7 +76,7 @@ GROUPS = [
 def rank_main(spec: str, variants: list[str], block_s: float, warmup: int, kept: bool) -> dict[str, Any]:
     """One rank: one timed block per variant, in the given order; rank 0's seconds per step."""
     if kept:
-        from ddpkit.step import cpu_allocator
+        from ddpkit.parallel import cpu_allocator
 
         cpu_allocator.apply()  # before any tensor; ddpkit's sessions would apply it at their start
     wl = workloads.load(spec)

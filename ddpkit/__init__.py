@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from ddpkit.errors import DdpkitError
     from ddpkit.observe.metrics import Accuracy, Mean, MetricSet, Sum
     from ddpkit.observe.monitor import StepMonitor
-    from ddpkit.step.shm_allreduce import ShmAllReduce
+    from ddpkit.parallel.modules import unwrap
+    from ddpkit.parallel.shm_allreduce import ShmAllReduce
     from ddpkit.step.stepping import StepInfo
-    from ddpkit.step.wrap import unwrap
     from ddpkit.strategy import DDPOptions, FSDPOptions
     from ddpkit.training.fit import Callback, FitResult, FitState, evaluate, fit
     from ddpkit.training.seeding import seed_everything
@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 # Imported on first use (PEP 562): `ddpkit run` and the tools then load only what they need, and the
 # launcher process does not import the training modules it never runs.
 _HOME = {
-    "CheckpointError": "checkpoint.files", "DdpkitError": "errors", "Callback": "training.fit",
-    "FitResult": "training.fit", "FitState": "training.fit", "evaluate": "training.fit",
+    "CheckpointError": "checkpoint.files", "DdpkitError": "errors", "Callback": "training.callbacks",
+    "FitResult": "training.callbacks", "FitState": "training.callbacks", "evaluate": "training.fit",
     "fit": "training.fit",
     "Accuracy": "observe.metrics", "Mean": "observe.metrics", "MetricSet": "observe.metrics",
     "Sum": "observe.metrics", "StepMonitor": "observe.monitor", "Session": "training.session",
@@ -42,7 +42,7 @@ _HOME = {
     "session": "training.session", "SpawnError": "cluster.spawn", "spawn": "cluster.spawn",
     "StepInfo": "step.stepping", "DDPOptions": "strategy", "FSDPOptions": "strategy",
     "ShmAllReduce": "step.shm_allreduce", "to_device": "data", "Hardware": "cluster.topology",
-    "Placement": "cluster.topology", "unwrap": "step.wrap",
+    "Placement": "cluster.topology", "unwrap": "parallel.modules",
 }  # fmt: skip
 
 

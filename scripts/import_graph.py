@@ -5,10 +5,10 @@
     python scripts/import_graph.py --mermaid  # the same graph as a mermaid flowchart
 
 A module's layer is 0 when it imports no other ddpkit module, else one more than the highest layer it
-imports, so every arrow points down. The wings (training, cluster, step, checkpoint, observe, tools) are
-drawn module by module; the other subpackages (verify, bench, plan, lint, strategy, data) count as one node
-each; `ddpkit` is the public namespace (`import ddpkit`, `from ddpkit import session`), so a tool that
-reaches the facade through it ranks above the facade.
+imports, so every arrow points down. The wings (training, cluster, step, parallel, checkpoint, observe,
+tools) are drawn module by module; the other subpackages (verify, bench, plan, lint, strategy, data) count
+as one node each; `ddpkit` is the public namespace (`import ddpkit`, `from ddpkit import session`), so a
+tool that reaches the facade through it ranks above the facade.
 docs/architecture.md holds the table this prints; tests/test_architecture.py checks they agree.
 """
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent / "ddpkit"
 
 TOOL_PACKAGES = ("verify", "bench", "plan", "lint")  # the tools with their own package
 WHOLE = (*TOOL_PACKAGES, "strategy", "data")  # subpackages drawn as one node each
-WINGS = ("training", "cluster", "step", "checkpoint", "observe", "tools")  # packages drawn module by module
+WINGS = ("training", "cluster", "step", "parallel", "checkpoint", "observe", "tools")  # module by module
 
 
 def node(module: str) -> str | None:

@@ -56,7 +56,7 @@ class Mutant:
 MUTANTS = [
     Mutant(
         "compile",
-        "ddpkit/step/compiling.py",
+        "ddpkit/parallel/compiling.py",
         "compiled = torch.compile(module, **kwargs)",
         "compiled = module",
         (
@@ -66,7 +66,7 @@ MUTANTS = [
     ),
     Mutant(
         "compile-cache",
-        "ddpkit/step/compiling.py",
+        "ddpkit/parallel/compiling.py",
         "if not value or os.path.abspath(value) == torch_default_cache_dir():",
         "if not value:",
         ("tests/test_compile.py::test_a_fresh_process_compiles_into_ddpkits_cache_directory",),
@@ -82,7 +82,7 @@ MUTANTS = [
     ),
     Mutant(
         "shm-hook",
-        "ddpkit/step/comm_hooks.py",
+        "ddpkit/parallel/comm_hooks.py",
         "    model.register_comm_hook(state, hook)",
         "    pass  # mutant: hook never registered",
         ("tests/test_shm_allreduce.py::test_ddp_with_shm_hook_trains_the_same_weights_as_gloo",),
@@ -106,7 +106,7 @@ MUTANTS = [
     ),
     Mutant(
         "syncbn-allreduce",
-        "ddpkit/step/syncbn.py",
+        "ddpkit/parallel/syncbn.py",
         "        out = tensor.clone(memory_format=torch.contiguous_format)\n"
         "        dist.all_reduce(out, group=group)\n",
         "        out = tensor.clone(memory_format=torch.contiguous_format)\n",
@@ -139,7 +139,7 @@ MUTANTS = [
     ),
     Mutant(
         "shm-mean",
-        "ddpkit/step/shm_allreduce.py",
+        "ddpkit/parallel/shm_allreduce.py",
         "torch.div(part, self.world, out=slots[self.rank, :n])",
         "slots[self.rank, :n].copy_(part)",
         ("tests/test_shm_allreduce.py::test_ddp_with_shm_hook_trains_the_same_weights_as_gloo",),
@@ -147,7 +147,7 @@ MUTANTS = [
     ),
     Mutant(
         "shm-reduce-scatter",
-        "ddpkit/step/shm_allreduce.py",
+        "ddpkit/parallel/shm_allreduce.py",
         "                if owner == self.rank:\n",
         "                if owner == -1:  # mutant: no rank sums its share\n",
         ("tests/test_shard_exchange.py::test_reduce_scatter_is_the_all_reduce_on_owned_tensors",),
@@ -446,9 +446,9 @@ MUTANTS = [
     Mutant(
         "fsdp-whole-build",
         "ddpkit/strategy/fsdp.py",
-        "        module, shards, peak = fsdp_init.build(factory, dist.get_rank(), dist.get_world_size())\n",
+        "        module, shards, peak = fsdp_init.build(factory, self.shape.rank, self.shape.world_size)\n",
         "        return factory()  # mutant: every rank builds the whole model\n"
-        "        module, shards, peak = fsdp_init.build(factory, dist.get_rank(), dist.get_world_size())\n",
+        "        module, shards, peak = fsdp_init.build(factory, self.shape.rank, self.shape.world_size)\n",
         ("tests/test_fsdp_init.py::test_no_rank_ever_holds_the_whole_model_measured_by_the_kernel",),
         "s.model(factory, strategy='fsdp') builds the whole model on every rank, then shards it",
     ),
@@ -792,7 +792,7 @@ MUTANTS = [
     ),
     Mutant(
         "cpu-allocator-keep",
-        "ddpkit/step/cpu_allocator.py",
+        "ddpkit/parallel/cpu_allocator.py",
         "        ok = libc.mallopt(_M_MMAP_MAX, int(env.get(\"MALLOC_MMAP_MAX_\", 0))) == 1",
         "        ok = True  # mutant: big blocks stay mmapped, faulted in again at every step",
         ("tests/test_cpu_allocator.py::test_a_model_with_big_tensors_reuses_blocks_instead_of_faulting_them_in",),
@@ -800,7 +800,7 @@ MUTANTS = [
     ),
     Mutant(
         "fsdp-shm-setters",
-        "ddpkit/step/fsdp_shm.py",
+        "ddpkit/parallel/fsdp_shm.py",
         "        module.set_custom_all_gather(ShmAllGather())\n"
         "        module.set_custom_reduce_scatter(ShmReduceScatter())",
         "        pass  # mutant: FSDP2 keeps its own gloo collectives while the note says shared memory",
@@ -809,7 +809,7 @@ MUTANTS = [
     ),
     Mutant(
         "fsdp-shm-rs-own",
-        "ddpkit/step/shm_allreduce.py",
+        "ddpkit/parallel/shm_allreduce.py",
         "            self._sum_slots(slots, lo, hi, out[start : start + n])",
         "            torch.mul(slots[self.rank, lo:hi], w, out=out[start : start + n])",
         (
@@ -820,7 +820,7 @@ MUTANTS = [
     ),
     Mutant(
         "fsdp-shm-ag-others",
-        "ddpkit/step/shm_allreduce.py",
+        "ddpkit/parallel/shm_allreduce.py",
         "        self.all_gather_([[rows[r]] for r in range(self.world)])",
         "        self.all_gather_([[rows[r]] if r == self.rank else [] for r in range(self.world)])",
         (
@@ -831,7 +831,7 @@ MUTANTS = [
     ),
     Mutant(
         "fsdp-shm-gather-region",
-        "ddpkit/step/fsdp_shm.py",
+        "ddpkit/parallel/fsdp_shm.py",
         "        at = self._handed % 2\n",
         "        at = (self._handed + self.shm.rank) % 2  # mutant: ranks disagree\n",
         ("tests/test_fsdp_shm.py::test_all_gather_output_in_shared_memory_gives_the_slots_bytes",),
@@ -839,7 +839,7 @@ MUTANTS = [
     ),
     Mutant(
         "fsdp-shm-gather-held",
-        "ddpkit/step/fsdp_shm.py",
+        "ddpkit/parallel/fsdp_shm.py",
         "        if vote.item() > 0:",
         "        if False:  # mutant: a region handed out again while a rank still holds its last output",
         ("tests/test_fsdp_shm.py::test_shared_all_gather_output_grows_and_takes_explicit_prefetching[3]",),
@@ -847,7 +847,7 @@ MUTANTS = [
     ),
     Mutant(
         "fsdp-shm-keep-held",
-        "ddpkit/step/fsdp_shm.py",
+        "ddpkit/parallel/fsdp_shm.py",
         "        free = [buf for buf in same if _use_count(buf) <= 2]",
         "        free = same  # mutant: a kept buffer is handed out again while FSDP2 still holds it",
         ("tests/test_fsdp_shm.py::test_fsdp_over_shm_trains_gloo_fsdp_weights_with_identical_replicas[1]",),

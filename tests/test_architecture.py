@@ -146,3 +146,16 @@ def test_every_module_is_in_a_layer() -> None:
     for wing in wings - listed:  # the wings drawn module by module: their __init__ imports nothing
         text = (ROOT / wing.replace(".", "/") / "__init__.py").read_text()
         assert "import" not in text.split('"""')[-1], f"{wing}/__init__.py should hold only its docstring"
+
+
+def test_every_wing_index_lists_all_its_modules() -> None:
+    """Each wing's `__init__` docstring is its index: it names every module the wing holds (the library
+    wings; the tool packages verify, bench, plan and lint document their commands instead)."""
+    missing = []
+    wings = ("training", "step", "strategy", "parallel", "cluster", "checkpoint", "observe", "data", "tools")
+    for init in sorted((ROOT / "ddpkit" / wing / "__init__.py") for wing in wings):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        for module in sorted(init.parent.glob("*.py")):
+            if module.name != "__init__.py" and module.stem not in doc:
+                missing.append(f"{init.parent.name}/{module.name}")
+    assert not missing, f"modules missing from their wing's __init__ docstring: {missing}"

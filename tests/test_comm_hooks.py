@@ -11,7 +11,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.errors import DdpkitError
-from ddpkit.step import comm_hooks
+from ddpkit.parallel import comm_hooks
 
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
 
@@ -68,7 +68,7 @@ def test_unknown_hook_names_the_known_ones() -> None:
 
 def test_hooks_are_imported_only_when_asked_for(monkeypatch) -> None:
     assert all(isinstance(target, str) for target in comm_hooks.HOOKS.values())  # names, not imports
-    assert comm_hooks.HOOKS["shm"].startswith("ddpkit.step.shm_allreduce:")
+    assert comm_hooks.HOOKS["shm"].startswith("ddpkit.parallel.shm_hook:")
     monkeypatch.setitem(comm_hooks.HOOKS, "missing", "ddpkit.no_such_module:factory")
     with pytest.raises(DdpkitError, match=r"lives in ddpkit.no_such_module, which is not installed"):
         comm_hooks.resolve("missing")

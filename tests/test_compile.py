@@ -25,7 +25,7 @@ from torch.utils.data import TensorDataset
 import ddpkit
 from ddpkit.bench import tune
 from ddpkit.errors import DdpkitError
-from ddpkit.step import compiling
+from ddpkit.parallel import compiling
 from ddpkit.verify import VerifySpec, verify
 
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default

@@ -1,4 +1,4 @@
-"""ddpkit.step.cpu_allocator: a session on the CPU keeps big blocks for reuse instead of faulting them in again.
+"""ddpkit.parallel.cpu_allocator: a session on the CPU keeps big blocks for reuse instead of faulting them in again.
 
 Each check runs in a fresh interpreter: the settings are process-wide and cannot be undone.
 """
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ddpkit.step import cpu_allocator
+from ddpkit.parallel import cpu_allocator
 
 pytestmark = pytest.mark.skipif(not cpu_allocator.enabled({}), reason="Linux with glibc only")
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not cpu_allocator.enabled({}), reason="Linux wit
 FEWER = 2
 PROBE = """
 import resource, sys, torch, ddpkit
-from ddpkit.step import cpu_allocator
+from ddpkit.parallel import cpu_allocator
 with ddpkit.session(verbose=False, env={}) as s:
     s.model(torch.nn.Linear(4096, 4096) if sys.argv[1] == "big" else torch.nn.Linear(16, 4))
     faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt

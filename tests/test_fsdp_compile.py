@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 import ddpkit
-from ddpkit.step import compiling
+from ddpkit.parallel import compiling
 from ddpkit.strategy.fsdp_options import FSDPOptions
 
 pytestmark = pytest.mark.numerics  # compiled (Inductor) against eager kernels: a tolerance, not bits

@@ -1,4 +1,4 @@
-"""FSDP2's all-gather and reduce-scatter through shared memory (ddpkit.step.fsdp_shm): the path is taken on
+"""FSDP2's all-gather and reduce-scatter through shared memory (ddpkit.parallel.fsdp_shm): the path is taken on
 CPU ranks of one machine, replicas are bitwise equal, the weights are gloo FSDP's and one process's
 within tolerance, with accumulation and at 3 ranks; FSDPOptions(shm=False) keeps gloo."""
 
@@ -15,8 +15,8 @@ from fsdp_train import data, full_params, net
 from torch.distributed.fsdp import FSDPModule
 
 import ddpkit
-from ddpkit.step import fsdp_shm
-from ddpkit.step.shm_allreduce import ShmAllReduce
+from ddpkit.parallel import fsdp_shm
+from ddpkit.parallel.shm_allreduce import ShmAllReduce
 from ddpkit.strategy import FSDPOptions
 
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default

@@ -197,8 +197,8 @@ def test_ddp_refusal_names_fsdp_and_the_numbers() -> None:
     from torch import nn
 
     from ddpkit.errors import DdpkitError
-    from ddpkit.step.wrap import DDPOptions
     from ddpkit.strategy import DDP, FSDP
+    from ddpkit.strategy.ddp_options import DDPOptions
 
     net = nn.Linear(1024, 1024)  # 4 MiB of weights: 8 MiB whole + 2 MiB sharded Adam at 4 ranks
     ddp = DDP(DDPOptions())

@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 import ddpkit
 from ddpkit.errors import DdpkitError
 from ddpkit.observe.metrics import Accuracy, Mean, MetricSet, Sum
-from ddpkit.step.collectives import gather, gather_object, reduce_mean, reduce_sum
+from ddpkit.parallel.collectives import gather, gather_object, reduce_mean, reduce_sum
 
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
 

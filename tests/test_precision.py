@@ -12,7 +12,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.errors import DdpkitError
-from ddpkit.step.precision import PrecisionPlan, make_scaler, resolve_precision
+from ddpkit.parallel.precision import PrecisionPlan, make_scaler, resolve_precision
 
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
 

@@ -1,18 +1,17 @@
-"""Precision has one owner (`ddpkit.step.precision`): what was asked, what the device offers, and what a
+"""Precision has one owner (`ddpkit.parallel.precision`): what was asked, what the device offers, and what a
 strategy can apply are compared in one place. A GPU without bf16 is simulated through the pure
 resolution function's `bf16_supported` parameter; FSDP's constructor runs no collective, so the
 strategy is built on a plain description of two ranks."""
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import ddpkit
 from ddpkit import strategy as strategies
-from ddpkit.step.precision import PrecisionPlan, resolve_precision
+from ddpkit.parallel.precision import PrecisionPlan, resolve_precision
+from ddpkit.parallel.shape import Shape
 
-TWO_RANKS = SimpleNamespace(device=torch.device("cpu"), distributed=True, world_size=2)
+TWO_RANKS = Shape(torch.device("cpu"), world_size=2, local_world_size=2)  # the cluster's shape, as a value
 
 
 def test_bf16_on_a_gpu_without_bf16_under_fsdp_says_what_was_asked_what_the_gpu_offers_and_what_to_pass():
@@ -42,7 +41,7 @@ def test_ddp_keeps_the_fp16_fallback_and_fsdp_takes_bf16():
 
 
 def test_one_plan_gives_the_forward_context_the_scaler_and_the_offer():
-    from ddpkit.step.precision import offers
+    from ddpkit.parallel.precision import offers
 
     assert offers("cpu") == ("32", "bf16") and offers("cuda", bf16_supported=False) == ("32", "16")
     bf16 = PrecisionPlan("bf16", "cpu")

@@ -20,7 +20,7 @@ from ddpkit.cluster.preemption import Preempted
 from ddpkit.cluster.signals import PreemptionOptions, signal_of
 from ddpkit.errors import DdpkitError
 from ddpkit.names import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNAL_ENV, REQUEUE_ENV
-from ddpkit.step.precision import FP32, PrecisionPlan
+from ddpkit.parallel.precision import FP32, PrecisionPlan
 
 
 def test_one_rule_for_a_signal_name_in_the_launcher_and_the_ranks(tmp_path: Path) -> None:
@@ -58,7 +58,7 @@ def test_a_clean_preemption_is_not_recorded_as_a_failure() -> None:
 
 def test_a_save_before_s_model_builds_the_strategy_in_the_session_and_hands_a_value(tmp_path: Path) -> None:
     with ddpkit.session(seed=0, env={}, verbose=False, log_to=None) as s:
-        assert s._strategy is None  # not built yet: "auto" waits for s.model
+        assert s._choosing.strategy is None  # not built yet: "auto" waits for s.model
         s.save(str(tmp_path / "ck"), step=1)
         context = s.checkpoints._ctx
         assert context.strategy is s.strategy and context.optimizers is s.stepper

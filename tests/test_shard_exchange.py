@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.step.shm_allreduce import ShmAllReduce
+from ddpkit.parallel.shm_allreduce import ShmAllReduce
 
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
 
@@ -93,7 +93,7 @@ def test_reduce_scatter_is_the_all_reduce_on_owned_tensors(pool2, pool3) -> None
 def fp16_overflow_in_one_share(exchange: str) -> dict:
     """fp16 scaler on CPU, sharded; at step 2 only rank 1's gradient of a tensor rank 1 owns is inf, so
     rank 0's share and its own gradients stay finite: the skip must still happen on every rank."""
-    from ddpkit.step.precision import PrecisionPlan
+    from ddpkit.parallel.precision import PrecisionPlan
 
     mode = "gradients" if exchange == "on" else True
     with ddpkit.session(

@@ -13,8 +13,9 @@ from torch import nn
 
 import ddpkit
 from ddpkit.errors import DdpkitError
-from ddpkit.step import sharding, shm_allreduce
-from ddpkit.step.shm_allreduce import ShmAllReduce
+from ddpkit.parallel import shm_allreduce
+from ddpkit.parallel.shm_allreduce import ShmAllReduce
+from ddpkit.step import sharding
 
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
 

@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import ddpkit
-from ddpkit.step import shm_allreduce
-from ddpkit.step.shm_allreduce import PREFIX, ShmAllReduce, clean_stale_segments
+from ddpkit.parallel import shm_allreduce
+from ddpkit.parallel.shm_allreduce import PREFIX, ShmAllReduce, clean_stale_segments
 
 # the shared-memory sum (torch's kernels) bitwise gloo's (its own): .ci/run repeats them on the portable kernels
 pytestmark = pytest.mark.numerics

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.step.syncbn import SyncBatchNorm, convert_sync_batchnorm
-from ddpkit.step.wrap import convert_batchnorm
+from ddpkit.parallel.syncbn import SyncBatchNorm, convert_batchnorm, convert_sync_batchnorm
 
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
 

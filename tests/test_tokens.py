@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import ddpkit
 from ddpkit.errors import DdpkitError
-from ddpkit.step.precision import PrecisionPlan
+from ddpkit.parallel.precision import PrecisionPlan
 from ddpkit.tools.workloads import TinyGPT
 from ddpkit.verify.calibrate import deviation, floor_summary, floors, limit
 from ddpkit.verify.spec import Tolerance

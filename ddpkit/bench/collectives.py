@@ -14,7 +14,7 @@ rate each link must sustain, comparable across world sizes n (nccl-tests' PERFOR
 | reduce_scatter | the input (n outputs)   | (n-1)/n      |
 | broadcast      | the buffer              | 1            |
 
-`all_reduce[shm]` is ddpkit's shared-memory all-reduce (ddpkit.step.shm_allreduce, the "shm" hook: mean,
+`all_reduce[shm]` is ddpkit's shared-memory all-reduce (ddpkit.parallel.shm_allreduce, the "shm" hook: mean,
 same machine). The ceiling is one process copying S bytes (torch `copy_`, same thread count as a rank).
 """
 

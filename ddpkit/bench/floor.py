@@ -123,7 +123,7 @@ def fsdp_traffic(param_bytes: float, world: int) -> float:
 
 
 def fsdp_ddpkit_traffic(param_bytes: float, world: int, shared_output: bool = False) -> float:
-    """Bytes read + written per rank per step by ddpkit's FSDP path (`ddpkit.step.fsdp_shm`). Per
+    """Bytes read + written per rank per step by ddpkit's FSDP path (`ddpkit.parallel.fsdp_shm`). Per
     all-gather: FSDP2's copy-in (P/W) and copy-out (P), plus, unless the output is itself in shared
     memory (`shared_output`), the shard into the slot (P/W) and the others' slots into the output
     (P (W-1)/W). Reduce-scatter: FSDP2's copy-in (G), the input divided into the slot (G read, G

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.data import plan_batch
 from ddpkit.names import CPU_ALLOCATOR_ENV
 
 CPU_ALLOCATOR_OPT_OUT = CPU_ALLOCATOR_ENV  # the documented switch (README), as a user sets it
@@ -46,7 +47,7 @@ class Config:
     hook_options: dict[str, Any] = field(default_factory=dict)
     zero: bool = False  # torch's ZeroRedundancyOptimizer: each rank updates a shard, then broadcasts
     fused: bool = False  # the user's optimizer class with fused=True (one kernel per step, same math)
-    cpu_allocator: bool = False  # ddpkit's CPU allocator settings (ddpkit.step.cpu_allocator); False: glibc's
+    cpu_allocator: bool = False  # ddpkit's CPU allocator (ddpkit.parallel.cpu_allocator); False: glibc's
     shard: bool = False  # ddpkit.step.sharding: each rank steps its share of the parameters, then publishes
     compile: bool = False  # s.model(..., compile=True): Inductor; compilation happens in the warm-up steps
 
@@ -172,7 +173,7 @@ def run_group(
     workload = workloads.load(spec)
     out = []
     with ddpkit.session(seed=0, verbose=False) as s:
-        per_rank = workload.global_batch // s.world_size
+        per_rank = plan_batch(workload.global_batch, None, world_size=s.world_size).per_rank  # the loader's
         x, y = workload.sample(torch.Generator().manual_seed(1 + s.rank), per_rank)
         batch = (x.to(s.device), y.to(s.device))
         for raw in configs:

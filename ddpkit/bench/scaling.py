@@ -19,6 +19,8 @@ from typing import Any
 
 from ddpkit.bench import report
 from ddpkit.bench.runner import LOSSY_HOOKS, Config, Stats, measure
+from ddpkit.data import plan_batch
+from ddpkit.errors import DdpkitError
 from ddpkit.tools import workloads
 
 
@@ -29,7 +31,9 @@ def plan(workload: workloads.Workload, max_nproc: int, threads: int, cores: int,
     configs = []
     counts = []
     for n in range(1, max_nproc + 1):
-        if workload.global_batch % n:
+        try:
+            plan_batch(workload.global_batch, None, world_size=n)  # the loader's split, or its refusal
+        except DdpkitError:
             notes.append(f"nproc {n} skipped: global batch {workload.global_batch} is not divisible by it")
             continue
         counts.append(n)

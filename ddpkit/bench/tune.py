@@ -4,13 +4,13 @@
     ddpkit bench tune --workload mypkg.models:my_workload --nproc 2 --rounds 5
 
 Tried, each against hand-written DDP with torch's defaults (the baseline, ratio 1.00):
-- ddpkit's defaults (gradients as bucket views, CPU memory kept between steps: `ddpkit.step.cpu_allocator`,
-  the optimizer step sharded over the ranks: `ddpkit.step.sharding`), parts of them alone, bucket sizes 5
-  and 100 MB, static graph;
+- ddpkit's defaults (gradients as bucket views, CPU memory kept between steps:
+  `ddpkit.parallel.cpu_allocator`, the optimizer step sharded over the ranks: `ddpkit.step.sharding`),
+  parts of them alone, bucket sizes 5 and 100 MB, static graph;
 - communication hooks: "shm" (exact shared-memory all-reduce, same machine only) and the lossy fp16 /
   bf16 compressions (listed, never recommended unless --allow-lossy);
 - torch.compile (`s.model(net, compile=True)`; compiled in the warm-up steps, from Inductor's cache after
-  the first round; see `ddpkit.step.compiling`);
+  the first round; see `ddpkit.parallel.compiling`);
 - torch's ZeroRedundancyOptimizer (each rank updates 1/N of the parameters, then broadcasts them);
 - one process using every core (no DDP at all): on a small CPU machine often the fastest, because
   processes x threads must not exceed the cores and a CPU all-reduce competes with compute for them;

@@ -49,7 +49,7 @@ from ddpkit.checkpoint.sync import CheckpointContext, Sync
 from ddpkit.checkpoint.write import capture, full_weights, start, write
 from ddpkit.cluster.preemption import Preempted, Preemption
 from ddpkit.errors import problem
-from ddpkit.step.wrap import unwrap
+from ddpkit.parallel.modules import unwrap
 
 __all__ = ["CheckpointContext", "CheckpointError", "Checkpoints", "Preempted", "latest"]
 

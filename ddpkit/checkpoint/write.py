@@ -35,8 +35,8 @@ from ddpkit.checkpoint import state as checkpoint_state
 from ddpkit.checkpoint.files import Tensors
 from ddpkit.checkpoint.gather import local_share
 from ddpkit.checkpoint.sync import CheckpointContext, Sync
+from ddpkit.parallel.modules import unwrap
 from ddpkit.step.sharding import gather_state
-from ddpkit.step.wrap import unwrap
 
 
 @dataclass(frozen=True)

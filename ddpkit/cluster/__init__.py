@@ -10,8 +10,11 @@
     watchdog      where every rank stands: Python stacks through the c10d store, for stall reports
     exit_guard    an exit that cannot turn a finished run into a failure
     preemption    a signal asks the job to stop: every rank stops at the same step, saves, exits 75
+    requeue       the scheduler's requeue behind the environment (Slurm's `scontrol`; a place for others)
+    signals       the stop policy, parsed once (which signal, whether to requeue)
     ranks         `RankContext`: rank, world size, print once, `s.all_reduce`, ...
 
-Owns: who runs where, and for how long. May import errors, names and the step wing's leaf helpers
-(`step.collectives`, `step.cpu_allocator`); never the training facade (contract "facade") nor the tools.
+Owns: who runs where, and for how long. May import errors, names and the parallel wing's helpers
+(`parallel.collectives`, `parallel.cpu_allocator`); never the training facade (contract "facade") nor
+the tools.
 """

@@ -2,7 +2,8 @@
 
 Each function reads a mapping of environment variables and returns the `RankEnv` it describes, or None
 when the environment is not its launcher. `detect` tries them in the order of `DETECTORS`; the first
-answer wins. `ddpkit.cluster.topology` turns the answer into a plan, and `ddpkit doctor` shows it.
+answer wins; detectors of your own (the `Detector` protocol, `ddpkit.session(launcher=...)`) are
+tried first. `ddpkit.cluster.topology` turns the answer into a plan, and `ddpkit doctor` shows it.
 
     torchrun / ddpkit run      RANK, WORLD_SIZE, LOCAL_RANK (+ LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_*)
     Kubernetes PyTorchJob      RANK, WORLD_SIZE, MASTER_ADDR/PORT in a pod, no LOCAL_*: one process a pod
@@ -22,12 +23,25 @@ two apart. Such a process trains alone, with a note naming `srun python train.py
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ddpkit.errors import problem
 
 Env = Mapping[str, str]
+
+# The launchers' variables, owned here (doctor shows them, gpucheck starts its checks without them):
+RANK_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+    "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+)
+LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_")  # Slurm, torchrun's agent, MPI
+
+
+def launcher_vars(env: Env) -> dict[str, str]:
+    """The launchers' variables in `env` (what the detectors read, and their families)."""
+    return {k: v for k, v in sorted(env.items()) if k in RANK_VARS or k.startswith(LAUNCHER_PREFIXES)}
 
 
 @dataclass(frozen=True)
@@ -206,8 +220,15 @@ def plain(env: Env) -> RankEnv:
     return RankEnv(launcher="none")
 
 
+class Detector(Protocol):
+    """A launcher's detector: the `RankEnv` this environment describes, or None when it is not its
+    launcher. Pass your own to `ddpkit.session(launcher=...)`; it is asked before the built-in ones."""
+
+    def __call__(self, env: Env) -> RankEnv | None: ...
+
+
 # Priority order, first match wins. Why this order:
-DETECTORS: tuple[Callable[[Env], RankEnv | None], ...] = (
+DETECTORS: tuple[Detector, ...] = (
     torchrun,  # an agent's LOCAL_RANK is the most specific; torchrun inside srun or a pod wins
     pytorchjob,  # RANK/WORLD_SIZE without LOCAL_* in a Kubernetes pod: one process per pod
     env_vars,  # RANK/WORLD_SIZE without LOCAL_* anywhere else: someone set env:// by hand
@@ -218,9 +239,9 @@ DETECTORS: tuple[Callable[[Env], RankEnv | None], ...] = (
 )
 
 
-def detect(env: Env) -> RankEnv:
-    """The first answer of `DETECTORS` for `env`."""
-    for detector in DETECTORS:
+def detect(env: Env, first: Sequence[Detector] = ()) -> RankEnv:
+    """The first answer of `first` (a user's own detectors), then of `DETECTORS`, for `env`."""
+    for detector in (*first, *DETECTORS):
         ranks = detector(env)
         if ranks is not None:
             return ranks

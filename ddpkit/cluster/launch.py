@@ -62,7 +62,7 @@ from ddpkit.names import (
     SHARE_GPU_ENV,
     SIGNALLED_FILE,
 )
-from ddpkit.step import cpu_allocator
+from ddpkit.parallel import cpu_allocator
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,9 +38,7 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -50,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.cluster import requeue
 from ddpkit.cluster.signals import PreemptionOptions, signal_of
 from ddpkit.names import PREEMPTED_EXIT_CODE, PREEMPTION_RECORD_ENV, SIGNALLED_FILE
 
@@ -186,35 +185,13 @@ class Preemption:
         say(f"ddpkit: preempted ({how}) at step {step}: saved {checkpoint}; exiting with code "
             f"{PREEMPTED_EXIT_CODE} (resume by starting the same command)")  # fmt: skip
         if is_main:
-            requeued = self._requeue(say)
+            requeued = requeue.of(self.env).requeue(self.options.requeue, say)  # the launcher's way
             record = self.env.get(PREEMPTION_RECORD_ENV)
             if record:
                 with contextlib.suppress(OSError):
                     Path(record).write_text(json.dumps({"step": step, "checkpoint": str(checkpoint),
                                                         "signal": how, "requeued": requeued}))  # fmt: skip
         return Preempted(step, checkpoint, how)
-
-    def _requeue(self, say: Callable[[str], None]) -> bool:
-        job = self.env.get("SLURM_JOB_ID")
-        if not job or self.options.requeue is False:
-            return False
-        scontrol = shutil.which("scontrol", path=self.env.get("PATH"))
-        if scontrol is None:
-            say(f"ddpkit: cannot requeue Slurm job {job}: `scontrol` is not on PATH in this environment (a "
-                "container without Slurm's client tools?). The checkpoint is saved; requeue from outside "
-                f"(`scontrol requeue {job}`), mount Slurm's binaries into the container, or pass "
-                "--requeue 0 to skip this")  # fmt: skip
-            return False
-        if self.options.requeue == "auto" and not _requeueable(scontrol, job):
-            say(f"ddpkit: Slurm job {job} was not submitted with --requeue: not requeued (sbatch --requeue, "
-                "or ddpkit run --requeue 1, to have it requeued)")  # fmt: skip
-            return False
-        done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
-        if done.returncode != 0:
-            say(f"ddpkit: `scontrol requeue {job}` failed ({done.returncode}): {done.stderr.strip()}")
-            return False
-        say(f"ddpkit: requeued Slurm job {job}")
-        return True
 
     def close(self) -> None:
         """Finish the agreement in flight and put the previous handlers back."""
@@ -226,13 +203,3 @@ class Preemption:
             with contextlib.suppress(Exception):
                 signal.signal(sig, previous)
         self._previous.clear()
-
-
-def _requeueable(scontrol: str, job: str) -> bool:
-    try:
-        shown = subprocess.run(
-            [scontrol, "show", "job", "-o", job], capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return "Requeue=1" in shown.stdout

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.cluster import topology
-from ddpkit.step import collectives
+from ddpkit.parallel import collectives
 
 
 class RankContext:

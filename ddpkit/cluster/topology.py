@@ -77,10 +77,10 @@ class Placement:
         return f"mode {self.mode}, world size {r.world_size} ({r.launcher}), device {self.device}, {comm}"
 
 
-def detect_ranks(env: Mapping[str, str]) -> RankEnv:
+def detect_ranks(env: Mapping[str, str], launcher: environments.Detector | None = None) -> RankEnv:
     """Read the launcher's contract from `env` (`ddpkit.cluster.environments`, first detector that
-    answers)."""
-    ranks = environments.detect(env)
+    answers; `launcher`, a detector of your own, first)."""
+    ranks = environments.detect(env, () if launcher is None else (launcher,))
     _check_ranks(ranks)
     return ranks
 
@@ -109,6 +109,7 @@ def resolve(
     device: str = "auto",
     backend: str = "auto",
     share_gpu: bool = False,
+    launcher: environments.Detector | None = None,
 ) -> Placement:
     """Combine the launcher's ranks, the hardware and the user's overrides into a `Placement`."""
     if device == "auto":
@@ -118,7 +119,7 @@ def resolve(
         raise problem(f"device={device!r} is not one of {DEVICES}", "Pass device='auto', 'cpu' or 'cuda'")
     if backend not in BACKENDS:
         raise problem(f"backend={backend!r} is not one of {BACKENDS}", "Pass 'auto', 'gloo' or 'nccl'")
-    ranks = detect_ranks(env)
+    ranks = detect_ranks(env, launcher)
     notes: tuple[str, ...] = (ranks.note,) if ranks.note else ()
     use_gpu = hardware.gpus > 0 if device == "auto" else device == "cuda"
     if use_gpu and hardware.gpus == 0:

@@ -8,5 +8,5 @@
     flops      model FLOPs (counted once), FLOP/s and MFU against a GPU table or a measured CPU peak
     monitor    the pieces above, as `fit` drives them
 
-Owns: numbers leaving the run. May import errors and `step.collectives`; never the facade.
+Owns: numbers leaving the run. May import errors and `parallel.collectives`; never the facade.
 """

@@ -15,7 +15,7 @@ process only by the order of float64 additions. Before the all-reduce, the ranks
 kinds of their metrics; a mismatch is an error on every rank rather than a silent mix-up or a hang.
 
 `compute` is a collective: call it on every rank, the same number of times. The reductions, gathers
-and stop flags it builds on live in `ddpkit.step.collectives`.
+and stop flags it builds on live in `ddpkit.parallel.collectives`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import zlib
 import torch
 
 from ddpkit.errors import problem
-from ddpkit.step.collectives import Ranks, all_reduce, gather_object
+from ddpkit.parallel.collectives import Ranks, all_reduce, gather_object
 
 
 # -- metric accumulators -----------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from ddpkit.errors import problem
 from ddpkit.observe.anatomy import StepAnatomy
 from ddpkit.observe.flops import Peak, Utilisation, count_flops, device_peak, utilisation
 from ddpkit.observe.slowrank import RankView, SlowRankDetector
-from ddpkit.step.collectives import Ranks
+from ddpkit.parallel.collectives import Ranks
 
 T = TypeVar("T")
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ddpkit.errors import problem
 from ddpkit.observe.anatomy import FIELDS, StepAnatomy, as_row, from_rows
-from ddpkit.step.collectives import Ranks, gather_object
+from ddpkit.parallel.collectives import Ranks, gather_object
 
 CAUSES = {
     "data": ("in data loading", "raise num_workers, or check this host's disk and CPU load"),

@@ -9,6 +9,8 @@ package is imported the first time something is logged, so `import ddpkit` and `
 the same with or without the extras installed (docs/tracking.md has the figures).
 
 `log_to="auto"` (the default) means TensorBoard when the `tensorboard` package is installed, else none.
+A tracker of your own is an object with `log(values, step)` and `close()` (the `Logger` protocol): pass
+it as `log_to=` or in its list (`log_to=["tensorboard", MyTracker()]`); it receives every `s.log`.
 
 One `log_dir` holds one run. A session that opens a `log_dir` an earlier session wrote continues that
 run: the same TensorBoard directory, MLflow run id and W&B run id (`resume="allow"`), kept in
@@ -31,13 +33,24 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, Union, runtime_checkable
 
 from ddpkit.errors import problem
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 STATE_FILE = "ddpkit-tracking.json"
 STEPS_FILE = "ddpkit-steps.txt"
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """A tracker of your own (`log_to=MyTracker()`): receives `s.log`'s scalars on global rank 0."""
+
+    def log(self, values: Mapping[str, float], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+LogTo = Union[str, Logger, Sequence[Union[str, Logger]], None]  # noqa: UP007 (a runtime alias on 3.10)
 
 
 class Tracker(Protocol):
@@ -50,11 +63,38 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def parse(log_to: str | Sequence[str] | None) -> tuple[str, ...]:
-    """The tracker names `log_to` asks for ("auto" stays "auto"); a clear error for an unknown one."""
-    if log_to is None or log_to is False:  # type: ignore[comparison-overlap]  # False: from a user's config
+class _Own:
+    """A user's `Logger` as a `Tracker`: it receives every step (no earlier session to skip)."""
+
+    skip_through = -1
+
+    def __init__(self, logger: Logger) -> None:
+        self.logger = logger
+        self.name = getattr(logger, "name", type(logger).__name__)
+
+    def durable_through(self, written: int) -> int:
+        return -1
+
+    def log(self, values: Mapping[str, float], step: int) -> None:
+        self.logger.log(values, step)
+
+    def close(self) -> None:
+        self.logger.close()
+
+
+def own_loggers(log_to: LogTo) -> tuple[Logger, ...]:
+    """The tracker instances in `log_to` (names are for `parse`)."""
+    if log_to is None or isinstance(log_to, str):
         return ()
-    names = (log_to,) if isinstance(log_to, str) else tuple(log_to)
+    items = (log_to,) if isinstance(log_to, Logger) else log_to
+    return tuple(t for t in items if isinstance(t, Logger) and not isinstance(t, str))
+
+
+def parse(log_to: LogTo) -> tuple[str, ...]:
+    """The tracker names `log_to` asks for ("auto" stays "auto"); a clear error for an unknown one."""
+    if log_to is None or log_to is False or isinstance(log_to, Logger):  # type: ignore[comparison-overlap]
+        return ()  # False: from a user's config
+    names = (log_to,) if isinstance(log_to, str) else tuple(t for t in log_to if not isinstance(t, Logger))
     if names == ("auto",):
         return names
     unknown = [n for n in names if n not in TRACKERS]
@@ -80,7 +120,7 @@ class Tracking:
 
     def __init__(
         self,
-        log_to: str | Sequence[str] | None,
+        log_to: LogTo,
         log_dir: str | os.PathLike | None,
         *,
         enabled: bool,
@@ -88,7 +128,8 @@ class Tracking:
         config: Mapping[str, Any] | None = None,
     ) -> None:
         self.names = parse(log_to)
-        self.enabled = enabled and bool(self.names)  # global rank 0 with at least one tracker asked for
+        self.own = own_loggers(log_to)  # a user's own trackers (the `Logger` protocol)
+        self.enabled = enabled and bool(self.names or self.own)  # global rank 0 with a tracker asked for
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.project = project  # None: $WANDB_PROJECT / $MLFLOW_EXPERIMENT_NAME, else "ddpkit"
         self.config = dict(config or {})
@@ -112,15 +153,17 @@ class Tracking:
         for tracker in self._trackers:  # type: ignore[union-attr]
             if step > tracker.skip_through:  # written by an earlier session of this run
                 tracker.log(scalars, step)
-        self._steps.write(f"{step}\n")  # through to the OS at once: it survives a killed process
-        self._steps.flush()
+        if self._steps is not None:  # only ddpkit's trackers resume a run
+            self._steps.write(f"{step}\n")  # through to the OS at once: it survives a killed process
+            self._steps.flush()
 
     def _open(self, first_step: int) -> None:
         names = self.names
         if names == ("auto",):
             names = ("tensorboard",) if importlib.util.find_spec("tensorboard") else ()
         if not names:
-            self.enabled = False
+            self._trackers = [_Own(t) for t in self.own]
+            self.enabled = bool(self.own)
             return
         root = self.log_dir or default_dir(os.environ)
         os.makedirs(root, exist_ok=True)
@@ -141,6 +184,7 @@ class Tracking:
             )
             tracker.skip_through = tracker.durable_through(written) if resume_at is not None else -1
             self._trackers.append(tracker)
+        self._trackers.extend(_Own(t) for t in self.own)
         _write_json(state_path, self._state)  # the run ids the adapters chose, for the next session
         self._steps = open(steps_path, "a")  # noqa: SIM115 -- held open for the session, closed in close()
         self.log_dir = root
@@ -148,7 +192,7 @@ class Tracking:
     def close(self) -> None:
         for tracker in self._trackers or []:
             tracker.close()
-        if self._trackers:
+        if self._steps is not None:
             _write_json(os.path.join(self.log_dir, STATE_FILE), self._state)  # type: ignore[arg-type]
         if self._steps is not None:
             self._steps.close()

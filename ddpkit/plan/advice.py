@@ -2,7 +2,7 @@
 
 The gains are the simulator's, at the largest N of the plan; each names its price: a bigger per-rank
 batch needs memory (and, in strong scaling, a retuned learning rate), accumulation makes the global
-batch k times larger, a compression hook costs gradient accuracy (figures from ddpkit/step/comm_hooks.py),
+batch k times larger, a compression hook costs gradient accuracy (figures from ddpkit/parallel/comm_hooks.py),
 FSDP moves more bytes (3 collectives' worth against DDP's 2) to hold 1/N of the model state.
 """
 
@@ -16,7 +16,7 @@ from ddpkit.plan.simulate import Options, Prediction
 from ddpkit.strategy.choice import verdict
 
 HIDDEN_SHARE = 0.05  # communication adding less than this share of the step counts as hidden
-HOOK_COST = {  # measured in tests/test_comm_hooks.py, tabulated in ddpkit/step/comm_hooks.py
+HOOK_COST = {  # measured in tests/test_comm_hooks.py, tabulated in ddpkit/parallel/comm_hooks.py
     "fp16": "relative error 3.2e-4 of the averaged gradient; overflows above 65504",
     "bf16": "relative error 2.4e-3 of the averaged gradient; fp32's range",
     "powersgd": "a rank-r approximation per step (1.3 relative error at rank 1), error feedback "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from ddpkit.data import plan_batch
 from ddpkit.errors import problem
 from ddpkit.plan import profile as prof
 from ddpkit.plan.links import Link
@@ -33,7 +34,7 @@ def per_rank_batches(counts: Sequence[int], *, batch: int | None, global_batch: 
             f"global batch {global_batch} is not divisible by {bad}",
             "Pick counts that divide it (--counts), or plan with a per-rank batch (--batch-size)",
         )
-    return {n: global_batch // n for n in counts}
+    return {n: plan_batch(global_batch, None, world_size=n).per_rank for n in counts}  # the loader's split
 
 
 def batches_to_profile(wanted: Sequence[int], limit: int = 3) -> list[int]:

@@ -62,7 +62,7 @@ def defer_hook(state: Deferred, bucket: dist.GradBucket) -> torch.futures.Future
 
 class Candidates:
     """The DDP models of one session whose gradients a sharded step may reduce-scatter (`s.model` adds
-    them, found by `step.wrap.ddp_of`, only for shard_optimizer="gradients"); held weakly, by the
+    them, found by `parallel.modules.ddp_of`, only for shard_optimizer="gradients"); held weakly, by the
     session's Stepper, so nothing outlives the session. Nothing happens until a sharded step over a
     model's parameters `claim`s it (not when the model has a communication hook of the user's)."""
 

@@ -9,7 +9,7 @@ same optimizer update on every parameter. On CPU ranks that repeated update comp
 everything else (AdamW on the 37.8M-parameter `mlp` takes longer than its forward pass). Here rank r
 steps only the parameters it owns (a greedy split by size, whole tensors), so optimizer state exists
 only there too, and then every rank receives the owners' new values: through shared memory when the
-ranks share a machine (`ddpkit.step.shm_allreduce`), else by broadcasts from each owner.
+ranks share a machine (`ddpkit.parallel.shm_allreduce`), else by broadcasts from each owner.
 
 How, without touching the user's optimizer: during `optimizer.step()` the gradients of the parameters
 this rank does not own are set aside (`p.grad = None`), which every torch optimizer skips. The update
@@ -240,7 +240,7 @@ def choose(
 
 def _shared_memory(optimizer: torch.optim.Optimizer, device: torch.device, timeout: float) -> Any | None:
     """A shared-memory channel when every rank is on this machine and the parameters can use it."""
-    from ddpkit.step.shm_allreduce import ShmAllReduce
+    from ddpkit.parallel.shm_allreduce import ShmAllReduce
 
     params = _params(optimizer)
     usable = device.type == "cpu" and all(p.is_contiguous() and p.device.type == "cpu" for p in params)

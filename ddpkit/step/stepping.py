@@ -30,8 +30,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import problem
+from ddpkit.parallel.precision import LossScale, PrecisionPlan
 from ddpkit.step import invariant, shard_exchange, sharding
-from ddpkit.step.precision import LossScale, PrecisionPlan
 from ddpkit.step.tokens import Count, TokenWeighting
 from ddpkit.strategy import Strategy
 
@@ -140,9 +140,10 @@ class Stepper:
         self._awaiting_step = True
 
     def adopt(self, ddp: DistributedDataParallel | None) -> None:
-        """A model `s.model` wrapped in DDP (`step.wrap.ddp_of`; None otherwise). reproducible="any-world":
-        its all-reduce becomes an error (`invariant.AnyWorld.guard`); shard="gradients" on CPU ranks: its
-        gradients may be reduce-scattered by the sharded step (`shard_exchange.Candidates`)."""
+        """A model `s.model` wrapped in DDP (`parallel.modules.ddp_of`; None otherwise).
+        reproducible="any-world": its all-reduce becomes an error (`invariant.AnyWorld.guard`);
+        shard="gradients" on CPU ranks: its gradients may be reduce-scattered by the sharded step
+        (`shard_exchange.Candidates`)."""
         if self.invariant is not None:
             self.invariant.guard(ddp)
         elif self.shard == "gradients" and self.device.type == "cpu":

@@ -1,17 +1,34 @@
-"""Strategies: what data parallelism means for a model ("single", "ddp", "fsdp"); see `base.Strategy`.
+"""Strategies: what data parallelism means for a model ("single", "ddp", "fsdp", or one registered).
 
-`make` turns what a user passed (to `ddpkit.session(strategy=)` or `s.model(strategy=)`: a name,
-`DDPOptions` or `FSDPOptions`) into the one strategy object the session, the stepper and checkpoints
-ask; the session builds it once. "auto" is "ddp" with more than one process; any name is "single" with
-one process (said once). `NAMES` is the one list of names; tools that compare or simulate N ranks offer
-`DISTRIBUTED`.
+    base           `Strategy`: the interface (wrap, skip_sync, clip, join, state dicts, checks of a kind)
+    registry       the strategies by name (`register`, a `Builder` protocol) and the one reading of a choice
+    single         one process: the model as is
+    ddp            DistributedDataParallel: its construction (`wrap_model`) and the strategy
+    ddp_options    `DDPOptions`
+    fsdp           FSDP2 (`fully_shard`) over the shape's mesh
+    fsdp_options   `FSDPOptions`
+    fsdp_init      a model factory built shard by shard on the meta device
+    fsdp_export    FSDP's full weights streamed to one safetensors file
+    building       what `s.model` does around `wrap`, in order (factory, recompute, memory, weights)
+    checkpointing  activation checkpointing (`s.model(activation_checkpointing=...)`)
+    rank_memory    whether a replicated model fits a rank (before it is wrapped)
+    choice         when FSDP is worth it (model state vs a device's memory), for `bench tune` and `plan`
+    weights        pretrained weights read whole (rank 0) or by rows (sharded)
+    hf             Hugging Face models: blocks, `save_pretrained` directories
+
+`make` turns what a user passed to `ddpkit.session(strategy=)` (a name, a registered strategy's options
+such as `DDPOptions` / `FSDPOptions`, or a `Strategy` instance) and the cluster's `Shape` into the one
+strategy object the session, the stepper and checkpoints ask; the session builds it once. "auto" is "ddp"
+with more than one process; any name is "single" with one process (said once). `NAMES` is the list of
+built-in names; tools that compare or simulate N ranks offer `DISTRIBUTED`. A new strategy is a module
+with a `Builder` and one `register` call (`ddpkit.strategy.registry`).
 
 `FSDP` is imported when first asked for (`make` with "fsdp", or `ddpkit.strategy.FSDP`): a DDP session
 does not load FSDP2's machinery before its first step.
 
 Owns: how a model is wrapped, synchronised, clipped, saved and loaded for each kind of parallelism.
-May import the step wing's lower pieces (precision, collectives, wrap, compiling), the checkpoint
-format (`checkpoint.files`), errors and names; never the facade, the stepper or the cluster wing.
+May import the parallel wing (what strategies are built from), the checkpoint format (`checkpoint.files`),
+errors and names; never the facade, the stepper or the cluster wing.
 """
 
 from __future__ import annotations
@@ -20,46 +37,61 @@ from typing import Any, Union
 
 from ddpkit.errors import problem
 from ddpkit.names import DISTRIBUTED, STRATEGIES
-from ddpkit.step.collectives import Ranks
-from ddpkit.step.precision import FP32, PrecisionPlan, resolve_precision
-from ddpkit.step.wrap import DDPOptions
+from ddpkit.parallel.collectives import Ranks
+from ddpkit.parallel.precision import FP32, PrecisionPlan
+from ddpkit.parallel.shape import Shape
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.ddp import DDP
+from ddpkit.strategy.ddp_options import DDPOptions
 from ddpkit.strategy.fsdp_options import FSDPOptions
+from ddpkit.strategy.registry import Builder, Chosen, register, resolve
 from ddpkit.strategy.single import Single
 
-NAMES = STRATEGIES  # the one list (`ddpkit.names`)
+NAMES = STRATEGIES  # the built-in names (`ddpkit.names`)
 
-Choice = Union[str, DDPOptions, FSDPOptions]  # noqa: UP007 (a runtime alias on Python 3.10)
+Choice = Union[str, DDPOptions, FSDPOptions, Strategy]  # noqa: UP007 (a runtime alias on Python 3.10)
 
-__all__ = ["DDP", "DISTRIBUTED", "FSDP", "NAMES", "Choice", "DDPOptions", "FSDPOptions", "Single",
-           "Strategy", "check_name", "kind", "make", "options_of"]  # fmt: skip
+__all__ = [
+    "DDP",
+    "DISTRIBUTED",
+    "FSDP",
+    "NAMES",
+    "Builder",
+    "Choice",
+    "Chosen",
+    "DDPOptions",
+    "FSDPOptions",
+    "Shape",
+    "Single",
+    "Strategy",
+    "check_name",
+    "kind",
+    "make",
+    "options_of",
+    "register",
+    "resolve",
+]
 
 
-def check_name(strategy: Any) -> str:
-    """The strategy's name ("auto", "single", "ddp", "fsdp"), or a clear error for anything else."""
-    if isinstance(strategy, FSDPOptions):
-        return "fsdp"
-    if isinstance(strategy, DDPOptions):
-        return "ddp"
-    if strategy not in NAMES:
-        raise problem(f"strategy={strategy!r} is not one of {', '.join(map(repr, NAMES))}",
-                      "Pass 'ddp' (replicas), 'fsdp' (sharded parameters) or 'auto'")  # fmt: skip
-    return strategy
+def check_name(strategy: object) -> str:
+    """The strategy's name ("auto", "single", "ddp", "fsdp", a registered one), or a clear error."""
+    return resolve(strategy).name
 
 
-def kind(strategy: Choice, ranks: Ranks) -> str:
-    """The strategy `make` builds for this choice on these ranks: "single", "ddp" or "fsdp"."""
-    name = check_name(strategy)
+def kind(strategy: Choice | Chosen, ranks: Ranks) -> str:
+    """The strategy `make` builds for this choice on these ranks: "single", "ddp", "fsdp", ..."""
+    chosen = resolve(strategy)
+    if chosen.instance is not None:
+        return chosen.name
     if not ranks.distributed:
         return "single"
-    return "ddp" if name == "auto" else name
+    return "ddp" if chosen.name == "auto" else chosen.name
 
 
-def options_of(strategy: Choice | None, sugar: DDPOptions) -> DDPOptions | FSDPOptions | None:
+def options_of(strategy: Choice | None, sugar: DDPOptions) -> object:
     """The options one `s.model` call gives its model: `strategy=` when it is options, or the flat DDP
     keywords (sugar for `DDPOptions`); None: the strategy's own. Both at once is an error."""
-    given = strategy if isinstance(strategy, (DDPOptions, FSDPOptions)) else None
+    given = None if strategy is None else resolve(strategy).options
     if sugar == DDPOptions():
         return given
     if isinstance(given, DDPOptions):
@@ -70,25 +102,24 @@ def options_of(strategy: Choice | None, sugar: DDPOptions) -> DDPOptions | FSDPO
     return sugar  # with FSDP, its wrap says that DDP options do not apply
 
 
-def make(strategy: Choice, ranks: Ranks, *, precision: PrecisionPlan | None = None) -> Strategy:
-    """The strategy object for `strategy` on these ranks, carrying its options (`DDPOptions`,
-    `FSDPOptions`) and, for FSDP, the precision checked against what FSDP can apply."""
-    name = check_name(strategy)
-    options = strategy if isinstance(strategy, (DDPOptions, FSDPOptions)) else None
-    if not ranks.distributed:
-        asked = name if name in DISTRIBUTED else None
-        return Single(options if isinstance(options, DDPOptions) else None, asked=asked)
-    if name == "fsdp":
-        plan = resolve_precision(precision or FP32, "", loss_scale=False)  # no fp16: the one refusal
-        from ddpkit.strategy.fsdp import FSDP
-
-        return FSDP(options if isinstance(options, FSDPOptions) else None, ranks, plan)
-    if name == "single":
+def make(strategy: Choice | Chosen, shape: Shape, *, precision: PrecisionPlan | None = None) -> Strategy:
+    """The strategy object for `strategy` on the ranks `shape` describes, carrying its options and, for
+    FSDP, the precision checked against what FSDP can apply. An instance is used as it is."""
+    chosen = resolve(strategy)
+    if chosen.instance is not None:
+        return chosen.instance
+    if not shape.distributed:
+        asked = chosen.name if chosen.name not in ("auto", "single") else None
+        return Single(chosen.options if isinstance(chosen.options, DDPOptions) else None, asked=asked)
+    if chosen.name == "single":
         raise problem(
-            f"strategy='single' with {ranks.world_size} processes would train unsynchronised replicas",
+            f"strategy='single' with {shape.world_size} processes would train unsynchronised replicas",
             "Pass strategy='ddp' or 'fsdp', or start one process",
         )
-    return DDP(options if isinstance(options, DDPOptions) else None)
+    from ddpkit.strategy.registry import registered
+
+    name = "ddp" if chosen.name == "auto" else chosen.name
+    return registered[name].builder()(chosen.options, shape, precision or FP32)
 
 
 def __getattr__(name: str) -> Any:

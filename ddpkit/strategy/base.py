@@ -1,6 +1,6 @@
 """What "data parallel" means for one kind of training: the interface every strategy implements.
 
-    strategy = ddpkit.strategy.make("fsdp", ranks, precision=plan)   # the session does this, once
+    strategy = ddpkit.strategy.make("fsdp", shape, precision=plan)   # the session does this, once
     model = strategy.wrap(net, device)         # to the device; DDP, FSDP2 or nothing
     with strategy.skip_sync(model):            # micro-batches 1..k-1 of an accumulation group
         loss.backward()
@@ -11,8 +11,9 @@ Everything that differs between one device, DDP and FSDP lives behind this seam,
 the stepper, checkpoints, verify and trace ask the strategy instead of testing for DDP: also the checks
 that belong to a kind (`check_compile`: may it wrap a compiled module; `check_loadable`: what a
 checkpoint saved by another strategy may restore into it). A strategy carries its own options
-(`DDPOptions`, `FSDPOptions`). Strategies are named by plain strings ("single", "ddp", "fsdp"; the one
-list is `ddpkit.strategy.NAMES`), which is also what `plan` and `doctor` speak.
+(`DDPOptions`, `FSDPOptions`). Strategies are named by plain strings ("single", "ddp", "fsdp"; the
+built-in list is `ddpkit.strategy.NAMES`, which is also what `plan` and `doctor` speak); a strategy of
+your own is a subclass, registered by name (`ddpkit.strategy.register`) or passed as an instance.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from ddpkit.errors import problem
-from ddpkit.step.wrap import unwrap
+from ddpkit.parallel.modules import unwrap
 
 
 class Strategy:
@@ -50,7 +51,7 @@ class Strategy:
         shard so that no rank holds the whole model."""
         return factory()
 
-    def wrap(self, module: nn.Module, device: torch.device, options: Any = None) -> nn.Module:
+    def wrap(self, module: nn.Module, device: torch.device, options: object = None) -> nn.Module:
         """Prepare `module` for training on `device`; the model the user trains. `options`: this
         model's own options (`s.model(net, strategy=DDPOptions(...))`), else the strategy's."""
         return module.to(device)
@@ -61,7 +62,7 @@ class Strategy:
     def check_compile(self) -> None:
         """Raise a clear error when this strategy cannot wrap a torch.compile'd module."""
 
-    def check_loadable(self, saved: str, optimizers: Collection[str], path: Any) -> None:
+    def check_loadable(self, saved: str, optimizers: Collection[str], path: object) -> None:
         """Raise a clear error when a checkpoint saved with strategy `saved` cannot restore these
         optimizers into this strategy (the weights always can)."""
 
@@ -90,7 +91,7 @@ class Strategy:
         """Clip gradients to a total 2-norm of `max_norm`; the norm before clipping."""
         return nn.utils.clip_grad_norm_(list(params), max_norm)
 
-    def join(self, model: nn.Module, joinables: tuple[Any, ...]) -> contextlib.AbstractContextManager:
+    def join(self, model: nn.Module, joinables: tuple[object, ...]) -> contextlib.AbstractContextManager:
         """Inside: ranks may run out of batches at different times without hanging."""
         return contextlib.nullcontext()  # one process: nobody to wait for
 

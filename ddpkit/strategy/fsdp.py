@@ -14,17 +14,17 @@ sharding and stops with the name of the first one that differs.
 
 Precision: "bf16" computes in bf16 (`MixedPrecisionPolicy(param_dtype=bf16)`, from
 `PrecisionPlan.fsdp_policy`) and reduces gradients in fp32; "16" (fp16 with a loss scale) is refused by
-`ddpkit.step.precision.resolve_precision(..., loss_scale=False)`: the scaler's inf check would be per shard,
-so ranks could disagree about skipping a step. Micro-batches skip the reduce-scatter with
+`ddpkit.parallel.precision.resolve_precision(..., loss_scale=False)` (in `build`): the scaler's inf check
+would be per shard, so ranks could disagree about skipping a step. Micro-batches skip the reduce-scatter with
 `set_requires_gradient_sync(False)`; the clipped norm is the all-reduced norm of the sharded gradients,
 identical on every rank. `ddpkit.step.sharding` does not apply: the optimizer state is already sharded.
 
 Collectives: on CPU ranks of one machine FSDP2's all-gather and reduce-scatter go through shared memory
-(`ddpkit.step.fsdp_shm`, `FSDPOptions(shm="auto")`; one segment per session, closed with it), else over
+(`ddpkit.parallel.fsdp_shm`, `FSDPOptions(shm="auto")`; one segment per session, closed with it), else over
 the process group (gloo / NCCL); the note printed at `s.model` says which.
 
 torch.compile (`s.model(..., compile=True)`): `wrap_compiling` compiles each unit in place before
-`fully_shard`, torchtitan's order (why: `ddpkit.step.compiling`).
+`fully_shard`, torchtitan's order (why: `ddpkit.parallel.compiling`).
 """
 
 from __future__ import annotations
@@ -39,13 +39,19 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.errors import problem
-from ddpkit.step import cpu_allocator, fsdp_shm
-from ddpkit.step.collectives import Ranks, same_everywhere
-from ddpkit.step.compiling import CompileBlock
-from ddpkit.step.precision import FP32, PrecisionPlan
+from ddpkit.parallel import cpu_allocator, fsdp_shm
+from ddpkit.parallel.collectives import Ranks, same_everywhere
+from ddpkit.parallel.compiling import CompileBlock
+from ddpkit.parallel.precision import FP32, PrecisionPlan, resolve_precision
+from ddpkit.parallel.shape import Shape
 from ddpkit.strategy import checkpointing, fsdp_export, fsdp_init, hf
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.fsdp_options import FSDPOptions
+
+
+def build(options: FSDPOptions | None, shape: Shape, precision: PrecisionPlan) -> FSDP:
+    """The registered builder (`ddpkit.strategy.registry`): fp16 is refused here, the one refusal."""
+    return FSDP(options, shape, resolve_precision(precision, "", loss_scale=False))
 
 
 def is_fsdp(model: nn.Module) -> bool:
@@ -61,11 +67,11 @@ class FSDP(Strategy):
     collective_forward = True  # each block's forward all-gathers its parameters
 
     def __init__(
-        self, options: FSDPOptions | None, ranks: Ranks, precision: PrecisionPlan | None = None
+        self, options: FSDPOptions | None, shape: Shape, precision: PrecisionPlan | None = None
     ) -> None:
         super().__init__()
         self.options = options or FSDPOptions()
-        self.ranks = ranks
+        self.shape = shape  # its ranks and the 1-D mesh it shards over (`ddpkit.parallel.shape`)
         self.precision = precision or FP32  # the one default plan; fp16: refused by `make`
         self._built: dict[int, fsdp_init.Shards] = {}  # modules `build` made, until `wrap` takes them
         self.shm_comms: fsdp_shm.ShmComms | None = None  # the shared-memory collectives, once opened
@@ -74,7 +80,7 @@ class FSDP(Strategy):
         """Run the model factory on the meta device, keeping this rank's shards of its initial weights
         (`ddpkit.strategy.fsdp_init`); `wrap` then shards the meta module and fills the shards."""
         cpu_allocator.return_freed_blocks()  # the build's full temporaries (CPU) go back when freed
-        module, shards, peak = fsdp_init.build(factory, dist.get_rank(), dist.get_world_size())
+        module, shards, peak = fsdp_init.build(factory, self.shape.rank, self.shape.world_size)
         self._built[id(module)] = shards
         name = type(module).__name__
         self.notes.append(f"FSDP2: built {name} shard by shard (at most {peak / 2**20:.0f} MiB of full "
@@ -84,7 +90,7 @@ class FSDP(Strategy):
     def check_compile(self) -> None:
         """FSDP compiles per block (`wrap_compiling`): torch.compile is never applied to the whole model."""
 
-    def check_loadable(self, saved: str, optimizers: Collection[str], path: Any) -> None:
+    def check_loadable(self, saved: str, optimizers: Collection[str], path: object) -> None:
         if saved != "fsdp" and optimizers:
             raise problem(
                 f"{path} was saved with strategy={saved!r}; its optimizer state ({', '.join(optimizers)}) "
@@ -97,11 +103,11 @@ class FSDP(Strategy):
         return "FSDP2 (fully_shard)"
 
     # -- the model ----------------------------------------------------------------------------------
-    def wrap(self, module: nn.Module, device: torch.device, options: Any = None) -> nn.Module:
+    def wrap(self, module: nn.Module, device: torch.device, options: object = None) -> nn.Module:
         return self._shard(module, device, options, None)[0]
 
     def wrap_compiling(
-        self, module: nn.Module, device: torch.device, options: Any, compile_block: CompileBlock
+        self, module: nn.Module, device: torch.device, options: object, compile_block: CompileBlock
     ) -> tuple[nn.Module, list[str]]:
         """`wrap` with torch.compile the torchtitan way: each FSDP unit (the blocks `_choose_units`
         picks) compiled in place BEFORE `fully_shard`, so that FSDP2's all-gather and reduce-scatter
@@ -110,9 +116,8 @@ class FSDP(Strategy):
         and the names of the compiled modules ("" for the root)."""
         return self._shard(module, device, options, compile_block)
 
-    def _shard(self, module: nn.Module, device: torch.device, options: Any,
+    def _shard(self, module: nn.Module, device: torch.device, options: object,
                compile_block: CompileBlock | None) -> tuple[nn.Module, list[str]]:  # fmt: skip
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         if options is not None and not isinstance(options, FSDPOptions):
@@ -125,7 +130,7 @@ class FSDP(Strategy):
         if is_fsdp(module):
             raise problem("the model is already sharded with fully_shard",
                           "Pass the plain nn.Module; ddpkit shards it")  # fmt: skip
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, world = self.shape.rank, self.shape.world_size
         shards = self._built.pop(id(module), None)
         if shards is None:
             if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
@@ -136,11 +141,11 @@ class FSDP(Strategy):
                     "s.model(lambda: Net(cfg)); ddpkit builds it shard by shard",
                 )
             shards = fsdp_init.cut(module, rank, world)  # a model built whole: keep our chunks, free the rest
-        check_identical(shards, self.ranks)
+        check_identical(shards, self.shape)
         if device.type == "cpu" and cpu_allocator.return_freed_blocks():
             self.notes.append("FSDP2 on CPU: freed blocks of 1 MiB or more go back to the kernel (peak memory"
                               " follows the live shards; see ddpkit.strategy.rank_memory)")  # fmt: skip
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mesh = self.shape.device_mesh()  # 1-D: ("shard", world)
         mp = self.precision.fsdp_policy()
         offload: OffloadPolicy = OffloadPolicy()
         if opts.cpu_offload and device.type != "cpu":
@@ -171,7 +176,7 @@ class FSDP(Strategy):
     def _collectives(self, modules: list[nn.Module], device: torch.device, opts: FSDPOptions) -> str:
         """Shared-memory all-gather and reduce-scatter for CPU ranks of one machine (`fsdp_shm`);
         the note that says which path the collectives take. Collective (the segment is mapped once)."""
-        if device.type != "cpu" or dist.get_world_size() == 1:
+        if device.type != "cpu" or self.shape.world_size == 1:
             return "FSDPOptions(shm=True) changes nothing on GPU ranks (NCCL)" if opts.shm is True else ""
         if opts.shm is False:
             return f"FSDP2 collectives over {dist.get_backend()} (FSDPOptions(shm=False))"
@@ -246,7 +251,7 @@ class FSDP(Strategy):
         nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
-    def join(self, model: nn.Module, joinables: tuple[Any, ...]) -> contextlib.AbstractContextManager:
+    def join(self, model: nn.Module, joinables: tuple[object, ...]) -> contextlib.AbstractContextManager:
         raise problem(
             "s.join is not supported with strategy='fsdp': every rank takes part in each block's all-gather, "
             "so a rank cannot stop early",

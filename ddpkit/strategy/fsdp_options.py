@@ -20,7 +20,7 @@ class FSDPOptions:
     `reshard_after_forward`: free the gathered block after its forward (less memory, one more
     all-gather in backward). `cpu_offload`: keep the sharded parameters, gradients and optimizer step
     on the CPU (GPU ranks; on CPU ranks it changes nothing). `shm`: FSDP2's all-gather and
-    reduce-scatter through shared memory (`ddpkit.step.fsdp_shm`); "auto" (and True) when the ranks are
+    reduce-scatter through shared memory (`ddpkit.parallel.fsdp_shm`); "auto" (and True) when the ranks are
     CPU ranks of one machine and the segment maps, else the process group's (gloo); False: always gloo.
     """
 

@@ -104,7 +104,7 @@ def export(write: Callable[[Path, nn.Module], Any], path: str | Path, model: nn.
     """`s.export`: an HF model exported to a directory (a path without `.safetensors`) becomes one
     `from_pretrained` loads: `model.safetensors` (written by `write`, streamed under FSDP) plus the
     config, written by global rank 0. Anything else: `write(path, model)` as before."""
-    from ddpkit.step.wrap import unwrap
+    from ddpkit.parallel.modules import unwrap
 
     target = Path(path)
     inner: Any = unwrap(model)  # a transformers PreTrainedModel (config, generation_config)

@@ -6,13 +6,12 @@ replica already computes the full-batch gradient.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from ddpkit.step.wrap import DDPOptions, wrap_model
 from ddpkit.strategy.base import Strategy
+from ddpkit.strategy.ddp import wrap_model
+from ddpkit.strategy.ddp_options import DDPOptions
 
 
 class Single(Strategy):
@@ -23,7 +22,7 @@ class Single(Strategy):
         self.options = options or DDPOptions()
         self.asked = asked  # "ddp" or "fsdp" asked for with one process: said once
 
-    def wrap(self, module: nn.Module, device: torch.device, options: Any = None) -> nn.Module:
+    def wrap(self, module: nn.Module, device: torch.device, options: object = None) -> nn.Module:
         if self.asked is not None:
             self.notes.append(f"strategy={self.asked!r} with one process: trained as is (nothing to shard)")
         ddp = options if isinstance(options, DDPOptions) else self.options  # FSDPOptions: nothing to say

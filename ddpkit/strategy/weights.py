@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import problem
-from ddpkit.step.wrap import unwrap
+from ddpkit.parallel.modules import unwrap
 from ddpkit.strategy.checkpointing import plain_name
 
 Weights = str | os.PathLike | None

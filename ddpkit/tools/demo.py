@@ -153,6 +153,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--out", default="ddpkit-demo")
-    parser.add_argument("--precision", default="32", help="32, bf16 or 16 (see ddpkit.step.precision)")
+    parser.add_argument("--precision", default="32", help="32, bf16 or 16 (see ddpkit.parallel.precision)")
     cli = parser.parse_args()
     train(epochs=cli.epochs, out=cli.out, precision=cli.precision)

@@ -23,19 +23,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ddpkit.cluster import environments
 from ddpkit.names import DEVICE_ENV
 
-LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "NCCL_", "GLOO_", "DDPKIT_", "PMI_", "OMPI_")
-LAUNCHER_VARS = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-    "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TORCH_DISTRIBUTED_DEBUG", "MPI_LOCALRANKID",
-    "MPI_LOCALNRANKS", "KUBERNETES_SERVICE_HOST",
-)  # fmt: skip
+COMM_PREFIXES = ("NCCL_", "GLOO_", "DDPKIT_")  # communication and ddpkit's own, beside the launchers'
+COMM_VARS = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TORCH_DISTRIBUTED_DEBUG", "KUBERNETES_SERVICE_HOST")
 
 
 def launcher_env(env: dict[str, str]) -> dict[str, str]:
-    """The variables that steer launching and communication, as this process sees them."""
-    return {k: v for k, v in sorted(env.items()) if k in LAUNCHER_VARS or k.startswith(LAUNCHER_PREFIXES)}
+    """The variables that steer launching (`cluster.environments` owns that list) and communication."""
+    comm = {k: v for k, v in env.items() if k in COMM_VARS or k.startswith(COMM_PREFIXES)}
+    return dict(sorted({**environments.launcher_vars(env), **comm}.items()))
 
 
 def free_port() -> int:

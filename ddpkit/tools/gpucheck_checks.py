@@ -21,14 +21,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.cluster import topology
+from ddpkit.cluster import environments, topology
 from ddpkit.errors import DdpkitError
 from ddpkit.names import DEVICE_ENV, GPUCHECK_DEVICE_ENV, SHARE_GPU_ENV
-from ddpkit.step.precision import PrecisionPlan
-
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                 "MASTER_PORT", DEVICE_ENV, SHARE_GPU_ENV, "SLURM_PROCID", "OMPI_COMM_WORLD_RANK",
-                 "PMI_RANK")  # fmt: skip
+from ddpkit.parallel.precision import PrecisionPlan
 
 
 class Skip(Exception):
@@ -47,7 +43,8 @@ def cuda_only() -> None:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without any launcher's variables, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
+    drop = {*environments.launcher_vars(os.environ), DEVICE_ENV, SHARE_GPU_ENV}  # one owner of the list
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     return {**env, **extra}
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.data import plan_batch
 from ddpkit.names import DISTRIBUTED
 
 _now = time.perf_counter  # CLOCK_MONOTONIC on Linux: comparable across processes of one machine
@@ -92,7 +93,7 @@ def traced_hook(state: TracedHook, bucket: dist.GradBucket) -> torch.futures.Fut
 def _rank(spec: str, hook: str, bucket_cap_mb: float | None, warmup: int, steps: int,
           strategy: str = "ddp") -> dict[str, Any]:  # fmt: skip
     import ddpkit
-    from ddpkit.step import comm_hooks
+    from ddpkit.parallel import comm_hooks
     from ddpkit.tools import workloads
 
     wl = workloads.load(spec)
@@ -114,7 +115,8 @@ def _rank(spec: str, hook: str, bucket_cap_mb: float | None, warmup: int, steps:
                 inner = comm_hooks.resolve(hook)(None)
             model.register_comm_hook(TracedHook(*inner, rec, names), traced_hook)  # type: ignore[operator]
         opt = wl.optimizer(model.parameters())
-        x, y = wl.sample(torch.Generator().manual_seed(1 + s.rank), wl.global_batch // s.world_size)
+        per_rank = plan_batch(wl.global_batch, None, world_size=s.world_size).per_rank  # the loader's split
+        x, y = wl.sample(torch.Generator().manual_seed(1 + s.rank), per_rank)
         x, y = x.to(s.device), y.to(s.device)
         sync = torch.cuda.synchronize if s.device.type == "cuda" else lambda: None  # times mean GPU work
         for i in range(warmup + steps):
@@ -148,7 +150,8 @@ def _fsdp_steps(s: Any, wl: Any, model: Any, rec: Recorder, warmup: int, steps: 
     from torch.profiler import ProfilerActivity, profile, record_function
 
     opt = wl.optimizer(model.parameters())
-    x, y = wl.sample(torch.Generator().manual_seed(1 + s.rank), wl.global_batch // s.world_size)
+    per_rank = plan_batch(wl.global_batch, None, world_size=s.world_size).per_rank
+    x, y = wl.sample(torch.Generator().manual_seed(1 + s.rank), per_rank)
     first_forward = 0.0
     prof = profile(activities=[ProfilerActivity.CPU])
     for i in range(warmup + steps):

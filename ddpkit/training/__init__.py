@@ -2,11 +2,16 @@
 
     session.py     `ddpkit.session(...)` / `Session`: seeds, output, the precision plan, the strategy
                    (built once), the stepper, `s.model`, `s.loader`, `s.save`/`s.load`, `s.log`
+    choosing.py    the strategy, chosen once from `strategy=` and built once from the cluster's `Shape`,
+                   then the stepper that drives it
     fit.py         `ddpkit.fit(...)`: the optional loop (callbacks, non-finite losses, progress)
+    fit_plan.py    what fit was asked to do, checked once (budget, evaluation, intervals)
+    callbacks.py   what fit's callbacks see and what it returns (`FitState`, `Callback`, `FitResult`)
     evaluation.py  `ddpkit.evaluate`: evaluation that keeps the ranks in step
+    seeding.py     `seed_everything`: every generator a run draws from, seeded at once
 
-Owns: what a user's script calls. May import every library wing below it (step, cluster, checkpoint,
-observe, strategy, data, errors, names); nothing below imports it (`.importlinter`, contract "facade"):
-lower layers get typed values, never the session. The public names live in `ddpkit` itself
+Owns: what a user's script calls. May import every library wing below it (step, strategy, parallel,
+cluster, checkpoint, observe, data, errors, names); nothing below imports it (`.importlinter`, contract
+"facade"): lower layers get typed values, never the session. The public names live in `ddpkit` itself
 (`ddpkit.session` is the function; this module is `ddpkit.training.session`).
 """

@@ -32,11 +32,9 @@ phase its time goes to (`ddpkit.observe.slowrank`).
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,60 +45,12 @@ from ddpkit.observe.metrics import Metric, MetricSet
 from ddpkit.observe.monitor import StepMonitor, Window
 from ddpkit.observe.progress import Progress, RunLog
 from ddpkit.step.stepping import StepInfo
+from ddpkit.training.callbacks import Callback, FitResult, FitState
 from ddpkit.training.evaluation import EvalStep, evaluate
+from ddpkit.training.fit_plan import FitPlan, TrainStep, batch_len, check, total_steps
 from ddpkit.training.session import Session
 
-TrainStep = Callable[[nn.Module, Any], torch.Tensor]
-
-
-@dataclass
-class FitState:
-    """What callbacks see. `request_stop(reason)` ends the run after the current step, on every rank."""
-
-    s: Session
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    epoch: int = 0
-    step: int = 0  # optimizer steps done in this fit call
-    loss: float = math.nan  # the last step's loss, mean over ranks and micro-batches
-    epoch_losses: list[float] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)  # every step's loss
-    metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation
-    evals: list[dict[str, float]] = field(default_factory=list)  # every evaluation, with its "step"
-    stop_reason: str | None = None  # set by request_stop on this rank, or when another rank asked
-    stopping: bool = False  # all ranks agreed to stop (in a collective): the loop ends after this step
-
-    def request_stop(self, reason: str = "requested by a callback") -> None:
-        self.stop_reason = reason
-
-    def _agree_stop(self) -> None:
-        self.stopping = True
-        self.stop_reason = self.stop_reason or "requested by a callback on another rank"
-
-
-class Callback:
-    """Override any of these; each gets the `FitState`. They run on every rank."""
-
-    def on_fit_start(self, state: FitState) -> None: ...
-    def on_fit_end(self, state: FitState) -> None: ...
-    def on_epoch_start(self, state: FitState) -> None: ...
-    def on_epoch_end(self, state: FitState) -> None: ...
-    def on_step_start(self, state: FitState) -> None: ...
-    def on_step_end(self, state: FitState) -> None: ...
-    def on_eval_start(self, state: FitState) -> None: ...
-    def on_eval_end(self, state: FitState) -> None: ...
-
-
-@dataclass(frozen=True)
-class FitResult:
-    steps: int
-    epochs: int  # epochs started
-    losses: list[float]  # per optimizer step, mean over ranks
-    evals: list[dict[str, float]]
-    seconds: float
-    stop_reason: str | None
-    skipped_steps: int  # fp16 steps skipped for inf/nan gradients
-    anatomy: dict[str, Any] = field(default_factory=dict)  # StepMonitor.summary(): ranks, findings, MFU
+__all__ = ["Callback", "FitResult", "FitState", "TrainStep", "evaluate", "fit"]  # the loop and its types
 
 
 def fit(
@@ -139,12 +89,12 @@ def fit(
     `flops`: "count" (the first micro-batch under torch's FLOP counter), the model FLOPs of one optimizer
     step on one device, or None (no FLOP/s, no MFU). `anatomy_every`: steps between the ranks' gathers.
     """
-    _check(epochs, max_steps, eval_loader, eval_step, metrics, eval_every, scheduler_interval, log_every)
+    check(epochs, max_steps, eval_loader, eval_step, metrics, eval_every, scheduler_interval, log_every)
     if track_every < 1:
         raise problem(f"track_every={track_every} is below 1", "Pass 1 or more")
-    plan = _Plan(train_step, epochs, max_steps, max_norm, scheduler, scheduler_interval, log_every,
+    plan = FitPlan(train_step, epochs, max_steps, max_norm, scheduler, scheduler_interval, log_every,
                  track_every, eval_loader, eval_step, eval_every, tuple(callbacks))  # fmt: skip
-    total = _total_steps(train_loader, epochs, max_steps, s.accumulation)
+    total = total_steps(train_loader, epochs, max_steps, s.accumulation)
     bar = Progress(total) if progress and s.is_main else None
     metric_set = MetricSet(s, **(metrics or {}))
     monitor = StepMonitor(s, precision=s.precision.name, accumulation=s.accumulation, flops=flops,
@@ -154,24 +104,6 @@ def fit(
     return loop.run(train_loader)
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """What `fit` was asked to do (validated by `_check`)."""
-
-    train_step: TrainStep
-    epochs: int | None
-    max_steps: int | None
-    max_norm: float | None
-    scheduler: Any
-    scheduler_interval: str
-    log_every: int
-    track_every: int
-    eval_loader: Iterable | None
-    eval_step: EvalStep | None
-    eval_every: int | None
-    callbacks: tuple[Callback, ...]
-
-
 class _Loop:
     """The pieces of `fit`, in the order of its pseudocode; one instance per call."""
 
@@ -179,7 +111,7 @@ class _Loop:
         self,
         s: Session,
         state: FitState,
-        plan: _Plan,
+        plan: FitPlan,
         metric_set: MetricSet,
         logger: RunLog,
         bar: Progress | None,
@@ -261,12 +193,12 @@ class _Loop:
             state._agree_stop()
         state.epoch += 1
 
-    def micro_batch(self, batch: Any, local_loss: torch.Tensor) -> bool:
+    def micro_batch(self, batch: object, local_loss: torch.Tensor) -> bool:
         """Forward and backward of one micro-batch; on the k-th, the optimizer step. True after a step."""
         s, state = self.s, self.state
         with s.accumulate(state.model) as micro:
             loss = self.monitor.counting(self.forward_backward, batch)
-        self.samples += _batch_len(batch)
+        self.samples += batch_len(batch)
         value = loss.detach().double()
         finite = torch.isfinite(value)  # kept on the device: no host sync per micro-batch
         local_loss += torch.stack([torch.where(finite, value, 0.0), (~finite).double()])
@@ -296,7 +228,7 @@ class _Loop:
             self.evaluate()
         return True
 
-    def forward_backward(self, batch: Any) -> torch.Tensor:
+    def forward_backward(self, batch: object) -> torch.Tensor:
         loss = self.plan.train_step(self.state.model, batch)
         self.mark("forward")
         self.s.backward(loss)
@@ -343,20 +275,6 @@ class _Loop:
         self.monitor.anatomy.skip()  # and so do the phases
 
 
-def _batch_len(batch: Any) -> int:
-    """Samples in a micro-batch: the first dimension of its first tensor (0 when there is none)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            n = _batch_len(item)
-            if n:
-                return n
-    return 0
-
-
 def _agree(s: Session, state: FitState, local: torch.Tensor) -> float:
     """One all-reduce before the optimizer step: who has a non-finite loss, who wants to stop, the loss.
 
@@ -380,30 +298,3 @@ def _agree(s: Session, state: FitState, local: torch.Tensor) -> float:
     if totals[w] > 0:
         state._agree_stop()
     return totals[w + 1] / w
-
-
-def _check(epochs, max_steps, eval_loader, eval_step, metrics, eval_every, interval, log_every) -> None:
-    if epochs is None and max_steps is None:
-        raise problem("fit needs a budget", "Pass epochs=N, max_steps=N, or both (whichever comes first)")
-    for name, value in (("epochs", epochs), ("max_steps", max_steps), ("eval_every", eval_every)):
-        if value is not None and value < 1:
-            raise problem(f"{name}={value} is below 1", f"Pass {name}=1 or more, or leave it out")
-    if log_every < 1:
-        raise problem(f"log_every={log_every} is below 1", "Pass 1 or more")
-    if (eval_loader is None) != (eval_step is None) or (eval_loader is not None and not metrics):
-        raise problem(
-            "evaluation needs eval_loader, eval_step and metrics together",
-            "Pass all three (e.g. metrics={'accuracy': Accuracy()}), or none of them",
-        )
-    if interval not in ("step", "epoch"):
-        raise problem(f"scheduler_interval={interval!r} is not 'step' or 'epoch'", "Pass one of those")
-
-
-def _total_steps(loader: Iterable, epochs: int | None, max_steps: int | None, k: int) -> int | None:
-    try:
-        per_epoch = len(loader)  # type: ignore[arg-type]
-    except TypeError:
-        return max_steps
-    by_epochs = None if epochs is None else per_epoch * epochs // k
-    known = [n for n in (by_epochs, max_steps) if n is not None]
-    return min(known) if known else None

@@ -9,11 +9,12 @@
 Training steps (`ddpkit.step.stepping`): `with s.accumulate(model): s.backward(loss)`, then `s.step(opt)`,
 for mixed precision (`precision=`), gradient accumulation (`accumulation=`) and clipping (`max_norm=`).
 
-One owner per concept: `precision=` is resolved once against the device (`ddpkit.step.precision`); the
-strategy (`ddpkit.strategy`, with its `DDPOptions` / `FSDPOptions`) is built once, at the first
-`s.model` or when first needed, and then the `Stepper` that holds it; neither is replaced. The strategy
-and the stepper get typed values (`_Group`, the plan, `Limits`), not the session; rank and output
-live in `RankContext`.
+One owner per concept: `precision=` is resolved once against the device (`ddpkit.parallel.precision`);
+the cluster's shape is one `ddpkit.parallel.shape.Shape` value; the strategy (`ddpkit.strategy`: a name,
+its options, or an instance) is chosen and built once from them (`ddpkit.training.choosing`: at the start,
+or, for "auto", at the first `s.model`), then the `Stepper` that holds it; neither is replaced. The
+strategy and the stepper get typed values (the shape, the plan, `Limits`), not the session; rank and
+output live in `RankContext`.
 
 Seeding: every rank starts from the same `seed`, so models are initialised identically; once the model
 is prepared, each rank's global generators move to a stream of its own (`rank_seed`), so dropout and
@@ -24,17 +25,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ddpkit import strategy as strategies
 from ddpkit.cluster import lifecycle, topology
+from ddpkit.cluster.environments import Detector
 from ddpkit.cluster.lifecycle import Limits
 from ddpkit.cluster.preemption import NOTHING_TO_SAVE, Preemption, PreemptionOptions
 from ddpkit.cluster.ranks import RankContext
@@ -42,24 +43,18 @@ from ddpkit.data import ShardedLoader, elastic_accumulation, make_loader, plan_b
 from ddpkit.errors import problem
 from ddpkit.names import WRITER_NICE_ENV
 from ddpkit.observe.anatomy import StepAnatomy
-from ddpkit.observe.tracking import Tracking
-from ddpkit.step import compiling, cpu_allocator, invariant, wrap
-from ddpkit.step.precision import PrecisionPlan, device_supports_bf16, resolve_precision
+from ddpkit.observe.tracking import LogTo, Tracking
+from ddpkit.parallel import compiling, cpu_allocator, modules
+from ddpkit.parallel.precision import PrecisionPlan, device_supports_bf16, resolve_precision
+from ddpkit.parallel.shape import Shape
+from ddpkit.step import invariant
 from ddpkit.step.stepping import MicroBatch, StepInfo, Stepper
 from ddpkit.strategy import Choice, DDPOptions, Strategy, building, hf
+from ddpkit.training.choosing import Choosing
 from ddpkit.training.seeding import seed_everything
 
 if TYPE_CHECKING:  # imported at the first save or load: a run that never saves never loads safetensors
     from ddpkit.checkpoint.checkpoints import Checkpoints
-
-
-@dataclass(frozen=True)
-class _Group:
-    """What the strategy's collectives need to know about the ranks (`collectives.Ranks`), not the session."""
-
-    device: torch.device
-    distributed: bool
-    world_size: int
 
 
 class Session(RankContext):
@@ -76,7 +71,7 @@ class Session(RankContext):
         verbose: bool = True,
         shard_optimizer: bool | str = "auto",
         strategy: Choice = "auto",
-        log_to: str | list[str] | None = "auto",
+        log_to: LogTo = "auto",
         log_dir: str | None = None,
         env: Mapping[str, str] | None = None,
         reproducible: str | None = None, chunk: int | None = None,  # any-world: ddpkit.step.invariant
@@ -86,7 +81,6 @@ class Session(RankContext):
                           "Pass 'auto' (the default), True, False or 'gradients'")  # fmt: skip
         if accumulation < 1:
             raise problem(f"accumulation={accumulation} is below 1", "Pass 1 (no accumulation) or more")
-        strategies.check_name(strategy)
         super().__init__(plan, verbose=verbose)
         self.seed, self.accumulation = seed, accumulation
         self.limits = limits or Limits()  # built once (ddpkit.session), passed down explicitly
@@ -102,31 +96,15 @@ class Session(RankContext):
         self.invariant = invariant.configure(reproducible, chunk, seed=seed, precision=self.precision,
             accumulation=accumulation, rank=self.rank, world_size=self.world_size,
             phases=self.anatomy)  # fmt: skip
-        self._choice = strategy  # what the strategy is built from ("auto": the first s.model's kind)
+        r = plan.ranks
+        self.shape = Shape(self.device, rank=r.rank, world_size=r.world_size, local_rank=r.local_rank,
+                           local_world_size=r.local_world_size)  # fmt: skip
         self._shard = shard_optimizer
-        self._strategy: Strategy | None = None  # built once (`_build`), then the stepper that asks it
-        self._stepper: Stepper | None = None
-        if strategies.kind(strategy, self) == "fsdp":  # built now: fp16 under FSDP is refused at the start
-            self._build(strategy)
-
-    def _build(self, choice: Choice) -> Stepper:
-        """The session's strategy, built once (at the first s.model, or when first needed), then the
-        stepper that holds it; neither is replaced. A later s.model may not ask for another kind."""
-        if self._strategy is None:
-            group = _Group(self.device, self.distributed, self.world_size)  # not the session: a value
-            self._strategy = strategies.make(choice, group, precision=self.precision)
-        elif strategies.kind(choice, self) != self._strategy.name:
-            raise problem(
-                f"this session's strategy is already {self._strategy.name!r} (set by its first s.model, or "
-                f"when it was first needed), now {strategies.kind(choice, self)!r} was asked for",
-                "Use one strategy per session (pass strategy= to ddpkit.session)",
-            )
-        if self._stepper is None:
-            self._stepper = Stepper(self.accumulation, self.precision, distributed=self.distributed,
-                                    report=self.print, shard=self._shard, device=self.device,
-                                    timeout=self.limits.collective, strategy=self._strategy,
+        stepper = functools.partial(Stepper, accumulation, self.precision, distributed=self.distributed,
+                                    report=self.print, shard=shard_optimizer, device=self.device,
+                                    timeout=self.limits.collective,
                                     invariant_mode=self.invariant)  # fmt: skip
-        return self._stepper
+        self._choosing = Choosing(strategy, self.shape, self.precision, stepper=stepper)  # built once
 
     @property
     def rank_seed(self) -> int:
@@ -144,7 +122,7 @@ class Session(RankContext):
         seed_everything(self.seed)
         threads = torch.get_num_threads()
         detail = f", {threads} CPU thread(s) per rank" if self.device.type == "cpu" else ""
-        self.print(f"ddpkit: {self.plan.describe()}{detail}")
+        self.print(f"ddpkit: {self._choosing.describe()}; {self.plan.describe()}{detail}")  # what was chosen
         precision = self.precision.note or (self.precision.describe() if self.precision.name != "32" else "")
         for note in (*self.plan.notes, precision):  # the Slurm batch-script trap; ranks sharing a GPU
             if note:
@@ -172,7 +150,7 @@ class Session(RankContext):
     @property
     def stepper(self) -> Stepper:
         """The step state (fp16 loss scale, optimizer steps); `s.save(..., stepper=s.stepper)` keeps it."""
-        return self._stepper or self._build(self._choice)
+        return self._choosing.stepper()
 
     @property
     def skipped_steps(self) -> int:
@@ -218,7 +196,7 @@ class Session(RankContext):
             self._checkpoints.stop_at_boundary(body)
 
     @contextmanager
-    def join(self, model: nn.Module, *joinables: Any) -> Iterator[None]:
+    def join(self, model: nn.Module, *joinables: object) -> Iterator[None]:
         """Train on per-rank iterables of different lengths without hanging (torch's `Join`).
 
         A rank that runs out of batches shadows the others' gradient all-reduces until all are done;
@@ -294,36 +272,28 @@ class Session(RankContext):
         `ddpkit.strategy.fsdp`). With one process the model is used as is. Build the optimizer from
         the returned model's parameters, after this call. The DDP keywords (`sync_batchnorm=True`:
         BatchNorm statistics over the global batch; `comm_hook`: a gradient compression, "fp16",
-        "bf16", "powersgd", see `ddpkit.step.comm_hooks`; the DDP constructor's options) are sugar for
+        "bf16", "powersgd", see `ddpkit.parallel.comm_hooks`; the DDP constructor's options) are sugar for
         `strategy=DDPOptions(...)`. `compile=True` (or a dict of torch.compile arguments) compiles the
-        module, then wraps it (see `ddpkit.step.compiling`). `weights`: a safetensors file or a directory
+        module, then wraps it (see `ddpkit.parallel.compiling`). `weights`: a safetensors file or a directory
         `save_pretrained` wrote, read into the model (FSDP: each rank its own rows; `strategy.weights`);
         `activation_checkpointing`: a block class or "auto", recomputed in the backward (`.checkpointing`).
         """
-        options = strategies.options_of(strategy, DDPOptions(  # which options (this model's own, if any)
+        sugar = DDPOptions(
             find_unused_parameters=find_unused_parameters, static_graph=static_graph,
             bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers, sync_batchnorm=sync_batchnorm, comm_hook=comm_hook,
             comm_hook_options=comm_hook_options,
-        ))  # fmt: skip
-        stepper = self._strategy_for(strategy)  # which strategy (the session's, built once)
-        model = building.prepare(stepper, module, options, compiling.CompileOptions.parse(compile),
-                                 device=self.device, weights_from=weights, recompute=activation_checkpointing,
-                                 world_size=self.world_size, distributed=self.distributed,
-                                 on_close=self._on_close, say=self.print)  # fmt: skip  (how to prepare)
-        stepper.adopt(wrap.ddp_of(model))  # ZeRO-2's reduce-scatter, or any-world's guard (step.stepping)
+        )  # fmt: skip
+        stepper, options = self._choosing.for_model(strategy, sugar)  # the session's strategy; these options
+        model = building.prepare(stepper.strategy, module, options, compiling.CompileOptions.parse(compile),
+                                 shard=self._shard, device=self.device, weights_from=weights,
+                                 recompute=activation_checkpointing, world_size=self.world_size,
+                                 distributed=self.distributed, on_close=self._on_close,
+                                 say=self.print)  # fmt: skip  (how to prepare)
+        stepper.adopt(modules.ddp_of(model))  # ZeRO-2's reduce-scatter, or any-world's guard (step.stepping)
         seed_everything(self.rank_seed)  # each rank's own stream from here on (the module docstring)
         self.anatomy.watch(model)  # its gradient hooks time the sync wait (observe.anatomy)
         return model
-
-    def _strategy_for(self, strategy: Choice | None) -> Stepper:
-        """The session's choice gives the strategy (its options are every model's default); a first
-        s.model(strategy=...) in an "auto" session gives the kind; a later one only checks it."""
-        explicit = strategy is None or self._choice != "auto"
-        stepper = self._build(self._choice if explicit else strategies.check_name(strategy))
-        if strategy is not None:
-            self._build(strategy)  # built already: only checks that the model asks for the same kind
-        return stepper
 
     @property
     def strategy(self) -> Strategy:
@@ -378,33 +348,37 @@ def session(
     shard_optimizer: bool | str = "auto",
     share_gpu: bool = False,
     strategy: Choice = "auto",
-    log_to: str | list[str] | None = "auto",
+    log_to: LogTo = "auto",
     log_dir: str | None = None,
     env: Mapping[str, str] | None = None,
     hardware: topology.Hardware | None = None,
     reproducible: str | None = None, chunk: int | None = None,
+    launcher: Detector | None = None,
 ) -> Iterator[Session]:
     """Open a `Session` for this process; the process group is torn down on exit, also on errors.
 
     `device` ("auto", "cpu", "cuda") and `backend` ("auto", "gloo", "nccl") override the automatic
     choice; `timeout` bounds every collective, `rendezvous_timeout` the start-up meeting of the ranks
     and `save_timeout` a checkpoint save (seconds; see `ddpkit.cluster.lifecycle.Limits`). `precision` is
-    "32", "bf16" or "16" (see `ddpkit.step.precision`); `accumulation` is the number of micro-batches per
+    "32", "bf16" or "16" (see `ddpkit.parallel.precision`); `accumulation` is the number of micro-batches per
     optimizer step. `shard_optimizer` lets each rank update only its share of the parameters in
     `s.step` ("auto": torch's per-parameter optimizers on CPU ranks of one machine; see
     `ddpkit.step.sharding`; not under FSDP, which shards the optimizer state itself); "gradients" also
     reduce-scatters the gradients into each share (ZeRO-2, `ddpkit.step.shard_exchange`). `strategy` is what
     `s.model` does with the model: "auto" (DDP with more than one process), "ddp" or "fsdp" (FSDP2,
-    `ddpkit.strategy.fsdp`). `share_gpu=True` lets more local ranks than GPUs share them round-robin
-    over gloo, for debugging multi-GPU code on one card (`ddpkit.cluster.topology`). `log_to` chooses where
-    `s.log` writes ("auto": TensorBoard when installed; names or a list; None) and `log_dir` the run's
+    `ddpkit.strategy.fsdp`), their options, a registered strategy or a `Strategy` instance
+    (`ddpkit.strategy.registry`); chosen and built once, from the cluster's shape. `share_gpu=True`
+    lets more local ranks than GPUs share them round-robin over gloo, for debugging multi-GPU code on
+    one card (`ddpkit.cluster.topology`). `log_to` chooses where `s.log` writes ("auto": TensorBoard
+    when installed; names, tracker objects of your own, or a list; None) and `log_dir` the run's
     directory (see `ddpkit.observe.tracking`). `env` and `hardware` default to this process's environment
     and machine. `reproducible="any-world"` with `chunk=`: bitwise any world size (`ddpkit.step.invariant`).
+    `launcher`: a detector of your own for a launcher ddpkit does not know (`ddpkit.cluster.environments`).
     """
     limits = Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)  # validated here
     env = os.environ if env is None else env
     plan = topology.resolve(env, hardware or topology.Hardware.detect(), device=device, backend=backend,
-                            share_gpu=share_gpu)  # fmt: skip
+                            share_gpu=share_gpu, launcher=launcher)  # fmt: skip
     accumulation, note = elastic_accumulation(accumulation, plan.ranks.world_size, env)  # ddpkit run --nnodes
     plan = dataclasses.replace(plan, notes=(*plan.notes, note)) if note else plan
     s = Session(plan, seed=seed, accumulation=accumulation, precision=precision, limits=limits,

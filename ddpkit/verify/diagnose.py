@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from ddpkit.data import plan_batch
 from ddpkit.verify.report import Diagnosis, Report
 from ddpkit.verify.run import Trajectory
 from ddpkit.verify.spec import VerifySpec
@@ -243,7 +244,7 @@ def _grad_scale(spec: VerifySpec, single: Trajectory, ranks: Runs, report: Repor
 def _batchnorm(spec: VerifySpec, single: Trajectory, ranks: Runs, report: Report) -> list[Diagnosis]:
     if not single.batchnorm or spec.sync_batchnorm or report.passed:
         return []
-    per_rank = spec.batch_size // spec.nproc
+    per_rank = plan_batch(spec.batch_size, None, world_size=spec.nproc).per_rank  # the loader's split
     buffers = sorted({n for diff in ranks[0].replica_diff for n in diff if "running_" in n})
     extra = (
         f" Their running statistics even differ between the replicas ({_names(buffers, 2)})."

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
+from ddpkit.data import plan_batch
 from ddpkit.errors import problem
 from ddpkit.step import tokens
 from ddpkit.verify.spec import VerifySpec, build_data, build_loss, build_model, build_optimizer, resolve
@@ -100,7 +101,7 @@ def shard(batch: Any, rank: int, world: int, *, interleaved: bool) -> Any:
             )
         if interleaved:
             return t[rank::world]
-        size = t.shape[0] // world
+        size = plan_batch(t.shape[0], None, world_size=world).per_rank  # the loader's split
         return t[rank * size : (rank + 1) * size]
 
     return map_rows(batch, take)

@@ -19,10 +19,10 @@ from torch.utils.data import Dataset
 
 from ddpkit.errors import problem
 from ddpkit.names import DISTRIBUTED
-from ddpkit.step.precision import ALIASES, PrecisionPlan, canonical
+from ddpkit.parallel.precision import ALIASES, PrecisionPlan, canonical
 
 FLOOR_VARIANTS = ("permuted", "chunked", "threads")
-# The library's precision names (`ddpkit.step.precision`: "32", "bf16", "16" and their spellings), plus
+# The library's precision names (`ddpkit.parallel.precision`: "32", "bf16", "16" and their spellings), plus
 # "fp64", verify's own: the whole comparison in float64, to tell rounding from a real difference.
 PRECISIONS: tuple[str, ...] = ("fp64", *ALIASES)
 

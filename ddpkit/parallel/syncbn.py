@@ -145,3 +145,14 @@ def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup |
     for name, child in module.named_children():
         out.add_module(name, convert_sync_batchnorm(child, process_group))
     return out
+
+
+def has_batchnorm(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+def convert_batchnorm(module: nn.Module, device_type: str) -> nn.Module:
+    """BatchNorm layers to synchronised ones: torch's CUDA kernel on CUDA, ddpkit's elsewhere."""
+    if device_type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    return convert_sync_batchnorm(module)

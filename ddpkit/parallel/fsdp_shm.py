@@ -6,7 +6,7 @@
 Why: on CPU ranks FSDP2's collectives go over gloo's TCP loopback (about 1.6 GB/s) and block the main
 thread (no side streams on CPU): docs/performance.md section 7 measured 261 ms of all-gather waits and
 129 ms of reduce-scatter per step on the 37.8M-parameter MLP. Ranks of one machine can exchange through
-a mapped segment at memory-copy speed instead (`ddpkit.step.shm_allreduce`).
+a mapped segment at memory-copy speed instead (`ddpkit.parallel.shm_allreduce`).
 
 Exact: the reduce-scatter is `ShmAllReduce.reduce_scatter_into_`: each value divided by the world size,
 then summed in rank order 0..W-1, by the one rank that owns it; bitwise what the shm all-reduce gives,
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.step.shm_allreduce import ShmAllReduce
+from ddpkit.parallel.shm_allreduce import ShmAllReduce
 
 CHUNK_MB = 4.0  # the sharded step's publishing chunk: as fast as 16 MiB, less resident shared memory
 KEEP_PER_SIZE = 2  # a block's all-gather and the prefetched next one's, or a reduce-scatter beside it

@@ -1,6 +1,6 @@
 """An exact shared-memory all-reduce for CPU ranks on one machine, as a DDP communication hook ("shm").
 
-    state, hook = shm_hook_factory()          # collective: every rank of the group calls it
+    state, hook = shm_hook_factory()          # `ddpkit.parallel.shm_hook`: the DDP hook ("shm")
     ddp_model.register_comm_hook(state, hook)
 
 Why: gloo moves gradients between processes on one machine through TCP loopback, about 1.6 GB/s and
@@ -12,11 +12,8 @@ Exact: every rank sums the same slots in rank order 0, 1, ..., W-1 with the same
 is bitwise identical on every rank and from run to run; with two ranks it also equals gloo's bits
 (a/2 + b/2 is commutative). It is the mean DDP's default hook computes (divide first, then sum).
 
-Crash-safe: global rank 0 of the group creates the segment as /dev/shm/ddpkit-shm-<pid>-<token>, the
-others map it, and it is unlinked as soon as everyone has (also when attaching fails), so the memory
-is returned when the processes die, even by kill -9. A segment left by a creator killed within that
-short window carries its dead pid in its name and is removed by the next creator on the machine. A
-waiting rank notices a dead peer (by pid) or a timeout and raises instead of hanging.
+Crash-safe: the segment is unlinked as soon as every rank has mapped it (`ddpkit.parallel.shm_segment`).
+A waiting rank notices a dead peer (by pid) or a timeout and raises instead of hanging.
 
 Falls back to the default gloo/NCCL all-reduce hook, and says why in `state.reason`, when the ranks are
 on different machines, cannot share /dev/shm, the bucket is not a CPU float tensor, or the CPU is not
@@ -27,26 +24,22 @@ the barrier of chunk k + 1, which every rank reaches only after reading chunk k:
 """
 
 import contextlib
-import glob
 import mmap
 import os
 import platform
-import re
 import secrets
 import socket
 import time
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-PREFIX = "ddpkit-shm"
-SHM_DIR = "/dev/shm"
-_FLAG_STRIDE = 8  # int64 entries: one 64-byte cache line per rank's flag, no false sharing
-_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+from ddpkit.parallel.shm_segment import PREFIX, SHM_DIR, Segment, alive, clean_stale_segments, open_segment
+
+FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+__all__ = ["FLOATS", "PREFIX", "ShmAllReduce", "clean_stale_segments"]
 
 
 def _machine_id() -> str:
@@ -57,63 +50,6 @@ def _machine_id() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
-
-
-def _alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie (killed, not yet reaped by its parent) counts as dead."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
-def clean_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove segments whose creator pid is dead (it was killed before it could unlink); return them."""
-    removed = []
-    for path in glob.glob(os.path.join(shm_dir, f"{PREFIX}-*")):
-        match = re.match(rf"{PREFIX}-(\d+)-", os.path.basename(path))
-        if match and not _alive(int(match.group(1))):
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except OSError:
-                pass
-    return removed
-
-
-class _Segment:
-    """The mapped memory: a header of per-rank flags and pids, then 2 buffers x W slots x chunk bytes."""
-
-    def __init__(self, mm: mmap.mmap, world: int, chunk_bytes: int) -> None:
-        self.mm = mm
-        header = -(-world * _FLAG_STRIDE * 8 * 2 // 4096) * 4096
-        words = np.frombuffer(mm, dtype=np.int64, count=header // 8)
-        self.flags = words[: world * _FLAG_STRIDE : _FLAG_STRIDE]
-        self.pids = words[world * _FLAG_STRIDE : world * _FLAG_STRIDE * 2 : _FLAG_STRIDE]
-        data = torch.frombuffer(mm, dtype=torch.uint8, offset=header, count=2 * world * chunk_bytes)
-        self.buffers = data.view(2, world, chunk_bytes)
-
-    @staticmethod
-    def size(world: int, chunk_bytes: int) -> int:
-        return -(-world * _FLAG_STRIDE * 8 * 2 // 4096) * 4096 + 2 * world * chunk_bytes
-
-
-def _open(path: str, size: int, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
-    try:
-        if create:
-            os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
 
 
 class ShmAllReduce:
@@ -136,9 +72,9 @@ class ShmAllReduce:
         self.chunk_bytes = max(4096, int(chunk_mb * 2**20) // 4096 * 4096)
         self.timeout = timeout
         self.seq = 0
-        self.segment: _Segment | None = None
+        self.segment: Segment | None = None
         self.reason = self._attach()
-        self._check_pids = self.segment is not None and all(_alive(int(p)) for p in self.segment.pids)
+        self._check_pids = self.segment is not None and all(alive(int(p)) for p in self.segment.pids)
 
     @property
     def active(self) -> bool:
@@ -155,7 +91,7 @@ class ShmAllReduce:
         dist.all_gather_object(machines, _machine_id(), group=self.group)
         if len(set(machines)) > 1:
             return f"ranks on {len(set(machines))} machines: falling back to {dist.get_backend(self.group)}"
-        size = _Segment.size(self.world, self.chunk_bytes)
+        size = Segment.size(self.world, self.chunk_bytes)
         name = [""]
         path = ""
         mm: mmap.mmap | None = None
@@ -165,14 +101,14 @@ class ShmAllReduce:
                 clean_stale_segments()
                 path = os.path.join(SHM_DIR, f"{PREFIX}-{os.getpid()}-{secrets.token_hex(6)}")
                 try:
-                    mm = _open(path, size, create=True)
+                    mm = open_segment(path, size, create=True)
                     name[0] = path
                 except OSError as err:
                     error = f"cannot create {path}: {err}"
             dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
             if self.rank != 0 and name[0]:
                 try:
-                    mm = _open(name[0], size, create=False)
+                    mm = open_segment(name[0], size, create=False)
                 except OSError as err:
                     error = f"cannot map {name[0]}: {err}"
             errors: list[str] = [""] * self.world
@@ -186,7 +122,7 @@ class ShmAllReduce:
             if mm is not None:
                 mm.close()
             return f"shared memory unavailable ({'; '.join(failed)}): falling back to gloo"
-        self.segment = _Segment(mm, self.world, self.chunk_bytes)
+        self.segment = Segment(mm, self.world, self.chunk_bytes)
         self.segment.pids[self.rank] = os.getpid()
         dist.barrier(group=self.group)  # every pid is written before anyone reads them
         return f"shared memory, {self.world} ranks, {self.chunk_bytes >> 20} MiB chunks, double-buffered"
@@ -198,7 +134,7 @@ class ShmAllReduce:
         assert self.segment is not None, "publish on an inactive ShmAllReduce"
         self._publish(self.segment)
 
-    def _publish(self, seg: _Segment) -> None:
+    def _publish(self, seg: Segment) -> None:
         """This rank's slot is written: raise its flag, then wait until every rank has raised its own."""
         self.seq += 1
         seg.flags[self.rank] = self.seq  # an aligned 8-byte store, after the copy (x86 TSO)
@@ -343,7 +279,7 @@ class ShmAllReduce:
         assert seg is not None
         if self._check_pids:
             for r, pid in enumerate(seg.pids):
-                if r != self.rank and not _alive(int(pid)):
+                if r != self.rank and not alive(int(pid)):
                     raise RuntimeError(f"ddpkit shm all-reduce: rank {r} (pid {pid}) died while reducing")
         if timed_out:
             late = [r for r, f in enumerate(seg.flags) if f < self.seq]
@@ -385,20 +321,3 @@ class _ByteStream:
     def copy_from(self, start: int, chunk: torch.Tensor) -> None:
         for piece, at in self._pieces(start, chunk.numel()):
             piece.copy_(chunk[at : at + piece.numel()])
-
-
-def shm_allreduce_hook(state: ShmAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: the bucket's mean over ranks through shared memory (see module doc)."""
-    buffer = bucket.buffer()
-    if state.segment is None or buffer.device.type != "cpu" or buffer.dtype not in _FLOATS:
-        return default_hooks.allreduce_hook(state.group, bucket)
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(state.all_reduce_mean_(buffer))
-    return fut
-
-
-def shm_hook_factory(
-    process_group: dist.ProcessGroup | None = None, *, chunk_mb: float = 16.0, timeout: float = 600.0
-) -> tuple[ShmAllReduce, Callable[[ShmAllReduce, dist.GradBucket], torch.futures.Future[torch.Tensor]]]:
-    """`(state, hook)` for `ddp.register_comm_hook(state, hook)`. Collective: call it on every rank."""
-    return ShmAllReduce(process_group, chunk_mb=chunk_mb, timeout=timeout), shm_allreduce_hook

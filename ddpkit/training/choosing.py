@@ -1,0 +1,71 @@
+"""The session's strategy: chosen once from `strategy=`, built once from the cluster's shape, then the
+`Stepper` that drives it; neither is replaced.
+
+    choosing = Choosing(strategy, shape, precision, stepper=functools.partial(Stepper, ...))
+    choosing.stepper()            # the strategy (built now if "auto" waited) and its stepper
+    choosing.for_model("fsdp")    # s.model(strategy=...): this model's options, or the kind ("auto")
+    choosing.describe()           # the start-up line: "strategy fsdp over 2 rank(s)"
+
+`strategy=` is read once (`ddpkit.strategy.resolve`: a name, a strategy's options, or an instance). A
+session that names its strategy builds it at its start (fp16 under FSDP is refused there); an "auto"
+session builds it at the first `s.model`, which may name the kind, or when it is first needed. The
+strategy gets values (`ddpkit.parallel.shape.Shape`, the `PrecisionPlan`), never the session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ddpkit import strategy as strategies
+from ddpkit.errors import problem
+from ddpkit.parallel.precision import PrecisionPlan
+from ddpkit.parallel.shape import Shape
+from ddpkit.step.stepping import Stepper
+from ddpkit.strategy import Choice, Chosen, DDPOptions, Strategy
+
+
+class Choosing:
+    """One session's choice of strategy and the stepper built on it."""
+
+    def __init__(
+        self, strategy: Choice, shape: Shape, precision: PrecisionPlan, *, stepper: Callable[..., Stepper]
+    ) -> None:
+        self.chosen = strategies.resolve(strategy)  # the one reading of strategy=
+        self.shape, self.precision = shape, precision
+        self._new_stepper = stepper  # `Stepper` with the session's values, given `strategy=`
+        self.strategy: Strategy | None = None
+        self._stepper: Stepper | None = None
+        if self.chosen.name != "auto":
+            self._build(self.chosen)
+
+    def stepper(self) -> Stepper:
+        return self._stepper or self._build(self.chosen)
+
+    def for_model(self, strategy: Choice | None, sugar: DDPOptions) -> tuple[Stepper, object]:
+        """`s.model(strategy=...)`: None or options for the session's strategy, or the first kind an
+        "auto" session is asked for (another kind later is an error); with the model's own options
+        (`strategy=` options or the DDP keywords, `sugar`; None: the strategy's)."""
+        options = strategies.options_of(strategy, sugar)
+        if strategy is None:
+            return self.stepper(), options
+        chosen = strategies.resolve(strategy)  # its options are the model's: the kind builds the strategy
+        return self._build(chosen if chosen.instance is not None else Chosen(chosen.name)), options
+
+    def describe(self) -> str:
+        """What was chosen and over which ranks; "auto" says what it becomes unless s.model names another."""
+        built = self.strategy
+        name = built.name if built is not None else f"{strategies.kind('auto', self.shape)} (auto)"
+        return f"strategy {name} over {self.shape.describe()}"
+
+    def _build(self, choice: Chosen) -> Stepper:
+        if self.strategy is None:
+            self.strategy = strategies.make(choice, self.shape, precision=self.precision)
+        elif (asked := strategies.kind(choice, self.shape)) != self.strategy.name:
+            raise problem(
+                f"this session's strategy is already {self.strategy.name!r} (set by ddpkit.session or the "
+                f"first s.model), now {asked!r} was asked for",
+                "Use one strategy per session (pass strategy= to ddpkit.session)",
+            )
+        if self._stepper is None:
+            self._stepper = self._new_stepper(strategy=self.strategy)
+        return self._stepper
