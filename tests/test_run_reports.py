@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import socket
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import communicate, end_launch, popen_cli, run_cli
 
 from ddpkit.checkpoint import files
 
@@ -75,6 +76,32 @@ def test_each_restart_names_the_rank_that_died_first(tmp_path: Path, how: str, s
     assert lines[0].startswith("ddpkit run: restart 1 of 1: rank 1 (local rank 1 on host "), lines[0]
     assert said in lines[0], lines[0]
     assert "done at step 2" in done.stdout + done.stderr
+
+
+@pytest.mark.timeout(200)
+def test_a_restart_on_the_second_node_names_the_rank_by_its_global_rank(tmp_path: Path) -> None:
+    """Two `ddpkit run` agents on loopback as two nodes of one rank each: global rank 1 is local rank 0 of
+    node 1, and the line that node prints at its restart must say rank 1 (the rank the user's logs,
+    checkpoints and --die-at use), with local rank 0 beside it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = ["run", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1"]
+    args = [SCRIPT, str(tmp_path / "ck"), "--strategy", "ddp", "--die-at", "1:1:KILL"]
+    nodes = [popen_cli(*cmd, "--node-rank", str(r), *args) for r in (0, 1)]
+    try:  # 90 s each, one after the other: under pytest's 200 s
+        done = [communicate(proc, mark, timeout=90) for proc, mark in nodes]
+    finally:
+        for proc, mark in nodes:
+            end_launch(proc, mark)
+    stderr = [d.stderr for d in done]
+    assert [d.returncode for d in done] == [0, 0], stderr  # both nodes restarted and finished
+    lines = [line for line in stderr[1].splitlines() if line.startswith("ddpkit run: restart")]
+    assert len(lines) == 1, stderr[1]
+    assert lines[0].startswith("ddpkit run: restart 1 of 1: rank 1 (local rank 0 on host "), lines[0]
+    assert "killed by SIGKILL" in lines[0], lines[0]
+    assert "rank 1" not in stderr[0].replace("rank 1 of", ""), stderr[0]  # node 0 ran only rank 0
+    assert "done at step 2" in done[0].stdout + stderr[0]
 
 
 def _failure(tmp_path: Path, rank: int, exitcode: int, exc: BaseException | None, when: float):
