@@ -906,6 +906,14 @@ MUTANTS = [
         ("tests/test_anatomy.py::test_detector_thresholds_and_persistence",),
         "the slow-rank suspect is the rank with the longest whole step (often one that waits), not own work",
     ),
+    Mutant(
+        "agree-first-step-clock",
+        "ddpkit/checkpoint/checkpoints.py",
+        "            self._preemption.restart_clock()",
+        "            pass  # mutant: the first s.step timed from the loader's boundary in the same step",
+        ("tests/test_preemption.py::test_the_agreement_times_whole_steps_from_the_loops_first_s_step",),
+        "the preemption's step estimate seeded by a fraction of a step: intervals of seconds, late stops",
+    ),
 ]
 
 
