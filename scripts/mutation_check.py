@@ -869,6 +869,64 @@ MUTANTS = [
         ("tests/test_fsdp_shm.py::test_verify_fsdp_passes_with_the_shm_path_on",),
         "strategy='fsdp' on CPU ranks of one machine keeps gloo unless shm=True is asked for",
     ),
+    Mutant(
+        "restart-global-rank",
+        "ddpkit/cluster/run_report.py",
+        'f"ddpkit run: restart {restart} of {budget}: rank {rank} (local rank {first.local_rank} on host "',
+        'f"ddpkit run: restart {restart} of {budget}: rank {first.local_rank} '
+        '(local rank {first.local_rank} on host "',
+        ("tests/test_run_reports.py::test_a_restart_on_the_second_node_names_the_rank_by_its_global_rank",),
+        "the restart line names the failed rank by its local rank (wrong on every node but the first)",
+    ),
+    Mutant(
+        "hf-trunc-normal",
+        "ddpkit/strategy/hf.py",
+        "        table[n] = replay(fn)",
+        "        pass  # mutant: transformers' captured trunc_normal_ & co. stay no-ops on meta",
+        ("tests/test_hf_models.py::test_a_vits_trunc_normal_init_is_one_process_weights_under_the_shard_by_shard_build",),
+        "FSDP's shard-by-shard build of a ViT leaves its trunc_normal_ init undone (other initial weights)",
+    ),
+    Mutant(
+        "flops-accumulation",
+        "ddpkit/observe/monitor.py",
+        "        self.flops_per_step = float(flops * self.accumulation) if flops > 0 else None",
+        "        self.flops_per_step = float(flops) if flops > 0 else None  # mutant: one micro-batch a step",
+        ("tests/test_anatomy.py::test_flops_per_optimizer_step_count_every_micro_batch_of_an_accumulating_step",),
+        "FLOPs per optimizer step count one micro-batch: FLOP/s and MFU k times too low under accumulation",
+    ),
+    Mutant(
+        "recompute-rng",
+        "ddpkit/strategy/checkpointing.py",
+        "checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),",
+        "checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT,"
+        " preserve_rng_state=False),",
+        ("tests/test_activation_checkpointing.py::test_a_recompute_draws_the_forwards_dropout_masks",),
+        "activation checkpointing's recompute draws new dropout masks (other gradients, other weights)",
+    ),
+    Mutant(
+        "stream-position-rank0",
+        "ddpkit/checkpoint/state.py",
+        "    json_name, tensor_name = rank_files(rank if own else 0)",
+        "    json_name, tensor_name = rank_files(0)  # mutant: every rank loads rank 0's state",
+        ("tests/test_data_hf.py::test_a_stateful_dataloader_resumes_at_each_ranks_own_position[0]",),
+        "every rank resumes its own stream at rank 0's saved position",
+    ),
+    Mutant(
+        "slow-rank-by-step",
+        "ddpkit/observe/slowrank.py",
+        '        slow = max(range(len(table)), key=lambda r: table[r]["busy"])',
+        '        slow = max(range(len(table)), key=lambda r: table[r]["step"])  # mutant: the whole step',
+        ("tests/test_anatomy.py::test_detector_thresholds_and_persistence",),
+        "the slow-rank suspect is the rank with the longest whole step (often one that waits), not own work",
+    ),
+    Mutant(
+        "agree-first-step-clock",
+        "ddpkit/checkpoint/checkpoints.py",
+        "            self._preemption.restart_clock()",
+        "            pass  # mutant: the first s.step timed from the loader's boundary in the same step",
+        ("tests/test_preemption.py::test_the_agreement_times_whole_steps_from_the_loops_first_s_step",),
+        "the preemption's step estimate seeded by a fraction of a step: intervals of seconds, late stops",
+    ),
 ]
 
 

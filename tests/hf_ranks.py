@@ -33,6 +33,10 @@ def config(kind: str):
         return tf.BertConfig(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              max_position_embeddings=64, hidden_dropout_prob=0.0,
                              attention_probs_dropout_prob=0.0, **small)
+    if kind == "vit":  # its _init_weights draws trunc_normal_ (cls token, position embeddings)
+        return tf.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0, num_labels=3)
     raise ValueError(kind)
 
 
@@ -40,7 +44,7 @@ def model_class(kind: str) -> type[nn.Module]:
     import transformers as tf
 
     return {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "llama-tied": tf.LlamaForCausalLM,
-            "qwen2": tf.Qwen2ForCausalLM, "bert": tf.BertForMaskedLM}[kind]
+            "qwen2": tf.Qwen2ForCausalLM, "bert": tf.BertForMaskedLM, "vit": tf.ViTForImageClassification}[kind]
 
 
 def factory(kind: str):
@@ -89,6 +93,16 @@ def initial(kind: str, strategy: str, whole: bool, min_block_params: int = 10_00
         loss = model(**batch(kind, s.rank, s.world_size)).loss
         return {"got": state, "one": _state(one_process(kind)), "units": units, "tied": tied,
                 "loss": float(loss.detach())}
+
+
+def initial_fsdp_factory(kind: str) -> dict:
+    """The initial weights of FSDP's shard-by-shard build (gathered) against one process's; the names of
+    those that differ, and one process's whole state (to see what its init drew)."""
+    with ddpkit.session(seed=0, verbose=False) as s:
+        got = _state(s.model(factory(kind), strategy=FSDPOptions(min_block_params=10_000)))
+    one = _state(one_process(kind))
+    assert got.keys() == one.keys(), sorted(set(got) ^ set(one))
+    return {"differ": [k for k in one if not torch.equal(got[k], one[k])], "one": one}
 
 
 def _tied_names(kind: str) -> list[tuple[str, str]]:

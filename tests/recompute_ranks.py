@@ -11,16 +11,28 @@ from ddpkit.strategy import FSDPOptions
 from ddpkit.strategy.checkpointing import plain_name
 
 
+class DropBlock(Block):
+    """A Block with dropout inside: its recompute in the backward must draw the forward's mask."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.dropout(torch.tanh(self.lin(x)), p=0.5, training=self.training)
+
+
+def dropnet() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), *[DropBlock(16) for _ in range(3)], torch.nn.Linear(16, 4))
+
+
 def _final(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {plain_name(n): t for n, t in full_params(model).items()}  # the names state_dict uses
 
 
-def train(strategy: str, recompute: bool, steps: int = 3, cls: type = Block) -> dict:
+def train(strategy: str, recompute: bool, steps: int = 3, cls: type = Block, dropout: bool = False) -> dict:
     """The README loop on the Block net; with `activation_checkpointing=Block` or without. Returns the
-    final weights, how often each Block's forward ran (twice per step when recomputed), the FSDP units."""
+    final weights, how often each Block's forward ran (twice per step when recomputed), the FSDP units.
+    `dropout`: the blocks are DropBlocks (dropout p=0.5 inside each)."""
     with ddpkit.session(seed=0, verbose=False) as s:
         chosen = FSDPOptions(blocks=(Block,)) if strategy == "fsdp" else strategy
-        model = s.model(net, strategy=chosen, activation_checkpointing=cls if recompute else None)
+        model = s.model(dropnet if dropout else net, strategy=chosen, activation_checkpointing=cls if recompute else None)
         inner = ddpkit.unwrap(model)
         calls = [0]
         for m in inner.modules():

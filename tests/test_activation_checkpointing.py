@@ -31,6 +31,17 @@ def test_recomputed_blocks_train_bitwise_the_same_weights(pool2, strategy: str) 
         assert recomputed[0]["units"] == ["", "1", "2", "3"]  # the wrappers now, at the blocks' place
 
 
+def test_a_recompute_draws_the_forwards_dropout_masks(pool2) -> None:
+    """Dropout inside every recomputed block: the recompute in the backward must replay the forward's
+    random state (the same masks), or the gradients belong to another network and other weights are
+    trained. Same seed, same computation by construction: bitwise the run without checkpointing."""
+    plain = pool2.run(recompute_ranks.train, "fsdp", False, 3, recompute_ranks.Block, True)
+    recomputed = pool2.run(recompute_ranks.train, "fsdp", True, 3, recompute_ranks.Block, True)
+    for a, b in zip(plain, recomputed, strict=True):
+        assert b["calls"] == 2 * a["calls"] > 0, "the blocks' forward did not run again in the backward"
+        assert [n for n in a["final"] if not torch.equal(a["final"][n], b["final"][n])] == []
+
+
 def test_a_block_fed_the_raw_batch_still_trains(pool2) -> None:
     """nn.Linear recomputed, the first one on the input batch (no requires_grad): the reentrant
     implementation would leave its gradients None (transformers#45518); the non-reentrant one trains it."""

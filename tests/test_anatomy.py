@@ -166,6 +166,14 @@ def test_detector_thresholds_and_persistence() -> None:
     no_wait = [row(sync=0.0), row(busy_extra=0.03, sync=0.001)]  # longer, but nobody waits for it
     unwaited = SlowRankDetector()
     assert all(unwaited.update(no_wait, ["a", "b"], i) is None for i in range(5))
+    # Under DDP every rank's whole step is about the same (they meet in the all-reduce), and the rank that
+    # waits can end its step a little later than the one it waited for: the slow rank is the one whose OWN
+    # work (busy) is longest, here rank 1, although rank 0's whole step is 2 ms longer.
+    waiting_longer = [row(sync=0.033), row(busy_extra=0.03)]
+    assert waiting_longer[0]["step"] > waiting_longer[1]["step"]
+    by_work = SlowRankDetector()
+    found = [by_work.update(waiting_longer, ["a", "b"], i) for i in (10, 20, 30)][-1]
+    assert found is not None and (found.rank, found.cause, found.host) == (1, "data", "b")
 
 
 def test_anatomy_marks_split_backward_at_the_last_gradient() -> None:
@@ -207,6 +215,26 @@ def test_fit_shows_mfu_and_counts_flops(tmp_path: Path, capsys, monkeypatch) -> 
     rows = [line for line in (tmp_path / "l.jsonl").read_text().splitlines()]
     assert '"mfu"' in rows[-1] and '"tflops"' in rows[-1]
     assert (tmp_path / "cpu_peak.json").exists()  # cached per machine: CPU model + threads
+
+
+def test_flops_per_optimizer_step_count_every_micro_batch_of_an_accumulating_step(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """With accumulation=3 an optimizer step runs three micro-batches: its model FLOPs (and so the FLOP/s
+    and MFU fit reports per step) are three micro-batches' worth, not the one micro-batch counted."""
+    monkeypatch.setenv("DDPKIT_CACHE_DIR", str(tmp_path))
+    with ddpkit.session(seed=0, verbose=False, log_to=None, accumulation=3) as s:
+        model = s.model(_net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+        loader = s.loader(_data(96), batch_size=48)  # micro-batches of 16, as in the test above
+        result = fit(s, model, opt, loader, step, max_steps=2, log=str(tmp_path / "l.jsonl"))
+    micro = 4096 + 2 * 16 * (6 * 16 + 2 * 16 * 2)  # one micro-batch of 16 (test_fit_shows_mfu_...)
+    assert result.anatomy["flops_per_step"] == 3 * micro
+    row = json.loads((tmp_path / "l.jsonl").read_text().splitlines()[-1])
+    assert row["flops_per_step"] == 3 * micro
+    # MFU is the FLOP/s of a whole optimizer step against the peak: the row's own rate over the peak
+    assert row["mfu"] == pytest.approx(row["tflops"] * 1e12 / result.anatomy["peak"].flops, rel=1e-6)
 
 
 def test_peak_table_and_cpu_cache(tmp_path: Path) -> None:

@@ -146,8 +146,9 @@ def test_streaming_resumed_mid_epoch_ends_bitwise_like_uninterrupted(pool2, tmp_
     assert sorted(i for b in alone["seen"] for i in b) == list(range(N)), "epoch 1 was not read whole"
 
 
-def stateful(ckpt: str, stop_after: int | None, workers: int) -> dict:
-    """The user's own StatefulDataLoader over this rank's part of an HF stream, saved with s.save."""
+def stateful(ckpt: str, stop_after: tuple[int, ...] | None, workers: int) -> dict:
+    """The user's own StatefulDataLoader over this rank's part of an HF stream, saved with s.save after
+    `stop_after[rank]` batches (each rank at its own position; None: loaded and read to the end)."""
     with ddpkit.session(seed=0, verbose=False) as s:
         part = split_dataset_by_node(hf_stream("memory", []), rank=s.rank, world_size=s.world_size)
         loader = StatefulDataLoader(part, batch_size=3, **_fork(workers))
@@ -156,7 +157,7 @@ def stateful(ckpt: str, stop_after: int | None, workers: int) -> dict:
         seen = []
         for b in loader:
             seen.append(b["id"].tolist())
-            if len(seen) == stop_after:
+            if stop_after is not None and len(seen) == stop_after[s.rank]:
                 s.save(ckpt, loader=loader)
                 break
         return {"seen": seen}
@@ -165,11 +166,15 @@ def stateful(ckpt: str, stop_after: int | None, workers: int) -> dict:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_stateful_dataloader_resumes_at_each_ranks_own_position(pool2, tmp_path: Path, workers: int) -> None:
     ckpt = str(tmp_path / "ckpt")
-    first = pool2.run(stateful, ckpt, 3, workers, timeout=90)
+    # The ranks save at positions of their own (2 and 4 batches of 3 into their 24 ids): a rank handed
+    # another rank's position (rank 0's, say) would repeat or skip ids of its own part.
+    first = pool2.run(stateful, ckpt, (2, 4), workers, timeout=90)
     rest = pool2.run(stateful, ckpt, None, workers, timeout=90)
     assert first[0]["seen"] != first[1]["seen"], "the ranks read the same part"
+    assert [len(r["seen"]) for r in first] == [2, 4]
     for a, b in zip(first, rest, strict=True):
         ids = [i for batch in a["seen"] + b["seen"] for i in batch]
         assert sorted(ids) == sorted(set(ids)) and len(ids) == N // 2, "a rank resumed at another's position"
+    assert [len(r["seen"]) for r in rest] == [6, 4]
     with pytest.raises(ddpkit.DdpkitError, match="holds a position in each rank's own stream"):
         stateful(ckpt, None, 0)  # in this process: world size 1

@@ -44,6 +44,19 @@ def test_initial_weights_are_one_process_weights_under_every_build(pool2, kind: 
     assert all(abs(loss - torch.log(torch.tensor(96.0)).item()) < 0.2 for loss in losses), losses  # ~ln(V)
 
 
+def test_a_vits_trunc_normal_init_is_one_process_weights_under_the_shard_by_shard_build(pool2) -> None:
+    """ViT's `_init_weights` draws its class token and position embeddings with transformers' captured
+    `trunc_normal_` (which returns early on meta): under FSDP's factory build they must still be one
+    process's values, bit for bit (same init code, same generator)."""
+    for rank, r in enumerate(pool2.run(hf_ranks.initial_fsdp_factory, "vit")):
+        assert r["differ"] == [], f"rank {rank}: {r['differ'][:5]} differ from one process"
+    one = r["one"]
+    std = hf_ranks.config("vit").initializer_range
+    for name in ("vit.embeddings.cls_token", "vit.embeddings.position_embeddings"):
+        drawn = one[name]  # drawn by trunc_normal_(std=0.02) in one process: small, not torch.randn's
+        assert 0 < drawn.std() < 2 * std and drawn.abs().max() < 5 * std, name
+
+
 def test_gpt2_factory_without_ddpkit_hf_init_would_differ() -> None:
     """The bug of issue 30, shown on one process: HF skips `_init_weights` on meta, and wte's std is 1."""
     with torch.device("meta"):

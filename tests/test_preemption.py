@@ -351,6 +351,42 @@ def test_a_stop_is_seen_within_about_a_second_however_dear_the_agreement() -> No
     assert p._propose() == 4
 
 
+def _step_estimate(root: str, steps: int, step_s: float) -> tuple[float, int]:
+    """On a pool rank: the README loop (s.load, s.loader, s.backward, s.step) with steps of at least
+    `step_s`; the step time the preemption agreement estimates, and the interval it agreed on (calls)."""
+    import time
+
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    with ddpkit.session(seed=0, verbose=False) as s:
+        model = s.model(nn.Linear(2, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = s.loader(TensorDataset(torch.ones(64, 2)), batch_size=4)  # 16 steps an epoch
+        s.load(root, model=model, optimizer=opt, loader=loader, step=0)
+        for n, (x,) in enumerate(loader):
+            s.backward(model(x).sum())
+            s.step(opt)
+            time.sleep(step_s)
+            if n + 1 == steps:
+                break
+        return s.preemption._step, s.preemption._due - s.preemption._calls
+
+
+def test_the_agreement_times_whole_steps_from_the_loops_first_s_step(pool2, tmp_path: Path) -> None:
+    # The first batch agrees at the loader's boundary (ddpkit cannot know yet that the loop calls s.step),
+    # and the first s.step follows within the same step: timed as a step, that fraction seeded the step
+    # estimate several times too short, so the first interval agreed ("1 s of steps") spanned 2-6 s, and
+    # a SIGTERM at step 3 of the 24-step if-TERM run was seen after the run's end (exit 0, not 75).
+    # Steps of >= 0.2 s (4 of them): the first step's own compute, far shorter, must not enter the estimate.
+    for estimate, interval in pool2.run(_step_estimate, str(tmp_path / "ck"), 4, 0.2):
+        assert estimate >= 0.2, f"steps of >= 200 ms estimated at {estimate * 1e3:.1f} ms"
+        assert interval <= 1 / 0.2, f"an interval of {interval} calls of >= 200 ms: over a second"
+
+
 def test_a_plain_loop_stops_at_the_loaders_next_batch_with_its_steps_counted(tmp_path: Path) -> None:
     # One process, no ddpkit run: the README's first loop (opt.step(), never s.step) saving every 4 steps.
     # The flag is set in step 11's body; the loader's next batch agrees and saves step 11: 8 (the last

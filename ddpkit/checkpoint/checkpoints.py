@@ -160,6 +160,8 @@ class Checkpoints:
         """At every `s.step`, every rank: on an optimizer step (`applied`: the k-th micro-batch) count it,
         and (once there is state to save) agree on a stop. Only there: a group in progress is not saved
         (`Stepper`), and `step` is the optimizer step count (`every=` says so)."""
+        if not self._stepping:  # the loader's first boundary agreed moments ago, in this same step
+            self._preemption.restart_clock()
         self._stepping = True  # this loop calls s.step: the loader's next batch leaves the agreement to it
         if not applied:
             return

@@ -171,6 +171,14 @@ class Preemption:
         self._cost = spent if self._cost is None else 0.8 * self._cost + 0.2 * spent
         return stop
 
+    def restart_clock(self) -> None:
+        """Time the calls afresh from the next one: the last call was not a step's length ago. (A loop's
+        first batch agrees at the loader's boundary before ddpkit knows the loop calls `s.step`; its first
+        `s.step` follows within the same step. Timed as a step, that fraction seeded the step estimate
+        several times too short, and the interval agreed from it, read as "1 s of steps", spanned many
+        seconds: a signal early in a 24-step run was seen only after its end.)"""
+        self._last_call = None
+
     def _propose(self) -> int:
         """Calls between agreements: enough that their cost stays under 0.5% of the steps, and few
         enough that a stop is seen within about a second."""
