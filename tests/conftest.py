@@ -204,15 +204,19 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_anatomy.py::test_anatomy_marks_split_backward_at_the_last_gradient",
     ),
     "plan": ("test_plan.py::test_ring_tree_and_allgather_costs_follow_the_textbook_formulas",),
+    "parallel": (
+        "test_shm_allreduce.py::test_bitwise_equal_to_gloo_and_across_ranks",
+        "test_syncbn.py::test_sync_batchnorm_equals_batchnorm_on_the_concatenated_batch",
+        "test_fsdp_shm.py::test_shm_reduce_scatter_and_all_gather_are_exact",
+        "test_plugins.py::test_the_shape_carries_nodes_and_a_mesh_that_must_cover_the_ranks",
+    ),
     "step": (
         "test_accumulate.py::test_one_all_reduce_per_bucket_per_optimizer_step",
         "test_shard_exchange.py::test_reduce_scatter_step_gives_the_all_reduce_weights_bitwise",
-        "test_shm_allreduce.py::test_bitwise_equal_to_gloo_and_across_ranks",
-        "test_syncbn.py::test_sync_batchnorm_equals_batchnorm_on_the_concatenated_batch",
     ),
     "strategy": (
         "test_fsdp_init.py::test_factory_built_shards_are_one_process_initial_weights",
-        "test_fsdp_shm.py::test_shm_reduce_scatter_and_all_gather_are_exact",
+        "test_plugins.py::test_a_strategy_registered_from_outside_trains_with_its_shape",
         "test_memory_limit.py::test_ddp_refusal_names_fsdp_and_the_numbers",
     ),
     "tools": (

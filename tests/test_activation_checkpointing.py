@@ -31,6 +31,7 @@ def test_recomputed_blocks_train_bitwise_the_same_weights(pool2, strategy: str) 
         assert recomputed[0]["units"] == ["", "1", "2", "3"]  # the wrappers now, at the blocks' place
 
 
+@pytest.mark.numerics
 def test_a_recompute_draws_the_forwards_dropout_masks(pool2) -> None:
     """Dropout inside every recomputed block: the recompute in the backward must replay the forward's
     random state (the same masks), or the gradients belong to another network and other weights are
