@@ -137,6 +137,8 @@ class Checkpoints:
         if files.is_checkpoint(root):
             raise problem(f"{root} is a checkpoint, not a folder of checkpoints",
                           f"Save to its parent folder {root.parent}")  # fmt: skip
+        if root.exists() and not root.is_dir():
+            raise not_a_root(files.foreign(root) or f"{root} is not a folder")
         self._background.wait()  # the previous save first: one write at a time, in order
         ctx = self._ctx
         if background and ctx.distributed and self._writer_group is None:  # collective: all ranks are here
@@ -298,6 +300,17 @@ class Checkpoints:
         return values
 
 
+def not_a_root(what: str) -> CheckpointError:
+    """The refusal of a checkpoint root that holds something else (`files.foreign` says what)."""
+    return CheckpointError(
+        f"{what}: s.save and s.load take a folder that holds only ddpkit's checkpoints (ckpt-NNNNNN/), "
+        "and starting fresh here would either ignore what is there or fail at the first save, after "
+        "training. Pass a new or empty folder (e.g. runs/ckpt) for ddpkit's checkpoints; to start from "
+        "weights another tool wrote, load them into the model first (s.model(..., weights=path) reads a "
+        "safetensors file or a save_pretrained folder), or move them out of the way"
+    )
+
+
 def _choose(ctx: CheckpointContext, root: Path) -> Found | None:
     """Rank 0 picks the checkpoint (verifying every file); the others read its choice from the store."""
     sync = Sync(ctx, "load")
@@ -313,6 +326,8 @@ def _choose(ctx: CheckpointContext, root: Path) -> Found | None:
             found, skipped = files.verify(root), list[str]()
         else:
             found, skipped = files.newest_valid(root)
+            if found is None and not skipped and (what := files.foreign(root)) is not None:
+                raise not_a_root(what)  # before any training: "starting fresh" would lose or clash with it
             if found is None and skipped:
                 raise CheckpointError(
                     f"every checkpoint in {root} is damaged:\n  " + "\n  ".join(skipped) + "\nRestore one "

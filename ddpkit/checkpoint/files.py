@@ -303,6 +303,49 @@ def _check_file(path: Path, entry: Mapping[str, Any]) -> None:
         raise CheckpointError(f"{path} does not match its SHA-256 in the manifest: the file is corrupted")
 
 
+def foreign(root: Path) -> str | None:
+    """What `root` holds when it exists but is not a folder of ddpkit checkpoints (None when it is one,
+    is empty, or does not exist yet): a file written by another tool, or a folder of unrelated files.
+
+    Why ask: "no checkpoint yet" on such a path starts a whole run fresh and then fails at the first
+    save (a file cannot become a folder), or silently ignores the snapshot the user meant to resume."""
+    if not root.exists() and not root.is_symlink():
+        return None
+    if not root.is_dir():
+        return f"{root} is a file ({_size(root.stat().st_size)}, {_kind(root)}), not a folder of checkpoints"
+    entries = sorted(root.iterdir())
+    if not entries or any(_NAME.match(p.name) or _TMP.match(p.name) for p in entries):
+        return None
+    shown = ", ".join(p.name + ("/" if p.is_dir() else "") for p in entries[:5])
+    more = f" and {len(entries) - 5} more" if len(entries) > 5 else ""
+    return (f"{root} is a folder of {len(entries)} other entries ({shown}{more}) and no ddpkit checkpoint "
+            "(ckpt-NNNNNN/ folders)")  # fmt: skip
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)  # not reached
+
+
+def _kind(path: Path) -> str:
+    """A guess at a file's format from its first bytes, for the refusal's wording."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return "unreadable"
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive, the format torch.save writes"
+    if head[:1] == b"\x80":
+        return "a pickle"
+    if len(head) == 16 and head[8:9] == b"{":
+        return "a safetensors file"
+    return "not a ddpkit checkpoint"
+
+
 def newest_valid(root: Path) -> tuple[Found | None, list[str]]:
     """The newest checkpoint that verifies, and one line per newer one that did not."""
     skipped: list[str] = []
