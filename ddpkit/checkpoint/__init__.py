@@ -8,6 +8,10 @@
     dcp          sharded (FSDP) state through torch.distributed.checkpoint
     gather       a sharded step's optimizer state, gathered behind training
     files        the directory layout, checksums, the manifest, `CheckpointError`
+    reading      a checkpoint read offline, one tensor at a time (whole-model files or DCP shards)
+    inspect      `ddpkit checkpoint inspect`: what a checkpoint holds, whether its checksums hold
+    convert      `ddpkit checkpoint convert`: to safetensors, a Hugging Face folder, torch.save; and back
+    cli          the `ddpkit checkpoint` command (reached from `ddpkit.cli` as a tool)
 
 Owns: the bytes on disk and their meaning. May import the step, cluster and data wings, errors and
 names; never the training facade (contract "facade"): the session passes its values in.

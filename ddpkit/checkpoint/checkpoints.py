@@ -90,6 +90,7 @@ class Checkpoints:
         self._stepping = False  # s.step was called: it agrees on a stop, at optimizer steps only
         self._saved = False  # s.save agreed since the loader's last batch
         self.last: Path | None = None  # the newest checkpoint this session committed or started
+        self._noted: set[str] = set()  # objects a save kept per rank (their state differed), said once
 
     def register(self, name: str, obj: Any) -> None:
         """Save and load `obj` under `name` with every checkpoint of this session."""
@@ -144,6 +145,10 @@ class Checkpoints:
         if background and ctx.distributed and self._writer_group is None:  # collective: all ranks are here
             self._writer_group = dist.new_group(backend="gloo")  # the writer's own (DCP, optimizer shares)
         snapshot = capture(ctx, {**self._extras(), **state}, copy=background)
+        for name, line in snapshot.notes.items():
+            if name not in self._noted:  # once a session: each save keeps it per rank all the same
+                self._noted.add(name)
+                ctx.say(line)
         job = start(ctx, root, snapshot, keep, group=self._writer_group if background else None)
         self.last = files.final_dir(root, job.seq)
         if background:
@@ -268,6 +273,7 @@ class Checkpoints:
             ctx.say(f"ddpkit: no checkpoint in {path} yet: starting fresh")
             return dict(parts["values"])
         manifest = found.manifest
+        checkpoint_state.follow(parts, manifest["objects"])
         saved = {name for names in manifest["objects"].values() for name in names}
         wanted = set(parts["modules"]) | set(parts["per_rank"]) | set(parts["shared"])
         if sharded is not None:
