@@ -53,7 +53,7 @@ def report(path: str | Path, *, all_tensors: bool = False) -> tuple[str, bool]:
             continue
         infos = reading.dcp_tensors(metadata, name)
         if reading.is_optimizer(metadata, name):
-            lines.append(f"  {name} (optimizer, sharded: dcp/): {_moments(infos)}")
+            lines.append(f"  {name} (sharded optimizer: dcp/): {_moments(infos)}")
         else:
             lines += _tensors(f"{name} (sharded: dcp/)", infos, all_tensors)
     lines += _shared(found, objects)
@@ -67,8 +67,10 @@ def _header(manifest: Mapping[str, Any]) -> str:
     when = (datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
             if isinstance(created, (int, float)) else "time unknown")  # fmt: skip
     head = f"step {step}, " if step is not None else ""
-    return (f"{head}written by {manifest.get('strategy', 'ddp')} at world size {manifest.get('world_size')} "
-            f"(torch {manifest.get('torch', '?')}), {when}")  # fmt: skip
+    strategy = manifest.get("strategy", "ddp")
+    who = "one process" if strategy == "single" else strategy
+    world, torch_version = manifest.get("world_size"), manifest.get("torch", "?")
+    return f"{head}written by {who} at world size {world} (torch {torch_version}), {when}"
 
 
 def _tensors(title: str, infos: list[TensorInfo], all_tensors: bool) -> list[str]:
@@ -106,7 +108,7 @@ def _shared(found: files.Found, objects: Mapping[str, Any]) -> list[str]:
         value = tree.get("objects", {}).get(name)
         own = [i for k, i in header.items() if k == name or k.startswith(name + "/")]
         size = f", {len(own)} tensors, {files.human_size(sum(i.nbytes for i in own))}" if own else ""
-        lines.append(f"  {name} (shared, rank 0's): {_summary(value)}{size}")
+        lines.append(f"  {name} (one copy, rank 0's): {_summary(value)}{size}")
     values = tree.get("values", {})
     if values:
         shown = ", ".join(f"{k}={_short(v)}" for k, v in values.items())
@@ -123,7 +125,8 @@ def _summary(tree: Any) -> str:
         params = sum(len(g.get("params", [])) for g in dicts)
         state = tree.get("state", {})
         kept = len(state.get("__items__", state)) if isinstance(state, dict) else 0
-        return f"optimizer, {len(groups)} param group(s), {params} parameters, lr {lrs}, state for {kept}"
+        lr = ", ".join(f"{x:g}" for x in lrs)
+        return f"{len(groups)} param group(s), {params} parameters, lr {lr}, state for {kept} of them"
     return _short(tree)
 
 
