@@ -52,6 +52,7 @@ def to_hf(
     """A Hugging Face folder: `model.safetensors` plus the config (`config.json`, and
     `generation_config.json` when there is one) from `config`: the folder `s.export` wrote for the same
     model, or a config.json file."""
+    found = reading.open_checked(source)  # a checksum that fails first: nothing else matters then
     configs = _configs(Path(config))
     target = Path(out)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
@@ -59,7 +60,6 @@ def to_hf(
             f"{target} exists and is not an empty folder. Pass a new folder for the Hugging Face model "
             "(nothing is overwritten)"
         )
-    found = reading.open_checked(source)
     name = reading.pick_model(found, model)
     infos = reading.weight_infos(found, name)
     target.mkdir(parents=True, exist_ok=True)
