@@ -4,6 +4,7 @@
     write        a save's two phases: `capture` (every rank, in step) and `write` (files, manifest)
     background   the writer thread for `background=True`
     sync         `CheckpointContext` (the typed values a save needs) and the ranks' agreement
+    divergence   which "shared" objects differ between ranks at a save (kept per rank then)
     state        what each keyword becomes (weights, loaders, RNGs, values)
     dcp          sharded (FSDP) state through torch.distributed.checkpoint
     gather       a sharded step's optimizer state, gathered behind training
