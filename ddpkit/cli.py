@@ -4,6 +4,7 @@ ddpkit run [--nproc auto|N] [--nnodes N|MIN:MAX --node-rank R --rdzv-endpoint HO
            [--max-restarts K] [--port P] [--device auto|cpu|cuda] [--share-gpu] script.py args...
 ddpkit run -m package.module args...
 ddpkit demo [--nproc N] [--epochs E]
+ddpkit checkpoint inspect DIR | convert DIR OUT   (offline: no process group)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "trace": ("ddpkit.tools.trace", "per-rank timeline of forward, backward, buckets and all-reduce"),
     "plan": ("ddpkit.plan.cli", "predict step time and efficiency at N devices from one device's profile"),
     "lint": ("ddpkit.lint.cli", "find DDP traps in training scripts, without running them"),
+    "checkpoint": ("ddpkit.checkpoint.cli", "look into a checkpoint; convert it to other formats and back"),
 }
 
 

@@ -927,6 +927,30 @@ MUTANTS = [
         ("tests/test_preemption.py::test_the_agreement_times_whole_steps_from_the_loops_first_s_step",),
         "the preemption's step estimate seeded by a fraction of a step: intervals of seconds, late stops",
     ),
+    Mutant(
+        "convert-checksum",
+        "ddpkit/checkpoint/reading.py",
+        "        return files.verify(chosen)",
+        "        return files.Found(chosen, files.json.loads((chosen / files.MANIFEST).read_text()))",
+        ("tests/test_checkpoint_tools.py::test_a_checkpoint_whose_checksum_fails_is_reported_and_never_converted",),
+        "ddpkit checkpoint convert reads a checkpoint without checking its checksums",
+    ),
+    Mutant(
+        "per-rank-detect",
+        "ddpkit/checkpoint/write.py",
+        '    diverged = differing(parts["shared"], ctx.device) if ctx.distributed else []',
+        "    diverged: list[str] = []  # mutant: state that differs between ranks saved once, rank 0's",
+        ("tests/test_checkpoint_ranks.py::test_an_object_whose_state_differs_between_ranks_comes_back_per_rank",),
+        "an object whose state differs between ranks comes back as rank 0's on every rank",
+    ),
+    Mutant(
+        "foreign-root",
+        "ddpkit/checkpoint/checkpoints.py",
+        "            if found is None and not skipped and (what := files.foreign(root)) is not None:",
+        "            if False and (what := files.foreign(root)) is not None:  # mutant: another tool's file",
+        ("tests/test_checkpoint_ranks.py::test_a_file_another_tool_wrote_is_refused_at_load_not_taken_for_a_fresh_start",),
+        "s.load on a file another tool wrote says 'no checkpoint yet' and starts fresh",
+    ),
 ]
 
 

@@ -4,10 +4,15 @@
     write        a save's two phases: `capture` (every rank, in step) and `write` (files, manifest)
     background   the writer thread for `background=True`
     sync         `CheckpointContext` (the typed values a save needs) and the ranks' agreement
+    divergence   which "shared" objects differ between ranks at a save (kept per rank then)
     state        what each keyword becomes (weights, loaders, RNGs, values)
     dcp          sharded (FSDP) state through torch.distributed.checkpoint
     gather       a sharded step's optimizer state, gathered behind training
     files        the directory layout, checksums, the manifest, `CheckpointError`
+    reading      a checkpoint read offline, one tensor at a time (whole-model files or DCP shards)
+    inspect      `ddpkit checkpoint inspect`: what a checkpoint holds, whether its checksums hold
+    convert      `ddpkit checkpoint convert`: to safetensors, a Hugging Face folder, torch.save; and back
+    cli          the `ddpkit checkpoint` command (reached from `ddpkit.cli` as a tool)
 
 Owns: the bytes on disk and their meaning. May import the step, cluster and data wings, errors and
 names; never the training facade (contract "facade"): the session passes its values in.

@@ -90,6 +90,7 @@ class Checkpoints:
         self._stepping = False  # s.step was called: it agrees on a stop, at optimizer steps only
         self._saved = False  # s.save agreed since the loader's last batch
         self.last: Path | None = None  # the newest checkpoint this session committed or started
+        self._noted: set[str] = set()  # objects a save kept per rank (their state differed), said once
 
     def register(self, name: str, obj: Any) -> None:
         """Save and load `obj` under `name` with every checkpoint of this session."""
@@ -137,11 +138,17 @@ class Checkpoints:
         if files.is_checkpoint(root):
             raise problem(f"{root} is a checkpoint, not a folder of checkpoints",
                           f"Save to its parent folder {root.parent}")  # fmt: skip
+        if root.exists() and not root.is_dir():
+            raise not_a_root(files.foreign(root) or f"{root} is not a folder")
         self._background.wait()  # the previous save first: one write at a time, in order
         ctx = self._ctx
         if background and ctx.distributed and self._writer_group is None:  # collective: all ranks are here
             self._writer_group = dist.new_group(backend="gloo")  # the writer's own (DCP, optimizer shares)
         snapshot = capture(ctx, {**self._extras(), **state}, copy=background)
+        for name, line in snapshot.notes.items():
+            if name not in self._noted:  # once a session: each save keeps it per rank all the same
+                self._noted.add(name)
+                ctx.say(line)
         job = start(ctx, root, snapshot, keep, group=self._writer_group if background else None)
         self.last = files.final_dir(root, job.seq)
         if background:
@@ -268,6 +275,7 @@ class Checkpoints:
             ctx.say(f"ddpkit: no checkpoint in {path} yet: starting fresh")
             return dict(parts["values"])
         manifest = found.manifest
+        checkpoint_state.follow(parts, manifest["objects"])
         saved = {name for names in manifest["objects"].values() for name in names}
         wanted = set(parts["modules"]) | set(parts["per_rank"]) | set(parts["shared"])
         if sharded is not None:
@@ -300,6 +308,17 @@ class Checkpoints:
         return values
 
 
+def not_a_root(what: str) -> CheckpointError:
+    """The refusal of a checkpoint root that holds something else (`files.foreign` says what)."""
+    return CheckpointError(
+        f"{what}: s.save and s.load take a folder that holds only ddpkit's checkpoints (ckpt-NNNNNN/), "
+        "and starting fresh here would either ignore what is there or fail at the first save, after "
+        "training. Pass a new or empty folder (e.g. runs/ckpt) for ddpkit's checkpoints; to start from "
+        "weights another tool wrote, load them into the model first (s.model(..., weights=path) reads a "
+        "safetensors file or a save_pretrained folder), or move them out of the way"
+    )
+
+
 def _choose(ctx: CheckpointContext, root: Path) -> Found | None:
     """Rank 0 picks the checkpoint (verifying every file); the others read its choice from the store."""
     sync = Sync(ctx, "load")
@@ -315,6 +334,8 @@ def _choose(ctx: CheckpointContext, root: Path) -> Found | None:
             found, skipped = files.verify(root), list[str]()
         else:
             found, skipped = files.newest_valid(root)
+            if found is None and not skipped and (what := files.foreign(root)) is not None:
+                raise not_a_root(what)  # before any training: "starting fresh" would lose or clash with it
             if found is None and skipped:
                 raise CheckpointError(
                     f"every checkpoint in {root} is damaged:\n  " + "\n  ".join(skipped) + "\nRestore one "

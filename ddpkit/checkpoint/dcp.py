@@ -87,7 +87,7 @@ def load(state: dict, checkpoint: Path) -> None:
             f"{checkpoint.name} out of {checkpoint.parent} (or delete it) to resume from the checkpoint "
             "before it, or restore it from a backup you trust"
         ) from None
-    dcp_load(state, storage_reader=_SafeReader(directory))
+    dcp_load(state, storage_reader=safe_reader(directory))
 
 
 def _reader_class() -> type:
@@ -106,7 +106,8 @@ def _reader_class() -> type:
     return SafeReader
 
 
-def _SafeReader(directory: Path) -> Any:
+def safe_reader(directory: Path) -> Any:
+    """DCP's file reader with the metadata read by `MetadataUnpickler` (no other pickle runs)."""
     return _reader_class()(directory)
 
 

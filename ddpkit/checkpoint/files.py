@@ -231,7 +231,7 @@ class Found:
         entry = self.manifest["files"].get(name)
         if entry is None:
             raise CheckpointError(f"{self.path} has no {name} in its manifest")
-        _check_file(self.path / name, entry)
+        check_file(self.path / name, entry)
         return self.path / name
 
 
@@ -261,16 +261,23 @@ def verify(path: Path) -> Found:
         manifest = json.loads(manifest_path.read_text())
     except (ValueError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{manifest_path} is not valid JSON ({err}): the file is damaged") from None
+    verify_manifest(path, manifest)
+    for name, entry in manifest["files"].items():
+        check_file(path / name, entry)
+        _check_format(path / name)
+    return Found(path, manifest)
+
+
+def verify_manifest(path: Path, manifest: Any) -> None:
+    """The manifest itself: ddpkit's format, its own checksum, only file names ddpkit writes."""
+    manifest_path = path / MANIFEST
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{manifest_path} is not a {FORMAT} manifest")
     if hashlib.sha256(_canonical(manifest)).hexdigest() != manifest.get("self_sha256"):
         raise CheckpointError(f"{manifest_path} does not match its own checksum: the file is damaged")
-    for name, entry in manifest["files"].items():
+    for name in manifest["files"]:
         if not _SAFE_NAME.match(name):
             raise CheckpointError(f"{manifest_path} lists a file named {name!r}: not a ddpkit checkpoint")
-        _check_file(path / name, entry)
-        _check_format(path / name)
-    return Found(path, manifest)
 
 
 def _check_format(path: Path) -> None:
@@ -293,7 +300,7 @@ def _check_format(path: Path) -> None:
             raise CheckpointError(f"{path} is not a safetensors file (a pickle?): refused unread")
 
 
-def _check_file(path: Path, entry: Mapping[str, Any]) -> None:
+def check_file(path: Path, entry: Mapping[str, Any]) -> None:
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
     size = path.stat().st_size
@@ -301,6 +308,50 @@ def _check_file(path: Path, entry: Mapping[str, Any]) -> None:
         raise CheckpointError(f"{path} has {size} bytes, the manifest says {entry['bytes']} (truncated?)")
     if sha256_of(path) != entry["sha256"]:
         raise CheckpointError(f"{path} does not match its SHA-256 in the manifest: the file is corrupted")
+
+
+def foreign(root: Path) -> str | None:
+    """What `root` holds when it exists but is not a folder of ddpkit checkpoints (None when it is one,
+    is empty, or does not exist yet): a file written by another tool, or a folder of unrelated files.
+
+    Why ask: "no checkpoint yet" on such a path starts a whole run fresh and then fails at the first
+    save (a file cannot become a folder), or silently ignores the snapshot the user meant to resume."""
+    if not root.exists() and not root.is_symlink():
+        return None
+    if not root.is_dir():
+        size = human_size(root.stat().st_size)
+        return f"{root} is a file ({size}, {_kind(root)}), not a folder of checkpoints"
+    entries = sorted(root.iterdir())
+    if not entries or any(_NAME.match(p.name) or _TMP.match(p.name) for p in entries):
+        return None
+    shown = ", ".join(p.name + ("/" if p.is_dir() else "") for p in entries[:5])
+    more = f" and {len(entries) - 5} more" if len(entries) > 5 else ""
+    return (f"{root} is a folder of {len(entries)} other entries ({shown}{more}) and no ddpkit checkpoint "
+            "(ckpt-NNNNNN/ folders)")  # fmt: skip
+
+
+def human_size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{int(n)} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)  # not reached
+
+
+def _kind(path: Path) -> str:
+    """A guess at a file's format from its first bytes, for the refusal's wording."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return "unreadable"
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive, the format torch.save writes"
+    if head[:1] == b"\x80":
+        return "a pickle"
+    if len(head) == 16 and head[8:9] == b"{":
+        return "a safetensors file"
+    return "not a ddpkit checkpoint"
 
 
 def newest_valid(root: Path) -> tuple[Found | None, list[str]]:

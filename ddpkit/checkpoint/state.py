@@ -41,13 +41,35 @@ def split(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                 raise problem("a module cannot be saved under the name 'state' (a reserved file name)",
                               "Pick another keyword, e.g. model=")  # fmt: skip
             parts["modules"][name] = obj
-        elif isinstance(obj, (ShardedLoader, torch.Generator)) or stream_position(obj):
+        elif per_rank_by_kind(obj) or marked_per_rank(obj):
             parts["per_rank"][name] = obj
         elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
             parts["shared"][name] = obj
         else:
             parts["values"][name] = obj
     return parts
+
+
+def per_rank_by_kind(obj: Any) -> bool:
+    """A loader, a generator or a stream position: each rank's own, whatever the ranks hold."""
+    return isinstance(obj, (ShardedLoader, torch.Generator)) or stream_position(obj)
+
+
+def marked_per_rank(obj: Any) -> bool:
+    """`ddpkit_per_rank = True` on a stateful object: each rank's own state (`checkpoint.divergence`)."""
+    stateful = callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    return stateful and getattr(obj, "ddpkit_per_rank", None) is True
+
+
+def follow(parts: dict[str, dict[str, Any]], saved: Mapping[str, list[str]]) -> None:
+    """At load: a stateful object goes where the checkpoint put it (per rank when its state differed
+    between the ranks at save, or it was marked so), whatever it is marked now."""
+    per_rank, shared = set(saved.get("per_rank", [])), set(saved.get("shared", []))
+    for name in [n for n in parts["shared"] if n in per_rank]:
+        parts["per_rank"][name] = parts["shared"].pop(name)
+    for name, obj in list(parts["per_rank"].items()):
+        if name in shared and not per_rank_by_kind(obj):
+            parts["shared"][name] = parts["per_rank"].pop(name)
 
 
 def stream_position(obj: Any) -> bool:
@@ -104,7 +126,7 @@ def restore_per_rank(rank: int, world_size: int, found: Found, per_rank: Mapping
     json_name, tensor_name = rank_files(rank if own else 0)
     tree = found.read_json(json_name)
     tensors = found.read_tensors(tensor_name)
-    if own:
+    if own and tree["rng"] is not None:  # None: a checkpoint converted from weights (no streams saved)
         set_rng_state(files.decode(tree["rng"], tensors))
     notes = []
     if saved_world != world_size:
@@ -115,6 +137,15 @@ def restore_per_rank(rank: int, world_size: int, found: Found, per_rank: Mapping
             notes.append(f"the RNG streams of ranks {world_size}..{saved_world - 1} are dropped")
     for name, obj in per_rank.items():
         value = files.decode(tree["objects"][name], tensors)
+        if saved_world != world_size and not per_rank_by_kind(obj):
+            raise problem(
+                f"{name}= ({type(obj).__name__}) was saved per rank at world size {saved_world} (its state "
+                f"differed between the ranks, or it is marked ddpkit_per_rank = True); at world size "
+                f"{world_size} no rank's saved state is known to belong to each rank (loading rank 0's on "
+                "every rank would be silently wrong)",
+                f"Resume at world size {saved_world}, or leave {name}= out of s.load to start it afresh, or "
+                "set ddpkit_per_rank = False on it if one state for every rank is right (rank 0's is saved)",
+            )
         if stream_position(obj) and saved_world != world_size:
             raise problem(
                 f"{name}= ({type(obj).__name__}) holds a position in each rank's own stream, saved at world "

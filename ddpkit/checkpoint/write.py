@@ -32,6 +32,7 @@ import torch
 from ddpkit.checkpoint import dcp as checkpoint_dcp
 from ddpkit.checkpoint import files
 from ddpkit.checkpoint import state as checkpoint_state
+from ddpkit.checkpoint.divergence import differing, note
 from ddpkit.checkpoint.files import Tensors
 from ddpkit.checkpoint.gather import local_share
 from ddpkit.checkpoint.sync import CheckpointContext, Sync
@@ -54,6 +55,7 @@ class Snapshot:
     shared_tensors: Tensors
     shares: Mapping[str, dict[str, Any]]  # sharded steps: this rank's optimizer share, gathered by `write`
     dcp: dict[str, Any] | None  # FSDP: the model's and its optimizers' state for DCP (staged: a copy)
+    notes: Mapping[str, str]  # name -> the line saying it went per rank (its state differs between ranks)
 
     def nbytes(self) -> int:
         groups = [self.rank_tensors, self.shared_tensors, *self.weights.values()]
@@ -79,6 +81,9 @@ class Job:
 def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool) -> Snapshot:
     """Every rank, at the same point: the state encoded in memory (copied when `copy`), a frozen value."""
     parts = checkpoint_state.split(state)
+    diverged = differing(parts["shared"], ctx.device) if ctx.distributed else []  # one all-gather, or none
+    for name in diverged:
+        parts["per_rank"][name] = parts["shared"].pop(name)
     sharded = checkpoint_dcp.split(ctx.strategy, parts)
     fresh: set[int] = set()  # storages already copied to CPU here (GPU tensors): not copied twice
     stepped = [n for n, obj in parts["shared"].items() if ctx.optimizers.sharded_step(obj) is not None]
@@ -115,8 +120,9 @@ def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool) -> Sna
             for key, value in group.items():
                 if value.untyped_storage().data_ptr() not in fresh:
                     group[key] = value.clone()
+    notes = {n: note(n, parts["per_rank"][n]) for n in diverged}
     return Snapshot(objects, step if isinstance(step, int) else None, ctx.strategy.name, rank_tree,
-                    rank_tensors, kept, shared_tree, shared_tensors, shares, dcp_state)  # fmt: skip
+                    rank_tensors, kept, shared_tree, shared_tensors, shares, dcp_state, notes)  # fmt: skip
 
 
 def to_cpu(tree: Any, fresh: set[int]) -> Any:
