@@ -600,8 +600,8 @@ MUTANTS = [
     Mutant(
         "stateful-per-rank",
         "ddpkit/checkpoint/state.py",
-        "isinstance(obj, (ShardedLoader, torch.Generator)) or stream_position(obj):",
-        "isinstance(obj, (ShardedLoader, torch.Generator)):  # mutant: a StatefulDataLoader saved by rank 0",
+        "    return isinstance(obj, (ShardedLoader, torch.Generator)) or stream_position(obj)\n",
+        "    return isinstance(obj, (ShardedLoader, torch.Generator))  # mutant: a StatefulDataLoader saved by rank 0\n",
         ("tests/test_data_hf.py::test_a_stateful_dataloader_resumes_at_each_ranks_own_position",),
         "a StatefulDataLoader's position is saved by rank 0 and loaded into every rank",
     ),
