@@ -55,8 +55,16 @@ _GPUS: dict[str, tuple[str, int, str]] = {  # key: (name, total bytes as nvidia-
     "a100-40": ("A100 40 GB", 40960 << 20, "nvidia-smi: 40960 MiB"),
     "l4": ("L4 24 GB", 23034 << 20, "nvidia-smi: 23034 MiB"),
 }
-ALIASES = {"h100-80": "h100", "h100-80gb": "h100", "a100": "a100-80", "a100-80gb": "a100-80",
-           "a100-40gb": "a100-40", "l4-24": "l4", "l4-24gb": "l4", "h200-141": "h200"}  # fmt: skip
+ALIASES = {
+    "h100-80": "h100",
+    "h100-80gb": "h100",
+    "a100": "a100-80",
+    "a100-80gb": "a100-80",
+    "a100-40gb": "a100-40",
+    "l4-24": "l4",
+    "l4-24gb": "l4",
+    "h200-141": "h200",
+}
 NAMES = (*_GPUS, "cpu")
 
 
@@ -66,10 +74,13 @@ def named(name: str, *, world: int = 1) -> Device:
     if key == "cpu":
         return cpu_rank(world)
     if key not in _GPUS:
-        raise problem(f"device {name!r} is not known", f"Use one of {', '.join(NAMES)}, or --device-memory GB")
+        raise problem(
+            f"device {name!r} is not known", f"Use one of {', '.join(NAMES)}, or --device-memory GB"
+        )
     label, total, source = _GPUS[key]
-    return Device(name=label, memory=total, reserved=CUDA_RESERVED, allowance=CUDA_ALLOWANCE, kind="cuda",
-                  source=source)  # fmt: skip
+    return Device(
+        name=label, memory=total, reserved=CUDA_RESERVED, allowance=CUDA_ALLOWANCE, kind="cuda", source=source
+    )
 
 
 def custom(gb: float, *, kind: str = "cuda") -> Device:
@@ -77,9 +88,14 @@ def custom(gb: float, *, kind: str = "cuda") -> Device:
     if gb <= 0:
         raise problem(f"--device-memory {gb} is not a positive number of GB", "Pass e.g. --device-memory 24")
     cuda = kind == "cuda"
-    return Device(name=f"{gb:g} GB ({kind})", memory=int(gb * GB), reserved=CUDA_RESERVED if cuda else CPU_RESERVED,
-                  allowance=CUDA_ALLOWANCE if cuda else CPU_ALLOWANCE, kind=kind,
-                  source="--device-memory")  # fmt: skip
+    return Device(
+        name=f"{gb:g} GB ({kind})",
+        memory=int(gb * GB),
+        reserved=CUDA_RESERVED if cuda else CPU_RESERVED,
+        allowance=CUDA_ALLOWANCE if cuda else CPU_ALLOWANCE,
+        kind=kind,
+        source="--device-memory",
+    )
 
 
 def cpu_rank(world: int) -> Device:
@@ -89,13 +105,24 @@ def cpu_rank(world: int) -> Device:
 
     limit = rank_memory.limit_bytes()
     if limit is not None:
-        return Device(name="CPU rank (cgroup limit)", memory=limit, reserved=CPU_RESERVED,
-                      allowance=CPU_ALLOWANCE, kind="cpu", source="this process's cgroup memory limit")  # fmt: skip
+        return Device(
+            name="CPU rank (cgroup limit)",
+            memory=limit,
+            reserved=CPU_RESERVED,
+            allowance=CPU_ALLOWANCE,
+            kind="cpu",
+            source="this process's cgroup memory limit",
+        )
     available = _mem_available()
     share = available // max(1, world)
-    return Device(name=f"CPU rank (1/{world} of this machine's available memory)", memory=share,
-                  reserved=CPU_RESERVED, allowance=CPU_ALLOWANCE, kind="cpu",
-                  source=f"/proc/meminfo MemAvailable {available / GIB:.1f} GiB / {world} rank(s)")  # fmt: skip
+    return Device(
+        name=f"CPU rank (1/{world} of this machine's available memory)",
+        memory=share,
+        reserved=CPU_RESERVED,
+        allowance=CPU_ALLOWANCE,
+        kind="cpu",
+        source=f"/proc/meminfo MemAvailable {available / GIB:.1f} GiB / {world} rank(s)",
+    )
 
 
 def _mem_available() -> int:

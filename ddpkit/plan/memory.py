@@ -37,7 +37,6 @@ fragmentation (its `allowance`), ddpkit's shared-memory segments on CPU ranks.
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -46,6 +45,8 @@ import torch
 from torch import nn
 
 from ddpkit.errors import problem
+from ddpkit.plan import memory_models
+from ddpkit.plan.memory_models import ModelSpec
 from ddpkit.plan.memory_report import Breakdown
 
 STRATEGIES = ("ddp", "zero1", "fsdp", "hsdp")
@@ -74,7 +75,7 @@ class MemoryJob:
     shard_degree: int | None = None  # hsdp: ranks per shard group (None: all of them, i.e. fsdp)
     activation_checkpointing: str | None = None  # "auto" or a block class's name
     optimizer: str = "adamw"
-    sample: str | None = None
+    sample: str | Callable[[torch.Generator, int], Any] | None = None
     device_kind: str = "cuda"  # the optimizer's implementation torch picks there: foreach on CUDA
 
     def __post_init__(self) -> None:
@@ -87,149 +88,45 @@ class MemoryJob:
         if self.precision not in PRECISIONS:
             raise problem(f"precision {self.precision!r} is not known", "Use fp32, bf16 or fp16")
         if self.strategy in ("fsdp", "hsdp") and PRECISIONS[self.precision] is torch.float16:
-            raise problem("fp16 with FSDP: ddpkit refuses it (the loss scaler's inf check would be per shard)",
-                          "Use bf16 with FSDP, or fp16 with DDP")  # fmt: skip
+            raise problem(
+                "fp16 with FSDP: ddpkit refuses it (the loss scaler's inf check would be per shard)",
+                "Use bf16 with FSDP, or fp16 with DDP",
+            )
         if self.optimizer not in OPTIMIZERS and ":" not in self.optimizer:
-            raise problem(f"optimizer {self.optimizer!r} is not known",
-                          f"Use one of {', '.join(OPTIMIZERS)} or package.module:function (params -> optimizer)")  # fmt: skip
+            raise problem(
+                f"optimizer {self.optimizer!r} is not known",
+                f"Use one of {', '.join(OPTIMIZERS)} or package.module:function (params -> optimizer)",
+            )
         if self.strategy == "hsdp":
             shard = self.shard_degree
             if shard is None or shard < 1 or self.world % shard:
-                raise problem(f"hsdp needs a shard degree that divides the world size {self.world} (got {shard})",
-                              "Pass --shard-degree K with world = replicas x K, e.g. 8 ranks per node")  # fmt: skip
+                raise problem(
+                    f"hsdp needs a shard degree that divides the world size {self.world} (got {shard})",
+                    "Pass --shard-degree K with world = replicas x K, e.g. 8 ranks per node",
+                )
 
     def describe(self) -> str:
-        strat = {"ddp": "DDP", "zero1": "DDP + sharded optimizer step (ZeRO-1)", "fsdp": "FSDP2",
-                 "hsdp": f"HSDP ({self.world // (self.shard_degree or 1)} x {self.shard_degree})"}[self.strategy]  # fmt: skip
+        strat = {
+            "ddp": "DDP",
+            "zero1": "DDP + sharded optimizer step (ZeRO-1)",
+            "fsdp": "FSDP2",
+            "hsdp": f"HSDP ({self.world // (self.shard_degree or 1)} x {self.shard_degree})",
+        }[self.strategy]
         seq = f", sequence {self.seq_len}" if self.seq_len else ""
-        ac = f", activation checkpointing ({self.activation_checkpointing})" if self.activation_checkpointing else ""
-        return (f"{strat} over {self.world} rank(s), micro-batch {self.micro_batch}{seq}, {self.precision}, "
-                f"{self.optimizer}{ac}")  # fmt: skip
+        ac = (
+            f", activation checkpointing ({self.activation_checkpointing})"
+            if self.activation_checkpointing
+            else ""
+        )
+        return (
+            f"{strat} over {self.world} rank(s), micro-batch {self.micro_batch}{seq}, {self.precision}, "
+            f"{self.optimizer}{ac}"
+        )
 
 
-@dataclass(frozen=True)
-class _Model:
-    """A model's factory, how to draw a micro-batch of it, and its loss."""
-
-    name: str
-    build: Callable[[], nn.Module]
-    batch: Callable[[int], Any]  # micro-batch size -> batch (called under the fake mode)
-    loss: Callable[[nn.Module, Any], torch.Tensor]
-
-
-def _hf(spec: str, seq_len: int | None) -> _Model:
-    try:
-        import transformers
-    except ImportError as err:
-        raise problem("an hf: model needs transformers", "pip install transformers") from err
-    head, *pairs = spec.removeprefix("hf:").split(",")
-    overrides: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise problem(f"{pair!r} in {spec!r} is not key=value", "Write e.g. hf:gpt2,n_layer=2,n_embd=128")
-        try:
-            overrides[key] = int(value)
-        except ValueError:
-            try:
-                overrides[key] = float(value)
-            except ValueError:
-                overrides[key] = value
-    try:
-        if "/" in head or head.endswith(".json"):
-            cfg = transformers.AutoConfig.from_pretrained(head, local_files_only=True, **overrides)
-        else:
-            cfg = transformers.AutoConfig.for_model(head, **overrides)
-    except (OSError, ValueError) as err:
-        raise problem(f"cannot read the transformers config {head!r}: {err}",
-                      "Pass a model type (hf:gpt2, hf:llama,...) or a local config.json / directory")  # fmt: skip
-    positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-    seq = seq_len or positions
-    if seq is None:
-        raise problem(f"the {head} config states no maximum sequence length", "Pass --seq-len")
-    if positions and seq > positions:
-        raise problem(f"sequence {seq} is longer than the model's {positions} positions", f"Pass --seq-len {positions}")
-    vocab = cfg.vocab_size
-
-    def build() -> nn.Module:
-        return transformers.AutoModelForCausalLM.from_config(cfg)
-
-    def batch(n: int) -> Any:
-        ids = torch.randint(0, vocab, (n, seq))
-        return ids
-
-    def loss(model: nn.Module, ids: Any) -> torch.Tensor:
-        return model(input_ids=ids, labels=ids).loss
-
-    return _Model(f"{head} (transformers, from its config; sequence {seq})", build, batch, loss)
-
-
-def _workload(wl: Any, seq_len: int | None) -> _Model:
-    if seq_len is not None:
-        raise problem(f"the {wl.name} workload fixes its own input shape; --seq-len does not apply",
-                      "Leave --seq-len out, or pass a model factory whose sequence length you set")  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-
-    def batch(n: int) -> Any:
-        return wl.sample(g, n)
-
-    return _Model(f"workload {wl.name}", wl.build, batch, wl.step_loss)
-
-
-def _module(name: str, build: Callable[[], nn.Module], sample: str | None) -> _Model:
-    from ddpkit.verify.spec import cross_entropy, resolve
-
-    if sample is None:
-        raise problem(f"{name} returns a plain nn.Module: ddpkit cannot know its inputs",
-                      "Pass --sample package.module:function, a function (generator, n) -> (inputs, targets) "
-                      "(cross-entropy loss), or return a ddpkit.tools.workloads.Workload")  # fmt: skip
-    draw = resolve(sample, "sample")
-    g = torch.Generator().manual_seed(0)
-    return _Model(name, build, lambda n: draw(g, n), cross_entropy)
-
-
-def resolve_model(job: MemoryJob) -> _Model:
-    """What `job.model` names, as a factory, a batch and a loss (nothing is built yet)."""
-    from ddpkit.tools import workloads
-
-    spec = job.model
-    if callable(spec):
-        return _module(getattr(spec, "__qualname__", "model"), spec, job.sample)
-    if spec.startswith("hf:"):
-        return _hf(spec, job.seq_len)
-    if spec in workloads.NAMED:
-        return _workload(workloads.NAMED[spec], job.seq_len)
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        raise problem(f"model {spec!r} is neither a workload ({', '.join(workloads.NAMED)}), hf:TYPE nor "
-                      "package.module:function", "Pass e.g. --model mypkg.models:make_net or --model hf:gpt2")  # fmt: skip
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise problem(f"cannot load model {spec!r}: {err}", "Check the module path and PYTHONPATH") from err
-    holder: dict[str, Any] = {}
-
-    def build() -> nn.Module:  # called under the fake mode: a Workload's factory or the module itself
-        made = fn()
-        if isinstance(made, workloads.Workload):
-            holder["workload"] = made
-            return made.build()
-        if not isinstance(made, nn.Module):
-            raise problem(f"{spec} returned {type(made).__name__}", "Return an nn.Module or a Workload")
-        return made
-
-    if job.sample is None:  # maybe a Workload: its own sample and loss
-        def batch(n: int) -> Any:
-            if "workload" not in holder:
-                raise problem(f"{spec} returns a plain nn.Module: ddpkit cannot know its inputs",
-                              "Pass --sample package.module:function, (generator, n) -> (inputs, targets)")  # fmt: skip
-            return holder["workload"].sample(torch.Generator().manual_seed(0), n)
-
-        def loss(model: nn.Module, b: Any) -> torch.Tensor:
-            return holder["workload"].step_loss(model, b)
-
-        return _Model(spec, build, batch, loss)
-    return _module(spec, build, job.sample)
+def resolve_model(job: MemoryJob) -> ModelSpec:
+    """The job's model as a factory, a micro-batch and a loss (`ddpkit.plan.memory_models`)."""
+    return memory_models.resolve(job.model, seq_len=job.seq_len, sample=job.sample)
 
 
 # -- preparing the rank ---------------------------------------------------------------------------
@@ -242,8 +139,10 @@ def _checkpointing(model: nn.Module, choice: str | None) -> None:
     if choice != "auto":
         found = {type(m) for m in model.modules() if type(m).__name__ == choice}
         if not found:
-            raise problem(f"activation checkpointing: no module of class {choice!r} in the "
-                          f"{type(model).__name__}", "Name the class of the repeated blocks, or pass auto")  # fmt: skip
+            raise problem(
+                f"activation checkpointing: no module of class {choice!r} in the {type(model).__name__}",
+                "Name the class of the repeated blocks, or pass auto",
+            )
         wanted = tuple(found)
     checkpointing.apply(model, wanted)
 
@@ -267,7 +166,10 @@ def _fsdp_units(module: nn.Module) -> list[str]:
         if not name or type(m).forward is nn.Module.forward or checkpointing.unit_name(name) != name:
             return
         free = [p for p in m.parameters() if id(p) not in taken]
-        if all(inside(tied.get(id(p)), name) for p in free) and sum(p.numel() for p in free) >= FSDP_MIN_BLOCK_PARAMS:
+        if (
+            all(inside(tied.get(id(p)), name) for p in free)
+            and sum(p.numel() for p in free) >= FSDP_MIN_BLOCK_PARAMS
+        ):
             chosen.append(name)
             taken.update(id(p) for p in free)
 
@@ -300,9 +202,9 @@ def _optimizer(name: str, params: Any, device_kind: str) -> torch.optim.Optimize
     if name in ("adam", "adamw"):
         cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
         return cls(params, lr=1e-4, foreach=foreach)
-    from ddpkit.verify.spec import resolve
+    from ddpkit.plan.memory_models import import_ref
 
-    return resolve(name, "optimizer")(params)
+    return import_ref(name, "optimizer")(params)
 
 
 @contextlib.contextmanager
@@ -314,8 +216,10 @@ def fake_world(world: int, shard: int | None = None) -> Iterator[Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise problem("the memory plan runs in a process that already has a process group",
-                      "Run `ddpkit plan --memory` (or estimate()) outside a ddpkit session")  # fmt: skip
+        raise problem(
+            "the memory plan runs in a process that already has a process group",
+            "Run `ddpkit plan --memory` (or estimate()) outside a ddpkit session",
+        )
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         if shard is None or shard == world:
@@ -366,14 +270,24 @@ def _set_aside(params: list[nn.Parameter], owned: set[int] | None) -> list[tuple
     return away
 
 
-def _run_step(model: nn.Module, opt: torch.optim.Optimizer, spec: _Model, job: MemoryJob,
-              owned: set[int] | None, keep_grads: bool, micro_batch: int) -> None:  # fmt: skip
+def _run_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    spec: ModelSpec,
+    job: MemoryJob,
+    owned: set[int] | None,
+    keep_grads: bool,
+    micro_batch: int,
+) -> None:
     """Forward, loss, backward, optimizer step, zero_grad: what a training step does, in its order."""
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = PRECISIONS[job.precision]
     batch = spec.batch(micro_batch)  # the micro-batch itself is live through the step
-    cast = torch.autocast("cpu", dtype=dtype) if dtype is not None and job.strategy in ("ddp", "zero1") \
-        else contextlib.nullcontext()  # fmt: skip
+    cast = (
+        torch.autocast("cpu", dtype=dtype)
+        if dtype is not None and job.strategy in ("ddp", "zero1")
+        else contextlib.nullcontext()
+    )
     with cast:
         loss = spec.loss(model, batch)
     loss.backward()
@@ -386,8 +300,9 @@ def _run_step(model: nn.Module, opt: torch.optim.Optimizer, spec: _Model, job: M
     del batch
 
 
-def _warm_optimizer(params: list[nn.Parameter], opt: torch.optim.Optimizer, owned: set[int] | None,
-                    keep_grads: bool) -> None:  # fmt: skip
+def _warm_optimizer(
+    params: list[nn.Parameter], opt: torch.optim.Optimizer, owned: set[int] | None, keep_grads: bool
+) -> None:
     """One update on zero gradients, untracked: the optimizer's state exists before the tracked step,
     as in every step after the first (cheaper than a whole warm-up step: no forward, no backward; FSDP's
     lazy initialisation in the tracked step's first forward allocates nothing that stays)."""
@@ -400,8 +315,14 @@ def _warm_optimizer(params: list[nn.Parameter], opt: torch.optim.Optimizer, owne
     opt.zero_grad(set_to_none=not keep_grads)
 
 
-def _tracked_step(model: nn.Module, opt: torch.optim.Optimizer, spec: _Model, job: MemoryJob,
-                  owned: set[int] | None, keep_grads: bool) -> Breakdown:  # fmt: skip
+def _tracked_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    spec: ModelSpec,
+    job: MemoryJob,
+    owned: set[int] | None,
+    keep_grads: bool,
+) -> Breakdown:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -434,81 +355,22 @@ def _tracked_step(model: nn.Module, opt: torch.optim.Optimizer, spec: _Model, jo
         tracker.track_external(model, opt)
     with tracker:
         _run_step(model, opt, spec, job, owned, keep_grads, job.micro_batch)
-    return Breakdown.from_snapshot(tracker.get_tracker_snapshot("peak"))
+    b = Breakdown.from_snapshot(tracker.get_tracker_snapshot("peak"))
+    # torch's trackers count everything allocated inside optimizer.step() as optimizer state; what
+    # is not in the optimizer's state afterwards (AdamW's per-tensor scratch) is a temporary
+    extra = b.optimizer_state - _state_bytes(opt)
+    if extra > 0:
+        b = replace(b, optimizer_state=b.optimizer_state - extra, temporaries=b.temporaries + extra)
+    return b
 
 
-# -- the largest micro-batch that fits -------------------------------------------------------------
-@dataclass(frozen=True)
-class Fit:
-    """A micro-batch per rank, the accumulation that keeps the global batch, and its estimate."""
-
-    micro_batch: int
-    accumulation: int
-    breakdown: Breakdown
-
-
-def splits(global_batch: int, world: int) -> list[tuple[int, int]]:
-    """(micro-batch, accumulation) pairs with micro x accumulation x world == global, largest first."""
-    if global_batch < world or global_batch % world:
-        raise problem(f"global batch {global_batch} does not split evenly over {world} ranks",
-                      f"Use a multiple of {world}, e.g. {world * max(1, round(global_batch / world))}")  # fmt: skip
-    per_rank = global_batch // world
-    return [(m, per_rank // m) for m in range(per_rank, 0, -1) if per_rank % m == 0]
-
-
-def largest_fit(job: MemoryJob, global_batch: int, capacity: int, *, allowance: float, reserved: int,
-                measured: dict[int, Breakdown] | None = None) -> tuple[Fit | None, dict[int, Breakdown]]:  # fmt: skip
-    """The largest micro-batch whose step fits in `capacity` bytes with its accumulation for
-    `global_batch`, and every estimate made on the way (micro-batch -> breakdown).
-
-    A step's peak grows with the micro-batch by the activations and temporaries, close to linearly:
-    two estimates give the slope, the candidate predicted to fit is estimated for real, and a miss
-    moves to the next smaller candidate (a few fake steps in all, not one per candidate)."""
-    seen: dict[int, Breakdown] = dict(measured or {})
-
-    def total(m: int) -> int:
-        if m not in seen:
-            seen[m] = estimate(replace(job, micro_batch=m))
-        return seen[m].with_device(allowance, reserved).total
-
-    options = splits(global_batch, job.world)
-    sizes = [m for m, _ in options]
-    if total(sizes[0]) <= capacity:
-        return Fit(options[0][0], options[0][1], seen[sizes[0]].with_device(allowance, reserved)), seen
-    if total(1) > capacity:
-        return None, seen
-    small, big = 1, sizes[0]
-    slope = (total(big) - total(small)) / max(1, big - small)
-    guess = small + (capacity - total(small)) / slope if slope > 0 else big
-    for m, k in options:
-        if m > guess * 1.02 and m != 1:
-            continue
-        if total(m) <= capacity:
-            return Fit(m, k, seen[m].with_device(allowance, reserved)), seen
-    return Fit(1, options[-1][1], seen[1].with_device(allowance, reserved)), seen
-
-
-def alternatives(job: MemoryJob) -> list[MemoryJob]:
-    """What to try when micro-batch 1 does not fit, most effective first: FSDP (model state / N),
-    activation checkpointing, bf16 (activations halved)."""
-    out: list[MemoryJob] = []
-    if job.strategy in ("ddp", "zero1") and job.world > 1:
-        out.append(replace(job, strategy="fsdp", micro_batch=1,
-                           precision="bf16" if job.precision == "fp16" else job.precision))  # fmt: skip
-    if not job.activation_checkpointing:
-        out.append(replace(job, activation_checkpointing="auto", micro_batch=1))
-    if job.precision == "fp32":
-        out.append(replace(job, precision="bf16", micro_batch=1))
-    return out
-
-
-def parameter_count(job: MemoryJob) -> int:
-    """Parameters of the model (built on fake tensors: no memory)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        model = resolve_model(job).build()
-    seen: set[int] = set()
-    return sum(p.numel() for p in model.parameters() if not (id(p) in seen or seen.add(id(p))))  # type: ignore[func-returns-value]
-
-
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors (DTensors by their local shard), each storage once."""
+    seen: dict[int, int] = {}
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                storage = local.untyped_storage()
+                seen[id(storage)] = storage.nbytes()
+    return sum(seen.values())

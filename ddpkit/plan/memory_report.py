@@ -15,7 +15,7 @@ categories are torch's (`torch.distributed._tools.mem_tracker._MemRefType` and
 | gradients | Gradient; FSDP: Sharded Grad | FSDP (1/N) |
 | optimizer state | Optstate | FSDP or the sharded step (1/N), the optimizer (Adam: 2 per parameter) |
 | activations | Activation, Inputs | micro-batch, sequence length, activation checkpointing, bf16 |
-| FSDP buffers | Unsharded Param, Unsharded Grad, All Gather, Reduce Scatter | the size of the largest FSDP unit |
+| FSDP buffers | Unsharded Param, Unsharded Grad, All Gather, Reduce Scatter | the largest FSDP unit |
 | temporaries | Temp, Other | micro-batch (the backward's scratch, e.g. the logits' gradient) |
 
 On top of the tracked peak, two stated figures: the allocator's allowance (fragmentation and cached
@@ -39,14 +39,22 @@ LABELS = {
     "temporaries": "temporaries",
 }
 _FOLD = {  # torch's category name (its enum's value) -> ours
-    "Parameter": "parameters", "Buffer": "parameters", "Sharded Param": "parameters",
-    "Gradient": "gradients", "Sharded Grad": "gradients",
-    "Optstate": "optimizer_state", "OptState": "optimizer_state",
-    "Activation": "activations", "Inputs": "activations",
-    "Unsharded Param": "fsdp_buffers", "Unsharded Grad": "fsdp_buffers", "All Gather": "fsdp_buffers",
+    "Parameter": "parameters",
+    "Buffer": "parameters",
+    "Sharded Param": "parameters",
+    "Gradient": "gradients",
+    "Sharded Grad": "gradients",
+    "Optstate": "optimizer_state",
+    "OptState": "optimizer_state",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Unsharded Param": "fsdp_buffers",
+    "Unsharded Grad": "fsdp_buffers",
+    "All Gather": "fsdp_buffers",
     "Reduce Scatter": "fsdp_buffers",
-    "Temp": "temporaries", "Other": "temporaries",
-}  # fmt: skip
+    "Temp": "temporaries",
+    "Other": "temporaries",
+}
 
 
 def gib(n: float) -> str:
@@ -78,7 +86,7 @@ class Breakdown:
     def from_snapshot(cls, snapshot: Mapping[Any, Mapping[Any, int]]) -> Breakdown:
         """From a tracker's `get_tracker_snapshot("peak")` ({device: {category: bytes, "Total": n}}),
         all devices summed (one rank uses one device)."""
-        sums = dict.fromkeys(CATEGORIES, 0)
+        sums: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         for per_device in snapshot.values():
             for key, value in per_device.items():
                 name = getattr(key, "value", key)
@@ -87,7 +95,14 @@ class Breakdown:
                 if name not in _FOLD:
                     raise ValueError(f"unknown tracker category {name!r}")
                 sums[_FOLD[name]] += int(value)
-        return cls(**sums)
+        return cls(
+            parameters=sums["parameters"],
+            gradients=sums["gradients"],
+            optimizer_state=sums["optimizer_state"],
+            activations=sums["activations"],
+            fsdp_buffers=sums["fsdp_buffers"],
+            temporaries=sums["temporaries"],
+        )
 
     @property
     def model_state(self) -> int:
@@ -105,8 +120,9 @@ class Breakdown:
         """This breakdown with the device's allowance (a fraction of the peak) and reserve added."""
         from dataclasses import replace
 
-        return replace(self, allowance=round(self.peak * allowance), reserved=reserved,
-                       notes=(*self.notes, *notes))  # fmt: skip
+        return replace(
+            self, allowance=round(self.peak * allowance), reserved=reserved, notes=(*self.notes, *notes)
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "notes": list(self.notes), "peak": self.peak, "total": self.total}
