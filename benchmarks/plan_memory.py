@@ -9,6 +9,14 @@ micro-batch, loss (`ddpkit.plan.memory.resolve_model`), AdamW, `s.model(factory,
 activation_checkpointing=...)`, two steps (the first creates the optimizer's state, the second is the
 steady-state step the estimate tracks).
 
+Allocator: by default (`--allocator exact`) the ranks run with glibc's mmap threshold fixed at 1 MiB
+(`MALLOC_MMAP_THRESHOLD_`, which also stops glibc raising it) and ddpkit's CPU allocator policy off
+(`DDPKIT_CPU_ALLOCATOR=default`): every block of 1 MiB or more is its own mapping, returned to the
+kernel when freed, so the resident peak follows the live tensors and the table checks the tracked
+peak itself. `--allocator ddpkit` keeps ddpkit's default policy (freed heap memory kept for reuse,
+`ddpkit.step.cpu_allocator`): the peak then also holds the heap's fragmentation, which is what the
+allocator allowance of `ddpkit.plan.devices` stands for.
+
 Measured: per rank, the kernel's peak resident set (`VmHWM`) minus the rank's resident set just
 before `s.model` (the process's baseline: torch, gloo, Python), after resetting the peak to the
 baseline there (`echo 5 > /proc/self/clear_refs`), so imports and the process group's set-up do not
@@ -97,9 +105,15 @@ def _class(spec: object, name: str) -> type:
     return next(type(m) for m in model.modules() if type(m).__name__ == name)
 
 
-def measure(case: dict, timeout: float = 600) -> dict:
+ALLOCATORS = {  # the ranks' malloc settings: see the module docstring
+    "exact": {"DDPKIT_CPU_ALLOCATOR": "default", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)},
+    "ddpkit": {},
+}
+
+
+def measure(case: dict, allocator: str = "exact", timeout: float = 600) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **ALLOCATORS[allocator]}
         cmd = [
             sys.executable,
             "-m",
@@ -144,6 +158,7 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
     p.add_argument("--ac", nargs="+", default=["off", "on"], choices=["off", "on"])
+    p.add_argument("--allocator", choices=list(ALLOCATORS), default="exact")
     p.add_argument("--json", default=None)
     ns = p.parse_args()
     if ns.rank_case:
@@ -166,7 +181,7 @@ def main() -> None:
                         "world": n,
                         "ac": ac_class if ac == "on" else None,
                     }
-                    row = {"name": name, **case, **estimate(case), **measure(case)}
+                    row = {"name": name, **case, **estimate(case), **measure(case, ns.allocator)}
                     row["error"] = row["estimate"] / row["measured"] - 1
                     rows.append(row)
                     print(
