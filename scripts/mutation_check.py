@@ -856,6 +856,17 @@ MUTANTS = [
         ("tests/test_fsdp_shm.py::test_verify_fsdp_passes_with_the_shm_path_on",),
         "strategy='fsdp' on CPU ranks of one machine keeps gloo unless shm=True is asked for",
     ),
+    Mutant(
+        "plan-memory-activations",
+        "ddpkit/plan/memory_report.py",
+        "                sums[_FOLD[name]] += int(value)",
+        '                sums[_FOLD[name]] += 0 if _FOLD[name] == "activations" else int(value)  # mutant',
+        (
+            "tests/test_plan_memory.py::test_activations_grow_with_the_micro_batch_and_checkpointing_cuts_them",
+            "tests/test_plan_memory_ranks.py::test_estimate_is_within_tolerance_of_the_peak_two_real_ranks_measure",
+        ),
+        "the memory plan leaves the activations out of a step's peak (as model-state estimators do)",
+    ),
 ]
 
 
