@@ -63,6 +63,8 @@ def test_fsdp_and_the_sharded_step_divide_model_state_by_the_world_size() -> Non
         assert f.fsdp_buffers > 0  # a unit's whole parameters, gathered for its forward and backward
     two, four = estimate(_job(strategy="fsdp", world=2)), estimate(_job(strategy="fsdp", world=4))
     assert two.parameters == 2 * four.parameters
+    hsdp = estimate(_job(strategy="hsdp", world=4, shard_degree=2))  # 2 replicas of 2 shards
+    assert hsdp.parameters == two.parameters and hsdp.optimizer_state == two.optimizer_state
     zero1 = estimate(_job(strategy="zero1", world=2))
     assert zero1.parameters == 4 * count and zero1.gradients == 4 * count  # replicated, as DDP
     # rank 0 owns the largest tensor (256x128) and, greedily, what keeps the ranks' loads level
