@@ -46,7 +46,7 @@ MODELS = {  # name: (model spec for ddpkit.plan.memory, micro-batch at 2 ranks, 
     "mlp": ("mlp", 64, "Linear", None),
     "gpt": ("gpt", 16, "Block", None),
     "gpt2": (
-        "hf:gpt2,n_layer=4,n_embd=256,n_head=4,n_positions=256,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0",
+        "hf:gpt2,n_layer=4,n_embd=256,n_head=4,n_positions=256,vocab_size=8192,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0",
         16,
         "auto",
         256,
@@ -184,6 +184,9 @@ def main() -> None:
                     row = {"name": name, **case, **estimate(case), **measure(case, ns.allocator)}
                     row["error"] = row["estimate"] / row["measured"] - 1
                     rows.append(row)
+                    if ns.json:  # after every row: a run cut short keeps what it measured
+                        Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
+                        Path(ns.json).write_text(json.dumps({"rows": rows, "load": load}, indent=2))
                     print(
                         f"| {name} | {strategy} | {ac} | {n} | {case['micro_batch']} | "
                         f"{row['estimate'] / 2**20:.1f} | {row['measured'] / 2**20:.1f} | "
@@ -195,9 +198,6 @@ def main() -> None:
         f"\nworst error {worst:.1%}; load average {load:.2f} at the start, "
         f"{os.getloadavg()[0]:.2f} at the end"
     )
-    if ns.json:
-        Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.json).write_text(json.dumps({"rows": rows, "load": load}, indent=2))
 
 
 if __name__ == "__main__":
