@@ -601,7 +601,7 @@ MUTANTS = [
         "stateful-per-rank",
         "ddpkit/checkpoint/state.py",
         "    return isinstance(obj, (ShardedLoader, torch.Generator)) or stream_position(obj)\n",
-        "    return isinstance(obj, (ShardedLoader, torch.Generator))  # mutant: a StatefulDataLoader saved by rank 0\n",
+        "    return isinstance(obj, (ShardedLoader, torch.Generator))  # mutant: a StatefulDataLoader, rank 0's\n",
         ("tests/test_data_hf.py::test_a_stateful_dataloader_resumes_at_each_ranks_own_position",),
         "a StatefulDataLoader's position is saved by rank 0 and loaded into every rank",
     ),
@@ -950,6 +950,17 @@ MUTANTS = [
         "            if False and (what := files.foreign(root)) is not None:  # mutant: another tool's file",
         ("tests/test_checkpoint_ranks.py::test_a_file_another_tool_wrote_is_refused_at_load_not_taken_for_a_fresh_start",),
         "s.load on a file another tool wrote says 'no checkpoint yet' and starts fresh",
+    ),
+    Mutant(
+        "plan-memory-activations",
+        "ddpkit/plan/memory_report.py",
+        "                sums[_FOLD[name]] += int(value)",
+        '                sums[_FOLD[name]] += 0 if _FOLD[name] == "activations" else int(value)  # mutant',
+        (
+            "tests/test_plan_memory.py::test_activations_grow_with_the_micro_batch_and_checkpointing_cuts_them",
+            "tests/test_plan_memory_ranks.py::test_estimate_is_within_tolerance_of_the_peak_two_real_ranks_measure",
+        ),
+        "the memory plan leaves the activations out of a step's peak (as model-state estimators do)",
     ),
 ]
 

@@ -43,6 +43,8 @@ NOT_KERNEL_DEPENDENT = {
         "replicas compared with each other: every rank applies the same all-reduced gradient",
     "test_architecture.py::test_every_wing_index_lists_all_its_modules": "module names in docstrings; nothing computed",
     "test_plan_noise.py": "the planner's noise bands in Python floats; no torch kernel",
+    "test_plan_memory.py": "bytes of fake tensors (shapes and dtypes): no kernel computes a value",
+    "test_plan_memory_ranks.py": "a peak in bytes measured by the kernel against the estimate; no trained value compared",
     "test_preemption.py": _SAME_BY_CONSTRUCTION,
     "test_public_api.py": "command-line options only",
     "test_run_reports.py": "launch reports; no values compared",

@@ -4,6 +4,7 @@
     ddpkit plan --workload mypkg.models:my_workload --max-gpus 64 --link eth-100g --json plan.json
     ddpkit plan --workload mlp --counts 1,2,3,4 --global-batch 48 --link measured   # this machine's ranks
     ddpkit plan --list-links
+    ddpkit plan --memory --model hf:gpt2 --device h100 --world 8 --global-batch 512   # will it fit?
 
 The model is profiled on one device (this machine's CPU unless --device cuda): forward, backward, the
 time each DDP bucket's gradients are ready, the optimizer step. The step on N devices is then
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="PATH", help="write the plan as JSON ('-': stdout only)")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of efficiency vs N")
     p.add_argument("--list-links", action="store_true", help="print the link presets and their sources")
+    p.add_argument("--memory", action="store_true",
+                   help="the peak memory per rank of one step, and the largest micro-batch that fits: "
+                        "`ddpkit plan --memory --help` (ddpkit.plan.memory_cli)")  # fmt: skip
     return p
 
 
@@ -243,7 +247,12 @@ def _assumptions(link: Any, profiles: dict[int, Any], ns: argparse.Namespace, be
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--memory" in args:  # its own options (ddpkit.plan.memory_cli): a model, a device, a batch
+        from ddpkit.plan import memory_cli
+
+        return memory_cli.main(args)
+    ns = build_parser().parse_args(args)
     if ns.list_links:
         print(list_links())
         return 0

@@ -1,0 +1,204 @@
+"""`ddpkit plan --memory` against what the kernel measures on real CPU ranks: estimate, measured, error.
+
+    python benchmarks/plan_memory.py      # every row: 3 models x ddp/fsdp x AC off/on x 2, 4 ranks
+    python benchmarks/plan_memory.py --nproc 2 --models gpt --json runs/plan_memory.json
+
+Each row launches real ranks (`torch.distributed.run --standalone`, gloo, 1 thread each) that train
+with `ddpkit.session` exactly the step the estimate runs on fake tensors: the same model factory,
+micro-batch, loss (`ddpkit.plan.memory.resolve_model`), AdamW, `s.model(factory, strategy=...,
+activation_checkpointing=...)`, two steps (the first creates the optimizer's state, the second is the
+steady-state step the estimate tracks).
+
+Allocator: by default (`--allocator exact`) the ranks run with glibc's mmap threshold fixed at 1 MiB
+(`MALLOC_MMAP_THRESHOLD_`, which also stops glibc raising it) and ddpkit's CPU allocator policy off
+(`DDPKIT_CPU_ALLOCATOR=default`): every block of 1 MiB or more is its own mapping, returned to the
+kernel when freed, so the resident peak follows the live tensors and the table checks the tracked
+peak itself. `--allocator ddpkit` keeps ddpkit's default policy (freed heap memory kept for reuse,
+`ddpkit.step.cpu_allocator`): the peak then also holds the heap's fragmentation, which is what the
+allocator allowance of `ddpkit.plan.devices` stands for.
+
+Measured: per rank, the kernel's peak resident set (`VmHWM`) minus the rank's resident set just
+before `s.model` (the process's baseline: torch, gloo, Python), after resetting the peak to the
+baseline there (`echo 5 > /proc/self/clear_refs`), so imports and the process group's set-up do not
+count; the table takes the largest rank's. Estimated: `ddpkit.plan.memory.estimate` for rank 0 (the
+tracked peak, without the allocator allowance of `ddpkit.plan.devices`). Error: estimate / measured - 1.
+
+What the two sides do not share: FSDP runs with `FSDPOptions(shm=False)` (FSDP2's collectives over
+gloo, as the estimate's; ddpkit's default shared-memory path on CPU ranks maps a segment per session,
+counted in every rank's resident set); DDP with `shard_optimizer=False` (plain DDP; the sharded step
+is the estimate's "zero1"). The measured side also holds what no tensor tracker sees: gloo's
+scratch buffers, DDP's reducer bookkeeping, the allocator's free blocks and page rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODELS = {  # name: (model spec for ddpkit.plan.memory, micro-batch at 2 ranks, AC class, seq)
+    "mlp": ("mlp", 64, "Linear", None),
+    "gpt": ("gpt", 16, "Block", None),
+    "gpt2": (
+        "hf:gpt2,n_layer=4,n_embd=256,n_head=4,n_positions=256,vocab_size=8192,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0",
+        16,
+        "auto",
+        256,
+    ),
+}
+
+
+def _status() -> dict[str, int]:
+    text = Path("/proc/self/status").read_text()
+    return {k: int(re.search(rf"{k}:\s+(\d+)", text).group(1)) * 1024 for k in ("VmRSS", "VmHWM")}  # type: ignore[union-attr]
+
+
+def rank_main(case: dict, out: str) -> None:
+    """One rank: baseline, s.model, two steps, the peak above the baseline."""
+    import torch
+
+    import ddpkit
+    from ddpkit.plan import memory
+    from ddpkit.strategy import FSDPOptions
+
+    job = memory.MemoryJob(
+        model=case["model"],
+        micro_batch=case["micro_batch"],
+        seq_len=case["seq"],
+        strategy=case["strategy"],
+        world=case["world"],
+        device_kind="cpu",
+        activation_checkpointing=case["ac"],
+    )
+    spec = memory.resolve_model(job)
+    strategy = FSDPOptions(shm=False) if case["strategy"] == "fsdp" else "ddp"
+    with ddpkit.session(seed=0, strategy=strategy, shard_optimizer=False) as s:
+        ac = None
+        if case["ac"]:
+            ac = "auto" if case["ac"] == "auto" else _class(spec, case["ac"])
+        base = _status()["VmRSS"]
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
+        batch = spec.batch(case["micro_batch"])  # the estimate tracks the micro-batch too
+        model = s.model(spec.build, activation_checkpointing=ac)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for _ in range(2):
+            loss = spec.loss(model, batch)
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad()
+        peak = _status()["VmHWM"]
+        Path(out, f"rank{s.rank}.json").write_text(json.dumps({"base": base, "peak": peak - base}))
+
+
+def _class(spec: object, name: str) -> type:
+    import torch
+
+    with torch.device("meta"):
+        model = spec.build()  # type: ignore[attr-defined]
+    return next(type(m) for m in model.modules() if type(m).__name__ == name)
+
+
+ALLOCATORS = {  # the ranks' malloc settings: see the module docstring
+    "exact": {"DDPKIT_CPU_ALLOCATOR": "default", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)},
+    "ddpkit": {},
+}
+
+
+def measure(case: dict, allocator: str = "exact", timeout: float = 600) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **ALLOCATORS[allocator]}
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={case['world']}",
+            __file__,
+            "--rank-case",
+            json.dumps(case),
+            "--out",
+            out,
+        ]
+        got = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if got.returncode:
+            raise RuntimeError(f"ranks failed ({got.returncode}):\n{got.stderr[-3000:]}")
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+    return {"measured": max(r["peak"] for r in ranks), "base": max(r["base"] for r in ranks)}
+
+
+def estimate(case: dict) -> dict:
+    from ddpkit.plan import memory
+
+    job = memory.MemoryJob(
+        model=case["model"],
+        micro_batch=case["micro_batch"],
+        seq_len=case["seq"],
+        strategy=case["strategy"],
+        world=case["world"],
+        device_kind="cpu",
+        activation_checkpointing=case["ac"],
+    )
+    start = time.perf_counter()
+    b = memory.estimate(job)
+    return {"estimate": b.peak, "breakdown": b.as_dict(), "estimate_s": time.perf_counter() - start}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rank-case", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
+    p.add_argument("--ac", nargs="+", default=["off", "on"], choices=["off", "on"])
+    p.add_argument("--allocator", choices=list(ALLOCATORS), default="exact")
+    p.add_argument("--json", default=None)
+    ns = p.parse_args()
+    if ns.rank_case:
+        rank_main(json.loads(ns.rank_case), ns.out)
+        return
+    load = os.getloadavg()[0]
+    rows = []
+    print("| model | strategy | AC | ranks | micro-batch | estimate MiB | measured MiB | error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in ns.models:
+        spec, mb2, ac_class, seq = MODELS[name]
+        for n in ns.nproc:
+            for strategy in ns.strategies:
+                for ac in ns.ac:
+                    case = {
+                        "model": spec,
+                        "micro_batch": mb2 * 2 // n,
+                        "seq": seq,
+                        "strategy": strategy,
+                        "world": n,
+                        "ac": ac_class if ac == "on" else None,
+                    }
+                    row = {"name": name, **case, **estimate(case), **measure(case, ns.allocator)}
+                    row["error"] = row["estimate"] / row["measured"] - 1
+                    rows.append(row)
+                    if ns.json:  # after every row: a run cut short keeps what it measured
+                        Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
+                        Path(ns.json).write_text(json.dumps({"rows": rows, "load": load}, indent=2))
+                    print(
+                        f"| {name} | {strategy} | {ac} | {n} | {case['micro_batch']} | "
+                        f"{row['estimate'] / 2**20:.1f} | {row['measured'] / 2**20:.1f} | "
+                        f"{row['error']:+.1%} |",
+                        flush=True,
+                    )
+    worst = max(abs(r["error"]) for r in rows)
+    print(
+        f"\nworst error {worst:.1%}; load average {load:.2f} at the start, "
+        f"{os.getloadavg()[0]:.2f} at the end"
+    )
+
+
+if __name__ == "__main__":
+    main()

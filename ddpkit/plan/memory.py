@@ -1,0 +1,376 @@
+"""The peak memory per rank of one real training step, computed on fake tensors on this CPU.
+
+    job = MemoryJob(model="hf:gpt2", micro_batch=8, seq_len=1024, precision="bf16", strategy="fsdp", world=8)
+    b = estimate(job)            # a Breakdown: parameters, gradients, optimizer state, activations, ...
+
+How: the model is built from its factory under `torch._subclasses.FakeTensorMode` (shapes and dtypes,
+no storage), prepared as a rank of the asked strategy, and one whole step (forward, loss, backward,
+optimizer step, zero_grad) runs under torch's memory tracker, which records what is live at every op
+and by category (`torch.distributed._tools.mem_tracker.MemTracker`; for FSDP
+`fsdp2_mem_tracker.FSDPMemTracker`). So activations, the backward's temporaries and FSDP's all-gather
+buffers come from the model's own code, not from a formula. The optimizer's state is created by one
+untracked update on zero gradients first, so the tracked step is a steady-state step, not the first.
+
+Each strategy is rank 0 of a world of `world` ranks, as ddpkit sets it up:
+
+- "ddp": the whole model on every rank; the gradients live in DDP's all-reduce buckets, allocated when
+  DDP wraps the model and kept between steps (ddpkit's `gradient_as_bucket_view=True`), so they are
+  held through the forward too;
+- "zero1": DDP plus ddpkit's sharded optimizer step (`ddpkit.session(shard_optimizer=True)`): whole
+  tensors split greedily by size over the ranks, optimizer state only for this rank's; rank 0 gets the
+  largest tensor, so it is the heaviest rank when one tensor dominates;
+- "fsdp": FSDP2's `fully_shard` over a fake process group of `world` ranks (torch's `fake` backend: its
+  collectives return at once), units chosen as ddpkit chooses them (the activation-checkpointed blocks,
+  else every module of 1M parameters or more, children first, never splitting tied weights), bf16 as
+  ddpkit's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`;
+- "hsdp": the same on a (replicate, shard) mesh: `shard_degree` ranks share one copy of the model
+  state (torch's HSDP; ddpkit sessions do not offer it yet).
+
+Precision: "bf16" and "fp16" run the forward under CPU autocast (ddpkit's DDP precision: fp32 weights,
+low-precision compute); fp16's loss scaler is left out (its inf check reads values, which fake tensors
+do not have; it holds one scalar). CPU autocast casts the same op classes as CUDA's for matmuls and
+convolutions; a GPU's fused kernels (flash attention's saved statistics) may keep slightly other
+tensors. Not counted: the CUDA context and NCCL's buffers (the device's `reserved`), the allocator's
+fragmentation (its `allowance`), ddpkit's shared-memory segments on CPU ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.errors import problem
+from ddpkit.plan import memory_models
+from ddpkit.plan.memory_models import ModelSpec
+from ddpkit.plan.memory_report import Breakdown
+
+STRATEGIES = ("ddp", "zero1", "fsdp", "hsdp")
+PRECISIONS = {"fp32": None, "32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "16": torch.float16}
+OPTIMIZERS = ("adamw", "adam", "sgd")
+FSDP_MIN_BLOCK_PARAMS = 1_000_000  # ddpkit.FSDPOptions().min_block_params: ddpkit's unit rule by size
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryJob:
+    """One step to estimate: the model, the micro-batch per rank, the precision and the strategy.
+
+    `model`: a named workload (mlp, gpt, cnn, bn, small), "hf:TYPE[,key=value...]" (a transformers
+    model from its config, offline: e.g. "hf:gpt2" is GPT-2 124M, "hf:gpt2,n_layer=2"), "hf:PATH" (a
+    config.json or a directory holding one), or "package.module:function" returning an nn.Module (a
+    factory as `ddpkit verify --model` takes) or a `ddpkit.tools.workloads.Workload`; or the factory itself.
+    `sample`: for a plain nn.Module, "package.module:function" (generator, n) -> (inputs, targets).
+    """
+
+    model: str | Callable[[], Any]
+    micro_batch: int
+    seq_len: int | None = None
+    precision: str = "fp32"
+    strategy: str = "ddp"
+    world: int = 1
+    shard_degree: int | None = None  # hsdp: ranks per shard group (None: all of them, i.e. fsdp)
+    activation_checkpointing: str | None = None  # "auto" or a block class's name
+    optimizer: str = "adamw"
+    sample: str | Callable[[torch.Generator, int], Any] | None = None
+    device_kind: str = "cuda"  # the optimizer's implementation torch picks there: foreach on CUDA
+
+    def __post_init__(self) -> None:
+        if self.micro_batch < 1:
+            raise problem(f"micro-batch {self.micro_batch} is below 1", "Pass a micro-batch of 1 or more")
+        if self.world < 1:
+            raise problem(f"world size {self.world} is below 1", "Pass --world 1 or more")
+        if self.strategy not in STRATEGIES:
+            raise problem(f"strategy {self.strategy!r} is not known", f"Use one of {', '.join(STRATEGIES)}")
+        if self.precision not in PRECISIONS:
+            raise problem(f"precision {self.precision!r} is not known", "Use fp32, bf16 or fp16")
+        if self.strategy in ("fsdp", "hsdp") and PRECISIONS[self.precision] is torch.float16:
+            raise problem(
+                "fp16 with FSDP: ddpkit refuses it (the loss scaler's inf check would be per shard)",
+                "Use bf16 with FSDP, or fp16 with DDP",
+            )
+        if self.optimizer not in OPTIMIZERS and ":" not in self.optimizer:
+            raise problem(
+                f"optimizer {self.optimizer!r} is not known",
+                f"Use one of {', '.join(OPTIMIZERS)} or package.module:function (params -> optimizer)",
+            )
+        if self.strategy == "hsdp":
+            shard = self.shard_degree
+            if shard is None or shard < 1 or self.world % shard:
+                raise problem(
+                    f"hsdp needs a shard degree that divides the world size {self.world} (got {shard})",
+                    "Pass --shard-degree K with world = replicas x K, e.g. 8 ranks per node",
+                )
+
+    def describe(self) -> str:
+        strat = {
+            "ddp": "DDP",
+            "zero1": "DDP + sharded optimizer step (ZeRO-1)",
+            "fsdp": "FSDP2",
+            "hsdp": f"HSDP ({self.world // (self.shard_degree or 1)} x {self.shard_degree})",
+        }[self.strategy]
+        seq = f", sequence {self.seq_len}" if self.seq_len else ""
+        ac = (
+            f", activation checkpointing ({self.activation_checkpointing})"
+            if self.activation_checkpointing
+            else ""
+        )
+        return (
+            f"{strat} over {self.world} rank(s), micro-batch {self.micro_batch}{seq}, {self.precision}, "
+            f"{self.optimizer}{ac}"
+        )
+
+
+def resolve_model(job: MemoryJob) -> ModelSpec:
+    """The job's model as a factory, a micro-batch and a loss (`ddpkit.plan.memory_models`)."""
+    return memory_models.resolve(job.model, seq_len=job.seq_len, sample=job.sample)
+
+
+# -- preparing the rank ---------------------------------------------------------------------------
+def _checkpointing(model: nn.Module, choice: str | None) -> None:
+    if not choice:
+        return
+    from ddpkit.strategy import checkpointing
+
+    wanted: Any = choice
+    if choice != "auto":
+        found = {type(m) for m in model.modules() if type(m).__name__ == choice}
+        if not found:
+            raise problem(
+                f"activation checkpointing: no module of class {choice!r} in the {type(model).__name__}",
+                "Name the class of the repeated blocks, or pass auto",
+            )
+        wanted = tuple(found)
+    checkpointing.apply(model, wanted)
+
+
+def _fsdp_units(module: nn.Module) -> list[str]:
+    """ddpkit's FSDP units (`FSDPOptions(blocks=None)`): every module that is not a container and holds
+    FSDP_MIN_BLOCK_PARAMS parameters not yet in a unit, children first, a checkpointed block as its
+    wrapper, never a module that holds only one of two tied places of a weight."""
+    from ddpkit.strategy import checkpointing, hf
+
+    tied = {k: [m for m, _ in v] for k, v in hf.tied_owners(module).items()}
+    chosen: list[str] = []
+    taken: set[int] = set()
+
+    def inside(owners: list[str] | None, unit: str) -> bool:
+        return owners is None or all(o == unit or o.startswith(f"{unit}.") for o in owners)
+
+    def visit(name: str, m: nn.Module) -> None:
+        for child_name, child in m.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+        if not name or type(m).forward is nn.Module.forward or checkpointing.unit_name(name) != name:
+            return
+        free = [p for p in m.parameters() if id(p) not in taken]
+        if (
+            all(inside(tied.get(id(p)), name) for p in free)
+            and sum(p.numel() for p in free) >= FSDP_MIN_BLOCK_PARAMS
+        ):
+            chosen.append(name)
+            taken.update(id(p) for p in free)
+
+    visit("", module)
+    nested = [n for n in chosen if any(n.startswith(f"{o}.") for o in chosen)]
+    return nested + [n for n in chosen if n not in nested]
+
+
+def _zero1_owned(model: nn.Module, world: int) -> set[int]:
+    """The parameters rank 0 owns under the sharded step: whole tensors, largest first, each to the
+    least-loaded rank (ties to the lowest rank), as `ddpkit.step.sharding` splits them."""
+    loads = [0] * world
+    owned: set[int] = set()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in sorted(params, key=lambda q: -q.numel()):
+        r = min(range(world), key=lambda i: (loads[i], i))
+        loads[r] += p.numel()
+        if r == 0:
+            owned.add(id(p))
+    return owned
+
+
+def _optimizer(name: str, params: Any, device_kind: str) -> torch.optim.Optimizer:
+    """The optimizer as torch builds it on the target device: on CUDA tensors its default is the
+    foreach implementation (one kernel per op over all tensors, with temporaries the size of the whole
+    parameter list), on CPU tensors the loop over parameters (temporaries of one tensor at a time)."""
+    foreach = device_kind == "cuda"
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=foreach)
+    if name in ("adam", "adamw"):
+        cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+        return cls(params, lr=1e-4, foreach=foreach)
+    from ddpkit.plan.memory_models import import_ref
+
+    return import_ref(name, "optimizer")(params)
+
+
+@contextlib.contextmanager
+def fake_world(world: int, shard: int | None = None) -> Iterator[Any]:
+    """A fake process group of `world` ranks in this process (torch's `fake` backend: collectives return
+    at once, nothing is sent), as rank 0, and its device mesh; torn down after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise problem(
+            "the memory plan runs in a process that already has a process group",
+            "Run `ddpkit plan --memory` (or estimate()) outside a ddpkit session",
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        if shard is None or shard == world:
+            yield init_device_mesh("cpu", (world,))
+        else:
+            yield init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    finally:
+        dist.destroy_process_group()
+
+
+def estimate(job: MemoryJob) -> Breakdown:
+    """The tracked peak of one steady-state step of rank 0, by category (no device allowances)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec = resolve_model(job)
+    sharded = job.strategy in ("fsdp", "hsdp")
+    with contextlib.ExitStack() as stack:
+        mesh = stack.enter_context(fake_world(job.world, job.shard_degree)) if sharded else None
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
+        model = spec.build()
+        _checkpointing(model, job.activation_checkpointing)
+        if sharded:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = MixedPrecisionPolicy()
+            if job.precision == "bf16":
+                mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for name in _fsdp_units(model):
+                fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = _optimizer(job.optimizer, params, job.device_kind)
+        owned = _zero1_owned(model, job.world) if job.strategy == "zero1" else None
+        keep_grads = not sharded  # DDP's buckets hold the gradients from the wrap on
+        _warm_optimizer(params, opt, owned, keep_grads)
+        return _tracked_step(model, opt, spec, job, owned, keep_grads)
+    raise AssertionError("unreachable")
+
+
+def _set_aside(params: list[nn.Parameter], owned: set[int] | None) -> list[tuple[nn.Parameter, Any]]:
+    """The sharded step's trick: the gradients of parameters this rank does not own are hidden from
+    optimizer.step() (every torch optimizer skips a parameter whose grad is None)."""
+    if owned is None:
+        return []
+    away = [(p, p.grad) for p in params if id(p) not in owned]
+    for p, _ in away:
+        p.grad = None
+    return away
+
+
+def _run_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    spec: ModelSpec,
+    job: MemoryJob,
+    owned: set[int] | None,
+    keep_grads: bool,
+    micro_batch: int,
+) -> None:
+    """Forward, loss, backward, optimizer step, zero_grad: what a training step does, in its order."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    dtype = PRECISIONS[job.precision]
+    batch = spec.batch(micro_batch)  # the micro-batch itself is live through the step
+    cast = (
+        torch.autocast("cpu", dtype=dtype)
+        if dtype is not None and job.strategy in ("ddp", "zero1")
+        else contextlib.nullcontext()
+    )
+    with cast:
+        loss = spec.loss(model, batch)
+    loss.backward()
+    del loss
+    away = _set_aside(params, owned)
+    opt.step()
+    for p, g in away:
+        p.grad = g
+    opt.zero_grad(set_to_none=not keep_grads)
+    del batch
+
+
+def _warm_optimizer(
+    params: list[nn.Parameter], opt: torch.optim.Optimizer, owned: set[int] | None, keep_grads: bool
+) -> None:
+    """One update on zero gradients, untracked: the optimizer's state exists before the tracked step,
+    as in every step after the first (cheaper than a whole warm-up step: no forward, no backward; FSDP's
+    lazy initialisation in the tracked step's first forward allocates nothing that stays)."""
+    for p in params:
+        p.grad = torch.zeros_like(p)  # DDP: its buckets, allocated at the wrap and kept (keep_grads)
+    away = _set_aside(params, owned)
+    opt.step()
+    for p, g in away:
+        p.grad = g
+    opt.zero_grad(set_to_none=not keep_grads)
+
+
+def _tracked_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    spec: ModelSpec,
+    job: MemoryJob,
+    owned: set[int] | None,
+    keep_grads: bool,
+) -> Breakdown:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class _Peak:
+        """Only the step's peak, not every module's: torch's trackers update each active module's own
+        peak at every op (`_update_peak_stats`), two thirds of a GPT-2 step's time; the step's peak and
+        its categories are computed exactly as torch does."""
+
+        _curr_mem_snap: dict[Any, dict[Any, int]]
+        _peak_mem: dict[Any, int]
+        _peak_mem_snap: dict[Any, dict[Any, int]]
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+    class _Tracker(_Peak, MemTracker):
+        pass
+
+    class _FSDPTracker(_Peak, FSDPMemTracker):
+        pass
+
+    tracker: MemTracker
+    if job.strategy in ("fsdp", "hsdp"):
+        tracker = _FSDPTracker(model, opt)
+    else:
+        tracker = _Tracker()
+        tracker.track_external(model, opt)
+    with tracker:
+        _run_step(model, opt, spec, job, owned, keep_grads, job.micro_batch)
+    b = Breakdown.from_snapshot(tracker.get_tracker_snapshot("peak"))
+    # torch's trackers count everything allocated inside optimizer.step() as optimizer state; what
+    # is not in the optimizer's state afterwards (AdamW's per-tensor scratch) is a temporary
+    extra = b.optimizer_state - _state_bytes(opt)
+    if extra > 0:
+        b = replace(b, optimizer_state=b.optimizer_state - extra, temporaries=b.temporaries + extra)
+    return b
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors (DTensors by their local shard), each storage once."""
+    seen: dict[int, int] = {}
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                storage = local.untyped_storage()
+                seen[id(storage)] = storage.nbytes()
+    return sum(seen.values())
