@@ -601,7 +601,7 @@ MUTANTS = [
         "stateful-per-rank",
         "ddpkit/checkpoint/state.py",
         "    return isinstance(obj, (ShardedLoader, torch.Generator)) or stream_position(obj)\n",
-        "    return isinstance(obj, (ShardedLoader, torch.Generator))  # mutant: a StatefulDataLoader, rank 0's\n",
+        "    return isinstance(obj, (ShardedLoader, torch.Generator))  # mutant\n",
         ("tests/test_data_hf.py::test_a_stateful_dataloader_resumes_at_each_ranks_own_position",),
         "a StatefulDataLoader's position is saved by rank 0 and loaded into every rank",
     ),
