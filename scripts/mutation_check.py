@@ -962,6 +962,22 @@ MUTANTS = [
         ),
         "the memory plan leaves the activations out of a step's peak (as model-state estimators do)",
     ),
+    Mutant(
+        "own-tracker",
+        "ddpkit/observe/tracking.py",
+        "        self.logger.log(values, step)",
+        "        pass  # mutant: a user's own tracker is accepted and never called",
+        ("tests/test_plugins.py::test_a_users_own_tracker_receives_s_log",),
+        "a tracker instance passed as log_to= receives none of s.log's scalars",
+    ),
+    Mutant(
+        "startup-strategy-first",
+        "ddpkit/training/session.py",
+        'self.print(f"ddpkit: {self._choosing.describe()}; {self.plan.describe()}{detail}")',
+        'self.print(f"ddpkit: {self.plan.describe()}{detail}")',
+        ("tests/test_plugins.py::test_an_fsdp_session_says_its_strategy_and_shape_before_the_placement",),
+        "the start-up line names the placement (mode ddp-cpu) and never the strategy and its shape",
+    ),
 ]
 
 
