@@ -927,6 +927,24 @@ MUTANTS = [
         ("tests/test_preemption.py::test_the_agreement_times_whole_steps_from_the_loops_first_s_step",),
         "the preemption's step estimate seeded by a fraction of a step: intervals of seconds, late stops",
     ),
+    Mutant(
+        "hsdp-swapped-mesh",
+        "ddpkit/strategy/hsdp.py",
+        "        self.shape = self.shape.with_mesh(replicate=replicate, shard=shard)",
+        "        self.shape = self.shape.with_mesh(shard=shard, replicate=replicate)  # mutant: dims swapped",
+        ("tests/test_hsdp.py::test_hsdp_2x2_is_fsdp2_on_a_2d_mesh_with_bitwise_replicas",
+         "tests/test_hsdp.py::test_hsdp_2x2_trains_the_weights_of_one_process"),
+        "HSDP's mesh with its replicate and shard dimensions swapped (shard groups strided across nodes)",
+    ),
+    Mutant(
+        "hsdp-no-replica-all-reduce",
+        "ddpkit/strategy/fsdp.py",
+        "        mesh = self.shape.device_mesh()  # 1-D",
+        "        mesh = self.shape.device_mesh()[self.shape.mesh[-1][0]]  # mutant: the shard dim only; 1-D",
+        ("tests/test_hsdp.py::test_hsdp_2x2_is_fsdp2_on_a_2d_mesh_with_bitwise_replicas",
+         "tests/test_hsdp.py::test_hsdp_2x2_trains_the_weights_of_one_process"),
+        "HSDP sharded on the shard dimension's 1-D mesh only: no all-reduce across replica groups",
+    ),
 ]
 
 
