@@ -60,3 +60,17 @@ def verify_rank(spec: object, replicate: int, shard: int) -> bytes:
 
     object.__setattr__(spec, "strategy", HSDPOptions(replicate=replicate, shard=shard, min_block_params=1))
     return ddp_rank(spec)  # type: ignore[arg-type]
+
+
+def resume_refused(path: str) -> str:
+    """An HSDP checkpoint saved, then loaded under HSDP: refused with a clear message (not supported yet)."""
+    options = HSDPOptions(replicate=2, shard=2, min_block_params=1)
+    with ddpkit.session(seed=0, verbose=False, strategy=options) as s:
+        model = s.model(_net, strategy=options)
+        opt = torch.optim.AdamW(model.parameters())
+        s.save(path, model=model, optimizer=opt)
+        try:
+            s.load(path, model=model, optimizer=opt)
+        except ddpkit.DdpkitError as err:
+            return str(err)
+    return "no error"

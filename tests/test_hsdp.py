@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hsdp_ranks import refused, trained, verify_rank
+from hsdp_ranks import refused, resume_refused, trained, verify_rank
 
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
 
@@ -85,3 +85,8 @@ def test_hsdp_options_name_the_hsdp_strategy() -> None:
     assert resolve(HSDPOptions(replicate=2)).name == "hsdp"
     assert resolve(FSDPOptions()).name == "fsdp"
     assert resolve("hsdp").name == "hsdp"
+
+
+def test_resuming_an_hsdp_checkpoint_is_refused_not_half_loaded(pool4, tmp_path) -> None:
+    for message in pool4.run(resume_refused, str(tmp_path / "ckpt")):
+        assert "saved under HSDP" in message and "s.export" in message, message
