@@ -5,7 +5,7 @@ names. No other module spells a `DDPKIT_*` variable as a literal (`tests/test_ar
 
 from __future__ import annotations
 
-STRATEGIES = ("auto", "single", "ddp", "fsdp")  # what `strategy=` accepts as a string
+STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp")  # what `strategy=` accepts as a string
 DISTRIBUTED = ("ddp", "fsdp")  # the kinds that run over several ranks (verify, trace, plan offer these)
 
 # What `ddpkit run --nnodes MIN:MAX` tells every rank (`ddpkit.data.elastic_accumulation` reads them).

@@ -446,9 +446,9 @@ MUTANTS = [
     Mutant(
         "fsdp-whole-build",
         "ddpkit/strategy/fsdp.py",
-        "        module, shards, peak = fsdp_init.build(factory, self.shape.rank, self.shape.world_size)\n",
+        "        module, shards, peak = fsdp_init.build(factory, *self.shard_index())\n",
         "        return factory()  # mutant: every rank builds the whole model\n"
-        "        module, shards, peak = fsdp_init.build(factory, self.shape.rank, self.shape.world_size)\n",
+        "        module, shards, peak = fsdp_init.build(factory, *self.shard_index())\n",
         ("tests/test_fsdp_init.py::test_no_rank_ever_holds_the_whole_model_measured_by_the_kernel",),
         "s.model(factory, strategy='fsdp') builds the whole model on every rank, then shards it",
     ),
@@ -977,6 +977,24 @@ MUTANTS = [
         'self.print(f"ddpkit: {self.plan.describe()}{detail}")',
         ("tests/test_plugins.py::test_an_fsdp_session_says_its_strategy_and_shape_before_the_placement",),
         "the start-up line names the placement (mode ddp-cpu) and never the strategy and its shape",
+    ),
+    Mutant(
+        "hsdp-swapped-mesh",
+        "ddpkit/strategy/hsdp.py",
+        "        self.shape = self.shape.with_mesh(replicate=replicate, shard=shard)",
+        "        self.shape = self.shape.with_mesh(shard=shard, replicate=replicate)  # mutant: dims swapped",
+        ("tests/test_hsdp.py::test_hsdp_2x2_is_fsdp2_on_a_2d_mesh_with_bitwise_replicas",
+         "tests/test_hsdp.py::test_hsdp_2x2_trains_the_weights_of_one_process"),
+        "HSDP's mesh with its replicate and shard dimensions swapped (shard groups strided across nodes)",
+    ),
+    Mutant(
+        "hsdp-no-replica-all-reduce",
+        "ddpkit/strategy/fsdp.py",
+        "        mesh = self.shape.device_mesh()  # 1-D",
+        "        mesh = self.shape.device_mesh()[self.shape.mesh[-1][0]]  # mutant: the shard dim only; 1-D",
+        ("tests/test_hsdp.py::test_hsdp_2x2_is_fsdp2_on_a_2d_mesh_with_bitwise_replicas",
+         "tests/test_hsdp.py::test_hsdp_2x2_trains_the_weights_of_one_process"),
+        "HSDP sharded on the shard dimension's 1-D mesh only: no all-reduce across replica groups",
     ),
 ]
 

@@ -9,6 +9,8 @@
     fsdp_options   `FSDPOptions`
     fsdp_init      a model factory built shard by shard on the meta device
     fsdp_export    FSDP's full weights streamed to one safetensors file
+    hsdp           HSDP: FSDP2 on a 2-D mesh (shard inside a node, replicate across nodes)
+    hsdp_options   `HSDPOptions`: `FSDPOptions` plus the replicate and shard degrees
     building       what `s.model` does around `wrap`, in order (factory, recompute, memory, weights)
     checkpointing  activation checkpointing (`s.model(activation_checkpointing=...)`)
     rank_memory    whether a replicated model fits a rank (before it is wrapped)

@@ -80,12 +80,18 @@ class FSDP(Strategy):
         """Run the model factory on the meta device, keeping this rank's shards of its initial weights
         (`ddpkit.strategy.fsdp_init`); `wrap` then shards the meta module and fills the shards."""
         cpu_allocator.return_freed_blocks()  # the build's full temporaries (CPU) go back when freed
-        module, shards, peak = fsdp_init.build(factory, self.shape.rank, self.shape.world_size)
+        module, shards, peak = fsdp_init.build(factory, *self.shard_index())
         self._built[id(module)] = shards
         name = type(module).__name__
         self.notes.append(f"FSDP2: built {name} shard by shard (at most {peak / 2**20:.0f} MiB of full "
                           "tensors at once)")  # fmt: skip
         return module
+
+    def shard_index(self) -> tuple[int, int]:
+        """This rank's place on the mesh's shard dimension (its last, contiguous ranks): which dim-0 chunk
+        it holds, of how many. 1-D: (rank, world); a 2-D (replicate, shard) mesh: (rank % shard, shard)."""
+        size = self.shape.mesh[-1][1]
+        return self.shape.rank % size, size
 
     def check_compile(self) -> None:
         """FSDP compiles per block (`wrap_compiling`): torch.compile is never applied to the whole model."""
@@ -130,7 +136,7 @@ class FSDP(Strategy):
         if is_fsdp(module):
             raise problem("the model is already sharded with fully_shard",
                           "Pass the plain nn.Module; ddpkit shards it")  # fmt: skip
-        rank, world = self.shape.rank, self.shape.world_size
+        rank, world = self.shard_index()
         shards = self._built.pop(id(module), None)
         if shards is None:
             if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
@@ -145,7 +151,7 @@ class FSDP(Strategy):
         if device.type == "cpu" and cpu_allocator.return_freed_blocks():
             self.notes.append("FSDP2 on CPU: freed blocks of 1 MiB or more go back to the kernel (peak memory"
                               " follows the live shards; see ddpkit.strategy.rank_memory)")  # fmt: skip
-        mesh = self.shape.device_mesh()  # 1-D: ("shard", world)
+        mesh = self.shape.device_mesh()  # 1-D: ("shard", world); HSDP: ("replicate", R) x ("shard", S)
         mp = self.precision.fsdp_policy()
         offload: OffloadPolicy = OffloadPolicy()
         if opts.cpu_offload and device.type != "cpu":

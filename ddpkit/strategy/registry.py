@@ -23,6 +23,7 @@ from ddpkit.parallel.shape import Shape
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.ddp_options import DDPOptions
 from ddpkit.strategy.fsdp_options import FSDPOptions
+from ddpkit.strategy.hsdp_options import HSDPOptions
 
 
 class Builder(Protocol):
@@ -50,6 +51,7 @@ class Entry:
 BUILT_IN = (
     Entry("ddp", "ddpkit.strategy.ddp:build", DDPOptions),
     Entry("fsdp", "ddpkit.strategy.fsdp:build", FSDPOptions),
+    Entry("hsdp", "ddpkit.strategy.hsdp:build", HSDPOptions),
 )
 registered: dict[str, Entry] = {e.name: e for e in BUILT_IN}  # process-wide: `register` adds to it
 
@@ -83,9 +85,10 @@ def resolve(choice: object) -> Chosen:
         return choice
     if isinstance(choice, Strategy):
         return Chosen(choice.name, instance=choice)
-    for entry in registered.values():
-        if entry.options is not None and isinstance(choice, entry.options):
-            return Chosen(entry.name, choice)
+    fits = [e for e in registered.values() if e.options is not None and isinstance(choice, e.options)]
+    if fits:  # the most derived options class wins (HSDPOptions is an FSDPOptions)
+        entry = max(fits, key=lambda e: len(e.options.__mro__) if e.options is not None else 0)
+        return Chosen(entry.name, choice)
     if not isinstance(choice, str) or choice not in names():
         raise problem(
             f"strategy={choice!r} is not one of {', '.join(map(repr, names()))}",

@@ -1,0 +1,99 @@
+"""HSDP, hybrid sharding: FSDP2 inside a node (fast links), replicas across nodes (one all-reduce of each
+node's shard per step over the slow link). torchtitan's replicate x shard degrees, on one 2-D mesh.
+
+    ddpkit.session(strategy="hsdp")                              # shard = a node's ranks, replicate = nodes
+    ddpkit.session(strategy=HSDPOptions(replicate=2, shard=2))   # forced, e.g. 2 x 2 on 4 local ranks
+
+The strategy is `ddpkit.strategy.fsdp.FSDP` given another description of the same ranks: the mesh
+`(("replicate", R), ("shard", S))` (`Shape.with_mesh`), which `fully_shard` takes for HSDP. Ranks
+`[k*S, (k+1)*S)` form shard group k (contiguous: with `S` dividing the local world size, inside a node);
+rank r holds chunk `r % S` of every parameter (`FSDP.shard_index`), identical on the R replicas. Per step
+FSDP2 reduce-scatters gradients inside the shard group, then all-reduces the shard across the replica
+group; the optimizer state is sharded S ways.
+
+Degrees: by default `shard` is the local world size and `replicate` the number of nodes (read from the
+launcher by the session's `Shape`); either may be given, the other follows from the world size. A shape
+whose degrees do not multiply to the world, or whose shard groups would span nodes (unless
+`within_node=False`), is refused before any collective. The shape is fixed for the session: options a
+single `s.model` passes must ask for the same one.
+
+Collectives go over the process group (gloo / NCCL): the shared-memory path (`ddpkit.parallel.fsdp_shm`)
+serves a 1-D mesh over the whole machine only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.errors import problem
+from ddpkit.parallel.compiling import CompileBlock
+from ddpkit.parallel.precision import PrecisionPlan, resolve_precision
+from ddpkit.parallel.shape import Shape
+from ddpkit.strategy.fsdp import FSDP
+from ddpkit.strategy.fsdp_options import FSDPOptions
+from ddpkit.strategy.hsdp_options import HSDPOptions
+
+
+def build(options: HSDPOptions | None, shape: Shape, precision: PrecisionPlan) -> HSDP:
+    """The registered builder (`ddpkit.strategy.registry`): the 2-D mesh from the degrees; fp16 refused."""
+    return HSDP(options, shape, resolve_precision(precision, "", loss_scale=False))
+
+
+class HSDP(FSDP):
+    name = "hsdp"
+
+    def __init__(
+        self, options: HSDPOptions | None, shape: Shape, precision: PrecisionPlan | None = None
+    ) -> None:
+        opts = options or HSDPOptions()
+        super().__init__(opts, shape, precision)
+        self.degrees = (0, 0)
+        self._use(opts.degrees(shape))
+        self._sharded = False  # a model was sharded: the mesh is fixed from here on
+
+    def _use(self, degrees: tuple[int, int]) -> None:
+        replicate, shard = degrees
+        self.shape = self.shape.with_mesh(replicate=replicate, shard=shard)
+        self.degrees = degrees
+
+    def check_loadable(self, saved: str, optimizers: Collection[str], path: object) -> None:
+        """Not yet: the checkpoint wing reads DCP shards only from checkpoints saved by "fsdp"; an HSDP
+        one would be read as full weights that it does not hold. Refused, not half-loaded."""
+        if saved == "hsdp":
+            raise problem(
+                f"{path} was saved under HSDP, and resuming an HSDP checkpoint is not supported yet",
+                "Write the weights with s.export and start from them (s.model(..., weights=...)), or train "
+                "under strategy='fsdp' when the run must resume from its checkpoints",
+            )
+        super().check_loadable(saved, optimizers, path)
+
+    def describe(self) -> str:
+        replicate, shard = self.degrees
+        return f"HSDP (fully_shard, replicate {replicate} x shard {shard})"
+
+    def _shard(self, module: nn.Module, device: torch.device, options: object,
+               compile_block: CompileBlock | None) -> tuple[nn.Module, list[str]]:  # fmt: skip
+        """`FSDP._shard` on the 2-D mesh. The first model's own `HSDPOptions` may set the degrees (an
+        "auto" session builds the strategy before it sees them); later ones must ask for the same."""
+        if isinstance(options, HSDPOptions) and (asked := options.degrees(self.shape)) != self.degrees:
+            if self._sharded or id(module) in self._built:
+                raise problem(
+                    f"s.model asked for HSDP replicate {asked[0]} x shard {asked[1]}, but this session's "
+                    f"mesh is already replicate {self.degrees[0]} x shard {self.degrees[1]}",
+                    "Pass the degrees once, to ddpkit.session(strategy=HSDPOptions(replicate=..., "
+                    "shard=...)), and leave them out of s.model's options",
+                )
+            self._use(asked)
+        self._sharded = True
+        replicate, shard = self.degrees
+        self.notes.append(f"HSDP: {replicate} replica(s) x {shard} shard(s) ({self.shape.describe()})")
+        return super()._shard(module, device, options, compile_block)
+
+    def _collectives(self, modules: list[nn.Module], device: torch.device, opts: FSDPOptions) -> str:
+        if not dist.is_initialized():
+            return ""
+        return f"HSDP collectives over {dist.get_backend()} (shared memory serves a 1-D mesh only)"
