@@ -41,7 +41,7 @@ _HOME = {
     "seed_everything": "training.seeding",
     "session": "training.session", "SpawnError": "cluster.spawn", "spawn": "cluster.spawn",
     "StepInfo": "step.stepping", "DDPOptions": "strategy", "FSDPOptions": "strategy",
-    "ShmAllReduce": "step.shm_allreduce", "to_device": "data", "Hardware": "cluster.topology",
+    "ShmAllReduce": "parallel.shm_allreduce", "to_device": "data", "Hardware": "cluster.topology",
     "Placement": "cluster.topology", "unwrap": "parallel.modules",
 }  # fmt: skip
 

@@ -36,3 +36,12 @@ def test_tools_receive_their_own_options(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["verify", "--help"])
     assert exit_info.value.code == 0 and "--model" in capsys.readouterr().out
+
+
+def test_every_lazy_public_name_resolves_where_it_lives_now() -> None:
+    """`ddpkit.X` imports X's module on first use: a module that moved must not leave a name behind
+    (`ddpkit.ShmAllReduce` pointed at a moved module and failed only when a tool first used it)."""
+    import importlib
+
+    for name, home in ddpkit._HOME.items():
+        assert getattr(importlib.import_module(f"ddpkit.{home}"), name) is getattr(ddpkit, name), name
