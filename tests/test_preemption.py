@@ -222,9 +222,11 @@ def test_the_preemption_signal_sent_to_ddpkit_run_saves_and_ends_with_75(tmp_pat
 
 
 def test_a_save_longer_than_grace_is_cut_off_and_the_previous_checkpoint_stays(tmp_path: Path) -> None:
-    # --grace 2 and a preemption save that takes 20 s: the agent kills the ranks after the grace, the
-    # launcher reports a stop (not a preemption), the half-written checkpoint is never committed.
-    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:5:0", "--slow-save", "20",
+    # --grace 2 and a preemption save that takes 8 s: the agent kills the ranks after the grace, the
+    # launcher reports a stop (not a preemption), the half-written checkpoint is never committed. 8 s is
+    # 4x the grace whatever the load, and 22 s under the default grace of 30 s, so a launcher that ignores
+    # --grace lets the save finish (exit 75) even on a loaded machine (with 20 s it did not, now and then).
+    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:5:0", "--slow-save", "8",
                    run_args=("--grace", "2"))  # fmt: skip
     assert first.returncode == 128 + signal.SIGTERM, (
         f"exit {first.returncode} (75: the save was waited for, past --grace)\n{first.stderr[-3000:]}"
