@@ -292,11 +292,7 @@ def _run_step(
         loss = spec.loss(model, batch)
     loss.backward()
     del loss
-    away = _set_aside(params, owned)
-    opt.step()
-    for p, g in away:
-        p.grad = g
-    opt.zero_grad(set_to_none=not keep_grads)
+    _owned_update(params, opt, owned, keep_grads)
     del batch
 
 
@@ -308,6 +304,14 @@ def _warm_optimizer(
     lazy initialisation in the tracked step's first forward allocates nothing that stays)."""
     for p in params:
         p.grad = torch.zeros_like(p)  # DDP: its buckets, allocated at the wrap and kept (keep_grads)
+    _owned_update(params, opt, owned, keep_grads)
+
+
+def _owned_update(
+    params: list[nn.Parameter], opt: torch.optim.Optimizer, owned: set[int] | None, keep_grads: bool
+) -> None:
+    """The optimizer step on this rank's own parameters (ZeRO-1: the others' gradients set aside, so the
+    step keeps no state for them), then zero_grad as the strategy does it."""
     away = _set_aside(params, owned)
     opt.step()
     for p, g in away:
