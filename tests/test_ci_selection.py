@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 from conftest import QUICK, REPO
@@ -155,3 +156,39 @@ def test_ci_runs_the_readmes_test_command_verbatim() -> None:
     command = "scripts/setup.sh && .venv/bin/python -m pytest -q"
     assert f"{command}     #" in (REPO / "README.md").read_text()
     assert any(line.strip().startswith(command) for line in (REPO / ".ci" / "run").read_text().splitlines())
+
+
+def _mutation_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutation_check", REPO / "scripts" / "mutation_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mutation_check"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ci_runs_every_mutant_whose_record_does_not_cover_it(tmp_path: Path, monkeypatch) -> None:
+    """CI's mutation leg runs only the *due* mutants (plus a budget of others): a mutant is due when it is new
+    or edited, when its record's commit is unknown, or when one of its files changed since that commit."""
+    mc = _mutation_check()
+    calm, hit, helped, edited, lost, unrecorded = mc.MUTANTS[:6]
+    entry = {"date": "2026-11-28"}
+    record = {
+        calm.name: {**entry, "digest": mc.digest(calm), "commit": "c1"},
+        hit.name: {**entry, "digest": mc.digest(hit), "commit": "c2"},
+        helped.name: {**entry, "digest": mc.digest(helped), "commit": "c4"},
+        edited.name: {**entry, "digest": "another mutant", "commit": "c1"},
+        lost.name: {**entry, "digest": mc.digest(lost), "commit": "c3"},
+    }
+    helper = "tests/hsdp_ranks.py"  # a helper module a test file imports counts as the test's
+    helped = mc.Mutant(helped.name, helped.file, helped.old, helped.new,
+                       ("tests/test_hsdp.py::test_hsdp_2x2_trains_the_weights_of_one_process",), helped.what)  # fmt: skip
+    record[helped.name]["digest"] = mc.digest(helped)
+    changes = {"c1": {"README.md"}, "c2": {hit.file}, "c4": {helper}, "c3": None}
+    monkeypatch.setattr(mc, "RECORD", tmp_path / "record.json")
+    monkeypatch.setattr(mc, "changed_since", changes.__getitem__)
+    mc.RECORD.write_text(mc.json.dumps(record))
+    picked, why = mc.due([calm, hit, helped, edited, lost, unrecorded])
+    assert [m.name for m in picked] == [hit.name, helped.name, edited.name, lost.name, unrecorded.name], why
+    assert "c3" in why
