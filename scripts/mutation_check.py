@@ -506,7 +506,7 @@ MUTANTS = [
         "setattr(utils, _DEVICE_QUESTION, lambda: None)",
         "setattr(utils, _DEVICE_QUESTION, original)",
         ("tests/test_hf_models.py::test_initial_weights_are_one_process_weights_under_every_build[gpt2]",),
-        "FSDP's shard-by-shard build lets transformers skip its own initialisation on meta (issue 30)",
+        "FSDP's shard-by-shard build lets transformers skip its own initialisation on meta",
     ),
     Mutant(
         "hf-tied-cut",
@@ -996,7 +996,7 @@ MUTANTS = [
     Mutant(
         "ci-due-changed",
         "scripts/mutation_check.py",
-        "        if changed is None or files_of(m) & changed:",
+        "        if changed is None or files_of(m) \x26 changed:",  # escaped: this line must not match itself
         "        if changed is None:  # mutant: a changed file never makes a mutant due",
         ("tests/test_ci_selection.py::test_ci_runs_every_mutant_whose_record_does_not_cover_it",),
         "CI's mutation leg skips a mutant whose code or tests changed since the commit it was caught at",
@@ -1204,13 +1204,19 @@ def changed_since(commit: str) -> set[str] | None:
     return names
 
 
+# Shared by nearly every test: a change to them would make every mutant due. What they do is covered by the
+# suite passing and by the budget's rotation through all mutants, not by the due set.
+SHARED_HELPERS = {"tests/conftest.py", "tests/rankpool.py"}
+
+
 def _helpers(test_file: str) -> set[str]:
-    """The modules of tests/ that a test file imports (rank scripts, pools, conftest's helpers)."""
+    """The modules of tests/ a test file imports (rank scripts, its own helpers), less the shared ones."""
     path = REPO / test_file
     if not path.is_file():
         return set()
     found = re.findall(r"^\s*(?:from|import)\s+(\w+)", path.read_text(), re.MULTILINE)
-    return {f"tests/{name}.py" for name in found if (REPO / "tests" / f"{name}.py").is_file()}
+    named = {f"tests/{name}.py" for name in found if (REPO / "tests" / f"{name}.py").is_file()}
+    return named - SHARED_HELPERS
 
 
 def files_of(m: Mutant) -> set[str]:
