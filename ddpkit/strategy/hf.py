@@ -25,6 +25,7 @@ Three things such a model does that a plain `nn.Module` does not, and what ddpki
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -74,6 +75,29 @@ def real_init(replay: Callable[[Callable], Callable], names: tuple[str, ...]) ->
     finally:
         setattr(utils, _DEVICE_QUESTION, original)
         table.update(saved)
+
+
+@contextlib.contextmanager
+def loading_as_is(outside: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
+    """While ddpkit builds a model on `meta`: `PreTrainedModel.from_pretrained` (and every `Auto*` class's,
+    which call it) runs inside `outside()`, i.e. as on one process (`fsdp_init._as_one_process`). Nothing
+    is changed when transformers is not imported."""
+    utils = sys.modules.get("transformers.modeling_utils")
+    if utils is None:
+        yield
+        return
+    cls = utils.PreTrainedModel
+    original = cls.__dict__["from_pretrained"]  # a classmethod
+
+    def from_pretrained(klass: Any, *args: Any, **kwargs: Any) -> Any:
+        with outside():
+            return original.__func__(klass, *args, **kwargs)
+
+    cls.from_pretrained = classmethod(functools.wraps(original.__func__)(from_pretrained))
+    try:
+        yield
+    finally:
+        cls.from_pretrained = original
 
 
 def check_written(module: nn.Module, never_written: list[str]) -> None:
