@@ -112,6 +112,7 @@ def export_adapter(module: nn.Module, path: str | Path, *, main: bool) -> Path:
     if main:
         target.mkdir(parents=True, exist_ok=True)
         module.save_pretrained(str(target), state_dict=state)  # type: ignore[operator]  # a PeftModel
+    _wait()
     return target
 
 
@@ -129,6 +130,7 @@ def export_merged(module: nn.Module, path: str | Path, *, main: bool) -> Path:
         del whole
     target = Path(path)
     if not main:
+        _wait()
         return target
     inner: Any = module
     base = inner.get_base_model()
@@ -146,4 +148,13 @@ def export_merged(module: nn.Module, path: str | Path, *, main: bool) -> Path:
                       "Report this with the model class; export the adapter directory instead")  # fmt: skip
     target.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(str(target))
+    _wait()
     return target
+
+
+def _wait() -> None:
+    """Every rank returns once global rank 0 has written (a reader on any rank sees the whole directory)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
