@@ -104,7 +104,7 @@ def test_checkpoint_holds_adapters_only_and_resumes_bitwise(pool2, base, tmp_pat
 
     for f in saved.rglob("*.safetensors"):
         with safe_open(str(f), framework="pt") as st:
-            assert not [k for k in st.keys() if "base_layer" in k or k.endswith("wte.weight")], f.name
+            assert not [k for k in st if "base_layer" in k or k.endswith("wte.weight")], f.name
 
 
 def test_export_adapter_directory_and_merged_model(pool2, base, tmp_path) -> None:
