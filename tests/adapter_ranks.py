@@ -152,3 +152,21 @@ def save_and_resume(kind: str, strategy: str, base: str, root: str) -> dict:
         _steps(s, model, opt, 2, 4)
         resumed = trainable(model)
     return {"straight": straight, "resumed": resumed, "saved": None if saved is None else str(saved)}
+
+
+# -- ddpkit verify on a PEFT model (`--model adapter_ranks:gpt2_lora --loss adapter_ranks:tuple_token_sum`)
+def gpt2_lora() -> nn.Module:
+    from peft import get_peft_model
+
+    return get_peft_model(hf_ranks.factory("gpt2")(), lora("gpt2"))
+
+
+def tuple_token_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hf_ranks.token_sum` with the model's tuple output (`return_dict=False`: logits, then the cache)."""
+    import torch.nn.functional as F
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], return_dict=False)[0]
+    labels = batch["labels"][:, 1:]
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                           reduction="sum")
+    return loss, (labels != -100).sum()

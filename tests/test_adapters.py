@@ -137,3 +137,17 @@ def test_checkpoint_of_other_adapters_is_a_clear_error(tmp_path, base) -> None:
 
     with pytest.raises(ddpkit.DdpkitError, match=r"lacks 4 of the adapter model's trainable tensors"):
         strategy_base.Strategy().load_full_state(model, {}, strict=True)
+
+
+@pytest.mark.parametrize(("strategy", "loss"), [("fsdp", "hf_ranks:token_sum"), ("ddp", "adapter_ranks:tuple_token_sum")])
+def test_ddpkit_verify_passes_on_a_peft_model_with_its_default_floor(pool2, monkeypatch, capsys, strategy, loss) -> None:
+    """Default options (the 'permuted' and 'chunked' floor): a ModelOutput, and a tuple holding the
+    key-value cache, are both read by the chunked variant."""
+    from ddpkit.verify import cli, verify
+
+    monkeypatch.setattr(cli, "verify", lambda spec: verify(spec, runner=pool2.run))
+    code = cli.main(["--model", "adapter_ranks:gpt2_lora", "--batches", "hf_ranks:padded", "--loss", loss,
+                     "--strategy", strategy, "--optimizer", "adamw", "--steps", "3", "--batch-size", "8"])
+    text = capsys.readouterr().out
+    assert code == 0 and "verdict: PASS" in text, text[-3000:]
+    assert "lora_A" in text
