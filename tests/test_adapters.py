@@ -151,3 +151,19 @@ def test_ddpkit_verify_passes_on_a_peft_model_with_its_default_floor(pool2, monk
     text = capsys.readouterr().out
     assert code == 0 and "verdict: PASS" in text, text[-3000:]
     assert "lora_A" in text
+
+
+def test_lint_names_find_unused_parameters_set_for_a_frozen_base() -> None:
+    from ddpkit.lint import lint_source
+
+    def script(flag: str) -> str:
+        return ("import ddpkit, torch\n"
+                "from peft import LoraConfig, get_peft_model\n"
+                "from transformers import AutoModelForCausalLM\n"
+                "with ddpkit.session() as s:\n"
+                "    build = lambda: get_peft_model(AutoModelForCausalLM.from_pretrained('base'), LoraConfig())\n"
+                f"    model = s.model(build{flag})\n")
+
+    findings = [f for f in lint_source(script(", find_unused_parameters=True"), "train.py") if f.code == "DDP012"]
+    assert len(findings) == 1 and "frozen base" in findings[0].message, findings
+    assert [f for f in lint_source(script(""), "train.py") if f.code == "DDP012"] == []
