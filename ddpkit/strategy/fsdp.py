@@ -272,7 +272,7 @@ class FSDP(Strategy):
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)  # collective; empty except on rank 0
-        return adapters.saved_state(unwrap(model), state)  # type: ignore[arg-type]  # tensors only
+        return adapters.saved_state(unwrap(model), state)  # tensors only
 
     def load_full_state(self, model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
