@@ -1019,6 +1019,31 @@ MUTANTS = [
          "tests/test_hsdp.py::test_hsdp_2x2_trains_the_weights_of_one_process"),
         "HSDP sharded on the shard dimension's 1-D mesh only: no all-reduce across replica groups",
     ),
+    Mutant(
+        "adapters-frozen-reduced",
+        "ddpkit/step/sharding.py",
+        'return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]',
+        'return [p for group in optimizer.param_groups for p in group["params"]]',
+        ("tests/test_adapters.py::test_sharded_step_leaves_the_frozen_base_alone",),
+        "the sharded step splits, reduces and publishes a PEFT model's frozen base with its adapters",
+    ),
+    Mutant(
+        "adapters-base-saved",
+        "ddpkit/strategy/adapters.py",
+        "keep = set(trainable_names(module))",
+        "keep = set(state)",
+        ("tests/test_adapters.py::test_checkpoint_holds_adapters_only_and_resumes_bitwise[ddp]",
+         "tests/test_adapters.py::test_checkpoint_holds_adapters_only_and_resumes_bitwise[fsdp]"),
+        "s.save writes the frozen base into a PEFT model's checkpoint",
+    ),
+    Mutant(
+        "adapters-init-stream",
+        "ddpkit/strategy/fsdp_init.py",
+        "hf.loading_as_is(functools.partial(_as_one_process, mode))",
+        "contextlib.nullcontext()",
+        ("tests/test_adapters.py::test_fsdp_adapters_start_as_one_process_bit_for_bit[pretrained]",),
+        "FSDP's build replays from_pretrained's meta draws: LoRA A starts from other values",
+    ),
 ]
 
 

@@ -240,9 +240,15 @@ def data_parallel(script: Script) -> Found:
 
 
 def unused_parameters_flag(script: Script) -> Found:
+    peft = any(last(script.callee(c)) == "get_peft_model" for c in script.calls())
     for wrap in script.wraps:
         flag = script.keyword(wrap, "find_unused_parameters")
-        if flag is not None and is_const(flag, True) and wrap.args and static_module(script, wrap.args[0]):
+        if flag is None or not is_const(flag, True) or not wrap.args:
+            continue
+        if peft:  # the commonest reason people set it, and not one: frozen parameters are not "unused"
+            yield flag, ("a PEFT model's frozen base (requires_grad=False) is not unused: DDP registers only "
+                         "the trainable parameters (the adapters), which all get gradients")  # fmt: skip
+        elif static_module(script, wrap.args[0]):
             yield flag, f"`{unparse(wrap.args[0])}` has no branch, loop or unused submodule in forward"
 
 
@@ -345,8 +351,9 @@ RULES = (
     Rule(
         "DDP012", "find-unused-parameters", "find_unused_parameters=True without an apparent need",
         "DDP then traverses the autograd graph after every forward; needed only when some parameters get "
-        "no gradient in some steps (branches, unused heads or outputs). Reported only when forward has "
-        "no branch, loop or unused submodule and returns one value.",
+        "no gradient in some steps (branches, unused heads or outputs); frozen parameters (a PEFT model's "
+        "base) never need it. Reported when forward has no branch, loop or unused submodule and returns "
+        "one value, or when the model comes from peft's get_peft_model.",
         "drop find_unused_parameters=True (DDP raises a clear error if a parameter really gets no gradient)",
         unused_parameters_flag,
         confidence="low",

@@ -53,7 +53,9 @@ PUBLISH_CHUNK_MB = 4.0
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
+    """The parameters the step may change: a frozen one (a PEFT model's base passed to the optimizer with
+    `model.parameters()`) has no gradient and no state, so it is neither owned nor published."""
+    return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
 
 
 def partition(sizes: list[int], world: int) -> list[int]:
@@ -116,8 +118,9 @@ class ShardedStep:
         via = "shared memory" if self.shm is not None else "broadcasts"
         grads = "; gradients reduce-scattered into each share" if self.exchange is not None else ""
         return (
-            f"optimizer step sharded over {self.world} ranks ({type(self.optimizer).__name__}; largest "
-            f"share {max(shares) / total:.0%} of the parameters); new values published through {via}{grads}"
+            f"optimizer step sharded over {self.world} ranks ({type(self.optimizer).__name__}, "
+            f"{sum(shares)} trainable elements; largest share {max(shares) / total:.0%}); new values "
+            f"published through {via}{grads}"
         )
 
     def drop_foreign_state(self) -> None:

@@ -17,6 +17,7 @@
     choice         when FSDP is worth it (model state vs a device's memory), for `bench tune` and `plan`
     weights        pretrained weights read whole (rank 0) or by rows (sharded)
     hf             Hugging Face models: blocks, `save_pretrained` directories
+    adapters       PEFT (LoRA) models: trainable-only checkpoints, adapter and merged export
 
 `make` turns what a user passed to `ddpkit.session(strategy=)` (a name, a registered strategy's options
 such as `DDPOptions` / `FSDPOptions`, or a `Strategy` instance) and the cluster's `Shape` into the one

@@ -28,6 +28,7 @@ from torch import nn
 
 from ddpkit.errors import problem
 from ddpkit.parallel.modules import unwrap
+from ddpkit.strategy import adapters
 
 
 class Strategy:
@@ -97,12 +98,15 @@ class Strategy:
 
     # -- checkpoints --------------------------------------------------------------------------------
     def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The full weights (keys without `module.`) on global rank 0; a collective where sharded."""
-        return unwrap(model).state_dict()
+        """The full weights (keys without `module.`) on global rank 0; a collective where sharded. A PEFT
+        model: its trainable tensors only (`ddpkit.strategy.adapters.saved_state`)."""
+        inner = unwrap(model)
+        return adapters.saved_state(inner, inner.state_dict())
 
     def load_full_state(self, model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool) -> None:
         """Load full weights read on every rank (a collective where sharded)."""
-        unwrap(model).load_state_dict(state, strict=strict)
+        inner = unwrap(model)
+        inner.load_state_dict(state, strict=adapters.check_loadable(inner, state, strict=strict))
 
     def write_full_state(self, model: nn.Module, path: Path, rank: int) -> int:
         """Stream the full weights to one safetensors file (rank 0 writes; every rank calls), for

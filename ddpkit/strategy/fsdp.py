@@ -42,9 +42,10 @@ from ddpkit.errors import problem
 from ddpkit.parallel import cpu_allocator, fsdp_shm
 from ddpkit.parallel.collectives import Ranks, same_everywhere
 from ddpkit.parallel.compiling import CompileBlock
+from ddpkit.parallel.modules import unwrap
 from ddpkit.parallel.precision import FP32, PrecisionPlan, resolve_precision
 from ddpkit.parallel.shape import Shape
-from ddpkit.strategy import checkpointing, fsdp_export, fsdp_init, hf
+from ddpkit.strategy import adapters, checkpointing, fsdp_export, fsdp_init, hf
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.fsdp_options import FSDPOptions
 
@@ -271,11 +272,12 @@ class FSDP(Strategy):
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)  # collective; empty except on rank 0
-        return state  # type: ignore[return-value]  # a model's state dict: tensors only
+        return adapters.saved_state(unwrap(model), state)  # tensors only
 
     def load_full_state(self, model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        strict = adapters.check_loadable(unwrap(model), state, strict=strict)  # PEFT: no frozen base
         set_model_state_dict(
             model, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict)
         )
@@ -286,16 +288,21 @@ class FSDP(Strategy):
     def sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+        state: dict[str, Any] = {"model": adapters.saved_state(unwrap(model), get_model_state_dict(model))}
         for name, opt in optimizers.items():
             state[name] = get_optimizer_state_dict(model, opt)
         return state
 
     def load_sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],
                            state: dict) -> None:  # fmt: skip
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
-        set_model_state_dict(model, state["model"])
+        strict = adapters.check_loadable(unwrap(model), state["model"], strict=True)  # PEFT: trainable only
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
         for name, opt in optimizers.items():
             set_optimizer_state_dict(model, opt, state[name])
 

@@ -100,10 +100,11 @@ class ShardedInit(TorchDispatchMode):
         self.chunks: dict[int, torch.Tensor] = {}  # parameters no longer written: this rank's chunk
         self.sums: dict[int, int] = {}
         self.peak_full = 0  # bytes of full temporaries alive at once, at most (for the notes and tests)
+        self.paused = False  # inside `from_pretrained` (`_as_one_process`): nothing is replayed
 
     # -- registration (global module hooks, installed by `build`) --------------------------------------
     def on_parameter(self, module: nn.Module, name: str, param: Any) -> None:
-        if isinstance(param, torch.Tensor) and param.is_meta:
+        if isinstance(param, torch.Tensor) and param.is_meta and not self.paused:
             self.params[_key(param)] = weakref.ref(param)
             self.stored[_key(param)] = StorageWeakRef(param.untyped_storage())
 
@@ -283,7 +284,7 @@ def _init_functions(mode: ShardedInit) -> Iterator[None]:
     def on_values(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         @functools.wraps(fn)
         def run(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta and not mode.paused:
                 fn(mode.values(tensor), *args, **kwargs)
                 return tensor
             return fn(tensor, *args, **kwargs)
@@ -300,6 +301,28 @@ def _init_functions(mode: ShardedInit) -> Iterator[None]:
             setattr(nn.init, name, fn)
 
 
+@contextlib.contextmanager
+def _as_one_process(mode: ShardedInit) -> Iterator[None]:
+    """Run a span of the factory exactly as one process would, outside every mode `build` set: for
+    `from_pretrained` in a factory (e.g. the base of a PEFT model). One process builds the model on
+    `meta` there (no values: its `_init_weights` draws nothing) and loads the file into real tensors;
+    replayed under `ShardedInit`, those draws would be made for real and consume the generator, so the
+    adapters drawn after it (LoRA's A matrices) would start from other values than one process's.
+    Costs the loaded model whole on every rank (its tensors are cut when the build ends); for a large
+    base, build it from its config and pass `weights=` (each rank reads only its rows)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    functions = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    mode.paused = True
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        mode.paused = False
+        for m in reversed(functions):
+            torch._C._push_on_torch_function_stack(m)
+
+
 def build(factory: Callable[[], nn.Module], rank: int, world: int) -> tuple[nn.Module, Shards, int]:
     """Run `factory` on the meta device; the meta module, this rank's shards, the peak temporary bytes."""
     from torch.nn.modules.module import register_module_parameter_registration_hook
@@ -307,7 +330,8 @@ def build(factory: Callable[[], nn.Module], rank: int, world: int) -> tuple[nn.M
     mode = ShardedInit(rank, world)
     handle = register_module_parameter_registration_hook(mode.on_parameter)
     try:
-        with torch.device("meta"), mode, _Constants(), _init_functions(mode):
+        with (torch.device("meta"), mode, _Constants(), _init_functions(mode),
+              hf.loading_as_is(functools.partial(_as_one_process, mode))):  # fmt: skip
             module = factory()
     finally:
         handle.remove()

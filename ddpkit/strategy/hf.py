@@ -25,6 +25,7 @@ Three things such a model does that a plain `nn.Module` does not, and what ddpki
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -76,6 +77,29 @@ def real_init(replay: Callable[[Callable], Callable], names: tuple[str, ...]) ->
         table.update(saved)
 
 
+@contextlib.contextmanager
+def loading_as_is(outside: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
+    """While ddpkit builds a model on `meta`: `PreTrainedModel.from_pretrained` (and every `Auto*` class's,
+    which call it) runs inside `outside()`, i.e. as on one process (`fsdp_init._as_one_process`). Nothing
+    is changed when transformers is not imported."""
+    utils = sys.modules.get("transformers.modeling_utils")
+    if utils is None:
+        yield
+        return
+    cls = utils.PreTrainedModel
+    original = cls.__dict__["from_pretrained"]  # a classmethod
+
+    def from_pretrained(klass: Any, *args: Any, **kwargs: Any) -> Any:
+        with outside():
+            return original.__func__(klass, *args, **kwargs)
+
+    cls.from_pretrained = classmethod(functools.wraps(original.__func__)(from_pretrained))
+    try:
+        yield
+    finally:
+        cls.from_pretrained = original
+
+
 def check_written(module: nn.Module, never_written: list[str]) -> None:
     """Refuse an HF model some of whose parameters its initialisation never wrote (it was skipped)."""
     if not never_written or not is_hf(module):
@@ -100,14 +124,27 @@ def tied_owners(module: nn.Module) -> dict[int, list[tuple[str, str]]]:
     return {k: v for k, v in owners.items() if len(v) > 1}
 
 
-def export(write: Callable[[Path, nn.Module], Any], path: str | Path, model: nn.Module, *, main: bool) -> Any:
+def export(write: Callable[[Path, nn.Module], Any], path: str | Path, model: nn.Module, *, main: bool,
+           merged: bool = False) -> Any:  # fmt: skip
     """`s.export`: an HF model exported to a directory (a path without `.safetensors`) becomes one
     `from_pretrained` loads: `model.safetensors` (written by `write`, streamed under FSDP) plus the
-    config, written by global rank 0. Anything else: `write(path, model)` as before."""
+    config, written by global rank 0. A PEFT model: the adapter directory `PeftModel.from_pretrained`
+    loads, or with `merged=True` the adapters folded into the base, a directory the base class's
+    `from_pretrained` loads (`ddpkit.strategy.adapters`). Anything else: `write(path, model)` as before."""
     from ddpkit.parallel.modules import unwrap
+    from ddpkit.strategy import adapters
 
     target = Path(path)
     inner: Any = unwrap(model)  # a transformers PreTrainedModel (config, generation_config)
+    if adapters.is_peft(inner) and target.suffix != ".safetensors":
+        written = (adapters.export_merged if merged else adapters.export_adapter)(inner, target, main=main)
+        return written if main else None
+    if merged:
+        raise problem(
+            f"merged=True asks to fold adapters into the base, but the {type(inner).__name__} is not a PEFT "
+            "model (or the path ends in .safetensors)",
+            "Leave merged out, or export a model made by peft.get_peft_model to a directory",
+        )
     if not is_hf(inner) or target.suffix == ".safetensors":
         return write(target, model)
     written = write(target / "model.safetensors", model)  # every rank (a collective under FSDP)

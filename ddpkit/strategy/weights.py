@@ -34,6 +34,7 @@ from torch import nn
 
 from ddpkit.errors import problem
 from ddpkit.parallel.modules import unwrap
+from ddpkit.strategy import adapters
 from ddpkit.strategy.checkpointing import plain_name
 
 Weights = str | os.PathLike | None
@@ -77,6 +78,8 @@ def _aliases(module: nn.Module) -> dict[str, list[str]]:
     for name, t in named:
         by_id.setdefault(id(t), []).append(name)
     by_id = {k: [*v, *(plain_name(n) for n in v if plain_name(n) != n)] for k, v in by_id.items()}
+    if adapters.is_peft(module):  # a PEFT model: the base's names (`weights=` is the base's checkpoint)
+        by_id = {k: [*v, *(adapters.base_name(n) for n in v)] for k, v in by_id.items()}
     return {names[0]: names for names in by_id.values()}
 
 
@@ -87,6 +90,8 @@ def _plan(module: nn.Module, source: Source) -> dict[str, str]:
     for first, names in _aliases(module).items():
         if not any(n in persistent for n in names):
             continue  # a non-persistent buffer (e.g. rotary inv_freq): computed, never saved
+        if adapters.is_peft(module) and adapters.added_by_peft(module, first):
+            continue  # an adapter (LoRA's A, B): not in the base's checkpoint; keeps its initial values
         found = source.name_for(names)
         if found is None:
             missing.append(first)

@@ -219,10 +219,11 @@ class Session(RankContext):
         """Restore state saved by `save` into the given objects; see `ddpkit.checkpoint.checkpoints`."""
         return self.checkpoints.load(path, **state)
 
-    def export(self, path: str, model: nn.Module) -> Any:
+    def export(self, path: str, model: nn.Module, *, merged: bool = False) -> Any:
         """The full weights of `model` as one plain safetensors file (`ddpkit.checkpoint.checkpoints`); an HF
-        model to a directory (no .safetensors suffix): one `from_pretrained` loads (`ddpkit.strategy.hf`)."""
-        return hf.export(self.checkpoints.export, path, model, main=self.is_main)
+        model to a directory (no .safetensors suffix): one `from_pretrained` loads (`ddpkit.strategy.hf`).
+        A PEFT model: its adapter directory, or with `merged=True` the adapters folded into the base."""
+        return hf.export(self.checkpoints.export, path, model, main=self.is_main, merged=merged)
 
     @property
     def checkpoints(self) -> Checkpoints:

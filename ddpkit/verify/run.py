@@ -189,12 +189,17 @@ def _concat(outputs: list[Any]) -> Any:
         return torch.cat(outputs)
     if isinstance(first, dict):  # an HF ModelOutput too; its key-value cache (not tensors) is left out
         return type(first)({k: _concat([o[k] for o in outputs]) for k in first if _joinable(first[k])})
-    if isinstance(first, (tuple, list)):
-        return type(first)(_concat(list(parts)) for parts in zip(*outputs, strict=True))
+    if isinstance(first, (tuple, list)):  # an HF model's tuple (return_dict=False): its cache left out too
+        return type(first)(
+            _concat(list(parts)) if _joinable(parts[0]) else None for parts in zip(*outputs, strict=True)
+        )
+    scalar = isinstance(first, torch.Tensor)
+    what = "a scalar tensor (a loss computed from labels?)" if scalar else type(first).__name__
     raise problem(
-        f"the model returns {type(first).__name__}, which the 'chunked' noise-floor variant cannot "
-        "concatenate over pieces of the batch",
-        "Pass floor=('permuted',) (--floor permuted)",
+        f"the model returns {what}, which the 'chunked' noise-floor variant cannot combine over pieces "
+        "of the batch",
+        "Compute the loss in --loss from the model's outputs (e.g. logits) rather than passing labels to "
+        "the model, or pass floor=('permuted',) (--floor permuted)",
     )
 
 

@@ -1,0 +1,160 @@
+"""Models fine-tuned with adapters (`peft`: LoRA and the like) under ddpkit's strategies.
+
+    model = s.model(lambda: get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(...)),
+                    strategy="fsdp", weights="base/")     # the base's weights read into shards
+    s.export("adapter/", model)                          # PeftModel.from_pretrained(base, "adapter/")
+    s.export("merged/", model, merged=True)              # AutoModelForCausalLM.from_pretrained("merged/")
+
+A PEFT model mixes a frozen base (`requires_grad=False`) with small trainable adapters. What ddpkit does
+about each place where that matters, and why there:
+
+- **Gradients.** DDP registers hooks only on parameters that require gradients, and FSDP2 reduce-scatters
+  only the gradients a unit's parameters produced (`FSDPParamGroup.post_backward` skips parameters without
+  one), so a unit mixing frozen and trainable parameters carries only the trainable gradients; nothing
+  to lay out. ddpkit's sharded optimizer step partitions only the optimizer's trainable parameters
+  (`ddpkit.step.sharding`): an `AdamW(model.parameters())` over the whole PEFT model would otherwise
+  publish the frozen base to every rank at every step.
+- **Checkpoints.** `s.save` keeps what training changes: the trainable parameters and their optimizer
+  state (`saved_state`), not the frozen base, which `s.model` rebuilds from the pretrained weights; a
+  load checks that every trainable tensor is there (`check_loadable`).
+- **Export.** `export_adapter` writes the directory `PeftModel.from_pretrained(base, dir)` reads, with
+  peft's own `save_pretrained` fed the gathered adapter tensors (under FSDP they are sharded DTensors,
+  which peft cannot write); `export_merged` rebuilds the model on the `meta` device, assigns the gathered
+  full state and lets peft's `merge_and_unload` fold the adapters into the base, then `save_pretrained`.
+- **Pretrained weights.** `base_name` maps a PEFT model's names (`base_model.model.` prefix, LoRA's
+  `.base_layer.`) to the base checkpoint's, so `weights=` reads the base into the wrapped layers.
+
+`peft` is imported only when a PEFT model is already loaded (`sys.modules`): a plain model pays nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.errors import problem
+
+_PREFIX = "base_model.model."
+
+
+def is_peft(module: Any) -> bool:
+    """True for a `peft.PeftModel` (without importing peft when it is not loaded)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(module, peft.PeftModel)
+
+
+def trainable_names(module: nn.Module) -> list[str]:
+    """The names of the parameters that require gradients (tied ones once), as `state_dict` names them."""
+    return [n for n, p in module.named_parameters() if p.requires_grad]
+
+
+def saved_state(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint keeps of a model's state dict: all of it, except for a PEFT model, whose frozen
+    base is left out (rebuilt from the pretrained weights at `s.model`; gigabytes per save otherwise)."""
+    if not is_peft(module):
+        return state
+    keep = set(trainable_names(module))
+    return {k: v for k, v in state.items() if k in keep}
+
+
+def check_loadable(module: nn.Module, state: Mapping[str, Any], *, strict: bool) -> bool:
+    """For a PEFT model: refuse a checkpoint lacking a trainable tensor (when `strict`); the `strict`
+    to load with (False: the frozen base is not in the file by design). Other models: `strict` as is."""
+    if not is_peft(module):
+        return strict
+    missing = [n for n in trainable_names(module) if n not in state]
+    if strict and missing:
+        shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+        raise problem(
+            f"the checkpoint lacks {len(missing)} of the adapter model's trainable tensors ({shown}); a PEFT "
+            "model's checkpoint holds its trainable parameters only",
+            "Load a checkpoint saved from the same PEFT configuration (same target modules, rank and "
+            "adapter name), or pass strict=False to keep the missing ones as they are",
+        )
+    return False
+
+
+def base_name(name: str) -> str:
+    """A PEFT model's parameter name as the base model's checkpoint writes it."""
+    name = name.removeprefix(_PREFIX)
+    return name.replace(".base_layer.", ".")
+
+
+def added_by_peft(module: nn.Module, name: str) -> bool:
+    """True for a tensor PEFT added to the base (so not in the base's checkpoint): one of an adapter
+    layer's (`lora_A`, `lora_B`, `lora_embedding_A`, ...: peft's `adapter_layer_names`)."""
+    markers: set[str] = set()
+    for m in module.modules():
+        markers.update(getattr(m, "adapter_layer_names", ()))
+    return any(f".{marker}." in f".{name}" for marker in markers)
+
+
+def gathered_trainable(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every trainable parameter whole, on every rank (a collective under FSDP: one all-gather each)."""
+    out = {}
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            t = p.detach()
+            out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu().clone()
+    return out
+
+
+def export_adapter(module: nn.Module, path: str | Path, *, main: bool) -> Path:
+    """The adapter directory `PeftModel.from_pretrained(base, path)` loads (`adapter_config.json`,
+    `adapter_model.safetensors`), written by peft's `save_pretrained` on global rank 0. Collective."""
+    state = gathered_trainable(module)  # every rank: the gathers are collectives
+    target = Path(path)
+    if main:
+        target.mkdir(parents=True, exist_ok=True)
+        module.save_pretrained(str(target), state_dict=state)  # type: ignore[operator]  # a PeftModel
+    _wait()
+    return target
+
+
+def export_merged(module: nn.Module, path: str | Path, *, main: bool) -> Path:
+    """A merged model directory (`from_pretrained` of the base class loads it): the adapters folded into
+    the base by peft's own `merge_and_unload`, on a twin built on `meta` and given the gathered weights
+    (gathered one tensor at a time: a collective under FSDP). The twin costs the model once on rank 0."""
+    import peft
+
+    state = {}
+    for name, t in module.state_dict().items():  # every rank: each sharded tensor is one all-gather
+        whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if main:
+            state[name] = whole.detach().cpu().clone()
+        del whole
+    target = Path(path)
+    if not main:
+        _wait()
+        return target
+    inner: Any = module
+    base = inner.get_base_model()
+    config = inner.peft_config[inner.active_adapter]
+    with torch.device("meta"):
+        twin = peft.get_peft_model(type(base)(base.config), config)
+    twin.load_state_dict(dict(state), strict=False, assign=True)
+    merged = twin.merge_and_unload()
+    for name, b in list(merged.named_buffers()):
+        if b.is_meta:  # a non-persistent buffer (rotary inv_freq): never saved; copy the trained model's
+            merged.get_buffer(name).data = base.get_buffer(name).detach().cpu().clone()
+    still = [n for n, p in merged.named_parameters() if p.is_meta]
+    if still:
+        raise problem(f"the merged model has {len(still)} tensors the saved state lacks ({still[0]!r})",
+                      "Report this with the model class; export the adapter directory instead")  # fmt: skip
+    target.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(str(target))
+    _wait()
+    return target
+
+
+def _wait() -> None:
+    """Every rank returns once global rank 0 has written (a reader on any rank sees the whole directory)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()

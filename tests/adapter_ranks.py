@@ -1,0 +1,172 @@
+"""Rank functions for tests/test_adapters.py: real `peft` LoRA on real `transformers` models from tiny
+configs, the pretrained base written by the test (`hf_ranks.pretrained`, seed 123: not the session's
+initialisation), run in the shared rank pools. One process's run is built here from the same seed, so
+the initial adapters compare bit for bit (same code, same generator stream)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import hf_ranks
+import torch
+from torch import nn
+
+import ddpkit
+from ddpkit.strategy import FSDPOptions
+
+TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
+
+
+def lora(kind: str):
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[kind], lora_dropout=0.0)
+
+
+def factory(kind: str, base: str, how: str):
+    """"pretrained": the base read by `from_pretrained` in the factory (what most scripts do);
+    "config": the base built from its config, its weights given by `s.model(..., weights=base)`."""
+    from peft import get_peft_model
+
+    cls = hf_ranks.model_class(kind)
+    if how == "pretrained":
+        return lambda: get_peft_model(cls.from_pretrained(base), lora(kind))
+    cfg = hf_ranks.config(kind)
+    return lambda: get_peft_model(cls(cfg), lora(kind))
+
+
+def base_key(name: str) -> str:
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def one_process(kind: str, base: str, how: str) -> nn.Module:
+    """The same PEFT model in one process, from seed 0; "config": the base's weights copied in after."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = factory(kind, base, how)()
+    if how == "config":
+        pretrained = hf_ranks.model_class(kind).from_pretrained(base).state_dict()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if not p.requires_grad:
+                    p.copy_(pretrained[base_key(name)])
+    return model
+
+
+def trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters whole (gathered under FSDP: a collective)."""
+    out = {}
+    for name, p in ddpkit.unwrap(model).named_parameters():
+        if p.requires_grad:
+            t = p.detach()
+            out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+    return out
+
+
+def _options(strategy: str) -> object:
+    return FSDPOptions(min_block_params=2_000) if strategy == "fsdp" else strategy
+
+
+def _steps(s, model, opt, first: int, last: int, accumulation: int = 2) -> None:
+    for step in range(first, last):
+        for micro in range(accumulation):
+            batch = hf_ranks._rows(hf_ranks.padded(step * accumulation + micro, rows=4 * s.world_size), s.rank,
+                                   s.world_size)
+            with s.accumulate(model):
+                loss_sum, tokens = hf_ranks.token_sum(model, batch)
+                s.backward(loss_sum, tokens=tokens)
+            s.step(opt)
+
+
+def train(kind: str, strategy: str, how: str, base: str, steps: int = 4, out: str | None = None,
+          shard_optimizer: object = "auto") -> dict:
+    """Token-weighted AdamW steps on the adapters (the optimizer given every parameter, as scripts do);
+    the initial and final adapters gathered, the frozen base's gradients and optimizer state, the
+    sharded step's note; `out`: the adapter directory and the merged model exported there."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), ddpkit.session(
+            seed=0, accumulation=2, shard_optimizer=shard_optimizer) as s:  # fmt: skip
+        model = s.model(factory(kind, base, how), strategy=_options(strategy),
+                        weights=base if how == "config" else None)
+        initial = trainable(model)
+        inner = ddpkit.unwrap(model)
+        frozen_start = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                        for n, p in inner.named_parameters() if not p.requires_grad}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _steps(s, model, opt, 0, steps)
+        frozen_moved = [n for n, p in inner.named_parameters() if not p.requires_grad
+                        and not torch.equal((p.full_tensor() if hasattr(p, "full_tensor") else p).detach(),
+                                            frozen_start[n])]
+        frozen_grads = [n for n, p in inner.named_parameters() if not p.requires_grad and p.grad is not None]
+        with_state = sorted(n for n, p in inner.named_parameters() if p in opt.state)
+        final = trainable(model)
+        if out is not None:
+            s.export(f"{out}/adapter", model)
+            s.export(f"{out}/merged", model, merged=True)
+        logits = None
+        if out is not None:
+            with torch.no_grad():
+                logits = model(input_ids=hf_ranks.padded(99, rows=2)["input_ids"]).logits.detach().clone()
+    return {"initial": initial, "final": final, "frozen_moved": frozen_moved, "frozen_grads": frozen_grads,
+            "with_state": with_state, "printed": printed.getvalue(), "logits": logits}
+
+
+def train_one_process(kind: str, base: str, how: str, world: int, steps: int = 4, accumulation: int = 2,
+                      permuted: bool = False) -> list[dict[str, torch.Tensor]]:
+    """The same steps on the whole global batch in one process (the mean over all its valid tokens):
+    the trainable parameters after each step. `permuted`: each batch's rows in another order, the noise
+    floor's variant (only the order of the sums changes)."""
+    model = one_process(kind, base, how)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    states = [{n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}]
+    for step in range(steps):
+        opt.zero_grad()
+        parts = []
+        for m in range(accumulation):
+            batch = hf_ranks.padded(step * accumulation + m, rows=4 * world)
+            if permuted:
+                order = torch.randperm(4 * world, generator=torch.Generator().manual_seed(10_007 + step + m))
+                batch = {k: v[order] for k, v in batch.items()}
+            parts.append(hf_ranks.token_sum(model, batch))
+        total = sum(float(n) for _, n in parts)
+        (sum(loss for loss, _ in parts) / total).backward()
+        opt.step()
+        states.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+    return states
+
+
+def save_and_resume(kind: str, strategy: str, base: str, root: str) -> dict:
+    """4 steps straight, against 2 steps, `s.save`, a fresh session that loads and runs the other 2:
+    the final adapters of both (bitwise equal when resume is exact), and what the checkpoint holds."""
+    straight = train(kind, strategy, "config", base)["final"]
+    with ddpkit.session(seed=0, accumulation=2, verbose=False) as s:
+        model = s.model(factory(kind, base, "config"), strategy=_options(strategy), weights=base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _steps(s, model, opt, 0, 2)
+        saved = s.save(root, model=model, optimizer=opt)
+    with ddpkit.session(seed=5, accumulation=2, verbose=False) as s:  # another seed: the load must restore
+        model = s.model(factory(kind, base, "config"), strategy=_options(strategy), weights=base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        s.load(root, model=model, optimizer=opt)
+        _steps(s, model, opt, 2, 4)
+        resumed = trainable(model)
+    return {"straight": straight, "resumed": resumed, "saved": None if saved is None else str(saved)}
+
+
+# -- ddpkit verify on a PEFT model (`--model adapter_ranks:gpt2_lora --loss adapter_ranks:tuple_token_sum`)
+def gpt2_lora() -> nn.Module:
+    from peft import get_peft_model
+
+    return get_peft_model(hf_ranks.factory("gpt2")(), lora("gpt2"))
+
+
+def tuple_token_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hf_ranks.token_sum` with the model's tuple output (`return_dict=False`: logits, then the cache)."""
+    import torch.nn.functional as F
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], return_dict=False)[0]
+    labels = batch["labels"][:, 1:]
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                           reduction="sum")
+    return loss, (labels != -100).sum()

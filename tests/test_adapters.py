@@ -1,0 +1,181 @@
+"""LoRA adapters (`peft`) under ddpkit: a PEFT model goes in like any module, starts as one process's
+bit for bit, trains to one process's within the calibrated noise floor (DDP and FSDP on 2 ranks), keeps
+its frozen base untouched, without gradients or optimizer state; checkpoints hold the adapters and their
+optimizer state only and resume exactly; `s.export` writes the adapter directory `PeftModel` loads and,
+on request, the merged model `from_pretrained` loads, whose forward is the adapted model's.
+
+Real peft and transformers, tiny configs, the pretrained base written by the test (offline)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if os.environ.get("CI"):
+    import peft  # noqa: F401  (in CI the test extra installs it: a missing one fails, never skips)
+    import transformers  # noqa: F401
+else:
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+
+import adapter_ranks
+import hf_ranks
+
+from ddpkit.verify.calibrate import deviation, limit
+from ddpkit.verify.spec import Tolerance
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("bases")
+    for kind in ("gpt2", "llama"):
+        hf_ranks.pretrained(kind, str(root / kind))
+    return {kind: str(root / kind) for kind in ("gpt2", "llama")}
+
+
+def _within_floor(got: dict[str, torch.Tensor], kind: str, base: str, how: str, world: int) -> None:
+    """`got` (the distributed run's final adapters) against one process's, per tensor, within the
+    tolerance verify uses: 10x the floor (one process against itself with its rows permuted), 8 eps,
+    or 1% of the last step's update."""
+    ref = adapter_ranks.train_one_process(kind, base, how, world)
+    variant = adapter_ranks.train_one_process(kind, base, how, world, permuted=True)
+    assert set(got) == set(ref[-1]) and got
+    for name, a in ref[-1].items():
+        floor = (deviation(a, variant[-1][name]).rel_norm, deviation(a, variant[-1][name]).max_abs)
+        tol = limit(Tolerance(), a, floor, deviation(ref[-2][name], a))
+        dev = deviation(a, got[name])
+        assert tol.excess(dev) <= 1, f"{name}: {dev} beyond {tol}"
+        moved = deviation(ref[0][name], a).rel_norm
+        assert moved > 1e-3, f"{name} barely trained ({moved:.3g}): the comparison would prove nothing"
+
+
+@pytest.mark.parametrize("how", ["pretrained", "config"])
+def test_fsdp_adapters_start_as_one_process_bit_for_bit(pool2, base, how) -> None:
+    """LoRA's A matrices are drawn after the base is built: the shard-by-shard build must consume the
+    generator as one process does around `from_pretrained` (else A starts from other values)."""
+    one = adapter_ranks.one_process("gpt2", base["gpt2"], how)
+    want = {n: p.detach() for n, p in one.named_parameters() if p.requires_grad}
+    for r in pool2.run(adapter_ranks.train, "gpt2", "fsdp", how, base["gpt2"], 0):
+        assert set(r["initial"]) == set(want) and any("lora_A" in n for n in want)
+        differ = [n for n in want if not torch.equal(r["initial"][n], want[n])]
+        assert differ == [], f"{differ} start from other values than one process's"
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize(("kind", "strategy", "how"),
+                         [("gpt2", "ddp", "pretrained"), ("gpt2", "fsdp", "pretrained"), ("llama", "fsdp", "config"),
+                          ("llama", "ddp", "config")])
+def test_lora_training_matches_one_process_within_the_floor(pool2, base, kind, strategy, how) -> None:
+    results = pool2.run(adapter_ranks.train, kind, strategy, how, base[kind])
+    for r in results:
+        assert r["frozen_moved"] == [] and r["frozen_grads"] == [], "the frozen base changed or got gradients"
+        assert r["with_state"] == sorted(r["final"]), "optimizer state for other than the adapters"
+    assert all(torch.equal(results[0]["final"][n], results[1]["final"][n]) for n in results[0]["final"])
+    _within_floor(results[0]["final"], kind, base[kind], how, world=2)
+
+
+def test_sharded_step_leaves_the_frozen_base_alone(pool2, base) -> None:
+    """The optimizer given every parameter (frozen base included) with the sharded step: only the
+    trainable elements are split and published (not the base at every step), and training is right."""
+    results = pool2.run(adapter_ranks.train, "gpt2", "ddp", "pretrained", base["gpt2"], 4, None, "gradients")
+    one = adapter_ranks.one_process("gpt2", base["gpt2"], "pretrained")
+    adapters = sum(p.numel() for p in one.parameters() if p.requires_grad)
+    assert f"AdamW, {adapters} trainable elements" in results[0]["printed"], results[0]["printed"][-2000:]
+    for r in results:
+        assert r["frozen_moved"] == [] and r["frozen_grads"] == []
+    _within_floor(results[0]["final"], "gpt2", base["gpt2"], "pretrained", world=2)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_checkpoint_holds_adapters_only_and_resumes_bitwise(pool2, base, tmp_path, strategy) -> None:
+    results = pool2.run(adapter_ranks.save_and_resume, "gpt2", strategy, base["gpt2"], str(tmp_path / "ckpt"))
+    for r in results:
+        differ = [n for n in r["straight"] if not torch.equal(r["straight"][n], r["resumed"][n])]
+        assert differ == [], f"resumed adapters differ from the straight run: {differ}"
+    saved = Path(results[0]["saved"])
+    trained = set(results[0]["straight"])
+    names: dict[str, int] = {}  # every tensor the checkpoint holds -> elements
+    from safetensors import safe_open
+
+    for f in saved.rglob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():  # noqa: SIM118 (safe_open is not iterable)
+                names[k] = int(torch.Size(st.get_slice(k).get_shape()).numel())
+    if (saved / "dcp").is_dir():
+        from torch.distributed.checkpoint import FileSystemReader
+
+        for k, v in FileSystemReader(str(saved / "dcp")).read_metadata().state_dict_metadata.items():
+            if hasattr(v, "size"):
+                names[k] = int(v.size.numel())
+    model_keys = [k for k in names if "transformer." in k and ".state." not in k and "optimizer" not in k]
+    assert model_keys and all(any(k.endswith(t) for t in trained) for k in model_keys), model_keys
+    one = adapter_ranks.one_process("gpt2", base["gpt2"], "config")
+    frozen = sum(p.numel() for p in one.parameters() if not p.requires_grad)
+    adapters = sum(p.numel() for p in one.parameters() if p.requires_grad)
+    held = sum(n for k, n in names.items() if "transformer." in k)
+    assert held <= 3 * adapters + 16 < frozen, f"{held} elements saved for {adapters} adapter elements"  # + steps
+
+
+def test_export_adapter_directory_and_merged_model(pool2, base, tmp_path) -> None:
+    from peft import PeftModel
+
+    out = tmp_path / "out"
+    results = pool2.run(adapter_ranks.train, "gpt2", "fsdp", "config", base["gpt2"], 3, str(out))
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert not (out / "adapter" / "model.safetensors").exists()
+    cls = hf_ranks.model_class("gpt2")
+    loaded = PeftModel.from_pretrained(cls.from_pretrained(base["gpt2"]), str(out / "adapter"))
+    got = {n: p.detach() for n, p in loaded.named_parameters() if "lora_" in n}
+    assert set(got) == set(results[0]["final"])
+    assert all(torch.equal(got[n], results[0]["final"][n]) for n in got), "the exported adapters differ"
+    ids = hf_ranks.padded(99, rows=2)["input_ids"]
+    with torch.no_grad():
+        adapted = loaded(input_ids=ids).logits
+        merged = cls.from_pretrained(out / "merged")(input_ids=ids).logits
+    assert torch.allclose(adapted, results[0]["logits"], rtol=0, atol=1e-5)
+    dev = deviation(adapted, merged)
+    assert dev.rel_norm < 1e-5, f"the merged model's forward is {dev} from the adapted model's"
+    assert not any("lora" in k for k in cls.from_pretrained(out / "merged").state_dict())
+
+
+def test_checkpoint_of_other_adapters_is_a_clear_error(tmp_path, base) -> None:
+    import ddpkit
+
+    model = adapter_ranks.one_process("gpt2", base["gpt2"], "config")
+    from ddpkit.strategy import base as strategy_base
+
+    with pytest.raises(ddpkit.DdpkitError, match=r"lacks 4 of the adapter model's trainable tensors"):
+        strategy_base.Strategy().load_full_state(model, {}, strict=True)
+
+
+@pytest.mark.parametrize(("strategy", "loss"), [("fsdp", "hf_ranks:token_sum"), ("ddp", "adapter_ranks:tuple_token_sum")])
+def test_ddpkit_verify_passes_on_a_peft_model_with_its_default_floor(pool2, monkeypatch, capsys, strategy, loss) -> None:
+    """Default options (the 'permuted' and 'chunked' floor): a ModelOutput, and a tuple holding the
+    key-value cache, are both read by the chunked variant."""
+    from ddpkit.verify import cli, verify
+
+    monkeypatch.setattr(cli, "verify", lambda spec: verify(spec, runner=pool2.run))
+    code = cli.main(["--model", "adapter_ranks:gpt2_lora", "--batches", "hf_ranks:padded", "--loss", loss,
+                     "--strategy", strategy, "--optimizer", "adamw", "--steps", "3", "--batch-size", "8"])
+    text = capsys.readouterr().out
+    assert code == 0 and "verdict: PASS" in text, text[-3000:]
+    assert "lora_A" in text
+
+
+def test_lint_names_find_unused_parameters_set_for_a_frozen_base() -> None:
+    from ddpkit.lint import lint_source
+
+    def script(flag: str) -> str:
+        return ("import ddpkit, torch\n"
+                "from peft import LoraConfig, get_peft_model\n"
+                "from transformers import AutoModelForCausalLM\n"
+                "with ddpkit.session() as s:\n"
+                "    build = lambda: get_peft_model(AutoModelForCausalLM.from_pretrained('base'), LoraConfig())\n"
+                f"    model = s.model(build{flag})\n")
+
+    findings = [f for f in lint_source(script(", find_unused_parameters=True"), "train.py") if f.code == "DDP012"]
+    assert len(findings) == 1 and "frozen base" in findings[0].message, findings
+    assert [f for f in lint_source(script(""), "train.py") if f.code == "DDP012"] == []
