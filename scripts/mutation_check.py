@@ -1038,6 +1038,22 @@ MUTANTS = [
         ("tests/test_hsdp.py::test_shard_by_shard_build_under_hsdp_is_one_process_initial_weights",),
         "the shard-by-shard build gathers a rewritten parameter with one part per shard, not per rank",
     ),
+    Mutant(
+        "shards-into-ddp-no-optimizer",
+        "ddpkit/checkpoint/dcp.py",
+        "        set_optimizer_state_dict(module, opt, state[opt_name])",
+        "        pass  # mutant: the optimizer's shards are read and dropped",
+        ("tests/test_hsdp.py::test_hsdp_checkpoint_resumes_under_another_shape_exactly",),
+        "an FSDP/HSDP checkpoint loaded under DDP or in one process restores the weights, not the optimizer",
+    ),
+    Mutant(
+        "plan-hsdp-no-inter-node-all-reduce",
+        "ddpkit/plan/simulate.py",
+        "            costs = [c + t for c, (t, _) in zip(costs, replicas, strict=True)]",
+        "            costs = list(costs)  # mutant: the all-reduce between nodes costs nothing",
+        ("tests/test_hsdp_plan.py::test_across_nodes_hsdp_sends_less_over_the_slow_link_and_steps_faster_than_fsdp",),
+        "`ddpkit plan --strategy hsdp` leaves the all-reduce of the shards between nodes out of the step",
+    ),
 ]
 
 
