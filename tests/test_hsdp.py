@@ -1,8 +1,11 @@
 """HSDP (shard inside a node, replicate across nodes) behind the same session, on 4 real gloo ranks with
-a forced 2 x 2 shape: the same weights as one process within the calibrated noise floor, FSDP2 on a 2-D
-mesh, replicas bitwise equal across replica groups, impossible shapes refused.
+a forced 2 x 2 shape: the same weights as one process within the calibrated noise floor (`ddpkit verify
+--strategy hsdp`, also in bf16 and compiled), FSDP2 on a 2-D mesh, replicas bitwise equal, impossible
+shapes refused; checkpoints resumed bitwise at the same shape and exactly at others (FSDP, HSDP 1 x 2,
+DDP, one process, and back); the shard-by-shard build and `weights=` on the 2-D mesh.
 
-Rank functions live in tests/hsdp_ranks.py.
+Rank functions live in tests/hsdp_ranks.py; a node lost: tests/test_hsdp_elastic.py; the plan:
+tests/test_hsdp_plan.py.
 """
 
 from __future__ import annotations
@@ -78,6 +81,15 @@ def test_verify_strategy_hsdp_on_the_command_line() -> None:
     out = run_cli("verify", *args, "--floor", "permuted", "--json", "-", cwd=REPO / "tests", timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert '"strategy": "hsdp"' in out.stdout and '"passed": true' in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("mode", ["--resume", "--bitwise"])
+def test_verify_hsdp_refuses_the_modes_that_would_not_apply_it(mode: str) -> None:
+    from ddpkit import DdpkitError
+    from ddpkit.verify import cli
+
+    with pytest.raises(DdpkitError, match="--strategy hsdp would not be applied"):
+        cli.main(["--model", "fsdp_train:net", "--data", "fsdp_train:data", "--nproc", "4", "--strategy", "hsdp", mode])
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,8 @@ from ddpkit.plan.advice import advise
 from ddpkit.plan.planner import Planner
 from ddpkit.plan.simulate import Cluster, Options, step
 
+pytestmark = pytest.mark.numerics  # pure arithmetic, cheap: run again under the portable kernels too
+
 
 def _big() -> object:  # 8 units of 64 MiB of gradients, ready through the backward
     return _profile([0.002 * (i + 1) for i in range(8)], [64 * MB] * 8, forward=0.05, backward=0.1)

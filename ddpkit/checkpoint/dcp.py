@@ -247,5 +247,5 @@ def load_whole(found: Found, taken: Taken, *, strict: bool) -> None:
         warnings.simplefilter("ignore", UserWarning)
         dcp_load(state, storage_reader=safe_reader(directory), no_dist=True)
     set_model_state_dict(module, state[name], options=StateDictOptions(strict=strict))
-    for opt_name, opt in optimizers.items():
+    for opt_name, opt in optimizers.items():  # the moments were read in place; this sets the param groups
         set_optimizer_state_dict(module, opt, state[opt_name])

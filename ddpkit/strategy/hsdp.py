@@ -18,9 +18,10 @@ whose degrees do not multiply to the world, or whose shard groups would span nod
 single `s.model` passes must ask for the same one.
 
 Checkpoints: DCP shards, as FSDP's (`ddpkit.checkpoint.dcp`; each replica group's pieces are written
-once): an HSDP checkpoint resumes under FSDP at any world size, under HSDP at another shape, and
-`ddpkit checkpoint convert` turns it into a whole-model file for DDP or one process; FSDP's and DDP's
-checkpoints load under HSDP as under FSDP (DDP's optimizer state refused, its weights resharded).
+once): an HSDP checkpoint resumes under FSDP at any world size, under HSDP at another shape, and under
+DDP or in one process (read whole, optimizer included: a job that lost nodes resumes on the rest);
+FSDP's and DDP's checkpoints load under HSDP as under FSDP (DDP's optimizer state refused, its weights
+resharded).
 
 Collectives go over the process group (gloo / NCCL): the shared-memory path (`ddpkit.parallel.fsdp_shm`)
 serves a 1-D mesh over the whole machine only.

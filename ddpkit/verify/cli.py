@@ -20,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+from ddpkit.errors import problem
 from ddpkit.verify.checker import verify
 from ddpkit.verify.spec import LOSSES, OPTIMIZERS, PRECISIONS, STRATEGIES, Tolerance, VerifySpec
 
@@ -123,6 +124,12 @@ def main(argv: list[str]) -> int:
     ns = build_parser().parse_args(argv)
     if os.getcwd() not in sys.path:  # `module:function` from the current folder, as `python -m` finds it
         sys.path.insert(0, os.getcwd())
+    if ns.strategy == "hsdp" and (ns.resume or ns.bitwise):
+        raise problem(
+            "--resume and --bitwise run their own check under DDP; --strategy hsdp would not be applied",
+            "Check HSDP against one process with ddpkit verify --strategy hsdp, and the resume or the "
+            "bitwise mode in a run of their own without --strategy",
+        )
     if ns.resume:
         from ddpkit.verify import resume
 
