@@ -1,7 +1,7 @@
 """An elastic run for tests/test_elastic.py, under `ddpkit run --nnodes MIN:MAX` (or `--nproc N`).
 
     ddpkit run ... tests/elastic_train.py CKPT OUT [--sleep S [--sleep-at-world W]]
-        [--loop accumulate|step|plain|invariant] [--idiom every|if] [--save-every N]
+        [--loop accumulate|step|plain|invariant] [--idiom every|if] [--save-every N] [--strategy NAME]
 
 96 samples, global batch 8, 2 epochs: 24 optimizer steps, a checkpoint after each (--save-every N:
 every N-th, by `s.save(..., every=N)` after every step, or with --idiom if, `if step % N == 0: s.save`). The world size may
@@ -43,10 +43,11 @@ def main() -> None:
     ap.add_argument("--loop", choices=("accumulate", "step", "plain", "invariant"), default="accumulate")
     ap.add_argument("--idiom", choices=("every", "if"), default="every")
     ap.add_argument("--save-every", type=int, default=1)
+    ap.add_argument("--strategy", default="auto")  # e.g. "hsdp": a replica per host (tests/test_hsdp_elastic.py)
     ns = ap.parse_args()
     torch.set_num_threads(1)
     invariant = {"reproducible": "any-world", "chunk": 4} if ns.loop == "invariant" else {}
-    with ddpkit.session(seed=0, **invariant) as s:
+    with ddpkit.session(seed=0, strategy=ns.strategy, **invariant) as s:
         g = torch.Generator().manual_seed(42)
         x = torch.randn(SAMPLES, 6, generator=g)
         data = TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())

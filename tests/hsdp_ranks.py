@@ -6,9 +6,11 @@ import contextlib
 import io
 
 import torch
-from fsdp_train import full_params, train
+import torch.nn.functional as F
+from fsdp_train import Block, data, full_params, net, train
 
 import ddpkit
+from ddpkit.strategy import FSDPOptions
 from ddpkit.strategy.hsdp_options import HSDPOptions
 
 
@@ -53,24 +55,71 @@ def refused(replicate: int | None, shard: int | None, within_node: bool = True) 
         return str(err)
 
 
-def verify_rank(spec: object, replicate: int, shard: int) -> bytes:
-    """`ddpkit.verify`'s rank under HSDP(replicate x shard): the spec says "fsdp" (its names are DDP and
-    FSDP); on the ranks the strategy becomes the HSDP options, the rest of the check unchanged."""
-    from ddpkit.verify.run import ddp_rank
+def strategy_of(kind: str, replicate: int | None = None, shard: int | None = None) -> object:
+    """The strategy: "hsdp" (with its degrees), "fsdp" (blocks as HSDP's), or a name ("ddp", "single") as it is."""
+    if kind == "hsdp":
+        return HSDPOptions(replicate=replicate, shard=shard, blocks=(Block,))
+    if kind == "fsdp":
+        return FSDPOptions(blocks=(Block,))
+    return kind
 
-    object.__setattr__(spec, "strategy", HSDPOptions(replicate=replicate, shard=shard, min_block_params=1))
-    return ddp_rank(spec)  # type: ignore[arg-type]
+
+def _moments(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """AdamW's exp_avg and exp_avg_sq of every parameter, whole (DTensors gathered: a collective)."""
+    out = {}
+    for name, p in ddpkit.unwrap(model).named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = opt.state[p][key].detach()
+            out[f"{name}:{key}"] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+    return out
 
 
-def resume_refused(path: str) -> str:
-    """An HSDP checkpoint saved, then loaded under HSDP: refused with a clear message (not supported yet)."""
-    options = HSDPOptions(replicate=2, shard=2, min_block_params=1)
+def checkpointed(root: str, kind: str, degrees: tuple, stop: int | None, resume: bool, steps: int = 6,
+                 loader: bool = True) -> dict:  # fmt: skip
+    """Train `steps` steps under `strategy_of(kind, *degrees)`; stop after `stop` (saving model, AdamW,
+    step and, with `loader`, the loader to `root`), or resume from `root` and finish. Returns the whole
+    weights and moments (gathered), this rank's local shards and what ran."""
+    strategy = strategy_of(kind, *degrees)
+    shard_optimizer = False if kind == "ddp" else "auto"  # DDP: every rank keeps all the moments, compared
+    with ddpkit.session(seed=0, verbose=False, strategy=strategy, shard_optimizer=shard_optimizer) as s:
+        model = s.model(net, strategy=strategy)  # the factory: built shard by shard
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        batches = s.loader(data(), batch_size=12, shuffle=True)
+        state = {"model": model, "optimizer": opt, **({"loader": batches} if loader else {})}
+        done = int(s.load(root, **state, step=0)["step"]) if resume else 0
+        it = iter(batches)
+        for _ in range((stop if stop is not None else steps) - done):
+            x, y = next(it)
+            s.backward(F.cross_entropy(model(x), y))
+            s.step(opt, max_norm=1.0)
+        if stop is not None:
+            s.save(root, **state, step=stop)
+        local = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+                 for n, p in ddpkit.unwrap(model).named_parameters()}  # fmt: skip
+        return {"params": full_params(model), "moments": _moments(model, opt), "local": local,
+                "strategy": s.strategy.describe(), "done": done}  # fmt: skip
+
+
+def initial_mixed() -> dict:
+    """`fsdp_init_ranks.Mixed` built shard by shard under HSDP (2 x 2): its later `ln.weight.mul_(0.5)`
+    gathers a sharded parameter back (over the shard group's chunks, not the world's). The initial
+    weights gathered, and one process's from the same seed."""
+    from fsdp_init_ranks import Mixed, _state
+
+    options = HSDPOptions(replicate=2, shard=2, blocks=(torch.nn.Linear,))
     with ddpkit.session(seed=0, verbose=False, strategy=options) as s:
-        model = s.model(_net, strategy=options)
-        opt = torch.optim.AdamW(model.parameters())
-        s.save(path, model=model, optimizer=opt)
-        try:
-            s.load(path, model=model, optimizer=opt)
-        except ddpkit.DdpkitError as err:
-            return str(err)
-    return "no error"
+        model = s.model(Mixed, strategy=options)
+        torch.manual_seed(0)
+        return {"hsdp": _state(model), "one": _state(Mixed())}
+
+
+def hf_weights(kind: str, root: str) -> dict:
+    """s.model(factory, weights=root) under HSDP (2 x 2): the weights gathered, and the elements this
+    rank holds (its shard group's share: rows by its place on the shard dimension)."""
+    from hf_ranks import _state, factory
+
+    options = HSDPOptions(replicate=2, shard=2, min_block_params=10_000)
+    with ddpkit.session(seed=0, verbose=False, strategy=options) as s:
+        model = s.model(factory(kind), strategy=options, weights=root)
+        local = sum(p.to_local().numel() for p in ddpkit.unwrap(model).parameters())
+        return {"got": _state(model), "local": local}

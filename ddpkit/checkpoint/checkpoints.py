@@ -288,6 +288,10 @@ class Checkpoints:
             )
         if sharded is not None:
             checkpoint_dcp.load_into(ctx.strategy, found, sharded, strict=strict)
+        elif (whole := checkpoint_dcp.split_saved(manifest, parts)) is not None:  # into DDP, one process
+            checkpoint_dcp.load_whole(found, whole, strict=strict)
+            for opt in whole[1].values():
+                ctx.optimizers.loaded_optimizer_state(opt)
         for name, module in parts["modules"].items():
             weights = found.read_tensors(f"{name}.safetensors")
             if ctx.strategy.owns(module):

@@ -6,8 +6,9 @@
       dcp/__1_0.distcp
       state.json, rank-*.json, manifest.json ...   as for any checkpoint (`ddpkit.checkpoint.files`)
 
-Used under a strategy whose state lives in shards (FSDP). Each rank writes only its shards, and any
-world size reads them back: DCP maps saved pieces onto the new shards (resharding). The files sit in
+Used under a strategy whose state lives in shards (FSDP, HSDP). Each rank writes only its shards, and any
+world size and mesh reads them back: DCP maps saved pieces onto the new shards (resharding; HSDP's
+replicas are written once, by the first replica that holds each piece). The files sit in
 the temporary directory of the checkpoint until it is renamed into place, and the manifest holds their
 sizes and SHA-256, so atomicity, checksums and keep-last-K are those of every ddpkit checkpoint.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,12 @@ def load(state: dict, checkpoint: Path) -> None:
     """Fill `state` (this rank's shards, as `Strategy.sharded_state` builds them) in place; a collective."""
     from torch.distributed.checkpoint import load as dcp_load
 
+    directory = _checked_metadata(checkpoint)
+    dcp_load(state, storage_reader=safe_reader(directory))
+
+
+def _checked_metadata(checkpoint: Path) -> Path:
+    """The checkpoint's DCP directory, its metadata read by `MetadataUnpickler` first (refused otherwise)."""
     directory = checkpoint / DIRECTORY
     if not (directory / ".metadata").is_file():
         raise CheckpointError(f"{checkpoint} has no sharded state ({DIRECTORY}/.metadata): it was saved "
@@ -87,7 +95,7 @@ def load(state: dict, checkpoint: Path) -> None:
             f"{checkpoint.name} out of {checkpoint.parent} (or delete it) to resume from the checkpoint "
             "before it, or restore it from a backup you trust"
         ) from None
-    dcp_load(state, storage_reader=safe_reader(directory))
+    return directory
 
 
 def _reader_class() -> type:
@@ -179,13 +187,65 @@ def assemble(strategy: Any, sharded: tuple[tuple[str, Any], dict]) -> dict[str, 
 
 
 def load_into(strategy: Any, found: Found, sharded: tuple[tuple[str, Any], dict], *, strict: bool) -> None:
-    """Model and optimizer shards through DCP, at any world size; or full weights saved without FSDP."""
+    """Model and optimizer shards through DCP, at any world size and mesh; or full weights saved
+    without shards (DDP, one process).
+
+    Shards saved on one mesh load onto another: DCP's metadata records each saved piece's offsets in
+    the full tensor (HSDP's replicas are written once), and the load reads, for this rank's DTensors,
+    whichever pieces overlap them. So an HSDP (2 x 2) checkpoint resumes under FSDP over 4 or 2 ranks,
+    HSDP (1 x 2), and the other way round."""
     (name, model), optimizers = sharded
     saved = found.manifest.get("strategy", "ddp")
     strategy.check_loadable(saved, list(optimizers), found.path)  # the rule lives with the strategy
-    if saved != "fsdp":  # saved by DDP or one process: full weights, sharded here
+    if not found.manifest.get("objects", {}).get("sharded"):  # saved by DDP or one process: full weights
         strategy.load_full_state(model, found.read_tensors(f"{name}.safetensors"), strict=strict)
         return
     state = assemble(strategy, sharded)
     load(state, found.path)
     strategy.load_sharded_state(model, optimizers, {"model": state.pop(name), **state})
+
+
+Taken = tuple[tuple[str, Any], dict]  # (name, model), {name: optimizer}: what DCP loads for one model
+
+
+def split_saved(manifest: Mapping[str, Any], parts: dict[str, dict[str, Any]]) -> Taken | None:
+    """Loading under a strategy that does not shard (DDP, one process) a checkpoint whose model and
+    optimizers are DCP shards (FSDP, HSDP): take the model and its optimizers the manifest lists as
+    sharded out of `parts`, for `load_whole`. None when the checkpoint holds no shards."""
+    names = manifest.get("objects", {}).get("sharded") or []
+    models = [n for n in names if n in parts["modules"]]
+    if not models:
+        return None
+    name = models[0]
+    optimizers = {n: parts["shared"].pop(n) for n in names if n in parts["shared"]}
+    return (name, parts["modules"].pop(name)), optimizers
+
+
+def load_whole(found: Found, taken: Taken, *, strict: bool) -> None:
+    """Fill a whole (DDP-wrapped or plain) model and its optimizers from DCP shards saved at any world
+    size and mesh: each rank reads every piece it needs itself (DCP's offline load, no collective), the
+    optimizer state by parameter name as torch's `get_optimizer_state_dict` keys it. So an FSDP or HSDP
+    checkpoint resumes under DDP or in one process (a node lost down to one rank), optimizer included."""
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from ddpkit.parallel.modules import unwrap
+
+    (name, model), optimizers = taken
+    module = unwrap(model)
+    directory = _checked_metadata(found.path)
+    state: dict[str, Any] = {name: get_model_state_dict(module)}
+    for opt_name, opt in optimizers.items():
+        state[opt_name] = get_optimizer_state_dict(module, opt)
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized" in one process: expected
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_load(state, storage_reader=safe_reader(directory), no_dist=True)
+    set_model_state_dict(module, state[name], options=StateDictOptions(strict=strict))
+    for opt_name, opt in optimizers.items():  # the moments were read in place; this sets the param groups
+        set_optimizer_state_dict(module, opt, state[opt_name])

@@ -3,7 +3,8 @@
 The gains are the simulator's, at the largest N of the plan; each names its price: a bigger per-rank
 batch needs memory (and, in strong scaling, a retuned learning rate), accumulation makes the global
 batch k times larger, a compression hook costs gradient accuracy (figures from ddpkit/parallel/comm_hooks.py),
-FSDP moves more bytes (3 collectives' worth against DDP's 2) to hold 1/N of the model state.
+FSDP moves more bytes (3 collectives' worth against DDP's 2) to hold 1/N of the model state; on several nodes
+HSDP holds 1/(ranks per node) of it and sends only one all-reduce of the node's shards between nodes.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def advise(
                 fsdp,
                 "3 collectives' bytes per step against DDP's 2",
             )
+            items.extend(_hsdp(planner, n, opts, state, cap, fsdp, add))
         else:
             items.append(
                 {
@@ -112,3 +114,30 @@ def advise(
                 }
             )
     return items
+
+
+
+def _hsdp(planner: Planner, n: int, opts: Options, state: float, cap: float, fsdp: Prediction,
+          add: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """On several nodes, where FSDP is needed: HSDP (shard inside a node, replicate across nodes), with
+    the bytes each node sends over the inter-node link per step against FSDP's, when the node's share of
+    the model state fits (`add` appends that item); else a note that it does not fit."""
+    cluster = planner.cluster(n)
+    shard = min(cluster.per_node, n)
+    if cluster.nodes <= 1 or shard >= n:
+        return []
+    per_device = state / shard
+    if per_device > 0.8 * cap:
+        what = (f"HSDP (replicate {cluster.nodes} x shard {shard}) would hold {per_device / 1e9:.2f} GB of "
+                "model state per device, over 80% of it: FSDP over all ranks")  # fmt: skip
+        return [{"what": what, "gain": "", "cost": ""}]
+    hsdp = planner.predict(n, replace(opts, strategy="hsdp"))
+    add(
+        f"HSDP: shard inside each node ({shard} ranks), replicate across the {cluster.nodes} nodes: "
+        f"{per_device / 1e9:.2f} GB of model state per device; {hsdp.slow_link_bytes / 1e9:.2f} GB per "
+        f"node over the inter-node link per step against FSDP's {fsdp.slow_link_bytes / 1e9:.2f} GB "
+        f"(FSDP: {fsdp.step_s * 1e3:.1f} ms/step)",
+        hsdp,
+        f'model state sharded {shard} ways, not {n} (strategy="hsdp")',
+    )
+    return []

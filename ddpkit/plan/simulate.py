@@ -41,7 +41,7 @@ from ddpkit.plan.profile import Bucket, Profile
 
 ALGORITHMS = ("auto", "ring", "tree")
 HOOKS = ("none", "fp16", "bf16", "powersgd")
-STRATEGIES = DISTRIBUTED  # the one list of strategy names (ddpkit.names)
+STRATEGIES = (*DISTRIBUTED, "hsdp")  # ddpkit.names' list, plus HSDP (FSDP in a node, replicas across)
 TREE_BANDWIDTH = 0.9  # NCCL's tuner rates a tree's bus bandwidth at 0.9 of the ring's (src/graph/tuning.cc)
 
 
@@ -159,6 +159,7 @@ class Prediction:
     algorithm: str
     samples_per_s: float = 0.0
     efficiency: float = 1.0
+    slow_link_bytes: float = 0.0  # bytes each node sends over the inter-node link per step (ring model)
     options: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -206,11 +207,20 @@ def step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
     buckets = p.buckets(opts.bucket_cap_mb)
     algos: set[str] = set()
     forward_comm = 0.0
-    if opts.strategy == "fsdp":
+    if opts.strategy in ("fsdp", "hsdp"):
         # All-gather each unit's parameters before use (forward and again in backward, prefetched one
         # unit ahead), reduce-scatter its gradients when ready: 3 x (n-1)/n x S against DDP's 2.
-        gathers = [cluster.allgather(b.bytes) for b in buckets]
-        costs = [g + cluster.allgather(b.bytes) for g, b in zip(gathers, buckets, strict=True)]
+        # HSDP: the same inside each node (the shard group, on the node's links), then one all-reduce of
+        # each unit's gradient shard across the nodes: a node's shards together are S bytes, sent
+        # through the node's NICs (modelled as one all-reduce of S between the nodes).
+        shard = cluster if opts.strategy == "fsdp" else replace(cluster, n=min(cluster.per_node, n))
+        across = replace(cluster, n=cluster.nodes, per_node=1) if opts.strategy == "hsdp" else None
+        gathers = [shard.allgather(b.bytes) for b in buckets]
+        costs = [g + shard.allgather(b.bytes) for g, b in zip(gathers, buckets, strict=True)]
+        if across is not None:
+            replicas = [across.allreduce(b.bytes) for b in buckets]
+            costs = [c + t for c, (t, _) in zip(costs, replicas, strict=True)]
+            algos.update(a for _, a in replicas)
         total_bytes = sum(b.bytes for b in buckets) or 1
         comm_t = comp_t = 0.0
         for g, b in zip(reversed(gathers), reversed(buckets), strict=True):  # forward: the other order
@@ -229,14 +239,14 @@ def step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
             costs.append(c)
         forward_end = p.forward_s
     ready = [b.ready_s for b in buckets]
-    comm = sum(costs) + (forward_comm if opts.strategy == "fsdp" else 0.0)
+    comm = sum(costs) + forward_comm
     if n <= 1:
         comm_end, comm, forward_end = 0.0, 0.0, p.forward_s
     elif cluster.overlaps(profile.threads):
         comm_end = _stream(ready, costs)
     else:  # no core left for communication: it runs instead of compute, not beside it
         comm_end = p.backward_s + sum(costs)
-        forward_end = p.forward_s + (forward_comm if opts.strategy == "fsdp" else 0.0)
+        forward_end = p.forward_s + forward_comm
     backward = max(p.backward_s, comm_end)
     k = max(1, opts.accumulation)
     micro = p.forward_s + p.backward_s
@@ -258,7 +268,22 @@ def step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
         algorithm="/".join(sorted(algos - {"-"})) or "-",
         samples_per_s=samples / total,
         options=opts.__dict__.copy(),
+        slow_link_bytes=slow_link_bytes(cluster, opts.strategy, sum(b.bytes for b in buckets)),
     )
+
+
+def slow_link_bytes(cluster: Cluster, strategy: str, nbytes: float) -> float:
+    """Bytes each node sends between nodes per step for `nbytes` of gradients (parameters alike), on
+    rings: a ring over all n ranks crosses out of each node once, carrying (n-1)/n of the data per
+    all-gather or reduce-scatter (DDP's all-reduce is both: 2; FSDP's step is 3: two all-gathers and a
+    reduce-scatter); HSDP crosses only with its all-reduce of the node's shards between the m nodes,
+    2 (m-1)/m of the data. 0 on one node."""
+    m, n = cluster.nodes, cluster.n
+    if m <= 1:
+        return 0.0
+    if strategy == "hsdp":
+        return 2 * (m - 1) / m * nbytes
+    return (3 if strategy == "fsdp" else 2) * (n - 1) / n * nbytes
 
 
 def with_efficiency(preds: list[Prediction], base: Prediction) -> list[Prediction]:

@@ -49,6 +49,9 @@ from ddpkit.strategy import adapters, checkpointing, fsdp_export, fsdp_init, hf
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.fsdp_options import FSDPOptions
 
+# The kinds whose checkpoints hold model and optimizer as DCP shards: any of them loads into the others.
+SHARDED_KINDS = ("fsdp", "hsdp")
+
 
 def build(options: FSDPOptions | None, shape: Shape, precision: PrecisionPlan) -> FSDP:
     """The registered builder (`ddpkit.strategy.registry`): fp16 is refused here, the one refusal."""
@@ -98,7 +101,7 @@ class FSDP(Strategy):
         """FSDP compiles per block (`wrap_compiling`): torch.compile is never applied to the whole model."""
 
     def check_loadable(self, saved: str, optimizers: Collection[str], path: object) -> None:
-        if saved != "fsdp" and optimizers:
+        if saved not in SHARDED_KINDS and optimizers:
             raise problem(
                 f"{path} was saved with strategy={saved!r}; its optimizer state ({', '.join(optimizers)}) "
                 "cannot be loaded into FSDP's sharded optimizer",

@@ -143,9 +143,11 @@ class ShardedInit(TorchDispatchMode):
         most = max(rows)
         padded = torch.zeros((most, *param.shape[1:]), dtype=param.dtype, device="cpu")
         padded[: mine.shape[0]] = mine
-        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        # over every rank (they all run this constructor; the shard groups are not formed yet): global
+        # ranks 0..world-1 hold chunks 0..world-1 (1-D: everyone; HSDP: the first replica group)
+        parts = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, padded)
-        return torch.cat([p[:r] for p, r in zip(parts, rows, strict=True)]).reshape(-1)
+        return torch.cat([p[:r] for p, r in zip(parts[: self.world], rows, strict=True)]).reshape(-1)
 
     def _flush(self, keep: set[int]) -> None:
         """Reduce every parameter not written by the current operation to this rank's chunk."""

@@ -17,13 +17,17 @@ whose degrees do not multiply to the world, or whose shard groups would span nod
 `within_node=False`), is refused before any collective. The shape is fixed for the session: options a
 single `s.model` passes must ask for the same one.
 
+Checkpoints: DCP shards, as FSDP's (`ddpkit.checkpoint.dcp`; each replica group's pieces are written
+once): an HSDP checkpoint resumes under FSDP at any world size, under HSDP at another shape, and under
+DDP or in one process (read whole, optimizer included: a job that lost nodes resumes on the rest);
+FSDP's and DDP's checkpoints load under HSDP as under FSDP (DDP's optimizer state refused, its weights
+resharded).
+
 Collectives go over the process group (gloo / NCCL): the shared-memory path (`ddpkit.parallel.fsdp_shm`)
 serves a 1-D mesh over the whole machine only.
 """
 
 from __future__ import annotations
-
-from collections.abc import Collection
 
 import torch
 import torch.distributed as dist
@@ -59,17 +63,6 @@ class HSDP(FSDP):
         replicate, shard = degrees
         self.shape = self.shape.with_mesh(replicate=replicate, shard=shard)
         self.degrees = degrees
-
-    def check_loadable(self, saved: str, optimizers: Collection[str], path: object) -> None:
-        """Not yet: the checkpoint wing reads DCP shards only from checkpoints saved by "fsdp"; an HSDP
-        one would be read as full weights that it does not hold. Refused, not half-loaded."""
-        if saved == "hsdp":
-            raise problem(
-                f"{path} was saved under HSDP, and resuming an HSDP checkpoint is not supported yet",
-                "Write the weights with s.export and start from them (s.model(..., weights=...)), or train "
-                "under strategy='fsdp' when the run must resume from its checkpoints",
-            )
-        super().check_loadable(saved, optimizers, path)
 
     def describe(self) -> str:
         replicate, shard = self.degrees

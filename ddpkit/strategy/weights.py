@@ -172,16 +172,21 @@ def _is_param(module: nn.Module, name: str) -> bool:
 
 
 def _rows(param: Any) -> tuple[int, int]:
-    """The global rows [start, stop) of a DTensor sharded on dim 0 (torch.chunk, as fully_shard cuts)."""
-    from torch.distributed.tensor import Shard
+    """The global rows [start, stop) of a DTensor sharded on dim 0 (torch.chunk, as fully_shard cuts)
+    over one mesh dimension, replicated over any other (HSDP's (Replicate, Shard(0)): the rows follow
+    this rank's place on the shard dimension, not its global rank)."""
+    from torch.distributed.tensor import Replicate, Shard
 
     placements = param.placements
-    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+    sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0]
+    others = [p for i, p in enumerate(placements) if i not in sharded]
+    if len(sharded) != 1 or not all(isinstance(p, Replicate) for p in others):
         raise problem(
             f"a parameter is sharded as {placements}, not by rows over one mesh dimension",
             "Load weights into an FSDP model that ddpkit sharded (s.model(..., weights=))",
         )
-    rank, world = param.device_mesh.get_local_rank(), param.device_mesh.size()
+    dim = sharded[0]
+    rank, world = param.device_mesh.get_local_rank(dim), param.device_mesh.size(dim)
     rows = param.shape[0]
     size = -(-rows // world)  # torch.chunk's chunk size
     start = min(rank * size, rows)

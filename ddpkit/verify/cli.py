@@ -5,6 +5,7 @@
     ddpkit verify --model nets:make_net --batches data:batch_of_step --loss mse --json report.json
     ddpkit verify ... --sync-batchnorm            # check the fix the diagnosis suggests
     ddpkit verify ... --compile                   # DDP/FSDP + torch.compile against one eager process
+    ddpkit verify ... --strategy hsdp --nproc 4   # HSDP: 2 replicas x 2 shards (--shard-degree N)
     ddpkit verify ... --resume --setup train:setup --save-at 5    # save, restart, load: all state saved?
     ddpkit verify ... --bitwise --chunk 4         # reproducible="any-world": 1 rank = N ranks, bit for bit
 
@@ -19,9 +20,9 @@ import os
 import sys
 from pathlib import Path
 
-from ddpkit.names import DISTRIBUTED
+from ddpkit.errors import problem
 from ddpkit.verify.checker import verify
-from ddpkit.verify.spec import LOSSES, OPTIMIZERS, PRECISIONS, Tolerance, VerifySpec
+from ddpkit.verify.spec import LOSSES, OPTIMIZERS, PRECISIONS, STRATEGIES, Tolerance, VerifySpec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
-    p.add_argument("--strategy", choices=DISTRIBUTED, default="ddp", help="the N-rank side (default ddp)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="the N-rank side (default ddp)")
+    p.add_argument("--shard-degree", type=int, default=None,
+                   help="--strategy hsdp: ranks per shard group (default nproc / 2: 2 replicas)")  # fmt: skip
     p.add_argument("--sync-batchnorm", action="store_true", help="s.model(..., sync_batchnorm=True)")
     p.add_argument("--find-unused-parameters", action="store_true")
     p.add_argument("--static-graph", action="store_true")
@@ -104,6 +107,7 @@ def spec_from_args(ns: argparse.Namespace) -> VerifySpec:
         find_unused_parameters=ns.find_unused_parameters,
         static_graph=ns.static_graph,
         strategy=ns.strategy,
+        shard=ns.shard_degree,
         compile=ns.compile,
         shard_optimizer={"true": True, None: None}.get(ns.shard_optimizer, ns.shard_optimizer),
         after_wrap=ns.after_wrap,
@@ -120,6 +124,12 @@ def main(argv: list[str]) -> int:
     ns = build_parser().parse_args(argv)
     if os.getcwd() not in sys.path:  # `module:function` from the current folder, as `python -m` finds it
         sys.path.insert(0, os.getcwd())
+    if ns.strategy == "hsdp" and (ns.resume or ns.bitwise):
+        raise problem(
+            "--resume and --bitwise run their own check under DDP; --strategy hsdp would not be applied",
+            "Check HSDP against one process with ddpkit verify --strategy hsdp, and the resume or the "
+            "bitwise mode in a run of their own without --strategy",
+        )
     if ns.resume:
         from ddpkit.verify import resume
 

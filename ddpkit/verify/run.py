@@ -47,6 +47,7 @@ class Trajectory:
     dropout: list[str] = field(default_factory=list)  # modules that draw random numbers in forward
     random_forward: bool = False  # forward or loss drew from the global generator in the first step
     graphs_compiled: int = 0  # graphs torch.compile built during this run's steps (compile=True)
+    strategy: str = ""  # what ran (the strategy's describe(), e.g. "HSDP (..., replicate 2 x shard 2)")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -266,8 +267,9 @@ def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) 
     if compiled:
         torch._dynamo.reset()  # graphs cached from an earlier run in this process would not be counted
     options = ddp_options if spec.strategy == "ddp" else {}
-    model = s.model(module, strategy=spec.strategy, compile=compiled, **options)
+    model = s.model(module, strategy=spec.session_strategy(), compile=compiled, **options)
     net = ddpkit.unwrap(model)
+    out.strategy = s.strategy.describe()
     sharded = s.strategy.shards_state  # FSDP: gather whole tensors on every rank before comparing
     if spec.after_wrap is not None:
         resolve(spec.after_wrap, "after_wrap")(net, s)
@@ -381,9 +383,9 @@ def ddp_rank(spec: VerifySpec) -> bytes:
     """
     shard = "auto" if spec.shard_optimizer is None else spec.shard_optimizer  # "auto": the session's default
     with ddpkit.session(
-        seed=spec.seed, device=spec.device, timeout=spec.timeout, verbose=False, strategy=spec.strategy,
-        shard_optimizer=shard,
-    ) as s:
+        seed=spec.seed, device=spec.device, timeout=spec.timeout, verbose=False,
+        strategy=spec.session_strategy(), shard_optimizer=shard,
+    ) as s:  # fmt: skip
         if s.world_size != spec.nproc:
             raise problem(
                 f"the check runs on {s.world_size} rank(s) but nproc={spec.nproc}",

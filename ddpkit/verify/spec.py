@@ -22,6 +22,8 @@ from ddpkit.names import DISTRIBUTED
 from ddpkit.parallel.precision import ALIASES, PrecisionPlan, canonical
 
 FLOOR_VARIANTS = ("permuted", "chunked", "threads")
+# The N-rank side verify can run: the distributed kinds, plus HSDP (FSDP2 on a replicate x shard mesh).
+STRATEGIES: tuple[str, ...] = (*DISTRIBUTED, "hsdp")
 # The library's precision names (`ddpkit.parallel.precision`: "32", "bf16", "16" and their spellings), plus
 # "fp64", verify's own: the whole comparison in float64, to tell rounding from a real difference.
 PRECISIONS: tuple[str, ...] = ("fp64", *ALIASES)
@@ -101,7 +103,10 @@ class VerifySpec:
     sync_batchnorm: bool = False
     find_unused_parameters: bool = False
     static_graph: bool = False
-    strategy: str = "ddp"  # or "fsdp": FSDP2 over nproc ranks against the same single process
+    strategy: str = "ddp"  # or "fsdp": FSDP2 over nproc ranks against the same single process; "hsdp"
+    # hsdp: ranks per shard group (None: nproc // 2, i.e. 2 replicas); the replicas are nproc // shard.
+    # Forced on the one machine verify starts its ranks on, as HSDPOptions(replicate=..., shard=...).
+    shard: int | None = None
     compile: bool = False  # the DDP/FSDP side runs s.model(..., compile=True); the reference eager
     # None: every rank runs optimizer.step() on every parameter (plain DDP). Else both sides step with
     # s.step(opt) in ddpkit.session(shard_optimizer=...): True/"auto" the sharded step, "gradients" its
@@ -124,22 +129,23 @@ class VerifySpec:
                 f"nproc={self.nproc}: DDP with fewer than 2 ranks has nothing to compare",
                 "Pass nproc=2 or more",
             )
-        if self.strategy not in DISTRIBUTED:
-            names = " or ".join(map(repr, DISTRIBUTED))
+        if self.strategy not in STRATEGIES:
+            names = " or ".join(map(repr, STRATEGIES))
             raise problem(f"strategy={self.strategy!r} is not {names}", f"Pass strategy={names}")
-        if self.strategy == "fsdp" and (
+        if self.strategy != "ddp" and (
             self.sync_batchnorm or self.find_unused_parameters or self.static_graph
         ):
             raise problem(
                 "sync_batchnorm, find_unused_parameters and static_graph are DDP-only options",
-                "Leave them out with --strategy fsdp",
+                f"Leave them out with --strategy {self.strategy}",
             )
+        self._check_shard()
         if self.shard_optimizer not in (None, True, False, "auto", "gradients"):
             raise problem(f"shard_optimizer={self.shard_optimizer!r} is not True, 'auto' or 'gradients'",
                           "Pass --shard-optimizer true, auto or gradients, or leave it out")  # fmt: skip
         if self.shard_optimizer is not None and self.strategy != "ddp":
             raise problem(f"shard_optimizer with strategy={self.strategy!r}: FSDP already shards the step",
-                          "Leave --shard-optimizer out with --strategy fsdp")  # fmt: skip
+                          f"Leave --shard-optimizer out with --strategy {self.strategy}")  # fmt: skip
         if self.steps < 1:
             raise problem(f"steps={self.steps} is below 1", "Pass steps=1 or more (default 10)")
         if self.batch_size < self.nproc or self.batch_size % self.nproc:
@@ -169,6 +175,40 @@ class VerifySpec:
             )
         for name in ("model", "data", "batches", "loss", "optimizer", "after_wrap"):
             _check_sendable(name, getattr(self, name))
+
+    def _check_shard(self) -> None:
+        if self.strategy != "hsdp":
+            if self.shard is not None:
+                raise problem(f"shard={self.shard} (--shard-degree) is HSDP's, not {self.strategy}'s",
+                              "Pass --strategy hsdp with it, or leave it out")  # fmt: skip
+            return
+        asked = "nproc // 2" if self.shard is None else self.shard
+        shard = self.nproc // 2 if self.shard is None else self.shard
+        odd = self.shard is None and self.nproc % 2
+        if odd or not isinstance(shard, int) or shard < 1 or self.nproc % shard:
+            raise problem(
+                f"HSDP over {self.nproc} ranks cannot have shard groups of {asked} ranks: the shard "
+                "degree must divide nproc (replicas x shard = nproc)",
+                f"Pass --shard-degree N with N dividing {self.nproc} (e.g. --nproc 4 --shard-degree 2: 2 "
+                "replicas of 2 shards)",
+            )
+
+    @property
+    def degrees(self) -> tuple[int, int]:
+        """HSDP's (replicate, shard) for the ranks verify starts; (1, nproc) for FSDP, (nproc, 1) for DDP."""
+        if self.strategy == "hsdp":
+            shard = self.shard or self.nproc // 2
+            return self.nproc // shard, shard
+        return (1, self.nproc) if self.strategy == "fsdp" else (self.nproc, 1)
+
+    def session_strategy(self) -> Any:
+        """What the N-rank side passes as `strategy=`: the name, or HSDP's options with the degrees."""
+        if self.strategy != "hsdp":
+            return self.strategy
+        from ddpkit.strategy.hsdp_options import HSDPOptions
+
+        replicate, shard = self.degrees
+        return HSDPOptions(replicate=replicate, shard=shard)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,0 +1,62 @@
+"""`ddpkit plan` knows HSDP: its step (the shard group's all-gathers and reduce-scatters on a node's links,
+one all-reduce of the node's shards between nodes), the bytes each node sends over the slow link, and
+the advice that names it where FSDP is needed on several nodes. Pure: the cost model on synthetic
+profiles and a preset link, no ranks."""
+
+from __future__ import annotations
+
+import pytest
+from test_plan import MB, _link, _profile
+
+from ddpkit.plan import links
+from ddpkit.plan.advice import advise
+from ddpkit.plan.planner import Planner
+from ddpkit.plan.simulate import Cluster, Options, step
+
+pytestmark = pytest.mark.numerics  # pure arithmetic, cheap: run again under the portable kernels too
+
+
+def _big() -> object:  # 8 units of 64 MiB of gradients, ready through the backward
+    return _profile([0.002 * (i + 1) for i in range(8)], [64 * MB] * 8, forward=0.05, backward=0.1)
+
+
+def test_hsdp_on_one_node_is_fsdp() -> None:
+    cluster = Cluster(n=8, per_node=8, link=links.preset("ib-ndr"))
+    fsdp, hsdp = step(_big(), cluster, Options(strategy="fsdp")), step(_big(), cluster, Options(strategy="hsdp"))
+    assert hsdp.step_s == pytest.approx(fsdp.step_s) and hsdp.comm_s == pytest.approx(fsdp.comm_s)
+    assert hsdp.slow_link_bytes == fsdp.slow_link_bytes == 0.0
+
+
+def test_across_nodes_hsdp_sends_less_over_the_slow_link_and_steps_faster_than_fsdp() -> None:
+    """Cloud nodes (PCIe inside, one 100 GbE NIC between): HSDP's communication is shorter than FSDP's.
+    (With a NIC per GPU, ib-ndr, the model gives FSDP's rings the node's 8 NICs: HSDP then sends half
+    the bytes between nodes but its step's communication is about FSDP's.)"""
+    link = links.preset("eth-100g")
+    cluster = Cluster(n=32, per_node=8, link=link)  # 4 nodes x 8
+    fsdp, hsdp = step(_big(), cluster, Options(strategy="fsdp")), step(_big(), cluster, Options(strategy="hsdp"))
+    total = 8 * 64 * MB
+    assert fsdp.slow_link_bytes == pytest.approx(3 * 31 / 32 * total)  # two all-gathers + a reduce-scatter
+    assert hsdp.slow_link_bytes == pytest.approx(2 * 3 / 4 * total)  # one all-reduce between the 4 nodes
+    ddp = step(_big(), cluster, Options(strategy="ddp"))
+    assert ddp.slow_link_bytes == pytest.approx(2 * 31 / 32 * total)
+    assert hsdp.comm_s < fsdp.comm_s, (hsdp.comm_s, fsdp.comm_s)
+    # HSDP's comm: the node's FSDP (3 collectives on PCIe) plus the all-reduce of 64 MiB per unit between nodes
+    inside, across = Cluster(n=8, per_node=8, link=link), Cluster(n=4, per_node=1, link=link)
+    want = sum(3 * inside.allgather(64 * MB) + across.allreduce(64 * MB)[0] for _ in range(8))
+    assert hsdp.comm_s == pytest.approx(want)
+
+
+def test_plan_advises_hsdp_where_fsdp_is_needed_on_several_nodes() -> None:
+    p = _big()
+    pl = Planner(profiles={8: p}, link=links.preset("ib-ndr"), per_node=8, batches={1: 8, 16: 8})
+    at = pl.predict(16, Options())
+    state = 2 * p.param_bytes + p.state_bytes  # 1 GiB: needs FSDP on a 0.5 GB device, fits 8 ways
+    items = advise(pl, 16, Options(), at, strong=False, device_memory_gb=0.5)
+    hsdp = [i for i in items if i["what"].startswith("HSDP")]
+    assert hsdp, [i["what"] for i in items]
+    assert "shard inside each node (8 ranks), replicate across the 2 nodes" in hsdp[0]["what"]
+    assert f"{state / 8 / 1e9:.2f} GB of model state per device" in hsdp[0]["what"]
+    assert 'strategy="hsdp"' in hsdp[0]["cost"]
+    one_node = Planner(profiles={8: p}, link=_link(), per_node=16, batches={1: 8, 16: 8})
+    items = advise(one_node, 16, Options(), one_node.predict(16, Options()), strong=False, device_memory_gb=0.5)
+    assert not [i for i in items if i["what"].startswith("HSDP")]  # one node: HSDP is FSDP
