@@ -45,8 +45,10 @@ class SplitBlocks:
         todo = [batch]
         while True:
             try:
-                for b in todo:
+                for j, b in enumerate(todo):
                     loss, micro = self._blocks(b)
+                    if j < len(todo) - 1:  # an earlier batch of the step, run again: fit steps after the last
+                        self.s.step(self.optimizer, max_norm=self.max_norm)
                 if micro.sync:
                     self.group = []
                 return loss, micro
