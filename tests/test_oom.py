@@ -89,7 +89,7 @@ def _diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_one_rank_out_of_memory_reruns_the_step_split_on_every_rank(where: str, pool2) -> None:
+def test_an_oom_on_one_rank_reruns_the_step_split(where: str, pool2) -> None:
     """Rank 1 alone runs out of memory at the 2nd micro-batch of step 2 (the 1st one's gradients are
     already there): both ranks drop the step, split 16 -> 8, and the run ends equal to one that used
     micro-batches of 8 with twice the accumulation from the start."""
