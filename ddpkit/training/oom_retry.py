@@ -80,6 +80,8 @@ class SplitBlocks:
         n = oom.batch_len(self.group[0])
         auto.split_more(s.stepper.steps + 1)
         s.stepper.drop_step(self.optimizer)
+        if s.device.type == "cuda":  # the failed step's blocks, cached: handed back before the re-run
+            torch.cuda.empty_cache()
         s.print(
             f"ddpkit: out of memory on rank(s) {ranks} in optimizer step {s.stepper.steps + 1} at "
             f"micro-batch {n * 2 / auto.parts:g} per rank: the step was dropped on every rank (no update "
