@@ -1102,6 +1102,39 @@ MUTANTS = [
         ("tests/test_hsdp_plan.py::test_across_nodes_hsdp_sends_less_over_the_slow_link_and_steps_faster_than_fsdp",),
         "`ddpkit plan --strategy hsdp` leaves the all-reduce of the shards between nodes out of the step",
     ),
+    Mutant(
+        "oom-one-rank-retries-alone",
+        "ddpkit/step/oom.py",
+        "            dist.all_reduce(flags)",
+        "            pass  # mutant: each rank decides from its own out-of-memory error alone",
+        ("tests/test_oom.py::test_an_oom_on_one_rank_reruns_the_step_split[forward]",),
+        "a rank out of memory re-runs its step split while its peers go on (no agreement)",
+    ),
+    Mutant(
+        "oom-split-keeps-accumulation",
+        "ddpkit/step/oom.py",
+        "        return self.base * self.parts",
+        "        return self.base  # mutant: the micro-batch halved, the accumulation not doubled",
+        ("tests/test_oom.py::test_an_oom_on_one_rank_reruns_the_step_split[forward]",),
+        "after an out-of-memory error the micro-batch is halved, the accumulation kept (global batch halved)",
+    ),
+    Mutant(
+        "oom-grads-kept",
+        "ddpkit/step/stepping.py",
+        "        optimizer.zero_grad(set_to_none=True)\n        if self._model is not None:\n"
+        "            self._model.zero_grad(set_to_none=True)\n",
+        "        pass  # mutant: the dropped step's gradients stay and add to its re-run\n",
+        ("tests/test_oom.py::test_an_oom_on_one_rank_reruns_the_step_split[forward]",),
+        "the gradients of a step dropped after an out-of-memory error are kept and applied with its re-run",
+    ),
+    Mutant(
+        "oom-sync-in-backward",
+        "ddpkit/step/stepping.py",
+        "        deferred = not block.sync or self.oom is not None",
+        "        deferred = not block.sync  # mutant: DDP's all-reduce in the last backward again",
+        ("tests/test_oom.py::test_an_oom_on_one_rank_reruns_the_step_split[backward]",),
+        "micro_batch='auto' all-reduces in the last backward (a peer out of memory leaves it waiting)",
+    ),
 ]
 
 

@@ -4,6 +4,7 @@
     sharding        the optimizer step sharded: each rank updates the parameters it owns, then publishes
     shard_exchange  ZeRO-2: gradients reduce-scattered into each rank's share
     tokens          the global token mean for variable-length batches
+    oom             a step out of memory: agreed by every rank; micro_batch='auto' re-runs it split
     invariant       reproducible="any-world": results bitwise independent of the world size
     chunktree       the fixed summation tree any-world reduces with
     precision, comm_hooks, collectives, wrap   moved (to `ddpkit.parallel` and `ddpkit.strategy`); these

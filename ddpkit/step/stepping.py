@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import problem
 from ddpkit.parallel.precision import LossScale, PrecisionPlan
-from ddpkit.step import invariant, shard_exchange, sharding
+from ddpkit.step import invariant, oom, shard_exchange, sharding
 from ddpkit.step.tokens import Count, TokenWeighting
 from ddpkit.strategy import Strategy
 
@@ -80,8 +80,12 @@ class Stepper:
         timeout: float = 1800.0,
         strategy: Strategy | None = None,
         invariant_mode: invariant.AnyWorld | None = None,
+        auto_micro_batch: oom.AutoMicroBatch | None = None,
     ) -> None:
         self.accumulation = accumulation
+        self.oom = auto_micro_batch  # micro_batch="auto": deferred sync, agreed OOM (`ddpkit.step.oom`)
+        if auto_micro_batch is not None:
+            oom.check(strategy or Strategy(), shard, invariant_mode is not None)
         self.invariant = invariant_mode  # reproducible="any-world": s.invariant.step is the only step
         self.strategy = strategy or Strategy()  # the session's, built once before this stepper
         self.shard = shard  # ddpkit.step.sharding: each rank steps its share of the parameters
@@ -129,10 +133,11 @@ class Stepper:
             self.strategy.expect(model, "s.accumulate")
         block = MicroBatch(self._micro, self.accumulation)
         self._model = model  # not its parameters: listing them each block cost ~4% of a 5 ms GPU step
-        defer = self.strategy.skip_sync(model) if not block.sync else contextlib.nullcontext()
+        deferred = not block.sync or self.oom is not None  # auto: the gradients reduced in s.step
+        defer = self.strategy.skip_sync(model) if deferred else contextlib.nullcontext()
         self._block = block
         try:
-            with defer, self.autocast():
+            with oom.guarded(self.oom), defer, self.autocast():
                 yield block
         finally:
             self._block = None
@@ -206,6 +211,8 @@ class Stepper:
                 "and applies the fp16 loss scale",
             )
         self._micro = self._backwards = 0
+        if self.oom is not None:  # micro_batch="auto": no backward reduced them (`ddpkit.step.oom`)
+            self.oom.reduce(self._model)
         sharder = self._sharder(optimizer)
         if sharder is not None:  # ZeRO-2 on one machine: this rank's share of the gradients, reduced now
             sharder.reduce_gradients()
@@ -279,17 +286,35 @@ class Stepper:
         finally:
             self._in_join = False
 
+    def drop_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Abandon the optimizer step in progress (after `oom.StepOutOfMemory`, on every rank): its
+        gradients dropped, the group restarted, the accumulation the split asks for."""
+        optimizer.zero_grad(set_to_none=True)
+        if self._model is not None:
+            self._model.zero_grad(set_to_none=True)
+        self._micro = self._backwards = 0
+        self._block, self._awaiting_step = None, False
+        self.tokens.drop()
+        if self.oom is not None:
+            self.accumulation = self.oom.accumulation
+
     def state_dict(self) -> dict:
         """The loss scale (fp16) and step counts, for checkpoints; save between optimizer steps, since
         the gradients of a group in progress (`pending` > 0) are not part of it."""
-        return {
+        state = {
             "scaler": self.loss_scale.state_dict(),
             "steps": self.steps,
             "skipped": self.skipped,
             "tokens": self.tokens.state_dict(),
         }
+        if self.oom is not None:
+            state["micro_batch"] = self.oom.state_dict()  # a resume starts at the split that worked
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        if self.oom is not None:
+            self.oom.load_state_dict(state.get("micro_batch"))
+            self.accumulation = self.oom.accumulation
         self.loss_scale.load_state_dict(state.get("scaler"))
         self.steps = int(state.get("steps", self.steps))
         self.skipped = int(state.get("skipped", self.skipped))

@@ -98,6 +98,10 @@ class TokenWeighting:
                 "passes its zero loss sum and tokens=0), or in none",
             )
 
+    def drop(self) -> None:
+        """The step in progress abandoned (`Stepper.drop_step`): its counts forgotten."""
+        self._count, self._with, self._without = 0, 0, 0
+
     def settle(self, optimizer: torch.optim.Optimizer, *, accumulation: int, joining: bool) -> bool:
         """At `s.step`, before unscale and clipping: the summed gradients scaled to the global token mean.
 

@@ -48,6 +48,7 @@ from ddpkit.step.stepping import StepInfo
 from ddpkit.training.callbacks import Callback, FitResult, FitState
 from ddpkit.training.evaluation import EvalStep, evaluate
 from ddpkit.training.fit_plan import FitPlan, TrainStep, batch_len, check, total_steps
+from ddpkit.training.oom_retry import SplitBlocks
 from ddpkit.training.session import Session
 
 __all__ = ["Callback", "FitResult", "FitState", "TrainStep", "evaluate", "fit"]  # the loop and its types
@@ -124,6 +125,7 @@ class _Loop:
         self.started_epochs = self.micro_batches = 0
         self.samples = 0  # this rank's samples in the current optimizer step
         self.rows, self.tracked = Window(), Window()  # since the last log row, the last s.log
+        self.blocks = SplitBlocks(s, state.model, state.optimizer, plan.max_norm, self.counted)
 
     def emit(self, name: str) -> None:
         for cb in self.plan.callbacks:
@@ -196,8 +198,7 @@ class _Loop:
     def micro_batch(self, batch: object, local_loss: torch.Tensor) -> bool:
         """Forward and backward of one micro-batch; on the k-th, the optimizer step. True after a step."""
         s, state = self.s, self.state
-        with s.accumulate(state.model) as micro:
-            loss = self.monitor.counting(self.forward_backward, batch)
+        loss, micro = self.blocks.run(batch)  # its accumulate block(s); micro_batch="auto": oom_retry
         self.samples += batch_len(batch)
         value = loss.detach().double()
         finite = torch.isfinite(value)  # kept on the device: no host sync per micro-batch
@@ -228,10 +229,13 @@ class _Loop:
             self.evaluate()
         return True
 
-    def forward_backward(self, batch: object) -> torch.Tensor:
+    def counted(self, batch: object, weight: float) -> torch.Tensor:  # FLOPs counted at the first call
+        return self.monitor.counting(lambda b: self.forward_backward(b, weight), batch)
+
+    def forward_backward(self, batch: object, weight: float = 1.0) -> torch.Tensor:
         loss = self.plan.train_step(self.state.model, batch)
         self.mark("forward")
-        self.s.backward(loss)
+        self.s.backward(loss if weight == 1.0 else loss * weight)
         self.mark("backward")
         return loss
 

@@ -47,7 +47,7 @@ from ddpkit.observe.tracking import LogTo, Tracking
 from ddpkit.parallel import compiling, cpu_allocator, modules
 from ddpkit.parallel.precision import PrecisionPlan, device_supports_bf16, resolve_precision
 from ddpkit.parallel.shape import Shape
-from ddpkit.step import invariant
+from ddpkit.step import invariant, oom
 from ddpkit.step.stepping import MicroBatch, StepInfo, Stepper
 from ddpkit.strategy import Choice, DDPOptions, Strategy, building, hf
 from ddpkit.training.choosing import Choosing
@@ -75,7 +75,13 @@ class Session(RankContext):
         log_dir: str | None = None,
         env: Mapping[str, str] | None = None,
         reproducible: str | None = None, chunk: int | None = None,  # any-world: ddpkit.step.invariant
+        micro_batch: str | None = None,  # "auto": a step out of memory is re-run split (ddpkit.step.oom)
     ) -> None:
+        if micro_batch not in (None, "auto"):
+            raise problem(f"micro_batch={micro_batch!r} is not 'auto' or None",
+                          "Pass micro_batch='auto' to re-run a step that runs out of memory as smaller "
+                          "micro-batches (same global batch), or leave it out; the loader's batch_size "
+                          "sets the micro-batch")  # fmt: skip
         if shard_optimizer not in (True, False, "auto", "gradients"):
             raise problem(f"shard_optimizer={shard_optimizer!r} is not True, False, 'auto' or 'gradients'",
                           "Pass 'auto' (the default), True, False or 'gradients'")  # fmt: skip
@@ -103,7 +109,10 @@ class Session(RankContext):
         stepper = functools.partial(Stepper, accumulation, self.precision, distributed=self.distributed,
                                     report=self.print, shard=shard_optimizer, device=self.device,
                                     timeout=self.limits.collective,
-                                    invariant_mode=self.invariant)  # fmt: skip
+                                    invariant_mode=self.invariant,
+                                    auto_micro_batch=None if micro_batch is None else oom.AutoMicroBatch(
+                                        accumulation, rank=self.rank, world=self.world_size,
+                                        distributed=self.distributed, device=self.device))  # fmt: skip
         self._choosing = Choosing(strategy, self.shape, self.precision, stepper=stepper)  # built once
 
     @property
@@ -355,6 +364,7 @@ def session(
     hardware: topology.Hardware | None = None,
     reproducible: str | None = None, chunk: int | None = None,
     launcher: Detector | None = None,
+    micro_batch: str | None = None,
 ) -> Iterator[Session]:
     """Open a `Session` for this process; the process group is torn down on exit, also on errors.
 
@@ -375,6 +385,8 @@ def session(
     directory (see `ddpkit.observe.tracking`). `env` and `hardware` default to this process's environment
     and machine. `reproducible="any-world"` with `chunk=`: bitwise any world size (`ddpkit.step.invariant`).
     `launcher`: a detector of your own for a launcher ddpkit does not know (`ddpkit.cluster.environments`).
+    `micro_batch="auto"`: under `ddpkit.fit`, a step that runs out of memory on any rank is dropped on
+    every rank and re-run with the micro-batch halved and the accumulation doubled (`ddpkit.step.oom`).
     """
     limits = Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)  # validated here
     env = os.environ if env is None else env
@@ -384,7 +396,8 @@ def session(
     plan = dataclasses.replace(plan, notes=(*plan.notes, note)) if note else plan
     s = Session(plan, seed=seed, accumulation=accumulation, precision=precision, limits=limits,
                 verbose=verbose, shard_optimizer=shard_optimizer, strategy=strategy, log_to=log_to,
-                log_dir=log_dir, env=env, reproducible=reproducible, chunk=chunk)  # fmt: skip
+                log_dir=log_dir, env=env, reproducible=reproducible, chunk=chunk,
+                micro_batch=micro_batch)  # fmt: skip
     try:
         yield s.start()
     except BaseException as exc:

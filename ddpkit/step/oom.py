@@ -1,0 +1,275 @@
+"""A step that runs out of memory: every rank learns it in the same step, and (opt-in) it is re-run split.
+
+    with ddpkit.session(micro_batch="auto") as s:        # opt in
+        ddpkit.fit(s, model, opt, loader, train_step)     # a step that runs out of memory on any rank is
+                                                          # dropped and re-run as 2 micro-batches of half
+
+Why this shape: a rank that runs out of memory raises, while its peers go on into the next collective
+(DDP's all-reduce of a bucket in the backward) and wait there for it until the timeout. So with
+`micro_batch="auto"` no collective runs inside a micro-batch's backward: every micro-batch runs under the
+strategy's skipped sync (DDP's `no_sync`), each `s.accumulate` block ends with one all-reduce of a flag
+per rank (`AutoMicroBatch.agree`: every rank reaches it, also one that raised, so all ranks learn in the
+same block who ran out), and the step's gradients are all-reduced by `reduce` just before the optimizer
+step. The price: the gradient all-reduce no longer overlaps the backward, plus one 8-byte-per-rank
+all-reduce per micro-batch. On an agreed out-of-memory error every rank raises `StepOutOfMemory`;
+`ddpkit.fit` catches it, drops the step's gradients (none was applied: the optimizer steps only after
+the last block), halves the micro-batch (`split`) and doubles the accumulation, so the global batch and
+the update stay those of the step that failed, and re-runs the step's batches. The split is saved with
+the stepper's state, so a resumed run starts at the size that worked.
+
+Without the opt-in an out-of-memory error becomes a one-paragraph `DdpkitError` (`explain`) naming the
+rank, the allocation and what to do, instead of an allocator's trace; the launcher ends the peers.
+
+On CPU ranks torch raises a `RuntimeError` from its `DefaultCPUAllocator` when malloc fails (e.g. past an
+address-space limit, `RLIMIT_AS`); on CUDA `torch.OutOfMemoryError`. `is_oom` knows both.
+Not covered: FSDP and HSDP (their forward and backward all-gather, so a rank that stops part-way leaves
+its peers inside a collective; refused with the fix), SyncBatchNorm (its forward is a collective), and
+a rank the kernel's OOM killer ends (nothing to catch: the launcher reports the kill).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import re
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.errors import DdpkitError, problem
+from ddpkit.parallel.modules import ddp_of
+
+_CPU_OOM = re.compile(r"DefaultCPUAllocator: (can't allocate memory|not enough memory)")
+_BYTES = re.compile(r"(?:allocate|Tried to allocate) (\d+(?:\.\d+)?) ?(bytes|[KMG]iB)")
+BUCKET_BYTES = 25 << 20  # the deferred gradient all-reduce flattens this much per call (DDP's default cap)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for an allocation failure: CUDA's `torch.OutOfMemoryError` or the CPU allocator's."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and bool(_CPU_OOM.search(str(exc)))
+    )
+
+
+def _asked(exc: BaseException) -> str:
+    m = _BYTES.search(str(exc))
+    if not m:
+        return ""
+    n, unit = float(m.group(1)), m.group(2)
+    n *= {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
+    return f" (an allocation of {n / (1 << 20):.1f} MiB)"
+
+
+class StepOutOfMemory(DdpkitError):
+    """Raised on every rank in the same `s.accumulate` block when any rank ran out of memory there."""
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+def explain(exc: BaseException, rank: int, micro_batch: int | None = None) -> DdpkitError:
+    """The one paragraph a user who did not opt in sees instead of the allocator's trace."""
+    size = f" at micro-batch {micro_batch} per rank" if micro_batch else ""
+    half = ""
+    if micro_batch and micro_batch > 1:
+        half = f" (micro-batch {micro_batch // 2} with twice the accumulation)"
+    return problem(
+        f"rank {rank} ran out of memory in a training step{size}{_asked(exc)}; no update was applied "
+        f"from that step",
+        "Halve the micro-batch and double the accumulation to keep the global batch"
+        f"{half}, or let ddpkit do it when it happens: ddpkit.session(micro_batch='auto') with ddpkit.fit; "
+        "`ddpkit plan --memory --model ... --device ...` names the largest micro-batch that fits, before "
+        "you run",
+    )
+
+
+class AutoMicroBatch:
+    """The opt-in's state on one rank: how many parts each loader micro-batch is split into (`parts`),
+    the agreement after every block, and the deferred gradient all-reduce."""
+
+    def __init__(self, accumulation: int, *, rank: int, world: int, distributed: bool, device: torch.device):
+        self.base = accumulation  # the session's accumulation: loader micro-batches per optimizer step
+        self.parts = 1  # each loader micro-batch runs as this many (a power of two)
+        self.rank, self.world, self.distributed, self.device = rank, world, distributed, device
+        self.splits: list[dict[str, int]] = []  # every split so far: {"step": n, "parts": p}
+
+    @property
+    def accumulation(self) -> int:
+        """Blocks per optimizer step: the session's accumulation times the parts of each micro-batch."""
+        return self.base * self.parts
+
+    def agree(self, failed: BaseException | None) -> None:
+        """One all-reduce (a flag per rank: 1 out of memory, 2 another error), reached by every rank at
+        the end of every block, also by a rank that raised. Any other error: every rank raises (the one
+        that failed its own error), so no peer waits in the next block's all-reduce. Else any rank out
+        of memory: `StepOutOfMemory` on every rank."""
+        flags = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        if failed is not None:
+            flags[self.rank] = 1.0 if is_oom(failed) else 2.0
+        if self.distributed:
+            dist.all_reduce(flags)
+        state = flags.tolist()
+        others = [r for r in range(self.world) if state[r] == 2.0]
+        if others:
+            if failed is not None and not is_oom(failed):
+                raise failed
+            raise problem(
+                f"rank(s) {others} failed in this micro-batch (see their error); this rank stopped with them",
+                "Fix the error that rank reports",
+            ) from failed
+        ranks = [r for r in range(self.world) if state[r] == 1.0]
+        if ranks:
+            own = f": {str(failed)[:300]}" if failed is not None else ""
+            if failed is not None:  # its frames hold the step's activations: freed before the re-run
+                traceback.clear_frames(failed.__traceback__)
+            text = f"rank(s) {ranks} ran out of memory in this micro-batch{own}"
+            raise StepOutOfMemory(text, ranks) from None
+
+    def split_more(self, step: int) -> None:
+        """After an agreed out-of-memory error: twice the parts (half the micro-batch, same global batch)."""
+        self.parts *= 2
+        self.splits.append({"step": step, "parts": self.parts})
+
+    def reduce(self, model: nn.Module | None) -> None:
+        """The step's gradients averaged over the ranks, as DDP would have in the last backward: flat
+        buckets of up to 25 MiB, summed, divided by the world size. A gradient that is None on this rank
+        (a parameter its micro-batches did not reach) counts as zeros, so every rank sends the same list."""
+        ddp = ddp_of(model) if model is not None else None
+        if ddp is None or not self.distributed:
+            return
+        params = [p for p in ddp.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for p in params:
+            g = p.grad
+            assert g is not None
+            if bucket and (size + g.numel() * g.element_size() > BUCKET_BYTES or g.dtype != bucket[0].dtype):
+                self._all_reduce(bucket)
+                bucket, size = [], 0
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+        if bucket:
+            self._all_reduce(bucket)
+
+    def _all_reduce(self, grads: list[torch.Tensor]) -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat.div_(self.world)  # before the sum, as DDP's reducer does
+        dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"parts": self.parts, "splits": list(self.splits)}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        if state:
+            self.parts = int(state.get("parts", self.parts))
+            self.splits = list(state.get("splits", self.splits))
+
+
+def batch_len(batch: Any) -> int:
+    """The first dimension of the batch's first tensor (0 when it holds none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 0
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            n = batch_len(item)
+            if n:
+                return n
+    return 0
+
+
+def _take(batch: Any, start: int, stop: int, n: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop] if batch.dim() and batch.shape[0] == n else batch
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _take(v, start, stop, n) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(_take(v, start, stop, n) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_take(v, start, stop, n) for v in batch)
+    return batch
+
+
+def split(batch: Any, parts: int) -> list[tuple[Any, float]]:
+    """`batch` as `parts` consecutive pieces along the first dimension (every tensor whose first
+    dimension is the batch's), each with the weight that keeps a mean loss that of the whole batch:
+    n_part x parts / n (1.0 exactly for equal pieces). Refused when a piece would be empty."""
+    if parts == 1:
+        return [(batch, 1.0)]
+    n = batch_len(batch)
+    if n < parts:
+        raise problem(
+            f"a micro-batch of {n} sample(s) cannot be split into {parts} parts after running out of memory"
+            " again",
+            "Even one sample per micro-batch does not fit: use FSDP (strategy='fsdp'), activation "
+            "checkpointing (s.model(..., activation_checkpointing='auto')) or bf16; `ddpkit plan --memory` "
+            "estimates each",
+        )
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return [(_take(batch, a, b, n), (b - a) * parts / n) for a, b in itertools.pairwise(bounds)]
+
+
+def check(strategy: Any, shard: bool | str, invariant: bool) -> None:
+    """Refuse what `micro_batch="auto"` cannot make safe, with the fix."""
+    if getattr(strategy, "collective_forward", False):
+        raise problem(
+            f"micro_batch='auto' with {strategy.describe()}: its forward and backward all-gather, so a rank "
+            "out of memory part-way would leave its peers waiting inside a collective",
+            "Pick the micro-batch ahead with `ddpkit plan --memory --strategy fsdp ...` and leave "
+            "micro_batch out, or use DDP",
+        )
+    if shard == "gradients" or invariant:
+        what = "shard_optimizer='gradients'" if shard == "gradients" else "reproducible='any-world'"
+        raise problem(
+            f"micro_batch='auto' with {what}: both reduce the gradients their own way",
+            f"Leave one of micro_batch='auto' and {what} out",
+        )
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@contextlib.contextmanager
+def guarded(auto: AutoMicroBatch | None) -> Iterator[None]:
+    """Around one `s.accumulate` block. Opt-in: every rank agrees at its end (`AutoMicroBatch.agree`).
+    Otherwise an out-of-memory error becomes the one paragraph of `explain`."""
+    if auto is None:
+        try:
+            yield
+        except Exception as exc:
+            if is_oom(exc):
+                raise explain(exc, _rank()) from exc
+            raise
+        return
+    try:
+        yield
+    except Exception as exc:
+        auto.agree(exc)
+        raise
+    auto.agree(None)
+
+
+@contextlib.contextmanager
+def naming(micro_batch: int, rank: int, auto: AutoMicroBatch | None) -> Iterator[None]:
+    """Inside a block whose micro-batch size the caller knows (`ddpkit.fit`): without the opt-in, the
+    out-of-memory paragraph names that size and the half of it to try."""
+    try:
+        yield
+    except Exception as exc:
+        if auto is None and is_oom(exc):
+            raise explain(exc, rank, micro_batch) from exc
+        raise

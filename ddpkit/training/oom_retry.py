@@ -1,0 +1,92 @@
+"""`ddpkit.fit`'s side of `micro_batch="auto"`: each loader micro-batch run as the agreed number of
+parts, and an optimizer step that ran out of memory on any rank re-run from its first micro-batch.
+
+    blocks = SplitBlocks(s, model, optimizer, max_norm, forward_backward)
+    loss, micro = blocks.run(batch)     # 1..P `s.accumulate` blocks; on micro.sync fit takes the step
+
+Why here and not in the stepper: only the loop holds the step's batches, so only it can run them again.
+The batches of the step in progress are kept (references, no copies) until the step is taken. On
+`ddpkit.step.oom.StepOutOfMemory` (raised on every rank in the same block) the step is dropped on every
+rank (`Stepper.drop_step`: gradients set to None, the group restarted; the optimizer has not stepped),
+the parts double (the accumulation with them: the global batch and the update stay the same), one line
+says so, the trackers get the new micro-batch, and the step's batches run again, split. A micro-batch of
+n samples in P parts: pieces of n/P, each loss weighted by its share (1.0 for equal pieces), so a mean
+loss's gradient is the whole micro-batch's (`ddpkit.step.oom.split`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ddpkit.step import oom
+from ddpkit.step.stepping import MicroBatch
+
+ForwardBackward = Callable[[Any, float], torch.Tensor]  # (batch, loss weight) -> the unweighted loss
+
+
+class SplitBlocks:
+    """One loader micro-batch as `s.accumulate` blocks; the step's batches re-run after an agreed OOM."""
+
+    def __init__(self, s: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 max_norm: float | None, forward_backward: ForwardBackward) -> None:  # fmt: skip
+        self.s, self.model, self.optimizer, self.max_norm = s, model, optimizer, max_norm
+        self.forward_backward = forward_backward
+        self.auto: oom.AutoMicroBatch | None = s.stepper.oom
+        self.group: list[Any] = []  # the batches of the optimizer step in progress
+
+    def run(self, batch: Any) -> tuple[torch.Tensor, MicroBatch]:
+        """Forward and backward of one loader micro-batch (its parts); the loss is the micro-batch's."""
+        if self.auto is None:
+            return self._blocks(batch)
+        self.group.append(batch)
+        todo = [batch]
+        while True:
+            try:
+                for j, b in enumerate(todo):
+                    loss, micro = self._blocks(b)
+                    if j < len(todo) - 1:  # an earlier batch of the step, run again: fit steps after the last
+                        self.s.step(self.optimizer, max_norm=self.max_norm)
+                if micro.sync:
+                    self.group = []
+                return loss, micro
+            except oom.StepOutOfMemory as exc:
+                ranks = exc.ranks
+            self._split(ranks)  # outside the except: the failed step's frames are gone
+            todo = list(self.group)
+
+    def _blocks(self, batch: Any) -> tuple[torch.Tensor, MicroBatch]:
+        s = self.s
+        parts = 1 if self.auto is None else self.auto.parts
+        total: torch.Tensor | None = None
+        last: MicroBatch | None = None
+        pieces = oom.split(batch, parts)
+        for i, (piece, weight) in enumerate(pieces):
+            with s.accumulate(self.model) as micro, oom.naming(oom.batch_len(batch), s.rank, self.auto):
+                loss = self.forward_backward(piece, weight)
+            last = micro
+            part = loss.detach() * (weight / parts) if parts > 1 else loss
+            total = part if total is None else total + part
+            if i < len(pieces) - 1:
+                s.step(self.optimizer, max_norm=self.max_norm)  # not the step's last block: no update
+        assert total is not None and last is not None
+        return total, last
+
+    def _split(self, ranks: list[int]) -> None:
+        s, auto = self.s, self.auto
+        assert auto is not None
+        n = oom.batch_len(self.group[0])
+        auto.split_more(s.stepper.steps + 1)
+        s.stepper.drop_step(self.optimizer)
+        if s.device.type == "cuda":  # the failed step's blocks, cached: handed back before the re-run
+            torch.cuda.empty_cache()
+        s.print(
+            f"ddpkit: out of memory on rank(s) {ranks} in optimizer step {s.stepper.steps + 1} at "
+            f"micro-batch {n * 2 / auto.parts:g} per rank: the step was dropped on every rank (no update "
+            f"applied) and runs again as micro-batches of {n / auto.parts:g} (accumulation "
+            f"{auto.accumulation // 2} -> {auto.accumulation}; global batch "
+            f"{n * s.accumulation * s.world_size} unchanged)"
+        )
+        s.log({"micro_batch/size": n / auto.parts, "micro_batch/parts": auto.parts}, step=s.stepper.steps)
