@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,14 +72,17 @@ class Job:
     keep: int
     sync: Sync
     group: Any = None
+    out: Callable[[Path, dict[str, torch.Tensor]], dict[str, Any]] | None = None  # None: `stream_tensors`
 
     @property
     def tmp(self) -> Path:
         return files.tmp_dir(self.root, self.seq)
 
 
-def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool) -> Snapshot:
-    """Every rank, at the same point: the state encoded in memory (copied when `copy`), a frozen value."""
+def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool,
+            stage: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Snapshot:  # fmt: skip
+    """Every rank, at the same point: the state encoded in memory (copied when `copy`), a frozen value.
+    `stage` makes the copies (default: a clone; the writer process: into its shared memory)."""
     parts = checkpoint_state.split(state)
     diverged = differing(parts["shared"], ctx.device) if ctx.distributed else []  # one all-gather, or none
     for name in diverged:
@@ -119,7 +122,7 @@ def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool) -> Sna
         for group in (rank_tensors, shared_tensors, *kept.values()):
             for key, value in group.items():
                 if value.untyped_storage().data_ptr() not in fresh:
-                    group[key] = value.clone()
+                    group[key] = stage(value) if stage is not None else value.clone()
     notes = {n: note(n, parts["per_rank"][n]) for n in diverged}
     return Snapshot(objects, step if isinstance(step, int) else None, ctx.strategy.name, rank_tree,
                     rank_tensors, kept, shared_tree, shared_tensors, shares, dcp_state, notes)  # fmt: skip
@@ -148,9 +151,11 @@ def full_weights(ctx: CheckpointContext, module: torch.nn.Module) -> dict[str, t
     return strategy.full_state(module) if strategy.owns(module) else unwrap(module).state_dict()
 
 
-def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int, group: Any = None) -> Job:
+def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int, group: Any = None,
+          out: Callable[[Path, dict[str, torch.Tensor]], dict[str, Any]] | None = None) -> Job:  # fmt: skip
     """Rank 0 opens the temporary directory and tells the others its number (through the store);
-    `group` is the process group of `write`'s collectives (None: training's)."""
+    `group` is the process group of `write`'s collectives (None: training's); `out` writes the big
+    tensor files (None: `stream_tensors` on this thread; the writer process's `write_file`)."""
     sync = Sync(ctx, "save")
     if ctx.is_main:
         try:
@@ -165,7 +170,7 @@ def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int, group: 
         sync.publish("dir", str(seq))
     else:
         seq = int(sync.wait_one(0, "dir", "rank 0 to start the checkpoint"))
-    return Job(root, seq, keep, sync, group)
+    return Job(root, seq, keep, sync, group, out)
 
 
 def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
@@ -206,9 +211,10 @@ def _write_shared_and_commit(
     objects = {**snap.shared_tree["objects"], **{n: files.encode(v, shared, n) for n, v in gathered.items()}}
     try:
         entries: dict[str, Any] = dict(listed)
+        put = job.out or stream_tensors
         for name, tensors in snap.weights.items():
-            entries[f"{name}.safetensors"] = stream_tensors(tmp / f"{name}.safetensors", tensors)
-        entries["state.safetensors"] = stream_tensors(tmp / "state.safetensors", shared)
+            entries[f"{name}.safetensors"] = put(tmp / f"{name}.safetensors", tensors)
+        entries["state.safetensors"] = put(tmp / "state.safetensors", shared)
         entries["state.json"] = files.write_json(tmp / "state.json", {**snap.shared_tree, "objects": objects})
         for r in range(1, ctx.world_size):
             answer = job.sync.wait_one(r, f"rank{r}", f"rank {r} to write its part of checkpoint {job.seq}")
