@@ -45,6 +45,7 @@ from ddpkit.checkpoint import files
 from ddpkit.checkpoint import state as checkpoint_state
 from ddpkit.checkpoint.background import NICE, Background
 from ddpkit.checkpoint.files import CheckpointError, Found, Tensors
+from ddpkit.checkpoint.remote import Remote, export_target
 from ddpkit.checkpoint.sync import CheckpointContext, Sync
 from ddpkit.checkpoint.write import capture, full_weights, start, write
 from ddpkit.checkpoint.writer_process import WriterProcess
@@ -141,7 +142,8 @@ class Checkpoints:
         mode = _writer_mode(background)
         if keep < 1:
             raise problem(f"keep={keep} would delete the checkpoint just written", "Pass keep=1 or more")
-        root = Path(path)
+        remote = Remote.parse(path)
+        root = remote.local if remote is not None else local_path(path)
         if files.is_checkpoint(root):
             raise problem(f"{root} is a checkpoint, not a folder of checkpoints",
                           f"Save to its parent folder {root.parent}")  # fmt: skip
@@ -159,7 +161,8 @@ class Checkpoints:
                 self._noted.add(name)
                 ctx.say(line)
         out = writer.write_file if writer is not None else None
-        job = start(ctx, root, snapshot, keep, group=self._writer_group if mode else None, out=out)
+        job = start(ctx, root, snapshot, keep, group=self._writer_group if mode else None, out=out,
+                    remote=remote)  # fmt: skip
         self.last = files.final_dir(root, job.seq)
         if mode is not None:
             self._background.run(lambda: write(ctx, job, snapshot))
@@ -258,13 +261,15 @@ class Checkpoints:
         it. Global rank 0 writes. Under FSDP no rank holds the model whole: the file is streamed one
         gathered tensor at a time (`ddpkit.strategy.fsdp_export`). The path on rank 0."""
         ctx = self._ctx
-        target = Path(path)
+        target, upload = export_target(path)  # a URL: a local file first, uploaded by rank 0
         if ctx.strategy.shards_state and ctx.strategy.owns(model):
             count = ctx.strategy.write_full_state(model, target, ctx.rank)  # collective, tensor by tensor
         else:
             count = self._export_whole(ctx, target, model)
         ctx.barrier()
         ctx.say(f"ddpkit: exported {count} tensors of the full model to {target}")
+        if upload is not None and ctx.is_main:
+            upload(ctx.say)
         return target if ctx.is_main else None
 
     @staticmethod
@@ -299,7 +304,8 @@ class Checkpoints:
         registered = {n: o for n, o in self._registered.items() if hasattr(o, "state_dict")}
         parts = checkpoint_state.split({**registered, **state})
         sharded = checkpoint_dcp.split(ctx.strategy, parts)
-        found = _choose(ctx, Path(path))
+        remote = Remote.parse(path)
+        found = _choose(ctx, remote.local if remote is not None else local_path(path), remote)
         if found is None:
             ctx.say(f"ddpkit: no checkpoint in {path} yet: starting fresh")
             return dict(parts["values"])
@@ -363,8 +369,15 @@ def not_a_root(what: str) -> CheckpointError:
     )
 
 
-def _choose(ctx: CheckpointContext, root: Path) -> Found | None:
-    """Rank 0 picks the checkpoint (verifying every file); the others read its choice from the store."""
+def local_path(path: str | Path) -> Path:
+    """A local root: a path, or a file:// URL."""
+    text = str(path)
+    return Path(text[len("file://") :]) if text.startswith("file://") else Path(path)
+
+
+def _choose(ctx: CheckpointContext, root: Path, remote: Remote | None = None) -> Found | None:
+    """Rank 0 picks the checkpoint (verifying every file; from an fsspec store, the newest complete one
+    downloaded to the local folder first); the others read its choice from the store."""
     sync = Sync(ctx, "load")
     if not ctx.is_main:
         answer = json.loads(sync.wait_one(0, "choice", "rank 0 to choose a checkpoint"))
@@ -374,6 +387,8 @@ def _choose(ctx: CheckpointContext, root: Path) -> Found | None:
         return files.Found(chosen, json.loads((chosen / files.MANIFEST).read_text()))
     found: Found | None
     try:
+        if remote is not None:
+            remote.pull(ctx.say)
         if files.is_checkpoint(root):
             found, skipped = files.verify(root), list[str]()
         else:

@@ -35,6 +35,7 @@ from ddpkit.checkpoint import state as checkpoint_state
 from ddpkit.checkpoint.divergence import differing, note
 from ddpkit.checkpoint.files import Tensors
 from ddpkit.checkpoint.gather import local_share
+from ddpkit.checkpoint.remote import Remote
 from ddpkit.checkpoint.sync import CheckpointContext, Sync
 from ddpkit.parallel.modules import unwrap
 from ddpkit.step.sharding import gather_state
@@ -73,6 +74,7 @@ class Job:
     sync: Sync
     group: Any = None
     out: Callable[[Path, dict[str, torch.Tensor]], dict[str, Any]] | None = None  # None: `stream_tensors`
+    remote: Remote | None = None  # an fsspec root: rank 0 uploads the committed checkpoint to it
 
     @property
     def tmp(self) -> Path:
@@ -152,15 +154,19 @@ def full_weights(ctx: CheckpointContext, module: torch.nn.Module) -> dict[str, t
 
 
 def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int, group: Any = None,
-          out: Callable[[Path, dict[str, torch.Tensor]], dict[str, Any]] | None = None) -> Job:  # fmt: skip
+          out: Callable[[Path, dict[str, torch.Tensor]], dict[str, Any]] | None = None,
+          remote: Remote | None = None) -> Job:  # fmt: skip
     """Rank 0 opens the temporary directory and tells the others its number (through the store);
     `group` is the process group of `write`'s collectives (None: training's); `out` writes the big
-    tensor files (None: `stream_tensors` on this thread; the writer process's `write_file`)."""
+    tensor files (None: `stream_tensors` on this thread; the writer process's `write_file`); `remote`:
+    the store the checkpoint goes to after its local commit (`root` is then its local folder)."""
     sync = Sync(ctx, "save")
     if ctx.is_main:
         try:
             root.mkdir(parents=True, exist_ok=True)
             seq = files.next_seq(root)
+            if remote is not None:  # above every number in the store too (unfinished uploads included)
+                seq = max(seq, remote.next_seq())
             files.tmp_dir(root, seq).mkdir()
             if snap.dcp is not None:
                 (files.tmp_dir(root, seq) / checkpoint_dcp.DIRECTORY).mkdir()
@@ -170,7 +176,7 @@ def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int, group: 
         sync.publish("dir", str(seq))
     else:
         seq = int(sync.wait_one(0, "dir", "rank 0 to start the checkpoint"))
-    return Job(root, seq, keep, sync, group, out)
+    return Job(root, seq, keep, sync, group, out, remote)
 
 
 def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
@@ -225,12 +231,29 @@ def _write_shared_and_commit(
         })  # fmt: skip
         files.commit(tmp, final)
         files.prune(job.root, job.keep, job.seq)
+        if job.remote is not None:
+            _upload(ctx, job.remote, final, job.keep)
     except Exception as err:
         shutil.rmtree(tmp, ignore_errors=True)
         job.sync.publish("done", f"error: rank 0: {err}")
         raise
     job.sync.publish("done", str(final))
     return final
+
+
+def _upload(ctx: CheckpointContext, remote: Remote, final: Path, keep: int) -> None:
+    """Rank 0: the committed checkpoint to the store (the manifest last), then the store's retention."""
+    try:
+        url = remote.upload(final)
+        remote.prune(keep, final.name)
+    except Exception as err:
+        raise files.CheckpointError(
+            f"{final.name} is committed in the local folder {final.parent}, but its upload to {remote.url} "
+            f"failed ({type(err).__name__}: {err}): the store's newest complete checkpoint is still the one "
+            "before it. Check the store's address and credentials; the next save uploads a new checkpoint, "
+            f"and a load on this machine resumes from the local copy"
+        ) from err
+    ctx.say(f"ddpkit: uploaded {final.name} to {url}")
 
 
 _CHUNK = 8 << 20
