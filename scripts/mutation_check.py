@@ -976,6 +976,31 @@ MUTANTS = [
         "after a writer process died, every later process save fails",
     ),
     Mutant(
+        "remote-manifest-first",
+        "ddpkit/checkpoint/remote.py",
+        "        for name in sorted(manifest[\"files\"], key=lambda n: (final / n).stat().st_size):",
+        "        for name in [files.MANIFEST, *sorted(manifest[\"files\"], "
+        "key=lambda n: (final / n).stat().st_size)]:  # mutant",
+        ("tests/test_checkpoint_remote.py::test_a_kill_during_the_upload_leaves_the_stores_checkpoint_whole_or_absent",),
+        "a remote checkpoint is committed (its manifest uploaded) before all its parts are in the store",
+    ),
+    Mutant(
+        "remote-retention-newest",
+        "ddpkit/checkpoint/remote.py",
+        "        doomed = [n for n in complete[keep:] if n != current]",
+        "        doomed = complete[keep - 1 :]  # mutant: one too many, the newest complete one included",
+        ("tests/test_checkpoint_remote.py::test_a_save_to_s3_resumes_on_another_machine_and_keeps_the_newest",),
+        "the store's retention deletes one checkpoint too many (with keep=1, the one just uploaded)",
+    ),
+    Mutant(
+        "portable-fsdp-to-whole",
+        "ddpkit/checkpoint/checkpoints.py",
+        '        taken = portable.take(ctx.strategy, parts, manifest["objects"])',
+        "        taken = None",
+        ("tests/test_checkpoint_portable.py::test_a_two_rank_checkpoint_loads_in_one_process[fsdp]",),
+        "an FSDP checkpoint is read as whole-model files in one process or under DDP (it has none)",
+    ),
+    Mutant(
         "plan-memory-activations",
         "ddpkit/plan/memory_report.py",
         "                sums[_FOLD[name]] += int(value)",

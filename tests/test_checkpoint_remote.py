@@ -175,3 +175,31 @@ def test_a_kill_during_the_upload_leaves_the_stores_checkpoint_whole_or_absent(s
     assert resumed.returncode == 0, err[-2000:]
     assert "RESUMED 1" in out and "SAVED 2" in out, out
     assert _names(fs, f"{bucket}/run") == ["ckpt-000001", "ckpt-000003"]  # the unfinished upload removed
+
+
+def test_a_preempted_run_saves_to_the_store_and_a_relaunch_on_another_machine_resumes(store, tmp_path: Path) -> None:
+    """`ddpkit run --nproc 2 preempt_train.py s3://...`: SIGTERM at step 3 (no periodic save in the
+    run); the preemption save reaches the store before exit 75, and a relaunch with an empty local
+    folder resumes from it and ends bitwise like an uninterrupted run (tests/test_preemption.py's job)."""
+    from test_preemption import NO_PAUSE, SLOW, STEPS, launch
+
+    fs, bucket = store
+    url = f"s3://{bucket}/run"
+    reference = launch(tmp_path / "ref", tmp_path / "ref-out", *NO_PAUSE)  # a local root, uninterrupted
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    idiom = ("--idiom", "if", "--save-every", "100")
+    first = launch(url, tmp_path / "out", "--signal-at", "forward:3:0", *idiom, *SLOW,  # type: ignore[arg-type]
+                   env={"DDPKIT_CHECKPOINT_CACHE": str(tmp_path / "machine-a")})  # fmt: skip
+    assert first.returncode == 75, f"{first.stdout[-2000:]}\n{first.stderr[-3000:]}"
+    assert f"uploaded ckpt-000001 to {url}/ckpt-000001" in first.stdout, first.stdout[-2000:]
+    assert "manifest.json" in _names(fs, f"{bucket}/run/ckpt-000001")
+    second = launch(url, tmp_path / "out", *idiom, *NO_PAUSE,  # type: ignore[arg-type]
+                    env={"DDPKIT_CHECKPOINT_CACHE": str(tmp_path / "machine-b")})  # fmt: skip
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "downloaded" in second.stdout and "resumed from" in second.stdout, second.stdout[-2000:]
+    from safetensors.torch import load_file
+
+    want = load_file(str(tmp_path / "ref-out" / "final.safetensors"))
+    got = load_file(str(tmp_path / "out" / "final.safetensors"))
+    assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
+    assert (tmp_path / "out" / "log.txt").read_text().split()[-1] == str(STEPS)

@@ -11,6 +11,7 @@
     divergence   which "shared" objects differ between ranks at a save (kept per rank then)
     state        what each keyword becomes (weights, loaders, RNGs, values)
     dcp          sharded (FSDP) state through torch.distributed.checkpoint
+    portable     a sharded (FSDP) checkpoint loaded whole, under DDP or in one process
     gather       a sharded step's optimizer state, gathered behind training
     files        the directory layout, checksums, the manifest, `CheckpointError`
     reading      a checkpoint read offline, one tensor at a time (whole-model files or DCP shards)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.checkpoint import dcp as checkpoint_dcp
-from ddpkit.checkpoint import files
+from ddpkit.checkpoint import files, portable
 from ddpkit.checkpoint import state as checkpoint_state
 from ddpkit.checkpoint.background import NICE, Background
 from ddpkit.checkpoint.files import CheckpointError, Found, Tensors
@@ -311,6 +311,7 @@ class Checkpoints:
             return dict(parts["values"])
         manifest = found.manifest
         checkpoint_state.follow(parts, manifest["objects"])
+        taken = portable.take(ctx.strategy, parts, manifest["objects"])  # FSDP's shards, loaded whole here
         saved = {name for names in manifest["objects"].values() for name in names}
         wanted = set(parts["modules"]) | set(parts["per_rank"]) | set(parts["shared"])
         if sharded is not None:
@@ -323,6 +324,10 @@ class Checkpoints:
             )
         if sharded is not None:
             checkpoint_dcp.load_into(ctx.strategy, found, sharded, strict=strict)
+        if taken is not None:
+            portable.load_whole(found, taken, strict=strict)
+            for optimizer in taken.optimizers.values():
+                ctx.optimizers.loaded_optimizer_state(optimizer)  # a sharded step keeps only its share
         for name, module in parts["modules"].items():
             weights = found.read_tensors(f"{name}.safetensors")
             if ctx.strategy.owns(module):
