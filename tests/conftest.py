@@ -250,6 +250,8 @@ NOT_KERNEL_DEPENDENT = {
     "test_bench.py": "benchmark arithmetic (floors, spreads) on measured or given numbers",
     "test_checkpoint.py": "save/load round trips: the same bytes come back",
     "test_checkpoint_tools.py": "conversions return the saved bytes; forwards compared in one process on the same weights",
+    "test_checkpoint_portable.py": "a load copies the saved values: the loaded state equals the saved bytes",
+    "test_checkpoint_remote.py": "downloaded checkpoints equal the uploaded bytes; the preempted run: " + _SAME_BY_CONSTRUCTION,
     "test_ci_selection.py": "this check's own sample of a float comparison",
     "test_data_hf.py": _SAME_BY_CONSTRUCTION,
     "test_fit.py": "logged values read back as written",

@@ -49,7 +49,7 @@ with ddpkit.session(seed=0, strategy=sys.argv[3]) as s:
     values = s.load(root, model=model, optimizer=opt, step=0)
     if sys.argv[2] == "crash":
         s.save(root, model=model, optimizer=opt, step=1)
-        s.save(root, model=model, optimizer=opt, step=2, background=True)
+        s.save(root, model=model, optimizer=opt, step=2, background=sys.argv[4])
         if s.rank == 0:  # the committing rank dies while its write is in flight
             os.kill(os.getpid(), signal.SIGKILL)
         s.checkpoints.wait()
@@ -57,14 +57,14 @@ with ddpkit.session(seed=0, strategy=sys.argv[3]) as s:
 """
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: the writer saves copied shards
+@pytest.mark.parametrize(("strategy", "mode"), [("ddp", "thread"), ("fsdp", "thread"), ("ddp", "process")])
 def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(
-    tmp_path: Path, strategy: str
-) -> None:
+    tmp_path: Path, strategy: str, mode: str
+) -> None:  # fsdp: the writer saves copied shards; process: a writer process writes the big files
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(JOB))
     root = tmp_path / "ck"
-    crashed = run_cli("run", "--nproc", "2", str(script), str(root), "crash", strategy, timeout=50)
+    crashed = run_cli("run", "--nproc", "2", str(script), str(root), "crash", strategy, mode, timeout=50)
     assert crashed.returncode != 0 and "SIGKILL" in crashed.stderr, crashed.stderr[-2000:]
     # The survivor ends at once: at the agent's SIGTERM (DDP: it waits for the dead rank's commit
     # through the store) or by its own error (FSDP: DCP's collective sees the peer gone). It must not
@@ -74,7 +74,7 @@ def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(
     assert "preempted" not in crashed.stdout + crashed.stderr
     assert (root / "ckpt-000001").is_dir() and not (root / "ckpt-000002").exists()
     assert (root / ".ckpt-000002.tmp").is_dir(), "the background write was not in flight"
-    resumed = run_cli("run", "--nproc", "2", str(script), str(root), "load", strategy, timeout=50)
+    resumed = run_cli("run", "--nproc", "2", str(script), str(root), "load", strategy, mode, timeout=50)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "ignored .ckpt-000002.tmp: a save that never finished" in resumed.stdout, resumed.stdout
     assert "resumed from" in resumed.stdout and "ckpt-000001 (step 1)" in resumed.stdout
@@ -93,7 +93,7 @@ with ddpkit.session(seed=0, shard_optimizer=True) as s:
         s.backward(model(torch.randn(8, 64)).square().mean())
         s.step(opt)
     sync = s.save(f"{root}/sync", model=model, optimizer=opt, step=2)
-    background = s.save(f"{root}/background", model=model, optimizer=opt, step=2, background=True)
+    background = s.save(f"{root}/background", model=model, optimizer=opt, step=2, background=sys.argv[2])
     with torch.no_grad():  # training goes on: neither the weights nor the optimizer state may leak in
         for p in model.parameters():
             p.add_(1.0)
@@ -109,11 +109,12 @@ with ddpkit.session(seed=0, shard_optimizer=True) as s:
 """
 
 
-def test_a_background_save_of_a_sharded_step_holds_the_whole_optimizer_state(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_background_save_of_a_sharded_step_holds_the_whole_optimizer_state(tmp_path: Path, mode: str) -> None:
     """The writer gathers the ranks' shares (not the call): the files equal a synchronous save's."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SHARDED))
-    done = run_cli("run", "--nproc", "2", str(script), str(tmp_path), timeout=100)
+    done = run_cli("run", "--nproc", "2", str(script), str(tmp_path), mode, timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "SAME True" in done.stdout and "KEYS 24" in done.stdout, done.stdout
 

@@ -3,10 +3,15 @@
     checkpoints  the facade the session holds (`Checkpoints`): who writes, who waits, load's choice
     write        a save's two phases: `capture` (every rank, in step) and `write` (files, manifest)
     background   the writer thread for `background=True`
+    writer_process  the writer process for `background="process"` (out of training's interpreter)
+    writer_child the writer process's own program (standard library only, run by path)
+    staging      shared memory a process save's copy lands in, reused from save to save
+    remote       an fsspec root (s3://...): the local commit uploaded, the manifest last; pulled to load
     sync         `CheckpointContext` (the typed values a save needs) and the ranks' agreement
     divergence   which "shared" objects differ between ranks at a save (kept per rank then)
     state        what each keyword becomes (weights, loaders, RNGs, values)
     dcp          sharded (FSDP) state through torch.distributed.checkpoint
+    portable     a sharded (FSDP) checkpoint loaded whole, under DDP or in one process
     gather       a sharded step's optimizer state, gathered behind training
     files        the directory layout, checksums, the manifest, `CheckpointError`
     reading      a checkpoint read offline, one tensor at a time (whole-model files or DCP shards)

@@ -41,12 +41,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.checkpoint import dcp as checkpoint_dcp
-from ddpkit.checkpoint import files
+from ddpkit.checkpoint import files, portable
 from ddpkit.checkpoint import state as checkpoint_state
 from ddpkit.checkpoint.background import NICE, Background
 from ddpkit.checkpoint.files import CheckpointError, Found, Tensors
+from ddpkit.checkpoint.remote import Remote, export_target
 from ddpkit.checkpoint.sync import CheckpointContext, Sync
 from ddpkit.checkpoint.write import capture, full_weights, start, write
+from ddpkit.checkpoint.writer_process import WriterProcess
 from ddpkit.cluster.preemption import Preempted, Preemption
 from ddpkit.errors import problem
 from ddpkit.parallel.modules import unwrap
@@ -82,6 +84,8 @@ class Checkpoints:
     def __init__(self, context: CheckpointContext, *, preemption: Preemption, writer_nice: int = NICE) -> None:  # noqa: E501
         self._ctx = context
         self._background = Background(nice=writer_nice)
+        self._nice = writer_nice
+        self._process: WriterProcess | None = None  # background="process": started at its first save
         self._preemption = preemption
         self._registered: dict[str, Any] = {}
         self._writer_group: Any = None  # background saves' own process group (made once, at the first)
@@ -97,14 +101,17 @@ class Checkpoints:
         self._registered[name] = obj
 
     # -- save -----------------------------------------------------------------------------------
-    def save(self, path: str | Path, *, keep: int = 3, background: bool = False, every: int | None = None,
-             **state: Any) -> Path | None:  # fmt: skip
+    def save(self, path: str | Path, *, keep: int = 3, background: bool | str = False,
+             every: int | None = None, **state: Any) -> Path | None:  # fmt: skip
         """Write a new checkpoint under `path` atomically; keep the newest `keep`; return its directory.
 
         Every rank must call it at the same point. Rank 0 writes the shared files, every rank its own;
         the others wait for rank 0 through the store for up to `save_timeout`, not in a collective.
         With `background=True` the state is copied to CPU memory and the call returns; the files are
         written and committed behind training. The next save (and the session's end) waits for it.
+        `background="process"` copies into shared memory instead, and a writer process of its own
+        (`ddpkit.checkpoint.writer_process`) writes and hashes the big files out of training's
+        interpreter; `background="thread"` is `True`.
 
         With `every=N`, call it after every step: it saves when `step % N == 0` (None otherwise).
 
@@ -130,11 +137,13 @@ class Checkpoints:
             return self._write(path, keep, background, state) if due else None
         raise self._preempted(self._write(path, keep, False, state), state.get("step"))
 
-    def _write(self, path: str | Path, keep: int, background: bool, state: dict[str, Any]) -> Path:
+    def _write(self, path: str | Path, keep: int, background: bool | str, state: dict[str, Any]) -> Path:
         _require_safe_torch()
+        mode = _writer_mode(background)
         if keep < 1:
             raise problem(f"keep={keep} would delete the checkpoint just written", "Pass keep=1 or more")
-        root = Path(path)
+        remote = Remote.parse(path)
+        root = remote.local if remote is not None else local_path(path)
         if files.is_checkpoint(root):
             raise problem(f"{root} is a checkpoint, not a folder of checkpoints",
                           f"Save to its parent folder {root.parent}")  # fmt: skip
@@ -144,18 +153,38 @@ class Checkpoints:
         ctx = self._ctx
         if background and ctx.distributed and self._writer_group is None:  # collective: all ranks are here
             self._writer_group = dist.new_group(backend="gloo")  # the writer's own (DCP, optimizer shares)
-        snapshot = capture(ctx, {**self._extras(), **state}, copy=background)
+        writer = self._writer_process() if mode == "process" else None
+        stage = writer.arena.stage if writer is not None else None
+        snapshot = capture(ctx, {**self._extras(), **state}, copy=mode is not None, stage=stage)
         for name, line in snapshot.notes.items():
             if name not in self._noted:  # once a session: each save keeps it per rank all the same
                 self._noted.add(name)
                 ctx.say(line)
-        job = start(ctx, root, snapshot, keep, group=self._writer_group if background else None)
+        out = writer.write_file if writer is not None else None
+        job = start(ctx, root, snapshot, keep, group=self._writer_group if mode else None, out=out,
+                    remote=remote)  # fmt: skip
         self.last = files.final_dir(root, job.seq)
-        if background:
+        if mode is not None:
             self._background.run(lambda: write(ctx, job, snapshot))
             return self.last
         self.last = write(ctx, job, snapshot)
         return self.last
+
+    def _writer_process(self) -> WriterProcess | None:
+        """The writer process, its arena reset for a new save (the last write has finished); a new one if
+        it died; None where shared memory by file descriptor is missing (not Linux): the thread writes."""
+        if self._process is not None and not self._process.alive:
+            self._process.close()
+            self._process = None
+        if self._process is None:
+            if not WriterProcess.available():
+                if "process" not in self._noted:
+                    self._noted.add("process")
+                    self._ctx.say('ddpkit: background="process" needs Linux (memfd): a thread writes')
+                return None
+            self._process = WriterProcess(nice=self._nice)
+        self._process.arena.reset()
+        return self._process
 
     # -- preemption: the state last given to save or load, saved at the agreed stop -----------------
     def _remember(self, path: str | Path, keep: int, state: dict[str, Any]) -> None:
@@ -213,6 +242,9 @@ class Checkpoints:
         try:
             self._background.wait()
         finally:
+            if self._process is not None:
+                self._process.close()
+                self._process = None
             if self._writer_group is not None and dist.is_initialized():
                 dist.destroy_process_group(self._writer_group)
             self._writer_group = None
@@ -229,13 +261,15 @@ class Checkpoints:
         it. Global rank 0 writes. Under FSDP no rank holds the model whole: the file is streamed one
         gathered tensor at a time (`ddpkit.strategy.fsdp_export`). The path on rank 0."""
         ctx = self._ctx
-        target = Path(path)
+        target, upload = export_target(path)  # a URL: a local file first, uploaded by rank 0
         if ctx.strategy.shards_state and ctx.strategy.owns(model):
             count = ctx.strategy.write_full_state(model, target, ctx.rank)  # collective, tensor by tensor
         else:
             count = self._export_whole(ctx, target, model)
         ctx.barrier()
         ctx.say(f"ddpkit: exported {count} tensors of the full model to {target}")
+        if upload is not None and ctx.is_main:
+            upload(ctx.say)
         return target if ctx.is_main else None
 
     @staticmethod
@@ -270,12 +304,14 @@ class Checkpoints:
         registered = {n: o for n, o in self._registered.items() if hasattr(o, "state_dict")}
         parts = checkpoint_state.split({**registered, **state})
         sharded = checkpoint_dcp.split(ctx.strategy, parts)
-        found = _choose(ctx, Path(path))
+        remote = Remote.parse(path)
+        found = _choose(ctx, remote.local if remote is not None else local_path(path), remote)
         if found is None:
             ctx.say(f"ddpkit: no checkpoint in {path} yet: starting fresh")
             return dict(parts["values"])
         manifest = found.manifest
         checkpoint_state.follow(parts, manifest["objects"])
+        taken = portable.take(ctx.strategy, parts, manifest["objects"])  # FSDP's shards, loaded whole here
         saved = {name for names in manifest["objects"].values() for name in names}
         wanted = set(parts["modules"]) | set(parts["per_rank"]) | set(parts["shared"])
         if sharded is not None:
@@ -288,10 +324,10 @@ class Checkpoints:
             )
         if sharded is not None:
             checkpoint_dcp.load_into(ctx.strategy, found, sharded, strict=strict)
-        elif (whole := checkpoint_dcp.split_saved(manifest, parts)) is not None:  # into DDP, one process
-            checkpoint_dcp.load_whole(found, whole, strict=strict)
-            for opt in whole[1].values():
-                ctx.optimizers.loaded_optimizer_state(opt)
+        if taken is not None:
+            portable.load_whole(found, taken, strict=strict)
+            for optimizer in taken.optimizers.values():
+                ctx.optimizers.loaded_optimizer_state(optimizer)  # a sharded step keeps only its share
         for name, module in parts["modules"].items():
             weights = found.read_tensors(f"{name}.safetensors")
             if ctx.strategy.owns(module):
@@ -312,6 +348,21 @@ class Checkpoints:
         return values
 
 
+def _writer_mode(background: bool | str) -> str | None:
+    """None (synchronous), "thread" or "process", from `save`'s `background=`."""
+    if background is False:
+        return None
+    if background is True or background == "thread":
+        return "thread"
+    if background == "process":
+        return "process"
+    raise problem(
+        f"background={background!r} is not a way to save",
+        'Pass background=False (wait for the write), True or "thread" (a writer thread), or "process" '
+        "(a writer process: out of training's interpreter)",
+    )
+
+
 def not_a_root(what: str) -> CheckpointError:
     """The refusal of a checkpoint root that holds something else (`files.foreign` says what)."""
     return CheckpointError(
@@ -323,8 +374,15 @@ def not_a_root(what: str) -> CheckpointError:
     )
 
 
-def _choose(ctx: CheckpointContext, root: Path) -> Found | None:
-    """Rank 0 picks the checkpoint (verifying every file); the others read its choice from the store."""
+def local_path(path: str | Path) -> Path:
+    """A local root: a path, or a file:// URL."""
+    text = str(path)
+    return Path(text[len("file://") :]) if text.startswith("file://") else Path(path)
+
+
+def _choose(ctx: CheckpointContext, root: Path, remote: Remote | None = None) -> Found | None:
+    """Rank 0 picks the checkpoint (verifying every file; from an fsspec store, the newest complete one
+    downloaded to the local folder first); the others read its choice from the store."""
     sync = Sync(ctx, "load")
     if not ctx.is_main:
         answer = json.loads(sync.wait_one(0, "choice", "rank 0 to choose a checkpoint"))
@@ -334,6 +392,8 @@ def _choose(ctx: CheckpointContext, root: Path) -> Found | None:
         return files.Found(chosen, json.loads((chosen / files.MANIFEST).read_text()))
     found: Found | None
     try:
+        if remote is not None:
+            remote.pull(ctx.say)
         if files.is_checkpoint(root):
             found, skipped = files.verify(root), list[str]()
         else:

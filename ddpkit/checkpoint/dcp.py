@@ -22,7 +22,6 @@ from __future__ import annotations
 import io
 import pickle
 import re
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -203,49 +202,3 @@ def load_into(strategy: Any, found: Found, sharded: tuple[tuple[str, Any], dict]
     state = assemble(strategy, sharded)
     load(state, found.path)
     strategy.load_sharded_state(model, optimizers, {"model": state.pop(name), **state})
-
-
-Taken = tuple[tuple[str, Any], dict]  # (name, model), {name: optimizer}: what DCP loads for one model
-
-
-def split_saved(manifest: Mapping[str, Any], parts: dict[str, dict[str, Any]]) -> Taken | None:
-    """Loading under a strategy that does not shard (DDP, one process) a checkpoint whose model and
-    optimizers are DCP shards (FSDP, HSDP): take the model and its optimizers the manifest lists as
-    sharded out of `parts`, for `load_whole`. None when the checkpoint holds no shards."""
-    names = manifest.get("objects", {}).get("sharded") or []
-    models = [n for n in names if n in parts["modules"]]
-    if not models:
-        return None
-    name = models[0]
-    optimizers = {n: parts["shared"].pop(n) for n in names if n in parts["shared"]}
-    return (name, parts["modules"].pop(name)), optimizers
-
-
-def load_whole(found: Found, taken: Taken, *, strict: bool) -> None:
-    """Fill a whole (DDP-wrapped or plain) model and its optimizers from DCP shards saved at any world
-    size and mesh: each rank reads every piece it needs itself (DCP's offline load, no collective), the
-    optimizer state by parameter name as torch's `get_optimizer_state_dict` keys it. So an FSDP or HSDP
-    checkpoint resumes under DDP or in one process (a node lost down to one rank), optimizer included."""
-    from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    from ddpkit.parallel.modules import unwrap
-
-    (name, model), optimizers = taken
-    module = unwrap(model)
-    directory = _checked_metadata(found.path)
-    state: dict[str, Any] = {name: get_model_state_dict(module)}
-    for opt_name, opt in optimizers.items():
-        state[opt_name] = get_optimizer_state_dict(module, opt)
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized" in one process: expected
-        warnings.simplefilter("ignore", UserWarning)
-        dcp_load(state, storage_reader=safe_reader(directory), no_dist=True)
-    set_model_state_dict(module, state[name], options=StateDictOptions(strict=strict))
-    for opt_name, opt in optimizers.items():  # the moments were read in place; this sets the param groups
-        set_optimizer_state_dict(module, opt, state[opt_name])

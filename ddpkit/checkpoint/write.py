@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from ddpkit.checkpoint import state as checkpoint_state
 from ddpkit.checkpoint.divergence import differing, note
 from ddpkit.checkpoint.files import Tensors
 from ddpkit.checkpoint.gather import local_share
+from ddpkit.checkpoint.remote import Remote
 from ddpkit.checkpoint.sync import CheckpointContext, Sync
 from ddpkit.parallel.modules import unwrap
 from ddpkit.step.sharding import gather_state
@@ -72,14 +73,18 @@ class Job:
     keep: int
     sync: Sync
     group: Any = None
+    out: Callable[[Path, dict[str, torch.Tensor]], dict[str, Any]] | None = None  # None: `stream_tensors`
+    remote: Remote | None = None  # an fsspec root: rank 0 uploads the committed checkpoint to it
 
     @property
     def tmp(self) -> Path:
         return files.tmp_dir(self.root, self.seq)
 
 
-def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool) -> Snapshot:
-    """Every rank, at the same point: the state encoded in memory (copied when `copy`), a frozen value."""
+def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool,
+            stage: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Snapshot:  # fmt: skip
+    """Every rank, at the same point: the state encoded in memory (copied when `copy`), a frozen value.
+    `stage` makes the copies (default: a clone; the writer process: into its shared memory)."""
     parts = checkpoint_state.split(state)
     diverged = differing(parts["shared"], ctx.device) if ctx.distributed else []  # one all-gather, or none
     for name in diverged:
@@ -119,7 +124,7 @@ def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool) -> Sna
         for group in (rank_tensors, shared_tensors, *kept.values()):
             for key, value in group.items():
                 if value.untyped_storage().data_ptr() not in fresh:
-                    group[key] = value.clone()
+                    group[key] = stage(value) if stage is not None else value.clone()
     notes = {n: note(n, parts["per_rank"][n]) for n in diverged}
     return Snapshot(objects, step if isinstance(step, int) else None, ctx.strategy.name, rank_tree,
                     rank_tensors, kept, shared_tree, shared_tensors, shares, dcp_state, notes)  # fmt: skip
@@ -148,14 +153,20 @@ def full_weights(ctx: CheckpointContext, module: torch.nn.Module) -> dict[str, t
     return strategy.full_state(module) if strategy.owns(module) else unwrap(module).state_dict()
 
 
-def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int, group: Any = None) -> Job:
+def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int, group: Any = None,
+          out: Callable[[Path, dict[str, torch.Tensor]], dict[str, Any]] | None = None,
+          remote: Remote | None = None) -> Job:  # fmt: skip
     """Rank 0 opens the temporary directory and tells the others its number (through the store);
-    `group` is the process group of `write`'s collectives (None: training's)."""
+    `group` is the process group of `write`'s collectives (None: training's); `out` writes the big
+    tensor files (None: `stream_tensors` on this thread; the writer process's `write_file`); `remote`:
+    the store the checkpoint goes to after its local commit (`root` is then its local folder)."""
     sync = Sync(ctx, "save")
     if ctx.is_main:
         try:
             root.mkdir(parents=True, exist_ok=True)
             seq = files.next_seq(root)
+            if remote is not None:  # above every number in the store too (unfinished uploads included)
+                seq = max(seq, remote.next_seq())
             files.tmp_dir(root, seq).mkdir()
             if snap.dcp is not None:
                 (files.tmp_dir(root, seq) / checkpoint_dcp.DIRECTORY).mkdir()
@@ -165,7 +176,7 @@ def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int, group: 
         sync.publish("dir", str(seq))
     else:
         seq = int(sync.wait_one(0, "dir", "rank 0 to start the checkpoint"))
-    return Job(root, seq, keep, sync, group)
+    return Job(root, seq, keep, sync, group, out, remote)
 
 
 def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
@@ -206,9 +217,10 @@ def _write_shared_and_commit(
     objects = {**snap.shared_tree["objects"], **{n: files.encode(v, shared, n) for n, v in gathered.items()}}
     try:
         entries: dict[str, Any] = dict(listed)
+        put = job.out or stream_tensors
         for name, tensors in snap.weights.items():
-            entries[f"{name}.safetensors"] = stream_tensors(tmp / f"{name}.safetensors", tensors)
-        entries["state.safetensors"] = stream_tensors(tmp / "state.safetensors", shared)
+            entries[f"{name}.safetensors"] = put(tmp / f"{name}.safetensors", tensors)
+        entries["state.safetensors"] = put(tmp / "state.safetensors", shared)
         entries["state.json"] = files.write_json(tmp / "state.json", {**snap.shared_tree, "objects": objects})
         for r in range(1, ctx.world_size):
             answer = job.sync.wait_one(r, f"rank{r}", f"rank {r} to write its part of checkpoint {job.seq}")
@@ -219,12 +231,29 @@ def _write_shared_and_commit(
         })  # fmt: skip
         files.commit(tmp, final)
         files.prune(job.root, job.keep, job.seq)
+        if job.remote is not None:
+            _upload(ctx, job.remote, final, job.keep)
     except Exception as err:
         shutil.rmtree(tmp, ignore_errors=True)
         job.sync.publish("done", f"error: rank 0: {err}")
         raise
     job.sync.publish("done", str(final))
     return final
+
+
+def _upload(ctx: CheckpointContext, remote: Remote, final: Path, keep: int) -> None:
+    """Rank 0: the committed checkpoint to the store (the manifest last), then the store's retention."""
+    try:
+        url = remote.upload(final)
+        remote.prune(keep, final.name)
+    except Exception as err:
+        raise files.CheckpointError(
+            f"{final.name} is committed in the local folder {final.parent}, but its upload to {remote.url} "
+            f"failed ({type(err).__name__}: {err}): the store's newest complete checkpoint is still the one "
+            "before it. Check the store's address and credentials; the next save uploads a new checkpoint, "
+            f"and a load on this machine resumes from the local copy"
+        ) from err
+    ctx.say(f"ddpkit: uploaded {final.name} to {url}")
 
 
 _CHUNK = 8 << 20

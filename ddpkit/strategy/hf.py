@@ -124,7 +124,7 @@ def tied_owners(module: nn.Module) -> dict[int, list[tuple[str, str]]]:
     return {k: v for k, v in owners.items() if len(v) > 1}
 
 
-def export(write: Callable[[Path, nn.Module], Any], path: str | Path, model: nn.Module, *, main: bool,
+def export(write: Callable[[str | Path, nn.Module], Any], path: str | Path, model: nn.Module, *, main: bool,
            merged: bool = False) -> Any:  # fmt: skip
     """`s.export`: an HF model exported to a directory (a path without `.safetensors`) becomes one
     `from_pretrained` loads: `model.safetensors` (written by `write`, streamed under FSDP) plus the
@@ -146,7 +146,7 @@ def export(write: Callable[[Path, nn.Module], Any], path: str | Path, model: nn.
             "Leave merged out, or export a model made by peft.get_peft_model to a directory",
         )
     if not is_hf(inner) or target.suffix == ".safetensors":
-        return write(target, model)
+        return write(path if "://" in str(path) else target, model)  # a URL: Path() would fold its //
     written = write(target / "model.safetensors", model)  # every rank (a collective under FSDP)
     if main:
         inner.config.save_pretrained(target)

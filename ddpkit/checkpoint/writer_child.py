@@ -1,0 +1,116 @@
+"""The checkpoint writer process's own code: standard library only, run by path (not imported).
+
+    python ddpkit/checkpoint/writer_child.py FD NICE     # started by `ddpkit.checkpoint.writer_process`
+
+Why a separate, torch-free program: it starts in tens of milliseconds, imports nothing of the user's
+(multiprocessing's spawn would re-import the training script), and its CPU time (writing and hashing
+hundreds of MiB) runs in its own interpreter at the lowest priority, never holding training's GIL.
+
+It serves requests on the Unix socket FD, one at a time, each a 4-byte length and a JSON body (file
+descriptors of new shared-memory segments ride on the length bytes, SCM_RIGHTS):
+
+    {"segments": [id, ...], "path": ".../model.safetensors", "head": "<base64>",
+     "pieces": [[id, offset, n], ...]}
+
+and writes the file: the safetensors header, then each piece's bytes straight from the mapped memory,
+hashing them on the way; fsync; then, and only then, it answers {"bytes": N, "sha256": "..."} (or
+{"error": "..."}). The parent's manifest and atomic rename come after that answer. End of input (the
+training process ended or died) ends it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import mmap
+import os
+import socket
+import struct
+import sys
+
+CHUNK = 8 << 20
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        part = sock.recv(n - len(data))
+        if not part:
+            raise EOFError
+        data += part
+    return data
+
+
+def receive(sock: socket.socket) -> tuple[dict, list[int]]:
+    head, fds, _, _ = socket.recv_fds(sock, 4, 64)
+    if not head:
+        raise EOFError
+    head += _recv_exact(sock, 4 - len(head))
+    (length,) = struct.unpack("<I", head)
+    return json.loads(_recv_exact(sock, length)), fds
+
+
+def send(sock: socket.socket, body: dict) -> None:
+    data = json.dumps(body).encode()
+    sock.sendall(struct.pack("<I", len(data)) + data)
+
+
+def write_file(request: dict, maps: dict[int, mmap.mmap]) -> dict:
+    digest = hashlib.sha256()
+    head = base64.b64decode(request["head"])
+    with open(request["path"], "wb", buffering=0) as f:
+        f.write(head)
+        digest.update(head)
+        for segment, offset, n in request["pieces"]:
+            view = memoryview(maps[segment])[offset : offset + n]
+            for start in range(0, n, CHUNK):
+                piece = view[start : start + CHUNK]
+                digest.update(piece)
+                while piece:
+                    piece = piece[f.write(piece) :]
+            view.release()
+        os.fsync(f.fileno())  # durable before the answer: the parent commits on it
+    return {"bytes": os.stat(request["path"]).st_size, "sha256": digest.hexdigest()}
+
+
+def lowest_priority(nice: int) -> None:
+    """SCHED_IDLE and `nice` for this whole process: it runs on CPU time training leaves idle."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+
+
+def main(fd: int, nice: int | None) -> None:
+    if nice is not None:
+        lowest_priority(nice)
+    sock = socket.socket(fileno=fd)
+    maps: dict[int, mmap.mmap] = {}
+    while True:
+        try:
+            request, fds = receive(sock)
+        except (EOFError, ConnectionError):
+            return
+        for segment, new_fd in zip(request.get("segments", []), fds, strict=True):
+            maps[segment] = mmap.mmap(new_fd, 0, prot=mmap.PROT_READ)
+            os.close(new_fd)
+        for segment in request.get("drop", []):
+            if segment in maps:
+                maps.pop(segment).close()
+        if "path" not in request:
+            send(sock, {"ok": True})
+            continue
+        try:
+            answer = write_file(request, maps)
+        except Exception as err:  # reported to the parent, which fails the save with it
+            answer = {"error": f"{type(err).__name__}: {err}"}
+        try:
+            send(sock, answer)
+        except (BrokenPipeError, ConnectionError):
+            return
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), None if sys.argv[2] == "none" else int(sys.argv[2]))

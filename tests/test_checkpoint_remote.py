@@ -1,0 +1,205 @@
+"""Checkpoints in an fsspec store: an S3-compatible server (moto's, started here on a free port, offline)
+and a file:// URL. What a user checks: a save to s3://... resumes on another machine (an empty local
+folder) bitwise; retention keeps the newest K in the store; a save killed in the middle of its upload
+leaves the store's checkpoint whole or absent, and the relaunch resumes from the one before it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ddpkit
+
+pytest.importorskip("s3fs", reason='pip install "ddpkit[remote-test]"')
+moto_server = pytest.importorskip("moto.server", reason='pip install "ddpkit[remote-test]"')
+
+HW = ddpkit.Hardware(gpus=0, cpu_cores=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    port = _free_port()
+    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    srv.start()
+    yield f"http://127.0.0.1:{port}"
+    srv.stop()
+
+
+@pytest.fixture
+def store(server: str, tmp_path: Path, request: pytest.FixtureRequest):
+    """A fresh bucket, credentials for the local server, this machine's cache folder; the fs."""
+    import fsspec
+
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=server,
+                      DDPKIT_CHECKPOINT_CACHE=str(tmp_path / "cache"))  # fmt: skip
+    bucket = f"b{abs(hash(request.node.name)) % 10**8}-{time.time_ns() % 10**6}"
+    fs, _ = fsspec.core.url_to_fs(f"s3://{bucket}")
+    fs.mkdir(bucket)
+    return fs, bucket
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _names(fs, prefix: str) -> list[str]:
+    fs.invalidate_cache()
+    return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(prefix, detail=False))
+
+
+def test_a_save_to_s3_resumes_on_another_machine_and_keeps_the_newest(store, tmp_path: Path) -> None:
+    fs, bucket = store
+    url = f"s3://{bucket}/run"
+    model, opt = _model()
+    with ddpkit.session(env={}, hardware=HW, verbose=False) as s:
+        for step in (1, 2):
+            s.save(url, model=model, optimizer=opt, step=step, keep=2)
+        s.save(url, model=model, optimizer=opt, step=3, keep=2, background="process")  # uploaded behind
+        s.checkpoints.wait()
+    assert _names(fs, f"{bucket}/run") == ["ckpt-000002", "ckpt-000003"]  # keep=2: the newest two
+    assert "manifest.json" in _names(fs, f"{bucket}/run/ckpt-000003")
+    os.environ["DDPKIT_CHECKPOINT_CACHE"] = str(tmp_path / "other-machine")  # nothing local
+    fresh = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    with ddpkit.session(env={}, hardware=HW, verbose=False) as s:
+        assert s.load(url, model=fresh, optimizer=fresh_opt, step=0)["step"] == 3
+    for key, value in model.state_dict().items():
+        assert fresh.state_dict()[key].equal(value), key
+    saved = opt.state_dict()["state"][0]["exp_avg"]
+    assert fresh_opt.state_dict()["state"][0]["exp_avg"].equal(saved)
+
+
+def test_an_empty_store_is_a_fresh_start_and_a_file_url_is_a_local_folder(store, tmp_path: Path) -> None:
+    _, bucket = store
+    model, _ = _model()
+    with ddpkit.session(env={}, hardware=HW, verbose=False) as s:
+        assert s.load(f"s3://{bucket}/nothing", model=model, step=7)["step"] == 7
+        s.save(f"file://{tmp_path}/local", model=model, step=1)
+        assert (tmp_path / "local" / "ckpt-000001" / "manifest.json").is_file()
+        assert s.load(f"file://{tmp_path}/local", model=model, step=0)["step"] == 1
+
+
+def test_an_export_to_s3_is_the_models_weights(store, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    fs, bucket = store
+    model, _ = _model()
+    with ddpkit.session(env={}, hardware=HW, verbose=False) as s:
+        s.export(f"s3://{bucket}/out/model.safetensors", model)
+    fs.get_file(f"{bucket}/out/model.safetensors", str(tmp_path / "m.safetensors"))
+    back = load_file(str(tmp_path / "m.safetensors"))
+    assert back.keys() == model.state_dict().keys()
+    assert all(back[k].equal(v) for k, v in model.state_dict().items())
+
+
+def test_a_store_without_its_driver_is_refused_with_the_package_to_install() -> None:
+    from ddpkit.checkpoint.remote import Remote
+
+    with pytest.raises(ddpkit.DdpkitError, match=r"no fsspec file system for nope://b/run.*driver"):
+        Remote.parse("nope://b/run")
+
+
+JOB = """
+import sys, torch, ddpkit
+from torch import nn
+url, mode = sys.argv[1], sys.argv[2]
+with ddpkit.session(seed=0, verbose=True) as s:
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])  # 64 MiB, 128 MiB of AdamW state
+    opt = torch.optim.AdamW(model.parameters())
+    values = s.load(url, model=model, optimizer=opt, step=0)
+    print("RESUMED", values["step"], flush=True)
+    if mode == "save":
+        s.backward(model(torch.randn(2, 1024)).sum()); s.step(opt)
+        s.save(url, model=model, optimizer=opt, step=values["step"] + 1)
+        print("SAVED", values["step"] + 1, flush=True)
+"""
+
+
+def test_a_kill_during_the_upload_leaves_the_stores_checkpoint_whole_or_absent(store, tmp_path: Path) -> None:
+    fs, bucket = store
+    url = f"s3://{bucket}/run"
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(JOB))
+
+    def launch(cache: str) -> subprocess.Popen:
+        env = {**os.environ, "DDPKIT_CHECKPOINT_CACHE": str(tmp_path / cache), "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen([sys.executable, str(script), url, "save"], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+
+    first = launch("a")
+    out, err = first.communicate(timeout=100)
+    assert first.returncode == 0 and "SAVED 1" in out, err[-2000:]
+    second = launch("a")
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # the first object of ckpt-000002 is in: the upload is under way
+            fs.invalidate_cache()
+            if fs.exists(f"{bucket}/run/ckpt-000002") and fs.find(f"{bucket}/run/ckpt-000002"):
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the second save's upload never started")
+        os.kill(second.pid, signal.SIGSTOP)  # frozen in the middle of its upload
+        fs.invalidate_cache()
+        there = {p.rsplit("/", 1)[-1] for p in fs.find(f"{bucket}/run/ckpt-000002")}
+        os.kill(second.pid, signal.SIGKILL)
+    finally:
+        second.kill()
+        second.wait()
+    assert there and "manifest.json" not in there, f"committed before its parts were in: {sorted(there)}"
+    resumed = launch("b")  # another machine: nothing in its local folder
+    out, err = resumed.communicate(timeout=100)
+    assert resumed.returncode == 0, err[-2000:]
+    assert "RESUMED 1" in out and "SAVED 2" in out, out
+    assert _names(fs, f"{bucket}/run") == ["ckpt-000001", "ckpt-000003"]  # the unfinished upload removed
+
+
+def test_a_preempted_run_saves_to_the_store_and_a_relaunch_on_another_machine_resumes(store, tmp_path: Path) -> None:
+    """`ddpkit run --nproc 2 preempt_train.py s3://...`: SIGTERM at step 3 (no periodic save in the
+    run); the preemption save reaches the store before exit 75, and a relaunch with an empty local
+    folder resumes from it and ends bitwise like an uninterrupted run (tests/test_preemption.py's job)."""
+    from test_preemption import NO_PAUSE, SLOW, STEPS, launch
+
+    fs, bucket = store
+    url = f"s3://{bucket}/run"
+    reference = launch(tmp_path / "ref", tmp_path / "ref-out", *NO_PAUSE)  # a local root, uninterrupted
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    idiom = ("--idiom", "if", "--save-every", "100")
+    first = launch(url, tmp_path / "out", "--signal-at", "forward:3:0", *idiom, *SLOW,  # type: ignore[arg-type]
+                   env={"DDPKIT_CHECKPOINT_CACHE": str(tmp_path / "machine-a")})  # fmt: skip
+    assert first.returncode == 75, f"{first.stdout[-2000:]}\n{first.stderr[-3000:]}"
+    assert f"uploaded ckpt-000001 to {url}/ckpt-000001" in first.stdout, first.stdout[-2000:]
+    assert "manifest.json" in _names(fs, f"{bucket}/run/ckpt-000001")
+    second = launch(url, tmp_path / "out", *idiom, *NO_PAUSE,  # type: ignore[arg-type]
+                    env={"DDPKIT_CHECKPOINT_CACHE": str(tmp_path / "machine-b")})  # fmt: skip
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "downloaded" in second.stdout and "resumed from" in second.stdout, second.stdout[-2000:]
+    from safetensors.torch import load_file
+
+    want = load_file(str(tmp_path / "ref-out" / "final.safetensors"))
+    got = load_file(str(tmp_path / "out" / "final.safetensors"))
+    assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
+    assert (tmp_path / "out" / "log.txt").read_text().split()[-1] == str(STEPS)
