@@ -73,7 +73,7 @@ def test_every_float_comparison_runs_under_the_portable_kernels_or_says_why_not(
     assert not left_out, (
         "these tests compare floats but are not marked `numerics`, so .ci/run never runs them on the "
         "portable kernels: mark them @pytest.mark.numerics, or list them in NOT_KERNEL_DEPENDENT "
-        "(tests/test_ci_selection.py) with the reason their result cannot depend on the kernel path:\n"
+        "(tests/conftest.py) with the reason their result cannot depend on the kernel path:\n"
         + "\n".join(left_out)
     )
     files = {test.split("::")[0] for test in found}
