@@ -288,3 +288,30 @@ def _fsdp_auto() -> str:
 def test_fsdp_is_refused_with_the_fix(pool2) -> None:
     for msg in pool2.run(_fsdp_auto):
         assert "micro_batch='auto' with FSDP" in msg and "ddpkit plan --memory" in msg, msg
+
+
+def _other_error_on_rank_1() -> str:
+    """micro_batch='auto': rank 1's forward raises a plain error; what each rank raises."""
+    with ddpkit.session(seed=0, verbose=False, micro_batch="auto", log_to=None) as s:
+        model = s.model(_mlp())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(m: nn.Module, b: tuple) -> torch.Tensor:
+            if s.rank == 1:
+                raise ValueError("a bug in rank 1's data")
+            return F.cross_entropy(m(b[0]), b[1])
+
+        try:
+            ddpkit.fit(s, model, opt, s.loader(_dataset(), batch_size=32), step, max_steps=2, progress=False,
+                       flops=None)  # fmt: skip
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
+    return ""
+
+
+def test_another_error_on_one_rank_stops_every_rank_in_the_same_micro_batch(pool2) -> None:
+    """No peer is left waiting in the next micro-batch's agreement: rank 1 raises its own error, rank 0
+    a DdpkitError that names rank 1."""
+    got = pool2.run(_other_error_on_rank_1)
+    assert got[1] == "ValueError: a bug in rank 1's data", got
+    assert got[0].startswith("DdpkitError: rank(s) [1] failed in this micro-batch"), got
