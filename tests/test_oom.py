@@ -199,13 +199,26 @@ def train_under_address_limit_one_rank_error(per_rank: int, budget_mib: int) -> 
     return got
 
 
-def test_the_split_is_saved_and_a_resume_starts_there(tmp_path: Path) -> None:
-    """One process: a planted OOM splits 16 -> 8; the checkpoint carries it; a new session resumes at 8."""
+class _Recorder:
+    """A tracker of one's own (`ddpkit.observe.tracking.Logger`'s two methods)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, dict]] = []
+
+    def log(self, values: dict, step: int) -> None:
+        self.seen.append((step, dict(values)))
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_split_is_said_logged_saved_and_a_resume_starts_there(tmp_path: Path, capsys) -> None:
+    """One process: a planted OOM splits 16 -> 8, said in one line and logged to the trackers; the
+    checkpoint carries it; a new session resumes at 8."""
     ckpt = str(tmp_path / "ckpt")
     planted = _Planted(rank=0, above=8, from_step=0, at=0, where="forward")
-    with ddpkit.session(
-        micro_batch="auto", verbose=False, log_to=None, env={}, hardware=ddpkit.Hardware(0, 2)
-    ) as s:
+    rec = _Recorder()
+    with ddpkit.session(micro_batch="auto", log_to=rec, env={}, hardware=ddpkit.Hardware(0, 2)) as s:
         model = s.model(_mlp())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         loader = s.loader(_dataset(), batch_size=16)
@@ -214,6 +227,13 @@ def test_the_split_is_saved_and_a_resume_starts_there(tmp_path: Path) -> None:
         )
         assert s.stepper.oom.parts == 2 and s.stepper.accumulation == 2
         s.save(ckpt, model=model, optimizer=opt, stepper=s.stepper)
+    said = [line for line in capsys.readouterr().out.splitlines() if "out of memory" in line]
+    assert len(said) == 1, said
+    assert (
+        "micro-batch 16 per rank" in said[0]
+        and "micro-batches of 8 (accumulation 1 -> 2; global batch 16 unchanged)" in said[0]
+    )
+    assert (0, {"micro_batch/size": 8.0, "micro_batch/parts": 2}) in rec.seen
     with ddpkit.session(
         micro_batch="auto", verbose=False, log_to=None, env={}, hardware=ddpkit.Hardware(0, 2)
     ) as s:
@@ -268,3 +288,30 @@ def _fsdp_auto() -> str:
 def test_fsdp_is_refused_with_the_fix(pool2) -> None:
     for msg in pool2.run(_fsdp_auto):
         assert "micro_batch='auto' with FSDP" in msg and "ddpkit plan --memory" in msg, msg
+
+
+def _other_error_on_rank_1() -> str:
+    """micro_batch='auto': rank 1's forward raises a plain error; what each rank raises."""
+    with ddpkit.session(seed=0, verbose=False, micro_batch="auto", log_to=None) as s:
+        model = s.model(_mlp())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(m: nn.Module, b: tuple) -> torch.Tensor:
+            if s.rank == 1:
+                raise ValueError("a bug in rank 1's data")
+            return F.cross_entropy(m(b[0]), b[1])
+
+        try:
+            ddpkit.fit(s, model, opt, s.loader(_dataset(), batch_size=32), step, max_steps=2, progress=False,
+                       flops=None)  # fmt: skip
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
+    return ""
+
+
+def test_another_error_on_one_rank_stops_every_rank_in_the_same_micro_batch(pool2) -> None:
+    """No peer is left waiting in the next micro-batch's agreement: rank 1 raises its own error, rank 0
+    a DdpkitError that names rank 1."""
+    got = pool2.run(_other_error_on_rank_1)
+    assert got[1] == "ValueError: a bug in rank 1's data", got
+    assert got[0].startswith("DdpkitError: rank(s) [1] failed in this micro-batch"), got

@@ -127,7 +127,11 @@ class AutoMicroBatch:
             own = f": {str(failed)[:300]}" if failed is not None else ""
             if failed is not None:  # its frames hold the step's activations: freed before the re-run
                 traceback.clear_frames(failed.__traceback__)
-            text = f"rank(s) {ranks} ran out of memory in this micro-batch{own}"
+            text = (
+                f"rank(s) {ranks} ran out of memory in this micro-batch{own}. Every rank stopped here: "
+                "ddpkit.fit runs the step again split; in a loop of your own, set the gradients to None "
+                "and run the step's batches again in halves with twice the accumulation"
+            )
             raise StepOutOfMemory(text, ranks) from None
 
     def split_more(self, step: int) -> None:
