@@ -1138,8 +1138,8 @@ MUTANTS = [
     Mutant(
         "shards-into-ddp-no-optimizer",
         "ddpkit/checkpoint/portable.py",
-        "        set_optimizer_state_dict(model, opt, state[name], options=options)",
-        "        pass  # mutant: the optimizers' state read from the shards but never set",
+        "        checkpoint_dcp.load(state, found.path)  # refuses a planted pickle in the metadata, then DCP's load",
+        "        checkpoint_dcp.load({taken.name: state[taken.name]}, found.path)  # mutant: optimizers left out",
         ("tests/test_hsdp.py::test_hsdp_checkpoint_resumes_under_another_shape_exactly",),
         "an FSDP/HSDP checkpoint loaded under DDP or one process reads the weights, not the optimizer state",
     ),

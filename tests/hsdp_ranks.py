@@ -123,3 +123,32 @@ def hf_weights(kind: str, root: str) -> dict:
         model = s.model(factory(kind), strategy=options, weights=root)
         local = sum(p.to_local().numel() for p in ddpkit.unwrap(model).parameters())
         return {"got": _state(model), "local": local}
+
+
+def background_roundtrip(root: str) -> dict:
+    """An HSDP (2 x 2) background save (shards copied in the call, written by the writer thread over its
+    own group), training going on meanwhile, then a load into a fresh model: the weights and moments at
+    the call, and the loaded ones."""
+    strategy = strategy_of("hsdp", 2, 2)
+    with ddpkit.session(seed=0, verbose=False, strategy=strategy) as s:
+        model = s.model(net, strategy=strategy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        batches = iter(s.loader(data(), batch_size=12, shuffle=True))
+
+        def steps(k: int) -> None:
+            for _ in range(k):
+                x, y = next(batches)
+                s.backward(F.cross_entropy(model(x), y))
+                s.step(opt)
+
+        steps(2)
+        at_call = {"params": full_params(model), "moments": _moments(model, opt)}
+        s.save(root, model=model, optimizer=opt, step=2, background=True)
+        steps(2)  # while the writer saves the copy
+        s.checkpoints.wait()
+        torch.manual_seed(1)  # every rank alike (after s.model each rank's generator is its own)
+        fresh = s.model(net, strategy=strategy)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        s.load(root, model=fresh, optimizer=fresh_opt)
+        return {"at_call": at_call, "loaded": {"params": full_params(fresh), "moments": _moments(fresh, fresh_opt)},
+                "moved": full_params(model)}  # fmt: skip

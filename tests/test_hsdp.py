@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hsdp_ranks import checkpointed, hf_weights, initial_mixed, refused, trained
+from hsdp_ranks import background_roundtrip, checkpointed, hf_weights, initial_mixed, refused, trained
 
 pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
 
@@ -203,6 +203,13 @@ def test_an_fsdp_checkpoint_resumes_under_hsdp_exactly(pool2, pool4, tmp_path, k
         _same(r["moments"], saved[0]["moments"], f"rank {rank}: AdamW moments")
     for a, b in ((0, 2), (1, 3)):  # both replica groups read the same pieces
         _same(loaded[a]["local"], loaded[b]["local"], f"replicas {a} and {b}")
+
+
+def test_an_hsdp_background_save_holds_the_state_of_the_call(pool4, tmp_path) -> None:
+    for rank, r in enumerate(pool4.run(background_roundtrip, str(tmp_path / "ckpt"))):
+        assert any(not torch.equal(r["moved"][k], r["at_call"]["params"][k]) for k in r["moved"])  # trained on
+        _same(r["loaded"]["params"], r["at_call"]["params"], f"rank {rank}: weights")
+        _same(r["loaded"]["moments"], r["at_call"]["moments"], f"rank {rank}: AdamW moments")
 
 
 def test_an_hsdp_checkpoint_converts_to_whole_weights_for_ddp_and_one_process(pool4, tmp_path) -> None:
