@@ -3,6 +3,17 @@
     .venv/bin/python scripts/mutation_check.py              # every mutant, a baseline run first
     .venv/bin/python scripts/mutation_check.py shm no_sync  # only these mutants
     .venv/bin/python scripts/mutation_check.py --list       # the mutants and the tests that must catch them
+    .venv/bin/python scripts/mutation_check.py --record     # every mutant; record the caught ones at HEAD
+    .venv/bin/python scripts/mutation_check.py --due --budget 420 --seed 7   # what CI runs
+
+The whole check takes ~20 minutes on 2 cores, most of it a few mutants whose tests launch real jobs, so
+CI runs it incrementally, as mutation tools do (Stryker's incremental mode, PIT's history): `--record`
+writes, for each mutant caught on a clean checkout, the commit and a digest of the mutant to
+`.ci/mutants-verified.json`. `--due` runs every mutant that is *due* (new or edited since its record, or
+one of its files changed since its commit: its ddpkit file, its test files and their helpers, the changes
+that can let a mutant through), then fills `--budget` seconds with the others in an order `--seed`
+shuffles, so successive CI runs cover all of them. Every mutant's target text is checked on every run,
+due or not.
 
 Each mutant is one hand-written text replacement in one ddpkit file ("call torch.compile" becomes "do
 not"), applied to a temporary copy of the repository (never the working tree), followed by a run of
@@ -23,9 +34,13 @@ from __future__ import annotations
 import argparse
 import compileall
 import contextlib
+import hashlib
 import importlib
+import json
 import os
 import py_compile
+import random
+import re
 import shutil
 import signal
 import subprocess
@@ -491,7 +506,7 @@ MUTANTS = [
         "setattr(utils, _DEVICE_QUESTION, lambda: None)",
         "setattr(utils, _DEVICE_QUESTION, original)",
         ("tests/test_hf_models.py::test_initial_weights_are_one_process_weights_under_every_build[gpt2]",),
-        "FSDP's shard-by-shard build lets transformers skip its own initialisation on meta (issue 30)",
+        "FSDP's shard-by-shard build lets transformers skip its own initialisation on meta",
     ),
     Mutant(
         "hf-tied-cut",
@@ -1036,6 +1051,14 @@ MUTANTS = [
         "the start-up line names the placement (mode ddp-cpu) and never the strategy and its shape",
     ),
     Mutant(
+        "ci-due-changed",
+        "scripts/mutation_check.py",
+        "        if changed is None or files_of(m) \x26 changed:",  # escaped: this line must not match itself
+        "        if changed is None:  # mutant: a changed file never makes a mutant due",
+        ("tests/test_ci_selection.py::test_ci_runs_every_mutant_whose_record_does_not_cover_it",),
+        "CI's mutation leg skips a mutant whose code or tests changed since the commit it was caught at",
+    ),
+    Mutant(
         "hsdp-swapped-mesh",
         "ddpkit/strategy/hsdp.py",
         "        self.shape = self.shape.with_mesh(replicate=replicate, shard=shard)",
@@ -1212,6 +1235,92 @@ def mutate(m: Mutant) -> Callable[[Path], Callable[[], None]]:
     return prepare
 
 
+RECORD = REPO / ".ci" / "mutants-verified.json"
+
+
+def _where() -> str:
+    return os.path.relpath(RECORD, REPO)
+
+
+def digest(m: Mutant) -> str:
+    """What a mutant is: a new or edited mutant is never covered by an older record."""
+    return hashlib.sha256(repr((m.file, m.old, m.new, m.tests)).encode()).hexdigest()[:16]
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+
+
+def changed_since(commit: str) -> set[str] | None:
+    """Files changed between `commit` and the working tree (committed or not); None when git does not
+    know the commit (a shallow clone, a rewritten history): then every mutant is due."""
+    if _git("cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
+        return None
+    names = set(_git("diff", "--name-only", commit).stdout.split())
+    names |= set(_git("ls-files", "--others", "--exclude-standard").stdout.split())
+    return names
+
+
+# Shared by nearly every test: a change to them would make every mutant due. What they do is covered by the
+# suite passing and by the budget's rotation through all mutants, not by the due set.
+SHARED_HELPERS = {"tests/conftest.py", "tests/rankpool.py"}
+
+
+def _helpers(test_file: str) -> set[str]:
+    """The modules of tests/ a test file imports (rank scripts, its own helpers), less the shared ones."""
+    path = REPO / test_file
+    if not path.is_file():
+        return set()
+    found = re.findall(r"^\s*(?:from|import)\s+(\w+)", path.read_text(), re.MULTILINE)
+    named = {f"tests/{name}.py" for name in found if (REPO / "tests" / f"{name}.py").is_file()}
+    return named - SHARED_HELPERS
+
+
+def files_of(m: Mutant) -> set[str]:
+    """The files whose change can let this mutant through: its target, its tests and their helpers."""
+    tests = {t.split("::")[0] for t in m.tests}
+    return {m.file} | tests | {h for t in tests for h in _helpers(t)}
+
+
+def due(chosen: list[Mutant]) -> tuple[list[Mutant], str]:
+    """The mutants the record does not cover, and a line saying why. A mutant is covered when the record
+    holds its digest and a commit at which it was caught, and none of its files changed since."""
+    verified = json.loads(RECORD.read_text()) if RECORD.is_file() else {}
+    changes: dict[str, set[str] | None] = {}
+    picked, unknown = [], set()
+    for m in chosen:
+        entry = verified.get(m.name)
+        if entry is None or entry["digest"] != digest(m):
+            picked.append(m)
+            continue
+        if entry["commit"] not in changes:
+            changes[entry["commit"]] = changed_since(entry["commit"])
+        changed = changes[entry["commit"]]
+        if changed is None:
+            unknown.add(entry["commit"][:10])
+        if changed is None or files_of(m) & changed:
+            picked.append(m)
+    missing = f"; commits not in this clone (all their mutants due): {sorted(unknown)}" if unknown else ""
+    return picked, (
+        f"{len(picked)} of {len(chosen)} mutants due (new, edited, or a file of theirs changed since the "
+        f"commit at which {_where()} says they were caught){missing}"
+    )
+
+
+def write_record(caught: list[Mutant]) -> str:
+    """Record each caught mutant at HEAD; only on a checkout with no uncommitted change to tracked files."""
+    if _git("status", "--porcelain", "--untracked-files=no").stdout.strip():
+        return "not recorded: uncommitted changes (a record names a commit; commit first)"
+    commit = _git("rev-parse", "HEAD").stdout.strip()
+    verified = json.loads(RECORD.read_text()) if RECORD.is_file() else {}
+    for m in caught:
+        verified[m.name] = {"digest": digest(m), "commit": commit, "date": time.strftime("%Y-%m-%d")}
+    known = {m.name for m in MUTANTS}
+    verified = {name: entry for name, entry in verified.items() if name in known}
+    RECORD.write_text(json.dumps(verified, indent=1, sort_keys=True) + "\n")
+    return f"recorded {len(caught)} caught mutants at {commit[:10]} in {_where()} (commit it)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
@@ -1221,11 +1330,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "-j", "--jobs", type=int, default=JOBS, help=f"mutants run at once, each in its own copy ({JOBS})"
     )
+    parser.add_argument("--due", action="store_true", help="only the mutants the record does not cover, "
+                        "then others within --budget")  # fmt: skip
+    parser.add_argument("--budget", type=float, default=0, help="with --due: seconds to fill with others")
+    parser.add_argument("--seed", type=int, default=0, help="with --due: the order of the others")
+    parser.add_argument("--record", action="store_true", help="record the caught mutants at HEAD")
     ns = parser.parse_args(argv)
     unknown = sorted(set(ns.names) - {m.name for m in MUTANTS})
     if unknown:
         parser.error(f"unknown mutants {unknown}; known: {[m.name for m in MUTANTS]}")
     chosen = [m for m in MUTANTS if not ns.names or m.name in ns.names]
+    others: list[Mutant] = []
+    if ns.due:
+        picked, why = due(chosen)
+        others = [m for m in chosen if m not in picked]
+        random.Random(ns.seed).shuffle(others)
+        chosen = picked
+        print(f"{why}; then others for up to {ns.budget:.0f} s (order: --seed {ns.seed})", flush=True)
     if ns.list:
         for m in chosen:
             print(f"{m.name:18} {m.file:24} {m.what}\n{'':18} tests: {' '.join(m.tests)}")
@@ -1242,7 +1363,7 @@ def main(argv: list[str] | None = None) -> int:
         for copy in copies:
             copy.mkdir()
             copy_repo(copy)
-        for m in chosen:  # every target must exist before anything runs
+        for m in chosen + others:  # every target must exist before anything runs, due or not
             apply(copies[0], m)
             (copies[0] / m.file).write_text((REPO / m.file).read_text())
         if not ns.no_baseline:
@@ -1262,6 +1383,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: {verdict} ({secs:.0f} s)", flush=True)
 
         run_all([(m.name, m.tests, mutate(m)) for m in chosen], copies, ns.timeout, record)
+        ends = time.monotonic() + ns.budget
+        for m in others:  # one at a time, each started only while the budget lasts
+            if time.monotonic() >= ends:
+                break
+            run_all([(m.name, m.tests, mutate(m))], copies[:1], ns.timeout, record)
+            chosen.append(m)
     print("\n| mutant | switched off | tests that fail | s |\n|---|---|---|---|")
     for m in chosen:
         rc, verdict, secs = results[m.name]
@@ -1270,6 +1397,10 @@ def main(argv: list[str] | None = None) -> int:
     caught = sum(results[m.name][0] == 1 for m in chosen)
     print(f"\n{caught} of {len(chosen)} mutants caught, {ns.jobs} at a time, "
           f"in {time.monotonic() - began:.0f} s")  # fmt: skip
+    if ns.due:
+        print(f"{len(MUTANTS) - len(chosen)} of {len(MUTANTS)} mutants not run (the record covers them)")
+    if ns.record:
+        print(write_record([m for m in chosen if results[m.name][0] == 1]))
     return 0 if ok else 1
 
 

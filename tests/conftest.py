@@ -239,6 +239,125 @@ QUICK: dict[str, tuple[str, ...]] = {
 }
 
 
+_REFUSAL = "a refusal or an error message"
+_SAME_BY_CONSTRUCTION = "a resumed run repeats the uninterrupted run's own operations: equal on any kernel"
+# Tests (file, or file::test) whose results cannot depend on the kernel path, and why: .ci/run's
+# default-kernel leg (`-m "numerics and not kernel_independent"`) leaves them out, also where their module
+# is marked `numerics` as a whole. tests/test_ci_selection.py checks that every other test showing a float
+# comparison is marked `numerics`, and that every entry names a test.
+NOT_KERNEL_DEPENDENT = {
+    "test_anatomy.py": "timings and their arithmetic; no trained values compared",
+    "test_bench.py": "benchmark arithmetic (floors, spreads) on measured or given numbers",
+    "test_checkpoint.py": "save/load round trips: the same bytes come back",
+    "test_checkpoint_tools.py": "conversions return the saved bytes; forwards compared in one process on the same weights",
+    "test_checkpoint_portable.py": "a load copies the saved values: the loaded state equals the saved bytes",
+    "test_checkpoint_remote.py": "downloaded checkpoints equal the uploaded bytes; the preempted run: " + _SAME_BY_CONSTRUCTION,
+    "test_ci_selection.py": "this check's own sample of a float comparison",
+    "test_data_hf.py": _SAME_BY_CONSTRUCTION,
+    "test_fit.py": "logged values read back as written",
+    "test_gpucheck.py": "names of checks; nothing computed",
+    "test_hf_weights.py": "weights loaded from a checkpoint equal its bytes",
+    "test_plan.py": "the planner's cost model in Python floats; no torch kernel",
+    "test_plugins.py::test_a_strategy_registered_from_outside_trains_with_its_shape":
+        "replicas compared with each other: every rank applies the same all-reduced gradient",
+    "test_architecture.py::test_every_wing_index_lists_all_its_modules": "module names in docstrings; nothing computed",
+    "test_plan_noise.py": "the planner's noise bands in Python floats; no torch kernel",
+    "test_plan_memory.py": "bytes of fake tensors (shapes and dtypes): no kernel computes a value",
+    "test_plan_memory_ranks.py": "a peak in bytes measured by the kernel against the estimate; no trained value compared",
+    "test_preemption.py": _SAME_BY_CONSTRUCTION,
+    "test_public_api.py": "command-line options only",
+    "test_run_reports.py": "launch reports; no values compared",
+    "test_strategy_choice.py": "byte counts of optimizer state",
+    "test_tracking.py": "logged values read back as written",
+    "test_activation_checkpointing.py::test_a_block_fed_the_raw_batch_still_trains": "weights changed at all",
+    "test_activation_checkpointing.py::test_auto_finds_an_hf_models_blocks_and_loads_weights_through_the_wrappers": (
+        "loaded weights equal the saved bytes"
+    ),
+    "test_data_streams.py::test_stopped_mid_epoch_and_resumed_ends_bitwise_like_uninterrupted": _SAME_BY_CONSTRUCTION,
+    "test_data_streams.py::test_killed_mid_epoch_and_restarted_ends_bitwise_like_uninterrupted": _SAME_BY_CONSTRUCTION,
+    "test_lint_new_rules.py::test_the_checkpointing_trap_is_real_on_gloo_ranks": (
+        "shows a hang/refusal of the trap, not two computations' values"
+    ),
+    "test_tokens.py::test_a_step_without_any_valid_token_is_skipped_on_every_rank": "weights left unchanged",
+    "test_verify_resume.py::test_a_checkpoint_of_everything_resumes_bitwise": _SAME_BY_CONSTRUCTION,
+    "test_verify_resume.py::test_the_command_line": "the same world size: " + _SAME_BY_CONSTRUCTION,
+    # In modules marked `numerics` as a whole: what these check is not a float result of two computations
+    "test_elastic.py": (
+        "membership, restarts and the global batch; its float claims are test_invariant's (bitwise at any "
+        "world size, in the leg) and a 1e-5 bound 50x above the measured 2e-7"
+    ),
+    "test_accumulate.py::test_one_all_reduce_per_bucket_per_optimizer_step": "counts all-reduces",
+    "test_accumulate.py::test_accumulate_refuses_the_unwrapped_module": _REFUSAL,
+    "test_accumulate.py::test_misuse_is_refused_with_the_fix": _REFUSAL,
+    "test_comm_hooks.py::test_hooks_are_imported_only_when_asked_for": "imports",
+    "test_comm_hooks.py::test_one_process_ignores_the_hook_and_says_so": _REFUSAL,
+    "test_comm_hooks.py::test_options_a_hook_does_not_take_are_refused": _REFUSAL,
+    "test_comm_hooks.py::test_unknown_hook_names_the_known_ones": _REFUSAL,
+    "test_compile.py::test_a_cache_directory_set_before_start_is_kept_and_called_the_users": "cache directories",
+    "test_compile.py::test_a_fresh_process_compiles_into_ddpkits_cache_directory": "cache directories",
+    "test_compile.py::test_bench_tune_offers_compile": "the tuner's options",
+    "test_compile.py::test_compile_options_are_checked_and_the_cache_directory_is_chosen": _REFUSAL,
+    "test_compile.py::test_unwrap_returns_the_module_through_nested_compile_wrappers": "module identity",
+    "test_compile.py::test_verify_compile_fails_when_nothing_was_compiled": "verify notices that nothing compiled",
+    "test_compile.py::test_verify_compile_flag_on_the_command_line": (
+        "the command line's plumbing of test_verify_compile_matches_one_eager_process (in the leg)"
+    ),
+    "test_ddp_core.py::test_batch_arithmetic_errors": _REFUSAL,
+    "test_ddp_core.py::test_batch_arithmetic_is_stated": "integer batch arithmetic",
+    "test_ddp_core.py::test_data_set_smaller_than_world_is_a_clear_error": _REFUSAL,
+    "test_ddp_core.py::test_each_rank_sees_a_disjoint_shard_and_the_order_changes": "sample indices",
+    "test_ddp_core.py::test_evaluation_shards_count_every_sample_once": "sample counts",
+    "test_ddp_core.py::test_only_global_rank_zero_prints_and_collectives_agree": "printing and agreement",
+    "test_ddp_core.py::test_single_process_needs_no_group_and_explains_ddp_options": _REFUSAL,
+    "test_ddp_core.py::test_uneven_training_data_is_padded_like_distributed_sampler": "sample indices",
+    "test_examples.py::test_sampler_and_set_epoch_duplicate_work_repeated_order_and_the_fix": "sample indices",
+    "test_fsdp.py::test_dcp_metadata_reader_refuses_anything_but_dcp_classes": _REFUSAL,
+    "test_fsdp.py::test_ddp_optimizer_state_into_fsdp_is_refused": _REFUSAL,
+    "test_fsdp.py::test_different_initial_weights_are_a_clear_error": _REFUSAL,
+    "test_fsdp.py::test_each_model_keeps_its_own_fsdp_options": "options",
+    "test_fsdp_compile.py::test_fsdp_compile_refuses_a_module_compiled_already": _REFUSAL,
+    "test_fsdp_shm.py::test_fsdp_shm_off_keeps_gloo": "which collectives are used",
+    "test_hf_models.py::test_a_parameter_hf_init_never_writes_is_refused_not_zeroed": _REFUSAL,
+    "test_hf_models.py::test_size_rule_keeps_a_tied_embedding_with_its_head": "unit layout",
+    "test_hf_models.py::test_tied_modules_split_over_two_units_is_a_clear_error": _REFUSAL,
+    "test_hsdp.py::test_hsdp_options_name_the_hsdp_strategy": "options",
+    "test_hsdp.py::test_impossible_degrees_are_refused_with_the_fix": _REFUSAL,
+    "test_hsdp.py::test_resuming_an_hsdp_checkpoint_is_refused_not_half_loaded": _REFUSAL,
+    "test_hsdp.py::test_shard_group_across_nodes_is_refused_unless_asked": _REFUSAL,
+    "test_metrics.py::test_empty_metrics_and_bad_shapes": _REFUSAL,
+    "test_metrics.py::test_ranks_with_different_metric_names_all_refuse": _REFUSAL,
+    "test_precision.py::test_fp16_on_cpu_says_what_it_falls_back_to": _REFUSAL,
+    "test_precision.py::test_precision_decision_table": "the decision table",
+    "test_precision.py::test_the_loss_scale_survives_a_checkpoint_round_trip": "a round trip: the same bytes",
+    "test_precision.py::test_unknown_precision_names_the_choices": _REFUSAL,
+    "test_resume.py::test_negative_control_without_the_data_position_the_weights_differ": "weights differ at all",
+    "test_resume.py::test_saved_weights_load_into_a_plain_model_without_ddpkit": "a round trip: the same bytes",
+    "test_sharding.py::test_auto_leaves_a_small_model_whole_and_says_nothing": "the sharding decision",
+    "test_sharding.py::test_auto_shards_a_model_past_the_break_even": "the sharding decision",
+    "test_sharding.py::test_bad_shard_option_is_a_clear_error": _REFUSAL,
+    "test_sharding.py::test_join_after_sharded_steps_is_a_clear_error": _REFUSAL,
+    "test_sharding.py::test_parameters_added_after_sharded_steps_is_a_clear_error": _REFUSAL,
+    "test_sharding.py::test_partition_balances_and_is_deterministic": "the partition of parameters",
+    "test_sharding.py::test_rank_0_says_once_that_the_step_is_sharded": "printing",
+    "test_shm_allreduce.py::test_fallback_says_why": _REFUSAL,
+    "test_shm_allreduce.py::test_kill_9_of_a_peer_leaves_no_segment_and_no_hang": "clean-up after a killed peer",
+    "test_shm_allreduce.py::test_stale_segments_of_dead_creators_are_removed": "clean-up of segments",
+    "test_syncbn.py::test_torch_syncbatchnorm_on_cuda_ddpkit_s_elsewhere": "which module is chosen",
+    "test_verify.py::test_cli_usage_error_exits_2_without_starting_ranks": _REFUSAL,
+    "test_verify.py::test_ddpkit_verify_failure_explains_and_exits_1": (
+        "a planted fault moves the weights orders of magnitude past the floor"
+    ),
+    "test_verify.py::test_spec_errors": _REFUSAL,
+}
+
+
+
+def kernel_independent(nodeid: str) -> bool:
+    """Whether NOT_KERNEL_DEPENDENT lists this node id (`tests/` stripped; the file, or the test)."""
+    name = nodeid.split("tests/", 1)[-1].split("[", 1)[0]
+    return name in NOT_KERNEL_DEPENDENT or name.split("::")[0] in NOT_KERNEL_DEPENDENT
+
+
 def quick_entry(nodeid: str) -> str | None:
     """The QUICK entry that selects this node id (`tests/` stripped), or None."""
     name = nodeid.split("tests/", 1)[-1]
@@ -253,3 +372,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if quick_entry(item.nodeid):
             item.add_marker(pytest.mark.quick)
+        if kernel_independent(item.nodeid):
+            item.add_marker(pytest.mark.kernel_independent)

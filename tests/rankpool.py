@@ -9,7 +9,10 @@ it (and leaves it alone on exit). A failure or a timeout on any rank kills the w
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -20,7 +23,16 @@ import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
 
+def _die_with_parent() -> None:
+    """A worker blocks on its inbox forever: if pytest is killed (CI's timeout, a developer's ^C twice),
+    the kernel ends the worker too (Linux's parent-death signal) instead of leaving it to hold a core."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
+    _die_with_parent()
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",

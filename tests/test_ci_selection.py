@@ -1,11 +1,12 @@
 """The selections CI and developers run instead of the whole suite cannot silently lose a test.
 
-`.ci/run` runs the whole suite once on this CPU's kernels, then only the tests marked `numerics` again
-under `ATEN_CPU_CAPABILITY=default` (torch's portable kernels): a result exact only on one CPU's vector
-path must fail there. A test that compares floats between computations but lacks the mark would never
-meet the portable kernels. So every test whose source (with the module's helper functions it reaches)
-holds a sign of a float comparison carries the mark, or is listed in NOT_KERNEL_DEPENDENT with the reason
-its result cannot depend on the kernel path. The signs are textual (a comparison made only inside another
+`.ci/run` runs the whole suite once on this CPU's kernels, then the tests marked `numerics` again under
+`ATEN_CPU_CAPABILITY=default` (torch's portable kernels), less those tests/conftest.py's
+NOT_KERNEL_DEPENDENT lists with the reason their result cannot depend on the kernel path (a listed test
+in a module marked `numerics` as a whole gets `kernel_independent`): a result exact only on one CPU's
+vector path must fail there. A test that compares floats between computations but lacks the mark would
+never meet the portable kernels. So every test whose source (with the module's helper functions it
+reaches) holds a sign of a float comparison carries the mark, or is listed. The signs are textual (a comparison made only inside another
 module or with a bare `==` is not seen): the list catches the usual ways, not every way.
 
 `pytest -m quick` (the inner loop, tests/conftest.py QUICK) must keep touching every wing of ddpkit/.
@@ -15,9 +16,10 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
-from conftest import QUICK, REPO
+from conftest import NOT_KERNEL_DEPENDENT, QUICK, REPO, kernel_independent
 
 TESTS = REPO / "tests"
 # Signs that a test compares floats: equality of tensors, a tolerance, the calibrated noise floor, a
@@ -26,47 +28,6 @@ SIGNS = re.compile(
     r"torch\.equal|allclose|assert_close|isclose|approx\(|calibrat|noise.floor|bitwise|tolerance|atol|rtol"
     r"|deviation|max_abs|\bverify\b"
 )
-_SAME_BY_CONSTRUCTION = "a resumed run repeats the uninterrupted run's own operations: equal on any kernel"
-# Tests (file, or file::test) whose float comparisons cannot depend on the kernel path, and why.
-NOT_KERNEL_DEPENDENT = {
-    "test_anatomy.py": "timings and their arithmetic; no trained values compared",
-    "test_bench.py": "benchmark arithmetic (floors, spreads) on measured or given numbers",
-    "test_checkpoint.py": "save/load round trips: the same bytes come back",
-    "test_checkpoint_tools.py": "conversions return the saved bytes; forwards compared in one process on the same weights",
-    "test_checkpoint_portable.py": "a load copies the saved values: the loaded state equals the saved bytes",
-    "test_checkpoint_remote.py": "downloaded checkpoints equal the uploaded bytes; the preempted run: " + _SAME_BY_CONSTRUCTION,
-    "test_ci_selection.py": "this check's own sample of a float comparison",
-    "test_data_hf.py": _SAME_BY_CONSTRUCTION,
-    "test_fit.py": "logged values read back as written",
-    "test_gpucheck.py": "names of checks; nothing computed",
-    "test_hf_weights.py": "weights loaded from a checkpoint equal its bytes",
-    "test_plan.py": "the planner's cost model in Python floats; no torch kernel",
-    "test_plugins.py::test_a_strategy_registered_from_outside_trains_with_its_shape":
-        "replicas compared with each other: every rank applies the same all-reduced gradient",
-    "test_architecture.py::test_every_wing_index_lists_all_its_modules": "module names in docstrings; nothing computed",
-    "test_plan_noise.py": "the planner's noise bands in Python floats; no torch kernel",
-    "test_plan_memory.py": "bytes of fake tensors (shapes and dtypes): no kernel computes a value",
-    "test_plan_memory_ranks.py": "a peak in bytes measured by the kernel against the estimate; no trained value compared",
-    "test_preemption.py": _SAME_BY_CONSTRUCTION,
-    "test_public_api.py": "command-line options only",
-    "test_run_reports.py": "launch reports; no values compared",
-    "test_strategy_choice.py": "byte counts of optimizer state",
-    "test_tracking.py": "logged values read back as written",
-    "test_activation_checkpointing.py::test_a_block_fed_the_raw_batch_still_trains": "weights changed at all",
-    "test_activation_checkpointing.py::test_auto_finds_an_hf_models_blocks_and_loads_weights_through_the_wrappers": (
-        "loaded weights equal the saved bytes"
-    ),
-    "test_data_streams.py::test_stopped_mid_epoch_and_resumed_ends_bitwise_like_uninterrupted": _SAME_BY_CONSTRUCTION,
-    "test_data_streams.py::test_killed_mid_epoch_and_restarted_ends_bitwise_like_uninterrupted": _SAME_BY_CONSTRUCTION,
-    "test_lint_new_rules.py::test_the_checkpointing_trap_is_real_on_gloo_ranks": (
-        "shows a hang/refusal of the trap, not two computations' values"
-    ),
-    "test_tokens.py::test_a_step_without_any_valid_token_is_skipped_on_every_rank": "weights left unchanged",
-    "test_verify_resume.py::test_a_checkpoint_of_everything_resumes_bitwise": _SAME_BY_CONSTRUCTION,
-    "test_verify_resume.py::test_the_command_line": "the same world size: " + _SAME_BY_CONSTRUCTION,
-}
-
-
 def _marks(nodes: list[ast.expr]) -> set[str]:
     return {m for node in nodes for m in re.findall(r"pytest\.mark\.(\w+)", ast.unparse(node))}
 
@@ -115,12 +76,18 @@ def test_every_float_comparison_runs_under_the_portable_kernels_or_says_why_not(
         "(tests/test_ci_selection.py) with the reason their result cannot depend on the kernel path:\n"
         + "\n".join(left_out)
     )
-    stale = [
-        key
-        for key in NOT_KERNEL_DEPENDENT
-        if "::" in key and (key not in found or "numerics" in found[key][0])
-    ]
-    assert not stale, f"NOT_KERNEL_DEPENDENT names tests that are gone or marked `numerics`: {stale}"
+    files = {test.split("::")[0] for test in found}
+    stale = [key for key in NOT_KERNEL_DEPENDENT if key not in found and key not in files]
+    assert not stale, f"NOT_KERNEL_DEPENDENT names tests that are gone: {stale}"
+
+
+def test_a_listed_test_leaves_the_default_kernel_leg_and_no_other_does() -> None:
+    """The leg runs `-m "numerics and not kernel_independent"`: a listed file or test (any parametrisation)
+    is marked kernel_independent, also inside a module marked `numerics` as a whole; an unlisted one is not."""
+    assert kernel_independent("tests/test_elastic.py::test_a_lost_host_and_the_job_finishes_on_the_other[step]")
+    assert kernel_independent("tests/test_verify.py::test_spec_errors")
+    assert not kernel_independent("tests/test_verify.py::test_adamw_transformer_stays_within_the_calibrated_floor")
+    assert not kernel_independent("tests/test_invariant.py::test_mlp_cnn_and_gpt_train_the_same_weights_on_1_2_and_4_ranks")
 
 
 def test_the_sign_scan_sees_a_float_comparison(tmp_path: Path) -> None:
@@ -157,3 +124,39 @@ def test_ci_runs_the_readmes_test_command_verbatim() -> None:
     command = "scripts/setup.sh && .venv/bin/python -m pytest -q"
     assert f"{command}     #" in (REPO / "README.md").read_text()
     assert any(line.strip().startswith(command) for line in (REPO / ".ci" / "run").read_text().splitlines())
+
+
+def _mutation_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutation_check", REPO / "scripts" / "mutation_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mutation_check"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ci_runs_every_mutant_whose_record_does_not_cover_it(tmp_path: Path, monkeypatch) -> None:
+    """CI's mutation leg runs only the *due* mutants (plus a budget of others): a mutant is due when it is new
+    or edited, when its record's commit is unknown, or when one of its files changed since that commit."""
+    mc = _mutation_check()
+    calm, hit, helped, edited, lost, unrecorded = mc.MUTANTS[:6]
+    entry = {"date": "2026-11-28"}
+    record = {
+        calm.name: {**entry, "digest": mc.digest(calm), "commit": "c1"},
+        hit.name: {**entry, "digest": mc.digest(hit), "commit": "c2"},
+        helped.name: {**entry, "digest": mc.digest(helped), "commit": "c4"},
+        edited.name: {**entry, "digest": "another mutant", "commit": "c1"},
+        lost.name: {**entry, "digest": mc.digest(lost), "commit": "c3"},
+    }
+    helper = "tests/hsdp_ranks.py"  # a helper module a test file imports counts as the test's
+    helped = mc.Mutant(helped.name, helped.file, helped.old, helped.new,
+                       ("tests/test_hsdp.py::test_hsdp_2x2_trains_the_weights_of_one_process",), helped.what)  # fmt: skip
+    record[helped.name]["digest"] = mc.digest(helped)
+    changes = {"c1": {"README.md"}, "c2": {hit.file}, "c4": {helper}, "c3": None}
+    monkeypatch.setattr(mc, "RECORD", tmp_path / "record.json")
+    monkeypatch.setattr(mc, "changed_since", changes.__getitem__)
+    mc.RECORD.write_text(mc.json.dumps(record))
+    picked, why = mc.due([calm, hit, helped, edited, lost, unrecorded])
+    assert [m.name for m in picked] == [hit.name, helped.name, edited.name, lost.name, unrecorded.name], why
+    assert "c3" in why

@@ -12,7 +12,7 @@ Two settings remove most of it:
   the faults that remain map 2 MB each and big matrices need fewer TLB entries.
 
 Measured on `mlp`, 2 ranks x 1 thread: 722 ms per step with neither, 574 with malloc's alone, 477 with
-both. But huge pages are not free (issue 20, measured on this project's 2-core virtual machine): the
+both. But huge pages are not free (measured on this project's 2-core virtual machine): the
 first touch of a huge page costs 2.8 ms per MB against 0.4 for 4 KB pages (the host backs the guest's
 fresh 2 MB frames lazily), which put +1.2-1.4 s on the MLP's start-up (model build, DDP's buckets,
 the optimizer state); and on a small model they only cost memory. So, decided per process and model:
@@ -29,7 +29,7 @@ the optimizer state); and on a small model they only cost memory. So, decided pe
   heap's top instead of handing it back (`M_MMAP_THRESHOLD` 32 MiB, `M_TRIM_THRESHOLD` 1 GiB). Blocks
   of 32 MiB and more keep glibc's behaviour.
 
-Why the heap's top (issue 20): with glibc's defaults, whether a small model's step frees its
+Why the heap's top: with glibc's defaults, whether a small model's step frees its
 activations at the top of the heap, which glibc then returns (trim threshold: twice the largest block
 freed so far, ~1 MB for the `cnn`), depends on where longer-lived objects happened to land. When they
 do, the next step faults them in again: measured on `cnn` (2 ranks, benchmarks/step_profile.py), runs
@@ -82,7 +82,7 @@ def rank_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
     Only when huge pages are asked for (DDPKIT_CPU_ALLOCATOR=hugepages): torch's 2 MB-aligned blocks
     are what huge pages need, and they must be asked for before any tensor exists. Without huge pages
-    the alignment buys nothing and costs memory (issue 20: peak RSS +8 % on `gpt`, +7 % on `bn` against
+    the alignment buys nothing and costs memory (peak RSS +8 % on `gpt`, +7 % on `bn` against
     plain DDP, whose ranks do not align). Keeping memory is decided later, per model (`fit_to`)."""
     env = os.environ if env is None else env
     if not enabled(env) or not huge_pages_wanted(env) or "THP_MEM_ALLOC_ENABLE" in env:

@@ -61,7 +61,7 @@ class Profile:
     straggler_s: float = 0.0  # with ranks > 1: how long the slowest rank's step outlasts the average
     step_s: tuple[float, ...] = ()  # each timed step's forward + backward + optimizer
     # Over repeated profiles (fresh processes): the lowest and highest compute time relative to the
-    # median one, which this profile is (issue 20: two runs gave 697 and 822 ms for one device).
+    # median one, which this profile is (two runs gave 697 and 822 ms for one device).
     band: tuple[float, float] = (1.0, 1.0)
 
     @property

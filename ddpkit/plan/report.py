@@ -10,7 +10,7 @@ from ddpkit.bench.report import pyplot, table
 
 
 def efficiency_cell(eff: float, band: tuple[float, float] | None = None) -> str:
-    """Efficiency with its noise band; above 1 it is never shown without saying it is noise (issue 20):
+    """Efficiency with its noise band; above 1 it is never shown without saying it is noise:
     data parallelism cannot beat N times one device, so a figure above 1 comes from the profiles'
     run-to-run spread (or a one-device profile that was slow), not from the ranks."""
     text = f"{eff:.3f}" + (f" [{band[0]:.2f}, {band[1]:.2f}]" if band and band[0] != band[1] else "")

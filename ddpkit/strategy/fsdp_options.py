@@ -1,6 +1,6 @@
 """`FSDPOptions`: how FSDP2 shards a model, kept apart from `ddpkit.strategy.fsdp` so that a session
 that never asks for FSDP does not import FSDP2's machinery (and safetensors) on its way to the first
-step (issue 20: ddpkit's imports are part of the time to the first step)."""
+step (ddpkit's imports are part of the time to the first step)."""
 
 from __future__ import annotations
 

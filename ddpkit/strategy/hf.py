@@ -7,7 +7,7 @@ Three things such a model does that a plain `nn.Module` does not, and what ddpki
    `meta`, skips `initialize_weights()` (its `_init_weights`: normal(0, 0.02) embeddings, scaled
    projections, ones for norms). FSDP's shard-by-shard build (`fsdp_init.build`) runs the constructor
    under `torch.device("meta")`, so HF would skip it and the shards would hold only the modules' own
-   `reset_parameters` values: silently other weights (issue 30). `real_init()` makes that one question
+   `reset_parameters` values: silently other weights. `real_init()` makes that one question
    answer "no device context" while ddpkit builds, so HF runs its own initialisation at its own place
    in the constructor, on the values ddpkit replays: the same generator stream as one process, the same
    code, equal bit for bit by construction. `transformers.initialization` also keeps its own references
