@@ -76,10 +76,11 @@ def test_a_save_to_s3_resumes_on_another_machine_and_keeps_the_newest(store, tmp
     model, opt = _model()
     with ddpkit.session(env={}, hardware=HW, verbose=False) as s:
         for step in (1, 2):
-            s.save(url, model=model, optimizer=opt, step=step, keep=2)
-        s.save(url, model=model, optimizer=opt, step=3, keep=2, background="process")  # uploaded behind
+            s.save(url, model=model, optimizer=opt, step=step, keep=2, keep_best="loss", loss=1.0 / step)
+        s.save(url, model=model, optimizer=opt, step=3, keep=1, keep_best="loss", loss=0.9,
+               background="process")  # fmt: skip  (uploaded behind training)
         s.checkpoints.wait()
-    assert _names(fs, f"{bucket}/run") == ["ckpt-000002", "ckpt-000003"]  # keep=2: the newest two
+    assert _names(fs, f"{bucket}/run") == ["ckpt-000002", "ckpt-000003"]  # the newest, and the best (0.5)
     assert "manifest.json" in _names(fs, f"{bucket}/run/ckpt-000003")
     os.environ["DDPKIT_CHECKPOINT_CACHE"] = str(tmp_path / "other-machine")  # nothing local
     fresh = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))

@@ -42,13 +42,14 @@ from torch import nn
 
 from ddpkit.checkpoint import dcp as checkpoint_dcp
 from ddpkit.checkpoint import files, portable
+from ddpkit.checkpoint import retention as keeping
 from ddpkit.checkpoint import state as checkpoint_state
 from ddpkit.checkpoint.background import NICE, Background
 from ddpkit.checkpoint.files import CheckpointError, Found, Tensors
 from ddpkit.checkpoint.remote import Remote, export_target
 from ddpkit.checkpoint.sync import CheckpointContext, Sync
 from ddpkit.checkpoint.write import capture, full_weights, start, write
-from ddpkit.checkpoint.writer_process import WriterProcess
+from ddpkit.checkpoint.writer_process import WriterProcess, writer_mode
 from ddpkit.cluster.preemption import Preempted, Preemption
 from ddpkit.errors import problem
 from ddpkit.parallel.modules import unwrap
@@ -89,7 +90,7 @@ class Checkpoints:
         self._preemption = preemption
         self._registered: dict[str, Any] = {}
         self._writer_group: Any = None  # background saves' own process group (made once, at the first)
-        self._remembered: tuple[str | Path, int, dict[str, Any]] | None = None  # the last save's or load's
+        self._remembered: tuple[str | Path, keeping.Retention, dict[str, Any]] | None = None  # last save/load
         self._steps_since = 0  # optimizer steps since then: how far its `step` value is behind
         self._stepping = False  # s.step was called: it agrees on a stop, at optimizer steps only
         self._saved = False  # s.save agreed since the loader's last batch
@@ -101,9 +102,15 @@ class Checkpoints:
         self._registered[name] = obj
 
     # -- save -----------------------------------------------------------------------------------
-    def save(self, path: str | Path, *, keep: int = 3, background: bool | str = False,
+    def save(self, path: str | Path, *, keep: int = 3, keep_every: int | None = None,
+             keep_best: str | tuple[str, str] | None = None, background: bool | str = False,
              every: int | None = None, **state: Any) -> Path | None:  # fmt: skip
         """Write a new checkpoint under `path` atomically; keep the newest `keep`; return its directory.
+
+        Retention (on disk and in a remote store alike): the newest `keep`, plus every checkpoint whose
+        step is a multiple of `keep_every`, plus the best by `keep_best`, a number passed to every save
+        (`keep_best="val_loss"`: the lowest; `("accuracy", "max")`: the highest). `path` may be an
+        fsspec URL (`s3://bucket/run`; `ddpkit.checkpoint.remote`).
 
         Every rank must call it at the same point. Rank 0 writes the shared files, every rank its own;
         the others wait for rank 0 through the store for up to `save_timeout`, not in a collective.
@@ -130,18 +137,18 @@ class Checkpoints:
                     "Pass every=N (N >= 1) together with step=<your optimizer step count>",
                 )
             due = step % every == 0
-        self._remember(path, keep, state)
+        retention = keeping.of(keep, keep_every, keep_best, state)
+        self._remember(path, retention, state)
         self._saved = True  # this call agrees: the loader's next batch need not
         ctx = self._ctx
         if not (self._preemption.agreed or self._preemption.agree(ctx.distributed, ctx.device, now=due)):
-            return self._write(path, keep, background, state) if due else None
-        raise self._preempted(self._write(path, keep, False, state), state.get("step"))
+            return self._write(path, retention, background, state) if due else None
+        raise self._preempted(self._write(path, retention, False, state), state.get("step"))
 
-    def _write(self, path: str | Path, keep: int, background: bool | str, state: dict[str, Any]) -> Path:
+    def _write(self, path: str | Path, keep: keeping.Retention, background: bool | str,
+               state: dict[str, Any]) -> Path:  # fmt: skip
         _require_safe_torch()
-        mode = _writer_mode(background)
-        if keep < 1:
-            raise problem(f"keep={keep} would delete the checkpoint just written", "Pass keep=1 or more")
+        mode = writer_mode(background)
         remote = Remote.parse(path)
         root = remote.local if remote is not None else local_path(path)
         if files.is_checkpoint(root):
@@ -187,7 +194,7 @@ class Checkpoints:
         return self._process
 
     # -- preemption: the state last given to save or load, saved at the agreed stop -----------------
-    def _remember(self, path: str | Path, keep: int, state: dict[str, Any]) -> None:
+    def _remember(self, path: str | Path, keep: keeping.Retention, state: dict[str, Any]) -> None:
         self._remembered = (path, keep, state)  # references only: what they hold when the stop comes
         self._steps_since = 0
         self._preemption.remedy = None  # a signal now sets the flag (the session said what to add before)
@@ -294,7 +301,7 @@ class Checkpoints:
         objects and the values returned are what a preemption saves until the next `save` or `load`.
         """
         values = self._load(path, strict, state)
-        self._remember(path, 3, {**state, **{n: values[n] for n in state if n in values}})
+        self._remember(path, keeping.Retention(), {**state, **{n: values[n] for n in state if n in values}})
         return values
 
     def _load(self, path: str | Path, strict: bool, state: dict[str, Any]) -> dict[str, Any]:
@@ -346,21 +353,6 @@ class Checkpoints:
         ctx.say("; ".join([head, *notes]))
         self.last = found.path
         return values
-
-
-def _writer_mode(background: bool | str) -> str | None:
-    """None (synchronous), "thread" or "process", from `save`'s `background=`."""
-    if background is False:
-        return None
-    if background is True or background == "thread":
-        return "thread"
-    if background == "process":
-        return "process"
-    raise problem(
-        f"background={background!r} is not a way to save",
-        'Pass background=False (wait for the write), True or "thread" (a writer thread), or "process" '
-        "(a writer process: out of training's interpreter)",
-    )
 
 
 def not_a_root(what: str) -> CheckpointError:

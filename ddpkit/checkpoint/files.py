@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -375,14 +374,8 @@ def unfinished_after(root: Path, newest: Path) -> list[Path]:
     )
 
 
-def prune(root: Path, keep: int, current: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep`, and temporary directories of crashed writes."""
-    removed = []
-    for path in candidates(root)[keep:]:
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    for path in root.iterdir():
-        if (m := _TMP.match(path.name)) and int(m.group(1)) < current:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
+def tmp_seq(path: Path) -> int | None:
+    """The sequence number of a temporary checkpoint directory (a save being written, or left by a
+    crash), None for anything else."""
+    m = _TMP.match(path.name)
+    return int(m.group(1)) if m else None

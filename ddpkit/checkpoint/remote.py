@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.checkpoint import files
+from ddpkit.checkpoint.retention import Retention
 from ddpkit.errors import problem
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -101,11 +102,14 @@ class Remote:
         self.fs.put_file(str(final / files.MANIFEST), f"{target}/{files.MANIFEST}")
         return f"{self.url}/{final.name}"
 
-    def prune(self, keep: int, current: str) -> list[str]:
-        """Delete complete checkpoints beyond the newest `keep`, and uploads that never got their manifest
+    def prune(self, retention: Retention, current: str) -> list[str]:
+        """Delete complete checkpoints `retention` does not keep, and uploads that never got their manifest
         (older than `current`, the one just uploaded, which is never deleted)."""
         complete = self.complete()
-        doomed = [n for n in complete[keep:] if n != current]
+        manifests = [(n, json.loads(self.fs.cat_file(f"{self.path}/{n}/{files.MANIFEST}")))
+                     for n in complete]  # fmt: skip
+        kept = retention.kept(manifests)
+        doomed = [n for n in complete if n not in kept and n != current]
         seq = int(current.rsplit("-", 1)[-1])
         doomed += [n for s, n in self._names() if n not in complete and s < seq]
         for name in doomed:

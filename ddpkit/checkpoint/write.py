@@ -1,7 +1,7 @@
 """One save, in three steps: `capture` the state, `start` the checkpoint, `write` and commit it.
 
     snapshot = capture(ctx, state, copy=False)   # every rank, in step: the state encoded, a frozen value
-    job = start(ctx, root, snapshot, keep=3)      # rank 0 opens .ckpt-000005.tmp/; the others learn 5
+    job = start(ctx, root, snapshot, Retention(3))  # rank 0 opens .ckpt-000005.tmp/; the others learn 5
     final = write(ctx, job, snapshot)             # gathers, files, checksums; rank 0 commits when all are in
 
 Why three: `capture` runs on the main thread with every rank, at the same point, and leaves the state
@@ -23,7 +23,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from ddpkit.checkpoint.divergence import differing, note
 from ddpkit.checkpoint.files import Tensors
 from ddpkit.checkpoint.gather import local_share
 from ddpkit.checkpoint.remote import Remote
+from ddpkit.checkpoint.retention import Retention, prune
 from ddpkit.checkpoint.sync import CheckpointContext, Sync
 from ddpkit.parallel.modules import unwrap
 from ddpkit.step.sharding import gather_state
@@ -57,6 +58,7 @@ class Snapshot:
     shares: Mapping[str, dict[str, Any]]  # sharded steps: this rank's optimizer share, gathered by `write`
     dcp: dict[str, Any] | None  # FSDP: the model's and its optimizers' state for DCP (staged: a copy)
     notes: Mapping[str, str]  # name -> the line saying it went per rank (its state differs between ranks)
+    metrics: Mapping[str, float] = field(default_factory=dict)  # the numeric values, for `keep_best`
 
     def nbytes(self) -> int:
         groups = [self.rank_tensors, self.shared_tensors, *self.weights.values()]
@@ -70,7 +72,7 @@ class Job:
 
     root: Path
     seq: int
-    keep: int
+    keep: Retention
     sync: Sync
     group: Any = None
     out: Callable[[Path, dict[str, torch.Tensor]], dict[str, Any]] | None = None  # None: `stream_tensors`
@@ -126,8 +128,11 @@ def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool,
                 if value.untyped_storage().data_ptr() not in fresh:
                     group[key] = stage(value) if stage is not None else value.clone()
     notes = {n: note(n, parts["per_rank"][n]) for n in diverged}
+    values = parts["values"].items()
+    metrics = {n: v for n, v in values if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return Snapshot(objects, step if isinstance(step, int) else None, ctx.strategy.name, rank_tree,
-                    rank_tensors, kept, shared_tree, shared_tensors, shares, dcp_state, notes)  # fmt: skip
+                    rank_tensors, kept, shared_tree, shared_tensors, shares, dcp_state, notes,
+                    metrics)  # fmt: skip
 
 
 def to_cpu(tree: Any, fresh: set[int]) -> Any:
@@ -153,7 +158,7 @@ def full_weights(ctx: CheckpointContext, module: torch.nn.Module) -> dict[str, t
     return strategy.full_state(module) if strategy.owns(module) else unwrap(module).state_dict()
 
 
-def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: int, group: Any = None,
+def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: Retention, group: Any = None,
           out: Callable[[Path, dict[str, torch.Tensor]], dict[str, Any]] | None = None,
           remote: Remote | None = None) -> Job:  # fmt: skip
     """Rank 0 opens the temporary directory and tells the others its number (through the store);
@@ -228,9 +233,10 @@ def _write_shared_and_commit(
         files.write_manifest(tmp, {
             "seq": job.seq, "created": time.time(), "torch": torch.__version__, "world_size": ctx.world_size,
             "step": snap.step, "strategy": snap.strategy, "objects": snap.objects, "files": entries,
+            "metrics": dict(snap.metrics),
         })  # fmt: skip
         files.commit(tmp, final)
-        files.prune(job.root, job.keep, job.seq)
+        prune(job.root, job.keep, job.seq)
         if job.remote is not None:
             _upload(ctx, job.remote, final, job.keep)
     except Exception as err:
@@ -241,7 +247,7 @@ def _write_shared_and_commit(
     return final
 
 
-def _upload(ctx: CheckpointContext, remote: Remote, final: Path, keep: int) -> None:
+def _upload(ctx: CheckpointContext, remote: Remote, final: Path, keep: Retention) -> None:
     """Rank 0: the committed checkpoint to the store (the manifest last), then the store's retention."""
     try:
         url = remote.upload(final)

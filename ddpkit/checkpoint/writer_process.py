@@ -31,6 +31,7 @@ import torch
 from ddpkit.checkpoint import files
 from ddpkit.checkpoint.files import CheckpointError
 from ddpkit.checkpoint.staging import Arena
+from ddpkit.errors import problem
 
 CHILD = Path(__file__).with_name("writer_child.py")
 
@@ -117,3 +118,18 @@ class WriterProcess:
             self.process.kill()
             self.process.wait()
         self.arena.close()
+
+
+def writer_mode(background: bool | str) -> str | None:
+    """None (synchronous), "thread" or "process", from `save`'s `background=`."""
+    if background is False:
+        return None
+    if background is True or background == "thread":
+        return "thread"
+    if background == "process":
+        return "process"
+    raise problem(
+        f"background={background!r} is not a way to save",
+        'Pass background=False (wait for the write), True or "thread" (a writer thread), or "process" '
+        "(a writer process: out of training's interpreter)",
+    )
