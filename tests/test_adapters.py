@@ -66,7 +66,7 @@ def test_fsdp_adapters_start_as_one_process_bit_for_bit(pool2, base, how) -> Non
 
 @pytest.mark.numerics
 @pytest.mark.parametrize(("kind", "strategy", "how"),
-                         [("gpt2", "ddp", "pretrained"), ("gpt2", "fsdp", "pretrained"), ("llama", "fsdp", "config"),
+                         [("gpt2", "ddp", "pretrained"), ("gpt2", "fsdp", "pretrained"), ("llama", "fsdp", "config"), ("llama", "fsdp", "pretrained"),
                           ("llama", "ddp", "config")])
 def test_lora_training_matches_one_process_within_the_floor(pool2, base, kind, strategy, how) -> None:
     results = pool2.run(adapter_ranks.train, kind, strategy, how, base[kind])

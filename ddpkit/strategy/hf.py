@@ -36,6 +36,7 @@ from torch import nn
 from ddpkit.errors import problem
 
 _DEVICE_QUESTION = "get_torch_context_manager_or_global_device"
+_ANSWERS: list[Callable[[], Any]] = []  # the real answer while `real_init` replaces it (`loading_as_is`)
 
 
 def is_hf(module: Any) -> bool:
@@ -68,11 +69,13 @@ def real_init(replay: Callable[[Callable], Callable], names: tuple[str, ...]) ->
     table = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", {})
     saved = {n: table[n] for n in names if n in table}
     setattr(utils, _DEVICE_QUESTION, lambda: None)  # "no device context": init_weights initialises
+    _ANSWERS.append(original)
     for n, fn in saved.items():
         table[n] = replay(fn)
     try:
         yield
     finally:
+        _ANSWERS.pop()
         setattr(utils, _DEVICE_QUESTION, original)
         table.update(saved)
 
@@ -90,8 +93,14 @@ def loading_as_is(outside: Callable[[], contextlib.AbstractContextManager]) -> I
     original = cls.__dict__["from_pretrained"]  # a classmethod
 
     def from_pretrained(klass: Any, *args: Any, **kwargs: Any) -> Any:
-        with outside():
-            return original.__func__(klass, *args, **kwargs)
+        replaced = getattr(utils, _DEVICE_QUESTION)
+        if _ANSWERS:  # transformers' own answer: it decides where from_pretrained builds and loads
+            setattr(utils, _DEVICE_QUESTION, _ANSWERS[-1])
+        try:
+            with outside():
+                return original.__func__(klass, *args, **kwargs)
+        finally:
+            setattr(utils, _DEVICE_QUESTION, replaced)
 
     cls.from_pretrained = classmethod(functools.wraps(original.__func__)(from_pretrained))
     try:
