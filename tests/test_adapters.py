@@ -52,6 +52,7 @@ def _within_floor(got: dict[str, torch.Tensor], kind: str, base: str, how: str, 
         assert moved > 1e-3, f"{name} barely trained ({moved:.3g}): the comparison would prove nothing"
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("how", ["pretrained", "config"])
 def test_fsdp_adapters_start_as_one_process_bit_for_bit(pool2, base, how) -> None:
     """LoRA's A matrices are drawn after the base is built: the shard-by-shard build must consume the
@@ -77,6 +78,7 @@ def test_lora_training_matches_one_process_within_the_floor(pool2, base, kind, s
     _within_floor(results[0]["final"], kind, base[kind], how, world=2)
 
 
+@pytest.mark.numerics
 def test_sharded_step_leaves_the_frozen_base_alone(pool2, base) -> None:
     """The optimizer given every parameter (frozen base included) with the sharded step: only the
     trainable elements are split and published (not the base at every step), and training is right."""
@@ -119,6 +121,7 @@ def test_checkpoint_holds_adapters_only_and_resumes_bitwise(pool2, base, tmp_pat
     assert held <= 3 * adapters + 16 < frozen, f"{held} elements saved for {adapters} adapter elements"  # + steps
 
 
+@pytest.mark.numerics
 def test_export_adapter_directory_and_merged_model(pool2, base, tmp_path) -> None:
     from peft import PeftModel
 
@@ -151,6 +154,7 @@ def test_checkpoint_of_other_adapters_is_a_clear_error(tmp_path, base) -> None:
         strategy_base.Strategy().load_full_state(model, {}, strict=True)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("strategy", "loss"), [("fsdp", "hf_ranks:token_sum"), ("ddp", "adapter_ranks:tuple_token_sum")])
 def test_ddpkit_verify_passes_on_a_peft_model_with_its_default_floor(pool2, monkeypatch, capsys, strategy, loss) -> None:
     """Default options (the 'permuted' and 'chunked' floor): a ModelOutput, and a tuple holding the

@@ -88,6 +88,7 @@ def _diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_an_oom_on_one_rank_reruns_the_step_split(where: str, pool2) -> None:
     """Rank 1 alone runs out of memory at the 2nd micro-batch of step 2 (the 1st one's gradients are
@@ -154,6 +155,7 @@ def train_under_address_limit(per_rank: int, budget_mib: int, auto: bool = True)
                 "params": [p.detach().clone() for p in ddpkit.unwrap(model).parameters()]}  # fmt: skip
 
 
+@pytest.mark.numerics
 def test_a_real_allocation_failure_on_one_rank_is_survived(pool2) -> None:
     """malloc fails for real on rank 1 (RLIMIT_AS): 1024 samples need ~220 MiB of address space for
     activations and their gradients (64 MiB tensors: mmapped, so the limit sees each), the limit leaves
@@ -243,6 +245,7 @@ def test_the_split_is_said_logged_saved_and_a_resume_starts_there(tmp_path: Path
         assert s.stepper.oom.parts == 2 and s.stepper.accumulation == 2, "resumed at the size that worked"
 
 
+@pytest.mark.numerics
 def test_split_pieces_and_weights() -> None:
     x, y = torch.arange(10).reshape(5, 2), torch.arange(5)
     pieces = oom.split({"x": x, "y": y, "n": 3}, 2)
