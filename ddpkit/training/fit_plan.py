@@ -5,7 +5,7 @@ progress bar); how many samples a micro-batch holds (for throughput).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import problem
+from ddpkit.step import oom
 from ddpkit.training.callbacks import Callback
 from ddpkit.training.evaluation import EvalStep
 
@@ -65,14 +66,8 @@ def total_steps(loader: Iterable, epochs: int | None, max_steps: int | None, k: 
 
 
 def batch_len(batch: object) -> int:
-    """Samples in a micro-batch: the first dimension of its first tensor (0 when there is none)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            n = batch_len(item)
-            if n:
-                return n
-    return 0
+    """Samples in a micro-batch, for the throughput counters: `ddpkit.step.oom.batch_len` (the first
+    dimension of its first tensor, 0 when there is none), except that a lone 0-dim tensor is one sample."""
+    if isinstance(batch, torch.Tensor) and not batch.dim():
+        return 1
+    return oom.batch_len(batch)
