@@ -18,6 +18,7 @@ PREEMPTION_SIGNAL_ENV = "DDPKIT_PREEMPTION_SIGNAL"  # a signal name (besides SIG
 REQUEUE_ENV = "DDPKIT_REQUEUE"  # "auto", "1" or "0": requeue the Slurm job after the save
 REQUEUE_CHOICES = ("auto", "1", "0")  # what --requeue and DDPKIT_REQUEUE accept
 PREEMPTION_RECORD_ENV = "DDPKIT_PREEMPTION_RECORD"  # where global rank 0 tells `ddpkit run` what it saved
+CHECKPOINT_CACHE_ENV = "DDPKIT_CHECKPOINT_CACHE"  # where a remote (fsspec URL) checkpoint stages
 SIGNALLED_FILE = "signalled"  # beside the record: `ddpkit run` was signalled (its SIGTERM is a preemption)
 DEFAULT_PREEMPTION_SIGNAL = "USR1"  # Slurm's --signal=USR1@120
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, try again": preempted, resume me

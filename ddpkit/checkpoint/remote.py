@@ -33,10 +33,10 @@ from typing import Any
 from ddpkit.checkpoint import files
 from ddpkit.checkpoint.retention import Retention
 from ddpkit.errors import problem
+from ddpkit.names import CHECKPOINT_CACHE_ENV
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _NAME = re.compile(r"^ckpt-(\d{6,})$")
-CACHE_ENV = "DDPKIT_CHECKPOINT_CACHE"
 
 
 def _filesystem(url: str) -> tuple[Any, str]:
@@ -72,7 +72,7 @@ class Remote:
         fs, path = _filesystem(text)
         digest = hashlib.sha256(text.rstrip("/").encode()).hexdigest()[:16]
         default = Path(tempfile.gettempdir()) / f"ddpkit-checkpoints-{os.getuid()}"
-        base = Path(os.environ.get(CACHE_ENV) or default)
+        base = Path(os.environ.get(CHECKPOINT_CACHE_ENV) or default)
         return cls(text.rstrip("/"), fs, path, base / digest)
 
     def _names(self) -> list[tuple[int, str]]:
@@ -158,7 +158,8 @@ def export_target(path: str | Path) -> tuple[Path, Any]:
     fs, remote_path = _filesystem(text)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     default = Path(tempfile.gettempdir()) / f"ddpkit-checkpoints-{os.getuid()}"
-    local = Path(os.environ.get(CACHE_ENV) or default) / "exports" / digest / text.rsplit("/", 1)[-1]
+    cache = Path(os.environ.get(CHECKPOINT_CACHE_ENV) or default)
+    local = cache / "exports" / digest / text.rsplit("/", 1)[-1]
 
     def upload(say: Any) -> None:
         try:
