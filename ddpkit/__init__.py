@@ -42,7 +42,7 @@ _HOME = {
     "session": "training.session", "SpawnError": "cluster.spawn", "spawn": "cluster.spawn",
     "StepInfo": "step.stepping", "DDPOptions": "strategy", "FSDPOptions": "strategy",
     "ShmAllReduce": "parallel.shm_allreduce", "to_device": "data", "Hardware": "cluster.topology",
-    "Placement": "cluster.topology", "unwrap": "parallel.modules",
+    "Placement": "cluster.topology", "unwrap": "parallel.modules", "SpikeGuard": "step.spikes",
 }  # fmt: skip
 
 
@@ -76,6 +76,7 @@ __all__ = [
     "Session",
     "ShmAllReduce",
     "SpawnError",
+    "SpikeGuard",
     "StepInfo",
     "StepMonitor",
     "Sum",

@@ -1192,6 +1192,30 @@ MUTANTS = [
         ("tests/test_oom.py::test_an_oom_on_one_rank_reruns_the_step_split[backward]",),
         "micro_batch='auto' all-reduces in the last backward (a peer out of memory leaves it waiting)",
     ),
+    Mutant(
+        "spike-one-rank-decides-alone",
+        "ddpkit/training/fit.py",
+        "        s.stepper.agree_loss(mean_loss)",
+        "        s.stepper.agree_loss(float(local_loss[0]) / s.accumulation)  # mutant: its own loss",
+        ("tests/test_spikes.py::test_a_spike_in_one_ranks_loss_is_skipped_by_every_rank",),
+        "the spike guard judges each rank's own loss, so one rank skips a step its peers take",
+    ),
+    Mutant(
+        "spike-grads-kept",
+        "ddpkit/step/stepping.py",
+        "            optimizer.zero_grad(set_to_none=True)\n            self.steps += spike.counted\n",
+        "            self.steps += spike.counted  # mutant: the spiking step's gradients stay for the next\n",
+        ("tests/test_spikes.py::test_a_planted_bad_batch_ruins_the_weights_unless_every_rank_skips_it",),
+        "a step the spike guard skipped keeps its gradients, which the next step then applies",
+    ),
+    Mutant(
+        "spike-window-not-saved",
+        "ddpkit/step/stepping.py",
+        '            state["spikes"] = self.spikes.state_dict()',
+        "            pass  # mutant: a resume judges against an empty window",
+        ("tests/test_spikes.py::test_a_resume_from_before_the_spike_decides_the_same_and_ends_bitwise_equal",),
+        "the spike guard's window is not saved with the stepper, so a resumed run decides differently",
+    ),
 ]
 
 

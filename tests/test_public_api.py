@@ -9,7 +9,7 @@ from ddpkit.cli import build_parser
 def test_public_names() -> None:
     assert sorted(ddpkit.__all__) == sorted([
         "Accuracy", "Callback", "CheckpointError", "DDPOptions", "DdpkitError", "FSDPOptions", "FitResult", "FitState", "Hardware",
-        "Mean", "MetricSet", "Placement", "Session", "ShmAllReduce", "SpawnError", "StepInfo", "StepMonitor", "Sum", "__version__",
+        "Mean", "MetricSet", "Placement", "Session", "ShmAllReduce", "SpawnError", "SpikeGuard", "StepInfo", "StepMonitor", "Sum", "__version__",
         "evaluate", "fit", "seed_everything", "session", "spawn", "to_device", "unwrap",
     ])  # fmt: skip
 

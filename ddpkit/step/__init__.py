@@ -5,6 +5,7 @@
     shard_exchange  ZeRO-2: gradients reduce-scattered into each rank's share
     tokens          the global token mean for variable-length batches
     oom             a step out of memory: agreed by every rank; micro_batch='auto' re-runs it split
+    spikes          spike_guard=: a loss or gradient-norm spike skipped by every rank in the same step
     invariant       reproducible="any-world": results bitwise independent of the world size
     chunktree       the fixed summation tree any-world reduces with
     precision, comm_hooks, collectives, wrap   moved (to `ddpkit.parallel` and `ddpkit.strategy`); these

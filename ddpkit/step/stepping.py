@@ -20,6 +20,7 @@ micro-batches left over at the very end of training (fewer than k) are not appli
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import problem
 from ddpkit.parallel.precision import LossScale, PrecisionPlan
-from ddpkit.step import invariant, oom, shard_exchange, sharding
+from ddpkit.step import invariant, oom, shard_exchange, sharding, spikes
 from ddpkit.step.tokens import Count, TokenWeighting
 from ddpkit.strategy import Strategy
 
@@ -57,12 +58,14 @@ class StepInfo:
     gradients held inf/nan, so the scaler skipped the update and lowered the loss scale.
     `grad_norm`: total gradient norm before clipping (when `max_norm` is given), identical on every
     rank because it is computed from the all-reduced gradients. `step`: optimizer steps so far.
+    `spike`: set (with `skipped`) when the session's spike guard dropped the step on every rank.
     """
 
     stepped: bool
     skipped: bool = False
     grad_norm: torch.Tensor | None = None
     step: int = 0
+    spike: spikes.Spike | None = None  # the spike guard skipped this step (`ddpkit.step.spikes`)
 
 
 class Stepper:
@@ -81,7 +84,10 @@ class Stepper:
         strategy: Strategy | None = None,
         invariant_mode: invariant.AnyWorld | None = None,
         auto_micro_batch: oom.AutoMicroBatch | None = None,
+        spike_judge: spikes.Judge | None = None,
     ) -> None:
+        self.spikes = spike_judge  # spike_guard=: a step far above its window is skipped (`step.spikes`)
+        self._agreed_loss: float | None = None  # fit's all-reduced loss for the next step, for the guard
         self.accumulation = accumulation
         self.oom = auto_micro_batch  # micro_batch="auto": deferred sync, agreed OOM (`ddpkit.step.oom`)
         if auto_micro_batch is not None:
@@ -218,14 +224,22 @@ class Stepper:
             sharder.reduce_gradients()
         if not self.tokens.settle(optimizer, accumulation=k, joining=self._in_join):
             optimizer.zero_grad(set_to_none=True)  # no valid token on any rank: nothing to learn from
+            self._agreed_loss = None
             return StepInfo(stepped=False, skipped=True, step=self.steps)
         # fp16: unscaled; a sharded step's overflow flags agreed by every rank (a share's inf/nan)
         self.loss_scale.unscale(optimizer, agree=sharder.agree_found_inf if sharder is not None else None)
         norm = None
-        if max_norm is not None:
+        if max_norm is not None or self.spikes is not None:  # the guard's norm: clipped to inf without one
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip = self.strategy.clip
-            norm = clip(params, max_norm) if sharder is None else sharder.clip(params, max_norm, clip)
+            clip, bound = self.strategy.clip, math.inf if max_norm is None else max_norm
+            norm = clip(params, bound) if sharder is None else sharder.clip(params, bound, clip)
+        spike = self._judge(norm)
+        if spike is not None:  # the same decision on every rank: no update, the gradients dropped
+            if self.loss_scale.active:  # fp16: close the scaler's unscale bookkeeping, no update run
+                self.loss_scale.step(optimizer, _skip)
+            optimizer.zero_grad(set_to_none=True)
+            self.steps += spike.counted
+            return StepInfo(stepped=True, skipped=True, grad_norm=norm, step=self.steps, spike=spike)
         skipped = self.loss_scale.step(optimizer, sharder.step if sharder is not None else _run)
         optimizer.zero_grad(set_to_none=True)
         self.steps += 1
@@ -236,6 +250,21 @@ class Stepper:
                 f"lowered to {self.loss_scale.get_scale():g} ({self.skipped} skipped so far)"
             )
         return StepInfo(stepped=True, skipped=skipped, grad_norm=norm, step=self.steps)
+
+    def agree_loss(self, loss: float) -> None:
+        """The loss of the step about to be taken, for the spike guard: a value identical on every rank
+        (`ddpkit.fit` passes the mean its all-reduce before the step already computed)."""
+        self._agreed_loss = loss
+
+    def _judge(self, norm: torch.Tensor | None) -> spikes.Spike | None:
+        loss, self._agreed_loss = self._agreed_loss, None
+        if self.spikes is None or norm is None:
+            return None
+        value = float(norm)  # the all-reduced gradients' norm: the same bits on every rank
+        if self.loss_scale.active and not math.isfinite(value):
+            return None  # fp16: the scaler skips this step and lowers the scale
+        values = {"grad_norm": value} if loss is None else {"loss": loss, "grad_norm": value}
+        return self.spikes.judge(self.steps + 1, values)
 
     @property
     def scaler(self) -> LossScale | None:
@@ -294,6 +323,7 @@ class Stepper:
             self._model.zero_grad(set_to_none=True)
         self._micro = self._backwards = 0
         self._block, self._awaiting_step = None, False
+        self._agreed_loss = None
         self.tokens.drop()
         if self.oom is not None:
             self.accumulation = self.oom.accumulation
@@ -309,6 +339,8 @@ class Stepper:
         }
         if self.oom is not None:
             state["micro_batch"] = self.oom.state_dict()  # a resume starts at the split that worked
+        if self.spikes is not None:
+            state["spikes"] = self.spikes.state_dict()  # a resume judges against the same window
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -319,7 +351,13 @@ class Stepper:
         self.steps = int(state.get("steps", self.steps))
         self.skipped = int(state.get("skipped", self.skipped))
         self.tokens.load_state_dict(state.get("tokens", {}))
+        if self.spikes is not None:
+            self.spikes.load_state_dict(state.get("spikes"))
 
 
 def _run(update: Callable[[], Any]) -> Any:
     return update()
+
+
+def _skip(update: Callable[[], Any]) -> None:
+    """The optimizer update not run (a step the spike guard skipped)."""

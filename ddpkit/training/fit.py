@@ -208,14 +208,18 @@ class _Loop:
             self.mark("optimizer")
             return False
         mean_loss = _agree(s, state, local_loss / s.accumulation)
+        s.stepper.agree_loss(mean_loss)  # spike_guard=: judged on the agreed loss too (`ddpkit.step.spikes`)
         self.mark("other")
         info = s.step(state.optimizer, max_norm=self.plan.max_norm)
         self.mark("optimizer")
         self.monitor.anatomy.end_step()
         plan = self.plan
-        if plan.scheduler is not None and plan.scheduler_interval == "step" and not info.skipped:
+        counted = info.spike is None or info.spike.counted  # a spike skipped: SpikeGuard(count_skipped=)
+        if plan.scheduler is not None and plan.scheduler_interval == "step" and counted and (
+            not info.skipped or info.spike is not None
+        ):
             plan.scheduler.step()  # not after a step the fp16 scaler skipped: the schedule follows updates
-        state.step += 1  # this call's optimizer steps (s.stepper.steps counts the session's)
+        state.step += counted  # this call's optimizer steps (s.stepper.steps counts the session's)
         state.loss = mean_loss
         state.losses.append(mean_loss)
         state.epoch_losses.append(mean_loss)

@@ -47,7 +47,7 @@ from ddpkit.observe.tracking import LogTo, Tracking
 from ddpkit.parallel import compiling, cpu_allocator, modules
 from ddpkit.parallel.precision import PrecisionPlan, device_supports_bf16, resolve_precision
 from ddpkit.parallel.shape import Shape
-from ddpkit.step import invariant, oom
+from ddpkit.step import invariant, oom, spikes
 from ddpkit.step.stepping import MicroBatch, StepInfo, Stepper
 from ddpkit.strategy import Choice, DDPOptions, Strategy, building, hf
 from ddpkit.training.choosing import Choosing
@@ -76,7 +76,12 @@ class Session(RankContext):
         env: Mapping[str, str] | None = None,
         reproducible: str | None = None, chunk: int | None = None,  # any-world: ddpkit.step.invariant
         micro_batch: str | None = None,  # "auto": a step out of memory is re-run split (ddpkit.step.oom)
+        spike_guard: spikes.SpikeGuard | None = None,  # a spiking step skipped on every rank (step.spikes)
     ) -> None:
+        if spike_guard is not None and not isinstance(spike_guard, spikes.SpikeGuard):
+            raise problem(f"spike_guard={spike_guard!r} is not a ddpkit.SpikeGuard",
+                          "Pass spike_guard=ddpkit.SpikeGuard() (its window and thresholds as options), "
+                          "or leave it out")  # fmt: skip
         if micro_batch not in (None, "auto"):
             raise problem(f"micro_batch={micro_batch!r} is not 'auto' or None",
                           "Pass micro_batch='auto' to re-run a step that runs out of memory as smaller "
@@ -112,7 +117,10 @@ class Session(RankContext):
                                     invariant_mode=self.invariant,
                                     auto_micro_batch=None if micro_batch is None else oom.AutoMicroBatch(
                                         accumulation, rank=self.rank, world=self.world_size,
-                                        distributed=self.distributed, device=self.device))  # fmt: skip
+                                        distributed=self.distributed, device=self.device),
+                                    spike_judge=None if spike_guard is None else spikes.Judge(
+                                        spike_guard, world=self.world_size, report=self.print,
+                                        track=lambda values, step: self.log(values, step=step)))  # fmt: skip
         self._choosing = Choosing(strategy, self.shape, self.precision, stepper=stepper)  # built once
 
     @property
@@ -365,6 +373,7 @@ def session(
     reproducible: str | None = None, chunk: int | None = None,
     launcher: Detector | None = None,
     micro_batch: str | None = None,
+    spike_guard: spikes.SpikeGuard | None = None,
 ) -> Iterator[Session]:
     """Open a `Session` for this process; the process group is torn down on exit, also on errors.
 
@@ -387,6 +396,9 @@ def session(
     `launcher`: a detector of your own for a launcher ddpkit does not know (`ddpkit.cluster.environments`).
     `micro_batch="auto"`: under `ddpkit.fit`, a step that runs out of memory on any rank is dropped on
     every rank and re-run with the micro-batch halved and the accumulation doubled (`ddpkit.step.oom`).
+    `spike_guard=ddpkit.SpikeGuard()`: a step whose loss (under `fit`) or gradient norm stands far above
+    its running window is skipped on every rank, decided from values the step already agrees on
+    (`ddpkit.step.spikes`).
     """
     limits = Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)  # validated here
     env = os.environ if env is None else env
@@ -397,7 +409,7 @@ def session(
     s = Session(plan, seed=seed, accumulation=accumulation, precision=precision, limits=limits,
                 verbose=verbose, shard_optimizer=shard_optimizer, strategy=strategy, log_to=log_to,
                 log_dir=log_dir, env=env, reproducible=reproducible, chunk=chunk,
-                micro_batch=micro_batch)  # fmt: skip
+                micro_batch=micro_batch, spike_guard=spike_guard)  # fmt: skip
     try:
         yield s.start()
     except BaseException as exc:

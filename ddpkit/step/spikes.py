@@ -1,0 +1,147 @@
+"""A loss or gradient spike, caught by every rank in the same step and skipped (opt-in).
+
+    with ddpkit.session(spike_guard=ddpkit.SpikeGuard()) as s:   # opt in
+        ddpkit.fit(s, model, opt, loader, train_step, max_norm=1.0)
+        # an optimizer step whose loss or gradient norm stands far above the last `window` accepted
+        # steps is dropped on every rank: no update, its gradients zeroed, one line on rank 0
+
+Why this shape: a rank that decided alone would step while its peers did not, and the replicas would
+part for good. So the guard judges only values that are already the same on every rank, bit for bit:
+the total gradient norm `s.step` computes from the all-reduced gradients (DDP: each rank's gradients
+are identical after the backward's all-reduce, so the norm needs no collective; FSDP and the sharded
+step: the one all-reduce of the clip), and, under `ddpkit.fit`, the mean loss that `fit`'s one
+all-reduce before the step already agrees (the stop flags and non-finite check travel in the same
+tensor). No collective is added per step. In a plain `s.step` loop the loss is each rank's own, so the
+guard judges the gradient norm alone there. Without `max_norm` the norm is computed anyway (the clip
+with an infinite bound: it leaves the gradients as they are; under FSDP or the sharded optimizer step
+that is the one scalar all-reduce a clip costs).
+
+The test is robust to the window's own noise: a value is a spike when it exceeds the window's median by
+more than `threshold` robust standard deviations (1.4826 x the median absolute deviation) and by more
+than `floor` x the median (so a very smooth window does not turn small wobbles into spikes). Only
+accepted steps enter the window, so a spike does not raise the bar for the next one. The first `warmup`
+accepted steps are not judged. The window is saved with the stepper's state (`s.save(...,
+stepper=s.stepper)`): a run resumed from a checkpoint takes the same decisions.
+
+The cost: a median over at most `window` floats on the host per step and one device-to-host copy of the
+norm (a synchronisation on a GPU; `fit` already waits for its loss all-reduce at the same place).
+Not covered yet: rolling back to the last checkpoint (remedy "skip" only), `reproducible="any-world"`'s
+`s.invariant.step`, and a plain `loss.backward(); opt.step()` loop (no `s.step`: nothing to hook).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from ddpkit.errors import problem
+
+MAD_TO_STD = 1.4826  # the median absolute deviation of a normal sample x this = its standard deviation
+
+
+@dataclass(frozen=True)
+class SpikeGuard:
+    """What counts as a spike and what a skipped step costs; pass to `ddpkit.session(spike_guard=...)`.
+
+    `window`: accepted steps the median is taken over. `warmup`: accepted steps before any judgement.
+    `threshold`: robust standard deviations above the median. `floor`: the least rise judged a spike, as
+    a fraction of the median. `count_skipped`: a skipped step still counts (the session's step counter
+    and `fit`'s scheduler advance, so the schedule follows the data); False: neither advances.
+    """
+
+    window: int = 100
+    warmup: int = 20
+    threshold: float = 6.0
+    floor: float = 0.5
+    count_skipped: bool = True
+
+    def __post_init__(self) -> None:
+        if self.window < 2 or not 1 <= self.warmup <= self.window:
+            raise problem(
+                f"SpikeGuard(window={self.window}, warmup={self.warmup}) cannot judge: the window needs 2 "
+                "or more steps and the warm-up 1 to `window` of them",
+                "Pass e.g. SpikeGuard(window=100, warmup=20)",
+            )
+        if not self.threshold > 0 or not self.floor >= 0:
+            raise problem(
+                f"SpikeGuard(threshold={self.threshold}, floor={self.floor}) would skip every step",
+                "Pass a threshold above 0 (robust standard deviations, e.g. 6) and a floor of 0 or more",
+            )
+
+
+@dataclass(frozen=True)
+class Spike:
+    """One skipped step: which value, how far, against which window; `counted`: the step counter moved."""
+
+    step: int
+    name: str
+    value: float
+    median: float
+    mad: float
+    seen: int
+    counted: bool
+
+    def describe(self, world: int, total: int) -> str:
+        return (
+            f"ddpkit: spike at optimizer step {self.step}: {self.name} {self.value:.6g} against a median of "
+            f"{self.median:.6g} (MAD {self.mad:.3g}) over the last {self.seen} accepted steps; the step was "
+            f"skipped on all {world} rank(s) (no update, gradients dropped; {total} skipped so far)"
+        )
+
+
+class Judge:
+    """The running windows of one session's stepper and its decisions (the same on every rank)."""
+
+    def __init__(
+        self,
+        guard: SpikeGuard,
+        *,
+        world: int,
+        report: Callable[[str], None],
+        track: Callable[[Mapping[str, float], int], None] | None = None,
+    ) -> None:
+        self.guard, self.world, self.report, self.track = guard, world, report, track
+        self.windows: dict[str, deque[float]] = {}
+        self.skipped = 0  # spikes skipped in the run (saved with the stepper's state)
+        self.events: list[Spike] = []  # this session's, in order (`s.stepper.spikes.events`)
+
+    def judge(self, step: int, values: Mapping[str, float]) -> Spike | None:
+        """The first value that spikes, else None (and every value joins its window). `values` must be
+        identical on every rank: the agreed loss and the norm of the all-reduced gradients."""
+        g = self.guard
+        for name, value in values.items():
+            window = self.windows.get(name)
+            if not math.isfinite(value):  # fp32/bf16 (fp16's scaler skips these itself)
+                med = statistics.median(window) if window else math.nan
+                return self._skip(Spike(step, name, value, med, math.nan, len(window or ()), g.count_skipped))
+            if window is None or len(window) < g.warmup:
+                continue
+            med = statistics.median(window)
+            mad = statistics.median(abs(v - med) for v in window)
+            if value - med > max(g.threshold * MAD_TO_STD * mad, g.floor * abs(med)):
+                return self._skip(Spike(step, name, value, med, mad, len(window), g.count_skipped))
+        for name, value in values.items():
+            self.windows.setdefault(name, deque(maxlen=g.window)).append(value)
+        return None
+
+    def _skip(self, spike: Spike) -> Spike:
+        self.skipped += 1
+        self.events.append(spike)
+        self.report(spike.describe(self.world, self.skipped))
+        if self.track is not None:
+            self.track({f"spike/{spike.name}": spike.value, "spike/median": spike.median,
+                        "spike/skipped": float(self.skipped)}, spike.step)  # fmt: skip
+        return spike
+
+    def state_dict(self) -> dict:
+        return {"windows": {k: list(v) for k, v in self.windows.items()}, "skipped": self.skipped}
+
+    def load_state_dict(self, state: Mapping | None) -> None:
+        if not state:
+            return
+        self.windows = {k: deque((float(v) for v in vs), maxlen=self.guard.window)
+                        for k, vs in state["windows"].items()}  # fmt: skip
+        self.skipped = int(state.get("skipped", 0))

@@ -1,0 +1,159 @@
+"""The spike guard on real gloo ranks: a planted bad batch ruins the weights without it and is skipped
+with it (ending where a run that never saw the batch ends), every rank skips the same step, a spike in
+one rank's loss alone is still skipped by all, and a resume from a checkpoint taken before the spike
+takes the same decisions and ends bit for bit where the uninterrupted run ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+import ddpkit
+from ddpkit.errors import DdpkitError
+
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
+
+STEPS, GLOBAL, PLANT = 20, 16, 12  # optimizer steps, global batch, the step whose batch is bad (1-based)
+GUARD = ddpkit.SpikeGuard(window=20, warmup=5) if hasattr(ddpkit, "SpikeGuard") else None
+
+
+def _data(planted: bool, removed: bool = False) -> TensorDataset:
+    """STEPS global batches in order; `planted`: one sample of batch PLANT scaled by 1e4; `removed`: that
+    whole batch left out (the run that never had it)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(STEPS * GLOBAL, 10, generator=g), torch.randint(0, 3, (STEPS * GLOBAL,), generator=g)
+    first = (PLANT - 1) * GLOBAL
+    if planted:
+        x[first] *= 1e4
+    if removed:
+        keep = torch.cat([torch.arange(first), torch.arange(first + GLOBAL, STEPS * GLOBAL)])
+        x, y = x[keep], y[keep]
+    return TensorDataset(x, y)
+
+
+class _Recorder:
+    """A tracker of one's own: the rows `s.log` sends (rank 0)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, dict]] = []
+
+    def log(self, values: dict, step: int) -> None:
+        self.seen.append((step, dict(values)))
+
+    def close(self) -> None:
+        pass
+
+
+def train(planted: bool, removed: bool, guard: bool, ckpt: str = "", stop: int = 0, lift: int = 0) -> dict:
+    """One epoch under `fit` on every rank. `ckpt` + `stop`: save after `stop` steps and return;
+    `ckpt` alone: resume from it. `lift`: at that step, rank 0's loss gets +1e3 (no gradient: only
+    its own loss spikes, the agreed mean with it)."""
+    rec = _Recorder()
+    with ddpkit.session(seed=0, verbose=False, log_to=rec, spike_guard=GUARD if guard else None) as s:
+        model = s.model(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        loader = s.loader(_data(planted, removed), batch_size=GLOBAL)
+        things = {"model": model, "optimizer": opt, "stepper": s.stepper, "loader": loader}
+        if ckpt and not stop:
+            s.load(ckpt, **things)
+        calls = [s.stepper.steps]
+
+        def train_step(m: nn.Module, batch: tuple) -> torch.Tensor:
+            calls[0] += 1
+            loss = F.cross_entropy(m(batch[0]), batch[1])
+            return loss + 1e3 if calls[0] == lift and s.rank == 0 else loss
+
+        ddpkit.fit(s, model, opt, loader, train_step, epochs=1, max_steps=stop or None, progress=False,
+                   flops=None, track_every=1000)  # fmt: skip
+        if stop:
+            s.save(ckpt, **things)
+        judge = s.stepper.spikes
+        return {
+            "weights": {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()},
+            "events": [(e.step, e.name) for e in judge.events] if judge is not None else [],
+            "steps": s.stepper.steps,
+            "tracked": [(step, sorted(v)) for step, v in rec.seen if any(k.startswith("spike/") for k in v)],
+        }
+
+
+def train_loop(planted: bool) -> dict:
+    """The `s.step` loop, no `max_norm`: the guard sees no agreed loss and judges the gradient norm."""
+    with ddpkit.session(seed=0, verbose=False, log_to=None, spike_guard=GUARD) as s:
+        model = s.model(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        infos = []
+        for x, y in s.loader(_data(planted), batch_size=GLOBAL):
+            s.backward(F.cross_entropy(model(x), y))
+            infos.append(s.step(opt))
+        return {
+            "weights": {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()},
+            "events": [(e.step, e.name) for e in s.stepper.spikes.events],
+            "skipped": [i.step for i in infos if i.skipped],
+        }
+
+
+def _distance(a: dict, b: dict) -> float:
+    return sum(float((a[k] - b[k]).double().norm() ** 2) for k in a) ** 0.5
+
+
+def test_a_planted_bad_batch_ruins_the_weights_unless_every_rank_skips_it(pool2) -> None:
+    clean = pool2.run(train, False, True, False)  # the data without the bad batch, no guard needed
+    ruined = pool2.run(train, True, False, False)
+    guarded = pool2.run(train, True, False, True)
+    scale = sum(float(v.double().norm() ** 2) for v in clean[0]["weights"].values()) ** 0.5
+    far, near = (
+        _distance(ruined[0]["weights"], clean[0]["weights"]),
+        _distance(guarded[0]["weights"], clean[0]["weights"]),
+    )
+    print(f"weights' distance from the run without the bad batch (norm {scale:.4g}): unguarded {far:.4g}, "
+          f"guarded {near:.4g}")  # fmt: skip
+    assert far > scale, "the planted sample should wreck an unguarded run"
+    assert near <= 1e-6 * scale, "the guarded run should end where the run that never saw the batch ends"
+    for r in guarded:  # every rank: the same single decision, the same weights
+        assert r["events"] == [(PLANT, "loss")] and r["steps"] == STEPS
+        assert all(torch.equal(r["weights"][k], guarded[0]["weights"][k]) for k in r["weights"])
+    assert guarded[0]["tracked"] == [(PLANT, ["spike/loss", "spike/median", "spike/skipped"])]
+    assert clean[0]["steps"] == STEPS - 1 and ruined[0]["events"] == []
+
+
+def test_a_spike_in_one_ranks_loss_is_skipped_by_every_rank(pool2) -> None:
+    """Only rank 0's loss spikes (a constant: no gradient); the agreed loss carries it to rank 1."""
+    runs = pool2.run(train, False, False, True, "", 0, PLANT)
+    for r in runs:
+        assert r["events"] == [(PLANT, "loss")], r["events"]
+        assert all(torch.equal(r["weights"][k], runs[0]["weights"][k]) for k in r["weights"]), (
+            "the ranks' weights parted: one rank decided alone"
+        )
+
+
+def test_the_step_loop_judges_the_gradient_norm_alone(pool2) -> None:
+    clean = pool2.run(train, False, True, False)
+    runs = pool2.run(train_loop, True)
+    for r in runs:
+        assert r["events"] == [(PLANT, "grad_norm")] and r["skipped"] == [PLANT], r["events"]
+    scale = sum(float(v.double().norm() ** 2) for v in clean[0]["weights"].values()) ** 0.5
+    assert _distance(runs[0]["weights"], clean[0]["weights"]) <= 1e-6 * scale
+
+
+def test_a_resume_from_before_the_spike_decides_the_same_and_ends_bitwise_equal(
+    pool2, tmp_path: Path
+) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    whole = pool2.run(train, True, False, True)
+    pool2.run(train, True, False, True, ckpt, PLANT - 4)
+    resumed = pool2.run(train, True, False, True, ckpt)
+    for w, r in zip(whole, resumed, strict=True):
+        assert r["events"] == [(PLANT, "loss")] and r["steps"] == w["steps"] == STEPS
+        assert all(torch.equal(r["weights"][k], w["weights"][k]) for k in w["weights"]), "not bitwise equal"
+
+
+def test_a_guard_that_could_never_judge_is_refused() -> None:
+    with pytest.raises(DdpkitError, match="window"):
+        ddpkit.SpikeGuard(window=10, warmup=20)
+    with pytest.raises(DdpkitError, match="SpikeGuard"), ddpkit.session(spike_guard=0.5, log_to=None):  # type: ignore[arg-type]
+        pass
