@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from recording import Recorder
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -201,25 +202,13 @@ def train_under_address_limit_one_rank_error(per_rank: int, budget_mib: int) -> 
     return got
 
 
-class _Recorder:
-    """A tracker of one's own (`ddpkit.observe.tracking.Logger`'s two methods)."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[int, dict]] = []
-
-    def log(self, values: dict, step: int) -> None:
-        self.seen.append((step, dict(values)))
-
-    def close(self) -> None:
-        pass
-
 
 def test_the_split_is_said_logged_saved_and_a_resume_starts_there(tmp_path: Path, capsys) -> None:
     """One process: a planted OOM splits 16 -> 8, said in one line and logged to the trackers; the
     checkpoint carries it; a new session resumes at 8."""
     ckpt = str(tmp_path / "ckpt")
     planted = _Planted(rank=0, above=8, from_step=0, at=0, where="forward")
-    rec = _Recorder()
+    rec = Recorder()
     with ddpkit.session(micro_batch="auto", log_to=rec, env={}, hardware=ddpkit.Hardware(0, 2)) as s:
         model = s.model(_mlp())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import pytest
 import torch
+from recording import Recorder
 from torch import nn
 
 import ddpkit
@@ -111,19 +112,6 @@ def test_a_strategy_instance_is_used_as_it_is() -> None:
         s.backward(model(torch.ones(1, 2)).sum())
         assert s.step(torch.optim.SGD(model.parameters(), lr=0.1)).stepped
 
-
-class Recorder:
-    """A tracker of one's own: the two methods of `ddpkit.observe.tracking.Logger`."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[int, dict[str, float]]] = []
-        self.closed = False
-
-    def log(self, values: Mapping[str, float], step: int) -> None:
-        self.seen.append((step, dict(values)))
-
-    def close(self) -> None:
-        self.closed = True
 
 
 def test_a_users_own_tracker_receives_s_log() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from recording import Recorder
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
@@ -36,24 +37,12 @@ def _data(planted: bool, removed: bool = False) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-class _Recorder:
-    """A tracker of one's own: the rows `s.log` sends (rank 0)."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[int, dict]] = []
-
-    def log(self, values: dict, step: int) -> None:
-        self.seen.append((step, dict(values)))
-
-    def close(self) -> None:
-        pass
-
 
 def train(planted: bool, removed: bool, guard: bool, ckpt: str = "", stop: int = 0, lift: int = 0) -> dict:
     """One epoch under `fit` on every rank. `ckpt` + `stop`: save after `stop` steps and return;
     `ckpt` alone: resume from it. `lift`: at that step, rank 0's loss gets +1e3 (no gradient: only
     its own loss spikes, the agreed mean with it)."""
-    rec = _Recorder()
+    rec = Recorder()
     with ddpkit.session(seed=0, verbose=False, log_to=rec, spike_guard=GUARD if guard else None) as s:
         model = s.model(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)))
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
