@@ -29,23 +29,9 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
 
 
-def test_the_demo_logs_plain_progress_lines_to_a_file(tmp_path: Path) -> None:
-    log = tmp_path / "demo.log"
-    with log.open("w") as f:
-        done = subprocess.run([sys.executable, "-m", "ddpkit.cli", "demo", "--epochs", "2", "--out", str(tmp_path / "out")],
-                              stdout=f, stderr=subprocess.STDOUT, timeout=110, cwd=tmp_path, env=_env())  # fmt: skip
-    text = log.read_text()
-    assert done.returncode == 0, text[-3000:]
-    assert "\r" not in text, "no carriage-return refreshes in a log file"
-    lines = [m for m in map(LINE.match, text.splitlines()) if m]
-    steps = [int(m.group(1)) for m in lines]
-    total = int(lines[-1].group(2))
-    assert 5 <= len(lines) <= 15 and steps == sorted(steps), f"about one line per tenth of the run: {steps}"
-    assert steps[-1] == total == 46, "the last step is always printed (2 epochs of 23 steps)"
-
-
 def test_on_a_terminal_the_bar_refreshes_in_place(tmp_path: Path) -> None:
-    """The control: the same run on a pseudo-terminal draws tqdm's bar (carriage returns)."""
+    """The control of tests/test_demo.py's log file (plain lines there): the demo on a pseudo-terminal draws
+    tqdm's bar (carriage returns)."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # 120 columns for the bar
     proc = subprocess.Popen([sys.executable, "-m", "ddpkit.tools.demo", "--epochs", "1", "--out", str(tmp_path / "out")],
