@@ -33,6 +33,8 @@ rename by rank 0), in `ddpkit.checkpoint.write`; `background=True` runs the seco
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +46,7 @@ from ddpkit.checkpoint import dcp as checkpoint_dcp
 from ddpkit.checkpoint import files, portable
 from ddpkit.checkpoint import retention as keeping
 from ddpkit.checkpoint import state as checkpoint_state
-from ddpkit.checkpoint.background import NICE, Background
+from ddpkit.checkpoint.background import NICE, Background, writer_group
 from ddpkit.checkpoint.files import CheckpointError, Found, Tensors
 from ddpkit.checkpoint.remote import Remote, export_target
 from ddpkit.checkpoint.sync import CheckpointContext, Sync
@@ -159,7 +161,7 @@ class Checkpoints:
         self._background.wait()  # the previous save first: one write at a time, in order
         ctx = self._ctx
         if background and ctx.distributed and self._writer_group is None:  # collective: all ranks are here
-            self._writer_group = dist.new_group(backend="gloo")  # the writer's own (DCP, optimizer shares)
+            self._writer_group = writer_group(self._nice)  # its own (DCP, optimizer shares), lowest priority
         writer = self._writer_process() if mode == "process" else None
         stage = writer.arena.stage if writer is not None else None
         snapshot = capture(ctx, {**self._extras(), **state}, copy=mode is not None, stage=stage)
@@ -278,6 +280,25 @@ class Checkpoints:
         if upload is not None and ctx.is_main:
             upload(ctx.say)
         return target if ctx.is_main else None
+
+    def export_to(self, path: str | Path, write: Callable[[Path], Any]) -> Any:
+        """`write(local)` (every rank: an export, a file or a folder such as a Hugging Face or adapter
+        directory), then, for an fsspec URL, rank 0 uploads what it wrote from this machine's cache
+        (`ddpkit.checkpoint.remote.put_folder`: a folder's JSON files last). What `write` returns."""
+        ctx = self._ctx
+        target, upload = export_target(path)
+        if upload is None:
+            return write(target)
+        if ctx.is_main and target.is_dir():  # an earlier export of this URL: not uploaded again
+            shutil.rmtree(target)
+        elif ctx.is_main and target.exists():
+            target.unlink()
+        ctx.barrier()
+        written = write(target)
+        ctx.barrier()
+        if ctx.is_main:
+            upload(ctx.say)
+        return written
 
     @staticmethod
     def _export_whole(ctx: CheckpointContext, target: Path, model: nn.Module) -> int:

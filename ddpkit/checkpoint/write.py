@@ -94,7 +94,7 @@ def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool,
     sharded = checkpoint_dcp.split(ctx.strategy, parts)
     fresh: set[int] = set()  # storages already copied to CPU here (GPU tensors): not copied twice
     stepped = [n for n, obj in parts["shared"].items() if ctx.optimizers.sharded_step(obj) is not None]
-    shares = {n: local_share(parts["shared"][n], fresh, to_cpu, copy=copy) for n in stepped}
+    shares = {n: local_share(parts["shared"][n], fresh, to_cpu, copy=copy, stage=stage) for n in stepped}
     weights = {name: full_weights(ctx, module) for name, module in parts["modules"].items()}  # collective
     dcp_state = None
     if sharded is not None:
