@@ -12,7 +12,8 @@ of the CPU seconds beyond the window without a save, split by who spent them:
 
     train     training's own thread (the call, the GIL waits do not count: waiting is not CPU)
     normal    other threads of the rank at normal priority (gloo's workers and transport threads)
-    idle      threads at SCHED_IDLE (the writer thread)
+    idle      threads at SCHED_IDLE or niced (the writer's process group's gloo threads)
+    ended     threads that ended meanwhile (the writer thread: started per save, at SCHED_IDLE)
     child     the writer process (SCHED_IDLE)
     kernel    kernel threads (writeback, softirq), machine-wide
     other     the machine's busy time no process above accounts for (other jobs, interrupts)
@@ -59,8 +60,11 @@ def _cpu(rest: list[str]) -> float:
 def sample(child: int | None) -> dict[str, float]:
     """CPU seconds so far: this process's threads by class, the writer process, the kernel's threads,
     and the machine's busy total."""
-    out = dict.fromkeys(("train", "normal", "idle", "child", "kernel", "busy"), 0.0)
+    out = dict.fromkeys(("train", "normal", "idle", "ended", "child", "kernel", "busy"), 0.0)
     me = os.getpid()
+    whole = _stat(f"/proc/{me}/stat")
+    assert whole is not None
+    out["ended"] = _cpu(whole)  # the process's total, threads that ended included: live ones taken off below
     for tid in os.listdir(f"/proc/{me}/task"):
         rest = _stat(f"/proc/{me}/task/{tid}/stat")
         if rest is None:
@@ -71,6 +75,7 @@ def sample(child: int | None) -> dict[str, float]:
             out["idle"] += _cpu(rest)
         else:
             out["normal"] += _cpu(rest)
+    out["ended"] -= out["train"] + out["normal"] + out["idle"]
     if child is not None:
         rest = _stat(f"/proc/{child}/stat")
         out["child"] = _cpu(rest) if rest else 0.0
@@ -128,7 +133,7 @@ def main(s, width: int, rounds: int) -> None:
     dist.all_gather_object(everyone, mine)
     if not s.is_main:
         return
-    classes = ("train", "normal", "idle", "child", "kernel")
+    classes = ("train", "normal", "idle", "ended", "child", "kernel")
     print(f"checkpoint_threads: {s.world_size} rank(s), windows of {width} steps (the write waited for "
           f"inside), {rounds} rounds; load {load:.1f} -> {os.getloadavg()[0]:.1f}; CPU seconds beyond the "
           "window without a save, median over rounds; other: the machine's busy time beyond the "
@@ -136,7 +141,7 @@ def main(s, width: int, rounds: int) -> None:
     print(f"  {'kind':8s} {'rank':>4s} {'wall':>6s} " + " ".join(f"{c:>6s}" for c in classes) + "  other")
     for kind in ("sync", "thread", "process"):
         ranks = [e for e in everyone if e is not None]
-        ours = sum(e[kind][c] - e["none"][c] for e in ranks for c in classes[:4])
+        ours = sum(e[kind][c] - e["none"][c] for e in ranks for c in classes[:5])
         kernel = ranks[0][kind]["kernel"] - ranks[0]["none"]["kernel"]
         other = ranks[0][kind]["busy"] - ranks[0]["none"]["busy"] - ours - kernel
         for rank, e in enumerate(ranks):

@@ -218,6 +218,7 @@ def test_a_hugging_face_export_to_s3_is_a_folder_from_pretrained_loads(store, tm
         fs.pipe(f"{bucket}/out/hf/stale.bin", b"an earlier export's file")
         s.export(f"s3://{bucket}/out/hf", model)  # again: what is there is replaced
     assert _names(fs, f"{bucket}/out/hf") == ["config.json", "generation_config.json", "model.safetensors"]
+    (tmp_path / "hf").mkdir()
     for name in _names(fs, f"{bucket}/out/hf"):
         fs.get_file(f"{bucket}/out/hf/{name}", str(tmp_path / "hf" / name))
     back = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
