@@ -1226,9 +1226,9 @@ MUTANTS = [
     ),
     Mutant(
         "export-url-folder-not-uploaded",
-        "ddpkit/checkpoint/checkpoints.py",
-        "        if ctx.is_main:\n            upload(ctx.say)\n        return written\n",
-        "        return written  # mutant: the export stays in the local cache\n",
+        "ddpkit/checkpoint/remote.py",
+        "    if is_main:\n        upload(say)\n    return written\n",
+        "    return written  # mutant: the export stays in the local cache\n",
         ("tests/test_checkpoint_remote.py::test_a_hugging_face_export_to_s3_is_a_folder_from_pretrained_loads",),
         "s.export of a Hugging Face folder to a URL writes it locally and never uploads it",
     ),

@@ -33,7 +33,6 @@ rename by rank 0), in `ddpkit.checkpoint.write`; `background=True` runs the seco
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from ddpkit.checkpoint import retention as keeping
 from ddpkit.checkpoint import state as checkpoint_state
 from ddpkit.checkpoint.background import NICE, Background, writer_group
 from ddpkit.checkpoint.files import CheckpointError, Found, Tensors
-from ddpkit.checkpoint.remote import Remote, export_target
+from ddpkit.checkpoint.remote import Remote, export_target, export_via
 from ddpkit.checkpoint.sync import CheckpointContext, Sync
 from ddpkit.checkpoint.write import capture, full_weights, start, write
 from ddpkit.checkpoint.writer_process import WriterProcess, writer_mode
@@ -282,23 +281,9 @@ class Checkpoints:
         return target if ctx.is_main else None
 
     def export_to(self, path: str | Path, write: Callable[[Path], Any]) -> Any:
-        """`write(local)` (every rank: an export, a file or a folder such as a Hugging Face or adapter
-        directory), then, for an fsspec URL, rank 0 uploads what it wrote from this machine's cache
-        (`ddpkit.checkpoint.remote.put_folder`: a folder's JSON files last). What `write` returns."""
+        """`write(local)` (an export: a file or a folder), uploaded by rank 0 when `path` is an fsspec URL."""
         ctx = self._ctx
-        target, upload = export_target(path)
-        if upload is None:
-            return write(target)
-        if ctx.is_main and target.is_dir():  # an earlier export of this URL: not uploaded again
-            shutil.rmtree(target)
-        elif ctx.is_main and target.exists():
-            target.unlink()
-        ctx.barrier()
-        written = write(target)
-        ctx.barrier()
-        if ctx.is_main:
-            upload(ctx.say)
-        return written
+        return export_via(path, write, is_main=ctx.is_main, barrier=ctx.barrier, say=ctx.say)
 
     @staticmethod
     def _export_whole(ctx: CheckpointContext, target: Path, model: nn.Module) -> int:

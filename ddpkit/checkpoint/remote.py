@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,26 @@ def export_target(path: str | Path) -> tuple[Path, Any]:
         say(f"ddpkit: uploaded the export to {text}")
 
     return local, upload
+
+
+def export_via(path: str | Path, write: Callable[[Path], Any], *, is_main: bool, barrier: Callable[[], None],
+               say: Callable[[str], None]) -> Any:  # fmt: skip
+    """`write(local)` on every rank (an export, a file or a folder such as a Hugging Face or adapter
+    directory); for an fsspec URL `local` is in this machine's cache, and rank 0 uploads what was written
+    (`put_folder`: a folder's JSON files last). What `write` returns."""
+    target, upload = export_target(path)
+    if upload is None:
+        return write(target)
+    if is_main and target.is_dir():  # an earlier export of this URL: not uploaded again
+        shutil.rmtree(target)
+    elif is_main and target.exists():
+        target.unlink()
+    barrier()
+    written = write(target)
+    barrier()
+    if is_main:
+        upload(say)
+    return written
 
 
 def put_folder(fs: Any, local: Path, remote_path: str) -> None:
