@@ -1216,6 +1216,38 @@ MUTANTS = [
         ("tests/test_spikes.py::test_a_resume_from_before_the_spike_decides_the_same_and_ends_bitwise_equal",),
         "the spike guard's window is not saved with the stepper, so a resumed run decides differently",
     ),
+    Mutant(
+        "export-url-json-first",
+        "ddpkit/checkpoint/remote.py",
+        'key=lambda n: (n.endswith(".json"), n))',
+        "key=lambda n: n)  # mutant: in name order, config.json before the weights",
+        ("tests/test_checkpoint_remote.py::test_a_folder_is_uploaded_with_its_json_files_last",),
+        "an exported folder's config is uploaded before its weights (a cut-off upload looks whole)",
+    ),
+    Mutant(
+        "export-url-folder-not-uploaded",
+        "ddpkit/checkpoint/remote.py",
+        "    if is_main:\n        upload(say)\n    return written\n",
+        "    return written  # mutant: the export stays in the local cache\n",
+        ("tests/test_checkpoint_remote.py::test_a_hugging_face_export_to_s3_is_a_folder_from_pretrained_loads",),
+        "s.export of a Hugging Face folder to a URL writes it locally and never uploads it",
+    ),
+    Mutant(
+        "writer-group-training-priority",
+        "ddpkit/checkpoint/background.py",
+        "            idle_priority()\n            lower_priority(nice)\n        try:\n",
+        "            pass  # mutant: gloo threads at training priority\n        try:\n",
+        ("tests/test_checkpoint_writer_priority.py::test_the_threads_a_background_save_starts_run_at_the_lowest_priority",),
+        "the background save's process group (gloo's worker threads) runs at training's priority",
+    ),
+    Mutant(
+        "whole-optimizer-into-fsdp-skipped",
+        "ddpkit/checkpoint/dcp.py",
+        "            load_whole_optimizers(model, optimizers, found, strict=strict)\n",
+        "            pass  # mutant: the optimizer saved whole is not loaded into FSDP's shards\n",
+        ("tests/test_checkpoint_portable.py::test_a_two_rank_checkpoint_loads_under_another_strategy[ddp-fsdp]",),
+        "a DDP checkpoint's optimizer state is dropped when an FSDP run loads it (a fresh optimizer)",
+    ),
 ]
 
 

@@ -204,3 +204,49 @@ def test_a_preempted_run_saves_to_the_store_and_a_relaunch_on_another_machine_re
     got = load_file(str(tmp_path / "out" / "final.safetensors"))
     assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
     assert (tmp_path / "out" / "log.txt").read_text().split()[-1] == str(STEPS)
+
+
+def test_a_hugging_face_export_to_s3_is_a_folder_from_pretrained_loads(store, tmp_path: Path) -> None:
+    """`s.export("s3://.../hf", model)` of a transformers model: the store holds the directory
+    `from_pretrained` reads (weights and config), the same forward; a second export replaces it."""
+    tf = pytest.importorskip("transformers")
+    fs, bucket = store
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16, vocab_size=32))
+    with ddpkit.session(env={}, hardware=HW, verbose=False) as s:
+        s.export(f"s3://{bucket}/out/hf/", model)
+        fs.pipe(f"{bucket}/out/hf/stale.bin", b"an earlier export's file")
+        s.export(f"s3://{bucket}/out/hf", model)  # again: what is there is replaced
+    assert _names(fs, f"{bucket}/out/hf") == ["config.json", "generation_config.json", "model.safetensors"]
+    (tmp_path / "hf").mkdir()
+    for name in _names(fs, f"{bucket}/out/hf"):
+        fs.get_file(f"{bucket}/out/hf/{name}", str(tmp_path / "hf" / name))
+    back = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    ids = torch.arange(8)[None]
+    assert torch.equal(back(ids).logits, model(ids).logits)
+
+
+def test_a_folder_is_uploaded_with_its_json_files_last(tmp_path: Path) -> None:
+    """An upload cut off part-way leaves no config.json: no `from_pretrained` takes the folder for whole."""
+    from ddpkit.checkpoint.remote import put_folder
+
+    for name in ("config.json", "model-00001.safetensors", "sub/adapter_config.json", "tokenizer.model"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+
+    class Store:  # records the order; the upload's other calls on an empty store
+        def __init__(self) -> None:
+            self.put: list[str] = []
+
+        def put_file(self, local: str, remote: str) -> None:
+            self.put.append(remote)
+
+        def invalidate_cache(self) -> None: ...
+
+        def find(self, path: str) -> list[str]:
+            raise FileNotFoundError(path)
+
+    store = Store()
+    put_folder(store, tmp_path, "b/hf")
+    assert store.put == ["b/hf/model-00001.safetensors", "b/hf/tokenizer.model", "b/hf/config.json",
+                         "b/hf/sub/adapter_config.json"]  # fmt: skip

@@ -33,6 +33,7 @@ rename by rank 0), in `ddpkit.checkpoint.write`; `background=True` runs the seco
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,9 @@ from ddpkit.checkpoint import dcp as checkpoint_dcp
 from ddpkit.checkpoint import files, portable
 from ddpkit.checkpoint import retention as keeping
 from ddpkit.checkpoint import state as checkpoint_state
-from ddpkit.checkpoint.background import NICE, Background
+from ddpkit.checkpoint.background import NICE, Background, writer_group
 from ddpkit.checkpoint.files import CheckpointError, Found, Tensors
-from ddpkit.checkpoint.remote import Remote, export_target
+from ddpkit.checkpoint.remote import Remote, export_target, export_via
 from ddpkit.checkpoint.sync import CheckpointContext, Sync
 from ddpkit.checkpoint.write import capture, full_weights, start, write
 from ddpkit.checkpoint.writer_process import WriterProcess, writer_mode
@@ -159,7 +160,7 @@ class Checkpoints:
         self._background.wait()  # the previous save first: one write at a time, in order
         ctx = self._ctx
         if background and ctx.distributed and self._writer_group is None:  # collective: all ranks are here
-            self._writer_group = dist.new_group(backend="gloo")  # the writer's own (DCP, optimizer shares)
+            self._writer_group = writer_group(self._nice)  # its own (DCP, optimizer shares), lowest priority
         writer = self._writer_process() if mode == "process" else None
         stage = writer.arena.stage if writer is not None else None
         snapshot = capture(ctx, {**self._extras(), **state}, copy=mode is not None, stage=stage)
@@ -278,6 +279,11 @@ class Checkpoints:
         if upload is not None and ctx.is_main:
             upload(ctx.say)
         return target if ctx.is_main else None
+
+    def export_to(self, path: str | Path, write: Callable[[Path], Any]) -> Any:
+        """`write(local)` (an export: a file or a folder), uploaded by rank 0 when `path` is an fsspec URL."""
+        ctx = self._ctx
+        return export_via(path, write, is_main=ctx.is_main, barrier=ctx.barrier, say=ctx.say)
 
     @staticmethod
     def _export_whole(ctx: CheckpointContext, target: Path, model: nn.Module) -> int:

@@ -192,13 +192,46 @@ def load_into(strategy: Any, found: Found, sharded: tuple[tuple[str, Any], dict]
     Shards saved on one mesh load onto another: DCP's metadata records each saved piece's offsets in
     the full tensor (HSDP's replicas are written once), and the load reads, for this rank's DTensors,
     whichever pieces overlap them. So an HSDP (2 x 2) checkpoint resumes under FSDP over 4 or 2 ranks,
-    HSDP (1 x 2), and the other way round."""
+    HSDP (1 x 2), and the other way round. An optimizer saved whole (DDP, one process) is cut into
+    this rank's shards (`load_whole_optimizers`)."""
     (name, model), optimizers = sharded
     saved = found.manifest.get("strategy", "ddp")
-    strategy.check_loadable(saved, list(optimizers), found.path)  # the rule lives with the strategy
-    if not found.manifest.get("objects", {}).get("sharded"):  # saved by DDP or one process: full weights
+    if not found.manifest.get("objects", {}).get("sharded"):  # saved by DDP or one process: whole state
         strategy.load_full_state(model, found.read_tensors(f"{name}.safetensors"), strict=strict)
+        if optimizers:
+            load_whole_optimizers(model, optimizers, found, strict=strict)
         return
+    strategy.check_loadable(saved, list(optimizers), found.path)  # the rule lives with the strategy
     state = assemble(strategy, sharded)
     load(state, found.path)
     strategy.load_sharded_state(model, optimizers, {"model": state.pop(name), **state})
+
+
+def load_whole_optimizers(model: Any, optimizers: Mapping[str, torch.optim.Optimizer], found: Found, *,
+                          strict: bool) -> None:  # fmt: skip
+    """Optimizer states saved whole (by DDP or one process: `state.json`, keyed by parameter index) into
+    the sharded model's optimizers: keyed by parameter name (the i-th parameter of the optimizer's groups
+    now, which a script that builds its optimizer the same way has in the same order as when it saved),
+    then cut into this rank's shards by torch's `set_optimizer_state_dict(full_state_dict=True)`. Every
+    rank reads the whole state once (a CPU copy of it, for the time of the load); values are copied."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    from ddpkit.checkpoint.files import decode
+
+    shared, tensors = found.read_json("state.json"), found.read_tensors("state.safetensors")
+    names = {id(p): n for n, p in model.named_parameters()}
+    for key, opt in optimizers.items():
+        whole = decode(shared["objects"][key], tensors)
+        order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+        saved = [int(i) for g in whole["param_groups"] for i in g["params"]]
+        if sorted(saved) != list(range(len(order))):
+            raise problem(
+                f"{found.path} holds {key}= for {len(saved)} parameters in {len(whole['param_groups'])} "
+                f"group(s); this optimizer has {len(order)} in {len(opt.param_groups)}",
+                "Build the optimizer as the run that saved it did (the same parameters, in the same order), "
+                "or load only the model and start the optimizer afresh",
+            )
+        groups = [{**g, "params": [order[int(i)] for i in g["params"]]} for g in whole["param_groups"]]
+        by_name = {"state": {order[int(i)]: v for i, v in whole["state"].items()}, "param_groups": groups}
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        set_optimizer_state_dict(model, opt, by_name, options=options)

@@ -20,17 +20,19 @@ import torch
 
 
 def local_share(
-    optimizer: torch.optim.Optimizer, fresh: set[int], to_cpu: Any, *, copy: bool
+    optimizer: torch.optim.Optimizer, fresh: set[int], to_cpu: Any, *, copy: bool, stage: Any = None
 ) -> dict[str, Any]:
-    """This rank's `optimizer.state_dict()`; with `copy`, its tensors copied to CPU memory."""
+    """This rank's `optimizer.state_dict()`; with `copy`, its tensors copied to CPU memory (by `stage`
+    when given: the writer process's shared memory, reused from one save to the next; else a clone)."""
     own = optimizer.state_dict()
     if not copy:
         return own
+    clone = stage if stage is not None else torch.clone
     state = {}
     for index, entries in own["state"].items():
         moved = to_cpu(entries, fresh)
         state[index] = {
-            k: v.clone() if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in fresh else v
+            k: clone(v) if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in fresh else v
             for k, v in moved.items()
         }
     return {"state": state, "param_groups": copying.deepcopy(own["param_groups"])}

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,9 +151,10 @@ class Remote:
 
 
 def export_target(path: str | Path) -> tuple[Path, Any]:
-    """Where `s.export` writes: the path itself, or for a URL a local file and the upload that follows
-    (rank 0, after the file is whole; a failed upload is an error naming the local file)."""
-    text = str(path)
+    """Where `s.export` writes: the path itself, or for a URL a local file or folder (a Hugging Face or
+    adapter directory) and the upload that follows (rank 0, after it is whole; a failed upload is an
+    error naming the local copy)."""
+    text = str(path).rstrip("/")
     if not _URL.match(text) or text.startswith("file://"):
         return Path(text.removeprefix("file://")), None
     fs, remote_path = _filesystem(text)
@@ -163,12 +165,53 @@ def export_target(path: str | Path) -> tuple[Path, Any]:
 
     def upload(say: Any) -> None:
         try:
-            fs.put_file(str(local), remote_path)
+            if local.is_dir():
+                put_folder(fs, local, remote_path)
+            else:
+                fs.put_file(str(local), remote_path)
         except Exception as err:
             raise files.CheckpointError(
                 f"the export is written to {local}, but its upload to {text} failed ({type(err).__name__}: "
-                f"{err}). Check the store's address and credentials, then upload that file"
+                f"{err}). Check the store's address and credentials, then upload that copy"
             ) from err
         say(f"ddpkit: uploaded the export to {text}")
 
     return local, upload
+
+
+def export_via(path: str | Path, write: Callable[[Path], Any], *, is_main: bool, barrier: Callable[[], None],
+               say: Callable[[str], None]) -> Any:  # fmt: skip
+    """`write(local)` on every rank (an export, a file or a folder such as a Hugging Face or adapter
+    directory); for an fsspec URL `local` is in this machine's cache, and rank 0 uploads what was written
+    (`put_folder`: a folder's JSON files last). What `write` returns."""
+    target, upload = export_target(path)
+    if upload is None:
+        return write(target)
+    if is_main and target.is_dir():  # an earlier export of this URL: not uploaded again
+        shutil.rmtree(target)
+    elif is_main and target.exists():
+        target.unlink()
+    barrier()
+    written = write(target)
+    barrier()
+    if is_main:
+        upload(say)
+    return written
+
+
+def put_folder(fs: Any, local: Path, remote_path: str) -> None:
+    """A folder to the store: the weights first, the JSON files (`config.json`, `adapter_config.json`,
+    which `from_pretrained` reads first) last, so a folder cut off mid-upload has no config and no
+    loader takes it for whole; then files an earlier export left there and this one lacks are removed."""
+    names = sorted((p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()),
+                   key=lambda n: (n.endswith(".json"), n))  # fmt: skip
+    for name in names:
+        fs.put_file(str(local / name), f"{remote_path}/{name}")
+    fs.invalidate_cache()
+    try:
+        there = fs.find(remote_path)
+    except FileNotFoundError:
+        return
+    stale = [p for p in there if p.removeprefix(remote_path).lstrip("/") not in names]
+    for old in stale:
+        fs.rm(old)

@@ -94,7 +94,7 @@ def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool,
     sharded = checkpoint_dcp.split(ctx.strategy, parts)
     fresh: set[int] = set()  # storages already copied to CPU here (GPU tensors): not copied twice
     stepped = [n for n, obj in parts["shared"].items() if ctx.optimizers.sharded_step(obj) is not None]
-    shares = {n: local_share(parts["shared"][n], fresh, to_cpu, copy=copy) for n in stepped}
+    shares = {n: local_share(parts["shared"][n], fresh, to_cpu, copy=copy, stage=stage) for n in stepped}
     weights = {name: full_weights(ctx, module) for name, module in parts["modules"].items()}  # collective
     dcp_state = None
     if sharded is not None:
@@ -262,7 +262,7 @@ def _upload(ctx: CheckpointContext, remote: Remote, final: Path, keep: Retention
     ctx.say(f"ddpkit: uploaded {final.name} to {url}")
 
 
-_CHUNK = 8 << 20
+_CHUNK = 1 << 20  # hashed, then written from the cache (`writer_child.CHUNK`: half the CPU of 8 MiB)
 
 
 def stream_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -270,7 +270,7 @@ def stream_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, An
 
     safetensors' `save_file` builds the file's bytes while holding the GIL, and the files were then
     read back to hash them; a writer thread that holds the GIL stalls training's thread (the more so
-    at the lowest CPU priority). Here the tensors' memory goes to `write` and to SHA-256 in 8 MiB
+    at the lowest CPU priority). Here the tensors' memory goes to `write` and to SHA-256 in 1 MiB
     slices, both of which release the GIL, and nothing is read back. Other dtypes: `save_file`."""
     if any(t.dtype not in files.SAFETENSORS_DTYPES for t in tensors.values()):
         return files.write_tensors(path, tensors)

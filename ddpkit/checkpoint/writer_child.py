@@ -30,7 +30,10 @@ import socket
 import struct
 import sys
 
-CHUNK = 8 << 20
+# Each piece is hashed, then written while it is still in the core's cache: measured on 448 MiB from a
+# memfd (hash + write + fsync), 0.71 s of CPU with 1 MiB pieces against 1.59 s with 8 MiB ones (which
+# the write read again from memory), 0.75 s with 256 KiB (more calls).
+CHUNK = 1 << 20
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

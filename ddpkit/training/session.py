@@ -239,8 +239,11 @@ class Session(RankContext):
     def export(self, path: str, model: nn.Module, *, merged: bool = False) -> Any:
         """The full weights of `model` as one plain safetensors file (`ddpkit.checkpoint.checkpoints`); an HF
         model to a directory (no .safetensors suffix): one `from_pretrained` loads (`ddpkit.strategy.hf`).
-        A PEFT model: its adapter directory, or with `merged=True` the adapters folded into the base."""
-        return hf.export(self.checkpoints.export, path, model, main=self.is_main, merged=merged)
+        A PEFT model: its adapter directory, or with `merged=True` the adapters folded into the base. `path`
+        may be an fsspec URL (`s3://bucket/run/hf`): written locally, then uploaded."""
+        ckpt = self.checkpoints  # a URL (s3://...): written in a local cache, then uploaded by rank 0
+        return ckpt.export_to(path, lambda local: hf.export(ckpt.export, local, model, main=self.is_main,
+                                                            merged=merged))  # fmt: skip
 
     @property
     def checkpoints(self) -> Checkpoints:

@@ -1,0 +1,157 @@
+"""Where a save's CPU time goes, per thread and priority: what of it can take time from training.
+
+    OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_threads.py          # 5 rounds, 6 steps
+    OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_threads.py 6 3      # width, rounds
+
+The workload of `benchmarks/checkpoint_stall.py` (the 37.8M-parameter MLP with AdamW under DDP). Each
+round runs a window of W steps per kind (none, sync, thread, process), the save at the first step, then
+waits for the write; around each window every rank reads the CPU time (user + system, from /proc) of
+each of its threads, of its writer process, and of the kernel's threads (children of kthreadd: the
+page cache's writeback, softirqs), and the machine's total. Printed per kind, the median over rounds
+of the CPU seconds beyond the window without a save, split by who spent them:
+
+    train     training's own thread (the call, the GIL waits do not count: waiting is not CPU)
+    normal    other threads of the rank at normal priority (gloo's workers and transport threads)
+    idle      threads at SCHED_IDLE or niced (the writer's process group's gloo threads)
+    ended     threads that ended meanwhile (the writer thread: started per save, at SCHED_IDLE)
+    child     the writer process (SCHED_IDLE)
+    kernel    kernel threads (writeback, softirq), machine-wide
+    other     the machine's busy time no process above accounts for (other jobs, interrupts)
+
+CPU that is not idle-priority (train, normal, kernel) takes time from the ranks whatever the writer's
+priority; idle-priority CPU only uses what the ranks leave.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import ddpkit
+from ddpkit.tools.workloads import NAMED
+
+ROOT = Path(tempfile.gettempdir()) / f"ddpkit-checkpoint-threads-{os.getuid()}"
+KINDS = {"none": None, "sync": False, "thread": "thread", "process": "process"}
+TICK = os.sysconf("SC_CLK_TCK")
+IDLE_POLICY = 5  # SCHED_IDLE
+
+
+def _stat(path: str) -> list[str] | None:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()  # the fields after the name: [0] is field 3 (state)
+
+
+def _cpu(rest: list[str]) -> float:
+    return (int(rest[11]) + int(rest[12])) / TICK  # utime + stime
+
+
+def sample(child: int | None) -> dict[str, float]:
+    """CPU seconds so far: this process's threads by class, the writer process, the kernel's threads,
+    and the machine's busy total."""
+    out = dict.fromkeys(("train", "normal", "idle", "ended", "child", "kernel", "busy"), 0.0)
+    me = os.getpid()
+    whole = _stat(f"/proc/{me}/stat")
+    assert whole is not None
+    out["ended"] = _cpu(whole)  # the process's total, threads that ended included: live ones taken off below
+    for tid in os.listdir(f"/proc/{me}/task"):
+        rest = _stat(f"/proc/{me}/task/{tid}/stat")
+        if rest is None:
+            continue
+        if int(tid) == me:
+            out["train"] += _cpu(rest)
+        elif int(rest[38]) == IDLE_POLICY or int(rest[16]) > 0:
+            out["idle"] += _cpu(rest)
+        else:
+            out["normal"] += _cpu(rest)
+    out["ended"] -= out["train"] + out["normal"] + out["idle"]
+    if child is not None:
+        rest = _stat(f"/proc/{child}/stat")
+        out["child"] = _cpu(rest) if rest else 0.0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            rest = _stat(f"/proc/{pid}/stat")
+            if rest is not None and rest[1] == "2":  # ppid 2: a kernel thread
+                out["kernel"] += _cpu(rest)
+    with open("/proc/stat") as f:
+        cpu = [int(v) for v in f.readline().split()[1:]]
+    out["busy"] = (sum(cpu[:8]) - cpu[3] - cpu[4]) / TICK  # all but idle and iowait
+    return out
+
+
+def main(s, width: int, rounds: int) -> None:
+    wl = NAMED["mlp"]
+    torch.manual_seed(0)
+    model = s.model(wl.build(), strategy="ddp")
+    opt = wl.optimizer(model.parameters())
+    x, y = wl.sample(torch.Generator().manual_seed(s.rank), wl.global_batch // s.world_size)
+
+    def step() -> None:
+        s.backward(wl.loss(model(x), y))
+        s.step(opt)
+
+    if s.is_main:
+        shutil.rmtree(ROOT, ignore_errors=True)
+    s.barrier()
+    for kind, mode in KINDS.items():  # warm-up: the writer group, the writer process, the arena
+        step()
+        if mode is not None:
+            s.save(ROOT / kind, model=model, optimizer=opt, step=0, keep=1, background=mode)
+            s.checkpoints.wait()
+    load = os.getloadavg()[0]
+    spent: dict[str, list[dict[str, float]]] = {k: [] for k in KINDS}
+    for r in range(rounds):
+        for kind in list(KINDS) if r % 2 == 0 else list(reversed(KINDS)):
+            mode = KINDS[kind]
+            process = s.checkpoints._process  # the benchmark reads the writer's pid; not an API
+            child = process.process.pid if process is not None else None
+            s.barrier()
+            before, t0 = sample(child), time.perf_counter()
+            for i in range(width):
+                step()
+                if i == 0 and mode is not None:
+                    s.save(ROOT / kind, model=model, optimizer=opt, step=r + 1, keep=1, background=mode)
+            s.checkpoints.wait()
+            s.barrier()
+            after = sample(child)
+            delta = {k: after[k] - before[k] for k in after}
+            delta["wall"] = time.perf_counter() - t0
+            spent[kind].append(delta)
+    mine = {k: {c: statistics.median(d[c] for d in v) for c in v[0]} for k, v in spent.items()}
+    everyone: list[dict | None] = [None] * s.world_size
+    dist.all_gather_object(everyone, mine)
+    if not s.is_main:
+        return
+    classes = ("train", "normal", "idle", "ended", "child", "kernel")
+    print(f"checkpoint_threads: {s.world_size} rank(s), windows of {width} steps (the write waited for "
+          f"inside), {rounds} rounds; load {load:.1f} -> {os.getloadavg()[0]:.1f}; CPU seconds beyond the "
+          "window without a save, median over rounds; other: the machine's busy time beyond the "
+          "ranks' and the kernel's")  # fmt: skip
+    print(f"  {'kind':8s} {'rank':>4s} {'wall':>6s} " + " ".join(f"{c:>6s}" for c in classes) + "  other")
+    for kind in ("sync", "thread", "process"):
+        ranks = [e for e in everyone if e is not None]
+        ours = sum(e[kind][c] - e["none"][c] for e in ranks for c in classes[:5])
+        kernel = ranks[0][kind]["kernel"] - ranks[0]["none"]["kernel"]
+        other = ranks[0][kind]["busy"] - ranks[0]["none"]["busy"] - ours - kernel
+        for rank, e in enumerate(ranks):
+            d, b = e[kind], e["none"]
+            cols = [d["wall"] - b["wall"], *(d[c] - b[c] for c in classes)]
+            print(f"  {kind:8s} {rank:4d} " + " ".join(f"{v:6.2f}" for v in cols)
+                  + (f" {other:6.2f}" if rank == 0 else ""))  # fmt: skip
+
+if __name__ == "__main__":
+    width = int(sys.argv[1]) if len(sys.argv) > 1 else 6
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    with ddpkit.session(seed=0, verbose=False) as session:
+        main(session, width, rounds)
