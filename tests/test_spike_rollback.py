@@ -140,3 +140,20 @@ def test_the_loaders_skip_holds_at_any_world_size_and_across_a_resume() -> None:
     assert _global_order(4, None, saved) == want[8:]
     with pytest.raises(DdpkitError, match="empty or negative"):
         two.skip_samples(0, 5, 5)
+
+
+def test_a_rollback_to_a_checkpoint_without_the_loader_or_to_another_loader_is_refused(tmp_path) -> None:
+    guard = ddpkit.SpikeGuard(window=20, warmup=5, remedy="rollback")
+    with ddpkit.session(seed=0, verbose=False, log_to=None, spike_guard=guard) as s:
+        model = s.model(nn.Linear(10, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        loader = s.loader(_data(True), batch_size=GLOBAL)
+        s.save(str(tmp_path / "ckpt"), model=model, optimizer=opt, stepper=s.stepper)  # no loader=
+
+        def train_step(m: nn.Module, batch: tuple) -> torch.Tensor:
+            return F.cross_entropy(m(batch[0]), batch[1])
+
+        with pytest.raises(DdpkitError, match="loader=the training loader"):
+            ddpkit.fit(s, model, opt, loader, train_step, epochs=1, progress=False, flops=None)
+        with pytest.raises(DdpkitError, match="needs the training loader to be ddpkit's"):
+            ddpkit.fit(s, model, opt, list(loader), train_step, epochs=1, progress=False, flops=None)
