@@ -1248,6 +1248,41 @@ MUTANTS = [
         ("tests/test_checkpoint_portable.py::test_a_two_rank_checkpoint_loads_under_another_strategy[ddp-fsdp]",),
         "a DDP checkpoint's optimizer state is dropped when an FSDP run loads it (a fresh optimizer)",
     ),
+    Mutant(
+        "rollback-skip-not-listed",
+        "ddpkit/data/loader.py",
+        '            state["skipped"] = [list(r) for r in self._skips]',
+        "            pass  # mutant: the skipped samples are not in the checkpoint",
+        ("tests/test_spike_rollback.py::test_a_resume_after_the_rollback_keeps_the_skip_listed_in_the_checkpoint",),
+        "the samples a rollback left out are not in the loader's checkpoint state, so a resume reads them",
+    ),
+    Mutant(
+        "rollback-skip-not-honoured",
+        "ddpkit/data/loader.py",
+        "            jumped = self._past_skips(epoch, position)",
+        "            jumped = position  # mutant: a pass reads the skipped range",
+        (
+            "tests/test_spike_rollback.py::test_the_loaders_skip_holds_at_any_world_size_and_across_a_resume",
+            "tests/test_spike_rollback.py::test_a_rollback_leaves_the_bad_batch_out_and_ends_where_a_run_without_it_ends",
+        ),
+        "a pass reaches a skipped range of samples and reads it anyway",
+    ),
+    Mutant(
+        "rollback-range-per-rank",
+        "ddpkit/training/fit.py",
+        "end - self.loader.batch.per_rank * s.world_size, end))",
+        "end - self.loader.batch.per_rank, end))  # mutant: a rank's share, not the global batch",
+        ("tests/test_spike_rollback.py::test_a_rollback_leaves_the_bad_batch_out_and_ends_where_a_run_without_it_ends",),
+        "the rollback names the spiking step's samples per rank instead of by global position",
+    ),
+    Mutant(
+        "rollback-not-loaded",
+        "ddpkit/training/fit.py",
+        "        s.load(root, **objects)\n",
+        "        pass  # mutant: no checkpoint loaded\n",
+        ("tests/test_spike_rollback.py::test_a_rollback_leaves_the_bad_batch_out_and_ends_where_a_run_without_it_ends",),
+        "remedy='rollback' leaves out the samples but never goes back to the checkpoint",
+    ),
 ]
 
 

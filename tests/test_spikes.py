@@ -38,12 +38,15 @@ def _data(planted: bool, removed: bool = False) -> TensorDataset:
 
 
 
-def train(planted: bool, removed: bool, guard: bool, ckpt: str = "", stop: int = 0, lift: int = 0) -> dict:
+def train(planted: bool, removed: bool, guard: bool, ckpt: str = "", stop: int = 0, lift: int = 0,
+          options: dict | None = None) -> dict:  # fmt: skip
     """One epoch under `fit` on every rank. `ckpt` + `stop`: save after `stop` steps and return;
     `ckpt` alone: resume from it. `lift`: at that step, rank 0's loss gets +1e3 (no gradient: only
-    its own loss spikes, the agreed mean with it)."""
+    its own loss spikes, the agreed mean with it). `options`: more of the session's (accumulation=2,
+    strategy="fsdp")."""
     rec = Recorder()
-    with ddpkit.session(seed=0, verbose=False, log_to=rec, spike_guard=GUARD if guard else None) as s:
+    with ddpkit.session(seed=0, verbose=False, log_to=rec, spike_guard=GUARD if guard else None,
+                        **(options or {})) as s:  # fmt: skip
         model = s.model(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)))
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         loader = s.loader(_data(planted, removed), batch_size=GLOBAL)
@@ -63,7 +66,7 @@ def train(planted: bool, removed: bool, guard: bool, ckpt: str = "", stop: int =
             s.save(ckpt, **things)
         judge = s.stepper.spikes
         return {
-            "weights": {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()},
+            "weights": _full(model),
             "events": [(e.step, e.name) for e in judge.events] if judge is not None else [],
             "steps": s.stepper.steps,
             "tracked": [(step, sorted(v)) for step, v in rec.seen if any(k.startswith("spike/") for k in v)],
@@ -84,6 +87,12 @@ def train_loop(planted: bool) -> dict:
             "events": [(e.step, e.name) for e in s.stepper.spikes.events],
             "skipped": [i.step for i in infos if i.skipped],
         }
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole weights (FSDP's shards gathered: `full_tensor` is a collective, every rank calls it)."""
+    state = ddpkit.unwrap(model).state_dict()
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in state.items()}
 
 
 def _distance(a: dict, b: dict) -> float:
@@ -141,8 +150,23 @@ def test_a_resume_from_before_the_spike_decides_the_same_and_ends_bitwise_equal(
         assert all(torch.equal(r["weights"][k], w["weights"][k]) for k in w["weights"]), "not bitwise equal"
 
 
+@pytest.mark.parametrize("options", [{"accumulation": 2}, {"strategy": "fsdp"}], ids=["accumulation", "fsdp"])
+def test_the_planted_batch_is_skipped_under_accumulation_and_fsdp(pool2, options: dict) -> None:
+    """Accumulation: the spike lies in one micro-batch and the whole optimizer step goes. FSDP: the norm is
+    the clip's one all-reduce over the shards, the loss fit's; the weights gathered for the comparison."""
+    clean = pool2.run(train, False, True, False, "", 0, 0, options)
+    guarded = pool2.run(train, True, False, True, "", 0, 0, options)
+    scale = sum(float(v.double().norm() ** 2) for v in clean[0]["weights"].values()) ** 0.5
+    assert _distance(guarded[0]["weights"], clean[0]["weights"]) <= 1e-6 * scale
+    for r in guarded:
+        assert r["events"] == [(PLANT, "loss")] and r["steps"] == STEPS, r["events"]
+        assert all(torch.equal(r["weights"][k], guarded[0]["weights"][k]) for k in r["weights"])
+
+
 def test_a_guard_that_could_never_judge_is_refused() -> None:
     with pytest.raises(DdpkitError, match="window"):
         ddpkit.SpikeGuard(window=10, warmup=20)
+    with pytest.raises(DdpkitError, match="remedy='rollback'"):
+        ddpkit.SpikeGuard(remedy="undo")
     with pytest.raises(DdpkitError, match="SpikeGuard"), ddpkit.session(spike_guard=0.5, log_to=None):  # type: ignore[arg-type]
         pass

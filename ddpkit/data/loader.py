@@ -92,6 +92,7 @@ class ShardedLoader:
         self._generator = loader.generator
         self._skip = 0  # global samples the next pass skips (set by load_state_dict)
         self._pass: dict[str, Any] | None = None  # the pass in progress: epoch, position, generator
+        self._skips: list[tuple[int, int, int]] = []  # (epoch, start, stop): global samples left out
         # the session's, called before each batch is read: True when a batch's body ran since the last call
         self.boundary: Callable[[bool], None] | None = None
 
@@ -112,46 +113,102 @@ class ShardedLoader:
     def __iter__(self) -> Iterator[Any]:
         world = self.batch.world_size
         generator = self._generator
-        self._pass = {
-            "epoch": self.epoch,
-            "per_rank_samples": self._skip // world,
-            "generator": generator.get_state() if generator is not None else None,
-        }
-        if self._make_pass is not None:
-            self.loader = self._make_pass(self.epoch, self._skip)
-        if isinstance(self.sampler, (DistributedSampler, OwnPartSampler, SharedOrderSampler)):
-            self.sampler.set_epoch(self.epoch)
-        if isinstance(self.sampler, (ResumableSampler, OwnPartSampler)):
-            self.sampler.skip = self._skip // world
-        if isinstance(self.sampler, SharedOrderSampler):
-            self.sampler.skip = self._skip  # a position in the global order
-        if isinstance(self.loader.batch_sampler, SharedBatchSampler):  # counted in global micro-batches
-            self.loader.batch_sampler.set_epoch(self.epoch)
-            self.loader.batch_sampler.skip = self._skip // (world * self.batch.per_rank)
-        if self.kind == "presplit" and self.sampler is None:  # an iterable's own part: re-read, skip
-            dataset: Any = self.loader.dataset
-            if callable(getattr(dataset, "set_epoch", None)):
-                dataset.set_epoch(self.epoch)
-            batches: Any = itertools.islice(self.loader, self._skip // world // self.batch.per_rank, None)
-        else:
-            batches = iter(self.loader)
-        if self._equalise:
-            batches = equalised(batches, self.device)
+        epoch = self.epoch
+        position = self._past_skips(epoch, self._skip)  # global samples of the epoch's order
+        start_state = generator.get_state() if generator is not None else None
+        self._pass = {"epoch": epoch, "per_rank_samples": position // world, "generator": start_state}
+        batches = self._open(epoch, position)
         self._skip = 0
         self.epoch += 1
         non_blocking = self.device.type == "cuda" and self.loader.pin_memory
-        batches = iter(batches)
+        step = self.batch.per_rank * world
         body = False  # a batch was handed out (and its body ran) since the last boundary
         while True:
             if self.boundary is not None:  # the loop's body is done: a preemption is agreed and saved here
                 self.boundary(body)
+            jumped = self._past_skips(epoch, position)
+            if jumped != position:  # a skipped range starts here: reopen the pass after it
+                if generator is not None and start_state is not None:
+                    generator.set_state(start_state)  # the same worker seeds as a resume from `jumped`
+                position = jumped
+                self._pass["per_rank_samples"] = position // world
+                batches = self._open(epoch, position)
             batch = next(batches, _END)
             if batch is _END:
                 break
             self._pass["per_rank_samples"] += self.batch.per_rank
+            position += step
             body = True
             yield to_device(batch, self.device, non_blocking)
         self._pass = None
+
+    def _open(self, epoch: int, skip: int) -> Iterator[Any]:
+        """The batches of `epoch` from global sample `skip` on (the sampler's or the stream's own skip)."""
+        world = self.batch.world_size
+        if self._make_pass is not None:
+            self.loader = self._make_pass(epoch, skip)
+        if isinstance(self.sampler, (DistributedSampler, OwnPartSampler, SharedOrderSampler)):
+            self.sampler.set_epoch(epoch)
+        if isinstance(self.sampler, (ResumableSampler, OwnPartSampler)):
+            self.sampler.skip = skip // world
+        if isinstance(self.sampler, SharedOrderSampler):
+            self.sampler.skip = skip  # a position in the global order
+        if isinstance(self.loader.batch_sampler, SharedBatchSampler):  # counted in global micro-batches
+            self.loader.batch_sampler.set_epoch(epoch)
+            self.loader.batch_sampler.skip = skip // (world * self.batch.per_rank)
+        if self.kind == "presplit" and self.sampler is None:  # an iterable's own part: re-read, skip
+            dataset: Any = self.loader.dataset
+            if callable(getattr(dataset, "set_epoch", None)):
+                dataset.set_epoch(epoch)
+            batches: Any = itertools.islice(self.loader, skip // world // self.batch.per_rank, None)
+        else:
+            batches = iter(self.loader)
+        if self._equalise:
+            batches = equalised(batches, self.device)
+        return iter(batches)
+
+    # -- samples left out (the spike guard's rollback, `ddpkit.step.spikes`) --------------------------
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, global samples consumed) of the pass in progress, or where the next pass starts."""
+        state = self.state_dict()
+        return int(state["epoch"]), int(state["samples"])
+
+    def skip_samples(self, epoch: int, start: int, stop: int) -> None:
+        """Leave global samples [start, stop) of `epoch`'s order out of every later pass over them.
+
+        Positions count over all ranks in the epoch's global order (as the saved position does), so the
+        skip holds at another world size and across a resume: the list is part of `state_dict()`. A pass
+        that reaches `start` reopens at `stop` through the sampler's (or stream's) own skip, the way a
+        resume does; the batches after the range are the ones the run would have read anyway."""
+        if not 0 <= start < stop:
+            raise problem(
+                f"cannot skip samples [{start}, {stop}) of epoch {epoch}: an empty or negative range",
+                "Pass 0 <= start < stop",
+            )
+        self._skips = sorted({*self._skips, (int(epoch), int(start), int(stop))})
+
+    @property
+    def skipped(self) -> list[tuple[int, int, int]]:
+        """The ranges left out, as (epoch, first global sample, end), in order."""
+        return list(self._skips)
+
+    def _past_skips(self, epoch: int, position: int) -> int:
+        """`position`, moved past every skipped range of `epoch` that it falls in."""
+        moved, before = True, position
+        while moved:
+            moved = False
+            for e, start, stop in self._skips:
+                if e == epoch and start <= position < stop:
+                    position, moved = stop, True
+        if position != before and position % self.batch.world_size and self.kind == "map":
+            raise problem(
+                f"a skipped range of epoch {epoch} ends at global sample {position}, which world size "
+                f"{self.batch.world_size} cannot split",
+                "Resume at a world size that divides the skipped ranges' ends (the one they were recorded "
+                "at does), or drop the range",
+            )
+        return position
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -161,7 +218,8 @@ class ShardedLoader:
         another world size. `global_batch` is the true global batch (per rank x world x accumulation),
         so trading accumulation for ranks keeps it. `generator` (this rank's loader generator at the
         start of the pass) makes worker seeds repeat; it is per rank. `kind` is the source's
-        (`ddpkit.data.position` says what each kind does at another world size).
+        (`ddpkit.data.position` says what each kind does at another world size). `skipped` (when any):
+        the global sample ranges left out, `[epoch, start, stop]` each (`skip_samples`).
         """
         world = self.batch.world_size
         if self._pass is not None:
@@ -171,7 +229,7 @@ class ShardedLoader:
             generator = self._generator
             epoch, samples = self.epoch, self._skip
             gen = generator.get_state() if generator is not None else None
-        return {
+        state = {
             "epoch": epoch,
             "samples": samples,
             "world_size": world,
@@ -181,6 +239,9 @@ class ShardedLoader:
             "generator": gen,
             "kind": self.kind,
         }
+        if self._skips:  # the samples a spike's rollback left out, listed in the checkpoint
+            state["skipped"] = [list(r) for r in self._skips]
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next pass continue epoch `state["epoch"]` after `state["samples"]` samples.
@@ -198,6 +259,9 @@ class ShardedLoader:
         self.epoch = epoch
         self._skip = samples
         self._pass = None
+        # a skip, once decided, holds: a rollback loads a checkpoint older than the ranges it adds
+        saved = ((int(e), int(a), int(b)) for e, a, b in state.get("skipped", ()))
+        self._skips = sorted({*self._skips, *saved})
         if state.get("generator") is not None and self._generator is not None:
             self._generator.set_state(state["generator"])
 

@@ -1,9 +1,11 @@
-"""A loss or gradient spike, caught by every rank in the same step and skipped (opt-in).
+"""A loss or gradient spike, caught by every rank in the same step and skipped or rolled back (opt-in).
 
     with ddpkit.session(spike_guard=ddpkit.SpikeGuard()) as s:   # opt in
         ddpkit.fit(s, model, opt, loader, train_step, max_norm=1.0)
         # an optimizer step whose loss or gradient norm stands far above the last `window` accepted
         # steps is dropped on every rank: no update, its gradients zeroed, one line on rank 0
+    # SpikeGuard(remedy="rollback"): under fit, every rank also loads the last checkpoint and leaves the
+    # step's samples out of the loader's passes, by global position (`ddpkit.training.fit`)
 
 Why this shape: a rank that decided alone would step while its peers did not, and the replicas would
 part for good. So the guard judges only values that are already the same on every rank, bit for bit:
@@ -25,8 +27,10 @@ stepper=s.stepper)`): a run resumed from a checkpoint takes the same decisions.
 
 The cost: a median over at most `window` floats on the host per step and one device-to-host copy of the
 norm (a synchronisation on a GPU; `fit` already waits for its loss all-reduce at the same place).
-Not covered yet: rolling back to the last checkpoint (remedy "skip" only), `reproducible="any-world"`'s
-`s.invariant.step`, and a plain `loss.backward(); opt.step()` loop (no `s.step`: nothing to hook).
+The rollback is `ddpkit.fit`'s (it owns the loop and the loader's position); this module only marks the
+spike (`Spike.rollback`). In an `s.step` loop remedy="rollback" skips, said once. Not covered:
+`reproducible="any-world"`'s `s.invariant.step`, and a plain `loss.backward(); opt.step()` loop (no
+`s.step`: nothing to hook).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 from ddpkit.errors import problem
 
 MAD_TO_STD = 1.4826  # the median absolute deviation of a normal sample x this = its standard deviation
+REMEDIES = ("skip", "rollback")
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,8 @@ class SpikeGuard:
     `threshold`: robust standard deviations above the median. `floor`: the least rise judged a spike, as
     a fraction of the median. `count_skipped`: a skipped step still counts (the session's step counter
     and `fit`'s scheduler advance, so the schedule follows the data); False: neither advances.
+    `remedy`: "skip" (drop the step) or "rollback" (under `ddpkit.fit`: every rank loads the last
+    checkpoint and leaves the step's samples out from then on, by global position; see `ddpkit.fit`).
     """
 
     window: int = 100
@@ -57,6 +64,7 @@ class SpikeGuard:
     threshold: float = 6.0
     floor: float = 0.5
     count_skipped: bool = True
+    remedy: str = "skip"
 
     def __post_init__(self) -> None:
         if self.window < 2 or not 1 <= self.warmup <= self.window:
@@ -70,11 +78,18 @@ class SpikeGuard:
                 f"SpikeGuard(threshold={self.threshold}, floor={self.floor}) would skip every step",
                 "Pass a threshold above 0 (robust standard deviations, e.g. 6) and a floor of 0 or more",
             )
+        if self.remedy not in REMEDIES:
+            raise problem(
+                f"SpikeGuard(remedy={self.remedy!r}) is not one of {', '.join(map(repr, REMEDIES))}",
+                "Pass remedy='skip' (drop the step) or remedy='rollback' (load the last checkpoint and "
+                "leave the step's samples out; under ddpkit.fit)",
+            )
 
 
 @dataclass(frozen=True)
 class Spike:
-    """One skipped step: which value, how far, against which window; `counted`: the step counter moved."""
+    """One skipped step: which value, how far, against which window; `counted`: the step counter moved;
+    `rollback`: `ddpkit.fit` rolls every rank back to the last checkpoint (remedy "rollback")."""
 
     step: int
     name: str
@@ -83,12 +98,15 @@ class Spike:
     mad: float
     seen: int
     counted: bool
+    rollback: bool = False
 
     def describe(self, world: int, total: int) -> str:
+        then = ("every rank drops it and rolls back to the last checkpoint" if self.rollback else
+                f"the step was skipped on all {world} rank(s) (no update, gradients dropped")  # fmt: skip
         return (
             f"ddpkit: spike at optimizer step {self.step}: {self.name} {self.value:.6g} against a median of "
-            f"{self.median:.6g} (MAD {self.mad:.3g}) over the last {self.seen} accepted steps; the step was "
-            f"skipped on all {world} rank(s) (no update, gradients dropped; {total} skipped so far)"
+            f"{self.median:.6g} (MAD {self.mad:.3g}) over the last {self.seen} accepted steps; {then}"
+            f"{' (' if self.rollback else '; '}{total} spike(s) so far)"
         )
 
 
@@ -107,6 +125,8 @@ class Judge:
         self.windows: dict[str, deque[float]] = {}
         self.skipped = 0  # spikes skipped in the run (saved with the stepper's state)
         self.events: list[Spike] = []  # this session's, in order (`s.stepper.spikes.events`)
+        self.rolls_back = False  # `ddpkit.fit` is running with remedy="rollback": it acts on the spike
+        self.noted = False  # remedy="rollback" outside fit said once that the step is skipped instead
 
     def judge(self, step: int, values: Mapping[str, float]) -> Spike | None:
         """The first value that spikes, else None (and every value joins its window). `values` must be
@@ -116,13 +136,15 @@ class Judge:
             window = self.windows.get(name)
             if not math.isfinite(value):  # fp32/bf16 (fp16's scaler skips these itself)
                 med = statistics.median(window) if window else math.nan
-                return self._skip(Spike(step, name, value, med, math.nan, len(window or ()), g.count_skipped))
+                return self._skip(Spike(step, name, value, med, math.nan, len(window or ()), g.count_skipped,
+                                        self.rolls_back))  # fmt: skip
             if window is None or len(window) < g.warmup:
                 continue
             med = statistics.median(window)
             mad = statistics.median(abs(v - med) for v in window)
             if value - med > max(g.threshold * MAD_TO_STD * mad, g.floor * abs(med)):
-                return self._skip(Spike(step, name, value, med, mad, len(window), g.count_skipped))
+                return self._skip(Spike(step, name, value, med, mad, len(window), g.count_skipped,
+                                        self.rolls_back))  # fmt: skip
         for name, value in values.items():
             self.windows.setdefault(name, deque(maxlen=g.window)).append(value)
         return None
@@ -131,6 +153,10 @@ class Judge:
         self.skipped += 1
         self.events.append(spike)
         self.report(spike.describe(self.world, self.skipped))
+        if self.guard.remedy == "rollback" and not self.rolls_back and not self.noted:
+            self.noted = True
+            self.report("ddpkit: SpikeGuard(remedy='rollback') rolls back under ddpkit.fit only (it owns "
+                        "the loop and the data position); this loop's spiking steps are skipped instead")
         if self.track is not None:
             self.track({f"spike/{spike.name}": spike.value, "spike/median": spike.median,
                         "spike/skipped": float(self.skipped)}, spike.step)  # fmt: skip

@@ -11,6 +11,8 @@
                 a non-finite loss on any rank -> DdpkitError on every rank, naming the step and rank(s),
                 before the optimizer applies it
             s.step(opt, max_norm) -> scheduler.step() -> on_step_end -> log row, s.log, progress
+                (SpikeGuard(remedy="rollback") and a spike: every rank loads the last checkpoint, the
+                step's samples are left out of the loader's passes, the pass restarts there)
             every `eval_every` steps: on_eval_start -> evaluate -> on_eval_end
             a stop request (any rank, from a callback) ends the run after this step
         eval_every=None: on_eval_start -> evaluate -> on_eval_end at the end of the epoch
@@ -40,16 +42,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.data import ShardedLoader
 from ddpkit.errors import problem
 from ddpkit.observe.metrics import Metric, MetricSet
 from ddpkit.observe.monitor import StepMonitor, Window
 from ddpkit.observe.progress import Progress, RunLog
+from ddpkit.step.spikes import Spike
 from ddpkit.step.stepping import StepInfo
 from ddpkit.training.callbacks import Callback, FitResult, FitState
 from ddpkit.training.evaluation import EvalStep, evaluate
 from ddpkit.training.fit_plan import FitPlan, TrainStep, batch_len, check, total_steps
 from ddpkit.training.oom_retry import SplitBlocks
 from ddpkit.training.session import Session
+
+MAX_REPEATS = 3  # rollbacks in a row that spike at the same step before the run stops (not the data)
 
 __all__ = ["Callback", "FitResult", "FitState", "TrainStep", "evaluate", "fit"]  # the loop and its types
 
@@ -126,6 +132,12 @@ class _Loop:
         self.samples = 0  # this rank's samples in the current optimizer step
         self.rows, self.tracked = Window(), Window()  # since the last log row, the last s.log
         self.blocks = SplitBlocks(s, state.model, state.optimizer, plan.max_norm, self.counted)
+        judge = s.stepper.spikes
+        self.rollback = judge is not None and judge.guard.remedy == "rollback"
+        self.loader: ShardedLoader | None = None  # the training loader, when the rollback reads its position
+        self.step_samples: list[tuple[int, int, int]] = []  # (epoch, start, stop) of the step's micro-batches
+        self.rolled_back = False  # the pass in progress was abandoned for a checkpoint's position
+        self.repeats = (0, 0)  # (optimizer step, rollbacks in a row that spiked at it)
 
     def emit(self, name: str) -> None:
         for cb in self.plan.callbacks:
@@ -139,8 +151,20 @@ class _Loop:
     def run(self, train_loader: Iterable) -> FitResult:
         s, state = self.s, self.state
         skipped_before = s.skipped_steps
+        judge = s.stepper.spikes
+        if self.rollback:
+            if not isinstance(train_loader, ShardedLoader):
+                raise problem(
+                    "SpikeGuard(remedy='rollback') needs the training loader to be ddpkit's (s.loader(...)): "
+                    "it leaves the spiking step's samples out by their global position, which only that "
+                    f"loader knows (got a {type(train_loader).__name__})",
+                    "Build the loader with s.loader(dataset, batch_size=...), or use remedy='skip'",
+                )
+            self.loader = train_loader
         self.emit("fit_start")
         state.model.train()
+        if judge is not None:
+            judge.rolls_back = self.rollback
         try:
             while not self.done() and (self.plan.epochs is None or state.epoch < self.plan.epochs):
                 self.epoch(train_loader)
@@ -152,6 +176,8 @@ class _Loop:
             ):
                 self.evaluate()
         finally:
+            if judge is not None:
+                judge.rolls_back = False
             if self.bar is not None:
                 self.bar.close()
         self.emit("fit_end")
@@ -179,11 +205,18 @@ class _Loop:
             if self.micro_batches % s.accumulation == 0:
                 self.emit("step_start")
             self.micro_batches += 1
+            if self.loader is not None:  # remedy="rollback": where this micro-batch's samples lie
+                epoch, end = self.loader.position
+                self.step_samples.append((epoch, end - self.loader.batch.per_rank * s.world_size, end))
             if self.micro_batch(batch, local_loss):
                 local_loss.zero_()
-                if self.done():
+                self.step_samples = []
+                if self.rolled_back or self.done():
                     break
             self.mark("other")  # the loop's own work; next: the wait for the next batch
+        if self.rolled_back:  # the pass restarts at the checkpoint's position (the caller's next call)
+            self.rolled_back = False
+            return
         if batches == 0:
             raise problem("the training loader yielded no batch in an epoch", "Pass a non-empty loader")
         if self.plan.scheduler is not None and self.plan.scheduler_interval == "epoch":
@@ -213,6 +246,8 @@ class _Loop:
         info = s.step(state.optimizer, max_norm=self.plan.max_norm)
         self.mark("optimizer")
         self.monitor.anatomy.end_step()
+        if info.spike is not None and info.spike.rollback and self.roll_back(info.spike):
+            return True
         plan = self.plan
         counted = info.spike is None or info.spike.counted  # a spike skipped: SpikeGuard(count_skipped=)
         if plan.scheduler is not None and plan.scheduler_interval == "step" and counted and (
@@ -231,6 +266,66 @@ class _Loop:
             and state.step % self.plan.eval_every == 0
         ):
             self.evaluate()
+        return True
+
+    def roll_back(self, spike: Spike) -> bool:
+        """Every rank (the spike is agreed): leave this step's samples out of the loader's passes, load the
+        session's last checkpoint and restart the pass at its position. False: there is none (the step
+        stays skipped). The samples are positions in the epoch's global order, so the skip holds at
+        another world size and in every later checkpoint (the loader's `skipped`); the replay from the
+        checkpoint is the same computation as before, so a relaunch decides the same."""
+        s, state, loader = self.s, self.state, self.loader
+        assert loader is not None  # set by run() whenever self.rollback
+        ranges = _merged(self.step_samples)
+        said = ", ".join(f"[{a}, {b}) of epoch {e}" for e, a, b in ranges)
+        target = s.last_checkpoint
+        if target is None:
+            for r in ranges:
+                loader.skip_samples(*r)
+            s.print(f"ddpkit: no checkpoint saved or loaded yet in this session, so nothing to roll back "
+                    f"to: the step was skipped instead; global samples {said} are listed as left out")
+            return False
+        root, objects = target
+        needed = {"model": state.model, "optimizer": state.optimizer, "stepper": s.stepper, "loader": loader}
+        if self.plan.scheduler is not None:
+            needed["scheduler"] = self.plan.scheduler
+        missing = [n for n, o in needed.items() if not any(v is o for v in objects.values())]
+        if missing:
+            raise problem(
+                f"SpikeGuard(remedy='rollback') cannot roll back to the last checkpoint in {root}: it was "
+                f"given no {', '.join(missing)} (the objects ddpkit.fit trains with), so loading it would "
+                "leave them where the spike put them",
+                f"Pass {', '.join(f'{n}=...' for n in missing)} to s.save (stepper=s.stepper, loader=the "
+                "training loader), or use remedy='skip'",
+            )
+        step, times = self.repeats
+        self.repeats = (spike.step, times + 1 if step == spike.step else 1)
+        if self.repeats[1] > MAX_REPEATS:
+            raise problem(
+                f"optimizer step {spike.step} spiked again after {MAX_REPEATS} rollbacks, each leaving out "
+                "the samples of the step that spiked: the cause is not in the data (every rank stopped here)",
+                "Lower the learning rate or clip gradients (max_norm=...), raise SpikeGuard(threshold=...), "
+                "or use SpikeGuard(remedy='skip')",
+            )
+        judge = s.stepper.spikes
+        assert judge is not None
+        done, pass_epoch = s.stepper.steps - spike.counted, loader.position[0]  # before this step
+        s.load(root, **objects)
+        for r in ranges:
+            loader.skip_samples(*r)
+        judge.skipped += 1  # the checkpoint's count, and this spike
+        undone = max(0, done - s.stepper.steps)
+        state.step = max(0, state.step - undone)
+        del state.losses[max(0, len(state.losses) - undone) :]
+        back = max(0, pass_epoch - loader.epoch)  # the checkpoint lies `back` passes before this one
+        state.epoch = max(0, state.epoch - back)
+        self.started_epochs -= back + 1  # the restarted pass counts once
+        self.micro_batches = self.samples = 0
+        self.rolled_back = True
+        s.print(f"ddpkit: rolled back every rank to the last checkpoint in {root} (optimizer step "
+                f"{s.stepper.steps}, {undone} step(s) undone); global samples {said} are left out from "
+                "now on (listed as the loader's `skipped` in later checkpoints)")  # fmt: skip
+        s.log({"spike/rolled_back": float(undone)}, step=spike.step)
         return True
 
     def counted(self, batch: object, weight: float) -> torch.Tensor:  # FLOPs counted at the first call
@@ -281,6 +376,17 @@ class _Loop:
             state._agree_stop()
         self.last_step_end = time.perf_counter()  # step time and throughput leave evaluation out
         self.monitor.anatomy.skip()  # and so do the phases
+
+
+def _merged(parts: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Adjacent (epoch, start, stop) ranges joined: one step's micro-batches, one range per epoch."""
+    out: list[tuple[int, int, int]] = []
+    for e, a, b in parts:
+        if out and out[-1][0] == e and out[-1][2] == a:
+            out[-1] = (e, out[-1][1], b)
+        else:
+            out.append((e, a, b))
+    return out
 
 
 def _agree(s: Session, state: FitState, local: torch.Tensor) -> float:

@@ -57,6 +57,9 @@ if TYPE_CHECKING:  # imported at the first save or load: a run that never saves 
     from ddpkit.checkpoint.checkpoints import Checkpoints
 
 
+_SAVE_OPTIONS = ("keep", "keep_every", "keep_best", "background", "every")  # Checkpoints.save's own
+
+
 class Session(RankContext):
     """A training session on one process; create it with `ddpkit.session(...)`."""
 
@@ -97,6 +100,7 @@ class Session(RankContext):
         self.limits = limits or Limits()  # built once (ddpkit.session), passed down explicitly
         self._group: lifecycle.Membership | None = None  # this session's place in the process group
         self._checkpoints: Checkpoints | None = None  # made at the first save/load/export
+        self._last_checkpoint: tuple[str, dict[str, Any]] | None = None  # the rollback target
         self._env = os.environ if env is None else env
         self.preemption = Preemption(PreemptionOptions.from_env(self._env), self._env)  # stop policy
         self.tracking = Tracking(log_to, log_dir, enabled=self.is_main)  # observe.tracking; opens lazily
@@ -230,11 +234,24 @@ class Session(RankContext):
     # -- checkpoints (ddpkit.checkpoint.checkpoints) -------------------------------------------------------
     def save(self, path: str, **state: Any) -> Any:
         """Save the training state atomically; see `ddpkit.checkpoint.checkpoints.Checkpoints.save`."""
-        return self.checkpoints.save(path, **state)
+        written = self.checkpoints.save(path, **state)
+        if written is not None:  # the spike guard's rollback target (`last_checkpoint`)
+            self._last_checkpoint = (path, {k: v for k, v in state.items() if k not in _SAVE_OPTIONS})
+        return written
 
     def load(self, path: str, **state: Any) -> Any:
         """Restore state saved by `save` into the given objects; see `ddpkit.checkpoint.checkpoints`."""
-        return self.checkpoints.load(path, **state)
+        before = self.checkpoints.last
+        values = self.checkpoints.load(path, **state)
+        if self.checkpoints.last is not None and self.checkpoints.last != before:  # one was found
+            self._last_checkpoint = (path, {k: v for k, v in state.items() if k != "strict"})
+        return values
+
+    @property
+    def last_checkpoint(self) -> tuple[str, dict[str, Any]] | None:
+        """(root, the objects given) of this session's last `save` that wrote or `load` that found a
+        checkpoint: what `SpikeGuard(remedy="rollback")` loads again (the newest valid one in that root)."""
+        return self._last_checkpoint
 
     def export(self, path: str, model: nn.Module, *, merged: bool = False) -> Any:
         """The full weights of `model` as one plain safetensors file (`ddpkit.checkpoint.checkpoints`); an HF
