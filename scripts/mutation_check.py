@@ -1216,6 +1216,22 @@ MUTANTS = [
         ("tests/test_spikes.py::test_a_resume_from_before_the_spike_decides_the_same_and_ends_bitwise_equal",),
         "the spike guard's window is not saved with the stepper, so a resumed run decides differently",
     ),
+    Mutant(
+        "adapters-frozen-optimizer-steps",
+        "ddpkit/strategy/adapters.py",
+        "    if not params or any(p.requires_grad for p in params):",
+        "    if True:  # mutant: an optimizer over frozen parameters only steps nothing, silently",
+        ("tests/test_adapters.py::test_an_optimizer_over_the_frozen_base_only_stops_the_first_step",),
+        "an optimizer holding only frozen parameters (built before get_peft_model) is stepped silently",
+    ),
+    Mutant(
+        "adapters-recompute-names-saved",
+        "ddpkit/strategy/adapters.py",
+        "    return [plain_name(n) for n, p in module.named_parameters() if p.requires_grad]",
+        "    return [n for n, p in module.named_parameters() if p.requires_grad]",
+        ("tests/test_adapters.py::test_checkpoint_holds_adapters_only_and_resumes_bitwise[fsdp-recompute]",),
+        "with activation checkpointing a PEFT model's checkpoint keeps none of its adapters (wrapper names)",
+    ),
 ]
 
 
