@@ -17,7 +17,7 @@ off so that every DDP rank holds the whole optimizer state, as DDP does), fsdp-f
 (`strategy="fsdp"`: units chosen by size, collectives through shared memory, `ddpkit.parallel.fsdp_shm`);
 and, on request, fsdp1-lora: torch's `FullyShardedDataParallel(use_orig_params=True)`, one unit per
 `GPT2Block` (what litgpt and Accelerate set up), to show what a frozen/trainable mix in one FSDP1 unit
-reduces. Measured per rank:
+reduces (GPU ranks only: torch 2.13's FSDP1 refuses CPU). Measured per rank:
 
 - peak: RSS high-water mark during the timed steps (`VmHWM` reset after the build through
   `/proc/self/clear_refs`), and the build's peak (`ru_maxrss` after `s.model`), both minus the RSS just
