@@ -1283,6 +1283,22 @@ MUTANTS = [
         ("tests/test_spike_rollback.py::test_a_rollback_leaves_the_bad_batch_out_and_ends_where_a_run_without_it_ends",),
         "remedy='rollback' leaves out the samples but never goes back to the checkpoint",
     ),
+    Mutant(
+        "adapters-frozen-optimizer-steps",
+        "ddpkit/strategy/adapters.py",
+        "    if not params or any(p.requires_grad for p in params):",
+        "    if True:  # mutant: an optimizer over frozen parameters only steps nothing, silently",
+        ("tests/test_adapters.py::test_an_optimizer_over_the_frozen_base_only_stops_the_first_step",),
+        "an optimizer holding only frozen parameters (built before get_peft_model) is stepped silently",
+    ),
+    Mutant(
+        "adapters-recompute-names-saved",
+        "ddpkit/strategy/adapters.py",
+        "    return [plain_name(n) for n, p in module.named_parameters() if p.requires_grad]",
+        "    return [n for n, p in module.named_parameters() if p.requires_grad]",
+        ("tests/test_adapters.py::test_checkpoint_holds_adapters_only_and_resumes_bitwise[fsdp-recompute]",),
+        "with activation checkpointing a PEFT model's checkpoint keeps none of its adapters (wrapper names)",
+    ),
 ]
 
 

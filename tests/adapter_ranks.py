@@ -14,6 +14,8 @@ from torch import nn
 
 import ddpkit
 from ddpkit.strategy import FSDPOptions
+from ddpkit.strategy.checkpointing import plain_name
+from ddpkit.strategy.hsdp_options import HSDPOptions
 
 TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
 
@@ -24,15 +26,24 @@ def lora(kind: str):
     return LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[kind], lora_dropout=0.0)
 
 
+def get_peft(model: nn.Module, kind: str) -> nn.Module:
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora(kind))
+
+
 def factory(kind: str, base: str, how: str):
     """"pretrained": the base read by `from_pretrained` in the factory (what most scripts do);
-    "config": the base built from its config, its weights given by `s.model(..., weights=base)`."""
+    "config": the base built from its config, its weights given by `s.model(..., weights=base)`; "bf16":
+    the same with the base cast to bf16 before get_peft_model (its adapters stay fp32)."""
     from peft import get_peft_model
 
     cls = hf_ranks.model_class(kind)
     if how == "pretrained":
         return lambda: get_peft_model(cls.from_pretrained(base), lora(kind))
     cfg = hf_ranks.config(kind)
+    if how == "bf16":  # the base kept in bf16; peft casts the adapters to fp32 (autocast_adapter_dtype)
+        return lambda: get_peft_model(cls(cfg).to(torch.bfloat16), lora(kind))
     return lambda: get_peft_model(cls(cfg), lora(kind))
 
 
@@ -45,7 +56,7 @@ def one_process(kind: str, base: str, how: str) -> nn.Module:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = factory(kind, base, how)()
-    if how == "config":
+    if how != "pretrained":
         pretrained = hf_ranks.model_class(kind).from_pretrained(base).state_dict()
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -55,40 +66,54 @@ def one_process(kind: str, base: str, how: str) -> nn.Module:
 
 
 def trainable(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The trainable parameters whole (gathered under FSDP: a collective)."""
+    """The trainable parameters whole (gathered under FSDP: a collective), by their state_dict names."""
     out = {}
     for name, p in ddpkit.unwrap(model).named_parameters():
         if p.requires_grad:
             t = p.detach()
-            out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+            out[plain_name(name)] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
     return out
 
 
 def _options(strategy: str) -> object:
+    """"fsdp": units by size (each block its own); "hsdp": the same, replicate 2 x shard 2 (4 ranks)."""
+    if strategy == "hsdp":
+        return HSDPOptions(replicate=2, shard=2, min_block_params=2_000)
     return FSDPOptions(min_block_params=2_000) if strategy == "fsdp" else strategy
 
 
-def _steps(s, model, opt, first: int, last: int, accumulation: int = 2) -> None:
+def _steps(s, model, opt, first: int, last: int, accumulation: int = 2, world: int | None = None) -> None:
+    """Steps `first`..`last - 1`; each micro-batch 4 rows per rank of `world` (the global batch of a run at
+    that world size, split over this session's ranks)."""
+    rows = 4 * (world or s.world_size)
     for step in range(first, last):
         for micro in range(accumulation):
-            batch = hf_ranks._rows(hf_ranks.padded(step * accumulation + micro, rows=4 * s.world_size), s.rank,
-                                   s.world_size)
+            batch = hf_ranks._rows(hf_ranks.padded(step * accumulation + micro, rows=rows), s.rank, s.world_size)
             with s.accumulate(model):
                 loss_sum, tokens = hf_ranks.token_sum(model, batch)
                 s.backward(loss_sum, tokens=tokens)
             s.step(opt)
 
 
+def _graphs() -> int:
+    """Dynamo's graphs compiled so far in this process (0 when torch.compile was never imported)."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
+
+
 def train(kind: str, strategy: str, how: str, base: str, steps: int = 4, out: str | None = None,
-          shard_optimizer: object = "auto") -> dict:
+          shard_optimizer: object = "auto", options: dict | None = None) -> dict:
     """Token-weighted AdamW steps on the adapters (the optimizer given every parameter, as scripts do);
     the initial and final adapters gathered, the frozen base's gradients and optimizer state, the
-    sharded step's note; `out`: the adapter directory and the merged model exported there."""
-    printed = io.StringIO()
+    sharded step's note; `out`: the adapter directory and the merged model exported there; `options`:
+    more keywords for `s.model` (activation_checkpointing=, compile=)."""
+    printed, graphs_before = io.StringIO(), _graphs()
     with contextlib.redirect_stdout(printed), ddpkit.session(
             seed=0, accumulation=2, shard_optimizer=shard_optimizer) as s:  # fmt: skip
         model = s.model(factory(kind, base, how), strategy=_options(strategy),
-                        weights=base if how == "config" else None)
+                        weights=None if how == "pretrained" else base, **(options or {}))
         initial = trainable(model)
         inner = ddpkit.unwrap(model)
         frozen_start = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
@@ -99,7 +124,9 @@ def train(kind: str, strategy: str, how: str, base: str, steps: int = 4, out: st
                         and not torch.equal((p.full_tensor() if hasattr(p, "full_tensor") else p).detach(),
                                             frozen_start[n])]
         frozen_grads = [n for n, p in inner.named_parameters() if not p.requires_grad and p.grad is not None]
-        with_state = sorted(n for n, p in inner.named_parameters() if p in opt.state)
+        with_state = sorted(plain_name(n) for n, p in inner.named_parameters() if p in opt.state)
+        dtypes = sorted({(p.requires_grad, str(p.dtype)) for p in inner.parameters()})
+        dtypes += sorted({("state", str(v.dtype)) for st in opt.state.values() for k, v in st.items() if k != "step"})
         final = trainable(model)
         if out is not None:
             s.export(f"{out}/adapter", model)
@@ -108,8 +135,10 @@ def train(kind: str, strategy: str, how: str, base: str, steps: int = 4, out: st
         if out is not None:
             with torch.no_grad():
                 logits = model(input_ids=hf_ranks.padded(99, rows=2)["input_ids"]).logits.detach().clone()
+    graphs = _graphs() - graphs_before
     return {"initial": initial, "final": final, "frozen_moved": frozen_moved, "frozen_grads": frozen_grads,
-            "with_state": with_state, "printed": printed.getvalue(), "logits": logits}
+            "with_state": with_state, "printed": printed.getvalue(), "logits": logits, "graphs": graphs,
+            "dtypes": dtypes}
 
 
 def train_one_process(kind: str, base: str, how: str, world: int, steps: int = 4, accumulation: int = 2,
@@ -136,22 +165,29 @@ def train_one_process(kind: str, base: str, how: str, world: int, steps: int = 4
     return states
 
 
-def save_and_resume(kind: str, strategy: str, base: str, root: str) -> dict:
-    """4 steps straight, against 2 steps, `s.save`, a fresh session that loads and runs the other 2:
-    the final adapters of both (bitwise equal when resume is exact), and what the checkpoint holds."""
-    straight = train(kind, strategy, "config", base)["final"]
+def save_after_two_steps(kind: str, strategy: str, base: str, root: str, options: dict | None = None) -> str | None:
+    """2 steps from the pretrained base, then `s.save(root)`; the checkpoint's path."""
     with ddpkit.session(seed=0, accumulation=2, verbose=False) as s:
-        model = s.model(factory(kind, base, "config"), strategy=_options(strategy), weights=base)
+        model = s.model(factory(kind, base, "config"), strategy=_options(strategy), weights=base, **(options or {}))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         _steps(s, model, opt, 0, 2)
         saved = s.save(root, model=model, optimizer=opt)
+    return None if saved is None else str(saved)
+
+
+def save_and_resume(kind: str, strategy: str, base: str, root: str, options: dict | None = None) -> dict:
+    """4 steps straight, against 2 steps, `s.save`, a fresh session that loads and runs the other 2:
+    the final adapters of both (bitwise equal when resume is exact), and what the checkpoint holds."""
+    straight = train(kind, strategy, "config", base, options=options)["final"]
+    more = options or {}
+    saved = save_after_two_steps(kind, strategy, base, root, options)
     with ddpkit.session(seed=5, accumulation=2, verbose=False) as s:  # another seed: the load must restore
-        model = s.model(factory(kind, base, "config"), strategy=_options(strategy), weights=base)
+        model = s.model(factory(kind, base, "config"), strategy=_options(strategy), weights=base, **more)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         s.load(root, model=model, optimizer=opt)
         _steps(s, model, opt, 2, 4)
         resumed = trainable(model)
-    return {"straight": straight, "resumed": resumed, "saved": None if saved is None else str(saved)}
+    return {"straight": straight, "resumed": resumed, "saved": saved}
 
 
 # -- ddpkit verify on a PEFT model (`--model adapter_ranks:gpt2_lora --loss adapter_ranks:tuple_token_sum`)
@@ -170,3 +206,15 @@ def tuple_token_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
                            reduction="sum")
     return loss, (labels != -100).sum()
+
+
+def resume_in_one_process(kind: str, base: str, root: str, world: int, steps: int = 4) -> dict[str, torch.Tensor]:
+    """Load the checkpoint `root` that a `world`-rank run saved after 2 steps into ONE process (another
+    world size: the sharded adapters and their optimizer state read whole) and run the other steps on
+    the same global batches; the final adapters."""
+    with ddpkit.session(seed=5, accumulation=2, verbose=False, log_to=None) as s:
+        model = s.model(factory(kind, base, "config"), weights=base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        s.load(root, model=model, optimizer=opt)
+        _steps(s, model, opt, 2, steps, world=world)
+        return trainable(model)

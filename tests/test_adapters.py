@@ -91,9 +91,15 @@ def test_sharded_step_leaves_the_frozen_base_alone(pool2, base) -> None:
     _within_floor(results[0]["final"], "gpt2", base["gpt2"], "pretrained", world=2)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_checkpoint_holds_adapters_only_and_resumes_bitwise(pool2, base, tmp_path, strategy) -> None:
-    results = pool2.run(adapter_ranks.save_and_resume, "gpt2", strategy, base["gpt2"], str(tmp_path / "ckpt"))
+RECOMPUTE = {"activation_checkpointing": "auto"}  # GPT2Block, found through the PeftModel
+
+
+@pytest.mark.parametrize(("strategy", "options"), [("ddp", None), ("fsdp", None), ("fsdp", RECOMPUTE)],
+                         ids=["ddp", "fsdp", "fsdp-recompute"])
+def test_checkpoint_holds_adapters_only_and_resumes_bitwise(pool2, base, tmp_path, strategy, options) -> None:
+    """With activation checkpointing too: its wrappers are in the parameters' names, not the state's."""
+    results = pool2.run(adapter_ranks.save_and_resume, "gpt2", strategy, base["gpt2"], str(tmp_path / "ckpt"),
+                        options)
     for r in results:
         differ = [n for n in r["straight"] if not torch.equal(r["straight"][n], r["resumed"][n])]
         assert differ == [], f"resumed adapters differ from the straight run: {differ}"
@@ -144,6 +150,30 @@ def test_export_adapter_directory_and_merged_model(pool2, base, tmp_path) -> Non
     assert not any("lora" in k for k in cls.from_pretrained(out / "merged").state_dict())
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize(("strategy", "options", "note"),
+                         [("ddp", {"compile": {"backend": "aot_eager"}}, "")], ids=["ddp-compile"])
+def test_activation_checkpointing_and_compile_on_a_peft_model(pool2, base, tmp_path, strategy, options,
+                                                              note) -> None:
+    """A PEFT model recomputed per block (FSDP) or compiled (DDP; Dynamo and AOTAutograd through peft's
+    LoRA layers, without Inductor's C++): trains to one process's within the floor, and exports the
+    adapter directory `PeftModel` loads (the wrappers' names kept out of it)."""
+    from peft import PeftModel
+
+    out = tmp_path / "out"
+    results = pool2.run(adapter_ranks.train, "gpt2", strategy, "config", base["gpt2"], 4, str(out), "auto", options)
+    assert note in results[0]["printed"], results[0]["printed"][-2000:]
+    assert ("compile" not in options) or results[0]["graphs"] > 0, "nothing was compiled"
+    for r in results:
+        assert r["frozen_moved"] == [] and r["frozen_grads"] == []
+        assert r["with_state"] == sorted(r["final"]) and r["final"]
+    _within_floor(results[0]["final"], "gpt2", base["gpt2"], "config", world=2)
+    loaded = PeftModel.from_pretrained(hf_ranks.model_class("gpt2").from_pretrained(base["gpt2"]), str(out / "adapter"))
+    got = {n: p.detach() for n, p in loaded.named_parameters() if "lora_" in n}
+    assert set(got) == set(results[0]["final"])
+    assert all(torch.equal(got[n], results[0]["final"][n]) for n in got), "the exported adapters differ"
+
+
 def test_checkpoint_of_other_adapters_is_a_clear_error(tmp_path, base) -> None:
     import ddpkit
 
@@ -183,3 +213,26 @@ def test_lint_names_find_unused_parameters_set_for_a_frozen_base() -> None:
     findings = [f for f in lint_source(script(", find_unused_parameters=True"), "train.py") if f.code == "DDP012"]
     assert len(findings) == 1 and "frozen base" in findings[0].message, findings
     assert [f for f in lint_source(script(""), "train.py") if f.code == "DDP012"] == []
+
+
+def test_an_optimizer_over_the_frozen_base_only_stops_the_first_step(base) -> None:
+    """The optimizer built over the base before get_peft_model froze it: every parameter it holds is
+    frozen, the adapters are in no optimizer, and each step would silently change nothing. One process
+    (the check is local, every rank raises alike); AdamW over model.parameters() (a mix) steps normally."""
+    import ddpkit
+
+    cls = hf_ranks.model_class("gpt2")
+    ids = hf_ranks.padded(0, rows=2)
+    with ddpkit.session(seed=0, verbose=False, log_to=None) as s:
+        inner = cls(hf_ranks.config("gpt2"))
+        early = torch.optim.AdamW(inner.parameters(), lr=1e-2)  # before get_peft_model: the base only
+        model = s.model(lambda: adapter_ranks.get_peft(inner, "gpt2"))
+        with s.accumulate(model):
+            s.backward(hf_ranks.token_sum(model, ids)[0])
+        with pytest.raises(ddpkit.DdpkitError, match=r"none of them requires a gradient: all are frozen"):
+            s.step(early)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        before = adapter_ranks.trainable(model)
+        s.step(opt)  # the same micro-batch's gradients, now stepped
+        after = adapter_ranks.trainable(model)
+    assert any(not torch.equal(before[n], after[n]) for n in before), "the adapters did not train"

@@ -34,7 +34,7 @@ from ddpkit.errors import problem
 from ddpkit.parallel.precision import LossScale, PrecisionPlan
 from ddpkit.step import invariant, oom, shard_exchange, sharding, spikes
 from ddpkit.step.tokens import Count, TokenWeighting
-from ddpkit.strategy import Strategy
+from ddpkit.strategy import Strategy, adapters
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,7 @@ class Stepper:
         self._sharded: weakref.WeakKeyDictionary[torch.optim.Optimizer, sharding.ShardedStep | None] = (
             weakref.WeakKeyDictionary()
         )  # the decision for each optimizer, made at its first step
+        self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # adapters.check_optimizer
         self.device = device or torch.device("cpu")
         self._in_join = False
         self.timeout = timeout  # a publishing rank waits this long for its peers, like a collective
@@ -198,6 +199,9 @@ class Stepper:
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> StepInfo:
         self._refuse_in_invariant_mode("s.step(opt)")
+        if isinstance(optimizer, torch.optim.Optimizer) and optimizer not in self._checked:  # frozen only?
+            adapters.check_optimizer(optimizer)
+            self._checked.add(optimizer)
         k = self.accumulation
         if not self._awaiting_step:
             if k > 1 or self._backwards == 0:

@@ -21,6 +21,10 @@ about each place where that matters, and why there:
   peft's own `save_pretrained` fed the gathered adapter tensors (under FSDP they are sharded DTensors,
   which peft cannot write); `export_merged` rebuilds the model on the `meta` device, assigns the gathered
   full state and lets peft's `merge_and_unload` fold the adapters into the base, then `save_pretrained`.
+- **Optimizers.** `AdamW(model.parameters())` over a PEFT model is fine (torch's optimizers skip a
+  parameter without a gradient: no state, no update). One whose parameters are ALL frozen is not: it
+  steps nothing, silently, for the whole run (an optimizer built over the base before `get_peft_model`
+  froze it is the usual way to get one); `check_optimizer` stops the first `s.step` with it.
 - **Pretrained weights.** `base_name` maps a PEFT model's names (`base_model.model.` prefix, LoRA's
   `.base_layer.`) to the base checkpoint's, so `weights=` reads the base into the wrapped layers.
 
@@ -38,6 +42,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import problem
+from ddpkit.strategy.checkpointing import plain_name
 
 _PREFIX = "base_model.model."
 
@@ -49,8 +54,9 @@ def is_peft(module: Any) -> bool:
 
 
 def trainable_names(module: nn.Module) -> list[str]:
-    """The names of the parameters that require gradients (tied ones once), as `state_dict` names them."""
-    return [n for n, p in module.named_parameters() if p.requires_grad]
+    """The names of the parameters that require gradients (tied ones once), as `state_dict` names them:
+    without activation checkpointing's `_checkpoint_wrapped_module.` (else a checkpoint would keep none)."""
+    return [plain_name(n) for n, p in module.named_parameters() if p.requires_grad]
 
 
 def saved_state(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
@@ -79,6 +85,24 @@ def check_loadable(module: nn.Module, state: Mapping[str, Any], *, strict: bool)
     return False
 
 
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Stop an optimizer that can train nothing: every parameter it holds is frozen (requires_grad=False),
+    so each step would silently leave the model as it is. Local and the same on every rank (no
+    collective): every rank raises together."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params or any(p.requires_grad for p in params):
+        return
+    raise problem(
+        f"the optimizer ({type(optimizer).__name__}) holds {len(params)} parameters and none of them "
+        "requires a gradient: all are frozen (requires_grad=False), so s.step would never change the model. "
+        "With a PEFT model this is an optimizer built over the base model before get_peft_model froze it, "
+        "or over the base's parameters (get_base_model()); the adapters are in no optimizer",
+        "Build the optimizer after s.model, from the model it returned: "
+        "torch.optim.AdamW(model.parameters()) (torch skips the frozen ones: no state, no update) or "
+        "[p for p in model.parameters() if p.requires_grad]",
+    )
+
+
 def base_name(name: str) -> str:
     """A PEFT model's parameter name as the base model's checkpoint writes it."""
     name = name.removeprefix(_PREFIX)
@@ -95,12 +119,13 @@ def added_by_peft(module: nn.Module, name: str) -> bool:
 
 
 def gathered_trainable(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every trainable parameter whole, on every rank (a collective under FSDP: one all-gather each)."""
+    """Every trainable parameter whole, on every rank (a collective under FSDP: one all-gather each), by
+    its `state_dict` name (peft's files never name activation checkpointing's wrappers)."""
     out = {}
     for name, p in module.named_parameters():
         if p.requires_grad:
             t = p.detach()
-            out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu().clone()
+            out[plain_name(name)] = (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu().clone()
     return out
 
 

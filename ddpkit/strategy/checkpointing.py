@@ -93,7 +93,25 @@ def apply(module: nn.Module, choice: Choice) -> str:
         check_fn=lambda m: isinstance(m, wanted),
     )
     names = ", ".join(c.__name__ for c in wanted)
-    return f"activation checkpointing: {count} {names} module(s) recompute their activations in the backward"
+    return (f"activation checkpointing: {count} {names} module(s) recompute their activations in the backward"
+            + _no_cache_in_training(module))  # fmt: skip
+
+
+def _no_cache_in_training(module: nn.Module) -> str:
+    """A Hugging Face model (a PEFT one too) whose config asks for a key-value cache: `use_cache=False` in
+    its training forwards, as transformers' own gradient checkpointing does. Else each recomputed block
+    appends its keys to the cache a second time and the backward stops in attention with a size mismatch
+    (measured: GPT-2, transformers 5.24). Per call, not in the config: an exported model keeps its cache."""
+    if not getattr(getattr(module, "config", None), "use_cache", False):
+        return ""
+
+    def no_cache(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if m.training:
+            kwargs["use_cache"] = False
+        return args, kwargs
+
+    module.register_forward_pre_hook(no_cache, with_kwargs=True)
+    return "; use_cache=False in training (a recomputed block would extend the key-value cache twice)"
 
 
 def unit_name(name: str) -> str:
