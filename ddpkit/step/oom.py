@@ -367,30 +367,6 @@ def check(strategy: Any, shard: bool | str, invariant: bool) -> None:
         )
 
 
-HISTORY_ENV = "DDPKIT_CUDA_MEMORY_HISTORY"  # "0": no allocation history on CUDA ranks under the opt-in
-
-
-def record_history(device: torch.device) -> bool:
-    """On CUDA (under `micro_batch="auto"`): torch's allocator records its last 100,000 allocations and
-    frees with their Python stacks, so the snapshot written at an out-of-memory error shows what held
-    the memory and where it was allocated (PyTorch's "Understanding CUDA memory usage"; open the file
-    at pytorch.org/memory_viz). It costs a stack capture per allocation; DDPKIT_CUDA_MEMORY_HISTORY=0
-    turns it off. Not exercised on a CPU machine."""
-    if device.type != "cuda" or os.environ.get(HISTORY_ENV, "1") == "0":
-        return False
-    torch.cuda.memory._record_memory_history(max_entries=100_000)
-    return True
-
-
-def dump_snapshot(directory: str, rank: int, step: int) -> str:
-    """torch's CUDA memory snapshot (segments, blocks, the recorded history up to the failure) as
-    `memory-snapshot-rank{rank}-step{step}.pickle` in `directory`; its path."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"memory-snapshot-rank{rank}-step{step}.pickle")
-    torch.cuda.memory._dump_snapshot(path)
-    return path
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 

@@ -32,6 +32,30 @@ from ddpkit.step.stepping import MicroBatch
 ForwardBackward = Callable[[Any, float], torch.Tensor]  # (batch, loss weight) -> the unweighted loss
 
 
+HISTORY_ENV = "DDPKIT_CUDA_MEMORY_HISTORY"  # "0": no allocation history on CUDA ranks under the opt-in
+
+
+def record_history(device: torch.device) -> bool:
+    """On CUDA (under `micro_batch="auto"`): torch's allocator records its last 100,000 allocations and
+    frees with their Python stacks, so the snapshot written at an out-of-memory error shows what held
+    the memory and where it was allocated (PyTorch's "Understanding CUDA memory usage"; open the file
+    at pytorch.org/memory_viz). It costs a stack capture per allocation; DDPKIT_CUDA_MEMORY_HISTORY=0
+    turns it off. Not exercised on a CPU machine."""
+    if device.type != "cuda" or os.environ.get(HISTORY_ENV, "1") == "0":
+        return False
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    return True
+
+
+def dump_snapshot(directory: str, rank: int, step: int) -> str:
+    """torch's CUDA memory snapshot (segments, blocks, the recorded history up to the failure) as
+    `memory-snapshot-rank{rank}-step{step}.pickle` in `directory`; its path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"memory-snapshot-rank{rank}-step{step}.pickle")
+    torch.cuda.memory._dump_snapshot(path)
+    return path
+
+
 class SplitBlocks:
     """One loader micro-batch as `s.accumulate` blocks; the step's batches re-run after an agreed OOM."""
 
@@ -44,7 +68,7 @@ class SplitBlocks:
         self.history = False  # CUDA: the allocator's history recorded, for the snapshot at an OOM
         if self.auto is not None:
             self.auto.watch(model, optimizer)  # its model state is counted in an OOM's breakdown
-            self.history = oom.record_history(s.device)
+            self.history = record_history(s.device)
 
     def run(self, batch: Any) -> tuple[torch.Tensor, MicroBatch]:
         """Forward and backward of one loader micro-batch (its parts); the loss is the micro-batch's."""
@@ -90,7 +114,7 @@ class SplitBlocks:
         snapshot = None
         if self.history and s.rank in ranks:  # before the cache is emptied: the OOM's own picture
             root = s.tracking.log_dir or tracking.default_dir(os.environ)
-            snapshot = oom.dump_snapshot(root, s.rank, s.stepper.steps + 1)
+            snapshot = dump_snapshot(root, s.rank, s.stepper.steps + 1)
         auto.split_more(s.stepper.steps + 1)
         s.stepper.drop_step(self.optimizer)
         if s.device.type == "cuda":  # the failed step's blocks, cached: handed back before the re-run
