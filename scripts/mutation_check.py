@@ -1299,6 +1299,22 @@ MUTANTS = [
         ("tests/test_adapters.py::test_checkpoint_holds_adapters_only_and_resumes_bitwise[fsdp-recompute]",),
         "with activation checkpointing a PEFT model's checkpoint keeps none of its adapters (wrapper names)",
     ),
+    Mutant(
+        "oom-where-not-said",
+        "ddpkit/step/oom.py",
+        "            if is_oom(failed):  # where its memory was, for every rank (fp64: exact to 2^53)",
+        "            if False:  # mutant: the rank that ran out keeps where its memory was to itself",
+        ("tests/test_oom.py::test_an_oom_on_one_rank_reruns_the_step_split[forward]",),
+        "an out-of-memory error's breakdown (model state, micro-batch, failed allocation) is not said",
+    ),
+    Mutant(
+        "memory-live-untracked",
+        "ddpkit/plan/memory_live.py",
+        "    with tracker:\n        yield out\n",
+        "    yield out  # mutant: the live step runs outside the tracker\n",
+        ("tests/test_plan_memory.py::test_a_live_step_tracked_on_demand_gives_the_plans_breakdown",),
+        "the on-demand breakdown of a live step is made without tracking the step",
+    ),
 ]
 
 

@@ -82,6 +82,7 @@ def train(per_rank: int, k: int, steps: int, planted: _Planted | None = None, au
             "splits": s.stepper.oom.splits if s.stepper.oom else None,
             "accumulation": s.stepper.accumulation,
             "fired": planted.fired if planted else 0,
+            "last_oom": s.stepper.oom.last_oom if s.stepper.oom else None,
         }
 
 
@@ -104,6 +105,15 @@ def test_an_oom_on_one_rank_reruns_the_step_split(where: str, pool2) -> None:
         assert r["parts"] == 2 and r["accumulation"] == 4, "micro-batch halved, accumulation doubled"
         assert r["splits"] == [{"step": 2, "parts": 2}]
         assert all(torch.equal(a, b) for a, b in zip(r["params"], got[0]["params"], strict=True))
+    # where rank 1's memory was, said to every rank: its model state counted from the live tensors
+    # (fp32 weights; the first micro-batch's gradients; SGD's momentum from step 1), the failed allocation
+    state = 4 * sum(p.numel() for p in _mlp().parameters())
+    asked = 2 << 30 if where == "forward" else 0  # the planted forward error asks for 2.00 GiB
+    for r in got:
+        w = r["last_oom"][1]
+        got_where = (w["parameters"], w["gradients"], w["optimizer_state"], w["failed"])
+        assert got_where == (state, state, state, asked), w
+        assert w["micro_batch"] >= 0 and list(r["last_oom"]) == [1]
     diff = _diff(got[0]["params"], ref[0]["params"])
     print(f"split after an OOM in the {where} vs micro-batch 8 from the start: max |diff| {diff:.2e}")
     assert diff < FLOOR, f"the split changed the training by {diff:.2e} (global batch or dropped grads?)"
@@ -218,13 +228,20 @@ def test_the_split_is_said_logged_saved_and_a_resume_starts_there(tmp_path: Path
         )
         assert s.stepper.oom.parts == 2 and s.stepper.accumulation == 2
         s.save(ckpt, model=model, optimizer=opt, stepper=s.stepper)
-    said = [line for line in capsys.readouterr().out.splitlines() if "out of memory" in line]
+    capsys_out = capsys.readouterr().out.splitlines()
+    said = [line for line in capsys_out if "out of memory" in line]
     assert len(said) == 1, said
     assert (
         "micro-batch 16 per rank" in said[0]
         and "micro-batches of 8 (accumulation 1 -> 2; global batch 16 unchanged)" in said[0]
     )
-    assert (0, {"micro_batch/size": 8.0, "micro_batch/parts": 2}) in rec.seen
+    where = [line for line in capsys_out if "where rank 0's memory was when it ran out" in line]
+    assert len(where) == 1 and "the allocation that failed 2048.0 MiB" in where[0], where
+    params_mib = 4 * sum(p.numel() for p in _mlp().parameters()) / (1 << 20)
+    logged = next(values for _, values in rec.seen if "micro_batch/size" in values)
+    assert logged["micro_batch/size"] == 8.0 and logged["micro_batch/parts"] == 2
+    assert logged["oom/parameters_mib"] == params_mib and logged["oom/failed_mib"] == 2048.0
+    assert logged["oom/optimizer_state_mib"] == 0.0  # plain SGD keeps no state
     with ddpkit.session(
         micro_batch="auto", verbose=False, log_to=None, env={}, hardware=ddpkit.Hardware(0, 2)
     ) as s:

@@ -212,3 +212,29 @@ def test_breakdown_folds_torchs_categories_and_renders_one_screen() -> None:
     with pytest.raises(ValueError, match="unknown tracker category"):
         Breakdown.from_snapshot({"cpu": {"Mystery": 1}})
     assert memory_cli.build_parser().parse_args(["--model", "gpt"]).device == "h100"
+
+
+def test_a_live_step_tracked_on_demand_gives_the_plans_breakdown() -> None:
+    """`memory_live.track_step` around one real step of the MLP (gradients kept between steps, as
+    DDP's buckets keep them; the optimizer's state made by a first step) gives the estimate's figures:
+    same tracker, same fold, real tensors instead of fake ones."""
+    from ddpkit.plan.memory_live import track_step
+
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        with track_step(model, opt) as step:
+            x, y = sample(g, 8)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            del x, y
+    live, planned = step.breakdown, estimate(_job(world=1))
+    assert live is not None
+    count, _ = _params()
+    assert (live.parameters, live.gradients) == (4 * count, 4 * count)
+    for category in ("parameters", "gradients", "optimizer_state", "activations", "temporaries"):
+        want = pytest.approx(getattr(planned, category), rel=0.02, abs=4096)
+        assert getattr(live, category) == want, (category, live, planned)

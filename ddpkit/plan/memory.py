@@ -327,6 +327,16 @@ def _tracked_step(
     owned: set[int] | None,
     keep_grads: bool,
 ) -> Breakdown:
+    tracker = peak_tracker(model, opt, sharded=job.strategy in ("fsdp", "hsdp"))
+    with tracker:
+        _run_step(model, opt, spec, job, owned, keep_grads, job.micro_batch)
+    return fold(tracker, opt)
+
+
+def peak_tracker(model: nn.Module, opt: torch.optim.Optimizer, *, sharded: bool) -> Any:
+    """torch's memory tracker for one step of `model` and `opt` (FSDPMemTracker for an FSDP2 model),
+    keeping only the step's peak: the same tracker for fake tensors (the plan) and real ones
+    (`ddpkit.plan.memory_live`)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -351,14 +361,15 @@ def _tracked_step(
     class _FSDPTracker(_Peak, FSDPMemTracker):
         pass
 
-    tracker: MemTracker
-    if job.strategy in ("fsdp", "hsdp"):
-        tracker = _FSDPTracker(model, opt)
-    else:
-        tracker = _Tracker()
-        tracker.track_external(model, opt)
-    with tracker:
-        _run_step(model, opt, spec, job, owned, keep_grads, job.micro_batch)
+    if sharded:
+        return _FSDPTracker(model, opt)
+    tracker = _Tracker()
+    tracker.track_external(model, opt)
+    return tracker
+
+
+def fold(tracker: Any, opt: torch.optim.Optimizer) -> Breakdown:
+    """The tracker's peak as a `Breakdown`."""
     b = Breakdown.from_snapshot(tracker.get_tracker_snapshot("peak"))
     # torch's trackers count everything allocated inside optimizer.step() as optimizer state; what
     # is not in the optimizer's state afterwards (AdamW's per-tensor scratch) is a temporary

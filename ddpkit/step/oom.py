@@ -17,6 +17,13 @@ the last block), halves the micro-batch (`split`) and doubles the accumulation, 
 the update stay those of the step that failed, and re-runs the step's batches. The split is saved with
 the stepper's state, so a resumed run starts at the size that worked.
 
+Where the memory went: the rank that ran out counts, before its failed step's frames are freed, its
+model state from the live tensors (parameters, gradients, optimizer state: the categories of `ddpkit
+plan --memory`), the micro-batch's own share (on CUDA the allocator's allocated bytes minus the model
+state; on CPU ranks the resident set's growth since the block began, one read of /proc/self/statm per
+block) and the allocation that failed; the figures travel in the same agreement all-reduce (one row of
+six float64 per rank), so every rank's `StepOutOfMemory` says them (`describe_where`).
+
 Without the opt-in an out-of-memory error becomes a one-paragraph `DdpkitError` (`explain`) naming the
 rank, the allocation and what to do, instead of an allocator's trace; the launcher ends the peers.
 
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import re
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -56,20 +64,94 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def _asked(exc: BaseException) -> str:
-    m = _BYTES.search(str(exc))
-    if not m:
-        return ""
-    n, unit = float(m.group(1)), m.group(2)
-    n *= {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
-    return f" (an allocation of {n / (1 << 20):.1f} MiB)"
+    n = _asked_bytes(exc)
+    return f" (an allocation of {n / (1 << 20):.1f} MiB)" if n else ""
 
 
 class StepOutOfMemory(DdpkitError):
-    """Raised on every rank in the same `s.accumulate` block when any rank ran out of memory there."""
+    """Raised on every rank in the same `s.accumulate` block when any rank ran out of memory there;
+    `where` holds, per rank that ran out, where its memory was at the failure (`WHERE`, bytes)."""
 
-    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+    def __init__(
+        self, message: str, ranks: Sequence[int], where: Mapping[int, Mapping[str, int]] | None = None
+    ) -> None:
         super().__init__(message)
         self.ranks = list(ranks)
+        self.where = {r: dict(w) for r, w in (where or {}).items()}
+
+
+# Where a rank's memory was when an allocation failed: the model state counted from the live tensors
+# (each storage once), the micro-batch's own share (what it had allocated when it failed: its
+# activations and temporaries), and the allocation that failed.
+WHERE = ("parameters", "gradients", "optimizer_state", "micro_batch", "failed")
+WHERE_LABELS = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "micro_batch": "this micro-batch's activations and temporaries",
+    "failed": "the allocation that failed",
+}
+
+
+def _storage_bytes(tensors: Iterator[Any], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2): this rank's shard
+        storage = local.untyped_storage()
+        key = storage.data_ptr() or id(storage)
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def model_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Bytes of the parameters (and buffers), gradients and optimizer state, from the live tensors:
+    the same categories as `ddpkit plan --memory`'s breakdown."""
+    seen: set[int] = set()
+    params = list(model.parameters()) + list(model.buffers()) if model is not None else []
+    if optimizer is not None:  # parameters the optimizer holds that the model does not (rare)
+        params += [p for g in optimizer.param_groups for p in g["params"]]
+    return {
+        "parameters": _storage_bytes(iter(params), seen),
+        "gradients": _storage_bytes((p.grad for p in params if p.grad is not None), seen),
+        "optimizer_state": 0
+        if optimizer is None
+        else _storage_bytes((v for st in optimizer.state.values() for v in st.values()), seen),
+    }
+
+
+def _resident() -> int:
+    """This process's resident set in bytes (/proc/self/statm: cheap, no allocation of note); 0 when
+    the system has none."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _asked_bytes(exc: BaseException) -> int:
+    m = _BYTES.search(str(exc))
+    if not m:
+        return 0
+    return int(float(m.group(1)) * {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[m.group(2)])
+
+
+def describe_where(rank: int, where: Mapping[str, int], device_type: str) -> str:
+    """One line: where a rank's memory was when it ran out, by category."""
+    parts = [f"{WHERE_LABELS[k]} {where.get(k, 0) / (1 << 20):.1f} MiB" for k in WHERE]
+    how = (
+        "torch's allocator: allocated at the failure minus the model state"
+        if device_type == "cuda"
+        else "the rank's resident memory grown since the micro-batch began"
+    )
+    return f"where rank {rank}'s memory was when it ran out: {', '.join(parts)} ({how})"
 
 
 def explain(exc: BaseException, rank: int, micro_batch: int | None = None) -> DdpkitError:
@@ -97,23 +179,62 @@ class AutoMicroBatch:
         self.parts = 1  # each loader micro-batch runs as this many (a power of two)
         self.rank, self.world, self.distributed, self.device = rank, world, distributed, device
         self.splits: list[dict[str, int]] = []  # every split so far: {"step": n, "parts": p}
+        self.model: nn.Module | None = None  # what `watch` names: counted in the breakdown at a failure
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._block_start = 0  # CPU: the resident set when the current block began
+        self.last_oom: dict[int, dict[str, int]] = {}  # the last agreed OOM: rank -> `where` figures
+
+    def watch(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
+        """The model and optimizer whose state an out-of-memory breakdown counts (`ddpkit.fit` names
+        them); without them the breakdown holds the micro-batch's share and the failed allocation."""
+        self.model, self.optimizer = model, optimizer
+
+    def block_started(self) -> None:
+        """At the start of every block: on CPU ranks the resident set (one read of /proc/self/statm),
+        so a failure can say how much the micro-batch itself had taken. On CUDA nothing: the allocator
+        says it at the failure."""
+        if self.device.type != "cuda":
+            self._block_start = _resident()
+
+    def where(self, failed: BaseException) -> dict[str, int]:
+        """Where this rank's memory was when `failed` was raised, by `WHERE`'s categories (called
+        before the failed step's frames are cleared, so its activations are still held)."""
+        state = model_state(self.model, self.optimizer)
+        if self.device.type == "cuda":
+            held = torch.cuda.memory_allocated(self.device)
+            step = max(0, held - sum(state.values()))
+        else:
+            step = max(0, _resident() - self._block_start) if self._block_start else 0
+        return {**state, "micro_batch": step, "failed": _asked_bytes(failed)}
 
     @property
     def accumulation(self) -> int:
         """Blocks per optimizer step: the session's accumulation times the parts of each micro-batch."""
         return self.base * self.parts
 
+    def _where_row(self, failed: BaseException) -> list[float]:
+        """`where` in `WHERE`'s order; zeros when counting itself fails (the agreement must go on)."""
+        try:
+            w = self.where(failed)
+        except Exception:  # e.g. the device still full: the figures are a report, not the protocol
+            return [0.0] * len(WHERE)
+        return [float(w[k]) for k in WHERE]
+
     def agree(self, failed: BaseException | None) -> None:
-        """One all-reduce (a flag per rank: 1 out of memory, 2 another error), reached by every rank at
-        the end of every block, also by a rank that raised. Any other error: every rank raises (the one
+        """One all-reduce (a row per rank: a flag, 1 out of memory, 2 another error, and for a rank out of
+        memory where its memory was, `WHERE`), reached by every rank at the end of every block, also by
+        a rank that raised. Any other error: every rank raises (the one
         that failed its own error), so no peer waits in the next block's all-reduce. Else any rank out
         of memory: `StepOutOfMemory` on every rank."""
-        flags = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        flags = torch.zeros(self.world, 1 + len(WHERE), dtype=torch.float64, device=self.device)
         if failed is not None:
-            flags[self.rank] = 1.0 if is_oom(failed) else 2.0
+            flags[self.rank, 0] = 1.0 if is_oom(failed) else 2.0
+            if is_oom(failed):  # where its memory was, for every rank (fp64: exact to 2^53)
+                flags[self.rank, 1:] = torch.tensor(self._where_row(failed), dtype=torch.float64)
         if self.distributed:
             dist.all_reduce(flags)
-        state = flags.tolist()
+        rows = flags.tolist()
+        state = [row[0] for row in rows]
         others = [r for r in range(self.world) if state[r] == 2.0]
         if others:
             if failed is not None and not is_oom(failed):
@@ -127,12 +248,15 @@ class AutoMicroBatch:
             own = f": {str(failed)[:300]}" if failed is not None else ""
             if failed is not None:  # its frames hold the step's activations: freed before the re-run
                 traceback.clear_frames(failed.__traceback__)
+            where = {r: {k: int(v) for k, v in zip(WHERE, rows[r][1:], strict=True)} for r in ranks}
+            self.last_oom = where
+            said = "; ".join(describe_where(r, where[r], self.device.type) for r in ranks)
             text = (
                 f"rank(s) {ranks} ran out of memory in this micro-batch{own}. Every rank stopped here: "
                 "ddpkit.fit runs the step again split; in a loop of your own, set the gradients to None "
-                "and run the step's batches again in halves with twice the accumulation"
+                f"and run the step's batches again in halves with twice the accumulation. {said}"
             )
-            raise StepOutOfMemory(text, ranks) from None
+            raise StepOutOfMemory(text, ranks, where) from None
 
     def split_more(self, step: int) -> None:
         """After an agreed out-of-memory error: twice the parts (half the micro-batch, same global batch)."""
@@ -259,6 +383,7 @@ def guarded(auto: AutoMicroBatch | None) -> Iterator[None]:
                 raise explain(exc, _rank()) from exc
             raise
         return
+    auto.block_started()
     try:
         yield
     except Exception as exc:
