@@ -11,6 +11,7 @@ the CPU allocator's malloc fails and torch raises its own error).
 
 from __future__ import annotations
 
+import ctypes
 import resource
 from pathlib import Path
 
@@ -140,6 +141,36 @@ def _vm_size() -> int:
     return int(next(line.split()[1] for line in text.splitlines() if line.startswith("VmSize:"))) * 1024
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def _address_limit(budget_mib: int) -> tuple[int, list[torch.Tensor]]:
+    """This process's address space plus `budget_mib`, and the ballast that makes it bite. The pool's
+    process ran other tests before, and ddpkit's CPU allocator settings (a 1 GiB trim threshold; for a
+    big model, no mmap) keep their freed blocks in glibc's heap, hundreds of MiB of it in the middle of
+    the heap where malloc_trim cannot return them: a step served from them needs no new address space,
+    so whether the limit bit depended on which tests ran first (a run in pytest-xdist's order trained
+    through it). The ballast takes that free memory in 1 MiB blocks (no page is touched, no new address
+    space while free blocks remain), so the step's own need meets the limit. Keep the ballast alive
+    until the limit is lifted. Then blocks of 32 MiB and more are mmapped again, as this module's sizes
+    assume (a process that trained a big model keeps them in its heap: ddpkit's M_MMAP_MAX=0, one-way;
+    later tests in this pool process get glibc's mmap for them, a matter of speed only)."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    libc.malloc_trim(0)
+    ballast: list[torch.Tensor] = []
+    size = _vm_size()
+    while libc.mallinfo2().fordblks >= 2 << 20:
+        ballast.append(torch.empty(1 << 20, dtype=torch.uint8))
+        if _vm_size() > size:  # that block was new address space: the free blocks left are smaller
+            break
+    libc.mallopt(-4, 65536)  # M_MMAP_MAX: glibc's default
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: 32 MiB, fixed (ddpkit's, without the dynamic raise)
+    return _vm_size() + (budget_mib << 20), ballast
+
+
 def train_under_address_limit(per_rank: int, budget_mib: int, auto: bool = True) -> dict:
     """Rank 1 gets an address-space limit of its current size + `budget_mib` once the model and the
     optimizer exist: micro-batches of `per_rank` need more, half of them less."""
@@ -154,7 +185,8 @@ def train_under_address_limit(per_rank: int, budget_mib: int, auto: bool = True)
         loader = s.loader(data, batch_size=per_rank * s.world_size)
         try:
             if s.rank == 1:
-                resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + (budget_mib << 20), hard))
+                limit, _ballast = _address_limit(budget_mib)  # held until this function returns
+                resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
             try:
                 result = ddpkit.fit(s, model, opt, loader, lambda m, b: F.cross_entropy(m(b[0]), b[1]),
                                     max_steps=3, progress=False, flops=None)  # fmt: skip
@@ -201,7 +233,8 @@ def train_under_address_limit_one_rank_error(per_rank: int, budget_mib: int) -> 
             g = torch.Generator().manual_seed(0)
             x, y = torch.randn(per_rank, 64, generator=g), torch.randint(0, 10, (per_rank,), generator=g)
             try:
-                resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + (budget_mib << 20), hard))
+                limit, _ballast = _address_limit(budget_mib)  # held until this function returns
+                resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
                 with oom.guarded(None), oom.naming(per_rank, s.rank, None):
                     F.cross_entropy(model(x), y).backward()
             except DdpkitError as err:
@@ -210,7 +243,6 @@ def train_under_address_limit_one_rank_error(per_rank: int, budget_mib: int) -> 
                 resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
         dist.barrier()
     return got
-
 
 
 def test_the_split_is_said_logged_saved_and_a_resume_starts_there(tmp_path: Path, capsys) -> None:
