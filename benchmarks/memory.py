@@ -1,8 +1,9 @@
-"""Memory per rank under DDP, ddpkit's sharded optimizer step and FSDP2, for one workload, with step time.
+"""Memory per rank under DDP, the sharded optimizer step, FSDP2 and HSDP for one workload, with step time.
 
     python benchmarks/memory.py                          # mlp (37.8M parameters, AdamW), 2 and 4 CPU ranks
     python benchmarks/memory.py --nproc 2 --steps 8 --json runs/memory.json
     python benchmarks/memory.py --nproc 2 --modes ddp fsdp fsdp-gloo --rounds 3   # interleaved rounds
+    python benchmarks/memory.py --nproc 4 --modes ddp fsdp fsdp-gloo hsdp         # HSDP(2x2) on 4 ranks
 
 Per rank, counted from the tensors themselves (FSDP's DTensors by their local shard): parameter bytes,
 gradient bytes (after the backward of a step, before the optimizer zeroes them), optimizer-state bytes
@@ -22,7 +23,9 @@ others' slots into the output, as before issue 34's copy cut); "fsdp-keep" the s
 a rank that keeps freed memory (`cpu_allocator.apply()` after `s.model`, as a DDP rank of a big model:
 FSDP2's per-block parameters and gradients are then not page-faulted in again at every step; the
 memory the FSDP ranks otherwise give back stays resident); "fsdp-heap" the same ranks serving every
-block from malloc's heap (`M_MMAP_MAX=0`) but trimming its free top past 1 MiB. Faults / step: rank
+block from malloc's heap (`M_MMAP_MAX=0`) but trimming its free top past 1 MiB; "hsdp" is HSDP
+(`HSDPOptions(replicate=2, shard=W/2)`: 2 replicas of W/2 shards, the forced shape of one machine; its
+collectives over gloo, so "fsdp-gloo" is the FSDP to compare its time with). Faults / step: rank
 0's minor page faults per timed step (`ru_minflt`), with its system time; shared RSS: rank 0's resident
 shared memory at the end (`RssShmem`: the segments, counted in full in every rank's RSS and peak).
 `--rounds N` runs the modes N times, interleaved (mode a, b, c, a, b, c, ...), and reports the median
@@ -55,9 +58,10 @@ import ddpkit
 from ddpkit.bench import floor
 from ddpkit.parallel import cpu_allocator, fsdp_shm
 from ddpkit.strategy import FSDPOptions
+from ddpkit.strategy.hsdp_options import HSDPOptions
 from ddpkit.tools import workloads
 
-MODES = ("ddp", "sharded-step", "fsdp", "fsdp-gloo", "fsdp-slots", "fsdp-keep", "fsdp-heap")
+MODES = ("ddp", "sharded-step", "fsdp", "fsdp-gloo", "fsdp-slots", "fsdp-keep", "fsdp-heap", "hsdp")
 
 
 def _bytes(t: torch.Tensor | None) -> int:
@@ -89,8 +93,10 @@ def _rank(workload_name: str, mode: str, steps: int, keep: int) -> dict:
     fsdp_shm.KEEP_PER_SIZE = keep
     fsdp_shm.SHARED_GATHER = mode != "fsdp-slots"  # this rank's own process (spawned fresh)
     shard = mode == "sharded-step"
-    fsdp = mode.startswith("fsdp")
-    strategy = FSDPOptions(shm=mode != "fsdp-gloo") if fsdp else "ddp"
+    fsdp = mode.startswith("fsdp") or mode == "hsdp"
+    strategy: object = FSDPOptions(shm=mode != "fsdp-gloo") if fsdp else "ddp"
+    if mode == "hsdp":  # 2 replicas x W/2 shards on this machine's W ranks
+        strategy = HSDPOptions(replicate=2)
     with ddpkit.session(seed=0, verbose=False, shard_optimizer=shard, strategy=strategy) as s:
         model: nn.Module = s.model(workload.build if fsdp else workload.build())
         if mode == "fsdp-keep":
@@ -179,6 +185,8 @@ def main() -> None:
     ns = p.parse_args()
     if "ddp" not in ns.modes:
         ns.modes.insert(0, "ddp")  # the reference of every ratio
+    if "hsdp" in ns.modes and not any(n % 2 == 0 and n >= 4 for n in ns.nproc):
+        p.error("--modes hsdp runs 2 replicas of nproc / 2 shards: pass an even --nproc of 4 or more")
     cores = len(os.sched_getaffinity(0))
     param_bytes = floor.grad_bytes_of(workloads.load(ns.workload).build())
     print(f"load average {os.getloadavg()[0]:.2f}; {cores} cores", flush=True)
@@ -189,9 +197,10 @@ def main() -> None:
         print(f"{nproc} ranks: a rank's compute alone, 1 thread: fwd+bwd {fwd_bwd * 1e3:.0f} ms "
               f"(batch {max(1, workloads.load(ns.workload).global_batch // nproc)}), opt {opt * 1e3:.0f} ms "
               "(whole model)", flush=True)  # fmt: skip
-        runs: dict[str, list[dict]] = {mode: [] for mode in ns.modes}
+        hsdp = nproc % 2 == 0 and nproc >= 4  # 2 replicas of at least 2 shards
+        runs: dict[str, list[dict]] = {mode: [] for mode in ns.modes if mode != "hsdp" or hsdp}
         for _ in range(ns.rounds):
-            for mode in ns.modes:
+            for mode in runs:
                 args = (ns.workload, mode, ns.steps, ns.keep_per_size)
                 ranks = ddpkit.spawn(_rank, nproc, args, threads=1, timeout=600)
                 worst = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the most loaded rank

@@ -1315,6 +1315,41 @@ MUTANTS = [
         ("tests/test_plan_memory.py::test_a_live_step_tracked_on_demand_gives_the_plans_breakdown",),
         "the on-demand breakdown of a live step is made without tracking the step",
     ),
+    Mutant(
+        "hsdp-resume-shape-ignored",
+        "ddpkit/verify/resume.py",
+        "                        strategy=part.session_strategy()) as s:  # fmt: skip",
+        '                        strategy="auto") as s:  # mutant: every part runs DDP',
+        ("tests/test_hsdp_resume.py::test_an_hsdp_2x2_run_resumed_under_fsdp_2_ends_within_the_floor",
+         "tests/test_hsdp_resume.py::test_an_fsdp_2_checkpoint_under_hsdp_2x2_without_the_optimizer_is_named"),
+        "`ddpkit verify --resume` across shapes runs DDP on both sides and reports the shapes asked for",
+    ),
+    Mutant(
+        "hsdp-resume-local-optimizer",
+        "ddpkit/verify/resume.py",
+        "    if not s.strategy.shards_state:\n        return s.stepper.optimizer_state(optimizer)",
+        "    if True:  # mutant: a sharded optimizer's local state, keyed as it is\n"
+        "        return s.stepper.optimizer_state(optimizer)",
+        ("tests/test_hsdp_resume.py::test_an_hsdp_2x2_run_resumed_under_fsdp_2_ends_within_the_floor",
+         "tests/test_hsdp_resume.py::test_an_fsdp_2_checkpoint_under_hsdp_2x2_without_the_optimizer_is_named"),
+        "`ddpkit verify --resume` compares a sharded optimizer's local shards, not the gathered state",
+    ),
+    Mutant(
+        "hsdp-mode-line-flat",
+        "ddpkit/training/choosing.py",
+        '        shape = getattr(built, "shape", self.shape)',
+        "        shape = self.shape  # mutant: the session's 1-D shape",
+        ("tests/test_hsdp.py::test_hsdp_2x2_is_fsdp2_on_a_2d_mesh_with_bitwise_replicas",),
+        "the start-up line says `strategy hsdp over 4 rank(s)` without HSDP's replicate x shard mesh",
+    ),
+    Mutant(
+        "hsdp-tune-no-shape",
+        "ddpkit/bench/tune.py",
+        "    if nodes <= 1:",
+        "    if nodes >= 1:  # mutant: FSDP over the node whatever the nodes",
+        ("tests/test_hsdp_plan.py::test_bench_tune_names_the_hsdp_shape_where_a_node_share_fits",),
+        "`ddpkit bench tune --nodes N` never names HSDP's shape where a node's share fits",
+    ),
 ]
 
 

@@ -1,7 +1,7 @@
 """`ddpkit plan` knows HSDP: its step (the shard group's all-gathers and reduce-scatters on a node's links,
 one all-reduce of the node's shards between nodes), the bytes each node sends over the slow link, and
-the advice that names it where FSDP is needed on several nodes. Pure: the cost model on synthetic
-profiles and a preset link, no ranks."""
+the advice that names it where FSDP is needed on several nodes; `ddpkit bench tune --nodes N` names
+HSDP's shape in its memory line. Pure: the cost model on synthetic profiles and a preset link, no ranks."""
 
 from __future__ import annotations
 
@@ -60,3 +60,23 @@ def test_plan_advises_hsdp_where_fsdp_is_needed_on_several_nodes() -> None:
     one_node = Planner(profiles={8: p}, link=_link(), per_node=16, batches={1: 8, 16: 8})
     items = advise(one_node, 16, Options(), one_node.predict(16, Options()), strong=False, device_memory_gb=0.5)
     assert not [i for i in items if i["what"].startswith("HSDP")]  # one node: HSDP is FSDP
+
+
+@pytest.mark.parametrize(
+    ("state_gb", "nodes", "shape", "says"),
+    [
+        (1.0, 2, "ddp", "DDP fits; FSDP not needed"),
+        (10.0, 1, "fsdp 4", "use strategy='fsdp'"),
+        (10.0, 2, "hsdp 2x4", "on 2 nodes x 4 ranks use strategy='hsdp' instead: replicate 2 x shard 4, 2.50 GB"),
+        (40.0, 2, "fsdp 8", "a node's share (10.00 GB per rank sharded 4 ways) does not fit either, so FSDP over "
+                             "all 8 ranks (5.00 GB per rank), not HSDP"),
+    ],
+)  # fmt: skip
+def test_bench_tune_names_the_hsdp_shape_where_a_node_share_fits(state_gb, nodes, shape, says) -> None:
+    """4 ranks per machine of 8 GB each (80% usable): 10 GB of model state needs sharding; 4 ways per
+    node it fits, so across 2 nodes HSDP(2x4); 40 GB does not fit a node's 4 ranks: FSDP over all 8."""
+    from ddpkit.bench.tune import memory_line
+    from ddpkit.strategy.choice import verdict
+
+    named, text = memory_line(verdict(int(state_gb * 1e9), int(8e9), 4), nodes, 4)
+    assert named == shape and says in text, text

@@ -18,8 +18,10 @@ Tried, each against hand-written DDP with torch's defaults (the baseline, ratio 
 Then the floor (`ddpkit.bench.floor`): ddpkit's defaults against the one-process step plus the least
 gradient exchange at this machine's measured copy bandwidth, as measured / floor. Then one line on
 memory: whether the replicated model state fits this machine's memory per rank, or FSDP
-(`strategy="fsdp"`) is needed (`ddpkit.strategy.choice`). The recommendation is the configuration with
-the lowest median step time among the exact ones, with its gain and the spread that qualifies it.
+(`strategy="fsdp"`) is needed (`ddpkit.strategy.choice`); with `--nodes N` (the job will run on N such
+machines) a model that needs sharding gets HSDP's shape, replicate N x shard --nproc, where a node's
+share fits (`memory_line`). The recommendation is the configuration with the lowest median step time
+among the exact ones, with its gain and the spread that qualifies it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import nn
 
 from ddpkit.bench import floor, report
 from ddpkit.bench.runner import LOSSY_HOOKS, Config, Stats, measure
+from ddpkit.errors import problem
 from ddpkit.strategy import choice
 from ddpkit.tools import workloads
 
@@ -88,6 +91,8 @@ def recommend(stats: dict[str, Stats], configs: list[Config], allow_lossy: bool)
 def run(ns: argparse.Namespace) -> int:
     cores = report.machine()["cores"]
     nproc = ns.nproc or min(2, cores)
+    if ns.nodes < 1:
+        raise problem(f"--nodes {ns.nodes} is below 1", "Pass --nodes 1 (this machine) or the job's nodes")
     configs = candidates(nproc, cores, quick=ns.quick, fused=ns.fused)
     before, steal0 = report.machine()["load_average"], report.cpu_steal()
     print(f"ddpkit bench tune: workload {ns.workload}, {len(configs)} configurations x {ns.rounds} rounds "
@@ -118,7 +123,8 @@ def run(ns: argparse.Namespace) -> int:
     if line:
         print(line)
     memory = memory_verdict(ns.workload, nproc)
-    print(f"memory: {memory.text}")
+    shape, text = memory_line(memory, ns.nodes, nproc)
+    print(f"memory: {text}")
     note = report.load_note(before, after, cores, (steal0, steal1))
     if note:
         print(note)
@@ -127,7 +133,7 @@ def run(ns: argparse.Namespace) -> int:
         "configs": [{**c.__dict__, **stats[c.label].as_dict()} for c in configs],
         "recommendation": {"label": best.label, "speedup": gain},
         "memory": {"model_state_bytes": memory.state_bytes, "device_bytes": memory.device_bytes,
-                   "fsdp": memory.fsdp},
+                   "fsdp": memory.fsdp, "nodes": ns.nodes, "shape": shape},
     }
     if ns.json:
         print(f"json: {report.write_json(ns.json, data)}")
@@ -155,6 +161,32 @@ def memory_verdict(workload: str, nproc: int) -> choice.MemoryVerdict:
     return choice.verdict(state, choice.device_bytes(torch.device("cpu"), nproc), nproc)
 
 
+def memory_line(memory: choice.MemoryVerdict, nodes: int, per_node: int) -> tuple[str, str]:
+    """(the shape, the memory line) for a job of `nodes` machines of `per_node` ranks each. DDP where the
+    replicated state fits; else one node: FSDP over its ranks; several: HSDP, replicate `nodes` x shard
+    `per_node` (each node holds the state sharded over its own ranks and sends one all-reduce of its
+    shards to the other nodes per step), when a node's share fits; FSDP over all ranks when not."""
+    gb = 1e9
+    if not memory.fsdp:
+        return "ddp", memory.text
+    ranks = nodes * per_node
+    if nodes <= 1:
+        return f"fsdp {per_node}", memory.text
+    share = memory.state_bytes / per_node
+    if share <= choice.FITS_SHARE * memory.device_bytes:
+        return f"hsdp {nodes}x{per_node}", (
+            f"{memory.text}; on {nodes} nodes x {per_node} ranks use strategy='hsdp' instead: replicate "
+            f"{nodes} x shard {per_node}, {share / gb:.2f} GB per rank, sharded inside each node (one "
+            "all-reduce of the shards between nodes per step, where FSDP over all ranks sends every "
+            "all-gather and reduce-scatter between them)"
+        )
+    return f"fsdp {ranks}", (
+        f"{memory.text}; on {nodes} nodes x {per_node} ranks: a node's share ({share / gb:.2f} GB per rank "
+        f"sharded {per_node} ways) does not fit either, so FSDP over all {ranks} ranks "
+        f"({memory.state_bytes / ranks / gb:.2f} GB per rank), not HSDP"
+    )
+
+
 def _how_to(cfg: Config) -> str:
     if cfg.nproc == 1:
         return f"how: `python train.py`: one process, torch uses {cfg.threads} threads; no DDP"
@@ -180,6 +212,9 @@ def _how_to(cfg: Config) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="mlp", help="cnn, mlp, gpt, or package.module:function")
     p.add_argument("--nproc", type=int, default=None, help="DDP processes (default: 2, or 1 on one core)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="machines like this one the job will run on: where the model needs sharding, the "
+                        "memory line names HSDP's shape (replicate NODES x shard NPROC)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="rotations through all configurations")
     p.add_argument("--steps", type=int, default=3, help="at least this many timed steps per block")
     p.add_argument("--block-seconds", type=float, default=1.0, help="at least this long per timed block")

@@ -4,7 +4,8 @@
     choosing = Choosing(strategy, shape, precision, stepper=functools.partial(Stepper, ...))
     choosing.stepper()            # the strategy (built now if "auto" waited) and its stepper
     choosing.for_model("fsdp")    # s.model(strategy=...): this model's options, or the kind ("auto")
-    choosing.describe()           # the start-up line: "strategy fsdp over 2 rank(s)"
+    choosing.describe()           # the start-up line: "strategy fsdp over 2 rank(s)"; HSDP adds its
+                                  # mesh: "strategy hsdp over 4 rank(s), mesh replicate 2 x shard 2"
 
 `strategy=` is read once (`ddpkit.strategy.resolve`: a name, a strategy's options, or an instance). A
 session that names its strategy builds it at its start (fp16 under FSDP is refused there); an "auto"
@@ -55,7 +56,10 @@ class Choosing:
         """What was chosen and over which ranks; "auto" says what it becomes unless s.model names another."""
         built = self.strategy
         name = built.name if built is not None else f"{strategies.kind('auto', self.shape)} (auto)"
-        return f"strategy {name} over {self.shape.describe()}"
+        shape = getattr(built, "shape", self.shape)  # HSDP's names its mesh: "mesh replicate 2 x shard 2"
+        if sum(size > 1 for _, size in getattr(shape, "mesh", ())) < 2:  # not 2-D in fact: the ranks only
+            shape = self.shape
+        return f"strategy {name} over {shape.describe()}"
 
     def _build(self, choice: Chosen) -> Stepper:
         if self.strategy is None:

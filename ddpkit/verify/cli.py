@@ -7,6 +7,7 @@
     ddpkit verify ... --compile                   # DDP/FSDP + torch.compile against one eager process
     ddpkit verify ... --strategy hsdp --nproc 4   # HSDP: 2 replicas x 2 shards (--shard-degree N)
     ddpkit verify ... --resume --setup train:setup --save-at 5    # save, restart, load: all state saved?
+    ddpkit verify ... --resume --strategy hsdp --nproc 4 --resume-strategy fsdp --resume-nproc 2  # reshaped
     ddpkit verify ... --bitwise --chunk 4         # reproducible="any-world": 1 rank = N ranks, bit for bit
 
 `module:function` references are imported from the current folder (or PYTHONPATH) in every process.
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="check save -> restart -> load (ddpkit.verify.resume)"
     )
     p.add_argument("--resume-nproc", type=int, default=None, help="--resume: ranks after the restart")
+    p.add_argument("--resume-strategy", choices=STRATEGIES, default=None,
+                   help="--resume: the strategy after the restart (default --strategy's)")  # fmt: skip
+    p.add_argument("--resume-shard-degree", type=int, default=None,
+                   help="--resume-strategy hsdp: ranks per shard group after the restart")  # fmt: skip
     p.add_argument("--save-at", type=int, default=None, help="--resume: the step saved (default steps // 2)")
     p.add_argument(
         "--setup", default=None, help="--resume: module:function(s, model, opt, loader) -> Resumable"
@@ -124,11 +129,11 @@ def main(argv: list[str]) -> int:
     ns = build_parser().parse_args(argv)
     if os.getcwd() not in sys.path:  # `module:function` from the current folder, as `python -m` finds it
         sys.path.insert(0, os.getcwd())
-    if ns.strategy == "hsdp" and (ns.resume or ns.bitwise):
+    if ns.strategy == "hsdp" and ns.bitwise:
         raise problem(
-            "--resume and --bitwise run their own check under DDP; --strategy hsdp would not be applied",
-            "Check HSDP against one process with ddpkit verify --strategy hsdp, and the resume or the "
-            "bitwise mode in a run of their own without --strategy",
+            "--bitwise runs its own check under DDP; --strategy hsdp would not be applied",
+            "Check HSDP against one process with ddpkit verify --strategy hsdp, and the bitwise mode in "
+            "a run of its own without --strategy",
         )
     if ns.resume:
         from ddpkit.verify import resume

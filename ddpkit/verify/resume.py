@@ -5,6 +5,7 @@
     print(report.render()); assert report.passed
 
     ddpkit verify --resume --model nets:make_net --data data:train --setup mytrain:setup --steps 8
+    ddpkit verify --resume ... --strategy hsdp --nproc 4 --resume-strategy fsdp --resume-nproc 2
 
 Exact resume holds only if everything that changes is saved: a scheduler left out of `s.save`, an EMA
 copy, a generator of your own, the loader's position, the fp16 loss scale. The algorithm:
@@ -13,14 +14,22 @@ copy, a generator of your own, the loader's position, the fp16 loss scale. The a
     resumed = fresh processes (world W'): build everything anew, s.load(root, **saved), train K+1..T
     after s.load, then after every step: compare everything both runs hold (weights, optimizer state
     and learning rates, every object your setup returns, s.stepper's loss scale, RNG states, the
-    samples of the global batch): bitwise when W' == W (fp32), else within the calibrated tolerance
-    (the floor: an uninterrupted run at W' against the one at W, as in `ddpkit verify`)
+    samples of the global batch): bitwise when the two parts run the same shape (fp32), else within
+    the calibrated tolerance (the floor: an uninterrupted run at the resumed shape against the one at
+    the first, as in `ddpkit verify`)
     the first value that differs names the state that was most likely not saved.
+
+A shape is a world size and a strategy (`Part`): DDP(W), FSDP(W), HSDP(R x S), or one process (W = 1).
+Each part may have its own, so a checkpoint written under HSDP(2x2) is checked resumed under FSDP(2)
+and the other way round (the checkpoint is resharded on load, `ddpkit.checkpoint.dcp`). Sharded
+strategies are compared on their gathered state: the whole weights and the whole optimizer state,
+keyed as an unsharded optimizer keys it (by position), so any two shapes compare value for value.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import pickle
@@ -39,9 +48,63 @@ from ddpkit.errors import problem
 from ddpkit.verify import calibrate
 from ddpkit.verify.resume_compare import compare, culprit, kind, tensors
 from ddpkit.verify.run import digest, map_rows, shard
-from ddpkit.verify.spec import VerifySpec, build_data, build_loss, build_model, build_optimizer, resolve
+from ddpkit.verify.spec import (
+    STRATEGIES,
+    VerifySpec,
+    build_data,
+    build_loss,
+    build_model,
+    build_optimizer,
+    resolve,
+)
 
 SESSION_PRECISION = {"fp32": "32", "fp64": "32", "bf16": "bf16", "fp16": "16"}
+
+
+@dataclass(frozen=True)
+class Part:
+    """The shape one part of the check runs at: `world` ranks under `strategy`; `shard`, HSDP's shard
+    degree (replicas = world // shard). One rank is one process, whatever the strategy's name."""
+
+    world: int
+    strategy: str = "ddp"
+    shard: int | None = None
+
+    @classmethod
+    def of(cls, world: int, strategy: str, shard: int | None) -> Part:
+        """The part, or a paragraph naming the fix for a strategy or degree that cannot run on `world`."""
+        if strategy not in STRATEGIES:
+            names = ", ".join(STRATEGIES)
+            raise problem(f"strategy {strategy!r} is not one verify runs", f"Pass one of {names}")
+        if strategy != "hsdp" or world == 1:
+            return cls(world, "single" if world == 1 else strategy)
+        odd = shard is None and world % 2  # the default, half the ranks, is no degree on an odd world
+        shard = shard or world // 2
+        if odd or shard < 1 or world % shard:
+            raise problem(
+                f"HSDP over {world} ranks cannot have shard groups of {shard} ranks: the shard degree must "
+                "divide the world size (replicas x shard = ranks)",
+                f"Pass a shard degree dividing {world} (e.g. 4 ranks, shard degree 2: HSDP(2x2))",
+            )
+        return cls(world, strategy, shard)
+
+    def describe(self) -> str:
+        """As the report names it: DDP(2), FSDP(4), HSDP(2x2) (replicas x shards), one process."""
+        if self.strategy == "single":
+            return "one process"
+        if self.strategy == "hsdp" and self.shard:
+            return f"HSDP({self.world // self.shard}x{self.shard})"
+        return f"{self.strategy.upper()}({self.world})"
+
+    def session_strategy(self) -> Any:
+        """What `ddpkit.session(strategy=...)` gets: the name, HSDP's options with the degrees."""
+        if self.strategy == "single":
+            return "auto"
+        if self.strategy != "hsdp" or not self.shard:
+            return self.strategy
+        from ddpkit.strategy.hsdp_options import HSDPOptions
+
+        return HSDPOptions(replicate=self.world // self.shard, shard=self.shard)
 
 
 @dataclass
@@ -59,15 +122,19 @@ class Resumable:
 class ResumeSpec:
     """`spec` gives the model, data, loss, optimizer, global batch, steps T, precision and seed.
 
-    world: ranks of the uninterrupted run and of the first part (default spec.nproc; 1 is allowed).
-    resume_world: ranks after the restart (default: the same). save_at: K (default T // 2).
-    setup: (s, model, optimizer, loader or None) -> Resumable, your script's extra state; default:
-    saves model, optimizer, loader and s.stepper.
+    world: ranks of the uninterrupted run and of the first part (default spec.nproc; 1 is allowed),
+    under spec.strategy (HSDP: spec.shard ranks per shard group, default half the ranks).
+    resume_world: ranks after the restart (default: the same), under resume_strategy (default
+    spec.strategy) with resume_shard (HSDP; default spec.shard, else half the ranks).
+    save_at: K (default T // 2). setup: (s, model, optimizer, loader or None) -> Resumable, your
+    script's extra state; default: saves model, optimizer, loader and s.stepper.
     """
 
     spec: VerifySpec
     world: int | None = None
     resume_world: int | None = None
+    resume_strategy: str | None = None
+    resume_shard: int | None = None
     save_at: int | None = None
     setup: Callable[..., Resumable] | str | None = None
     timeout: float = 300.0
@@ -76,6 +143,19 @@ class ResumeSpec:
     def worlds(self) -> tuple[int, int]:
         first = self.world or self.spec.nproc
         return first, self.resume_world or first
+
+    @property
+    def parts(self) -> tuple[Part, Part]:
+        """The shapes before and after the restart."""
+        w, w2 = self.worlds
+        spec = self.spec
+        again = self.resume_strategy in (None, spec.strategy)
+        shard = self.resume_shard if self.resume_shard is not None else spec.shard if again else None
+        if shard is not None and (self.resume_strategy or spec.strategy) != "hsdp":
+            raise problem(f"resume_shard={shard} (--resume-shard-degree) is HSDP's",
+                          "Pass --resume-strategy hsdp with it, or leave it out")  # fmt: skip
+        return (Part.of(w, spec.strategy, spec.shard),
+                Part.of(w2, self.resume_strategy or spec.strategy, shard))  # fmt: skip
 
     @property
     def k(self) -> int:
@@ -93,15 +173,18 @@ class ResumeSpec:
                     f"world size {w} does not divide the global batch {self.spec.batch_size}",
                     "Pick world sizes that divide the global batch",
                 )
+        _ = self.parts  # a strategy or degree that cannot run on its ranks: refused before any rank starts
 
 
 @dataclass
 class ResumeReport:
     passed: bool
-    bitwise: bool  # the comparison asked for: bitwise (same world size) or within tolerance
+    bitwise: bool  # the comparison asked for: bitwise (the same shape) or within tolerance
     worlds: tuple[int, int]
     steps: int
     save_at: int
+    shapes: tuple[str, str] = ("", "")  # Part.describe() of each part, e.g. ("HSDP(2x2)", "FSDP(2)")
+    ran: tuple[str, str] = ("", "")  # what each part's ranks ran, as their strategy describes it
     compared: int = 0  # values compared over all snapshots
     difference: dict[str, Any] | None = None  # the first: step, key, detail
     culprit: str | None = None
@@ -111,11 +194,11 @@ class ResumeReport:
         return json.dumps(self.__dict__, indent=2, default=str)
 
     def render(self) -> str:
-        w, w2 = self.worlds
+        (w, w2), (a, b) = self.worlds, (_under(shape) for shape in self.shapes)
         how = "bitwise" if self.bitwise else "within the calibrated tolerance"
         head = (
-            f"ddpkit verify --resume: {self.steps} steps on {w} rank(s), saved at step {self.save_at}, "
-            f"resumed in fresh processes on {w2} rank(s); compared {how} ({self.compared} values)"
+            f"ddpkit verify --resume: {self.steps} steps on {w} rank(s){a}, saved at step {self.save_at}, "
+            f"resumed in fresh processes on {w2} rank(s){b}; compared {how} ({self.compared} values)"
         )
         if self.passed:
             same = "bit for bit" if self.bitwise else "within the tolerance"
@@ -131,12 +214,18 @@ class ResumeReport:
         )
 
 
+def _under(shape: str) -> str:
+    """The report's " under FSDP(2)"; nothing for DDP and one process (the rank count says it)."""
+    return f" under {shape}" if shape and not shape.startswith(("DDP", "one")) else ""
+
+
 # -- one rank of one run --------------------------------------------------------------------------------
-def _rank(rs: ResumeSpec, root: str, phase: str) -> bytes:
+def _rank(rs: ResumeSpec, root: str, phase: str, part: Part) -> bytes:
     """phase "full": T steps, saving at K; "resume": load K, then K+1..T. Snapshots from K on (rank 0)."""
     spec, k = rs.spec, rs.k
     with ddpkit.session(seed=spec.seed, device=spec.device, precision=SESSION_PRECISION[spec.precision],
-                        timeout=rs.timeout, verbose=False) as s:  # fmt: skip
+                        timeout=rs.timeout, verbose=False,
+                        strategy=part.session_strategy()) as s:  # fmt: skip
         model = s.model(build_model(spec))
         optimizer = build_optimizer(spec, model.parameters())
         loss_fn = build_loss(spec)
@@ -199,7 +288,7 @@ def _snapshot(s: Any, model: nn.Module, optimizer: Any, state: Resumable, step: 
     """Every value the two runs must agree on, flattened to `key -> tensor or plain value`."""
     everything = {**state.saved, **state.others}
     out: dict[str, Any] = {"step": step, "_kinds": {n: kind(o) for n, o in everything.items()},
-                           "_saved": sorted(state.saved)}  # fmt: skip
+                           "_saved": sorted(state.saved), "_strategy": s.strategy.describe()}  # fmt: skip
     if trained is not None:
         batch, loss = trained
         rows = [digest(map_rows(batch, lambda t, i=i: t[i : i + 1])) for i in range(_rows(batch))]  # type: ignore[misc]
@@ -210,7 +299,7 @@ def _snapshot(s: Any, model: nn.Module, optimizer: Any, state: Resumable, step: 
         out["loss"] = float(s.all_reduce(loss.detach().float(), op="mean"))
     full = s.strategy.full_state(model) if s.strategy.shards_state else ddpkit.unwrap(model).state_dict()
     _flatten(out, "model", dict(full))
-    _flatten(out, "optimizer", s.stepper.optimizer_state(optimizer))
+    _flatten(out, "optimizer", _optimizer_state(s, model, optimizer))
     _flatten(out, "stepper", s.stepper.state_dict())
     for name, obj in everything.items():
         if obj is model or obj is optimizer or obj is s.stepper:
@@ -220,6 +309,24 @@ def _snapshot(s: Any, model: nn.Module, optimizer: Any, state: Resumable, step: 
     out["rng.numpy"] = digest(torch.from_numpy(np.random.get_state()[1].astype(np.int64)))  # type: ignore[index]
     out["rng.python"] = hashlib.sha1(repr(random.getstate()).encode()).hexdigest()[:16]
     return out
+
+
+def _optimizer_state(s: Any, model: nn.Module, optimizer: Any) -> Any:
+    """The whole optimizer state, keyed by position as `optimizer.state_dict()` keys it: a sharded
+    strategy's is gathered (torch's full optimizer state dict, keyed by parameter name, renamed by the
+    order of the optimizer's parameters), so that any two shapes compare value for value."""
+    if not s.strategy.shards_state:
+        return s.stepper.optimizer_state(optimizer)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_optimizer_state_dict(model, optimizer, options=options)  # collective; whole on rank 0
+    groups = full.get("param_groups", [])
+    order = {name: i for i, name in enumerate(n for group in groups for n in group["params"])}
+    return {
+        "state": {order[name]: value for name, value in full.get("state", {}).items()},
+        "param_groups": [{**group, "params": [order[n] for n in group["params"]]} for group in groups],
+    }
 
 
 def _rows(batch: Any) -> int:
@@ -256,19 +363,26 @@ def _flatten(out: dict[str, Any], prefix: str, value: Any) -> None:
 
 
 # -- the check --------------------------------------------------------------------------------------------
-def check(rs: ResumeSpec) -> ResumeReport:
-    """Run the uninterrupted and the resumed run in fresh processes and compare them."""
-    w, w2 = rs.worlds
+def check(rs: ResumeSpec, runner: Callable[[Callable[..., bytes], int, tuple], list[bytes]] | None = None
+          ) -> ResumeReport:  # fmt: skip
+    """Run the uninterrupted and the resumed run in fresh processes and compare them.
+
+    `runner(fn, world, args)` -> the ranks' results, in rank order (default: `ddpkit.spawn`, fresh
+    processes); tests pass their rank pools (every run builds its session, model and state anew)."""
+    first, then = rs.parts
     spec = rs.spec
-    report = ResumeReport(passed=False, bitwise=w == w2 and spec.precision in ("fp32", "fp64"),
-                          worlds=(w, w2), steps=spec.steps, save_at=rs.k)  # fmt: skip
+    run = runner or functools.partial(_spawn, timeout=rs.timeout)
+    report = ResumeReport(passed=False, bitwise=first == then and spec.precision in ("fp32", "fp64"),
+                          worlds=rs.worlds, steps=spec.steps, save_at=rs.k,
+                          shapes=(first.describe(), then.describe()))  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="ddpkit-resume-") as tmp:
-        full = _spawn(rs, w, tmp + "/ckpt", "full")
-        resumed = _spawn(rs, w2, tmp + "/ckpt", "resume")
+        full = _snaps(run(_rank, first.world, (rs, tmp + "/ckpt", "full", first)))
+        resumed = _snaps(run(_rank, then.world, (rs, tmp + "/ckpt", "resume", then)))
         floor = None
-        if not report.bitwise:
-            other = _spawn(rs, w2, tmp + "/floor", "full")  # rounding of another world size, no resume
+        if not report.bitwise:  # rounding of another shape, no resume
+            other = _snaps(run(_rank, then.world, (rs, tmp + "/floor", "full", then)))
             floor = calibrate.floors(tensors(full), [tensors(other)])
+    report.ran = tuple(snaps[0].get("_strategy", "") if snaps else "" for snaps in (full, resumed))  # type: ignore[assignment]
     report.compared, report.difference = compare(full, resumed, floor, spec.tolerance, spec.steps)
     report.passed = report.difference is None
     if report.difference is not None:  # not passed
@@ -279,16 +393,24 @@ def check(rs: ResumeSpec) -> ResumeReport:
     return report
 
 
-def _spawn(rs: ResumeSpec, world: int, root: str, phase: str) -> list[dict]:
-    results = ddpkit.spawn(_rank, world, (rs, root, phase), timeout=rs.timeout, threads=1)
-    return pickle.loads(results[0])
+def _spawn(fn: Callable[..., bytes], world: int, args: tuple, *, timeout: float) -> list[bytes]:
+    return ddpkit.spawn(fn, world, args, timeout=timeout, threads=1)
+
+
+def _snaps(results: list[bytes]) -> list[dict]:
+    return pickle.loads(results[0])  # rank 0's
+
+
+def resume_spec(ns: argparse.Namespace, spec: VerifySpec) -> ResumeSpec:
+    """The check `ddpkit verify --resume` asked for (`ddpkit.verify.cli`'s arguments)."""
+    return ResumeSpec(spec=spec, world=ns.nproc, resume_world=ns.resume_nproc,
+                      resume_strategy=ns.resume_strategy, resume_shard=ns.resume_shard_degree,
+                      save_at=ns.save_at, setup=ns.setup, timeout=ns.timeout)  # fmt: skip
 
 
 def main(ns: argparse.Namespace, spec: VerifySpec) -> int:
     """`ddpkit verify --resume ...`: 0 when the resumed run matches, 1 when it does not."""
-    rs = ResumeSpec(spec=spec, world=ns.nproc, resume_world=ns.resume_nproc, save_at=ns.save_at,
-                    setup=ns.setup, timeout=ns.timeout)  # fmt: skip
-    report = check(rs)
+    report = check(resume_spec(ns, spec))
     print(report.to_json() if ns.json == "-" else report.render(), flush=True)
     if ns.json and ns.json != "-":
         with open(ns.json, "w") as f:
