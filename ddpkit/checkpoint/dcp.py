@@ -232,6 +232,7 @@ def load_whole_optimizers(model: Any, optimizers: Mapping[str, torch.optim.Optim
                 "or load only the model and start the optimizer afresh",
             )
         groups = [{**g, "params": [order[int(i)] for i in g["params"]]} for g in whole["param_groups"]]
-        by_name = {"state": {order[int(i)]: v for i, v in whole["state"].items()}, "param_groups": groups}
+        state = {order[int(i)]: v for i, v in whole["state"].items()}
+        by_name: dict[str, Any] = {"state": state, "param_groups": groups}
         options = StateDictOptions(full_state_dict=True, strict=strict)
         set_optimizer_state_dict(model, opt, by_name, options=options)

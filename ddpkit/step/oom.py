@@ -305,6 +305,19 @@ class AutoMicroBatch:
             self.splits = list(state.get("splits", self.splits))
 
 
+def auto_for(micro_batch: str | None, accumulation: int, **where: Any) -> AutoMicroBatch | None:
+    """The session's `micro_batch=` option: None (off) or "auto" (an `AutoMicroBatch`; `where`: rank,
+    world, distributed, device); anything else is refused."""
+    if micro_batch is None:
+        return None
+    if micro_batch != "auto":
+        raise problem(f"micro_batch={micro_batch!r} is not 'auto' or None",
+                      "Pass micro_batch='auto' to re-run a step that runs out of memory as smaller "
+                      "micro-batches (same global batch), or leave it out; the loader's batch_size "
+                      "sets the micro-batch")  # fmt: skip
+    return AutoMicroBatch(accumulation, **where)
+
+
 def batch_len(batch: Any) -> int:
     """The first dimension of the batch's first tensor (0 when it holds none)."""
     if isinstance(batch, torch.Tensor):

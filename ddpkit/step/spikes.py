@@ -171,3 +171,15 @@ class Judge:
         self.windows = {k: deque((float(v) for v in vs), maxlen=self.guard.window)
                         for k, vs in state["windows"].items()}  # fmt: skip
         self.skipped = int(state.get("skipped", 0))
+
+
+def judge_for(guard: SpikeGuard | None, *, world: int, report: Callable[[str], None],
+              track: Callable[[Mapping[str, float], int], None]) -> Judge | None:  # fmt: skip
+    """The session's judge for `spike_guard=` (None: no guard); anything but a `SpikeGuard` is refused."""
+    if guard is None:
+        return None
+    if not isinstance(guard, SpikeGuard):
+        raise problem(f"spike_guard={guard!r} is not a ddpkit.SpikeGuard",
+                      "Pass spike_guard=ddpkit.SpikeGuard() (its window and thresholds as options), "
+                      "or leave it out")  # fmt: skip
+    return Judge(guard, world=world, report=report, track=track)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ddpkit import names
 from ddpkit.observe import tracking
 from ddpkit.step import oom
 from ddpkit.step.stepping import MicroBatch
@@ -32,7 +33,7 @@ from ddpkit.step.stepping import MicroBatch
 ForwardBackward = Callable[[Any, float], torch.Tensor]  # (batch, loss weight) -> the unweighted loss
 
 
-HISTORY_ENV = "DDPKIT_CUDA_MEMORY_HISTORY"  # "0": no allocation history on CUDA ranks under the opt-in
+HISTORY_ENV = names.CUDA_MEMORY_HISTORY_ENV  # "0": no allocation history on CUDA ranks under the opt-in
 
 
 def record_history(device: torch.device) -> bool:

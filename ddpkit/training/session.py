@@ -57,9 +57,6 @@ if TYPE_CHECKING:  # imported at the first save or load: a run that never saves 
     from ddpkit.checkpoint.checkpoints import Checkpoints
 
 
-_SAVE_OPTIONS = ("keep", "keep_every", "keep_best", "background", "every")  # Checkpoints.save's own
-
-
 class Session(RankContext):
     """A training session on one process; create it with `ddpkit.session(...)`."""
 
@@ -81,15 +78,6 @@ class Session(RankContext):
         micro_batch: str | None = None,  # "auto": a step out of memory is re-run split (ddpkit.step.oom)
         spike_guard: spikes.SpikeGuard | None = None,  # a spiking step skipped on every rank (step.spikes)
     ) -> None:
-        if spike_guard is not None and not isinstance(spike_guard, spikes.SpikeGuard):
-            raise problem(f"spike_guard={spike_guard!r} is not a ddpkit.SpikeGuard",
-                          "Pass spike_guard=ddpkit.SpikeGuard() (its window and thresholds as options), "
-                          "or leave it out")  # fmt: skip
-        if micro_batch not in (None, "auto"):
-            raise problem(f"micro_batch={micro_batch!r} is not 'auto' or None",
-                          "Pass micro_batch='auto' to re-run a step that runs out of memory as smaller "
-                          "micro-batches (same global batch), or leave it out; the loader's batch_size "
-                          "sets the micro-batch")  # fmt: skip
         if shard_optimizer not in (True, False, "auto", "gradients"):
             raise problem(f"shard_optimizer={shard_optimizer!r} is not True, False, 'auto' or 'gradients'",
                           "Pass 'auto' (the default), True, False or 'gradients'")  # fmt: skip
@@ -100,7 +88,6 @@ class Session(RankContext):
         self.limits = limits or Limits()  # built once (ddpkit.session), passed down explicitly
         self._group: lifecycle.Membership | None = None  # this session's place in the process group
         self._checkpoints: Checkpoints | None = None  # made at the first save/load/export
-        self._last_checkpoint: tuple[str, dict[str, Any]] | None = None  # the rollback target
         self._env = os.environ if env is None else env
         self.preemption = Preemption(PreemptionOptions.from_env(self._env), self._env)  # stop policy
         self.tracking = Tracking(log_to, log_dir, enabled=self.is_main)  # observe.tracking; opens lazily
@@ -119,12 +106,11 @@ class Session(RankContext):
                                     report=self.print, shard=shard_optimizer, device=self.device,
                                     timeout=self.limits.collective,
                                     invariant_mode=self.invariant,
-                                    auto_micro_batch=None if micro_batch is None else oom.AutoMicroBatch(
-                                        accumulation, rank=self.rank, world=self.world_size,
-                                        distributed=self.distributed, device=self.device),
-                                    spike_judge=None if spike_guard is None else spikes.Judge(
-                                        spike_guard, world=self.world_size, report=self.print,
-                                        track=lambda values, step: self.log(values, step=step)))  # fmt: skip
+                                    auto_micro_batch=oom.auto_for(micro_batch, accumulation,
+                                        rank=self.rank, world=self.world_size, distributed=self.distributed,
+                                        device=self.device),
+                                    spike_judge=spikes.judge_for(spike_guard, world=self.world_size,
+                                        report=self.print, track=lambda v, step: self.log(v, step=step)))  # fmt: skip
         self._choosing = Choosing(strategy, self.shape, self.precision, stepper=stepper)  # built once
 
     @property
@@ -234,24 +220,17 @@ class Session(RankContext):
     # -- checkpoints (ddpkit.checkpoint.checkpoints) -------------------------------------------------------
     def save(self, path: str, **state: Any) -> Any:
         """Save the training state atomically; see `ddpkit.checkpoint.checkpoints.Checkpoints.save`."""
-        written = self.checkpoints.save(path, **state)
-        if written is not None:  # the spike guard's rollback target (`last_checkpoint`)
-            self._last_checkpoint = (path, {k: v for k, v in state.items() if k not in _SAVE_OPTIONS})
-        return written
+        return self.checkpoints.save(path, **state)
 
     def load(self, path: str, **state: Any) -> Any:
         """Restore state saved by `save` into the given objects; see `ddpkit.checkpoint.checkpoints`."""
-        before = self.checkpoints.last
-        values = self.checkpoints.load(path, **state)
-        if self.checkpoints.last is not None and self.checkpoints.last != before:  # one was found
-            self._last_checkpoint = (path, {k: v for k, v in state.items() if k != "strict"})
-        return values
+        return self.checkpoints.load(path, **state)
 
     @property
     def last_checkpoint(self) -> tuple[str, dict[str, Any]] | None:
         """(root, the objects given) of this session's last `save` that wrote or `load` that found a
         checkpoint: what `SpikeGuard(remedy="rollback")` loads again (the newest valid one in that root)."""
-        return self._last_checkpoint
+        return None if self._checkpoints is None else self._checkpoints.found
 
     def export(self, path: str, model: nn.Module, *, merged: bool = False) -> Any:
         """The full weights of `model` as one plain safetensors file (`ddpkit.checkpoint.checkpoints`); an HF

@@ -320,7 +320,7 @@ def _optimizer_state(s: Any, model: nn.Module, optimizer: Any) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = get_optimizer_state_dict(model, optimizer, options=options)  # collective; whole on rank 0
+    full: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=options))  # whole: rank 0
     groups = full.get("param_groups", [])
     order = {name: i for i, name in enumerate(n for group in groups for n in group["params"])}
     return {
