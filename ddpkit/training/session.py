@@ -102,6 +102,8 @@ class Session(RankContext):
         self.shape = Shape(self.device, rank=r.rank, world_size=r.world_size, local_rank=r.local_rank,
                            local_world_size=r.local_world_size)  # fmt: skip
         self._shard = shard_optimizer
+        judge = spikes.judge_for(spike_guard, world=self.world_size, report=self.print,
+                                 track=lambda values, step: self.log(values, step=step))  # fmt: skip
         stepper = functools.partial(Stepper, accumulation, self.precision, distributed=self.distributed,
                                     report=self.print, shard=shard_optimizer, device=self.device,
                                     timeout=self.limits.collective,
@@ -109,8 +111,7 @@ class Session(RankContext):
                                     auto_micro_batch=oom.auto_for(micro_batch, accumulation,
                                         rank=self.rank, world=self.world_size, distributed=self.distributed,
                                         device=self.device),
-                                    spike_judge=spikes.judge_for(spike_guard, world=self.world_size,
-                                        report=self.print, track=lambda v, step: self.log(v, step=step)))  # fmt: skip
+                                    spike_judge=judge)  # fmt: skip
         self._choosing = Choosing(strategy, self.shape, self.precision, stepper=stepper)  # built once
 
     @property
@@ -227,7 +228,7 @@ class Session(RankContext):
         return self.checkpoints.load(path, **state)
 
     @property
-    def last_checkpoint(self) -> tuple[str, dict[str, Any]] | None:
+    def last_checkpoint(self) -> tuple[str | os.PathLike, dict[str, Any]] | None:
         """(root, the objects given) of this session's last `save` that wrote or `load` that found a
         checkpoint: what `SpikeGuard(remedy="rollback")` loads again (the newest valid one in that root)."""
         return None if self._checkpoints is None else self._checkpoints.found
