@@ -96,7 +96,7 @@ class Checkpoints:
         self._stepping = False  # s.step was called: it agrees on a stop, at optimizer steps only
         self._saved = False  # s.save agreed since the loader's last batch
         self.last: Path | None = None  # the newest checkpoint this session committed or started
-        self.found: tuple[str | Path, dict[str, Any]] | None = None  # last save that wrote/load that found
+        self.found: tuple[str, dict[str, Any]] | None = None  # last save that wrote, or load that found
         self._noted: set[str] = set()  # objects a save kept per rank (their state differed), said once
 
     def register(self, name: str, obj: Any) -> None:
@@ -172,7 +172,7 @@ class Checkpoints:
         out = writer.write_file if writer is not None else None
         job = start(ctx, root, snapshot, keep, group=self._writer_group if mode else None, out=out,
                     remote=remote)  # fmt: skip
-        self.last, self.found = files.final_dir(root, job.seq), (path, state)  # found: a rollback's target
+        self.last, self.found = files.final_dir(root, job.seq), (str(path), state)  # a rollback target
         if mode is not None:
             self._background.run(lambda: write(ctx, job, snapshot))
             return self.last
@@ -308,7 +308,7 @@ class Checkpoints:
         objects and the values returned are what a preemption saves until the next `save` or `load`.
         """
         before, values = self.last, self._load(path, strict, state)
-        self.found = (path, state) if self.last is not None and self.last != before else self.found
+        self.found = (str(path), state) if self.last is not None and self.last != before else self.found
         self._remember(path, keeping.Retention(), {**state, **{n: values[n] for n in state if n in values}})
         return values
 

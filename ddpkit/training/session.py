@@ -228,7 +228,7 @@ class Session(RankContext):
         return self.checkpoints.load(path, **state)
 
     @property
-    def last_checkpoint(self) -> tuple[str | os.PathLike, dict[str, Any]] | None:
+    def last_checkpoint(self) -> tuple[str, dict[str, Any]] | None:
         """(root, the objects given) of this session's last `save` that wrote or `load` that found a
         checkpoint: what `SpikeGuard(remedy="rollback")` loads again (the newest valid one in that root)."""
         return None if self._checkpoints is None else self._checkpoints.found
