@@ -131,7 +131,7 @@ MUTANTS = [
     Mutant(
         "set_epoch",
         "ddpkit/data/loader.py",
-        "            self.sampler.set_epoch(self.epoch)",
+        "            self.sampler.set_epoch(epoch)",
         "            pass  # mutant: the same shuffle every epoch",
         ("tests/test_ddp_core.py::test_each_rank_sees_a_disjoint_shard_and_the_order_changes",),
         "the sampler's shuffle never changes between epochs",
@@ -495,7 +495,7 @@ MUTANTS = [
     Mutant(
         "resume-bitwise",
         "ddpkit/verify/resume.py",
-        "        if not report.bitwise:\n",
+        "        if not report.bitwise:  # rounding of another shape, no resume\n",
         "        if True:  # mutant: within the tolerance, whatever the report says\n",
         ("tests/test_verify_resume.py::test_a_checkpoint_of_everything_resumes_bitwise",),
         "verify --resume at the same world size compares within a tolerance, not bit for bit",
@@ -591,8 +591,8 @@ MUTANTS = [
     Mutant(
         "stream-position",
         "ddpkit/data/loader.py",
-        "            self.loader = self._make_pass(self.epoch, self._skip)",
-        "            self.loader = self._make_pass(self.epoch, 0)  # mutant: the stream restarts its epoch",
+        "            self.loader = self._make_pass(epoch, skip)",
+        "            self.loader = self._make_pass(epoch, 0)  # mutant: the stream restarts its epoch",
         ("tests/test_data_streams.py::test_stopped_mid_epoch_and_resumed_ends_bitwise_like_uninterrupted",),
         "a resumed iterable source re-reads its epoch from the first sample",
     ),
