@@ -34,7 +34,8 @@ ROOT = Path(tempfile.gettempdir()) / f"ddpkit-checkpoint-stall-{os.getuid()}"
 KINDS = {"none": None, "sync": False, "thread": "thread", "process": "process"}
 
 
-def main(s, width: int, rounds: int) -> None:
+def workload(s):
+    """The MLP under DDP, its optimizer and one training step (also benchmarks/checkpoint_threads.py's)."""
     wl = NAMED["mlp"]
     torch.manual_seed(0)
     model = s.model(wl.build(), strategy="ddp")
@@ -44,6 +45,12 @@ def main(s, width: int, rounds: int) -> None:
     def step() -> None:
         s.backward(wl.loss(model(x), y))
         s.step(opt)
+
+    return model, opt, step
+
+
+def main(s, width: int, rounds: int) -> None:
+    model, opt, step = workload(s)
 
     if s.is_main:
         shutil.rmtree(ROOT, ignore_errors=True)

@@ -32,11 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
+from checkpoint_stall import workload  # this folder is on sys.path when run as a script
 
 import ddpkit
-from ddpkit.tools.workloads import NAMED
 
 ROOT = Path(tempfile.gettempdir()) / f"ddpkit-checkpoint-threads-{os.getuid()}"
 KINDS = {"none": None, "sync": False, "thread": "thread", "process": "process"}
@@ -91,15 +90,7 @@ def sample(child: int | None) -> dict[str, float]:
 
 
 def main(s, width: int, rounds: int) -> None:
-    wl = NAMED["mlp"]
-    torch.manual_seed(0)
-    model = s.model(wl.build(), strategy="ddp")
-    opt = wl.optimizer(model.parameters())
-    x, y = wl.sample(torch.Generator().manual_seed(s.rank), wl.global_batch // s.world_size)
-
-    def step() -> None:
-        s.backward(wl.loss(model(x), y))
-        s.step(opt)
+    model, opt, step = workload(s)  # the stall benchmark's, so the two measure the same save
 
     if s.is_main:
         shutil.rmtree(ROOT, ignore_errors=True)
