@@ -88,9 +88,12 @@ def main() -> None:
                     s.save(ns.ckpt, **state, step=step)
                 if ns.sleep_at_world in (None, s.world_size):
                     time.sleep(ns.sleep)  # long enough steps for a node to leave or join mid-run
-        if s.is_main:
+        final = str(Path(ns.out) / "final.safetensors")
+        if s.strategy.shards_state:  # FSDP/HSDP: the whole weights gathered from the shards, written by rank 0
+            s.export(final, model)
+        elif s.is_main:
             weights = {k: v.contiguous() for k, v in ddpkit.unwrap(model).state_dict().items()}
-            save_file(weights, str(Path(ns.out) / "final.safetensors"))
+            save_file(weights, final)
 
 
 if __name__ == "__main__":

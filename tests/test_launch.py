@@ -155,6 +155,10 @@ def test_elastic_command_line_for_torchrun(tmp_path: Path) -> None:
     )  # the user's settings come last: they win
     other = torchrun_argv(LaunchConfig(**common, local_addr="10.0.0.2"), 2)
     assert "is_host=0" in next(a for a in other if a.startswith("--rdzv-conf="))
+    fixed = {**common, "min_nodes": None, "nnodes": 2}  # --nnodes 2: the same decision of who hosts the store
+    for addr, hosts in (("10.0.0.1", "is_host=1"), ("10.0.0.2", "is_host=0")):
+        argv = torchrun_argv(LaunchConfig(**fixed, local_addr=addr, rdzv_conf="join_timeout=30"), 2)
+        assert "--nnodes=2" in argv and f"--rdzv-conf={hosts},join_timeout=30" in argv, argv
 
 
 def test_busy_explicit_port_is_a_clear_error(tmp_path: Path) -> None:

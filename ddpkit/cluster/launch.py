@@ -204,10 +204,10 @@ def torchrun_argv(cfg: LaunchConfig, nproc: int) -> list[str]:
         host, port = split_endpoint(cfg.rdzv_endpoint or f"127.0.0.1:{cfg.port}")
         elastic = cfg.min_nodes is not None
         argv.append(f"--nnodes={cfg.min_nodes}:{cfg.nnodes}" if elastic else f"--nnodes={cfg.nnodes}")
+        # With --local-addr, the node whose address is the endpoint's hosts the rendezvous store (torch's
+        # guess compares host names, which nodes in containers or namespaces can share: then none hosts it)
+        hosting = f"is_host={int(cfg.local_addr == host)}" if cfg.local_addr else None
         if elastic:
-            # With --local-addr, the node whose address is the endpoint's hosts the rendezvous store (torch's
-            # guess compares host names, which nodes in containers or namespaces can share).
-            hosting = f"is_host={int(cfg.local_addr == host)}" if cfg.local_addr else None
             conf = ",".join(filter(None, [ELASTIC_RDZV_CONF, hosting, cfg.rdzv_conf]))  # the user's last: win
             argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=ddpkit",
                      f"--rdzv-conf={conf}"]  # fmt: skip
@@ -216,8 +216,10 @@ def torchrun_argv(cfg: LaunchConfig, nproc: int) -> list[str]:
             if cfg.node_rank == 0 and _is_local(host) and not port_is_free(port):
                 raise _busy(port)
             argv += [f"--node-rank={cfg.node_rank}", f"--master-addr={host}", f"--master-port={port}"]
-        else:
-            argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=ddpkit"]
+        else:  # a fixed number of nodes meeting through the c10d store, as above
+            conf = ",".join(filter(None, [hosting, cfg.rdzv_conf]))
+            argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=ddpkit",
+                     *([f"--rdzv-conf={conf}"] if conf else [])]  # fmt: skip
     if cfg.local_addr:
         argv.append(f"--local-addr={cfg.local_addr}")
     if cfg.module:
