@@ -136,7 +136,7 @@ def resumable(root: str, stop: int | None, resume: bool, steps: int = 6) -> dict
 
 
 def ddp_checkpoint_into_fsdp(root: str) -> str:
-    """Save model and optimizer under DDP, then load both under FSDP: the refusal's message."""
+    """Save model and optimizer under DDP, then load both under FSDP: "loaded", or the error's message."""
     with ddpkit.session(seed=0, verbose=False, strategy="ddp") as s:
         model = s.model(net())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
