@@ -24,6 +24,7 @@ DEFAULT_PREEMPTION_SIGNAL = "USR1"  # Slurm's --signal=USR1@120
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, try again": preempted, resume me
 
 # What `ddpkit run` tells its ranks, and the switches a user sets (README).
+WARM_START_ENV = "DDPKIT_WARM_START"  # a warm-start server's directory: `ddpkit run` forks its ranks from it
 RUN_ENV = "DDPKIT_RUN"  # "1" in a rank of `ddpkit run`: the launcher reports user errors itself
 DEVICE_ENV = "DDPKIT_DEVICE"  # `ddpkit run --device`: read by `cluster.topology` when device="auto"
 SHARE_GPU_ENV = "DDPKIT_SHARE_GPU"  # `ddpkit run --share-gpu`: more local ranks than GPUs

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from ddpkit.cluster.warmstart import client as warm_client
+from ddpkit.names import WARM_START_ENV
 
 sys.path.insert(0, str(Path(__file__).parent))
 from rankpool import RankPool
@@ -44,9 +51,43 @@ def pool4() -> RankPool:
     return _pool(4)
 
 
+# The warm start (ddpkit.cluster.warmstart): every launch of a test (the `ddpkit` command started by
+# `popen_marked`, and the ranks of any `ddpkit run`, which read DDPKIT_WARM_START) is forked from one
+# server that imported torch and ddpkit once for the session, instead of paying ~5 s of CPU for imports
+# per process (~400 such processes in the suite). What a forked process shares with the server is checked
+# per request (a differing load-time variable starts a new interpreter). DDPKIT_TEST_WARM=0 turns it off:
+# every launch then starts new interpreters, as a user's `ddpkit run` does.
+_warm: dict[str, Any] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("DDPKIT_TEST_WARM", "1") == "0" or not hasattr(socket, "send_fds"):
+        return
+    directory = Path(tempfile.mkdtemp(prefix="ddpkit-warm-"))
+    log = (directory / "server.log").open("w")
+    _warm["server"] = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit.cluster.warmstart", str(directory)],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+    )  # fmt: skip
+    _warm["dir"] = directory
+    os.environ[WARM_START_ENV] = str(directory)
+
+
+def python() -> str:
+    """The interpreter a test's launch runs: the warm server's client when it serves, else this one."""
+    directory = _warm.get("dir")
+    client = directory and warm_client(directory)
+    return str(client) if client else sys.executable
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for pool in _pools.values():
         pool.close()
+    server = _warm.pop("server", None)
+    if server is not None:
+        server.terminate()  # it kills what it forked and is still running
+        server.wait(10)
+        shutil.rmtree(_warm.pop("dir"), ignore_errors=True)
 
 
 REQUIRED = "DDPKIT_CI_REQUIRE"  # e.g. "elastic,cgroup": tests marked must_run(name) may not skip
@@ -120,6 +161,8 @@ def popen_marked(
     """Start `cmd` (a launcher: ddpkit run, torchrun) in a session of its own, its environment marked
     so that `end_launch` finds its workers; stdout and stderr piped unless given."""
     mark = uuid.uuid4().hex
+    if cmd and cmd[0] == sys.executable:
+        cmd = [python(), *cmd[1:]]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), LAUNCH_MARK: mark}
     kwargs.setdefault("stdout", subprocess.PIPE)
     kwargs.setdefault("stderr", subprocess.PIPE)

@@ -14,6 +14,11 @@ cores // nproc (and one warning when CPU ranks x threads exceed the cores), and 
 exit code returned as the command's own. This module imports only the standard library until
 `launch()` hands over to torch.distributed.run, so `ddpkit run` starts as fast as `torchrun`.
 
+Warm start: with DDPKIT_WARM_START naming a running `ddpkit.cluster.warmstart` server, each rank is
+forked from that server (torch and ddpkit already imported) instead of a new interpreter: for a
+developer's loop of short runs and the test suite; the ranks run the same script with the same
+environment (that module's docstring says what they share with the server).
+
 Restarts: after a failure the agent stops every worker and starts them all again (at most
 --max-restarts times); a script that calls `s.load(root, ...)` at start resumes from its newest valid
 checkpoint, so a killed worker costs only the steps since that checkpoint. When the budget is used
@@ -49,6 +54,7 @@ from typing import Any
 from ddpkit.cluster.run_report import report, restart_reports
 from ddpkit.cluster.signals import PreemptionOptions, signal_of
 from ddpkit.cluster.topology import Hardware, threads_per_process
+from ddpkit.cluster.warmstart import client as warm_client
 from ddpkit.errors import DdpkitError, problem
 from ddpkit.names import (
     DEFAULT_PREEMPTION_SIGNAL,
@@ -61,6 +67,7 @@ from ddpkit.names import (
     RUN_ENV,
     SHARE_GPU_ENV,
     SIGNALLED_FILE,
+    WARM_START_ENV,
 )
 from ddpkit.parallel import cpu_allocator
 
@@ -276,6 +283,9 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         note = oversubscription(nproc, os.environ["OMP_NUM_THREADS"], hardware.cpu_cores)
         if note:
             print(note, file=sys.stderr, flush=True)
+    warm = warm_client(os.environ[WARM_START_ENV]) if os.environ.get(WARM_START_ENV) else None
+    if warm is not None and "PYTHON_EXEC" not in os.environ:  # torchrun's variable for the interpreter
+        os.environ["PYTHON_EXEC"] = str(warm)
     try:
         with restart_reports(cfg.max_restarts), marking_signals(record.with_name(SIGNALLED_FILE)) as ends:
             run(parse_args(argv))
