@@ -1350,6 +1350,46 @@ MUTANTS = [
         ("tests/test_hsdp_plan.py::test_bench_tune_names_the_hsdp_shape_where_a_node_share_fits",),
         "`ddpkit bench tune --nodes N` never names HSDP's shape where a node's share fits",
     ),
+    Mutant(
+        "warm-ranks",
+        "ddpkit/cluster/launch.py",
+        '        os.environ["PYTHON_EXEC"] = str(warm)',
+        "        pass  # mutant: the ranks start as new interpreters",
+        ("tests/test_warmstart.py::test_ddpkit_run_forks_its_ranks_from_the_server",),
+        "`ddpkit run` ignores DDPKIT_WARM_START: every rank pays torch's imports again",
+    ),
+    Mutant(
+        "warm-orphan",
+        "ddpkit/cluster/warmstart.py",
+        "        _kill(pid)  # the client ended (killed): its process goes with it",
+        "        pass  # mutant: a killed client's process runs on",
+        ("tests/test_warmstart.py::test_a_killed_client_takes_its_forked_process_with_it",),
+        "a rank whose client torchrun killed keeps running, holding its port and cores",
+    ),
+    Mutant(
+        "warm-load-env",
+        "ddpkit/cluster/warmstart.py",
+        "        return threads_ok and load_time_env(env) == self.env",
+        "        return threads_ok  # mutant: load-time variables not compared",
+        ("tests/test_warmstart.py::test_another_load_time_variable_or_option_starts_a_new_interpreter",),
+        "a rank asked for the portable kernels (ATEN_CPU_CAPABILITY) runs on the server's",
+    ),
+    Mutant(
+        "spawn-forkserver",
+        "ddpkit/cluster/spawn.py",
+        '    method = asked if asked != "auto" else ("forkserver" if importable(fn) else "fork")',
+        '    method = asked if asked != "auto" else ("spawn" if importable(fn) else "fork")',
+        ("tests/test_warmstart.py::test_spawn_forks_importable_functions_from_a_preloaded_server",),
+        "every rank of ddpkit.spawn (verify, bench, trace) pays torch's imports again",
+    ),
+    Mutant(
+        "spawn-load-env",
+        "ddpkit/cluster/spawn.py",
+        "    return _server_env == _load_time_env()",
+        "    return True  # mutant: load-time variables not compared",
+        ("tests/test_warmstart.py::test_spawn_forks_importable_functions_from_a_preloaded_server",),
+        "ranks asked for the portable kernels fork from a server that loaded the vectorised ones",
+    ),
 ]
 
 

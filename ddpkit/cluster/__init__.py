@@ -4,6 +4,8 @@
     topology      the hardware and the environment -> the `Placement` (mode, device, backend, world size)
     launch        `ddpkit run`: the local torchrun agent, restarts, signals, the run report
     spawn         `ddpkit.spawn`: N local rank processes from a function (notebooks, tests, tools)
+    warmstart     a server that imported torch once forks the processes of short runs (a warm start)
+    warm_client   its client: `python SCRIPT ...` forked from the server (standard library only)
     failures      which rank failed first, and why (the error file torchrun's agent reads)
     run_report    what `ddpkit run` says when workers fail: at every restart, and when the job ends
     lifecycle     `Membership`: the only calls to init/destroy_process_group (group, store, watchdog)

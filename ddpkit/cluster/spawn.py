@@ -12,7 +12,7 @@ How the ranks start (`start_method="auto"`):
   for every rank, ~5 s of CPU each on a 2-core VM; a rank forked from the server starts in ~0.1 s.
   The server never runs a tensor operation or touches CUDA, so forking it is as safe as "spawn". The
   ranks get this process's current environment, but what torch and the C libraries read once as they
-  load (TORCH_*, ATEN_*, OMP_*, MALLOC_*, ...; `_LOAD_TIME_ENV`) is the server's: a call made after
+  load (ATEN_*, OMP_*, MALLOC_*, ...; `ddpkit.cluster.warmstart.LOAD_TIME`) is the server's: a call made after
   one of those changed starts new interpreters ("spawn") instead;
 - "spawn" (new interpreters) where the server is unavailable or stale, or when asked for;
 - "fork" for one that is not: a function defined in a notebook cell, a lambda, a nested function,
@@ -38,6 +38,7 @@ from torch.distributed import TCPStore
 
 from ddpkit.cluster.failures import raised_at
 from ddpkit.cluster.topology import Hardware, threads_per_process
+from ddpkit.cluster.warmstart import PRELOAD, load_time_env
 from ddpkit.errors import problem
 
 
@@ -174,16 +175,7 @@ def _start_method(fn: Callable[..., Any], asked: str, threads: int | None) -> st
     return method
 
 
-# Read by torch, OpenMP, glibc's allocator or CUDA once, as they load or at the first tensor: a rank
-# forked from the server has the server's values, so a change since the server started means "spawn".
-_LOAD_TIME_ENV = ("TORCH", "PYTORCH", "ATEN_", "OMP_", "KMP_", "GOMP_", "MKL_", "MALLOC_", "GLIBC_",
-                  "THP_", "LD_", "CUDA_", "NCCL_", "PYTHON")  # fmt: skip
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddpkit"]
 _server_env: dict[str, str] | None = None  # the load-time variables the forkserver started with
-
-
-def _load_time_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(_LOAD_TIME_ENV)}
 
 
 def _warm_server_current() -> bool:
@@ -193,9 +185,9 @@ def _warm_server_current() -> bool:
     if "forkserver" not in mp.get_all_start_methods():
         return False
     if _server_env is None:
-        mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-        _server_env = _load_time_env()
-    return _server_env == _load_time_env()
+        mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+        _server_env = load_time_env(os.environ)
+    return _server_env == load_time_env(os.environ)
 
 
 def _collect(procs: Any, results: Any, nproc: int, timeout: float) -> list[Any]:

@@ -13,8 +13,10 @@ instead (`exec`), so a warm start never changes what runs, only how fast it star
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import sys
@@ -24,6 +26,28 @@ FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SI
 
 def _fresh(args: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, *args])
+
+
+def place() -> dict[str, object]:
+    """Where a process lives that a fork cannot change: its namespaces (a launcher in a network namespace,
+    a container), its control group (a job's memory limit), its resource limits and its user."""
+    namespaces = {}
+    for name in ("net", "mnt", "pid", "uts", "ipc", "user", "cgroup"):
+        with contextlib.suppress(OSError):
+            namespaces[name] = os.stat(f"/proc/self/ns/{name}").st_ino
+    try:
+        with open("/proc/self/cgroup") as f:
+            cgroup = f.read()
+    except OSError:
+        cgroup = ""
+    limits = {n: resource.getrlimit(getattr(resource, n)) for n in dir(resource) if n.startswith("RLIMIT_")}
+    return {"ns": namespaces, "cgroup": cgroup, "rlimits": limits, "ids": [os.getuid(), os.getgid()]}
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
 
 
 def _warm_form(args: list[str]) -> bool:
@@ -40,7 +64,14 @@ def main(path: str, args: list[str]) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.connect(path)
-        request = {"args": args, "env": dict(os.environ), "cwd": os.getcwd()}
+        request = {
+            "args": args,
+            "env": dict(os.environ),
+            "cwd": os.getcwd(),
+            "place": place(),
+            "umask": _umask(),
+            "affinity": sorted(os.sched_getaffinity(0)),
+        }
         socket.send_fds(sock, [json.dumps(request).encode()], [0, 1, 2])
         first = sock.recv(64).decode()
     except OSError:  # no server (it ended, or never started): the same command, unwarmed
@@ -54,10 +85,8 @@ def main(path: str, args: list[str]) -> None:
         try:
             os.killpg(pid, signum)
         except OSError:
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(pid, signum)
-            except OSError:
-                pass
 
     for name in FORWARDED:
         signal.signal(getattr(signal, name), forward)

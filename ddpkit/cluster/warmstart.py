@@ -14,10 +14,13 @@ nothing from it and `ddpkit run` without DDPKIT_WARM_START starts new interprete
 What a forked process gets: its client's arguments, environment, working directory and stdio; a session
 and process group of its own (torchrun's agent signals its workers' groups: the client passes each
 signal on, `ddpkit.cluster.warm_client`); numpy's global generator reseeded (Python's `random` reseeds
-itself at a fork); torch's CPU threads from its OMP_NUM_THREADS. What it shares with the server: what
-torch, OpenMP, glibc's allocator and the interpreter read once as they load (`LOAD_TIME`). A request
-whose values of those differ from the server's is answered "fresh" and its client starts a new
-interpreter instead, so a warm start changes how fast a process starts, never what it runs. Python's
+itself at a fork); torch's CPU threads from its OMP_NUM_THREADS; its client's umask and CPU affinity.
+What it shares with the server: what torch, OpenMP, glibc's allocator and the interpreter read once
+as they load (`LOAD_TIME`), and what a fork cannot change: namespaces (a launcher inside a network
+namespace or a container), control group (a job's memory limit), resource limits and user
+(`warm_client.place`). A request whose values of those differ from the server's is answered "fresh"
+and its client starts a new interpreter instead, so a warm start changes how fast a process starts,
+never what it runs. Python's
 hash seed is the server's (string-set iteration orders agree across the ranks).
 
 Why forking it is safe: the server only imports. It never runs a tensor operation (no OpenMP pool,
@@ -46,13 +49,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ddpkit.cluster.warm_client import place
+
 # Read once, as torch, the C libraries or the interpreter load (or at the first tensor): a forked
 # process keeps the server's values, so a request with other values starts fresh.
-LOAD_TIME = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_LOGS", "TORCH_COMPILE", "PYTORCH_", "ATEN_", "OMP_",
-             "KMP_", "GOMP_", "MKL_", "MALLOC_", "GLIBC_TUNABLES", "THP_", "LD_", "CUDA_", "PYTHON")  # fmt: skip
+LOAD_TIME = (
+    "TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_LOGS", "TORCH_COMPILE", "PYTORCH_", "ATEN_", "OMP_", "KMP_",
+    "GOMP_", "MKL_", "MALLOC_", "GLIBC_TUNABLES", "THP_", "LD_", "CUDA_", "PYTHON",
+)  # fmt: skip
 # ...except these, read when used (Inductor's cache), or applied to the forked process here.
 APPLIED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "PYTHON_EXEC"})
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch._dynamo", "ddpkit")
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch._dynamo", "ddpkit.training.fit")
 SOCKET = "socket"
 CLIENT = "python"  # the executable a caller runs instead of `python` (PYTHON_EXEC for torchrun)
 
@@ -103,6 +110,7 @@ class _Server:
         self.env = load_time_env(os.environ)
         self.threads = os.environ.get("OMP_NUM_THREADS")
         self.client = directory / CLIENT
+        self.place = json.loads(json.dumps(place()))  # as a request carries it (lists for tuples)
         _write_client(directory)
 
     def stop(self, signum: int = 0, frame: object = None) -> None:
@@ -138,7 +146,7 @@ class _Server:
         except (OSError, ValueError):
             conn.close()
             return None
-        if len(fds) != 3 or not self._warm(request["env"]):
+        if len(fds) != 3 or not self._warm(request["env"]) or request.get("place") != self.place:
             with contextlib.suppress(OSError):
                 conn.send(b"fresh")
             conn.close()
@@ -164,7 +172,9 @@ class _Server:
 
     def _warm(self, env: Mapping[str, str]) -> bool:
         threads = env.get("OMP_NUM_THREADS")
-        threads_ok = threads == self.threads or (threads or "").isdigit() and int(threads or 0) > 0
+        threads_ok = threads == self.threads or (
+            threads is not None and threads.isdigit() and int(threads) > 0
+        )
         return threads_ok and load_time_env(env) == self.env
 
     def _client_readable(self, pid: int, conn: socket.socket) -> None:
@@ -214,6 +224,9 @@ def _become(request: dict[str, Any], fds: list[int], server: _Server) -> bool:
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    with contextlib.suppress(OSError):  # taskset, numactl, a scheduler's binding of the launcher
+        os.sched_setaffinity(0, request["affinity"])
     os.environ.clear()
     os.environ.update(request["env"])
     if os.environ.get("PYTHON_EXEC") == str(server.client):
