@@ -35,6 +35,8 @@ import argparse
 import collections
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -57,10 +59,11 @@ def _step(s: ddpkit.Session, net: torch.nn.Module, opt: torch.optim.Optimizer, w
     s.step(opt, max_norm=1.0 if mode.startswith("clip") else None)
 
 
-def _judge_alone(calls: int) -> float:
+def _judge_alone(calls: int, floor: float) -> float:
     """Seconds per step of the guard's own host work: the norm to the host and two values judged against
-    full windows of the default size (100), the way `Stepper._judge` does it."""
-    judge = spikes.Judge(spikes.SpikeGuard(threshold=1e9), world=2, report=print)
+    full windows of the default size (100), the way `Stepper._judge` does it. `floor`: the default 0.5
+    (a normal step never reaches the MAD), 0 (every value above the median computes it: the worst case)."""
+    judge = spikes.Judge(spikes.SpikeGuard(threshold=1e9, floor=floor), world=2, report=print)
     g = torch.Generator().manual_seed(0)
     values = (1.0 + 0.01 * torch.randn(calls + 100, 2, generator=g, dtype=torch.float64)).tolist()
     norms = [torch.tensor(v[1]) for v in values]
@@ -72,6 +75,24 @@ def _judge_alone(calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+class _Timed:
+    """Wall seconds spent inside `fn` since the last `take()`: the guard's own calls, timed in the step."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn, self.spent = fn, 0.0
+
+    def __call__(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.fn(*args)
+        finally:
+            self.spent += time.perf_counter() - start
+
+    def take(self) -> float:
+        spent, self.spent = self.spent, 0.0
+        return spent
+
+
 def _rank(name: str, repeats: int, rounds: int, profiled: int) -> dict:
     w = workloads.load(name)
     with ddpkit.session(seed=0, verbose=False, log_to=None) as s:
@@ -80,19 +101,32 @@ def _rank(name: str, repeats: int, rounds: int, profiled: int) -> dict:
         opt = w.optimizer(net.parameters())
         batch = w.sample(torch.Generator().manual_seed(s.rank), w.global_batch // s.world_size)
         judge = spikes.Judge(spikes.SpikeGuard(threshold=1e9), world=s.world_size, report=s.print)
+        # the guard's whole per-step work inside the real step: `Stepper._judge` (the norm to the host and
+        # the judgement) and, without max_norm, the norm it computes (`spikes.grad_norm`); a shortcut
+        judged, normed = _Timed(s.stepper._judge), _Timed(spikes.grad_norm)
+        s.stepper._judge, spikes.grad_norm = judged, normed  # type: ignore[method-assign]
         for _ in range(110):  # warm up, and fill the guard's window (100) before anything is timed
             _step(s, net, opt, w, batch, "clip+guard", judge)
         medians: dict[str, list[float]] = {m: [] for m in MODES}
+        cpu: dict[str, list[float]] = {m: [] for m in MODES}  # this rank's main thread's CPU seconds
+        inside: dict[str, list[float]] = {m: [] for m in MODES}  # in the guard's calls (the +guard modes)
         for _ in range(repeats):
             times: dict[str, list[float]] = {m: [] for m in MODES}
+            used: dict[str, list[float]] = {m: [] for m in MODES}
+            spent: dict[str, list[float]] = {m: [] for m in MODES}
             for r in range(rounds):
-                for mode in MODES[r % len(MODES):] + MODES[: r % len(MODES)]:  # rotated each round
+                for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:  # rotated each round
                     s.barrier()
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.thread_time()
+                    judged.take(), normed.take()
                     _step(s, net, opt, w, batch, mode, judge)
                     times[mode].append(time.perf_counter() - start)
+                    used[mode].append(time.thread_time() - start_cpu)
+                    spent[mode].append(judged.take() + normed.take() if mode.endswith("+guard") else 0.0)
             for mode in MODES:
                 medians[mode].append(statistics.median(times[mode]))
+                cpu[mode].append(statistics.median(used[mode]))
+                inside[mode].append(statistics.median(spent[mode]))
         collectives = {}
         for mode in MODES:
             s.barrier()
@@ -102,8 +136,13 @@ def _rank(name: str, repeats: int, rounds: int, profiled: int) -> dict:
             counts = collections.Counter(e.name for e in prof.events() if e.name.startswith("gloo:"))
             collectives[mode] = {k: v / profiled for k, v in sorted(counts.items())}
         s.barrier()
-        return {"medians": medians, "collectives": collectives,
-                "judge_alone": _judge_alone(5000) if s.rank == 0 else 0.0}  # fmt: skip
+        return {
+            "medians": medians,
+            "cpu": cpu,
+            "inside": inside,
+            "collectives": collectives,
+            "judge_alone": [_judge_alone(5000, f) for f in (0.5, 0.0)] if s.rank == 0 else [],
+        }
 
 
 def main() -> None:
@@ -115,20 +154,33 @@ def main() -> None:
     p.add_argument("--profiled", type=int, default=5, help="steps per mode under the profiler")
     a = p.parse_args()
     r = ddpkit.spawn(_rank, a.nproc, (a.workload, a.repeats, a.rounds, a.profiled), timeout=900, threads=1)[0]
-    med = r["medians"]
     print(f"{a.workload}: {a.nproc} ranks, {a.repeats} repeats x {a.rounds} interleaved rounds")
-    print("| mode | median step (ms) | range over repeats | x guard-less twin: median [range] | "
-          "collectives / step |\n|---|---|---|---|---|")  # fmt: skip
+    print(
+        "| mode | wall: median step (ms) [range over repeats] | wall: x guard-less twin, median [range] | "
+        "CPU: median step (ms) [range] | CPU: x twin [range] | in the guard's calls: us [range], % of the "
+        "twin's wall step | collectives / step |\n|---|---|---|---|---|---|---|"
+    )
     for mode in MODES:
         base = mode.removesuffix("+guard")
-        ratios = [g / b for g, b in zip(med[mode], med[base], strict=True)]
+        row = []
+        for key in ("medians", "cpu"):
+            med = r[key]
+            ratios = [g / b for g, b in zip(med[mode], med[base], strict=True)]
+            row.append(f"{statistics.median(med[mode]) * 1e3:.3f} [{min(med[mode]) * 1e3:.3f}, "
+                       f"{max(med[mode]) * 1e3:.3f}] | x{statistics.median(ratios):.4f} [{min(ratios):.4f}, "
+                       f"{max(ratios):.4f}]")  # fmt: skip
+        spent, twin = r["inside"][mode], statistics.median(r["medians"][base])
+        row.append(f"{statistics.median(spent) * 1e6:.1f} [{min(spent) * 1e6:.1f}, {max(spent) * 1e6:.1f}], "
+                   f"{100 * statistics.median(spent) / twin:.2f}%")  # fmt: skip
         comm = ", ".join(f"{k} {v:g}" for k, v in r["collectives"][mode].items()) or "none"
-        print(f"| {mode} | {statistics.median(med[mode]) * 1e3:.3f} | {min(med[mode]) * 1e3:.3f} - "
-              f"{max(med[mode]) * 1e3:.3f} | x{statistics.median(ratios):.4f} [{min(ratios):.4f}, "
-              f"{max(ratios):.4f}] | {comm} |")  # fmt: skip
-    alone, clip = r["judge_alone"], statistics.median(med["clip"])
-    print(f"the guard's own host work per step, timed alone (2 values, windows of 100, the norm's copy): "
-          f"{alone * 1e6:.1f} us = {100 * alone / clip:.2f}% of the clip step")
+        print(f"| {mode} | {' | '.join(row)} | {comm} |")
+    (usual, worst), clip = r["judge_alone"], statistics.median(r["medians"]["clip"])
+    print(
+        f"the guard's own host work per step, timed alone (the norm's copy, 2 values, windows of 100): "
+        f"{usual * 1e6:.1f} us = {100 * usual / clip:.2f}% of the clip step's wall median; with floor=0 "
+        f"(the MAD computed for every value above the median) {worst * 1e6:.1f} us = "
+        f"{100 * worst / clip:.2f}%"
+    )
 
 
 if __name__ == "__main__":

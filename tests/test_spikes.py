@@ -170,3 +170,44 @@ def test_a_guard_that_could_never_judge_is_refused() -> None:
         ddpkit.SpikeGuard(remedy="undo")
     with pytest.raises(DdpkitError, match="SpikeGuard"), ddpkit.session(spike_guard=0.5, log_to=None):  # type: ignore[arg-type]
         pass
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.5])
+def test_the_judge_decides_by_the_median_and_mad_rule_across_a_save(floor: float) -> None:
+    """The judge keeps its windows sorted and computes the MAD only above the floor (its per-step cost):
+    its decisions and reported medians must be those of the rule computed from scratch every step, also
+    after its state is saved and loaded into a fresh judge mid-way."""
+    import statistics
+    from collections import deque
+
+    from ddpkit.step.spikes import MAD_TO_STD, Judge
+
+    guard = ddpkit.SpikeGuard(window=16, warmup=4, threshold=3.0, floor=floor)
+    g = torch.Generator().manual_seed(0)
+    values = (1.0 + 0.05 * torch.randn(400, 2, generator=g, dtype=torch.float64)).tolist()
+    for i in range(7, 400, 23):
+        values[i][i % 2] *= 1.0 + 2.0 * (i % 3)  # spikes in either value, some below the floor of 0.5
+    judge, window = Judge(guard, world=2, report=lambda _: None), {n: deque(maxlen=16) for n in ("a", "b")}
+    decisions, expected = [], []
+    for step, (a, b) in enumerate(values, 1):
+        if step == 200:
+            judge2 = Judge(guard, world=2, report=lambda _: None)
+            judge2.load_state_dict(judge.state_dict())
+            judge = judge2
+        spike = judge.judge(step, {"a": a, "b": b})
+        decisions.append(None if spike is None else (spike.name, spike.median))
+        want = None
+        for name, v in (("a", a), ("b", b)):
+            w = window[name]
+            if len(w) >= guard.warmup:
+                med = statistics.median(w)
+                mad = statistics.median(abs(x - med) for x in w)
+                if v - med > max(guard.threshold * MAD_TO_STD * mad, guard.floor * abs(med)):
+                    want = (name, med)
+                    break
+        if want is None:
+            window["a"].append(a)
+            window["b"].append(b)
+        expected.append(want)
+    assert decisions == expected
+    assert 5 <= sum(d is not None for d in decisions) < 40, decisions  # the planted spikes are judged
