@@ -1284,6 +1284,22 @@ MUTANTS = [
         "remedy='rollback' leaves out the samples but never goes back to the checkpoint",
     ),
     Mutant(
+        "rollback-epoch-not-restored",
+        "ddpkit/training/fit.py",
+        "        back = max(0, pass_epoch - loader.epoch)",
+        "        back = 0  # mutant: fit's epoch count stays in the spike's epoch",
+        ("tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[mid-epoch]",),
+        "a rollback into the previous epoch leaves fit counting the spike's epoch (the run ends early)",
+    ),
+    Mutant(
+        "rollback-epoch-end-empty-pass-refused",
+        "ddpkit/training/fit.py",
+        "        if batches == 0 and not resumed:",
+        "        if batches == 0:  # mutant: a pass resumed at its epoch's end is an empty loader",
+        ("tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[epoch-end]",),
+        "a rollback (or resume) to a checkpoint saved at an epoch's last step stops with 'yielded no batch'",
+    ),
+    Mutant(
         "adapters-frozen-optimizer-steps",
         "ddpkit/strategy/adapters.py",
         "    if not params or any(p.requires_grad for p in params):",
