@@ -1209,6 +1209,14 @@ MUTANTS = [
         "a step the spike guard skipped keeps its gradients, which the next step then applies",
     ),
     Mutant(
+        "spike-guard-adds-a-barrier",
+        "ddpkit/step/stepping.py",
+        "        value = float(norm)  # the all-reduced gradients' norm",
+        "        value = torch.distributed.barrier() or float(norm)  # mutant: a barrier per judged step",
+        ("tests/test_spikes.py::test_the_guard_adds_no_collective_per_step",),
+        "the spike guard adds a collective to every step (a barrier, as a guard that votes would)",
+    ),
+    Mutant(
         "spike-window-not-saved",
         "ddpkit/step/stepping.py",
         '            state["spikes"] = self.spikes.state_dict()',

@@ -163,6 +163,36 @@ def test_the_planted_batch_is_skipped_under_accumulation_and_fsdp(pool2, options
         assert all(torch.equal(r["weights"][k], guarded[0]["weights"][k]) for k in r["weights"])
 
 
+def count_collectives(guard: bool) -> dict[str, int]:
+    """The gloo collectives of a whole `fit` (STEPS steps, max_norm as usual), counted by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with ddpkit.session(seed=0, verbose=False, log_to=None, spike_guard=GUARD if guard else None) as s:
+        model = s.model(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        loader = s.loader(_data(False), batch_size=GLOBAL)
+
+        def train_step(m: nn.Module, batch: tuple) -> torch.Tensor:
+            return F.cross_entropy(m(batch[0]), batch[1])
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            ddpkit.fit(s, model, opt, loader, train_step, epochs=1, max_norm=1.0, progress=False, flops=None)
+        counts: dict[str, int] = {}
+        for event in prof.events():
+            if event.name.startswith("gloo:"):
+                counts[event.name] = counts.get(event.name, 0) + 1
+        return counts
+
+
+def test_the_guard_adds_no_collective_per_step(pool2) -> None:
+    """Its decision is taken from values every rank already agrees on (the clip's norm of all-reduced
+    gradients, fit's agreed loss): no barrier, no flag reduced per step, unlike a guard that votes."""
+    without, with_guard = pool2.run(count_collectives, False), pool2.run(count_collectives, True)
+    assert without[0].get("gloo:all_reduce", 0) >= STEPS, without  # the profiler sees the step's all-reduces
+    for a, b in zip(without, with_guard, strict=True):
+        assert b == a, f"the guard changed the collectives of {STEPS} steps: {a} without it, {b} with it"
+
+
 def test_a_guard_that_could_never_judge_is_refused() -> None:
     with pytest.raises(DdpkitError, match="window"):
         ddpkit.SpikeGuard(window=10, warmup=20)
