@@ -32,8 +32,8 @@ the end: other jobs shared the 2 cores, so step times are provisional and their 
 | plain+guard | 16.44 [14.39, 20.49] | x1.055 [0.964, 1.131] | x1.024 [0.995, 1.054] | 312 us, 1.85% | 1 |
 
 The whole-step ratios cannot resolve 1% under this load (ranges about ±4%); the time inside the guard's
-calls can: 0.28% of the step with max_norm (the goal: under 1%), 1.85% without (the norm's computation;
-pass max_norm and the guard reuses the clip's). No collective added in any mode. The judgement alone,
+calls can: 0.28% of the step with max_norm (the goal: under 1%), 1.85% without (the norm's computation,
+which a run that clips has anyway). No collective added in any mode. The judgement alone,
 warm: 4.4 us (16.6 us with floor=0). Before the judge kept its window sorted and skipped the MAD below
 the floor: 106 us [93, 118] in the guard's calls (0.59%), 45 us alone. docs/fault-tolerance.md reads it.
 """
