@@ -5,19 +5,21 @@
 2 gloo ranks (1 thread each) train one of ddpkit's named workloads (ddpkit/tools/workloads.py) with
 `s.accumulate` / `s.backward` / `s.step`. Four modes: "clip" (max_norm=1.0, no guard), "clip+guard" (the
 same with the guard judging the norm and an agreed loss, as under `ddpkit.fit`), "plain" (no max_norm, no
-guard) and "plain+guard" (the guard computes the norm itself: a clip to an infinite bound). The guard is
+guard) and "plain+guard" (the guard computes the norm itself: `spikes.grad_norm`, no clip). The guard is
 switched per step by swapping the stepper's judge (`Stepper.spikes`), a benchmark's shortcut; its
 thresholds never skip, so every step is judged and applied, against a full window once it has filled.
 
 `--repeats` repeats of `--rounds` rounds; every round runs one step of each mode, in an order rotated
 from round to round, so every mode sees the same machine load and every position in the round. Rank 0
-prints, per mode, the median of the repeats' median step times with their range, and the guard's cost
-as the median (and range) of the repeats' ratios to the guard-less twin. Three more lines measure what
-the step-time noise cannot resolve: the guard's own host work per step timed alone (`Judge.judge` on a
-full window of the default 100, two values, plus the norm's copy to the host), the same as a share of
-the "clip" step, and the collectives per step of each mode counted with torch.profiler (the gloo
-collectives' `gloo:*` events over `--profiled` steps): the guard must add none (under FSDP or the
-sharded step, "plain+guard" adds the one scalar all-reduce a clip costs; pass max_norm there).
+prints one row per mode: the median of the repeats' median step times (wall clock, and the main
+thread's CPU time) with their range, and the median (and range) of the repeats' ratios to the
+guard-less twin; then what the step-time noise cannot resolve: the time spent inside the guard's own
+calls in the real step (`Stepper._judge`, and `spikes.grad_norm` without max_norm; wrapped with a
+timer, another shortcut) as a share of the twin's step; and the collectives per step of each mode,
+counted with torch.profiler (the gloo collectives' `gloo:*` events over `--profiled` steps): the guard
+must add none (under FSDP or the sharded step, "plain+guard" adds the one scalar all-reduce a clip
+costs). A last line: the guard's judgement timed alone, warm (`Judge.judge` on full windows of the
+default 100, two values, plus the norm's copy to the host), with the default floor and with floor=0.
 
 Measured (2 gloo ranks, 1 thread each, 7 repeats x 100 rounds; `uptime` load 3.0 at the start, 3.7 at
 the end: other jobs shared the 2 cores, so step times are provisional and their ratios noisy):
