@@ -9,9 +9,10 @@ guard) and "plain+guard" (the guard computes the norm itself: `spikes.grad_norm`
 switched per step by swapping the stepper's judge (`Stepper.spikes`), a benchmark's shortcut; its
 thresholds never skip, so every step is judged and applied, against a full window once it has filled.
 
-`--repeats` repeats of `--rounds` rounds; every round runs one step of each mode, in an order rotated
-from round to round, so every mode sees the same machine load and every position in the round. Rank 0
-prints one row per mode: the median of the repeats' median step times (wall clock, and the main
+`--repeats` repeats of `--rounds` rounds; every round runs one step of each mode, in an order shuffled
+from round to round (the same seed on every rank), so every mode sees the same machine load, every
+position in the round and every predecessor (a fixed rotation always ran "clip+guard" after "clip").
+Rank 0 prints one row per mode: the median of the repeats' median step times (wall clock, and the main
 thread's CPU time) with their range, and the median (and range) of the repeats' ratios to the
 guard-less twin; then what the step-time noise cannot resolve: the time spent inside the guard's own
 calls in the real step (`Stepper._judge`, and `spikes.grad_norm` without max_norm; wrapped with a
@@ -21,29 +22,31 @@ must add none (under FSDP or the sharded step, "plain+guard" adds the one scalar
 costs). A last line: the guard's judgement timed alone, warm (`Judge.judge` on full windows of the
 default 100, two values, plus the norm's copy to the host), with the default floor and with floor=0.
 
-Measured (2 gloo ranks, 1 thread each, 7 repeats x 100 rounds; `uptime` load 3.0 at the start, 3.7 at
+Measured (2 gloo ranks, 1 thread each, 7 repeats x 100 rounds; `uptime` load 1.25 at the start, 2.76 at
 the end: other jobs shared the 2 cores, so step times are provisional and their ratios noisy):
 
     flock /tmp/ddpkit-cpu.lock .venv/bin/python benchmarks/spike_guard_cost.py --workload cnn
 
 | mode | wall ms [range] | x twin [range] | CPU x twin [range] | in the guard | all-reduces |
 |---|---|---|---|---|---|
-| clip | 16.94 [13.70, 19.11] | | | | 1 |
-| clip+guard | 17.40 [13.59, 20.12] | x1.025 [0.991, 1.060] | x1.023 [0.990, 1.040] | 47 us, 0.28% | 1 |
-| plain | 16.81 [12.72, 19.41] | | | | 1 |
-| plain+guard | 16.44 [14.39, 20.49] | x1.055 [0.964, 1.131] | x1.024 [0.995, 1.054] | 312 us, 1.85% | 1 |
+| clip | 12.67 [11.32, 20.43] | | | | 1 |
+| clip+guard | 12.83 [11.12, 20.87] | x1.007 [0.982, 1.104] | x1.007 [0.994, 1.032] | 51 us, 0.40% | 1 |
+| plain | 12.48 [10.81, 19.50] | | | | 1 |
+| plain+guard | 12.62 [11.00, 20.92] | x1.016 [0.954, 1.073] | x1.039 [1.017, 1.047] | 334 us, 2.68% | 1 |
 
-The whole-step ratios cannot resolve 1% under this load (ranges about ±4%); the time inside the guard's
-calls can: 0.28% of the step with max_norm (the goal: under 1%), 1.85% without (the norm's computation,
-which a run that clips has anyway). No collective added in any mode. The judgement alone,
-warm: 4.4 us (16.6 us with floor=0). Before the judge kept its window sorted and skipped the MAD below
-the floor: 106 us [93, 118] in the guard's calls (0.59%), 45 us alone. docs/fault-tolerance.md reads it.
+The whole-step ratios cannot resolve 1% under this load (ranges of several percent); the time inside
+the guard's calls can: 0.27-0.42% of the step with max_norm over five runs (the goal: under 1%), 1.8-2.7%
+without (the norm's computation, which a run that clips has anyway). The "clip+guard" CPU ratio's
+medians over five runs: x1.002-x1.023. No collective added in any mode. The judgement alone, warm: 5-10
+us (16-29 us with floor=0). Before the judge kept its window sorted and skipped the MAD below the floor:
+106 us [93, 118] in the guard's calls (0.59%), 45 us alone. docs/fault-tolerance.md reads it.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -119,14 +122,15 @@ def _rank(name: str, repeats: int, rounds: int, profiled: int) -> dict:
         for _ in range(110):  # warm up, and fill the guard's window (100) before anything is timed
             _step(s, net, opt, w, batch, "clip+guard", judge)
         medians: dict[str, list[float]] = {m: [] for m in MODES}
+        order = random.Random(0)
         cpu: dict[str, list[float]] = {m: [] for m in MODES}  # this rank's main thread's CPU seconds
         inside: dict[str, list[float]] = {m: [] for m in MODES}  # in the guard's calls (the +guard modes)
         for _ in range(repeats):
             times: dict[str, list[float]] = {m: [] for m in MODES}
             used: dict[str, list[float]] = {m: [] for m in MODES}
             spent: dict[str, list[float]] = {m: [] for m in MODES}
-            for r in range(rounds):
-                for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:  # rotated each round
+            for _ in range(rounds):
+                for mode in order.sample(MODES, len(MODES)):  # shuffled each round, alike on every rank
                     s.barrier()
                     start, start_cpu = time.perf_counter(), time.thread_time()
                     judged.take(), normed.take()

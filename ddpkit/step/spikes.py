@@ -29,8 +29,8 @@ The cost, per step: one device-to-host copy of the norm (a synchronisation on a 
 for its loss all-reduce at the same place) and, per value, a bisect into a sorted copy of the window (the
 median without a sort) and the median absolute deviation only for a value above the floor (a normal step
 never needs it). Measured on the small CNN with max_norm (benchmarks/spike_guard_cost.py): ~0.05 ms in
-the guard's calls per ~17 ms step (0.3%), no collective added; without max_norm the norm it computes
-costs ~0.3 ms more (docs/fault-tolerance.md has the table).
+the guard's calls per 12-18 ms step (0.3-0.4%), no collective added; without max_norm the norm it
+computes costs ~0.3 ms more (docs/fault-tolerance.md has the table).
 
 The rollback is `ddpkit.fit`'s (it owns the loop and the loader's position); this module only marks the
 spike (`Spike.rollback`). In an `s.step` loop remedy="rollback" skips, said once. Not covered:
