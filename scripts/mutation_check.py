@@ -1209,6 +1209,14 @@ MUTANTS = [
         "a step the spike guard skipped keeps its gradients, which the next step then applies",
     ),
     Mutant(
+        "spike-guard-adds-a-barrier",
+        "ddpkit/step/stepping.py",
+        "        value = float(norm)  # the all-reduced gradients' norm",
+        "        value = torch.distributed.barrier() or float(norm)  # mutant: a barrier per judged step",
+        ("tests/test_spikes.py::test_the_guard_adds_no_collective_per_step",),
+        "the spike guard adds a collective to every step (a barrier, as a guard that votes would)",
+    ),
+    Mutant(
         "spike-window-not-saved",
         "ddpkit/step/stepping.py",
         '            state["spikes"] = self.spikes.state_dict()',
@@ -1282,6 +1290,22 @@ MUTANTS = [
         "        pass  # mutant: no checkpoint loaded\n",
         ("tests/test_spike_rollback.py::test_a_rollback_leaves_the_bad_batch_out_and_ends_where_a_run_without_it_ends",),
         "remedy='rollback' leaves out the samples but never goes back to the checkpoint",
+    ),
+    Mutant(
+        "rollback-epoch-not-restored",
+        "ddpkit/training/fit.py",
+        "        back = max(0, pass_epoch - loader.epoch)",
+        "        back = 0  # mutant: fit's epoch count stays in the spike's epoch",
+        ("tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[mid-epoch]",),
+        "a rollback into the previous epoch leaves fit counting the spike's epoch (the run ends early)",
+    ),
+    Mutant(
+        "rollback-epoch-end-empty-pass-refused",
+        "ddpkit/training/fit.py",
+        "        if batches == 0 and not resumed:",
+        "        if batches == 0:  # mutant: a pass resumed at its epoch's end is an empty loader",
+        ("tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[epoch-end]",),
+        "a rollback (or resume) to a checkpoint saved at an epoch's last step stops with 'yielded no batch'",
     ),
     Mutant(
         "adapters-frozen-optimizer-steps",

@@ -11,6 +11,7 @@ import torch
 from test_spikes import GLOBAL, PLANT, STEPS, _data, _distance
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit.data import BatchPlan, make_loader
@@ -23,12 +24,12 @@ BAD = ((PLANT - 1) * GLOBAL, PLANT * GLOBAL)  # the planted batch's global sampl
 
 
 class _Saver(ddpkit.Callback):
-    def __init__(self, root: str, things: dict) -> None:
-        self.root, self.things = root, things
+    def __init__(self, root: str, things: dict, at: set[int] | None = None) -> None:
+        self.root, self.things, self.at = root, things, at
         self.saved: list[tuple[int, str]] = []
 
     def on_step_end(self, state: ddpkit.FitState) -> None:
-        if state.step % SAVE_EVERY == 0:
+        if state.step in self.at if self.at is not None else state.step % SAVE_EVERY == 0:
             self.saved.append((state.step, str(state.s.save(self.root, **self.things))))
 
 
@@ -157,3 +158,103 @@ def test_a_rollback_to_a_checkpoint_without_the_loader_or_to_another_loader_is_r
             ddpkit.fit(s, model, opt, loader, train_step, epochs=1, progress=False, flops=None)
         with pytest.raises(DdpkitError, match="needs the training loader to be ddpkit's"):
             ddpkit.fit(s, model, opt, list(loader), train_step, epochs=1, progress=False, flops=None)
+
+
+# -- a rollback across an epoch boundary: the checkpoint in epoch 0, the bad batch in epoch 1 -------------
+PER_EPOCH = 10  # global batches per epoch; 2 epochs, shuffled (each epoch's order a function of (seed, epoch))
+BAD_AT = 2  # the bad batch: global batch BAD_AT (0-based) of epoch 1, optimizer step PER_EPOCH + BAD_AT + 1
+BAD_1 = (1, BAD_AT * GLOBAL, (BAD_AT + 1) * GLOBAL)  # its global samples in epoch 1's order
+# the first sample of that batch, by DistributedSampler's order (seed 0 + epoch 1; at world 2 rank r reads
+# r, r+2, ..., so the global order is the permutation itself): scaled by 1e4 when epoch 1 reads it
+TARGET = int(torch.randperm(PER_EPOCH * GLOBAL, generator=torch.Generator().manual_seed(1))[BAD_AT * GLOBAL])
+
+
+def train_epochs(remedy: str | None, root: str = "", save_at: int = 0, start: str = "",
+                 left_out: tuple[int, int, int] | None = None) -> dict:  # fmt: skip
+    """Two shuffled epochs under `fit` on every rank; sample TARGET is bad in epoch 1 only. `save_at`: the
+    step the callback saves at (in `root`); `start`: a checkpoint to begin from; `left_out`: global
+    samples the loader leaves out from the start (the run whose data never had the bad batch)."""
+    guard = ddpkit.SpikeGuard(window=20, warmup=5, remedy=remedy) if remedy else None
+    g = torch.Generator().manual_seed(0)
+    n = PER_EPOCH * GLOBAL
+    data = TensorDataset(torch.randn(n, 10, generator=g), torch.randint(0, 3, (n,), generator=g), torch.arange(n))
+    with ddpkit.session(seed=0, verbose=False, log_to=None, spike_guard=guard) as s:
+        model = s.model(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        loader = s.loader(data, batch_size=GLOBAL, shuffle=True)
+        things = {"model": model, "optimizer": opt, "stepper": s.stepper, "loader": loader}
+        if start:
+            s.load(start, **things)
+        if left_out is not None:
+            loader.skip_samples(*left_out)
+        saver = _Saver(root, things, {save_at})
+        seen: list[tuple[int, int]] = []  # (epoch, global samples read) of every micro-batch trained on
+
+        def train_step(m: nn.Module, batch: tuple) -> torch.Tensor:
+            x, y, i = batch
+            epoch, end = loader.position
+            seen.append((epoch, end))
+            if epoch == 1:  # the bad sample spikes in epoch 1 only
+                x = torch.where((i == TARGET)[:, None], x * 1e4, x)
+            return F.cross_entropy(m(x), y)
+
+        result = ddpkit.fit(s, model, opt, loader, train_step, epochs=2, progress=False, flops=None,
+                            callbacks=[saver] if root else [])  # fmt: skip
+        judge = s.stepper.spikes
+        return {
+            "weights": {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()},
+            "events": [(e.step, e.name, e.rollback) for e in judge.events] if judge is not None else [],
+            "steps": s.stepper.steps,
+            "skipped": loader.skipped,
+            "saved": saver.saved,
+            "losses": result.losses,
+            "epochs": (result.epochs, loader.position),
+            "seen": seen,
+        }
+
+
+@pytest.fixture(scope="module")
+def unguarded(pool2) -> dict:
+    """Two runs without the guard: "clean", whose data never had the bad batch (its samples left out of
+    epoch 1 before the run), and "ruined", which trains on it."""
+    return {"clean": pool2.run(train_epochs, None, "", 0, "", BAD_1), "ruined": pool2.run(train_epochs, None)}
+
+
+@pytest.mark.parametrize("save_at", [PER_EPOCH - 3, PER_EPOCH], ids=["mid-epoch", "epoch-end"])
+def test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch(
+    pool2, unguarded: dict, tmp_path, save_at: int
+) -> None:
+    """The checkpoint lies in epoch 0 (3 steps before its end, or at its last step), the spike in epoch 1:
+    the rollback must go back to epoch 0's order and position, finish epoch 0 (at its end: an empty rest,
+    then the epoch's end as before), and read epoch 1 again in its own order with the bad batch left out,
+    ending where the run that never had the batch ends; a relaunch from the checkpoint ends bit for bit
+    where the first run ended."""
+    root = str(tmp_path / "ckpt")
+    rolled = pool2.run(train_epochs, "rollback", root, save_at)
+    clean, ruined = unguarded["clean"][0], unguarded["ruined"]
+    scale = sum(float(v.double().norm() ** 2) for v in clean["weights"].values()) ** 0.5
+    far, near = _distance(ruined[0]["weights"], clean["weights"]), _distance(rolled[0]["weights"], clean["weights"])
+    print(f"from the run without the bad batch (norm {scale:.4g}): unguarded {far:.4g}, rolled back {near:.4g}")
+    assert far > 0.1 * scale, "the bad sample should throw an unguarded run far off"
+    assert near <= 1e-6 * scale, "the rolled-back run should end where the run that never had the batch ends"
+    steps = 2 * PER_EPOCH - 1
+    for r in rolled:  # every rank: one spike in epoch 1, one rollback into epoch 0, the same weights
+        assert r["events"] == [(PER_EPOCH + BAD_AT + 1, "loss", True)], r["events"]
+        assert r["skipped"] == [BAD_1] and r["steps"] == clean["steps"] == steps, (r["skipped"], r["steps"])
+        assert all(torch.equal(r["weights"][k], rolled[0]["weights"][k]) for k in r["weights"])
+        assert [step for step, _ in r["saved"]] == [save_at]
+        # what was trained on, in order: epoch 0 up to the spike's step, back to the checkpoint, the rest
+        # of epoch 0 again (none at its end), then epoch 1 in its own order without the bad batch
+        replayed = [(0, (k + 1) * GLOBAL) for k in range(save_at, PER_EPOCH)]
+        assert r["seen"] == (
+            [(0, (k + 1) * GLOBAL) for k in range(PER_EPOCH)] + [(1, (k + 1) * GLOBAL) for k in range(BAD_AT + 1)]
+            + replayed + clean["seen"][PER_EPOCH:]
+        ), r["seen"]  # fmt: skip
+    assert rolled[0]["epochs"] == clean["epochs"], (rolled[0]["epochs"], clean["epochs"])
+    losses, without = torch.tensor(rolled[0]["losses"]), torch.tensor(clean["losses"])
+    assert losses.shape == without.shape == (steps,) and torch.allclose(losses, without, rtol=1e-6, atol=0)
+    # relaunched from that checkpoint in epoch 0: the same spike in epoch 1, the same rollback, the same bits
+    again = pool2.run(train_epochs, "rollback", "", 0, rolled[0]["saved"][0][1])
+    for a, r in zip(again, rolled, strict=True):
+        assert a["events"] == r["events"] and a["skipped"] == [BAD_1] and a["steps"] == steps
+        assert all(torch.equal(a["weights"][k], r["weights"][k]) for k in r["weights"]), "not bitwise equal"

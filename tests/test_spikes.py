@@ -163,6 +163,37 @@ def test_the_planted_batch_is_skipped_under_accumulation_and_fsdp(pool2, options
         assert all(torch.equal(r["weights"][k], guarded[0]["weights"][k]) for k in r["weights"])
 
 
+def count_collectives(guard: bool) -> dict[str, int]:
+    """The gloo collectives of a whole `fit` (8 steps, max_norm as usual), counted by torch's profiler
+    (without kineto: the same record of every op, collectives included, without kineto's ~2 s start)."""
+    from torch.autograd.profiler import profile
+
+    with ddpkit.session(seed=0, verbose=False, log_to=None, spike_guard=GUARD if guard else None) as s:
+        model = s.model(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        loader = s.loader(_data(False), batch_size=GLOBAL)
+
+        def train_step(m: nn.Module, batch: tuple) -> torch.Tensor:
+            return F.cross_entropy(m(batch[0]), batch[1])
+
+        with profile(use_kineto=False) as prof:
+            ddpkit.fit(s, model, opt, loader, train_step, max_steps=8, max_norm=1.0, progress=False, flops=None)
+        counts: dict[str, int] = {}
+        for event in prof.function_events:
+            if event.name.startswith("gloo:"):
+                counts[event.name] = counts.get(event.name, 0) + 1
+        return counts
+
+
+def test_the_guard_adds_no_collective_per_step(pool2) -> None:
+    """Its decision is taken from values every rank already agrees on (the clip's norm of all-reduced
+    gradients, fit's agreed loss): no barrier, no flag reduced per step, unlike a guard that votes."""
+    without, with_guard = pool2.run(count_collectives, False), pool2.run(count_collectives, True)
+    assert without[0].get("gloo:all_reduce", 0) >= 8, without  # the profiler sees the steps' all-reduces
+    for a, b in zip(without, with_guard, strict=True):
+        assert b == a, f"the guard changed the collectives of 8 steps: {a} without it, {b} with it"
+
+
 def test_a_guard_that_could_never_judge_is_refused() -> None:
     with pytest.raises(DdpkitError, match="window"):
         ddpkit.SpikeGuard(window=10, warmup=20)
@@ -170,3 +201,44 @@ def test_a_guard_that_could_never_judge_is_refused() -> None:
         ddpkit.SpikeGuard(remedy="undo")
     with pytest.raises(DdpkitError, match="SpikeGuard"), ddpkit.session(spike_guard=0.5, log_to=None):  # type: ignore[arg-type]
         pass
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.5])
+def test_the_judge_decides_by_the_median_and_mad_rule_across_a_save(floor: float) -> None:
+    """The judge keeps its windows sorted and computes the MAD only above the floor (its per-step cost):
+    its decisions and reported medians must be those of the rule computed from scratch every step, also
+    after its state is saved and loaded into a fresh judge mid-way."""
+    import statistics
+    from collections import deque
+
+    from ddpkit.step.spikes import MAD_TO_STD, Judge
+
+    guard = ddpkit.SpikeGuard(window=16, warmup=4, threshold=3.0, floor=floor)
+    g = torch.Generator().manual_seed(0)
+    values = (1.0 + 0.05 * torch.randn(400, 2, generator=g, dtype=torch.float64)).tolist()
+    for i in range(7, 400, 23):
+        values[i][i % 2] *= 1.0 + 2.0 * (i % 3)  # spikes in either value, some below the floor of 0.5
+    judge, window = Judge(guard, world=2, report=lambda _: None), {n: deque(maxlen=16) for n in ("a", "b")}
+    decisions, expected = [], []
+    for step, (a, b) in enumerate(values, 1):
+        if step == 200:
+            judge2 = Judge(guard, world=2, report=lambda _: None)
+            judge2.load_state_dict(judge.state_dict())
+            judge = judge2
+        spike = judge.judge(step, {"a": a, "b": b})
+        decisions.append(None if spike is None else (spike.name, spike.median))
+        want = None
+        for name, v in (("a", a), ("b", b)):
+            w = window[name]
+            if len(w) >= guard.warmup:
+                med = statistics.median(w)
+                mad = statistics.median(abs(x - med) for x in w)
+                if v - med > max(guard.threshold * MAD_TO_STD * mad, guard.floor * abs(med)):
+                    want = (name, med)
+                    break
+        if want is None:
+            window["a"].append(a)
+            window["b"].append(b)
+        expected.append(want)
+    assert decisions == expected
+    assert 5 <= sum(d is not None for d in decisions) < 40, decisions  # the planted spikes are judged

@@ -233,9 +233,9 @@ class Stepper:
         # fp16: unscaled; a sharded step's overflow flags agreed by every rank (a share's inf/nan)
         self.loss_scale.unscale(optimizer, agree=sharder.agree_found_inf if sharder is not None else None)
         norm = None
-        if max_norm is not None or self.spikes is not None:  # the guard's norm: clipped to inf without one
+        if max_norm is not None or self.spikes is not None:  # the guard's norm: without one, the norm alone
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip, bound = self.strategy.clip, math.inf if max_norm is None else max_norm
+            clip, bound = (spikes.grad_norm, math.inf) if max_norm is None else (self.strategy.clip, max_norm)
             norm = clip(params, bound) if sharder is None else sharder.clip(params, bound, clip)
         spike = self._judge(norm)
         if spike is not None:  # the same decision on every rank: no update, the gradients dropped

@@ -199,6 +199,9 @@ class _Loop:
         state.epoch_losses = []
         local_loss = torch.zeros(2, dtype=torch.float64, device=s.device)  # [loss sum, non-finite count]
         batches = 0
+        # a pass that starts part-way (a resume, a rollback) may find its epoch already read to the end: a
+        # checkpoint saved at the epoch's last step, before the epoch's end ran (scheduler, eval, callbacks)
+        resumed = isinstance(train_loader, ShardedLoader) and train_loader.position[1] > 0
         for batch in train_loader:
             self.mark("data")
             batches += 1
@@ -217,7 +220,7 @@ class _Loop:
         if self.rolled_back:  # the pass restarts at the checkpoint's position (the caller's next call)
             self.rolled_back = False
             return
-        if batches == 0:
+        if batches == 0 and not resumed:
             raise problem("the training loader yielded no batch in an epoch", "Pass a non-empty loader")
         if self.plan.scheduler is not None and self.plan.scheduler_interval == "epoch":
             self.plan.scheduler.step()
