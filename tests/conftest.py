@@ -63,20 +63,26 @@ _warm: dict[str, Any] = {}
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("DDPKIT_TEST_WARM", "1") == "0" or not hasattr(socket, "send_fds"):
         return
-    directory = Path(tempfile.mkdtemp(prefix="ddpkit-warm-"))
-    log = (directory / "server.log").open("w")
-    _warm["server"] = subprocess.Popen(
-        [sys.executable, "-m", "ddpkit.cluster.warmstart", str(directory)],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-    )  # fmt: skip
-    _warm["dir"] = directory
-    os.environ[WARM_START_ENV] = str(directory)
+    _warm["dir"] = Path(tempfile.mkdtemp(prefix="ddpkit-warm-"))
+    os.environ[WARM_START_ENV] = str(_warm["dir"])  # started at the first launch (`python`)
 
 
 def python() -> str:
-    """The interpreter a test's launch runs: the warm server's client when it serves, else this one."""
+    """The interpreter a test's launch runs: the warm server's client (the server is started by the
+    first launch of the session: a run of tests that launch nothing never pays for it), else this one."""
     directory = _warm.get("dir")
-    client = directory and warm_client(directory)
+    if directory is None:
+        return sys.executable
+    if "server" not in _warm:
+        log = (directory / "server.log").open("w")
+        _warm["server"] = subprocess.Popen(
+            [sys.executable, "-m", "ddpkit.cluster.warmstart", str(directory)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 10  # it listens before it imports: clients queue meanwhile
+        while warm_client(directory) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    client = warm_client(directory)
     return str(client) if client else sys.executable
 
 
@@ -87,7 +93,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if server is not None:
         server.terminate()  # it kills what it forked and is still running
         server.wait(10)
-        shutil.rmtree(_warm.pop("dir"), ignore_errors=True)
+    shutil.rmtree(_warm.pop("dir", ""), ignore_errors=True)
 
 
 REQUIRED = "DDPKIT_CI_REQUIRE"  # e.g. "elastic,cgroup": tests marked must_run(name) may not skip

@@ -20,8 +20,8 @@ as they load (`LOAD_TIME`), and what a fork cannot change: namespaces (a launche
 namespace or a container), control group (a job's memory limit), resource limits and user
 (`warm_client.place`). A request whose values of those differ from the server's is answered "fresh"
 and its client starts a new interpreter instead, so a warm start changes how fast a process starts,
-never what it runs. Python's
-hash seed is the server's (string-set iteration orders agree across the ranks).
+never what it runs. Python's hash seed is the server's (string-set iteration orders agree across the
+ranks).
 
 Why forking it is safe: the server only imports. It never runs a tensor operation (no OpenMP pool,
 whose threads a forked child would lack) and never touches CUDA (which a forked child could not use),
