@@ -1409,7 +1409,7 @@ MUTANTS = [
     Mutant(
         "spawn-load-env",
         "ddpkit/cluster/spawn.py",
-        "    return _server_env == _load_time_env()",
+        "    return _server_env == load_time_env(env)",
         "    return True  # mutant: load-time variables not compared",
         ("tests/test_warmstart.py::test_spawn_forks_importable_functions_from_a_preloaded_server",),
         "ranks asked for the portable kernels fork from a server that loaded the vectorised ones",

@@ -128,5 +128,5 @@ def _loaded(name: str) -> bool:
 def test_spawn_forks_importable_functions_from_a_preloaded_server() -> None:
     # torch._dynamo: imported by the server for every rank; a new interpreter only imports it when used
     assert ddpkit.spawn(_loaded, nproc=2, args=("torch._dynamo",), timeout=60) == [True, True]
-    os.environ["ATEN_CPU_CAPABILITY"] = "default"  # a load-time variable changed: new interpreters
-    assert ddpkit.spawn(_loaded, nproc=2, args=("torch._dynamo",), timeout=120) == [False, False]
+    portable = {"ATEN_CPU_CAPABILITY": "default"}  # read as torch loads: new interpreters
+    assert ddpkit.spawn(_loaded, nproc=2, args=("torch._dynamo",), env=portable, timeout=120) == [False, False]

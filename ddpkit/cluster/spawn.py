@@ -88,7 +88,7 @@ def spawn(
     """
     if nproc < 1:
         raise problem(f"nproc={nproc} is below 1", "Pass nproc=1 or more")
-    method = _start_method(fn, start_method, threads)
+    method = _start_method(fn, start_method, threads, {**os.environ, **(env or {})})
     store = TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
     )
@@ -134,13 +134,13 @@ def importable(fn: Callable[..., Any]) -> bool:
     return module is not None and (fn.__module__ != "__main__" or hasattr(module, "__file__"))
 
 
-def _start_method(fn: Callable[..., Any], asked: str, threads: int | None) -> str:
+def _start_method(fn: Callable[..., Any], asked: str, threads: int | None, env: Mapping[str, str]) -> str:
     if asked not in ("auto", "forkserver", "spawn", "fork"):
         raise problem(
             f"start_method={asked!r} is not 'auto', 'forkserver', 'spawn' or 'fork'", "Pass one of those"
         )
     method = asked if asked != "auto" else ("forkserver" if importable(fn) else "fork")
-    if method == "forkserver" and asked == "auto" and not _warm_server_current():
+    if method == "forkserver" and asked == "auto" and not _warm_server_current(env):
         method = "spawn"
     if method in ("spawn", "forkserver") and not importable(fn):
         raise problem(
@@ -178,7 +178,7 @@ def _start_method(fn: Callable[..., Any], asked: str, threads: int | None) -> st
 _server_env: dict[str, str] | None = None  # the load-time variables the forkserver started with
 
 
-def _warm_server_current() -> bool:
+def _warm_server_current(env: Mapping[str, str]) -> bool:
     """Whether ranks may be forked from the server: it exists on this platform and started (or will
     start now) with this environment's load-time variables."""
     global _server_env
@@ -187,7 +187,7 @@ def _warm_server_current() -> bool:
     if _server_env is None:
         mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
         _server_env = load_time_env(os.environ)
-    return _server_env == load_time_env(os.environ)
+    return _server_env == load_time_env(env)
 
 
 def _collect(procs: Any, results: Any, nproc: int, timeout: float) -> list[Any]:
