@@ -1401,10 +1401,10 @@ MUTANTS = [
     Mutant(
         "spawn-forkserver",
         "ddpkit/cluster/spawn.py",
-        '    method = asked if asked != "auto" else ("forkserver" if importable(fn) else "fork")',
-        '    method = asked if asked != "auto" else ("spawn" if importable(fn) else "fork")',
+        "        mp.get_context(\"forkserver\").set_forkserver_preload(list(PRELOAD))",
+        "        pass  # mutant: the forkserver imports nothing ahead",
         ("tests/test_warmstart.py::test_spawn_forks_importable_functions_from_a_preloaded_server",),
-        "every rank of ddpkit.spawn (verify, bench, trace) pays torch's imports again",
+        "ranks asked for with start_method='forkserver' pay torch's imports again",
     ),
     Mutant(
         "spawn-load-env",

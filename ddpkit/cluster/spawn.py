@@ -6,20 +6,20 @@ rendezvous TCPStore on a port the OS picks, exactly as torchrun's agent does, so
 never race for a port.
 
 How the ranks start (`start_method="auto"`):
-- "forkserver" for a function importable by name (module level of a .py file): each rank is forked
-  from one server process that imported torch, torch._dynamo and ddpkit once (Python's forkserver,
-  started at the first call and kept for this process's life). A new interpreter pays those imports
-  for every rank, ~5 s of CPU each on a 2-core VM; a rank forked from the server starts in ~0.1 s.
-  The server never runs a tensor operation or touches CUDA, so forking it is as safe as "spawn". The
-  ranks get this process's current environment, but what torch and the C libraries read once as they
-  load (ATEN_*, OMP_*, MALLOC_*, ...; `ddpkit.cluster.warmstart.LOAD_TIME`) is the server's: a call made after
-  one of those changed starts new interpreters ("spawn") instead;
-- "spawn" (new interpreters) where the server is unavailable or stale, or when asked for;
+- "spawn" (new interpreters) for a function importable by name (module level of a .py file);
 - "fork" for one that is not: a function defined in a notebook cell, a lambda, a nested function,
   as Accelerate's `notebook_launcher` does. Forking is safe only when the parent has not initialised
   CUDA (a clear error otherwise) and each rank uses one CPU thread: GNU OpenMP hangs a forked child
   that runs a parallel region with more threads after the parent used its pool (seen here: 2 threads
   hang, 1 does not), so forked ranks get 1 thread and `threads > 1` is refused with the fix.
+
+`start_method="forkserver"` (asked for, never chosen by "auto") forks each rank from Python's forkserver,
+which imported torch, torch._dynamo and ddpkit once for this process's life: a new interpreter pays those
+imports for every rank (~5 s of CPU each on a 2-core VM), a forked rank ~0.1 s. What torch and the C
+libraries read as they load (ATEN_*, OMP_*, MALLOC_*, ...; `ddpkit.cluster.warmstart.LOAD_TIME`) is the
+server's, so a call whose environment differs there starts new interpreters instead. Not the default: in
+one long test session a rank forked this way hung (the suite's trace test, once in ~1000 tests), cause
+not found.
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def spawn(
     If any rank raises, exits or exceeds `timeout` seconds, the others are terminated and
     `SpawnError` names the first failing rank with its traceback. `threads` per rank defaults to
     the CPU cores split evenly (OMP_NUM_THREADS, when set, wins; 1 for forked ranks); `env` adds
-    variables to the ranks' environment. `start_method`: "auto", "spawn" or "fork" (module docstring).
+    variables to the ranks' environment. `start_method`: "auto", "spawn", "fork" or "forkserver" (module
+    docstring).
     """
     if nproc < 1:
         raise problem(f"nproc={nproc} is below 1", "Pass nproc=1 or more")
@@ -139,8 +140,8 @@ def _start_method(fn: Callable[..., Any], asked: str, threads: int | None, env: 
         raise problem(
             f"start_method={asked!r} is not 'auto', 'forkserver', 'spawn' or 'fork'", "Pass one of those"
         )
-    method = asked if asked != "auto" else ("forkserver" if importable(fn) else "fork")
-    if method == "forkserver" and asked == "auto" and not _warm_server_current(env):
+    method = asked if asked != "auto" else ("spawn" if importable(fn) else "fork")
+    if method == "forkserver" and not _warm_server_current(env):
         method = "spawn"
     if method in ("spawn", "forkserver") and not importable(fn):
         raise problem(
