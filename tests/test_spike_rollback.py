@@ -52,16 +52,20 @@ def train(planted: bool, removed: bool, remedy: str | None, root: str = "", star
 
         result = ddpkit.fit(s, model, opt, loader, train_step, epochs=1, progress=False, flops=None,
                             callbacks=[saver] if root else [])  # fmt: skip
-        judge = s.stepper.spikes
-        return {
-            "weights": {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()},
-            "events": [(e.step, e.name, e.rollback) for e in judge.events] if judge is not None else [],
-            "steps": s.stepper.steps,
-            "listed": listed,
-            "skipped": loader.skipped,
-            "saved": saver.saved,
-            "losses": result.losses,
-        }
+        return {**_outcome(s, model, loader, saver, result), "listed": listed}
+
+
+def _outcome(s, model, loader, saver, result) -> dict:
+    """What a run returns to the test: its weights, the guard's events, steps, skips, saves and losses."""
+    judge = s.stepper.spikes
+    return {
+        "weights": {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()},
+        "events": [(e.step, e.name, e.rollback) for e in judge.events] if judge is not None else [],
+        "steps": s.stepper.steps,
+        "skipped": loader.skipped,
+        "saved": saver.saved,
+        "losses": result.losses,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -200,17 +204,8 @@ def train_epochs(remedy: str | None, root: str = "", save_at: int = 0, start: st
 
         result = ddpkit.fit(s, model, opt, loader, train_step, epochs=2, progress=False, flops=None,
                             callbacks=[saver] if root else [])  # fmt: skip
-        judge = s.stepper.spikes
-        return {
-            "weights": {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()},
-            "events": [(e.step, e.name, e.rollback) for e in judge.events] if judge is not None else [],
-            "steps": s.stepper.steps,
-            "skipped": loader.skipped,
-            "saved": saver.saved,
-            "losses": result.losses,
-            "epochs": (result.epochs, loader.position),
-            "seen": seen,
-        }
+        return {**_outcome(s, model, loader, saver, result), "epochs": (result.epochs, loader.position),
+                "seen": seen}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,11 @@ import sys
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGCONT")
 
 
-def _fresh(args: list[str]) -> None:
+def _fresh(args: list[str], path: str) -> None:
+    """The same command line in a new interpreter; without the PYTHON_EXEC that `ddpkit run` set to reach
+    this client (as a forked process is given it)."""
+    if os.environ.get("PYTHON_EXEC") == os.path.join(os.path.dirname(path), "python"):  # warmstart.CLIENT
+        del os.environ["PYTHON_EXEC"]
     os.execv(sys.executable, [sys.executable, *args])
 
 
@@ -60,7 +64,7 @@ def _warm_form(args: list[str]) -> bool:
 
 def main(path: str, args: list[str]) -> None:
     if not _warm_form(args):
-        _fresh(args)
+        _fresh(args, path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.connect(path)
@@ -78,7 +82,7 @@ def main(path: str, args: list[str]) -> None:
         first = "fresh"
     if not first.startswith("pid "):
         sock.close()
-        _fresh(args)
+        _fresh(args, path)
     pid = int(first.split()[1])
 
     def forward(signum: int, frame: object) -> None:
