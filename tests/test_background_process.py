@@ -26,17 +26,24 @@ HW = ddpkit.Hardware(gpus=0, cpu_cores=2)
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs Linux")
 
 
+def _read(path: str) -> str:
+    """A /proc file, or "" when its thread or process ended between the listing and the read."""
+    try:
+        return Path(path).read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
 def _children() -> list[int]:
-    pid = os.getpid()
+    # A thread of this process (torch's, a checkpoint waiter's) can end between iterdir and the read.
     kids: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        kids += [int(k) for k in text]
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        kids += [int(k) for k in _read(f"{task}/children").split()]
     return kids
 
 
 def _writer_pid() -> int:
-    kids = [k for k in _children() if "writer_child.py" in Path(f"/proc/{k}/cmdline").read_text()]
+    kids = [k for k in _children() if "writer_child.py" in _read(f"/proc/{k}/cmdline")]
     assert len(kids) == 1, kids
     return kids[0]
 
@@ -83,7 +90,7 @@ def test_a_process_save_is_the_state_of_the_call_and_the_bytes_of_a_synchronous_
         assert s.checkpoints._process.arena.nbytes() == before
     for key, value in want.items():
         assert fresh.state_dict()[key].equal(value), f"{key}: the save holds a later state"
-    assert not [k for k in _children() if "writer_child.py" in Path(f"/proc/{k}/cmdline").read_text()]
+    assert not [k for k in _children() if "writer_child.py" in _read(f"/proc/{k}/cmdline")]
 
 
 def test_a_killed_writer_process_fails_its_save_and_loses_no_earlier_checkpoint(tmp_path: Path) -> None:
