@@ -38,6 +38,21 @@ from torch.utils.data import TensorDataset
 import ddpkit
 
 EPOCHS, SAMPLES, GLOBAL_BATCH = 3, 96, 12
+LAUNCHER_FILE_ENV = "PREEMPT_TRAIN_LAUNCHER_FILE"  # a file holding the launcher's pid (else: the parent)
+
+
+def launcher() -> int:
+    """The launcher's pid: the one in $PREEMPT_TRAIN_LAUNCHER_FILE, which the test writes once it has started
+    `ddpkit run` (a rank forked by a warm-start server has that server as its parent), else the parent."""
+    path = os.environ.get(LAUNCHER_FILE_ENV)
+    if not path:
+        return os.getppid()
+    deadline = time.monotonic() + 30
+    while not Path(path).exists():  # written right after the launcher started, renamed into place
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path} was not written within 30 s")
+        time.sleep(0.05)
+    return int(Path(path).read_text())
 
 
 class Probe:
@@ -87,11 +102,11 @@ def main() -> None:
                 elif who.startswith("group-"):  # every rank at once (no launcher: an srun-like start)
                     os.killpg(os.getpgrp(), getattr(signal, f"SIG{who.removeprefix('group-')}"))
                 elif who != "launcher":  # the launcher alone, the signal a scheduler sends it
-                    os.kill(os.getppid(), getattr(signal, f"SIG{who}"))
-                elif os.getpgid(os.getppid()) == os.getppid():  # the launcher leads its own group
-                    os.killpg(os.getppid(), signal.SIGTERM)
+                    os.kill(launcher(), getattr(signal, f"SIG{who}"))
+                elif os.getpgid(launcher()) == launcher():  # the launcher leads its own group
+                    os.killpg(launcher(), signal.SIGTERM)
                 else:
-                    os.kill(os.getppid(), signal.SIGTERM)
+                    os.kill(launcher(), signal.SIGTERM)
 
         g = torch.Generator().manual_seed(42)
         x = torch.randn(SAMPLES, 6, generator=g)
@@ -104,7 +119,7 @@ def main() -> None:
         opt.register_step_pre_hook(lambda *a: fire("optimizer"))
         loader = s.loader(data, batch_size=GLOBAL_BATCH, shuffle=True)
         def again() -> None:
-            os.kill(os.getppid(), signal.SIGTERM)
+            os.kill(launcher(), signal.SIGTERM)
 
         probe = Probe(fire, fired, ns.slow_save, again if ns.second_signal else None)
         state = dict(model=model, optimizer=opt, loader=loader, probe=probe)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 from conftest import LAUNCH_MARK, REPO, communicate, end_launch, popen_cli
+from preempt_train import LAUNCHER_FILE_ENV
 from safetensors.torch import load_file
 
 from ddpkit.cluster.preemption import Preemption, PreemptionOptions, signal_of
-from ddpkit.names import WARM_START_ENV
 
 SCRIPT = str(REPO / "tests" / "preempt_train.py")
 STEPS = 24
@@ -41,10 +41,14 @@ def launch(ckpt: Path, out: Path, *script_args: str, run_args: tuple[str, ...] =
     """`ddpkit run --nproc 2 preempt_train.py` in a new session; on a timeout the launcher and its
     workers (in sessions of their own) are killed and the test fails."""
     out.mkdir(exist_ok=True)
-    # New interpreters for the ranks (DDPKIT_WARM_START empty): preempt_train.py signals the launcher as
-    # its parent process, and a rank forked by the warm-start server has that server as its parent.
+    # The ranks signal the launcher by the pid written here: a rank forked by the warm-start server
+    # (tests/conftest.py) has that server, not the launcher, as its parent process.
+    pid_file = out / "launcher.pid"
+    pid_file.unlink(missing_ok=True)
     proc, mark = popen_cli("run", "--nproc", "2", *run_args, SCRIPT, str(ckpt), str(out), *script_args,
-                           env={"OMP_NUM_THREADS": "1", WARM_START_ENV: "", **(env or {})})  # fmt: skip
+                           env={"OMP_NUM_THREADS": "1", LAUNCHER_FILE_ENV: str(pid_file), **(env or {})})  # fmt: skip
+    (out / "launcher.pid.tmp").write_text(str(proc.pid))  # `ddpkit run`, or the warm client that is it
+    (out / "launcher.pid.tmp").rename(pid_file)
     try:
         return communicate(proc, mark, timeout)
     except subprocess.TimeoutExpired as err:
