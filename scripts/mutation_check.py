@@ -1324,6 +1324,14 @@ MUTANTS = [
         "with activation checkpointing a PEFT model's checkpoint keeps none of its adapters (wrapper names)",
     ),
     Mutant(
+        "adapters-recompute-names-exported",
+        "ddpkit/strategy/adapters.py",
+        "        _plain_keys(target)\n",
+        "        pass  # mutant: the adapter files keep the checkpoint wrapper's segment\n",
+        ("tests/test_adapters.py::test_export_adapter_directory_and_merged_model",),
+        "with activation checkpointing the exported adapter files name the wrappers: PeftModel loads none",
+    ),
+    Mutant(
         "oom-where-not-said",
         "ddpkit/step/oom.py",
         "            if is_oom(failed):  # where its memory was, for every rank (fp64: exact to 2^53)",

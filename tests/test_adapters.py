@@ -129,10 +129,15 @@ def test_checkpoint_holds_adapters_only_and_resumes_bitwise(pool2, base, tmp_pat
 
 @pytest.mark.numerics
 def test_export_adapter_directory_and_merged_model(pool2, base, tmp_path) -> None:
+    """Under FSDP with activation checkpointing (each GPT2Block recomputed): the parameters' names carry
+    the wrapper's segment, the exported files must not (else `PeftModel` loads none of the adapters, with
+    a warning). The export without checkpointing: the compiled DDP test below."""
     from peft import PeftModel
 
     out = tmp_path / "out"
-    results = pool2.run(adapter_ranks.train, "gpt2", "fsdp", "config", base["gpt2"], 3, str(out))
+    results = pool2.run(adapter_ranks.train, "gpt2", "fsdp", "config", base["gpt2"], 3, str(out), "auto",
+                        RECOMPUTE)
+    assert "activation checkpointing: 2 GPT2Block" in results[0]["printed"], results[0]["printed"][-2000:]
     assert (out / "adapter" / "adapter_config.json").is_file()
     assert not (out / "adapter" / "model.safetensors").exists()
     cls = hf_ranks.model_class("gpt2")

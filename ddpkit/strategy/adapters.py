@@ -19,8 +19,10 @@ about each place where that matters, and why there:
   load checks that every trainable tensor is there (`check_loadable`).
 - **Export.** `export_adapter` writes the directory `PeftModel.from_pretrained(base, dir)` reads, with
   peft's own `save_pretrained` fed the gathered adapter tensors (under FSDP they are sharded DTensors,
-  which peft cannot write); `export_merged` rebuilds the model on the `meta` device, assigns the gathered
-  full state and lets peft's `merge_and_unload` fold the adapters into the base, then `save_pretrained`.
+  which peft cannot write), the files' names then stripped of activation checkpointing's wrapper segment
+  (peft names the tensors by its walk over the modules, which has it); `export_merged` rebuilds the model
+  on the `meta` device, assigns the gathered full state and lets peft's `merge_and_unload` fold the
+  adapters into the base, then `save_pretrained`.
 - **Optimizers.** `AdamW(model.parameters())` over a PEFT model is fine (torch's optimizers skip a
   parameter without a gradient: no state, no update). One whose parameters are ALL frozen is not: it
   steps nothing, silently, for the whole run (an optimizer built over the base before `get_peft_model`
@@ -120,12 +122,13 @@ def added_by_peft(module: nn.Module, name: str) -> bool:
 
 def gathered_trainable(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every trainable parameter whole, on every rank (a collective under FSDP: one all-gather each), by
-    its `state_dict` name (peft's files never name activation checkpointing's wrappers)."""
+    its name in `named_parameters` (activation checkpointing's wrapper segment kept: peft picks the
+    adapter's tensors by walking the model's modules, whose names have it)."""
     out = {}
     for name, p in module.named_parameters():
         if p.requires_grad:
             t = p.detach()
-            out[plain_name(name)] = (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu().clone()
+            out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu().clone()
     return out
 
 
@@ -137,8 +140,26 @@ def export_adapter(module: nn.Module, path: str | Path, *, main: bool) -> Path:
     if main:
         target.mkdir(parents=True, exist_ok=True)
         module.save_pretrained(str(target), state_dict=state)  # type: ignore[operator]  # a PeftModel
+        _plain_keys(target)
     _wait()
     return target
+
+
+def _plain_keys(target: Path) -> None:
+    """Rewrite the adapter files peft wrote under `target` with plain names. Under activation
+    checkpointing peft names each tensor as the module walk found it (`h.0._checkpoint_wrapped_module.attn
+    ...`: peft strips FSDP1's wrapper segment only), and `PeftModel.from_pretrained` on a plain base then
+    finds none of them (a warning, the adapters left at their initial values)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for file in target.rglob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            keys, metadata = list(f.keys()), f.metadata()
+            if not any(plain_name(k) != k for k in keys):
+                continue
+            tensors = {plain_name(k): f.get_tensor(k) for k in keys}
+        save_file(tensors, str(file), metadata=metadata)
 
 
 def export_merged(module: nn.Module, path: str | Path, *, main: bool) -> Path:
