@@ -35,8 +35,9 @@ about each place where that matters, and why there:
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,26 @@ def check_loadable(module: nn.Module, state: Mapping[str, Any], *, strict: bool)
     return False
 
 
+def adapters_in_fp32(module: nn.Module) -> str | None:
+    """Keep a PEFT model's trainable parameters in fp32 when they arrive in 16 bits (the whole PEFT model
+    cast with `.to(torch.bfloat16)`, or `get_peft_model(..., autocast_adapter_dtype=False)` over a bf16
+    base); the frozen base stays as it is (bf16: half the memory). AdamW on bf16 weights drops every
+    update below 1/256 of the weight, and the adapters are small (fp32 costs little): peft keeps them in
+    fp32 by default for the same reason. Their gradients, reduction and optimizer state follow the
+    parameters' dtype. A note saying what was cast, or None."""
+    if not is_peft(module):
+        return None
+    low = [p for p in module.parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
+    if not low:
+        return None
+    was = sorted({str(p.dtype).removeprefix("torch.") for p in low})
+    with torch.no_grad():
+        for p in low:
+            p.data = p.data.float()
+    return (f"kept the PEFT model's {len(low)} trainable tensors in fp32 (they were {', '.join(was)}; "
+            "AdamW on 16-bit weights drops small updates); the frozen base keeps its dtype")
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Stop an optimizer that can train nothing: every parameter it holds is frozen (requires_grad=False),
     so each step would silently leave the model as it is. Local and the same on every rank (no
@@ -103,6 +124,47 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         "torch.optim.AdamW(model.parameters()) (torch skips the frozen ones: no state, no update) or "
         "[p for p in model.parameters() if p.requires_grad]",
     )
+
+
+@contextlib.contextmanager
+def cast_on_meta() -> Iterator[None]:
+    """While FSDP's build runs a factory on `meta` (`ddpkit.strategy.fsdp_init.build`): peft casts a new
+    adapter to its base layer's dtype (`_move_adapter_to_device_of_base_layer`) except on `meta`, where it
+    skips the cast. On one process a LoRA A drawn in fp32 over a bf16 base is rounded to bf16 there (and
+    cast back to fp32 by peft's `autocast_adapter_dtype`); built shard by shard it kept its unrounded
+    draw, so the adapters started a bf16 ulp away from one process's. Here the skipped dtype cast runs on
+    `meta` (the build replays it on the real values). Nothing when peft is not loaded."""
+    peft = sys.modules.get("peft")
+    layer = getattr(getattr(getattr(peft, "tuners", None), "tuners_utils", None), "BaseTunerLayer", None)
+    original = getattr(layer, "_move_adapter_to_device_of_base_layer", None)
+    if layer is None or original is None:
+        yield
+        return
+
+    def move(self: Any, adapter_name: str, device: torch.device | None = None) -> None:
+        original(self, adapter_name, device)
+        _cast_meta_adapter(self, adapter_name)
+
+    layer._move_adapter_to_device_of_base_layer = move
+    try:
+        yield
+    finally:
+        layer._move_adapter_to_device_of_base_layer = original
+
+
+def _cast_meta_adapter(tuner_layer: Any, adapter_name: str) -> None:
+    """peft's dtype cast of one adapter's modules to the base layer's floating dtype, for those on meta."""
+    weight = getattr(tuner_layer.get_base_layer(), "weight", None)
+    dtype = getattr(weight, "dtype", None)
+    if dtype is None or not dtype.is_floating_point:
+        return
+    for attr in (*tuner_layer.adapter_layer_names, *tuner_layer.other_param_names):
+        holder = getattr(tuner_layer, attr, None)
+        if not isinstance(holder, nn.ModuleDict) or adapter_name not in holder:
+            continue
+        params = list(holder[adapter_name].parameters())
+        if params and all(p.is_meta for p in params) and any(p.dtype != dtype for p in params):
+            holder[adapter_name] = holder[adapter_name].to(dtype=dtype)
 
 
 def base_name(name: str) -> str:
