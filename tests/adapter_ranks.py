@@ -134,9 +134,11 @@ def train(kind: str, strategy: str, how: str, base: str, steps: int = 4, out: st
     more keywords for `s.model` (activation_checkpointing=, compile=); `evaluate`: the loss over the
     micro-batches trained on, before and after."""
     printed, graphs_before = io.StringIO(), _graphs()
+    chosen = _options(strategy)  # HSDP's degrees go to the session (its mesh), once
     with contextlib.redirect_stdout(printed), ddpkit.session(
-            seed=0, accumulation=2, shard_optimizer=shard_optimizer) as s:  # fmt: skip
-        model = s.model(factory(kind, base, how), strategy=_options(strategy),
+            seed=0, accumulation=2, shard_optimizer=shard_optimizer,
+            strategy=chosen if strategy == "hsdp" else "auto") as s:  # fmt: skip
+        model = s.model(factory(kind, base, how), strategy=None if strategy == "hsdp" else chosen,
                         weights=None if how == "pretrained" else base, **(options or {}))
         initial = trainable(model)
         inner = ddpkit.unwrap(model)

@@ -102,6 +102,20 @@ def test_bf16_base_with_fp32_adapters_trains_as_one_process(pool2, base, strateg
 
 
 @pytest.mark.numerics
+def test_hsdp_2x2_trains_the_adapters_of_one_process(pool4, base) -> None:
+    """HSDP, replicate 2 x shard 2 on 4 ranks (the degrees given to the session): the frozen base
+    untouched, without gradients or optimizer state, the adapters the same bit for bit on all 4 ranks
+    (both replicas) and within the floor of one process on the 4-rank global batch."""
+    results = pool4.run(adapter_ranks.train, "gpt2", "hsdp", "config", base["gpt2"])
+    assert "mesh replicate 2 x shard 2" in results[0]["printed"], results[0]["printed"][-2000:]
+    for r in results:
+        assert r["frozen_moved"] == [] and r["frozen_grads"] == [], "the frozen base changed or got gradients"
+        assert r["with_state"] == sorted(r["final"]), "optimizer state for other than the adapters"
+        assert all(torch.equal(r["final"][n], results[0]["final"][n]) for n in r["final"]), "ranks differ"
+    _within_floor(results[0]["final"], "gpt2", base["gpt2"], "config", world=4)
+
+
+@pytest.mark.numerics
 def test_sharded_step_leaves_the_frozen_base_alone(pool2, base) -> None:
     """The optimizer given every parameter (frozen base included) with the sharded step: only the
     trainable elements are split and published (not the base at every step), and training is right."""
