@@ -27,6 +27,11 @@ about each place where that matters, and why there:
   parameter without a gradient: no state, no update). One whose parameters are ALL frozen is not: it
   steps nothing, silently, for the whole run (an optimizer built over the base before `get_peft_model`
   froze it is the usual way to get one); `check_optimizer` stops the first `s.step` with it.
+- **Dtypes.** A base kept in bf16 trains with fp32 adapters (peft's default when the base is cast before
+  `get_peft_model`); `adapters_in_fp32` casts a PEFT model's 16-bit adapters to fp32 at `s.model` (the
+  whole model cast to bf16), so their gradients, reduction and AdamW state are fp32 too. FSDP2 accepts
+  the mix in one unit (it requires one dtype among the trainable parameters only); `cast_on_meta` makes
+  FSDP's shard-by-shard build round new adapters through the base's dtype as peft does on one process.
 - **Pretrained weights.** `base_name` maps a PEFT model's names (`base_model.model.` prefix, LoRA's
   `.base_layer.`) to the base checkpoint's, so `weights=` reads the base into the wrapped layers.
 
