@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 
 import hf_ranks
 import torch
@@ -44,6 +45,8 @@ def factory(kind: str, base: str, how: str):
     cfg = hf_ranks.config(kind)
     if how == "bf16":  # the base kept in bf16; peft casts the adapters to fp32 (autocast_adapter_dtype)
         return lambda: get_peft_model(cls(cfg).to(torch.bfloat16), lora(kind))
+    if how == "bf16-cast":  # the whole PEFT model cast to bf16, adapters too: s.model keeps those fp32
+        return lambda: get_peft_model(cls(cfg), lora(kind)).to(torch.bfloat16)
     return lambda: get_peft_model(cls(cfg), lora(kind))
 
 
@@ -56,6 +59,10 @@ def one_process(kind: str, base: str, how: str) -> nn.Module:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = factory(kind, base, how)()
+    if how == "bf16-cast":  # what s.model does to them: the bf16 adapters cast to fp32
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
     if how != "pretrained":
         pretrained = hf_ranks.model_class(kind).from_pretrained(base).state_dict()
         with torch.no_grad():
@@ -91,8 +98,24 @@ def _steps(s, model, opt, first: int, last: int, accumulation: int = 2, world: i
             batch = hf_ranks._rows(hf_ranks.padded(step * accumulation + micro, rows=rows), s.rank, s.world_size)
             with s.accumulate(model):
                 loss_sum, tokens = hf_ranks.token_sum(model, batch)
+                counted = int(tokens)
                 s.backward(loss_sum, tokens=tokens)
+            assert int(tokens) == counted, f"s.backward changed the caller's token count: {counted} -> {int(tokens)}"
             s.step(opt)
+
+
+def _loss_over(s, model, micro_batches: int) -> float:
+    """The mean loss over every valid token of the first `micro_batches` global micro-batches (those a run
+    trains on), without gradients; the sums all-reduced (every rank returns the global mean)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(micro_batches):
+            loss_sum, tokens = hf_ranks.token_sum(model, hf_ranks._rows(hf_ranks.padded(i, rows=4 * s.world_size),
+                                                                         s.rank, s.world_size))
+            total += torch.stack([loss_sum.double(), tokens.double()])
+    if s.world_size > 1:
+        torch.distributed.all_reduce(total)
+    return float(total[0] / total[1])
 
 
 def _graphs() -> int:
@@ -104,22 +127,27 @@ def _graphs() -> int:
 
 
 def train(kind: str, strategy: str, how: str, base: str, steps: int = 4, out: str | None = None,
-          shard_optimizer: object = "auto", options: dict | None = None) -> dict:
+          shard_optimizer: object = "auto", options: dict | None = None, evaluate: bool = False) -> dict:
     """Token-weighted AdamW steps on the adapters (the optimizer given every parameter, as scripts do);
     the initial and final adapters gathered, the frozen base's gradients and optimizer state, the
     sharded step's note; `out`: the adapter directory and the merged model exported there; `options`:
-    more keywords for `s.model` (activation_checkpointing=, compile=)."""
+    more keywords for `s.model` (activation_checkpointing=, compile=); `evaluate`: the loss over the
+    micro-batches trained on, before and after."""
     printed, graphs_before = io.StringIO(), _graphs()
+    chosen = _options(strategy)  # HSDP's degrees go to the session (its mesh), once
     with contextlib.redirect_stdout(printed), ddpkit.session(
-            seed=0, accumulation=2, shard_optimizer=shard_optimizer) as s:  # fmt: skip
-        model = s.model(factory(kind, base, how), strategy=_options(strategy),
+            seed=0, accumulation=2, shard_optimizer=shard_optimizer,
+            strategy=chosen if strategy == "hsdp" else "auto") as s:  # fmt: skip
+        model = s.model(factory(kind, base, how), strategy=None if strategy == "hsdp" else chosen,
                         weights=None if how == "pretrained" else base, **(options or {}))
         initial = trainable(model)
         inner = ddpkit.unwrap(model)
         frozen_start = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                         for n, p in inner.named_parameters() if not p.requires_grad}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = [_loss_over(s, model, 2 * steps)] if evaluate else []
         _steps(s, model, opt, 0, steps)
+        losses += [_loss_over(s, model, 2 * steps)] if evaluate else []
         frozen_moved = [n for n, p in inner.named_parameters() if not p.requires_grad
                         and not torch.equal((p.full_tensor() if hasattr(p, "full_tensor") else p).detach(),
                                             frozen_start[n])]
@@ -138,14 +166,16 @@ def train(kind: str, strategy: str, how: str, base: str, steps: int = 4, out: st
     graphs = _graphs() - graphs_before
     return {"initial": initial, "final": final, "frozen_moved": frozen_moved, "frozen_grads": frozen_grads,
             "with_state": with_state, "printed": printed.getvalue(), "logits": logits, "graphs": graphs,
-            "dtypes": dtypes}
+            "dtypes": dtypes, "losses": losses}
 
 
 def train_one_process(kind: str, base: str, how: str, world: int, steps: int = 4, accumulation: int = 2,
-                      permuted: bool = False) -> list[dict[str, torch.Tensor]]:
+                      permuted: bool = False, rescaled: bool = False) -> list[dict[str, torch.Tensor]]:
     """The same steps on the whole global batch in one process (the mean over all its valid tokens):
     the trainable parameters after each step. `permuted`: each batch's rows in another order, the noise
-    floor's variant (only the order of the sums changes)."""
+    floor's variant (only the order of the sums changes). `rescaled`: the other variant, the backward
+    run on the token sum over a power of two near the tokens per micro-batch, the gradients multiplied
+    by power/total before the step (the same gradient; only the roundings of a 16-bit backward change)."""
     model = one_process(kind, base, how)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     states = [{n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}]
@@ -159,7 +189,14 @@ def train_one_process(kind: str, base: str, how: str, world: int, steps: int = 4
                 batch = {k: v[order] for k, v in batch.items()}
             parts.append(hf_ranks.token_sum(model, batch))
         total = sum(float(n) for _, n in parts)
-        (sum(loss for loss, _ in parts) / total).backward()
+        if rescaled:
+            unit = 2.0 ** round(math.log2(total / accumulation))
+            (sum(loss for loss, _ in parts) / unit).backward()
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(unit / total)
+        else:
+            (sum(loss for loss, _ in parts) / total).backward()
         opt.step()
         states.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
     return states
@@ -218,3 +255,4 @@ def resume_in_one_process(kind: str, base: str, root: str, world: int, steps: in
         s.load(root, model=model, optimizer=opt)
         _steps(s, model, opt, 2, steps, world=world)
         return trainable(model)
+

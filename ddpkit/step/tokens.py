@@ -153,8 +153,8 @@ class TokenWeighting:
         return dist.get_world_size() if self.distributed else 1
 
     def _all_reduce(self, count: Count) -> int:
-        total = torch.as_tensor(count, dtype=torch.int64, device=self.device).reshape(1)
-        if self.distributed:
+        total = torch.as_tensor(count, dtype=torch.int64, device=self.device).reshape(1).clone()  # not the
+        if self.distributed:  # caller's tensor: as_tensor returns it as is, and all_reduce writes in place
             dist.all_reduce(total)
         return int(total.item())
 

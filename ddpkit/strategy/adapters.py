@@ -19,12 +19,19 @@ about each place where that matters, and why there:
   load checks that every trainable tensor is there (`check_loadable`).
 - **Export.** `export_adapter` writes the directory `PeftModel.from_pretrained(base, dir)` reads, with
   peft's own `save_pretrained` fed the gathered adapter tensors (under FSDP they are sharded DTensors,
-  which peft cannot write); `export_merged` rebuilds the model on the `meta` device, assigns the gathered
-  full state and lets peft's `merge_and_unload` fold the adapters into the base, then `save_pretrained`.
+  which peft cannot write), the files' names then stripped of activation checkpointing's wrapper segment
+  (peft names the tensors by its walk over the modules, which has it); `export_merged` rebuilds the model
+  on the `meta` device, assigns the gathered full state and lets peft's `merge_and_unload` fold the
+  adapters into the base, then `save_pretrained`.
 - **Optimizers.** `AdamW(model.parameters())` over a PEFT model is fine (torch's optimizers skip a
   parameter without a gradient: no state, no update). One whose parameters are ALL frozen is not: it
   steps nothing, silently, for the whole run (an optimizer built over the base before `get_peft_model`
   froze it is the usual way to get one); `check_optimizer` stops the first `s.step` with it.
+- **Dtypes.** A base kept in bf16 trains with fp32 adapters (peft's default when the base is cast before
+  `get_peft_model`); `adapters_in_fp32` casts a PEFT model's 16-bit adapters to fp32 at `s.model` (the
+  whole model cast to bf16), so their gradients, reduction and AdamW state are fp32 too. FSDP2 accepts
+  the mix in one unit (it requires one dtype among the trainable parameters only); `cast_on_meta` makes
+  FSDP's shard-by-shard build round new adapters through the base's dtype as peft does on one process.
 - **Pretrained weights.** `base_name` maps a PEFT model's names (`base_model.model.` prefix, LoRA's
   `.base_layer.`) to the base checkpoint's, so `weights=` reads the base into the wrapped layers.
 
@@ -33,8 +40,9 @@ about each place where that matters, and why there:
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +93,26 @@ def check_loadable(module: nn.Module, state: Mapping[str, Any], *, strict: bool)
     return False
 
 
+def adapters_in_fp32(module: nn.Module) -> str | None:
+    """Keep a PEFT model's trainable parameters in fp32 when they arrive in 16 bits (the whole PEFT model
+    cast with `.to(torch.bfloat16)`, or `get_peft_model(..., autocast_adapter_dtype=False)` over a bf16
+    base); the frozen base stays as it is (bf16: half the memory). AdamW on bf16 weights drops every
+    update below 1/256 of the weight, and the adapters are small (fp32 costs little): peft keeps them in
+    fp32 by default for the same reason. Their gradients, reduction and optimizer state follow the
+    parameters' dtype. A note saying what was cast, or None."""
+    if not is_peft(module):
+        return None
+    low = [p for p in module.parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
+    if not low:
+        return None
+    was = sorted({str(p.dtype).removeprefix("torch.") for p in low})
+    with torch.no_grad():
+        for p in low:
+            p.data = p.data.float()
+    return (f"kept the PEFT model's {len(low)} trainable tensors in fp32 (they were {', '.join(was)}; "
+            "AdamW on 16-bit weights drops small updates); the frozen base keeps its dtype")
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Stop an optimizer that can train nothing: every parameter it holds is frozen (requires_grad=False),
     so each step would silently leave the model as it is. Local and the same on every rank (no
@@ -101,6 +129,47 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         "torch.optim.AdamW(model.parameters()) (torch skips the frozen ones: no state, no update) or "
         "[p for p in model.parameters() if p.requires_grad]",
     )
+
+
+@contextlib.contextmanager
+def cast_on_meta() -> Iterator[None]:
+    """While FSDP's build runs a factory on `meta` (`ddpkit.strategy.fsdp_init.build`): peft casts a new
+    adapter to its base layer's dtype (`_move_adapter_to_device_of_base_layer`) except on `meta`, where it
+    skips the cast. On one process a LoRA A drawn in fp32 over a bf16 base is rounded to bf16 there (and
+    cast back to fp32 by peft's `autocast_adapter_dtype`); built shard by shard it kept its unrounded
+    draw, so the adapters started a bf16 ulp away from one process's. Here the skipped dtype cast runs on
+    `meta` (the build replays it on the real values). Nothing when peft is not loaded."""
+    peft = sys.modules.get("peft")
+    layer = getattr(getattr(getattr(peft, "tuners", None), "tuners_utils", None), "BaseTunerLayer", None)
+    original = getattr(layer, "_move_adapter_to_device_of_base_layer", None)
+    if layer is None or original is None:
+        yield
+        return
+
+    def move(self: Any, adapter_name: str, device: torch.device | None = None) -> None:
+        original(self, adapter_name, device)
+        _cast_meta_adapter(self, adapter_name)
+
+    layer._move_adapter_to_device_of_base_layer = move
+    try:
+        yield
+    finally:
+        layer._move_adapter_to_device_of_base_layer = original
+
+
+def _cast_meta_adapter(tuner_layer: Any, adapter_name: str) -> None:
+    """peft's dtype cast of one adapter's modules to the base layer's floating dtype, for those on meta."""
+    weight = getattr(tuner_layer.get_base_layer(), "weight", None)
+    dtype = getattr(weight, "dtype", None)
+    if dtype is None or not dtype.is_floating_point:
+        return
+    for attr in (*tuner_layer.adapter_layer_names, *tuner_layer.other_param_names):
+        holder = getattr(tuner_layer, attr, None)
+        if not isinstance(holder, nn.ModuleDict) or adapter_name not in holder:
+            continue
+        params = list(holder[adapter_name].parameters())
+        if params and all(p.is_meta for p in params) and any(p.dtype != dtype for p in params):
+            holder[adapter_name] = holder[adapter_name].to(dtype=dtype)
 
 
 def base_name(name: str) -> str:
@@ -120,12 +189,13 @@ def added_by_peft(module: nn.Module, name: str) -> bool:
 
 def gathered_trainable(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every trainable parameter whole, on every rank (a collective under FSDP: one all-gather each), by
-    its `state_dict` name (peft's files never name activation checkpointing's wrappers)."""
+    its name in `named_parameters` (activation checkpointing's wrapper segment kept: peft picks the
+    adapter's tensors by walking the model's modules, whose names have it)."""
     out = {}
     for name, p in module.named_parameters():
         if p.requires_grad:
             t = p.detach()
-            out[plain_name(name)] = (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu().clone()
+            out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu().clone()
     return out
 
 
@@ -137,8 +207,26 @@ def export_adapter(module: nn.Module, path: str | Path, *, main: bool) -> Path:
     if main:
         target.mkdir(parents=True, exist_ok=True)
         module.save_pretrained(str(target), state_dict=state)  # type: ignore[operator]  # a PeftModel
+        _plain_keys(target)
     _wait()
     return target
+
+
+def _plain_keys(target: Path) -> None:
+    """Rewrite the adapter files peft wrote under `target` with plain names. Under activation
+    checkpointing peft names each tensor as the module walk found it (`h.0._checkpoint_wrapped_module.attn
+    ...`: peft strips FSDP1's wrapper segment only), and `PeftModel.from_pretrained` on a plain base then
+    finds none of them (a warning, the adapters left at their initial values)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for file in target.rglob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            keys, metadata = list(f.keys()), f.metadata()
+            if not any(plain_name(k) != k for k in keys):
+                continue
+            tensors = {plain_name(k): f.get_tensor(k) for k in keys}
+        save_file(tensors, str(file), metadata=metadata)
 
 
 def export_merged(module: nn.Module, path: str | Path, *, main: bool) -> Path:

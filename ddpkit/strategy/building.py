@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.parallel import compiling, cpu_allocator
-from ddpkit.strategy import checkpointing, rank_memory, weights
+from ddpkit.strategy import adapters, checkpointing, rank_memory, weights
 from ddpkit.strategy.base import Strategy
 
 
@@ -96,6 +96,9 @@ def before_wrap(
     sharded_step = chosen.allows_sharded_step and shard is not False
     if not isinstance(module, nn.Module):  # a factory: under FSDP, built shard by shard
         module = chosen.build(module)
+    upcast = adapters.adapters_in_fp32(module)  # a PEFT model's 16-bit adapters: fp32 (the base as is)
+    if upcast is not None:
+        chosen.notes.append(upcast)
     if recompute is not None:  # before DDP/FSDP (and compile) see the module
         chosen.notes.append(checkpointing.apply(module, recompute))
     rank_memory.check_replicated(chosen, module, world_size, sharded_step=sharded_step)

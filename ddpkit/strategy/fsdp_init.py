@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ddpkit.errors import problem
-from ddpkit.strategy import checkpointing, hf
+from ddpkit.strategy import adapters, checkpointing, hf
 
 _EMPTY = {"aten::empty", "aten::empty_strided"}  # factories whose values do not matter
 _OVERWRITE = {"aten::fill_", "aten::zero_", "aten::copy_"}  # plus every seeded in-place op
@@ -332,7 +332,7 @@ def build(factory: Callable[[], nn.Module], rank: int, world: int) -> tuple[nn.M
     mode = ShardedInit(rank, world)
     handle = register_module_parameter_registration_hook(mode.on_parameter)
     try:
-        with (torch.device("meta"), mode, _Constants(), _init_functions(mode),
+        with (torch.device("meta"), mode, _Constants(), _init_functions(mode), adapters.cast_on_meta(),
               hf.loading_as_is(functools.partial(_as_one_process, mode))):  # fmt: skip
             module = factory()
     finally:
