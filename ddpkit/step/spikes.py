@@ -43,6 +43,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -198,12 +199,97 @@ class Judge:
 
 
 def grad_norm(params: list[nn.Parameter], _bound: float = math.inf) -> torch.Tensor:
-    """The total gradient norm for the guard without `max_norm`: the strategy's clip's norm (the same
-    bits: torch's `get_total_norm`; FSDP's shard norms combined by `full_tensor`, its one all-reduce)
-    without the clip's multiply of every gradient by 1 (that pass cost more than the norm itself)."""
-    norm = nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP: the shards' norms combined
-    return full() if full is not None else norm
+    """The total gradient norm for the guard without `max_norm`, the clip's norm without the clip (its
+    multiply of every gradient by 1 cost more than the norm). Under DDP the gradients are views into a few
+    flat all-reduce buckets (ddpkit sets `gradient_as_bucket_view=True`): the norm is taken over each run of
+    gradients lying end to end in one bucket as one tensor (`_Runs`), one kernel per bucket instead of one
+    per parameter plus torch's per-call overhead; the same value as torch's `get_total_norm` but for float
+    rounding (the sum of squares in another order), and the same bits on every rank (the buckets' layout
+    and contents are). Otherwise (one process, FSDP's DTensor shards, `gradient_as_bucket_view=False`):
+    torch's `get_total_norm`, the clip's bits; under FSDP its shards' norms combined by `full_tensor`, the
+    one all-reduce a clip costs."""
+    grads = [p.grad for p in params if p.grad is not None]
+    parts = _RUNS.parts(grads)
+    if parts is None:
+        norm = nn.utils.get_total_norm(grads)
+        full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP: the shards' norms combined
+        return full() if full is not None else norm
+    with torch.no_grad():
+        if len(parts) == 1:
+            return torch.linalg.vector_norm(parts[0])
+        if len({(t.dtype, t.device) for t in parts}) == 1:  # get_total_norm's arithmetic, less its overhead
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(parts, 2.0)))
+        return nn.utils.get_total_norm(parts)
+
+
+class _Runs:
+    """Which gradients lie end to end in one storage (DDP's bucket views), remembered from step to step.
+
+    Finding the runs costs a few microseconds per gradient (its storage, offset and neighbours); DDP
+    keeps the same gradient tensors at the same places from one step to the next once its buckets are
+    rebuilt (after the first step), so the runs are found again only when a gradient's identity or
+    address changed. Only weak references are kept: a model and its buckets are freed as usual. The flat
+    views are made afresh on each call from the current gradients (a view out of its storage's bounds
+    raises in `set_`, never reads memory it does not own)."""
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref[torch.Tensor]] = []
+        self.ptrs: list[int] = []
+        self.runs: list[tuple[int, int]] | None = None  # (index of a run's first gradient, its elements)
+
+    def parts(self, grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Flat views of the runs (a gradient alone where it has no neighbour) covering exactly the
+        elements of `grads`; None where no two of them share a run (nothing to gain) or any is not a
+        plain contiguous tensor (FSDP's DTensors, sparse gradients)."""
+        refs, runs = self.refs, self.runs
+        same = len(grads) == len(refs) and all(r() is g for r, g in zip(refs, grads, strict=True))
+        moved = runs is not None and any(g.data_ptr() != p for g, p in zip(grads, self.ptrs, strict=True))
+        if not same or moved:
+            self.runs = _find_runs(grads)
+            self.refs = [weakref.ref(g) for g in grads]
+            self.ptrs = [g.data_ptr() for g in grads] if self.runs is not None else []
+        if self.runs is None:
+            return None
+        parts = []
+        for first, n in self.runs:
+            g = grads[first]
+            if g.numel() == n:
+                parts.append(g)
+            else:
+                parts.append(g.new_empty(0).set_(g.untyped_storage(), g.storage_offset(), (n,)))
+        return parts
+
+
+def _find_runs(grads: list[torch.Tensor]) -> list[tuple[int, int]] | None:
+    """The maximal runs of `grads` lying end to end in one storage, in address order, as (index of the
+    run's first gradient, elements); None if there is no run of two or more, a gradient is not a plain
+    contiguous tensor, or none is a view (gradients autograd allocated one by one: nothing to find, and
+    the walk below would cost a microsecond or two per gradient and step)."""
+    if not grads or any(type(g) is not torch.Tensor or g.is_sparse or not g.is_contiguous() for g in grads):
+        return None
+    if not any(g._is_view() for g in grads):
+        return None
+    order = sorted(range(len(grads)), key=lambda i: grads[i].data_ptr())
+    runs: list[tuple[int, int]] = []
+    end, prev = -1, grads[0]
+    for i in order:
+        g = grads[i]
+        if runs and g.data_ptr() == end and _same_buffer(prev, g):
+            runs[-1] = (runs[-1][0], runs[-1][1] + g.numel())
+        else:
+            runs.append((i, g.numel()))
+        end, prev = g.data_ptr() + g.numel() * g.element_size(), g
+    return runs if len(runs) < len(grads) else None
+
+
+def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a` and `b` can be read as one flat tensor: one storage (not two allocations that happen to touch),
+    one dtype, one device."""
+    return (a.dtype == b.dtype and a.device == b.device
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())  # fmt: skip
+
+
+_RUNS = _Runs()  # the process's one training step at a time (`Stepper.step` calls `grad_norm`)
 
 
 def _median(ordered: list[float]) -> float:
