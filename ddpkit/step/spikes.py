@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 import statistics
 import weakref
 from collections import deque
@@ -55,6 +56,7 @@ from ddpkit.errors import problem
 
 MAD_TO_STD = 1.4826  # the median absolute deviation of a normal sample x this = its standard deviation
 REMEDIES = ("skip", "rollback")
+_GRAD = operator.attrgetter("grad")
 
 
 @dataclass(frozen=True)
@@ -165,8 +167,11 @@ class Judge:
     def _join(self, name: str, value: float) -> None:
         """`value` enters the window (the oldest leaves a full one) and its sorted copy, which keeps the
         median one index away (a bisect, not a sort per step); only finite values enter."""
-        window = self.windows.setdefault(name, deque(maxlen=self.guard.window))
-        ordered = self.ordered.setdefault(name, [])
+        window = self.windows.get(name)
+        if window is None:  # the first value of this name (not a setdefault: a deque made per step)
+            window = self.windows[name] = deque(maxlen=self.guard.window)
+            self.ordered[name] = []
+        ordered = self.ordered[name]
         if len(window) == window.maxlen:
             del ordered[bisect.bisect_left(ordered, window[0])]
         window.append(value)
@@ -202,62 +207,61 @@ def grad_norm(params: list[nn.Parameter], _bound: float = math.inf) -> torch.Ten
     """The total gradient norm for the guard without `max_norm`, the clip's norm without the clip (its
     multiply of every gradient by 1 cost more than the norm). Under DDP the gradients are views into a few
     flat all-reduce buckets (ddpkit sets `gradient_as_bucket_view=True`): the norm is taken over each run of
-    gradients lying end to end in one bucket as one tensor (`_Runs`), one kernel per bucket instead of one
-    per parameter plus torch's per-call overhead; the same value as torch's `get_total_norm` but for float
-    rounding (the sum of squares in another order), and the same bits on every rank (the buckets' layout
-    and contents are). Otherwise (one process, FSDP's DTensor shards, `gradient_as_bucket_view=False`):
-    torch's `get_total_norm`, the clip's bits; under FSDP its shards' norms combined by `full_tensor`, the
-    one all-reduce a clip costs."""
-    grads = [p.grad for p in params if p.grad is not None]
-    parts = _RUNS.parts(grads)
+    gradients lying end to end in one bucket as one flat tensor (`_Runs`), one kernel per bucket instead of
+    one per parameter plus `get_total_norm`'s own overhead; the same value as torch's `get_total_norm` but
+    for float rounding (the squares summed in another order), and the same bits on every rank (the
+    buckets' layout and contents are). Otherwise (one process, FSDP's DTensor shards,
+    `gradient_as_bucket_view=False`): torch's `get_total_norm`, the clip's bits; under FSDP its shards'
+    norms combined by `full_tensor`, the one all-reduce a clip costs."""
+    grads = [g for g in map(_GRAD, params) if g is not None]  # one `.grad` read per parameter, in C
+    parts = _RUNS.views(params, grads)
     if parts is None:
         norm = nn.utils.get_total_norm(grads)
         full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP: the shards' norms combined
         return full() if full is not None else norm
-    with torch.no_grad():
-        if len(parts) == 1:
-            return torch.linalg.vector_norm(parts[0])
-        if len({(t.dtype, t.device) for t in parts}) == 1:  # get_total_norm's arithmetic, less its overhead
-            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(parts, 2.0)))
-        return nn.utils.get_total_norm(parts)
+    # no torch.no_grad() (a context costs as much as the kernel here): plain gradients record no graph;
+    # a create_graph=True backward's do, so they take torch's path
+    if len(parts) == 1 and not parts[0].requires_grad:
+        return torch.linalg.vector_norm(parts[0])
+    return nn.utils.get_total_norm(parts)
 
 
 class _Runs:
-    """Which gradients lie end to end in one storage (DDP's bucket views), remembered from step to step.
+    """The flat views of the runs of gradients lying end to end in one storage (DDP's bucket views),
+    remembered from step to step.
 
-    Finding the runs costs a few microseconds per gradient (its storage, offset and neighbours); DDP
-    keeps the same gradient tensors at the same places from one step to the next once its buckets are
-    rebuilt (after the first step), so the runs are found again only when a gradient's identity or
-    address changed. Only weak references are kept: a model and its buckets are freed as usual. The flat
-    views are made afresh on each call from the current gradients (a view out of its storage's bounds
-    raises in `set_`, never reads memory it does not own)."""
+    Finding the runs costs a few microseconds per gradient (its storage, offset and neighbours) and making
+    a view about as much as the norm itself; DDP keeps the same gradient tensors at the same places from
+    one step to the next once its buckets are rebuilt (after the first step), so the runs are found again
+    only when a gradient's identity or address changed (checked in C: `map`, no Python loop per
+    gradient). The gradients and views are held until then, or until one of the parameters is freed (a
+    weak reference's callback): a model dropped by the user takes its buckets with it, as without the
+    guard."""
 
     def __init__(self) -> None:
-        self.refs: list[weakref.ref[torch.Tensor]] = []
-        self.ptrs: list[int] = []
-        self.runs: list[tuple[int, int]] | None = None  # (index of a run's first gradient, its elements)
+        self.grads: list[torch.Tensor] = []  # the gradients the views were made from
+        self.ptrs: list[int] = []  # and their addresses
+        self.parts: list[torch.Tensor] | None = None
+        self.watch: list[weakref.ref[nn.Parameter]] = []  # their parameters: one freed, all is let go
 
-    def parts(self, grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Flat views of the runs (a gradient alone where it has no neighbour) covering exactly the
-        elements of `grads`; None where no two of them share a run (nothing to gain) or any is not a
-        plain contiguous tensor (FSDP's DTensors, sparse gradients)."""
-        refs, runs = self.refs, self.runs
-        same = len(grads) == len(refs) and all(r() is g for r, g in zip(refs, grads, strict=True))
-        moved = runs is not None and any(g.data_ptr() != p for g, p in zip(grads, self.ptrs, strict=True))
-        if not same or moved:
-            self.runs = _find_runs(grads)
-            self.refs = [weakref.ref(g) for g in grads]
-            self.ptrs = [g.data_ptr() for g in grads] if self.runs is not None else []
-        if self.runs is None:
+    def views(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Tensors covering exactly the elements of `grads`, a run as one flat view (a gradient alone
+        where it has no neighbour); None where no two of them share a run (nothing to gain) or any is not
+        a plain contiguous tensor (FSDP's DTensors, sparse gradients)."""
+        same = len(grads) == len(self.grads) and all(map(operator.is_, grads, self.grads))
+        if self.parts is not None and same and list(map(torch.Tensor.data_ptr, grads)) == self.ptrs:
+            return self.parts
+        self.forget()
+        runs = _find_runs(grads)
+        if runs is None:
             return None
-        parts = []
-        for first, n in self.runs:
-            g = grads[first]
-            if g.numel() == n:
-                parts.append(g)
-            else:
-                parts.append(g.new_empty(0).set_(g.untyped_storage(), g.storage_offset(), (n,)))
-        return parts
+        self.parts = [_flat(grads[first], n) for first, n in runs]
+        self.grads, self.ptrs = list(grads), [g.data_ptr() for g in grads]
+        self.watch = [weakref.ref(p, self.forget) for p in params]
+        return self.parts
+
+    def forget(self, _gone: object = None) -> None:
+        self.grads, self.ptrs, self.parts, self.watch = [], [], None, []
 
 
 def _find_runs(grads: list[torch.Tensor]) -> list[tuple[int, int]] | None:
@@ -265,9 +269,9 @@ def _find_runs(grads: list[torch.Tensor]) -> list[tuple[int, int]] | None:
     run's first gradient, elements); None if there is no run of two or more, a gradient is not a plain
     contiguous tensor, or none is a view (gradients autograd allocated one by one: nothing to find, and
     the walk below would cost a microsecond or two per gradient and step)."""
-    if not grads or any(type(g) is not torch.Tensor or g.is_sparse or not g.is_contiguous() for g in grads):
+    if not any(type(g) is torch.Tensor and g._is_view() for g in grads):
         return None
-    if not any(g._is_view() for g in grads):
+    if any(type(g) is not torch.Tensor or g.is_sparse or not g.is_contiguous() for g in grads):
         return None
     order = sorted(range(len(grads)), key=lambda i: grads[i].data_ptr())
     runs: list[tuple[int, int]] = []
@@ -280,6 +284,14 @@ def _find_runs(grads: list[torch.Tensor]) -> list[tuple[int, int]] | None:
             runs.append((i, g.numel()))
         end, prev = g.data_ptr() + g.numel() * g.element_size(), g
     return runs if len(runs) < len(grads) else None
+
+
+def _flat(first: torch.Tensor, n: int) -> torch.Tensor:
+    """The `n` elements from `first`'s on, in its storage, as one flat tensor (`first` itself if alone);
+    a run out of the storage's bounds raises here (`set_` checks), it never reads memory it does not own."""
+    if first.numel() == n:
+        return first
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (n,))
 
 
 def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
