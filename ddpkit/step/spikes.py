@@ -14,9 +14,10 @@ are identical after the backward's all-reduce, so the norm needs no collective; 
 step: the one all-reduce of the clip), and, under `ddpkit.fit`, the mean loss that `fit`'s one
 all-reduce before the step already agrees (the stop flags and non-finite check travel in the same
 tensor). No collective is added per step. In a plain `s.step` loop the loss is each rank's own, so the
-guard judges the gradient norm alone there. Without `max_norm` the norm is computed anyway (`grad_norm`:
-the clip's norm without the clip; under FSDP or the sharded optimizer step that is the one scalar
-all-reduce a clip costs).
+guard judges the gradient norm alone there. Without `max_norm` the guard computes the norm itself
+(`grad_norm`: the clip's norm without the clip, read under DDP from its flat buckets, one kernel per run
+of gradients lying end to end there, torch's value but for float rounding; under FSDP or the sharded
+optimizer step the one scalar all-reduce a clip costs).
 
 The test is robust to the window's own noise: a value is a spike when it exceeds the window's median by
 more than `threshold` robust standard deviations (1.4826 x the median absolute deviation) and by more
@@ -30,7 +31,9 @@ for its loss all-reduce at the same place) and, per value, a bisect into a sorte
 median without a sort) and the median absolute deviation only for a value above the floor (a normal step
 never needs it). Measured on the small CNN with max_norm (benchmarks/spike_guard_cost.py): ~0.05 ms in
 the guard's calls per 12-18 ms step (0.3-0.4%), no collective added; without max_norm the norm it
-computes costs ~0.3 ms more (docs/fault-tolerance.md has the table).
+computes adds ~0.08 ms (0.13 ms in the guard's calls, ~1% of the quiet 12.5 ms step; torch's
+`get_total_norm`, one kernel per parameter and its own Python, added ~0.3 ms: docs/fault-tolerance.md
+has the tables and where the time went).
 
 The rollback is `ddpkit.fit`'s (it owns the loop and the loader's position); this module only marks the
 spike (`Spike.rollback`). In an `s.step` loop remedy="rollback" skips, said once. Not covered:

@@ -12,7 +12,8 @@
                 before the optimizer applies it
             s.step(opt, max_norm) -> scheduler.step() -> on_step_end -> log row, s.log, progress
                 (SpikeGuard(remedy="rollback") and a spike: every rank loads the last checkpoint, the
-                step's samples are left out of the loader's passes, the pass restarts there)
+                step's samples are left out of the loader's passes, the pass restarts there; the losses
+                and evaluations after the checkpoint's step go, an epoch's end it repeats replaces its own)
             every `eval_every` steps: on_eval_start -> evaluate -> on_eval_end
             a stop request (any rank, from a callback) ends the run after this step
         eval_every=None: on_eval_start -> evaluate -> on_eval_end at the end of the epoch
