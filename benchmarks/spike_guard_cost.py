@@ -43,10 +43,11 @@ us (16-29 us with floor=0). Before the judge kept its window sorted and skipped 
 106 us [93, 118] in the guard's calls (0.59%), 45 us alone. docs/fault-tolerance.md reads it.
 
 "plain+guard", before and after its norm was read from DDP's buckets (one kernel per bucket run instead
-of torch's `get_total_norm`: a kernel per parameter and its own Python), same command, 7 x 100, under
-load (the steps ~19.5 ms instead of 12.5; the time in the guard's calls barely moves with the load):
-before 350 us [305, 369] (load 4.70 -> 5.31), after 127 us [109, 133] (load 4.41 -> 4.14), i.e. 2.8% ->
-1.0% of the quiet 12.5 ms step; "clip+guard" in the same runs 42-51 us.
+of torch's `get_total_norm`: a kernel per parameter and its own Python), same command, 7 x 100: before
+334 us [298, 358] = 2.68% (the table above) and 350 us [305, 369] = 1.78% of a 19.7 ms step (load 4.70
+-> 5.31); after 127 us [109, 133] = 0.65% of 19.4 ms (load 4.41 -> 4.14), 125 us [120, 136] = 1.10% of
+11.4 ms (load 3.47 -> 2.13) and 128 us [117, 135] = 1.14% of 11.3 ms (load 1.94 -> 2.07); "clip+guard"
+in the same runs 44-51 us (0.22-0.38%).
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ for its loss all-reduce at the same place) and, per value, a bisect into a sorte
 median without a sort) and the median absolute deviation only for a value above the floor (a normal step
 never needs it). Measured on the small CNN with max_norm (benchmarks/spike_guard_cost.py): ~0.05 ms in
 the guard's calls per 12-18 ms step (0.3-0.4%), no collective added; without max_norm the norm it
-computes adds ~0.08 ms (0.13 ms in the guard's calls, ~1% of the quiet 12.5 ms step; torch's
-`get_total_norm`, one kernel per parameter and its own Python, added ~0.3 ms: docs/fault-tolerance.md
-has the tables and where the time went).
+computes adds ~0.08 ms (0.13 ms in the guard's calls, 1.1-1.2% of the 11.3 ms step: just over the
+goal; torch's `get_total_norm`, one kernel per parameter and its own Python, added ~0.3 ms:
+docs/fault-tolerance.md has the tables and where the time went).
 
 The rollback is `ddpkit.fit`'s (it owns the loop and the loader's position); this module only marks the
 spike (`Spike.rollback`). In an `s.step` loop remedy="rollback" skips, said once. Not covered:
@@ -216,10 +216,9 @@ def grad_norm(params: list[nn.Parameter], _bound: float = math.inf) -> torch.Ten
     buckets' layout and contents are). Otherwise (one process, FSDP's DTensor shards,
     `gradient_as_bucket_view=False`): torch's `get_total_norm`, the clip's bits; under FSDP its shards'
     norms combined by `full_tensor`, the one all-reduce a clip costs."""
-    grads = [g for g in map(_GRAD, params) if g is not None]  # one `.grad` read per parameter, in C
-    parts = _RUNS.views(params, grads)
+    parts = _RUNS.views(params)
     if parts is None:
-        norm = nn.utils.get_total_norm(grads)
+        norm = nn.utils.get_total_norm([g for g in map(_GRAD, params) if g is not None])
         full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP: the shards' norms combined
         return full() if full is not None else norm
     # no torch.no_grad() (a context costs as much as the kernel here): plain gradients record no graph;
@@ -236,35 +235,40 @@ class _Runs:
     Finding the runs costs a few microseconds per gradient (its storage, offset and neighbours) and making
     a view about as much as the norm itself; DDP keeps the same gradient tensors at the same places from
     one step to the next once its buckets are rebuilt (after the first step), so the runs are found again
-    only when a gradient's identity or address changed (checked in C: `map`, no Python loop per
-    gradient). The gradients and views are held until then, or until one of the parameters is freed (a
-    weak reference's callback): a model dropped by the user takes its buckets with it, as without the
-    guard."""
+    only when a parameter's `.grad` is another tensor than the one they were found in (checked in C:
+    `map`, no Python loop per parameter) or a run's first gradient moved. The gradients and views are
+    held until then, or until one of the parameters is freed (a weak reference's callback): a model
+    dropped by the user takes its buckets with it, as without the guard."""
 
     def __init__(self) -> None:
-        self.grads: list[torch.Tensor] = []  # the gradients the views were made from
-        self.ptrs: list[int] = []  # and their addresses
+        self.slots: list[torch.Tensor | None] = []  # each parameter's `.grad` when the runs were found
+        self.anchors: list[torch.Tensor] = []  # each run's first gradient
+        self.at: list[int] = []  # and its address
         self.parts: list[torch.Tensor] | None = None
-        self.watch: list[weakref.ref[nn.Parameter]] = []  # their parameters: one freed, all is let go
+        self.watch: list[weakref.ref[nn.Parameter]] = []  # the parameters: one freed, all is let go
 
-    def views(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Tensors covering exactly the elements of `grads`, a run as one flat view (a gradient alone
-        where it has no neighbour); None where no two of them share a run (nothing to gain) or any is not
-        a plain contiguous tensor (FSDP's DTensors, sparse gradients)."""
-        same = len(grads) == len(self.grads) and all(map(operator.is_, grads, self.grads))
-        if self.parts is not None and same and list(map(torch.Tensor.data_ptr, grads)) == self.ptrs:
-            return self.parts
+    def views(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
+        """Tensors covering exactly the elements of the parameters' gradients, a run as one flat view (a
+        gradient alone where it has no neighbour); None where no two of them share a run (nothing to
+        gain) or any is not a plain contiguous tensor (FSDP's DTensors, sparse gradients)."""
+        parts, slots = self.parts, self.slots
+        same = len(params) == len(slots) and all(map(operator.is_, map(_GRAD, params), slots))
+        if parts is not None and same and list(map(torch.Tensor.data_ptr, self.anchors)) == self.at:
+            return parts
         self.forget()
+        slots = list(map(_GRAD, params))
+        grads = [g for g in slots if g is not None]
         runs = _find_runs(grads)
         if runs is None:
             return None
         self.parts = [_flat(grads[first], n) for first, n in runs]
-        self.grads, self.ptrs = list(grads), [g.data_ptr() for g in grads]
+        self.slots, self.anchors = slots, [grads[first] for first, _ in runs]
+        self.at = [g.data_ptr() for g in self.anchors]
         self.watch = [weakref.ref(p, self.forget) for p in params]
         return self.parts
 
     def forget(self, _gone: object = None) -> None:
-        self.grads, self.ptrs, self.parts, self.watch = [], [], None, []
+        self.slots, self.anchors, self.at, self.parts, self.watch = [], [], [], None, []
 
 
 def _find_runs(grads: list[torch.Tensor]) -> list[tuple[int, int]] | None:
