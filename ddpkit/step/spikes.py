@@ -298,7 +298,7 @@ def _flat(first: torch.Tensor, n: int) -> torch.Tensor:
     a run out of the storage's bounds raises here (`set_` checks), it never reads memory it does not own."""
     if first.numel() == n:
         return first
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (n,))
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (n,), (1,))
 
 
 def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
