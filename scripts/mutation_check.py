@@ -1329,15 +1329,15 @@ MUTANTS = [
     Mutant(
         "rollback-epoch-end-eval-twice",
         "ddpkit/training/fit.py",
-        "            state.evals[-1] = entry\n",
-        "            state.evals.append(entry)  # mutant: the repeated epoch end's evaluation added\n",
+        "            self.evaluate(again=resumed and batches == 0)\n",
+        "            self.evaluate()  # mutant: the repeated epoch end's evaluation added\n",
         ("tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[epoch-end]",),
         "a rollback to a checkpoint at an epoch's last step leaves that epoch evaluated twice in the evals",
     ),
     Mutant(
         "rollback-abandoned-evals-kept",
         "ddpkit/training/fit.py",
-        '        state.evals[:] = [e for e in state.evals if e["step"] <= state.step]\n',
+        '        state.evals[:] = [e for e in state.evals if e["step"] <= state.step]',
         "        pass  # mutant: the abandoned path's evaluations stay in FitResult.evals\n",
         ("tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[mid-epoch]",),
         "the evaluations a rollback undid stay in FitResult.evals beside those of the replay",

@@ -12,8 +12,7 @@
                 before the optimizer applies it
             s.step(opt, max_norm) -> scheduler.step() -> on_step_end -> log row, s.log, progress
                 (SpikeGuard(remedy="rollback") and a spike: every rank loads the last checkpoint, the
-                step's samples are left out of the loader's passes, the pass restarts there; the losses
-                and evaluations after the checkpoint's step go, an epoch's end it repeats replaces its own)
+                step's samples are left out, the pass restarts there; later losses and evals dropped)
             every `eval_every` steps: on_eval_start -> evaluate -> on_eval_end
             a stop request (any rank, from a callback) ends the run after this step
         eval_every=None: on_eval_start -> evaluate -> on_eval_end at the end of the epoch
@@ -139,7 +138,6 @@ class _Loop:
         self.step_samples: list[tuple[int, int, int]] = []  # (epoch, start, stop) of the step's micro-batches
         self.rolled_back = False  # the pass in progress was abandoned for a checkpoint's position
         self.repeats = (0, 0)  # (optimizer step, rollbacks in a row that spiked at it)
-        self.replays_at: int | None = None  # a rollback's step, until the replay's first step (evaluate)
 
     def emit(self, name: str) -> None:
         for cb in self.plan.callbacks:
@@ -227,7 +225,7 @@ class _Loop:
         if self.plan.scheduler is not None and self.plan.scheduler_interval == "epoch":
             self.plan.scheduler.step()
         if self.plan.eval_loader is not None and self.plan.eval_every is None:
-            self.evaluate()
+            self.evaluate(again=resumed and batches == 0)
         self.emit("epoch_end")
         if s.any_rank(state.stop_reason is not None):
             state._agree_stop()
@@ -260,7 +258,6 @@ class _Loop:
         ):
             plan.scheduler.step()  # not after a step the fp16 scaler skipped: the schedule follows updates
         state.step += counted  # this call's optimizer steps (s.stepper.steps counts the session's)
-        self.replays_at = None
         state.loss = mean_loss
         state.losses.append(mean_loss)
         state.epoch_losses.append(mean_loss)
@@ -323,10 +320,7 @@ class _Loop:
         undone = max(0, done - s.stepper.steps)
         state.step = max(0, state.step - undone)
         del state.losses[max(0, len(state.losses) - undone) :]
-        # the evaluations of the abandoned path after the checkpoint's step are gone too; one at its step
-        # stays, unless the replay repeats it (`evaluate`: an epoch's end after its last step)
-        state.evals[:] = [e for e in state.evals if e["step"] <= state.step]
-        self.replays_at = state.step
+        state.evals[:] = [e for e in state.evals if e["step"] <= state.step]  # its later evaluations too
         back = max(0, pass_epoch - loader.epoch)  # the checkpoint lies `back` passes before this one
         state.epoch = max(0, state.epoch - back)
         self.started_epochs -= back + 1  # the restarted pass counts once
@@ -373,18 +367,13 @@ class _Loop:
         if self.bar is not None:
             self.bar.update(state.step, state.epoch, mean_loss, samples, monitor.detail)
 
-    def evaluate(self) -> None:
+    def evaluate(self, again: bool = False) -> None:
         s, state = self.s, self.state
+        if again and state.evals and state.evals[-1]["step"] == state.step:  # a rollback re-ran an epoch end
+            state.evals.pop()  # on the same weights: FitResult.evals keeps one entry per evaluation
         self.emit("eval_start")
         state.metrics = evaluate(s, state.model, self.plan.eval_loader, self.plan.eval_step, self.metric_set)  # type: ignore[arg-type]
-        entry = {"step": state.step, **state.metrics}
-        if self.replays_at == state.step and state.evals and state.evals[-1]["step"] == state.step:
-            # a rollback to a checkpoint taken at an epoch's last step runs that epoch's end again, on the
-            # checkpoint's weights: the evaluation replaces the abandoned path's, one entry per evaluation
-            # of the final path (as in the run that never had the bad batch)
-            state.evals[-1] = entry
-        else:
-            state.evals.append(entry)
+        state.evals.append({"step": state.step, **state.metrics})
         row = {"phase": "eval", "step": state.step, "epoch": state.epoch, **state.metrics}
         self.logger.write({**row, "seconds": round(time.perf_counter() - self.start, 3)})
         s.log({f"eval/{k}": v for k, v in state.metrics.items()}, step=s.stepper.steps)
