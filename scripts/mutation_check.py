@@ -1225,6 +1225,25 @@ MUTANTS = [
         "the spike guard's window is not saved with the stepper, so a resumed run decides differently",
     ),
     Mutant(
+        "spike-norm-run-cut-short",
+        "ddpkit/step/spikes.py",
+        "    if first.numel() == n:\n        return first\n",
+        "    return first  # mutant: a run of bucket views read as its first gradient alone\n",
+        (
+            "tests/test_spikes.py::test_the_step_loop_judges_the_gradient_norm_alone",
+            "tests/test_spikes.py::test_the_guards_own_norm_reads_each_run_of_bucket_views_as_one_tensor_and_holds_no_model",
+        ),
+        "the guard's own norm (no max_norm) reads only the first gradient of each run in DDP's buckets",
+    ),
+    Mutant(
+        "spike-norm-holds-the-model",
+        "ddpkit/step/spikes.py",
+        "        self.watch = [weakref.ref(p, self.forget) for p in params]",
+        "        self.watch = []  # mutant: the views of a freed model's buckets are kept",
+        ("tests/test_spikes.py::test_the_guards_own_norm_reads_each_run_of_bucket_views_as_one_tensor_and_holds_no_model",),
+        "the guard's remembered bucket views keep a model's gradient buffers alive after the model is freed",
+    ),
+    Mutant(
         "export-url-json-first",
         "ddpkit/checkpoint/remote.py",
         'key=lambda n: (n.endswith(".json"), n))',
@@ -1306,6 +1325,22 @@ MUTANTS = [
         "        if batches == 0:  # mutant: a pass resumed at its epoch's end is an empty loader",
         ("tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[epoch-end]",),
         "a rollback (or resume) to a checkpoint saved at an epoch's last step stops with 'yielded no batch'",
+    ),
+    Mutant(
+        "rollback-epoch-end-eval-twice",
+        "ddpkit/training/fit.py",
+        "            self.evaluate(again=resumed and batches == 0)\n",
+        "            self.evaluate()  # mutant: the repeated epoch end's evaluation added\n",
+        ("tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[epoch-end]",),
+        "a rollback to a checkpoint at an epoch's last step leaves that epoch evaluated twice in the evals",
+    ),
+    Mutant(
+        "rollback-abandoned-evals-kept",
+        "ddpkit/training/fit.py",
+        '        state.evals[:] = [e for e in state.evals if e["step"] <= state.step]',
+        "        pass  # mutant: the abandoned path's evaluations stay in FitResult.evals\n",
+        ("tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[mid-epoch]",),
+        "the evaluations a rollback undid stay in FitResult.evals beside those of the replay",
     ),
     Mutant(
         "adapters-frozen-optimizer-steps",

@@ -6,6 +6,8 @@ taken after the rollback. The loader's skip, by global sample position, at world
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_spikes import GLOBAL, PLANT, STEPS, _data, _distance
@@ -202,10 +204,15 @@ def train_epochs(remedy: str | None, root: str = "", save_at: int = 0, start: st
                 x = torch.where((i == TARGET)[:, None], x * 1e4, x)
             return F.cross_entropy(m(x), y)
 
+        def eval_step(m: nn.Module, batch: tuple, metrics: dict) -> None:
+            metrics["loss"].update(F.cross_entropy(m(batch[0]), batch[1], reduction="none"))
+
+        held_out = s.loader(TensorDataset(*data.tensors[:2]), batch_size=4 * GLOBAL, evaluation=True)
         result = ddpkit.fit(s, model, opt, loader, train_step, epochs=2, progress=False, flops=None,
+                            eval_loader=held_out, eval_step=eval_step, metrics={"loss": ddpkit.Mean()},
                             callbacks=[saver] if root else [])  # fmt: skip
         return {**_outcome(s, model, loader, saver, result), "epochs": (result.epochs, loader.position),
-                "seen": seen}  # fmt: skip
+                "seen": seen, "evals": result.evals}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +253,11 @@ def test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_
             + replayed + clean["seen"][PER_EPOCH:]
         ), r["seen"]  # fmt: skip
     assert rolled[0]["epochs"] == clean["epochs"], (rolled[0]["epochs"], clean["epochs"])
+    # one evaluation per epoch's end, as in the run without the batch: the abandoned path's epoch-0 end
+    # (after a mid-epoch checkpoint) is dropped, and its repeat (after the epoch-end one) replaces it
+    evals, clean_evals = rolled[0]["evals"], clean["evals"]
+    assert [e["step"] for e in evals] == [e["step"] for e in clean_evals] == [PER_EPOCH, steps], evals
+    assert all(math.isclose(e["loss"], c["loss"], rel_tol=1e-6) for e, c in zip(evals, clean_evals, strict=True)), evals
     losses, without = torch.tensor(rolled[0]["losses"]), torch.tensor(clean["losses"])
     assert losses.shape == without.shape == (steps,) and torch.allclose(losses, without, rtol=1e-6, atol=0)
     # relaunched from that checkpoint in epoch 0: the same spike in epoch 1, the same rollback, the same bits

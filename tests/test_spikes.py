@@ -5,6 +5,9 @@ takes the same decisions and ends bit for bit where the uninterrupted run ends."
 
 from __future__ import annotations
 
+import gc
+import math
+import weakref
 from pathlib import Path
 
 import pytest
@@ -74,18 +77,22 @@ def train(planted: bool, removed: bool, guard: bool, ckpt: str = "", stop: int =
 
 
 def train_loop(planted: bool) -> dict:
-    """The `s.step` loop, no `max_norm`: the guard sees no agreed loss and judges the gradient norm."""
+    """The `s.step` loop, no `max_norm`: the guard sees no agreed loss and judges the gradient norm, which
+    it computes itself (over DDP's flat buckets); `norms`: that norm and torch's `get_total_norm` of the
+    same all-reduced gradients, per step."""
     with ddpkit.session(seed=0, verbose=False, log_to=None, spike_guard=GUARD) as s:
         model = s.model(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)))
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        infos = []
+        infos, torch_norms = [], []
         for x, y in s.loader(_data(planted), batch_size=GLOBAL):
             s.backward(F.cross_entropy(model(x), y))
+            torch_norms.append(float(nn.utils.get_total_norm([p.grad for p in model.parameters()])))
             infos.append(s.step(opt))
         return {
             "weights": {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()},
             "events": [(e.step, e.name) for e in s.stepper.spikes.events],
             "skipped": [i.step for i in infos if i.skipped],
+            "norms": [(float(i.grad_norm), n) for i, n in zip(infos, torch_norms, strict=True)],
         }
 
 
@@ -134,6 +141,10 @@ def test_the_step_loop_judges_the_gradient_norm_alone(pool2) -> None:
     runs = pool2.run(train_loop, True)
     for r in runs:
         assert r["events"] == [(PLANT, "grad_norm")] and r["skipped"] == [PLANT], r["events"]
+        # the guard's norm (one kernel per bucket) is torch's over every gradient but for float rounding,
+        # and the same bits on every rank
+        assert r["norms"] == runs[0]["norms"], "the ranks judged different norms"
+        assert all(math.isclose(mine, theirs, rel_tol=1e-5) for mine, theirs in r["norms"]), r["norms"]
     scale = sum(float(v.double().norm() ** 2) for v in clean[0]["weights"].values()) ** 0.5
     assert _distance(runs[0]["weights"], clean[0]["weights"]) <= 1e-6 * scale
 
@@ -242,3 +253,33 @@ def test_the_judge_decides_by_the_median_and_mad_rule_across_a_save(floor: float
         expected.append(want)
     assert decisions == expected
     assert 5 <= sum(d is not None for d in decisions) < 40, decisions  # the planted spikes are judged
+
+
+def test_the_guards_own_norm_reads_each_run_of_bucket_views_as_one_tensor_and_holds_no_model() -> None:
+    """Without max_norm the guard computes the norm itself; gradients that are views into one flat buffer
+    (DDP's buckets: shuffled order, a gap between runs) are read as one tensor per run: the value must be
+    torch's over the gradients, also after a gradient is replaced by a tensor of its own, and the
+    buffer must be let go with the model (the guard keeps its views between steps)."""
+    from ddpkit.step import spikes
+
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+    params = list(model.parameters())
+    model(torch.randn(4, 10)).sum().backward()
+    assert spikes.grad_norm(params) == nn.utils.get_total_norm([p.grad for p in params])  # no views: torch's
+    bucket, at = torch.zeros(sum(p.numel() for p in params) + 7), 0
+    for i, p in enumerate([params[2], params[0], params[3], params[1]]):
+        at += 7 if i == 2 else 0  # two runs: 2 + 0, then 3 + 1
+        view = bucket[at : at + p.numel()].view_as(p)
+        view.copy_(p.grad)
+        p.grad, at = view, at + p.numel()
+    for change in ("", "a gradient grows", "one is replaced"):
+        if change == "a gradient grows":
+            params[1].grad.mul_(1e3)  # in the last run's last gradient
+        elif change == "one is replaced":
+            params[0].grad = params[0].grad.clone()
+        want = float(nn.utils.get_total_norm([p.grad for p in params]))
+        assert math.isclose(float(spikes.grad_norm(params)), want, rel_tol=1e-6), change
+    held = weakref.ref(bucket)
+    del bucket, view, params, p, model
+    gc.collect()
+    assert held() is None, "the guard keeps a freed model's gradient buffer alive"

@@ -12,7 +12,7 @@
                 before the optimizer applies it
             s.step(opt, max_norm) -> scheduler.step() -> on_step_end -> log row, s.log, progress
                 (SpikeGuard(remedy="rollback") and a spike: every rank loads the last checkpoint, the
-                step's samples are left out of the loader's passes, the pass restarts there)
+                step's samples are left out, the pass restarts there; later losses and evals dropped)
             every `eval_every` steps: on_eval_start -> evaluate -> on_eval_end
             a stop request (any rank, from a callback) ends the run after this step
         eval_every=None: on_eval_start -> evaluate -> on_eval_end at the end of the epoch
@@ -225,7 +225,7 @@ class _Loop:
         if self.plan.scheduler is not None and self.plan.scheduler_interval == "epoch":
             self.plan.scheduler.step()
         if self.plan.eval_loader is not None and self.plan.eval_every is None:
-            self.evaluate()
+            self.evaluate(again=resumed and batches == 0)
         self.emit("epoch_end")
         if s.any_rank(state.stop_reason is not None):
             state._agree_stop()
@@ -320,6 +320,7 @@ class _Loop:
         undone = max(0, done - s.stepper.steps)
         state.step = max(0, state.step - undone)
         del state.losses[max(0, len(state.losses) - undone) :]
+        state.evals[:] = [e for e in state.evals if e["step"] <= state.step]  # its later evaluations too
         back = max(0, pass_epoch - loader.epoch)  # the checkpoint lies `back` passes before this one
         state.epoch = max(0, state.epoch - back)
         self.started_epochs -= back + 1  # the restarted pass counts once
@@ -366,8 +367,10 @@ class _Loop:
         if self.bar is not None:
             self.bar.update(state.step, state.epoch, mean_loss, samples, monitor.detail)
 
-    def evaluate(self) -> None:
+    def evaluate(self, again: bool = False) -> None:
         s, state = self.s, self.state
+        if again and state.evals and state.evals[-1]["step"] == state.step:  # a rollback re-ran an epoch end
+            state.evals.pop()  # on the same weights: FitResult.evals keeps one entry per evaluation
         self.emit("eval_start")
         state.metrics = evaluate(s, state.model, self.plan.eval_loader, self.plan.eval_step, self.metric_set)  # type: ignore[arg-type]
         state.evals.append({"step": state.step, **state.metrics})
