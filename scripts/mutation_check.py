@@ -1025,7 +1025,7 @@ MUTANTS = [
     ),
     Mutant(
         "plan-memory-activations",
-        "ddpkit/plan/memory_report.py",
+        "ddpkit/observe/memory_breakdown.py",
         "                sums[_FOLD[name]] += int(value)",
         '                sums[_FOLD[name]] += 0 if _FOLD[name] == "activations" else int(value)  # mutant',
         (

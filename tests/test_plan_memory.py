@@ -18,7 +18,7 @@ from torch import nn
 from ddpkit.errors import DdpkitError
 from ddpkit.plan import devices, memory, memory_cli, memory_fit, memory_models
 from ddpkit.plan.memory import MemoryJob, estimate
-from ddpkit.plan.memory_report import Breakdown
+from ddpkit.observe.memory_breakdown import Breakdown
 
 WIDTHS = (64, 256, 128, 16)  # every dimension divisible by 2 and 4: FSDP's shards are exact
 
