@@ -56,7 +56,8 @@ def materialize(meta: nn.Module, device: torch.device) -> nn.Module:
     module = copy.deepcopy(meta)
     made: dict[int, torch.Tensor] = {}
     for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
+        tables: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+        for table in tables:
             for name, t in table.items():
                 if t is None:
                     continue

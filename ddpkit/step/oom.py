@@ -29,15 +29,11 @@ rank, the allocation and what to do, instead of an allocator's trace; the launch
 
 On CPU ranks torch raises a `RuntimeError` from its `DefaultCPUAllocator` when malloc fails (e.g. past an
 address-space limit, `RLIMIT_AS`); on CUDA `torch.OutOfMemoryError`. `is_oom` knows both.
-FSDP and HSDP: their forward and backward all-gather, so a rank that stops part-way would leave its peers
-inside a collective, and no agreement at the block's end can be reached. There the split is chosen ahead
-instead (`ahead`): before the first step, `ddpkit.training.oom_ahead` runs that step once on fake tensors
-(the plan's tracker), against this rank's memory limit, takes the smallest power-of-two number of parts
-whose step fits, agrees the largest over the ranks (one all-reduce per run) and sets `parts` as a
-split after an OOM would; the blocks then run as without the opt-in (FSDP's own reduce-scatter, no
-agreement). A real out-of-memory error in such a step still ends the run with `explain`'s paragraph,
-plus the estimate it had chosen by. Not covered: SyncBatchNorm (its forward is a collective), and a
-rank the kernel's OOM killer ends (nothing to catch: the launcher reports the kill).
+FSDP and HSDP all-gather in the forward and backward, so a rank stopping part-way would leave its peers
+in a collective: there the split is chosen before the first step from an estimate (`ahead`,
+`ddpkit.training.oom_ahead`), the blocks run as without the opt-in, and an out-of-memory error is
+`explain`'s paragraph plus that estimate. Not covered: SyncBatchNorm (its forward is a collective), and
+a rank the kernel's OOM killer ends (nothing to catch: the launcher reports the kill).
 """
 
 from __future__ import annotations
@@ -161,8 +157,7 @@ def describe_where(rank: int, where: Mapping[str, int], device_type: str) -> str
 
 
 def explain(exc: BaseException, rank: int, micro_batch: int | None = None, ahead: str = "") -> DdpkitError:
-    """The one paragraph a user who did not opt in sees instead of the allocator's trace (`ahead`: under
-    FSDP with the opt-in, what the estimate before the first step said)."""
+    """The paragraph shown instead of the allocator's trace (`ahead`: FSDP's estimate, `ahead_note`)."""
     size = f" at micro-batch {micro_batch} per rank" if micro_batch else ""
     half = ""
     if micro_batch and micro_batch > 1:
@@ -190,8 +185,9 @@ class AutoMicroBatch:
         self.optimizer: torch.optim.Optimizer | None = None
         self._block_start = 0  # CPU: the resident set when the current block began
         self.last_oom: dict[int, dict[str, int]] = {}  # the last agreed OOM: rank -> `where` figures
-        self.ahead = False  # FSDP/HSDP: the split chosen before the first step, no agreement per block
-        self.estimate: dict[str, float] = {}  # `ahead`: the estimate the split was chosen by (bytes)
+        self.ahead = False  # FSDP/HSDP: the split chosen before the first step (`training.oom_ahead`)
+        self.estimate: dict[str, float] = {}  # `ahead`: the estimate it was chosen by; `ahead_note` says it
+        self.ahead_note = ""
 
     def watch(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
         """The model and optimizer whose state an out-of-memory breakdown counts (`ddpkit.fit` names
@@ -267,22 +263,6 @@ class AutoMicroBatch:
             )
             raise StepOutOfMemory(text, ranks, where) from None
 
-    def said_ahead(self) -> str:
-        """For `explain` under `ahead`: the estimate the split was chosen by, in one clause."""
-        e = self.estimate
-        if not self.ahead:
-            return ""
-        if not e:
-            return (" (FSDP all-gathers in the forward and backward, so ddpkit cannot re-run the step split "
-                    "on every rank; no estimate was made before the first step)")  # fmt: skip
-        mib = 1 << 20
-        return (
-            f" (FSDP all-gathers in the forward and backward, so ddpkit cannot re-run the step split on "
-            f"every rank; before the first step it estimated this rank's peak at {e['peak'] / mib:.0f} MiB "
-            f"for micro-batch {e['micro_batch']:g} against a budget of {e['budget'] / mib:.0f} MiB and chose "
-            f"{int(e['parts'])} part(s): the step needed more than the estimate)"
-        )
-
     def split_more(self, step: int) -> None:
         """After an agreed out-of-memory error: twice the parts (half the micro-batch, same global batch)."""
         self.parts *= 2
@@ -322,10 +302,7 @@ class AutoMicroBatch:
             offset += g.numel()
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"parts": self.parts, "splits": list(self.splits)}
-        if self.estimate:
-            state["estimate"] = dict(self.estimate)  # `ahead`: chosen once; a resume does not estimate again
-        return state
+        return {"parts": self.parts, "splits": list(self.splits), "estimate": dict(self.estimate)}
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         if state:
@@ -393,8 +370,7 @@ def split(batch: Any, parts: int) -> list[tuple[Any, float]]:
 
 
 def check(strategy: Any, shard: bool | str, invariant: bool, auto: AutoMicroBatch | None = None) -> None:
-    """Refuse what `micro_batch="auto"` cannot make safe, with the fix; a strategy whose forward is a
-    collective (FSDP, HSDP) gets the split chosen ahead (`AutoMicroBatch.ahead`)."""
+    """Refuse what `micro_batch="auto"` cannot make safe, with the fix; FSDP gets the split ahead."""
     if auto is not None:
         auto.ahead = bool(getattr(strategy, "collective_forward", False))
     if shard == "gradients" or invariant:
@@ -418,7 +394,7 @@ def guarded(auto: AutoMicroBatch | None) -> Iterator[None]:
             yield
         except Exception as exc:
             if is_oom(exc):
-                raise explain(exc, _rank(), ahead=auto.said_ahead() if auto else "") from exc
+                raise explain(exc, _rank(), ahead=auto.ahead_note if auto else "") from exc
             raise
         return
     auto.block_started()
@@ -438,5 +414,5 @@ def naming(micro_batch: int, rank: int, auto: AutoMicroBatch | None) -> Iterator
         yield
     except Exception as exc:
         if (auto is None or auto.ahead) and is_oom(exc):
-            raise explain(exc, rank, micro_batch, ahead=auto.said_ahead() if auto else "") from exc
+            raise explain(exc, rank, micro_batch, ahead=auto.ahead_note if auto else "") from exc
         raise

@@ -189,7 +189,21 @@ def choose(s: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
     if parts > 1:
         auto.splits.append({"step": s.stepper.steps + 1, "parts": parts})
     s.stepper.accumulation = auto.accumulation
+    auto.ahead_note = note(auto.estimate)
     _say(s, auto, n, parts, limit, source, row[1].item(), seconds, why)
+
+
+def note(e: Mapping[str, float]) -> str:
+    """The estimate the split was chosen by, as the clause an out-of-memory error adds (`oom.explain`)."""
+    if not e.get("budget"):
+        return (" (FSDP all-gathers in the forward and backward, so ddpkit cannot re-run the step split "
+                "on every rank; no estimate was made before the first step)")  # fmt: skip
+    return (
+        f" (FSDP all-gathers in the forward and backward, so ddpkit cannot re-run the step split on "
+        f"every rank; before the first step it estimated this rank's peak at {e['peak'] / MIB:.0f} MiB "
+        f"for micro-batch {e['micro_batch']:g} against a budget of {e['budget'] / MIB:.0f} MiB and chose "
+        f"{int(e['parts'])} part(s): the step needed more than the estimate)"
+    )
 
 
 def _say(s: Any, auto: oom.AutoMicroBatch, n: int, parts: int, limit: int | None, source: str,
