@@ -149,11 +149,13 @@ def test_a_real_oom_under_fsdp_says_the_estimate_it_split_by() -> None:
     stays the one-paragraph error (the launcher ends the peers), now with the estimate that was wrong."""
     from ddpkit.errors import DdpkitError
     from ddpkit.step import oom
+    from ddpkit.training import oom_ahead
 
     auto = oom.AutoMicroBatch(1, rank=0, world=2, distributed=False, device=torch.device("cpu"))
     auto.ahead = True
     auto.parts = 2
     auto.estimate = {"micro_batch": 64.0, "peak": 300.0 * 2**20, "budget": 400.0 * 2**20, "parts": 2.0}
+    auto.ahead_note = oom_ahead.note(auto.estimate)  # as `oom_ahead.choose` sets it
     with pytest.raises(DdpkitError) as err, oom.guarded(auto), oom.naming(64, 0, auto):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     text = str(err.value)

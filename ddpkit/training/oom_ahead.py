@@ -214,8 +214,8 @@ def _say(s: Any, auto: oom.AutoMicroBatch, n: int, parts: int, limit: int | None
                 f"micro-batches of {n} as the loader gives them")  # fmt: skip
         return
     est = (
-        f"the first step estimated on fake tensors at {whole / MIB:.0f} MiB per rank (max over ranks) "
-        f"for micro-batch {n}, budget {limit / MIB:.0f} MiB ({source}, +10% allowance), in {seconds:.1f} s"
+        f"the first step estimated on fake tensors at {whole / MIB:.1f} MiB per rank (max over ranks) "
+        f"for micro-batch {n}, budget {limit / MIB:.1f} MiB ({source}, +10% allowance), in {seconds:.1f} s"
     )
     if parts == 1:
         s.print(f"ddpkit: {what}: {est}: no split{f' ({why})' if why else ''}")
