@@ -148,7 +148,7 @@ def _tracker(model: object, opt: object) -> object:
 
 
 def _tracked(tracker: object) -> dict:
-    from ddpkit.plan.memory_report import Breakdown
+    from ddpkit.observe.memory_breakdown import Breakdown
 
     b = Breakdown.from_snapshot(tracker.get_tracker_snapshot("peak"))  # type: ignore[attr-defined]
     return {"peak": b.peak, **{k: v for k, v in b.as_dict().items() if isinstance(v, int)}}

@@ -32,6 +32,7 @@ EXIT_GUARD_ENV = "DDPKIT_EXIT_GUARD"  # "0" turns `cluster.exit_guard` off
 WRITER_NICE_ENV = "DDPKIT_WRITER_NICE"  # the background checkpoint writer's niceness
 CPU_ALLOCATOR_ENV = "DDPKIT_CPU_ALLOCATOR"  # "default" (opt out) or "hugepages" (`step.cpu_allocator`)
 MEMORY_CHECK_ENV = "DDPKIT_MEMORY_CHECK"  # "off" skips `strategy.rank_memory`'s check
+STEP_MEMORY_ENV = "DDPKIT_STEP_MEMORY_MIB"  # MiB a rank's step may hold (`training.oom_ahead`), read once
 GPUCHECK_DEVICE_ENV = "DDPKIT_GPUCHECK_DEVICE"  # "cpu": `ddpkit gpucheck` rehearses on CPU
 CUDA_MEMORY_HISTORY_ENV = "DDPKIT_CUDA_MEMORY_HISTORY"  # "0": no CUDA allocation history (micro_batch="auto")
 CACHE_DIR_ENV = "DDPKIT_CACHE_DIR"  # where measured facts of this machine are kept (`observe.flops` CPU peak)

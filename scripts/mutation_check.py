@@ -1025,7 +1025,7 @@ MUTANTS = [
     ),
     Mutant(
         "plan-memory-activations",
-        "ddpkit/plan/memory_report.py",
+        "ddpkit/observe/memory_breakdown.py",
         "                sums[_FOLD[name]] += int(value)",
         '                sums[_FOLD[name]] += 0 if _FOLD[name] == "activations" else int(value)  # mutant',
         (
@@ -1176,6 +1176,30 @@ MUTANTS = [
         "after an out-of-memory error the micro-batch is halved, the accumulation kept (global batch halved)",
     ),
     Mutant(
+        "oom-ahead-ignores-activations",
+        "ddpkit/training/oom_ahead.py",
+        "            return b.with_device(allowance, 0).total <= limit",
+        "            return b.model_state <= limit  # mutant: the model state alone, no activations",
+        ("tests/test_oom_fsdp.py::test_a_small_budget_splits_ahead_and_equals_the_smaller_loader_batch",),
+        "micro_batch='auto' under FSDP chooses the split from the model state, leaving the activations out",
+    ),
+    Mutant(
+        "oom-ahead-keeps-accumulation",
+        "ddpkit/training/oom_ahead.py",
+        "    s.stepper.accumulation = auto.accumulation\n    auto.ahead_note",
+        "    auto.ahead_note  # mutant: the split chosen ahead, the accumulation not doubled",
+        ("tests/test_oom_fsdp.py::test_a_small_budget_splits_ahead_and_equals_the_smaller_loader_batch",),
+        "the split chosen ahead under FSDP halves the micro-batch without doubling the accumulation",
+    ),
+    Mutant(
+        "oom-ahead-sync-deferred",
+        "ddpkit/step/stepping.py",
+        "        deferred = not block.sync or (self.oom is not None and not self.oom.ahead)",
+        "        deferred = not block.sync or self.oom is not None  # mutant: FSDP's reduce-scatter skipped",
+        ("tests/test_oom_fsdp.py::test_a_generous_budget_splits_nothing",),
+        "micro_batch='auto' under FSDP skips FSDP's gradient sync in every block, as the DDP path defers it",
+    ),
+    Mutant(
         "oom-grads-kept",
         "ddpkit/step/stepping.py",
         "        optimizer.zero_grad(set_to_none=True)\n        if self._model is not None:\n"
@@ -1187,7 +1211,7 @@ MUTANTS = [
     Mutant(
         "oom-sync-in-backward",
         "ddpkit/step/stepping.py",
-        "        deferred = not block.sync or self.oom is not None",
+        "        deferred = not block.sync or (self.oom is not None and not self.oom.ahead)",
         "        deferred = not block.sync  # mutant: DDP's all-reduce in the last backward again",
         ("tests/test_oom.py::test_an_oom_on_one_rank_reruns_the_step_split[backward]",),
         "micro_batch='auto' all-reduces in the last backward (a peer out of memory leaves it waiting)",

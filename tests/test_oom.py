@@ -317,20 +317,6 @@ def test_refusals_name_the_fix() -> None:
         s.stepper  # noqa: B018 (the stepper is built on first use)
 
 
-def _fsdp_auto() -> str:
-    try:
-        with ddpkit.session(micro_batch="auto", strategy="fsdp", verbose=False, log_to=None) as s:
-            s.model(_mlp())
-    except DdpkitError as err:
-        return str(err)
-    return ""
-
-
-def test_fsdp_is_refused_with_the_fix(pool2) -> None:
-    for msg in pool2.run(_fsdp_auto):
-        assert "micro_batch='auto' with FSDP" in msg and "ddpkit plan --memory" in msg, msg
-
-
 def _other_error_on_rank_1() -> str:
     """micro_batch='auto': rank 1's forward raises a plain error; what each rank raises."""
     with ddpkit.session(seed=0, verbose=False, micro_batch="auto", log_to=None) as s:

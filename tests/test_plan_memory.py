@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from ddpkit.errors import DdpkitError
+from ddpkit.observe.memory_breakdown import Breakdown
 from ddpkit.plan import devices, memory, memory_cli, memory_fit, memory_models
 from ddpkit.plan.memory import MemoryJob, estimate
-from ddpkit.plan.memory_report import Breakdown
 
 WIDTHS = (64, 256, 128, 16)  # every dimension divisible by 2 and 4: FSDP's shards are exact
 

@@ -7,6 +7,8 @@
     slowrank   every rank's medians to rank 0 (one small all_gather), the slow rank named with its cause
     flops      model FLOPs (counted once), FLOP/s and MFU against a GPU table or a measured CPU peak
     monitor    the pieces above, as `fit` drives them
+    memory_breakdown  where a step's peak memory went (`Breakdown`: parameters, gradients, ..., activations)
+    step_memory       torch's memory tracker on one step (real or fake tensors), folded into a `Breakdown`
 
 Owns: numbers leaving the run. May import errors and `parallel.collectives`; never the facade.
 """

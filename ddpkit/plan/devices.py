@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass
 
 from ddpkit.errors import problem
+from ddpkit.observe.step_memory import CPU_ALLOWANCE, CPU_RESERVED, CUDA_ALLOWANCE, CUDA_RESERVED
 
 GIB = 1 << 30
 GB = 10**9
@@ -46,10 +47,6 @@ class Device:
         return self.memory - self.reserved
 
 
-CUDA_RESERVED = 1 * GIB  # the CUDA context (~500 MiB on an H100 with torch 2.x) and NCCL's buffers
-CUDA_ALLOWANCE = 0.10  # the caching allocator's rounding and cached blocks above the allocated peak
-CPU_ALLOWANCE = 0.10  # glibc's heap above the live tensors, with glibc's defaults (docs/planning.md)
-CPU_RESERVED = 400 * (1 << 20)  # a rank's own RSS before its first tensor: torch, gloo, Python (measured)
 
 _GPUS: dict[str, tuple[str, int, str]] = {  # key: (name, total bytes as nvidia-smi reports them, source)
     "h100": ("H100 80 GB", 81559 << 20, "nvidia-smi: 81559 MiB (H100 SXM/PCIe 80 GB)"),

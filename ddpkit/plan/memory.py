@@ -38,16 +38,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ddpkit.errors import problem
+from ddpkit.observe.memory_breakdown import Breakdown
+from ddpkit.observe.step_memory import fold, owned_update, peak_tracker, warm_optimizer
 from ddpkit.plan import memory_models
 from ddpkit.plan.memory_models import ModelSpec
-from ddpkit.plan.memory_report import Breakdown
 
 STRATEGIES = ("ddp", "zero1", "fsdp", "hsdp")
 PRECISIONS = {"fp32": None, "32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "16": torch.float16}
@@ -254,20 +255,9 @@ def estimate(job: MemoryJob) -> Breakdown:
         opt = _optimizer(job.optimizer, params, job.device_kind)
         owned = _zero1_owned(model, job.world) if job.strategy == "zero1" else None
         keep_grads = not sharded  # DDP's buckets hold the gradients from the wrap on
-        _warm_optimizer(params, opt, owned, keep_grads)
+        warm_optimizer(params, opt, owned, keep_grads)
         return _tracked_step(model, opt, spec, job, owned, keep_grads)
     raise AssertionError("unreachable")
-
-
-def _set_aside(params: list[nn.Parameter], owned: set[int] | None) -> list[tuple[nn.Parameter, Any]]:
-    """The sharded step's trick: the gradients of parameters this rank does not own are hidden from
-    optimizer.step() (every torch optimizer skips a parameter whose grad is None)."""
-    if owned is None:
-        return []
-    away = [(p, p.grad) for p in params if id(p) not in owned]
-    for p, _ in away:
-        p.grad = None
-    return away
 
 
 def _run_step(
@@ -292,31 +282,8 @@ def _run_step(
         loss = spec.loss(model, batch)
     loss.backward()
     del loss
-    _owned_update(params, opt, owned, keep_grads)
+    owned_update(params, opt, owned, keep_grads)
     del batch
-
-
-def _warm_optimizer(
-    params: list[nn.Parameter], opt: torch.optim.Optimizer, owned: set[int] | None, keep_grads: bool
-) -> None:
-    """One update on zero gradients, untracked: the optimizer's state exists before the tracked step,
-    as in every step after the first (cheaper than a whole warm-up step: no forward, no backward; FSDP's
-    lazy initialisation in the tracked step's first forward allocates nothing that stays)."""
-    for p in params:
-        p.grad = torch.zeros_like(p)  # DDP: its buckets, allocated at the wrap and kept (keep_grads)
-    _owned_update(params, opt, owned, keep_grads)
-
-
-def _owned_update(
-    params: list[nn.Parameter], opt: torch.optim.Optimizer, owned: set[int] | None, keep_grads: bool
-) -> None:
-    """The optimizer step on this rank's own parameters (ZeRO-1: the others' gradients set aside, so the
-    step keeps no state for them), then zero_grad as the strategy does it."""
-    away = _set_aside(params, owned)
-    opt.step()
-    for p, g in away:
-        p.grad = g
-    opt.zero_grad(set_to_none=not keep_grads)
 
 
 def _tracked_step(
@@ -331,61 +298,3 @@ def _tracked_step(
     with tracker:
         _run_step(model, opt, spec, job, owned, keep_grads, job.micro_batch)
     return fold(tracker, opt)
-
-
-def peak_tracker(model: nn.Module, opt: torch.optim.Optimizer, *, sharded: bool) -> Any:
-    """torch's memory tracker for one step of `model` and `opt` (FSDPMemTracker for an FSDP2 model),
-    keeping only the step's peak: the same tracker for fake tensors (the plan) and real ones
-    (`ddpkit.plan.memory_live`)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class _Peak:
-        """Only the step's peak, not every module's: torch's trackers update each active module's own
-        peak at every op (`_update_peak_stats`), two thirds of a GPT-2 step's time; the step's peak and
-        its categories are computed exactly as torch does."""
-
-        _curr_mem_snap: dict[Any, dict[Any, int]]
-        _peak_mem: dict[Any, int]
-        _peak_mem_snap: dict[Any, dict[Any, int]]
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap["Total"]:
-                    self._peak_mem[dev] = snap["Total"]
-                    self._peak_mem_snap[dev] = dict(snap)
-
-    class _Tracker(_Peak, MemTracker):
-        pass
-
-    class _FSDPTracker(_Peak, FSDPMemTracker):
-        pass
-
-    if sharded:
-        return _FSDPTracker(model, opt)
-    tracker = _Tracker()
-    tracker.track_external(model, opt)
-    return tracker
-
-
-def fold(tracker: Any, opt: torch.optim.Optimizer) -> Breakdown:
-    """The tracker's peak as a `Breakdown`."""
-    b = Breakdown.from_snapshot(tracker.get_tracker_snapshot("peak"))
-    # torch's trackers count everything allocated inside optimizer.step() as optimizer state; what
-    # is not in the optimizer's state afterwards (AdamW's per-tensor scratch) is a temporary
-    extra = b.optimizer_state - _state_bytes(opt)
-    if extra > 0:
-        b = replace(b, optimizer_state=b.optimizer_state - extra, temporaries=b.temporaries + extra)
-    return b
-
-
-def _state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer's state tensors (DTensors by their local shard), each storage once."""
-    seen: dict[int, int] = {}
-    for state in opt.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                local = value.to_local() if hasattr(value, "to_local") else value
-                storage = local.untyped_storage()
-                seen[id(storage)] = storage.nbytes()
-    return sum(seen.values())

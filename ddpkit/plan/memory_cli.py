@@ -165,7 +165,7 @@ def make(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def text(plan: dict[str, Any]) -> str:
-    from ddpkit.plan.memory_report import Breakdown, gib
+    from ddpkit.observe.memory_breakdown import Breakdown, gib
 
     dev = plan["device"]
     b = plan["breakdown"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ddpkit.errors import problem
+from ddpkit.observe.memory_breakdown import Breakdown
 from ddpkit.plan.memory import MemoryJob, estimate
-from ddpkit.plan.memory_report import Breakdown
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ tensors, folded into the categories of `ddpkit plan --memory`.
         s.step(opt)
     print(step.breakdown.text())                  # parameters, gradients, optimizer state, activations, ...
 
-The same tracker and the same fold as the plan (`ddpkit.plan.memory.peak_tracker`, `fold`), so a live
+The same tracker and the same fold as the plan (`ddpkit.observe.step_memory.peak_tracker`, `fold`), so a live
 step and its estimate are read side by side; the plan's validation compares exactly these
 (docs/planning.md). It costs what torch's tracker costs (a dispatch hook on every op of the tracked
 step, several times the step's time on small CPU steps): track one step, not every step. What it sees
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ddpkit.plan.memory import fold, peak_tracker
-from ddpkit.plan.memory_report import Breakdown
+from ddpkit.observe.memory_breakdown import Breakdown
+from ddpkit.observe.step_memory import fold, peak_tracker
 
 
 @dataclass

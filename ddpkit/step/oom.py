@@ -29,8 +29,10 @@ rank, the allocation and what to do, instead of an allocator's trace; the launch
 
 On CPU ranks torch raises a `RuntimeError` from its `DefaultCPUAllocator` when malloc fails (e.g. past an
 address-space limit, `RLIMIT_AS`); on CUDA `torch.OutOfMemoryError`. `is_oom` knows both.
-Not covered: FSDP and HSDP (their forward and backward all-gather, so a rank that stops part-way leaves
-its peers inside a collective; refused with the fix), SyncBatchNorm (its forward is a collective), and
+FSDP and HSDP all-gather in the forward and backward, so a rank stopping part-way would leave its peers
+in a collective: there the split is chosen before the first step from an estimate (`ahead`,
+`ddpkit.training.oom_ahead`), the blocks run as without the opt-in, and an out-of-memory error is
+`explain`'s paragraph plus that estimate. Not covered: SyncBatchNorm (its forward is a collective), and
 a rank the kernel's OOM killer ends (nothing to catch: the launcher reports the kill).
 """
 
@@ -154,15 +156,15 @@ def describe_where(rank: int, where: Mapping[str, int], device_type: str) -> str
     return f"where rank {rank}'s memory was when it ran out: {', '.join(parts)} ({how})"
 
 
-def explain(exc: BaseException, rank: int, micro_batch: int | None = None) -> DdpkitError:
-    """The one paragraph a user who did not opt in sees instead of the allocator's trace."""
+def explain(exc: BaseException, rank: int, micro_batch: int | None = None, ahead: str = "") -> DdpkitError:
+    """The paragraph shown instead of the allocator's trace (`ahead`: FSDP's estimate, `ahead_note`)."""
     size = f" at micro-batch {micro_batch} per rank" if micro_batch else ""
     half = ""
     if micro_batch and micro_batch > 1:
         half = f" (micro-batch {micro_batch // 2} with twice the accumulation)"
     return problem(
         f"rank {rank} ran out of memory in a training step{size}{_asked(exc)}; no update was applied "
-        f"from that step",
+        f"from that step{ahead}",
         "Halve the micro-batch and double the accumulation to keep the global batch"
         f"{half}, or let ddpkit do it when it happens: ddpkit.session(micro_batch='auto') with ddpkit.fit; "
         "`ddpkit plan --memory --model ... --device ...` names the largest micro-batch that fits, before "
@@ -183,6 +185,9 @@ class AutoMicroBatch:
         self.optimizer: torch.optim.Optimizer | None = None
         self._block_start = 0  # CPU: the resident set when the current block began
         self.last_oom: dict[int, dict[str, int]] = {}  # the last agreed OOM: rank -> `where` figures
+        self.ahead = False  # FSDP/HSDP: the split chosen before the first step (`training.oom_ahead`)
+        self.estimate: dict[str, float] = {}  # `ahead`: the estimate it was chosen by; `ahead_note` says it
+        self.ahead_note = ""
 
     def watch(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
         """The model and optimizer whose state an out-of-memory breakdown counts (`ddpkit.fit` names
@@ -297,12 +302,13 @@ class AutoMicroBatch:
             offset += g.numel()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"parts": self.parts, "splits": list(self.splits)}
+        return {"parts": self.parts, "splits": list(self.splits), "estimate": dict(self.estimate)}
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         if state:
             self.parts = int(state.get("parts", self.parts))
             self.splits = list(state.get("splits", self.splits))
+            self.estimate = dict(state.get("estimate", self.estimate))
 
 
 def auto_for(micro_batch: str | None, accumulation: int, **where: Any) -> AutoMicroBatch | None:
@@ -363,15 +369,10 @@ def split(batch: Any, parts: int) -> list[tuple[Any, float]]:
     return [(_take(batch, a, b, n), (b - a) * parts / n) for a, b in itertools.pairwise(bounds)]
 
 
-def check(strategy: Any, shard: bool | str, invariant: bool) -> None:
-    """Refuse what `micro_batch="auto"` cannot make safe, with the fix."""
-    if getattr(strategy, "collective_forward", False):
-        raise problem(
-            f"micro_batch='auto' with {strategy.describe()}: its forward and backward all-gather, so a rank "
-            "out of memory part-way would leave its peers waiting inside a collective",
-            "Pick the micro-batch ahead with `ddpkit plan --memory --strategy fsdp ...` and leave "
-            "micro_batch out, or use DDP",
-        )
+def check(strategy: Any, shard: bool | str, invariant: bool, auto: AutoMicroBatch | None = None) -> None:
+    """Refuse what `micro_batch="auto"` cannot make safe, with the fix; FSDP gets the split ahead."""
+    if auto is not None:
+        auto.ahead = bool(getattr(strategy, "collective_forward", False))
     if shard == "gradients" or invariant:
         what = "shard_optimizer='gradients'" if shard == "gradients" else "reproducible='any-world'"
         raise problem(
@@ -388,12 +389,12 @@ def _rank() -> int:
 def guarded(auto: AutoMicroBatch | None) -> Iterator[None]:
     """Around one `s.accumulate` block. Opt-in: every rank agrees at its end (`AutoMicroBatch.agree`).
     Otherwise an out-of-memory error becomes the one paragraph of `explain`."""
-    if auto is None:
+    if auto is None or auto.ahead:  # ahead (FSDP): no agreement can be reached past a collective
         try:
             yield
         except Exception as exc:
             if is_oom(exc):
-                raise explain(exc, _rank()) from exc
+                raise explain(exc, _rank(), ahead=auto.ahead_note if auto else "") from exc
             raise
         return
     auto.block_started()
@@ -412,6 +413,6 @@ def naming(micro_batch: int, rank: int, auto: AutoMicroBatch | None) -> Iterator
     try:
         yield
     except Exception as exc:
-        if auto is None and is_oom(exc):
-            raise explain(exc, rank, micro_batch) from exc
+        if (auto is None or auto.ahead) and is_oom(exc):
+            raise explain(exc, rank, micro_batch, ahead=auto.ahead_note if auto else "") from exc
         raise

@@ -91,7 +91,7 @@ class Stepper:
         self.accumulation = accumulation
         self.oom = auto_micro_batch  # micro_batch="auto": deferred sync, agreed OOM (`ddpkit.step.oom`)
         if auto_micro_batch is not None:
-            oom.check(strategy or Strategy(), shard, invariant_mode is not None)
+            oom.check(strategy or Strategy(), shard, invariant_mode is not None, auto_micro_batch)
         self.invariant = invariant_mode  # reproducible="any-world": s.invariant.step is the only step
         self.strategy = strategy or Strategy()  # the session's, built once before this stepper
         self.shard = shard  # ddpkit.step.sharding: each rank steps its share of the parameters
@@ -140,7 +140,7 @@ class Stepper:
             self.strategy.expect(model, "s.accumulate")
         block = MicroBatch(self._micro, self.accumulation)
         self._model = model  # not its parameters: listing them each block cost ~4% of a 5 ms GPU step
-        deferred = not block.sync or self.oom is not None  # auto: the gradients reduced in s.step
+        deferred = not block.sync or (self.oom is not None and not self.oom.ahead)  # auto: reduced in s.step
         defer = self.strategy.skip_sync(model) if deferred else contextlib.nullcontext()
         self._block = block
         try:

@@ -30,6 +30,8 @@ torch.compile (`s.model(..., compile=True)`): `wrap_compiling` compiles each uni
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.errors import problem
+from ddpkit.observe import step_memory
 from ddpkit.parallel import cpu_allocator, fsdp_shm
 from ddpkit.parallel.collectives import Ranks, same_everywhere
 from ddpkit.parallel.compiling import CompileBlock
@@ -64,6 +67,16 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
 
 
+@dataclasses.dataclass(frozen=True)
+class Blueprint:
+    """How a model was sharded, without its data: its meta `skeleton` (`observe.step_memory`), the units
+    sharded on their own (names) and `fully_shard`'s keywords (mesh, precision policy, offload)."""
+
+    skeleton: nn.Module
+    units: tuple[str, ...]
+    kwargs: Mapping[str, Any]
+
+
 class FSDP(Strategy):
     name = "fsdp"
     shards_state = True
@@ -79,6 +92,9 @@ class FSDP(Strategy):
         self.precision = precision or FP32  # the one default plan; fp16: refused by `make`
         self._built: dict[int, fsdp_init.Shards] = {}  # modules `build` made, until `wrap` takes them
         self.shm_comms: fsdp_shm.ShmComms | None = None  # the shared-memory collectives, once opened
+        # each wrapped model's meta skeleton, units and policy: what `micro_batch="auto"` rebuilds on fake
+        # tensors to estimate its first step (`ddpkit.training.oom_ahead`); no tensor data is kept
+        self.blueprints: weakref.WeakKeyDictionary[nn.Module, Blueprint] = weakref.WeakKeyDictionary()
 
     def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
         """Run the model factory on the meta device, keeping this rank's shards of its initial weights
@@ -165,6 +181,7 @@ class FSDP(Strategy):
         kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload,
                       reshard_after_forward=opts.reshard_after_forward)  # fmt: skip
         units = self._choose_units(module, opts)
+        self.blueprints[module] = Blueprint(step_memory.skeleton(module), tuple(units), kwargs)
         compiled: list[str] = []
         if compile_block is not None:  # before fully_shard: the torchtitan order (hooks outside the graphs)
             compiled = units or [""]

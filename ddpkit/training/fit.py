@@ -131,7 +131,8 @@ class _Loop:
         self.started_epochs = self.micro_batches = 0
         self.samples = 0  # this rank's samples in the current optimizer step
         self.rows, self.tracked = Window(), Window()  # since the last log row, the last s.log
-        self.blocks = SplitBlocks(s, state.model, state.optimizer, plan.max_norm, self.counted)
+        self.blocks = SplitBlocks(s, state.model, state.optimizer, plan.max_norm, self.counted,
+                                  plan.train_step)  # fmt: skip
         judge = s.stepper.spikes
         self.rollback = judge is not None and judge.guard.remedy == "rollback"
         self.loader: ShardedLoader | None = None  # the training loader, when the rollback reads its position

@@ -29,8 +29,10 @@ from ddpkit import names
 from ddpkit.observe import tracking
 from ddpkit.step import oom
 from ddpkit.step.stepping import MicroBatch
+from ddpkit.training import oom_ahead
 
 ForwardBackward = Callable[[Any, float], torch.Tensor]  # (batch, loss weight) -> the unweighted loss
+TrainStep = Callable[[torch.nn.Module, Any], torch.Tensor]  # fit's train_step(model, batch) -> loss
 
 
 HISTORY_ENV = names.CUDA_MEMORY_HISTORY_ENV  # "0": no allocation history on CUDA ranks under the opt-in
@@ -61,9 +63,11 @@ class SplitBlocks:
     """One loader micro-batch as `s.accumulate` blocks; the step's batches re-run after an agreed OOM."""
 
     def __init__(self, s: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 max_norm: float | None, forward_backward: ForwardBackward) -> None:  # fmt: skip
+                 max_norm: float | None, forward_backward: ForwardBackward,
+                 train_step: TrainStep | None = None) -> None:  # fmt: skip
         self.s, self.model, self.optimizer, self.max_norm = s, model, optimizer, max_norm
         self.forward_backward = forward_backward
+        self.train_step = train_step  # FSDP: the loss the split chosen ahead is estimated with
         self.auto: oom.AutoMicroBatch | None = s.stepper.oom
         self.group: list[Any] = []  # the batches of the optimizer step in progress
         self.history = False  # CUDA: the allocator's history recorded, for the snapshot at an OOM
@@ -75,6 +79,8 @@ class SplitBlocks:
         """Forward and backward of one loader micro-batch (its parts); the loss is the micro-batch's."""
         if self.auto is None:
             return self._blocks(batch)
+        if self.auto.ahead and not self.auto.estimate and self.train_step is not None:
+            oom_ahead.choose(self.s, self.model, self.optimizer, self.train_step, batch)  # once per run
         self.group.append(batch)
         todo = [batch]
         while True:

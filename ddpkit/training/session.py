@@ -394,8 +394,8 @@ def session(
     directory (see `ddpkit.observe.tracking`). `env` and `hardware` default to this process's environment
     and machine. `reproducible="any-world"` with `chunk=`: bitwise any world size (`ddpkit.step.invariant`).
     `launcher`: a detector of your own for a launcher ddpkit does not know (`ddpkit.cluster.environments`).
-    `micro_batch="auto"`: under `ddpkit.fit`, a step that runs out of memory on any rank is dropped on
-    every rank and re-run with the micro-batch halved and the accumulation doubled (`ddpkit.step.oom`).
+    `micro_batch="auto"`: under `ddpkit.fit`, a step out of memory on any rank is re-run on every rank with
+    the micro-batch halved, accumulation doubled (`step.oom`); FSDP: chosen ahead (`training.oom_ahead`).
     `spike_guard=ddpkit.SpikeGuard()`: a step whose loss (under `fit`) or gradient norm stands far above
     its running window is skipped on every rank, decided from values the step already agrees on
     (`ddpkit.step.spikes`).

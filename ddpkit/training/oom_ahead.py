@@ -1,0 +1,227 @@
+"""`micro_batch="auto"` under FSDP and HSDP: the split chosen once, before the first step, from an
+estimate of that step's peak memory on fake tensors.
+
+    with ddpkit.session(micro_batch="auto", strategy="fsdp") as s:
+        ddpkit.fit(s, model, opt, loader, train_step)   # the first batch: estimated, split if needed
+
+Why ahead and not on the failure, as under DDP (`ddpkit.step.oom`): FSDP all-gathers each unit's
+parameters in the forward and the backward, so a rank out of memory part-way leaves its peers inside a
+collective, where no agreement can reach them. So `ddpkit.fit`, at its first loader batch (the first
+time the micro-batch's shape is known), runs this rank's step once on fake tensors: the model rebuilt
+from the meta skeleton FSDP kept at `s.model` (`ddpkit.strategy.fsdp.Blueprint`), sharded with the
+same units and policy over a fake process group of the same ranks (torch's `fake` backend: no data
+moves), the session's optimizer class with its defaults, the user's own `train_step` on a fake copy of
+the batch, under the plan's tracker (`ddpkit.observe.step_memory`, the same as `ddpkit plan --memory`).
+The smallest power of two of parts whose peak, with the allocator's allowance, fits this rank's
+budget is this rank's choice; one all-reduce (max) over the ranks makes it every rank's. The split is
+then the one an out-of-memory error causes under DDP (`AutoMicroBatch.parts`: pieces of n/parts, the
+accumulation times parts, the global batch and the update unchanged), said in one line, logged to the
+trackers (`micro_batch/size`, `micro_batch/parts`, `memory/estimate_mib`, `memory/budget_mib`) and
+saved with the stepper's state, with the estimate: a resumed run starts at it and does not estimate
+again.
+
+The budget: `DDPKIT_STEP_MEMORY_MIB` (MiB a step's tensors may hold) when set; else on CUDA the GPU's
+memory less 1 GiB (the context), on CPU ranks the cgroup limit (`ddpkit.strategy.rank_memory`) less
+400 MiB of runtime; with neither (a CPU rank nothing limits) no estimate is made and nothing is split.
+Cost: one fake build and one fake step per size tried (seconds on a CPU; docs/planning.md), once per
+run; nothing per step. HSDP is estimated as FSDP over its shard group (the replicas' all-reduce of
+the gradients is not counted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit import names
+from ddpkit.observe import step_memory
+from ddpkit.observe.memory_breakdown import Breakdown
+from ddpkit.step import oom
+from ddpkit.strategy import rank_memory
+
+MIB = 1 << 20
+STEP_MEMORY_ENV = names.STEP_MEMORY_ENV
+
+
+def budget(device: torch.device, env: Mapping[str, str]) -> tuple[int | None, float, str]:
+    """Bytes this rank's step may hold, the allocator's allowance on top of the tracked peak, and where
+    the figure comes from; (None, ..) when nothing limits the rank."""
+    raw = env.get(STEP_MEMORY_ENV, "").strip()
+    if raw:
+        try:
+            return int(float(raw) * MIB), step_memory.CPU_ALLOWANCE, STEP_MEMORY_ENV
+        except ValueError:
+            from ddpkit.errors import problem
+
+            raise problem(f"{STEP_MEMORY_ENV}={raw!r} is not a number of MiB",
+                          f"Set e.g. {STEP_MEMORY_ENV}=20000, or unset it") from None  # fmt: skip
+    if device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+        return total - step_memory.CUDA_RESERVED, step_memory.CUDA_ALLOWANCE, "the GPU's memory less 1 GiB"
+    limit = rank_memory.limit_bytes()
+    if limit is None:
+        return None, step_memory.CPU_ALLOWANCE, "no cgroup limit"
+    return limit - step_memory.CPU_RESERVED, step_memory.CPU_ALLOWANCE, "the cgroup limit less 400 MiB"
+
+
+@contextlib.contextmanager
+def fake_group(strategy: Any, world: int) -> Iterator[Any]:
+    """This rank's shard group as a fake process group (torch's `fake` backend) and its 1-D mesh; made by
+    every rank (creating groups is collective), destroyed after."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    size = strategy.shape.mesh[-1][1]  # the shard dimension's size: the world, or HSDP's shard degree
+    groups = [list(range(i, i + size)) for i in range(0, world, size)]
+    mine, made = dist.new_subgroups_by_enumeration(groups, backend="fake")
+    try:
+        yield DeviceMesh.from_group(mine, strategy.shape.device.type)
+    finally:
+        for group in made:
+            dist.destroy_process_group(group)
+
+
+def _fake_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    try:
+        return type(optimizer)(params, **optimizer.defaults)
+    except Exception:  # an optimizer whose constructor takes other arguments: Adam's two states per weight
+        return torch.optim.AdamW(params)
+
+
+def estimates(
+    blueprint: Any,
+    mesh: Any,
+    optimizer: torch.optim.Optimizer,
+    train_step: Callable[[nn.Module, Any], torch.Tensor],
+    pieces: Callable[[int], Any],
+    sizes: list[int],
+    fits: Callable[[Breakdown], bool],
+    forward_context: Callable[[], contextlib.AbstractContextManager],
+    device: torch.device,
+) -> dict[int, Breakdown]:
+    """The tracked peak of one step per number of parts in `sizes`, smallest first, until one `fits`: the
+    model built and sharded once on fake tensors, its optimizer state made, then one tracked step each."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils._pytree import tree_map_only
+
+    out: dict[int, Breakdown] = {}
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        model = step_memory.materialize(blueprint.skeleton, device)
+        kwargs = {**blueprint.kwargs, "mesh": mesh}
+        for name in blueprint.units:
+            fully_shard(model.get_submodule(name), **kwargs)
+        fully_shard(model, **kwargs)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = _fake_optimizer(optimizer, params)
+        step_memory.warm_optimizer(params, opt, None, False)
+        for parts in sizes:
+            batch = tree_map_only(torch.Tensor, mode.from_tensor, pieces(parts))
+            tracker = step_memory.peak_tracker(model, opt, sharded=True)
+            with tracker:
+                with forward_context():
+                    loss = train_step(model, batch)
+                loss.backward()
+                del loss
+                step_memory.owned_update(params, opt, None, False)
+            del batch
+            out[parts] = step_memory.fold(tracker, opt)
+            if fits(out[parts]):
+                break
+    return out
+
+
+def choose(s: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+           train_step: Callable[[nn.Module, Any], torch.Tensor], batch: Any) -> None:  # fmt: skip
+    """Before the first step of a `micro_batch="auto"` session under FSDP: estimate, agree, set the split
+    (`AutoMicroBatch.parts`), say it, log it. Once per run: a session resumed with an estimate skips it."""
+    auto: oom.AutoMicroBatch | None = s.stepper.oom
+    if auto is None or not auto.ahead or auto.estimate:
+        return
+    start = time.perf_counter()
+    n = oom.batch_len(batch)
+    limit, allowance, source = budget(s.device, os.environ)
+    strategy = s.strategy
+    inner = getattr(model, "_orig_mod", model)
+    blueprint = getattr(strategy, "blueprints", {}).get(inner)
+    sizes = [1 << i for i in range(max(1, n).bit_length()) if (1 << i) <= max(1, n)]
+    found: dict[int, Breakdown] = {}
+    why = ""
+    own = 1
+    if limit is not None and blueprint is not None and n > 0 and s.distributed:
+
+        def largest_piece(parts: int) -> Any:
+            return max((p for p, _ in oom.split(batch, parts)), key=oom.batch_len)
+
+        def fits(b: Breakdown) -> bool:
+            return b.with_device(allowance, 0).total <= limit
+
+        try:
+            with fake_group(strategy, s.world_size) as mesh:
+                found = estimates(blueprint, mesh, optimizer, train_step, largest_piece, sizes, fits,
+                                  s.stepper.autocast, s.device)  # fmt: skip
+        except Exception as exc:  # the estimate is advice: a model it cannot run trains as the loader says
+            why = f"the estimate failed ({type(exc).__name__}: {str(exc)[:200]})"
+        fitting = [p for p, b in found.items() if fits(b)]
+        own = min(fitting) if fitting else (max(found) if found else 1)
+        if found and not fitting:
+            why = "even one sample per micro-batch is estimated above the budget"
+    elif blueprint is None:
+        why = "no FSDP blueprint of this model"
+    row = torch.tensor(
+        [float(own), float(found[1].total if 1 in found else 0)], dtype=torch.float64, device=s.device
+    )
+    if s.distributed:
+        dist.all_reduce(row, op=dist.ReduceOp.MAX)  # once per run: every rank takes the largest split
+    parts = int(row[0].item())
+    seconds = time.perf_counter() - start
+    peak = found[min(found, key=lambda p: abs(p - parts))].total if found else 0
+    auto.parts = parts
+    auto.estimate = {"micro_batch": n / parts, "peak": float(peak), "budget": float(limit or 0),
+                     "parts": float(parts), "whole": row[1].item(), "seconds": seconds}  # fmt: skip
+    if parts > 1:
+        auto.splits.append({"step": s.stepper.steps + 1, "parts": parts})
+    s.stepper.accumulation = auto.accumulation
+    auto.ahead_note = note(auto.estimate)
+    _say(s, auto, n, parts, limit, source, row[1].item(), seconds, why)
+
+
+def note(e: Mapping[str, float]) -> str:
+    """The estimate the split was chosen by, as the clause an out-of-memory error adds (`oom.explain`)."""
+    if not e.get("budget"):
+        return (" (FSDP all-gathers in the forward and backward, so ddpkit cannot re-run the step split "
+                "on every rank; no estimate was made before the first step)")  # fmt: skip
+    return (
+        f" (FSDP all-gathers in the forward and backward, so ddpkit cannot re-run the step split on "
+        f"every rank; before the first step it estimated this rank's peak at {e['peak'] / MIB:.0f} MiB "
+        f"for micro-batch {e['micro_batch']:g} against a budget of {e['budget'] / MIB:.0f} MiB and chose "
+        f"{int(e['parts'])} part(s): the step needed more than the estimate)"
+    )
+
+
+def _say(s: Any, auto: oom.AutoMicroBatch, n: int, parts: int, limit: int | None, source: str,
+         whole: float, seconds: float, why: str) -> None:  # fmt: skip
+    what = f"{s.strategy.describe()}, micro_batch='auto'"
+    if limit is None:
+        s.print(f"ddpkit: {what}: no memory budget known for this rank ({source}; set {STEP_MEMORY_ENV}): "
+                f"micro-batches of {n} as the loader gives them")  # fmt: skip
+        return
+    est = (
+        f"the first step estimated on fake tensors at {whole / MIB:.1f} MiB per rank (max over ranks) "
+        f"for micro-batch {n}, budget {limit / MIB:.1f} MiB ({source}, +10% allowance), in {seconds:.1f} s"
+    )
+    if parts == 1:
+        s.print(f"ddpkit: {what}: {est}: no split{f' ({why})' if why else ''}")
+    else:
+        s.print(f"ddpkit: {what}: {est}: each loader micro-batch of {n} runs as {parts} parts of "
+                f"{n / parts:g} (accumulation {auto.base} -> {auto.accumulation}; global batch "
+                f"{n * auto.base * s.world_size} unchanged){f' ({why})' if why else ''}")  # fmt: skip
+    s.log({"micro_batch/size": n / parts, "micro_batch/parts": parts, "memory/estimate_mib": whole / MIB,
+           "memory/budget_mib": limit / MIB}, step=s.stepper.steps)  # fmt: skip
