@@ -128,8 +128,7 @@ class _Loop:
         self.metric_set, self.logger, self.bar, self.monitor = metric_set, logger, bar, monitor
         self.mark = monitor.anatomy.mark
         self.start = self.last_step_end = time.perf_counter()
-        self.started_epochs = self.micro_batches = 0
-        self.samples = 0  # this rank's samples in the current optimizer step
+        self.started_epochs = self.micro_batches = self.samples = 0  # samples: this rank's, this step
         self.rows, self.tracked = Window(), Window()  # since the last log row, the last s.log
         self.blocks = SplitBlocks(s, state.model, state.optimizer, plan.max_norm, self.counted,
                                   plan.train_step)  # fmt: skip
