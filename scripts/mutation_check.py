@@ -1407,6 +1407,14 @@ MUTANTS = [
         "under FSDP over a bf16 base, LoRA A keeps its unrounded fp32 draw: not one process's start",
     ),
     Mutant(
+        "adapters-resume-asks-base",
+        "ddpkit/checkpoint/portable.py",
+        '{k: v for k, v in whole.items() if f"{taken.name}.{k}" in held}',
+        "dict(whole)",
+        ("tests/test_adapters.py::test_adapter_checkpoint_resumes_in_one_process_within_the_floor[fsdp]",),
+        "one process resuming a sharded PEFT checkpoint asks DCP for the frozen base it does not hold",
+    ),
+    Mutant(
         "tokens-count-aliased",
         "ddpkit/step/tokens.py",
         ".reshape(1).clone()  # not the",

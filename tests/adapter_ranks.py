@@ -202,12 +202,14 @@ def train_one_process(kind: str, base: str, how: str, world: int, steps: int = 4
     return states
 
 
-def save_after_two_steps(kind: str, strategy: str, base: str, root: str, options: dict | None = None) -> str | None:
-    """2 steps from the pretrained base, then `s.save(root)`; the checkpoint's path."""
-    with ddpkit.session(seed=0, accumulation=2, verbose=False) as s:
+def save_after_two_steps(kind: str, strategy: str, base: str, root: str, options: dict | None = None,
+                         world: int | None = None) -> str | None:
+    """2 steps from the pretrained base, then `s.save(root)`; the checkpoint's path. `world`: the global
+    batch of a run at that world size (one process saving for a resume on more ranks)."""
+    with ddpkit.session(seed=0, accumulation=2, verbose=False, log_to=None) as s:
         model = s.model(factory(kind, base, "config"), strategy=_options(strategy), weights=base, **(options or {}))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        _steps(s, model, opt, 0, 2)
+        _steps(s, model, opt, 0, 2, world=world)
         saved = s.save(root, model=model, optimizer=opt)
     return None if saved is None else str(saved)
 
@@ -256,3 +258,15 @@ def resume_in_one_process(kind: str, base: str, root: str, world: int, steps: in
         _steps(s, model, opt, 2, steps, world=world)
         return trainable(model)
 
+
+
+def resume_on_ranks(kind: str, strategy: str, base: str, root: str, steps: int = 4) -> dict[str, torch.Tensor]:
+    """Load the checkpoint `root` (saved by one process on this run's global batch) on this session's
+    ranks under `strategy` (FSDP: the whole adapters and AdamW state cut into shards) and run the other
+    steps; the final adapters, gathered."""
+    with ddpkit.session(seed=5, accumulation=2, verbose=False) as s:
+        model = s.model(factory(kind, base, "config"), strategy=_options(strategy), weights=base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        s.load(root, model=model, optimizer=opt)
+        _steps(s, model, opt, 2, steps)
+        return trainable(model)

@@ -278,3 +278,28 @@ def test_an_optimizer_over_the_frozen_base_only_stops_the_first_step(base) -> No
         s.step(opt)  # the same micro-batch's gradients, now stepped
         after = adapter_ranks.trainable(model)
     assert any(not torch.equal(before[n], after[n]) for n in before), "the adapters did not train"
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_adapter_checkpoint_resumes_in_one_process_within_the_floor(pool2, base, tmp_path, strategy) -> None:
+    """Saved by 2 ranks after 2 steps (DDP: whole adapters; FSDP: sharded adapters and AdamW state),
+    resumed by ONE process (another world size; this process, no pool) for the other 2 steps on the same
+    global batches: the adapters end within the floor of one process's 4 uninterrupted steps. What the
+    checkpoint holds (adapters only): the bitwise-resume test above."""
+    root = str(tmp_path / "ckpt")
+    saved = pool2.run(adapter_ranks.save_after_two_steps, "gpt2", strategy, base["gpt2"], root)
+    assert saved[0] is not None
+    resumed = adapter_ranks.resume_in_one_process("gpt2", base["gpt2"], root, world=2)
+    _within_floor(resumed, "gpt2", base["gpt2"], "config", world=2)
+
+
+@pytest.mark.numerics
+def test_one_process_adapter_checkpoint_resumes_under_fsdp2_within_the_floor(pool2, base, tmp_path) -> None:
+    """The other way: one process (this one) saves after 2 steps on the 2-rank global batch, FSDP(2)
+    loads it (whole adapters and AdamW state cut into shards) and runs the other 2 steps."""
+    root = str(tmp_path / "ckpt")
+    assert adapter_ranks.save_after_two_steps("gpt2", "ddp", base["gpt2"], root, world=2) is not None
+    resumed = pool2.run(adapter_ranks.resume_on_ranks, "gpt2", "fsdp", base["gpt2"], root)
+    assert all(torch.equal(resumed[0][n], resumed[1][n]) for n in resumed[0])
+    _within_floor(resumed[0], "gpt2", base["gpt2"], "config", world=2)

@@ -79,6 +79,12 @@ def load(state: dict, checkpoint: Path) -> None:
     dcp_load(state, storage_reader=safe_reader(directory))
 
 
+def saved_keys(checkpoint: Path) -> set[str]:
+    """The flattened names (`model.<key>`, `<optimizer>.state.<key>...`) of what the checkpoint's shards
+    hold, from its metadata (read by `MetadataUnpickler`)."""
+    return set(safe_reader(_checked_metadata(checkpoint)).read_metadata().state_dict_metadata)
+
+
 def _checked_metadata(checkpoint: Path) -> Path:
     """The checkpoint's DCP directory, its metadata read by `MetadataUnpickler` first (refused otherwise)."""
     directory = checkpoint / DIRECTORY

@@ -35,6 +35,7 @@ class Taken:
     name: str
     model: nn.Module
     optimizers: Mapping[str, torch.optim.Optimizer]
+    strategy: Any  # sets the weights (`load_full_state`: a PEFT checkpoint has no frozen base)
 
 
 def take(strategy: Any, parts: dict[str, dict[str, Any]], saved: Mapping[str, list[str]]) -> Taken | None:
@@ -48,27 +49,31 @@ def take(strategy: Any, parts: dict[str, dict[str, Any]], saved: Mapping[str, li
         return None
     model = parts["modules"].pop(model_name)
     optimizers = {n: parts["shared"].pop(n) for n in names if n in parts["shared"]}
-    return Taken(model_name, model, optimizers)
+    return Taken(model_name, model, optimizers, strategy)
 
 
 def load_whole(found: Found, taken: Taken, *, strict: bool) -> None:
-    """Read the DCP shards into the whole model and its optimizers (every rank)."""
+    """Read the DCP shards into the whole model and its optimizers (every rank). The model's tensors the
+    checkpoint holds are read (a PEFT model's: its trainable ones only, the frozen base having come
+    from the pretrained weights at `s.model`), then set by the strategy's `load_full_state`, which
+    refuses a checkpoint lacking one it needs (`strict`)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
-        set_model_state_dict,
         set_optimizer_state_dict,
     )
 
     model = unwrap(taken.model)
     options = StateDictOptions(strict=strict)
-    state: dict[str, Any] = {taken.name: get_model_state_dict(model, options=options)}
+    held = checkpoint_dcp.saved_keys(found.path)
+    whole = get_model_state_dict(model, options=options)
+    state: dict[str, Any] = {taken.name: {k: v for k, v in whole.items() if f"{taken.name}.{k}" in held}}
     for name, opt in taken.optimizers.items():
         state[name] = get_optimizer_state_dict(model, opt, options=options)
     with warnings.catch_warnings():  # one process: DCP says it loads without a process group, as meant
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         checkpoint_dcp.load(state, found.path)  # refuses a planted pickle in the metadata, then DCP's load
-    set_model_state_dict(model, state.pop(taken.name), options=options)
+    taken.strategy.load_full_state(taken.model, state.pop(taken.name), strict=strict)
     for name, opt in taken.optimizers.items():
         set_optimizer_state_dict(model, opt, state[name], options=options)
