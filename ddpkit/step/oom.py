@@ -373,6 +373,7 @@ def check(strategy: Any, shard: bool | str, invariant: bool, auto: AutoMicroBatc
     """Refuse what `micro_batch="auto"` cannot make safe, with the fix; FSDP gets the split ahead."""
     if auto is not None:
         auto.ahead = bool(getattr(strategy, "collective_forward", False))
+        strategy.keep_blueprints = auto.ahead  # FSDP keeps the meta skeleton the estimate rebuilds
     if shard == "gradients" or invariant:
         what = "shard_optimizer='gradients'" if shard == "gradients" else "reproducible='any-world'"
         raise problem(

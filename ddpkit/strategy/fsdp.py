@@ -93,7 +93,9 @@ class FSDP(Strategy):
         self._built: dict[int, fsdp_init.Shards] = {}  # modules `build` made, until `wrap` takes them
         self.shm_comms: fsdp_shm.ShmComms | None = None  # the shared-memory collectives, once opened
         # each wrapped model's meta skeleton, units and policy: what `micro_batch="auto"` rebuilds on fake
-        # tensors to estimate its first step (`ddpkit.training.oom_ahead`); no tensor data is kept
+        # tensors to estimate its first step (`ddpkit.training.oom_ahead`); no tensor data is kept. Taken
+        # only when that option asked for it (`ddpkit.step.oom.check`): a copy per `s.model` otherwise.
+        self.keep_blueprints = False
         self.blueprints: weakref.WeakKeyDictionary[nn.Module, Blueprint] = weakref.WeakKeyDictionary()
 
     def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
@@ -181,7 +183,8 @@ class FSDP(Strategy):
         kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload,
                       reshard_after_forward=opts.reshard_after_forward)  # fmt: skip
         units = self._choose_units(module, opts)
-        self.blueprints[module] = Blueprint(step_memory.skeleton(module), tuple(units), kwargs)
+        if self.keep_blueprints:
+            self.blueprints[module] = Blueprint(step_memory.skeleton(module), tuple(units), kwargs)
         compiled: list[str] = []
         if compile_block is not None:  # before fully_shard: the torchtitan order (hooks outside the graphs)
             compiled = units or [""]
