@@ -53,7 +53,7 @@ with ddpkit.session(seed=0, strategy=sys.argv[3]) as s:
         if s.rank == 0:  # the committing rank dies while its write is in flight
             os.kill(os.getpid(), signal.SIGKILL)
         s.checkpoints.wait()
-    print("STEP", values["step"], flush=True)
+    print(f"STEP {values['step']}", flush=True)  # one string: ranks share the pipe
 """
 
 

@@ -131,11 +131,11 @@ with ddpkit.session(seed=0, verbose=True) as s:
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])  # 64 MiB, 128 MiB of AdamW state
     opt = torch.optim.AdamW(model.parameters())
     values = s.load(url, model=model, optimizer=opt, step=0)
-    print("RESUMED", values["step"], flush=True)
+    print(f"RESUMED {values['step']}", flush=True)  # one string: ranks share the pipe
     if mode == "save":
         s.backward(model(torch.randn(2, 1024)).sum()); s.step(opt)
         s.save(url, model=model, optimizer=opt, step=values["step"] + 1)
-        print("SAVED", values["step"] + 1, flush=True)
+        print(f"SAVED {values['step'] + 1}", flush=True)
 """
 
 

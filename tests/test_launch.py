@@ -222,6 +222,18 @@ def test_device_override_reaches_the_script(tmp_path: Path) -> None:
     assert done.returncode == 0 and "DEVICE cpu" in done.stdout
 
 
+def test_every_ranks_printed_lines_stay_whole_under_unbuffered_output(tmp_path: Path) -> None:
+    # Both ranks write to their launcher's one stdout; with PYTHONUNBUFFERED (set by many CI systems and
+    # by `python -u`) a plain print writes each argument and the newline apart, and lines interleave.
+    script = _script(tmp_path, "import ddpkit\nwith ddpkit.session() as s:\n"
+                               "    for i in range(300):\n        s.print_all('x', i, 'y')\n")  # fmt: skip
+    done = run_cli("run", "--nproc", "2", str(script), timeout=60, env={"PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if "x" in line]
+    torn = [line for line in lines if not re.fullmatch(r"\[rank [01]\] x \d+ y", line)]
+    assert len(lines) == 600 and not torn, torn[:5]
+
+
 def rank_info(offset: int) -> tuple[int, int, int]:
     with ddpkit.session(verbose=False) as s:
         return s.rank, s.world_size, int(s.all_reduce(s.rank + offset).item())
@@ -299,7 +311,7 @@ def test_an_elastic_job_below_its_largest_size_keeps_the_global_batch(
 HANG = """
 import time, ddpkit
 with ddpkit.session() as s:
-    print("rank", s.rank, "hangs", flush=True)
+    print(f"rank {s.rank} hangs", flush=True)
     time.sleep(1000)  # a planted hang: a collective that never comes, a deadlock
 """
 
@@ -316,7 +328,7 @@ def test_a_timed_out_launch_leaves_no_worker_behind(tmp_path: Path) -> None:
         while hanging < 2:  # both ranks reach the hang (pytest's timeout bounds this)
             line = proc.stdout.readline()
             assert line, "the launch ended before its ranks hung"
-            hanging += "hangs" in line
+            hanging += line.count("hangs")  # under PYTHONUNBUFFERED two ranks' lines can share one
         with pytest.raises(subprocess.TimeoutExpired):
             communicate(proc, mark, timeout=1)  # run_cli's wait: the launch is past its limit
     finally:

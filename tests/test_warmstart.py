@@ -20,11 +20,12 @@ import ddpkit
 from ddpkit.cluster.warmstart import client as warm_client
 from ddpkit.names import WARM_START_ENV
 
-# Printed by a script at its first line: whether torch was loaded before it imported anything (warm).
+# Printed by a script at its first line: whether torch was loaded before it imported anything (warm). One
+# write per line: two ranks share a pipe, and under PYTHONUNBUFFERED `print` writes each argument apart.
 PROBE = textwrap.dedent("""
     import os, sys
-    print("warm", "torch" in sys.modules, "argv", sys.argv[1:], "cwd", os.getcwd(), "x", os.environ.get("X"),
-          "main", __name__, flush=True)
+    os.write(1, f"warm {'torch' in sys.modules} argv {sys.argv[1:]} cwd {os.getcwd()} x {os.environ.get('X')} "
+                f"main {__name__}\\n".encode())
 """)
 
 

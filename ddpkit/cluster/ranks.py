@@ -6,7 +6,7 @@ only this (collectives, the strategies' checks) can be given a `RankContext`, no
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -48,18 +48,18 @@ class RankContext:
         return self.plan.distributed
 
     # -- output ---------------------------------------------------------------------------------
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """`print` on global rank 0 only, flushed at once."""
+    def print(self, *args: Any, sep: str = " ", end: str = "\n", file: TextIO | None = None) -> None:
+        """`print` on global rank 0 only, flushed at once, in one write (see `print_all`)."""
         if self.is_main and self.verbose:
             bars = sys.modules.get("tqdm")
-            if bars is not None and getattr(bars.tqdm, "_instances", None) and not kwargs:
-                bars.tqdm.write(" ".join(map(str, args)))  # above the progress bar, not inside it
+            if bars is not None and getattr(bars.tqdm, "_instances", None) and file is None and end == "\n":
+                bars.tqdm.write(sep.join(map(str, args)) + end, end="")  # above the bar; one write
             else:
-                print(*args, **kwargs, flush=True)
+                _write(file or sys.stdout, sep.join(map(str, args)) + end)
 
     def print_all(self, *args: Any) -> None:
         """Print on every rank, prefixed with the global rank (for debugging)."""
-        print(f"[rank {self.rank}]", *args, flush=True)
+        _write(sys.stdout, " ".join([f"[rank {self.rank}]", *map(str, args)]) + "\n")
 
     # -- collectives ----------------------------------------------------------------------------
     def barrier(self) -> None:
@@ -85,3 +85,12 @@ class RankContext:
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable object, in rank order."""
         return collectives.gather_object(self, obj)
+
+
+def _write(stream: TextIO, text: str) -> None:
+    """One write, then a flush. Ranks share their launcher's stdout, and under unbuffered output (`python -u`,
+    PYTHONUNBUFFERED, which many CI systems set) `print` writes each argument and the newline apart, so two
+    ranks' lines (or a rank's and the launcher's) interleave mid-line; a pipe keeps one write of up to 4 KiB
+    whole."""
+    stream.write(text)
+    stream.flush()
