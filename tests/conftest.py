@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,28 @@ def pool3() -> RankPool:
 def pool4() -> RankPool:
     """Four gloo ranks (oversubscribed on 2 cores): world sizes 1, 2 and 4 through subgroups."""
     return _pool(4)
+
+
+@pytest.fixture
+def pool_runner(pool2, pool4):
+    """A `runner(fn, world, args)` for the checks that spawn fresh ranks by default (`ddpkit.verify.resume`,
+    `ddpkit.verify.bitwise`): 2 or 4 ranks from the pools, 1 rank in this process with one thread (as
+    `ddpkit.spawn(threads=1)` would give it). Every run builds its session and state anew either way."""
+
+    def run(fn: Callable[..., Any], world: int, args: tuple) -> list[Any]:
+        if world in (2, 4):
+            return (pool2 if world == 2 else pool4).run(fn, *args, timeout=120)
+        assert world == 1, f"no pool of {world} ranks"
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return [fn(*args)]
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
 
 
 # The warm start (ddpkit.cluster.warmstart): every launch of a test (the `ddpkit` command started by

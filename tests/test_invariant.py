@@ -118,7 +118,7 @@ def test_mlp_cnn_and_gpt_train_the_same_weights_on_1_2_and_4_ranks(pool4):
 
 
 @pytest.mark.numerics
-def test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_own_generator():
+def test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_own_generator(pool_runner):
     """`ddpkit verify --bitwise` as a user runs it: a Noise layer drawing from a generator of its own is
     the first operation whose output differs (global chunk 2, the first chunk of rank 1 at W = 2)."""
     args = ("verify", "--bitwise", "--data", "invariant_models:data", "--optimizer", "adamw", "--steps", "3",
@@ -128,7 +128,7 @@ def test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_ow
     assert "first difference: step 1, global chunk 2: the output of module `2` (Noise), call 3" in noisy.stdout
     spec = VerifySpec(model=invariant_models.mlp, data=invariant_models.data, optimizer="adamw", steps=3,
                       batch_size=16, timeout=100)  # fmt: skip
-    report = bitwise.check(spec, chunk=4)
+    report = bitwise.check(spec, chunk=4, runner=pool_runner)  # the command line above spawned fresh ranks
     assert report.passed, report.render()
     assert "bitwise equal (4 tensors x 3 steps)" in report.render()
     refused = bitwise.check(VerifySpec(model=invariant_models.batchnorm, data=invariant_models.data), chunk=4)

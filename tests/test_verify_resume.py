@@ -107,21 +107,8 @@ def one_rounding_step_off(s, model, optimizer, loader) -> Resumable:
 
 
 @pytest.fixture
-def runner(pool2):
-    """`check`'s runner: 2 ranks from the pool, 1 rank here (one thread, as `ddpkit.spawn` would give it)."""
-
-    def run(fn, world, args):
-        if world == 2:
-            return pool2.run(fn, *args, timeout=120)
-        assert world == 1, world
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return [fn(*args)]
-        finally:
-            torch.set_num_threads(threads)
-
-    return run
+def runner(pool_runner):
+    return pool_runner
 
 
 def test_a_checkpoint_of_everything_resumes_bitwise(runner) -> None:

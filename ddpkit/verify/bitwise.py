@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,9 +127,15 @@ def _batches(spec: VerifySpec, s: Any, mode: invariant.AnyWorld) -> Any:
         step += 1
 
 
-def check(spec: VerifySpec, *, chunk: int = 4) -> BitwiseReport:
+Runner = Callable[[Callable[..., bytes], int, tuple], list[bytes]]
+
+
+def check(spec: VerifySpec, *, chunk: int = 4, runner: Runner | None = None) -> BitwiseReport:
     """Train `spec` in reproducible="any-world" on 1 rank and on `spec.nproc`; compare bit for bit.
-    A chunking the mode refuses (world size, global batch) raises its paragraph before any rank starts."""
+    A chunking the mode refuses (world size, global batch) raises its paragraph before any rank starts.
+
+    `runner(fn, world, args)` -> the ranks' results in rank order (default: `ddpkit.spawn`, fresh
+    processes of one thread each); tests pass their rank pools."""
     invariant.AnyWorld(chunk, rank=0, world_size=spec.nproc).chunks_of(spec.batch_size)
     head = (f"ddpkit verify --bitwise: reproducible='any-world', chunk {chunk}, global batch "
             f"{spec.batch_size}, 1 vs {spec.nproc} rank(s), {spec.steps} step(s)")  # fmt: skip
@@ -137,8 +144,8 @@ def check(spec: VerifySpec, *, chunk: int = 4) -> BitwiseReport:
     except DdpkitError as err:
         return BitwiseReport(False, [head, f"refused: {err}", "verdict: FAIL (not world-size invariant)"],
                              first=str(err))  # fmt: skip
-    runs = [ddpkit.spawn(bitwise_rank, n, (spec, chunk), timeout=spec.timeout, threads=1)
-            for n in (1, spec.nproc)]  # fmt: skip
+    run = runner or (lambda fn, n, args: ddpkit.spawn(fn, n, args, timeout=spec.timeout, threads=1))
+    runs = [run(bitwise_rank, n, (spec, chunk)) for n in (1, spec.nproc)]
     one, many = ([pickle.loads(r) for r in ranks] for ranks in runs)
     return compare(one[0], many, head)
 
