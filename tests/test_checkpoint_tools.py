@@ -220,3 +220,12 @@ def test_convert_holds_one_tensor_at_a_time_not_the_model(pool2, tmp_path: Path)
     assert grew < size / 2, f"grew {grew / 2**20:.1f} MiB for a {size / 2**20:.0f} MiB model"
     with safe_open(str(tmp_path / "big.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"} and len(f.keys()) == 16
+
+
+def test_a_swapped_export_call_is_refused_with_the_order_named(tmp_path: Path) -> None:
+    with ddpkit.session(seed=0, verbose=False) as s:
+        model = s.model(torch.nn.Linear(3, 2))
+        with pytest.raises(ddpkit.DdpkitError, match=r"path first, then the model.*s\.export\('runs/final', model\)"):
+            s.export(model, str(tmp_path / "w.safetensors"))  # type: ignore[arg-type]
+        s.export(str(tmp_path / "w.safetensors"), model)
+    assert set(load_file(tmp_path / "w.safetensors")) == {"weight", "bias"}

@@ -143,6 +143,11 @@ def export(write: Callable[[str | Path, nn.Module], Any], path: str | Path, mode
     from ddpkit.parallel.modules import unwrap
     from ddpkit.strategy import adapters
 
+    if not isinstance(model, nn.Module):  # s.export(model, path): a swapped call, or no model at all
+        swapped = " and a model as the path" if isinstance(path, nn.Module) else ""
+        raise problem(f"s.export got a {type(model).__name__} as the model{swapped}",
+                      "Call s.export(path, model): the path first, then the model, e.g. "
+                      "s.export('runs/final', model)")  # fmt: skip
     target = Path(path)
     inner: Any = unwrap(model)  # a transformers PreTrainedModel (config, generation_config)
     if adapters.is_peft(inner) and target.suffix != ".safetensors":
