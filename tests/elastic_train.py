@@ -1,6 +1,6 @@
 """An elastic run for tests/test_elastic.py, under `ddpkit run --nnodes MIN:MAX` (or `--nproc N`).
 
-    ddpkit run ... tests/elastic_train.py CKPT OUT [--sleep S [--sleep-at-world W]]
+    ddpkit run ... tests/elastic_train.py CKPT OUT [--sleep S [--sleep-at-world W]] [--hold-at-world W]
         [--loop accumulate|step|plain|invariant] [--idiom every|if] [--save-every N] [--strategy NAME]
 
 96 samples, global batch 8, 2 epochs: 24 optimizer steps, a checkpoint after each (--save-every N:
@@ -13,6 +13,8 @@ s.accumulate(model)`, the default), "step" (`s.backward(loss); s.step(opt)`, no 
 "invariant" (`reproducible="any-world", chunk=4`: `s.invariant.step`, 2 chunks per global batch).
 --sleep S pauses S seconds after each step (a node leaves or joins mid-run); with --sleep-at-world W only
 while the world size is W (the steps after the change need no pause: nothing changes again).
+--hold-at-world W: at world size W, after step 8 (--hold-after N), wait until the agent restarts the worker
+(a host joined): the join then happens mid-run however slowly the joining host starts, never after the end.
 Global rank 0 appends "world accumulation step per-rank-batch" to OUT/steps.txt after each optimizer
 step (the accumulation the loop really ran: 1 for "plain") and writes OUT/final.safetensors at the end.
 """
@@ -40,6 +42,8 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--sleep", type=float, default=0.3)
     ap.add_argument("--sleep-at-world", type=int, default=None)
+    ap.add_argument("--hold-at-world", type=int, default=None)
+    ap.add_argument("--hold-after", type=int, default=8)
     ap.add_argument("--loop", choices=("accumulate", "step", "plain", "invariant"), default="accumulate")
     ap.add_argument("--idiom", choices=("every", "if"), default="every")
     ap.add_argument("--save-every", type=int, default=1)
@@ -88,6 +92,8 @@ def main() -> None:
                     s.save(ns.ckpt, **state, step=step)
                 if ns.sleep_at_world in (None, s.world_size):
                     time.sleep(ns.sleep)  # long enough steps for a node to leave or join mid-run
+                while ns.hold_at_world == s.world_size and step >= ns.hold_after:
+                    time.sleep(0.1)  # until the agent's SIGTERM restarts this worker at the new world size
         final = str(Path(ns.out) / "final.safetensors")
         if s.strategy.shards_state:  # FSDP/HSDP: the whole weights gathered from the shards, written by rank 0
             s.export(final, model)

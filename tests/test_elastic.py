@@ -218,8 +218,10 @@ def test_a_joining_host_and_the_job_continues_on_both(hosts, references, tmp_pat
     out, ckpt = _prepare(tmp_path)
     # accumulate: the per-rank batch kept, the loop accumulates 2 at world 1
     keep = ("--elastic-batch", "per-rank") if loop == "accumulate" else ()
-    # The steps pause (0.3 s) at world size 1 only: the host joins mid-run, and nothing changes after.
-    alone = ("--loop", loop, "--sleep-at-world", "1")
+    # Alone, host 0 holds after step 8 until host 1 has joined (its agent restarts the worker): the join
+    # happens mid-run however long host 1 takes to start under load (a pause per step did not ensure it:
+    # at load ~13 host 0 once finished all 24 steps alone). No pause after the join: nothing changes again.
+    alone = ("--loop", loop, "--hold-at-world", "1", "--sleep", "0")
     a = hosts(0, ckpt, out, run_args=keep, args=alone)
     _wait_for(lambda: sum(s[0] == 1 for s in _steps(out)) >= 4, 45, [a], out)
     b, joined = hosts(1, ckpt, out, run_args=keep, args=alone), time.monotonic()
