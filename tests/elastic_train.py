@@ -13,8 +13,8 @@ s.accumulate(model)`, the default), "step" (`s.backward(loss); s.step(opt)`, no 
 "invariant" (`reproducible="any-world", chunk=4`: `s.invariant.step`, 2 chunks per global batch).
 --sleep S pauses S seconds after each step (a node leaves or joins mid-run); with --sleep-at-world W only
 while the world size is W (the steps after the change need no pause: nothing changes again).
---hold-at-world W: at world size W, after step 8 (--hold-after N), wait until the agent restarts the worker
-(a host joined): the join then happens mid-run however slowly the joining host starts, never after the end.
+--hold-at-world W: at world size W, after step 8 (--hold-after N), wait (in barriers) until the world changes
+(a host joins or is lost): the change then comes mid-run however slow the machine is, never after the end.
 Global rank 0 appends "world accumulation step per-rank-batch" to OUT/steps.txt after each optimizer
 step (the accumulation the loop really ran: 1 for "plain") and writes OUT/final.safetensors at the end.
 """
@@ -93,7 +93,11 @@ def main() -> None:
                 if ns.sleep_at_world in (None, s.world_size):
                     time.sleep(ns.sleep)  # long enough steps for a node to leave or join mid-run
                 while ns.hold_at_world == s.world_size and step >= ns.hold_after:
-                    time.sleep(0.1)  # until the agent's SIGTERM restarts this worker at the new world size
+                    # until the world changes: a joining host makes the agent restart this worker (SIGTERM);
+                    # a lost host fails this barrier (as it would the next step's all-reduce), and the agent
+                    # restarts the survivors
+                    s.barrier()
+                    time.sleep(0.1)
         final = str(Path(ns.out) / "final.safetensors")
         if s.strategy.shards_state:  # FSDP/HSDP: the whole weights gathered from the shards, written by rank 0
             s.export(final, model)

@@ -25,7 +25,8 @@ pytestmark = [
 
 @pytest.mark.timeout(280)  # the inner limits, as test_elastic's lost host: 45 + 100 + 45 + 40 s
 def test_an_hsdp_job_that_loses_a_host_resumes_on_the_other(hosts, references, tmp_path: Path) -> None:  # noqa: F811
-    args = ("--loop", "step", "--strategy", "hsdp", "--save-every", "3", "--sleep-at-world", "2")
+    # both hosts hold after step 8 (tests/elastic_train.py) until host 1 is lost: mid-run whatever the load
+    args = ("--loop", "step", "--strategy", "hsdp", "--save-every", "3", "--hold-at-world", "2", "--sleep", "0")
     out, ckpt = _prepare(tmp_path)
     a, b = hosts(0, ckpt, out, args=args), hosts(1, ckpt, out, args=args)
     _wait_for(lambda: sum(s[0] == 2 for s in _steps(out)) >= 4, 45, [a, b], out)
