@@ -210,6 +210,29 @@ def from_collectives(data: dict[str, Any], *, source: str, cores: int) -> Link:
     return Link(name="measured", intra=level, shares_cores=True, cores=cores or data["machine"]["cores"])
 
 
+def two_level(rows: Sequence[dict[str, Any]], *, cores: int, per_node: int = 2) -> Link:
+    """A two-node Link from measured all-reduce times (rows of `level`, `op`, `bytes`, `seconds`):
+    `intra` among a node's `per_node` ranks (its curve kept, as `from_collectives` keeps one machine's),
+    `inter_alone` between one rank per node (the inter-node level at 2 nodes, one NIC per node), as
+    benchmarks/hsdp_step.py measures two hosts in network namespaces on this machine's shared cores."""
+
+    def level(name: str, n: int, source: str) -> Level:
+        points = sorted(
+            (int(r["bytes"]), float(r["seconds"]))
+            for r in rows
+            if r["level"] == name and r["op"] == "all_reduce"
+        )
+        a, b = fit_alpha_beta(points, n)
+        fits, curves = {n: (a, b)}, {n: tuple(points)}
+        return Level(name=f"measured {name}", alpha_s=a, beta_Bps=b, fits=fits, curves=curves, source=source)
+
+    intra = level("intra", per_node, f"gloo all_reduce among a node's {per_node} ranks, measured")
+    inter = level("inter_alone", 2, "gloo all_reduce between one rank per node, measured")
+    return Link(
+        name="measured 2-level", intra=intra, inter=inter, nics_per_node=1, shares_cores=True, cores=cores
+    )
+
+
 def measure(counts: Sequence[int], *, threads: int = 1, max_size: str = "64MB", rounds: int = 3) -> Link:
     """Run `ddpkit bench collectives` (all_reduce only) at each world size in `counts`; fit the link."""
     from ddpkit.bench import collectives
