@@ -75,6 +75,9 @@ class Link:
     shares_cores: bool = False
     cores: int = 0  # with shares_cores: the cores the ranks share
     launch_s: float = 0.0  # fixed cost of every collective (a fit folds it into α)
+    # "gloo" (CPU ranks): its reduce_scatter_tensor, which FSDP2 calls, is an all-reduce of the whole
+    # input (benchmarks/hsdp_step.py: the same time, and the same bytes on the wire); "nccl": a ring.
+    backend: str = "nccl"
 
     def describe(self) -> list[str]:
         lines = []
@@ -95,6 +98,10 @@ class Link:
             lines.append(f"{self.nics_per_node} NIC(s) per node; traffic between nodes shares them")
         if self.launch_s:
             lines.append(f"{self.launch_s * 1e6:g} µs per collective on top ({LAUNCH_SOURCE})")
+        if self.backend == "gloo":
+            lines.append(
+                "gloo: a reduce-scatter costs an all-reduce of its whole input (gloo implements it as one)"
+            )
         return lines
 
 
@@ -207,7 +214,8 @@ def from_collectives(data: dict[str, Any], *, source: str, cores: int) -> Link:
         source=f"all_reduce times from ddpkit bench collectives ({source}): at a measured world size the "
         "measured curve is used (linear between sizes), elsewhere the fit",
     )
-    return Link(name="measured", intra=level, shares_cores=True, cores=cores or data["machine"]["cores"])
+    cores = cores or data["machine"]["cores"]
+    return Link(name="measured", intra=level, shares_cores=True, cores=cores, backend="gloo")
 
 
 def two_level(rows: Sequence[dict[str, Any]], *, cores: int, per_node: int = 2) -> Link:
@@ -229,7 +237,13 @@ def two_level(rows: Sequence[dict[str, Any]], *, cores: int, per_node: int = 2) 
     intra = level("intra", per_node, f"gloo all_reduce among a node's {per_node} ranks, measured")
     inter = level("inter_alone", 2, "gloo all_reduce between one rank per node, measured")
     return Link(
-        name="measured 2-level", intra=intra, inter=inter, nics_per_node=1, shares_cores=True, cores=cores
+        name="measured 2-level",
+        intra=intra,
+        inter=inter,
+        nics_per_node=1,
+        shares_cores=True,
+        cores=cores,
+        backend="gloo",
     )
 
 
