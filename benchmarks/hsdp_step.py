@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -189,8 +190,34 @@ def table(result: dict[str, Any]) -> str:
             f"({p['step_ms'] / m['step_ms'] - 1:+.0%}) | "
             f"{m['link_mb_per_step']:.1f}, {p['slow_link_mb']:.1f} |"
         )
-    lines.append(f"load average: {result['load_start']:.2f} at start, {result['load_end']:.2f} at end")
+    loads = result.get("loads") or [result["load_start"]]
+    lines.append(
+        f"load average {result['load_start']:.2f} at start, {min(loads):.2f}-{max(loads):.2f} after runs "
+        f"({result.get('rounds_done', 0)} round(s))"
+    )
     return "\n".join(lines)
+
+
+def summarise(result: dict[str, Any]) -> None:
+    """Medians over rounds, spreads, link bytes; the prediction from the saved links and profile."""
+    result["measured"] = {
+        name: {
+            "step_ms": statistics.median(v) * 1e3,
+            "spread": (max(v) - min(v)) / statistics.median(v),
+            "rounds_ms": [x * 1e3 for x in v],
+            "link_mb_per_step": statistics.median(result["sent"][name]) / 1e6,
+        }
+        for name, v in result["runs"].items()
+        if v
+    }
+    result["predicted"] = predict(result["links"], result["beside"], result["strategies"], result["cpus"])
+
+
+def save(result: dict[str, Any], path: str | None) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def main() -> int:
@@ -201,101 +228,113 @@ def main() -> int:
     ap.add_argument("--global-batch", type=int, default=24)
     ap.add_argument("--strategies", default="hsdp,fsdp,ddp")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--max-mb", type=float, default=8.0, help="largest message of the link measurement")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--budget-s", type=float, default=540.0, help="start no run after this many seconds")
+    ap.add_argument("--json", default=None, help="results, rewritten after every run")
+    ap.add_argument(
+        "--continue",
+        dest="more",
+        action="store_true",
+        help="add --rounds rounds to --json's (its links and profile kept; same link settings)",
+    )
     ap.add_argument(
         "--predict-from",
         default=None,
         metavar="JSON",
-        help="no measurement: predict again from an earlier run's links and profile, print the table",
+        help="no measurement: predict again from an earlier run's links and profile",
     )
     ns = ap.parse_args()
     if ns.predict_from:
         with open(ns.predict_from) as f:
             result = json.load(f)
-        result["predicted"] = predict(result["links"], result["beside"], result["strategies"], result["cpus"])
+        summarise(result)
         print(table(result))
         return 0
     if os.geteuid() != 0:
         print("needs root (network namespaces, tc)", file=sys.stderr)
         return 2
-    strategies = [s for s in ns.strategies.split(",") if s]
-    result: dict[str, Any] = {
-        "rate": ns.rate,
-        "delay_ms": ns.delay_ms,
-        "workload": ns.workload,
-        "global_batch": ns.global_batch,
-        "load_start": load(),
-        "cpus": os.cpu_count(),
-        "strategies": strategies,
-    }
-    hosts = Hosts(ns.rate, ns.delay_ms)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: still tear the hosts down
+    start = time.monotonic()
+    if ns.more:
+        with open(ns.json) as f:
+            result = json.load(f)
+        result["load_continued"] = load()
+    else:
+        strategies = [s for s in ns.strategies.split(",") if s]
+        result = {
+            "rate": ns.rate,
+            "delay_ms": ns.delay_ms,
+            "workload": ns.workload,
+            "steps": ns.steps,
+            "global_batch": ns.global_batch,
+            "load_start": load(),
+            "cpus": os.cpu_count(),
+            "strategies": strategies,
+            "rounds_done": 0,
+            "runs": {s: [] for s in strategies},
+            "sent": {s: [] for s in strategies},
+            "loads": [],
+        }
+    strategies = result["strategies"]
+    hosts = Hosts(result["rate"], result["delay_ms"])
     with tempfile.TemporaryDirectory(prefix="hsdp-step-") as tmp:
         logs = Path(tmp)
         try:
-            hosts.run(["links", str(logs / "links.json"), "--max-mb", str(ns.max_mb)], logs, "links", 300)
-            rows = json.loads((logs / "links.json").read_text())["rows"]
-            result["links"] = rows
-            result["load_after_links"] = load()
-            result["beside"] = profile_beside(ns.workload, ns.global_batch, ns.steps)
-            result["load_after_profile"] = load()
-            runs: dict[str, list[float]] = {s: [] for s in strategies}
-            sent: dict[str, list[float]] = {}
-            for r in range(ns.rounds):
+            if "links" not in result:
+                hosts.run(["links", str(logs / "links.json"), "--max-mb", str(ns.max_mb)], logs, "links", 300)
+                result["links"] = json.loads((logs / "links.json").read_text())["rows"]
+                result["load_after_links"] = load()
+                result["beside"] = profile_beside(result["workload"], result["global_batch"], result["steps"])
+                result["load_after_profile"] = load()
+                save(result, ns.json)
+            for _ in range(ns.rounds):
+                r = result["rounds_done"]
                 order = strategies[r % len(strategies) :] + strategies[: r % len(strategies)]
                 for name in order:
+                    if time.monotonic() - start > ns.budget_s:
+                        raise TimeoutError(
+                            f"--budget-s {ns.budget_s:g} spent: stopping before {name}, round {r}"
+                        )
                     out = logs / f"train-{name}-{r}.json"
-                    hosts.run(
-                        [
-                            "train",
-                            str(out),
-                            "--strategy",
-                            name,
-                            "--workload",
-                            ns.workload,
-                            "--global-batch",
-                            str(ns.global_batch),
-                            "--steps",
-                            str(ns.steps),
-                        ],
-                        logs,
-                        f"train-{name}-{r}",
-                        400,
-                    )
+                    args = [
+                        "train",
+                        str(out),
+                        "--strategy",
+                        name,
+                        "--workload",
+                        result["workload"],
+                        "--global-batch",
+                        str(result["global_batch"]),
+                        "--steps",
+                        str(result["steps"]),
+                    ]
+                    hosts.run(args, logs, f"train-{name}-{r}", 300)
                     got = json.loads(out.read_text())
-                    runs[name].append(statistics.median(got["steps_s"]))
-                    sent.setdefault(name, []).append(got["link_bytes_per_step"])
-                    if r == 0:
-                        text = (logs / f"train-{name}-{r}.host0.log").read_text()
-                        text += (logs / f"train-{name}-{r}.host1.log").read_text()
-                        result.setdefault("startup_lines", {})[name] = [
-                            line
-                            for line in text.splitlines()
-                            if "strategy" in line
-                            or "shared memory" in line
-                            or "HSDP" in line
-                            or "FSDP" in line
-                        ][:8]
-                    print(f"round {r} {name}: {runs[name][-1] * 1e3:.0f} ms (load {load():.2f})", flush=True)
+                    result["runs"][name].append(statistics.median(got["steps_s"]))
+                    result["sent"][name].append(got["link_bytes_per_step"])
+                    result["loads"].append(load())
+                    if name not in result.setdefault("startup_lines", {}):
+                        text = "".join((logs / f"train-{name}-{r}.host{i}.log").read_text() for i in (0, 1))
+                        keys = ("strategy", "shared memory", "HSDP", "FSDP")
+                        result["startup_lines"][name] = [
+                            ln for ln in text.splitlines() if any(k in ln for k in keys)
+                        ]
+                    print(
+                        f"round {r} {name}: {result['runs'][name][-1] * 1e3:.0f} ms (load {load():.2f})",
+                        flush=True,
+                    )
+                    save(result, ns.json)
+                result["rounds_done"] = r + 1
+                save(result, ns.json)
+        except TimeoutError as err:
+            print(err, flush=True)
         finally:
             hosts.close()
     result["load_end"] = load()
-    result["measured"] = {
-        name: {
-            "step_ms": statistics.median(v) * 1e3,
-            "spread": (max(v) - min(v)) / statistics.median(v),
-            "rounds_ms": [x * 1e3 for x in v],
-            "link_mb_per_step": statistics.median(sent[name]) / 1e6,
-        }
-        for name, v in runs.items()
-    }
-    result["predicted"] = predict(result["links"], result["beside"], strategies, os.cpu_count() or 1)
+    summarise(result)
+    save(result, ns.json)
     print(table(result))
-    if ns.json:
-        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
-        with open(ns.json, "w") as f:
-            json.dump(result, f, indent=1)
     return 0
 
 

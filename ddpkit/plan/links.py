@@ -284,7 +284,8 @@ def load(
     intra: str | None = None,
     nics_per_node: int | None = None,
 ) -> Link:
-    """`--link` as given: a preset name, `measured` (measure now) or `measured:collectives.json`."""
+    """`--link` as given: a preset name, `measured` (measure now) or `measured:collectives.json` (or the
+    JSON of benchmarks/hsdp_step.py: a two-level link, 2 ranks per node)."""
     if spec == "measured":
         return measure(sorted({n for n in counts if n >= 2}) or [2], threads=threads)
     if spec.startswith("measured:"):
@@ -297,6 +298,8 @@ def load(
                 f"cannot read {path!r} for --link measured: {err}",
                 "Pass the collectives.json written by ddpkit bench collectives",
             ) from err
+        if "links" in data:  # benchmarks/hsdp_step.py's output: two hosts, each level measured
+            return two_level(data["links"], cores=data.get("cpus") or os.cpu_count() or 1)
         return from_collectives(data, source=path, cores=data.get("machine", {}).get("cores", 0))
     return preset(spec, intra=intra, nics_per_node=nics_per_node)
 
