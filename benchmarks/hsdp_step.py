@@ -11,7 +11,9 @@ runs `ddpkit run --nnodes 2 --nproc 2` (4 CPU ranks, 1 thread each, all on this 
    host (2 ranks) and between the hosts (one rank per host), `benchmarks/hsdp_step_worker.py links`;
    fitted with `ddpkit.plan.links` into a two-level `Link` (`links.two_level`).
 2. Compute, as `ddpkit plan --contention measured` profiles it: 4 ranks computing side by side, no
-   communication (`ddpkit.plan.profile.measure(ranks=4)`).
+   communication (`ddpkit.plan.profile.measure(ranks=4)`), once per round in the rotation below (the
+   machine's load moves the compute by 2x between minutes here), the median profile used, as
+   `ddpkit plan --repeats` does.
 3. The prediction: `Planner.predict(4, Options(strategy=...))` on 2 nodes x 2 ranks for HSDP 2x2,
    FSDP over 4 and DDP over 4.
 4. The measurement: each strategy's step (`s.backward; s.step`, median of rank 0's timed steps) in
@@ -141,7 +143,7 @@ def profile_beside(spec: str, global_batch: int, steps: int) -> dict[str, Any]:
 
 
 def predict(
-    link_rows: list[dict[str, Any]], beside_data: dict[str, Any], strategies: list[str], cores: int
+    link_rows: list[dict[str, Any]], profiles: list[dict[str, Any]], strategies: list[str], cores: int
 ) -> dict[str, Any]:
     """What `ddpkit plan` predicts for 2 nodes x 2 ranks from the measured links and profile."""
     from ddpkit.plan import links, profile
@@ -149,7 +151,7 @@ def predict(
     from ddpkit.plan.simulate import Options
 
     link = links.two_level(link_rows, cores=cores)
-    beside = profile.Profile.from_dict(beside_data)
+    beside = profile.median_of([profile.Profile.from_dict(d) for d in profiles])  # as --repeats does
     per_rank = beside.batch
     pl = Planner(
         profiles={per_rank: beside}, link=link, per_node=2, beside={4: beside}, batches={4: per_rank}
@@ -210,7 +212,7 @@ def summarise(result: dict[str, Any]) -> None:
         for name, v in result["runs"].items()
         if v
     }
-    result["predicted"] = predict(result["links"], result["beside"], result["strategies"], result["cpus"])
+    result["predicted"] = predict(result["links"], result["profiles"], result["strategies"], result["cpus"])
 
 
 def save(result: dict[str, Any], path: str | None) -> None:
@@ -275,6 +277,7 @@ def main() -> int:
             "runs": {s: [] for s in strategies},
             "sent": {s: [] for s in strategies},
             "loads": [],
+            "profiles": [],
         }
     strategies = result["strategies"]
     hosts = Hosts(result["rate"], result["delay_ms"])
@@ -285,17 +288,25 @@ def main() -> int:
                 hosts.run(["links", str(logs / "links.json"), "--max-mb", str(ns.max_mb)], logs, "links", 300)
                 result["links"] = json.loads((logs / "links.json").read_text())["rows"]
                 result["load_after_links"] = load()
-                result["beside"] = profile_beside(result["workload"], result["global_batch"], result["steps"])
-                result["load_after_profile"] = load()
                 save(result, ns.json)
             for _ in range(ns.rounds):
                 r = result["rounds_done"]
-                order = strategies[r % len(strategies) :] + strategies[: r % len(strategies)]
+                items = ["profile", *strategies]  # the compute profile rotates with the runs: the same load
+                order = items[r % len(items) :] + items[: r % len(items)]
                 for name in order:
                     if time.monotonic() - start > ns.budget_s:
                         raise TimeoutError(
                             f"--budget-s {ns.budget_s:g} spent: stopping before {name}, round {r}"
                         )
+                    if name == "profile":
+                        result["profiles"].append(
+                            profile_beside(result["workload"], result["global_batch"], result["steps"])
+                        )
+                        p = result["profiles"][-1]
+                        ms = (p["forward_s"] + p["backward_s"] + p["optimizer_s"]) * 1e3
+                        print(f"round {r} profile: compute {ms:.0f} ms (load {load():.2f})", flush=True)
+                        save(result, ns.json)
+                        continue
                     out = logs / f"train-{name}-{r}.json"
                     args = [
                         "train",
