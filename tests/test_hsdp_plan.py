@@ -141,3 +141,15 @@ def test_ddp_across_nodes_on_busy_cores_waits_for_the_wire_beside_the_backward()
     assert q.step_s == pytest.approx(0.05 + max(backward + sum(cpu), end))
     assert q.step_s < 0.05 + backward + sum(wire)  # the old serial sum
     assert q.comm_s == pytest.approx(sum(wire))
+
+
+def test_the_two_host_benchmark_gives_validation_rows() -> None:
+    """benchmarks/hsdp_step.py's JSON as rows of the plan's validation table (python -m ddpkit.plan.validate)."""
+    from ddpkit.plan.validate import markdown, two_hosts
+
+    result = {"workload": "gpt", "global_batch": 24, "strategies": ["hsdp", "ddp"],
+              "measured": {"hsdp": {"step_ms": 4000.0, "spread": 0.2}, "ddp": {"step_ms": 2000.0, "spread": 0.1}},
+              "predicted": {"hsdp": {"step_ms": 3600.0}, "ddp": {"step_ms": 2500.0}}}  # fmt: skip
+    text = markdown(two_hosts(result), ["plan"])
+    assert "| gpt24 HSDP 2x2, 2 hosts | 4 | 4000.0 (±10%) | 3600.0 (-10%) |" in text, text
+    assert "| gpt24 DDP 4, 2 hosts | 4 | 2000.0 (±5%) | 2500.0 (+25%) |" in text, text
