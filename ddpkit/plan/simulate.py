@@ -27,7 +27,8 @@ CPU ranks on one machine share its cores: compute slows by max(1, ranks·threads
 the profile is taken with n ranks computing at once (`profile.measure(ranks=n)`), which also captures
 shared memory bandwidth and hyper-threads, and how long the slowest rank keeps the others waiting
 (added to the step); when no core is left over for the communication threads, communication cannot
-overlap compute (it is added).
+overlap compute (it is added), except the wait on the wire of DDP's all-reduce between nodes (only its
+copies, the all-reduce at one node's speed, are added; `_stream_on_busy_cores`).
 """
 
 from __future__ import annotations
