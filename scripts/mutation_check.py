@@ -1160,6 +1160,22 @@ MUTANTS = [
         "`ddpkit plan --strategy hsdp` leaves the all-reduce of the shards between nodes out of the step",
     ),
     Mutant(
+        "plan-gloo-reduce-scatter-as-ring",
+        "ddpkit/plan/simulate.py",
+        '        if self.link.backend == "gloo":\n            return self.allreduce(nbytes)[0]',
+        "        if False:  # mutant: gloo's reduce-scatter costed as a ring's\n            return 0.0",
+        ("tests/test_hsdp_plan.py::test_on_gloo_a_reduce_scatter_costs_an_all_reduce_so_fsdp_sends_four_passes",),
+        "`ddpkit plan` costs FSDP2's reduce-scatter on gloo as a ring's, half of what gloo sends",
+    ),
+    Mutant(
+        "plan-ddp-wire-serial-on-busy-cores",
+        "ddpkit/plan/simulate.py",
+        '    elif opts.strategy == "ddp" and cluster.nodes > 1:',
+        '    elif False:  # mutant: DDP\'s wire time across nodes added to the backward on busy cores',
+        ("tests/test_hsdp_plan.py::test_ddp_across_nodes_on_busy_cores_waits_for_the_wire_beside_the_backward",),
+        "`ddpkit plan` adds DDP's all-reduce between nodes to the backward when the cores are busy",
+    ),
+    Mutant(
         "oom-one-rank-retries-alone",
         "ddpkit/step/oom.py",
         "            dist.all_reduce(flags)",

@@ -5,6 +5,8 @@ HSDP's shape in its memory line. Pure: the cost model on synthetic profiles and 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from test_plan import MB, _link, _profile
 
@@ -80,3 +82,74 @@ def test_bench_tune_names_the_hsdp_shape_where_a_node_share_fits(state_gb, nodes
 
     named, text = memory_line(verdict(int(state_gb * 1e9), int(8e9), 4), nodes, 4)
     assert named == shape and says in text, text
+
+
+def _two_hosts() -> links.Link:
+    """What benchmarks/hsdp_step.py measures: gloo all-reduces inside a host (2 ranks, ~1 GB/s) and between
+    one rank per host over a 200 Mbit/s link, t = 2(n-1)·α + 2(n-1)/n·S/β at n = 2, fitted back."""
+
+    def rows(level: str, alpha: float, beta: float) -> list[dict]:
+        sizes = (64 * 1024, MB, 4 * MB, 8 * MB)
+        return [{"level": level, "op": "all_reduce", "bytes": s, "seconds": 2 * alpha + s / beta} for s in sizes]
+
+    return links.two_level([*rows("intra", 300e-6, 1e9), *rows("inter_alone", 1e-3, 25e6)], cores=2)
+
+
+def test_a_two_host_link_fits_each_level_and_is_gloo() -> None:
+    link = _two_hosts()
+    assert link.intra.at(2) == pytest.approx((300e-6, 1e9), rel=1e-6)
+    assert link.inter is not None and link.inter.at(2) == pytest.approx((1e-3, 25e6), rel=1e-6)
+    assert link.backend == "gloo" and link.nics_per_node == 1
+    assert any("reduce-scatter costs an all-reduce" in line for line in link.describe())
+
+
+def test_on_gloo_a_reduce_scatter_costs_an_all_reduce_so_fsdp_sends_four_passes() -> None:
+    """gloo's reduce_scatter_tensor (FSDP2's) all-reduces the whole input and keeps a chunk: measured on two
+    hosts (benchmarks/hsdp_step.py) it takes the all-reduce's time, and FSDP(4) sent 63.7 MB per node per
+    step for 21.2 MB of parameters, 4 x 3/4, not the ring's 3 x 3/4. NCCL's is a ring: an all-gather's cost."""
+    gloo, nccl = _two_hosts(), links.preset("eth-100g")
+    for link in (gloo, nccl):
+        cluster = Cluster(n=4, per_node=2, link=link)
+        want = cluster.allreduce(8 * MB)[0] if link.backend == "gloo" else cluster.allgather(8 * MB)
+        assert cluster.reduce_scatter(8 * MB) == pytest.approx(want)
+    cluster = Cluster(n=4, per_node=2, link=gloo)
+    p = _profile([0.01, 0.02], [MB, 8 * MB], forward=0.05, backward=0.1)
+    fsdp, hsdp = step(p, cluster, Options(strategy="fsdp")), step(p, cluster, Options(strategy="hsdp"))
+    assert fsdp.slow_link_bytes == pytest.approx(4 * 3 / 4 * 9 * MB)
+    assert hsdp.slow_link_bytes == pytest.approx(9 * MB)  # the shard all-reduce: 2 x 1/2 of S per node
+    assert fsdp.comm_s == pytest.approx(sum(2 * cluster.allgather(s) + cluster.allreduce(s)[0] for s in (MB, 8 * MB)))
+    inside, across = Cluster(n=2, per_node=2, link=gloo), Cluster(n=2, per_node=1, link=gloo)
+    want = sum(2 * inside.allgather(s) + inside.allreduce(s)[0] + across.allreduce(s)[0] for s in (MB, 8 * MB))
+    assert hsdp.comm_s == pytest.approx(want)
+    assert across.allreduce(8 * MB)[0] == pytest.approx(2e-3 + 8 * MB / 25e6, rel=1e-3)  # the slow link's β
+
+
+def test_ddp_across_nodes_on_busy_cores_waits_for_the_wire_beside_the_backward() -> None:
+    """4 CPU ranks on 2 cores (no core left over): DDP's all-reduce over the slow link is mostly waiting on
+    the wire, which gloo's threads do beside the backward; only its copies (the same all-reduce at one
+    node's speed) take the cores. So the step is the backward plus the copies, or the wire's end if later,
+    not backward + all-reduce (measured: 2144 ms against 3428 predicted when it was added)."""
+    cluster = Cluster(n=4, per_node=2, link=_two_hosts())
+    one_node = Cluster(n=4, per_node=4, link=_two_hosts())
+    backward = 0.1
+    p = _profile([0.05, backward], [MB, 8 * MB], forward=0.05, backward=backward, optimizer=0.0)
+    p = replace(p, ranks=4)  # profiled 4 side by side: the times as they are, no straggler
+    q = step(p, cluster, Options(strategy="ddp"))
+    wire = [cluster.allreduce(s)[0] for s in (MB, 8 * MB)]
+    cpu = [one_node.allreduce(s)[0] for s in (MB, 8 * MB)]
+    end = max(0.05 + wire[0], backward + cpu[0]) + wire[1]  # the second bucket starts after the first
+    assert q.step_s == pytest.approx(0.05 + max(backward + sum(cpu), end))
+    assert q.step_s < 0.05 + backward + sum(wire)  # the old serial sum
+    assert q.comm_s == pytest.approx(sum(wire))
+
+
+def test_the_two_host_benchmark_gives_validation_rows() -> None:
+    """benchmarks/hsdp_step.py's JSON as rows of the plan's validation table (python -m ddpkit.plan.validate)."""
+    from ddpkit.plan.validate import markdown, two_hosts
+
+    result = {"workload": "gpt", "global_batch": 24, "strategies": ["hsdp", "ddp"],
+              "measured": {"hsdp": {"step_ms": 4000.0, "spread": 0.2}, "ddp": {"step_ms": 2000.0, "spread": 0.1}},
+              "predicted": {"hsdp": {"step_ms": 3600.0}, "ddp": {"step_ms": 2500.0}}}  # fmt: skip
+    text = markdown(two_hosts(result), ["plan"])
+    assert "| gpt24 HSDP 2x2, 2 hosts | 4 | 4000.0 (±10%) | 3600.0 (-10%) |" in text, text
+    assert "| gpt24 DDP 4, 2 hosts | 4 | 2000.0 (±5%) | 2500.0 (+25%) |" in text, text

@@ -131,7 +131,9 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
                 got = profile.measure(spec, [batches[n]], ranks=n, threads=threads, steps=ns.steps,
                                       repeats=ns.repeats)  # fmt: skip
                 beside[n] = got[batches[n]]
-    per_node = max(counts) if measured else ns.gpus_per_node
+    per_node = ns.gpus_per_node
+    if measured:  # one machine's ranks; or two measured hosts, a node being the ranks measured together
+        per_node = max(counts) if link.inter is None else min(link.intra.fits)
     sharded = ns.sharded_step == "on" or (ns.sharded_step == "auto" and link.shares_cores)
     opts = Options(
         bucket_cap_mb=ns.bucket_cap_mb,

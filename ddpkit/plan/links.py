@@ -75,6 +75,9 @@ class Link:
     shares_cores: bool = False
     cores: int = 0  # with shares_cores: the cores the ranks share
     launch_s: float = 0.0  # fixed cost of every collective (a fit folds it into α)
+    # "gloo" (CPU ranks): its reduce_scatter_tensor, which FSDP2 calls, is an all-reduce of the whole
+    # input (benchmarks/hsdp_step.py: the same time, and the same bytes on the wire); "nccl": a ring.
+    backend: str = "nccl"
 
     def describe(self) -> list[str]:
         lines = []
@@ -95,6 +98,10 @@ class Link:
             lines.append(f"{self.nics_per_node} NIC(s) per node; traffic between nodes shares them")
         if self.launch_s:
             lines.append(f"{self.launch_s * 1e6:g} µs per collective on top ({LAUNCH_SOURCE})")
+        if self.backend == "gloo":
+            lines.append(
+                "gloo: a reduce-scatter costs an all-reduce of its whole input (gloo implements it as one)"
+            )
         return lines
 
 
@@ -207,7 +214,37 @@ def from_collectives(data: dict[str, Any], *, source: str, cores: int) -> Link:
         source=f"all_reduce times from ddpkit bench collectives ({source}): at a measured world size the "
         "measured curve is used (linear between sizes), elsewhere the fit",
     )
-    return Link(name="measured", intra=level, shares_cores=True, cores=cores or data["machine"]["cores"])
+    cores = cores or data["machine"]["cores"]
+    return Link(name="measured", intra=level, shares_cores=True, cores=cores, backend="gloo")
+
+
+def two_level(rows: Sequence[dict[str, Any]], *, cores: int, per_node: int = 2) -> Link:
+    """A two-node Link from measured all-reduce times (rows of `level`, `op`, `bytes`, `seconds`):
+    `intra` among a node's `per_node` ranks (its curve kept, as `from_collectives` keeps one machine's),
+    `inter_alone` between one rank per node (the inter-node level at 2 nodes, one NIC per node), as
+    benchmarks/hsdp_step.py measures two hosts in network namespaces on this machine's shared cores."""
+
+    def level(name: str, n: int, source: str) -> Level:
+        points = sorted(
+            (int(r["bytes"]), float(r["seconds"]))
+            for r in rows
+            if r["level"] == name and r["op"] == "all_reduce"
+        )
+        a, b = fit_alpha_beta(points, n)
+        fits, curves = {n: (a, b)}, {n: tuple(points)}
+        return Level(name=f"measured {name}", alpha_s=a, beta_Bps=b, fits=fits, curves=curves, source=source)
+
+    intra = level("intra", per_node, f"gloo all_reduce among a node's {per_node} ranks, measured")
+    inter = level("inter_alone", 2, "gloo all_reduce between one rank per node, measured")
+    return Link(
+        name="measured 2-level",
+        intra=intra,
+        inter=inter,
+        nics_per_node=1,
+        shares_cores=True,
+        cores=cores,
+        backend="gloo",
+    )
 
 
 def measure(counts: Sequence[int], *, threads: int = 1, max_size: str = "64MB", rounds: int = 3) -> Link:
@@ -247,7 +284,8 @@ def load(
     intra: str | None = None,
     nics_per_node: int | None = None,
 ) -> Link:
-    """`--link` as given: a preset name, `measured` (measure now) or `measured:collectives.json`."""
+    """`--link` as given: a preset name, `measured` (measure now) or `measured:collectives.json` (or the
+    JSON of benchmarks/hsdp_step.py: a two-level link, 2 ranks per node)."""
     if spec == "measured":
         return measure(sorted({n for n in counts if n >= 2}) or [2], threads=threads)
     if spec.startswith("measured:"):
@@ -260,6 +298,8 @@ def load(
                 f"cannot read {path!r} for --link measured: {err}",
                 "Pass the collectives.json written by ddpkit bench collectives",
             ) from err
+        if "links" in data:  # benchmarks/hsdp_step.py's output: two hosts, each level measured
+            return two_level(data["links"], cores=data.get("cpus") or os.cpu_count() or 1)
         return from_collectives(data, source=path, cores=data.get("machine", {}).get("cores", 0))
     return preset(spec, intra=intra, nics_per_node=nics_per_node)
 

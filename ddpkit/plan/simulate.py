@@ -7,6 +7,7 @@ nccl-tests' PERFORMANCE.md for the bus-bandwidth factors):
     tree all-reduce      2·depth·α + 2·S/β              reduce up and broadcast down a pipelined tree
     all-gather (ring)    (n-1)·α + (n-1)/n · S/β        S = the gathered (full) size
     reduce-scatter       (n-1)·α + (n-1)/n · S/β        S = the input (full) size
+                         (gloo, CPU ranks: an all-reduce of S; its reduce_scatter_tensor is one)
 
 Across nodes (g ranks per node, m nodes) the latencies follow NCCL's tuning model (src/graph/tuning.cc):
 a ring pays the network's α on its 2(m-1) steps that cross nodes and the node's α on the others; a
@@ -26,7 +27,8 @@ CPU ranks on one machine share its cores: compute slows by max(1, ranks·threads
 the profile is taken with n ranks computing at once (`profile.measure(ranks=n)`), which also captures
 shared memory bandwidth and hyper-threads, and how long the slowest rank keeps the others waiting
 (added to the step); when no core is left over for the communication threads, communication cannot
-overlap compute (it is added).
+overlap compute (it is added), except the wait on the wire of DDP's all-reduce between nodes (only its
+copies, the all-reduce at one node's speed, are added; `_stream_on_busy_cores`).
 """
 
 from __future__ import annotations
@@ -118,6 +120,13 @@ class Cluster:
         latency = (self.n - m) * a_in + (m - 1) * a_out
         return self.link.launch_s + latency + ring_allgather(nbytes, self.n, 0.0, beta)
 
+    def reduce_scatter(self, nbytes: float) -> float:
+        """A reduce-scatter of an `nbytes` input: a ring's (n-1)/n of it, as an all-gather (NCCL); on gloo
+        an all-reduce of all of it (its reduce_scatter_tensor reduces everything, then keeps a chunk)."""
+        if self.link.backend == "gloo":
+            return self.allreduce(nbytes)[0]
+        return self.allgather(nbytes)
+
     def compute_slowdown(self, threads: int) -> float:
         """How much slower each rank computes because the ranks share this machine's cores."""
         if not self.link.shares_cores or not self.link.cores:
@@ -195,6 +204,25 @@ def _stream(ready: list[float], costs: list[float]) -> float:
     return end
 
 
+def _stream_on_busy_cores(
+    p: Profile, cluster: Cluster, buckets: list[Bucket], costs: list[float], opts: Options
+) -> float:
+    """DDP's all-reduces across nodes when no core is left over: only their work on the cores (the same
+    all-reduce inside one node, memory speed) takes it from the backward; the rest of each is waiting
+    on the wire, which gloo's threads do beside the backward (two hosts over a 200 Mbit/s link: DDP's
+    31.7 MB per node per step took 0.2 s more than its compute, not 1.3 s; benchmarks/hsdp_step.py)."""
+    one_node = replace(cluster, per_node=cluster.n)
+    cpu = [
+        min(c, sum(one_node.allreduce(nb)[0] for nb in bucket_bytes(p, b, opts)))
+        for b, c in zip(buckets, costs, strict=True)
+    ]
+    shifted, taken = [], 0.0
+    for b, c in zip(buckets, cpu, strict=True):
+        shifted.append(b.ready_s + taken)  # the backward is later by the copies run before this bucket
+        taken += c
+    return max(p.backward_s + sum(cpu), _stream(shifted, costs))
+
+
 def step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
     """Predict one optimizer step on `cluster.n` ranks of `profile.batch` samples each."""
     n = cluster.n
@@ -209,14 +237,15 @@ def step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
     forward_comm = 0.0
     if opts.strategy in ("fsdp", "hsdp"):
         # All-gather each unit's parameters before use (forward and again in backward, prefetched one
-        # unit ahead), reduce-scatter its gradients when ready: 3 x (n-1)/n x S against DDP's 2.
+        # unit ahead), reduce-scatter its gradients when ready: 3 x (n-1)/n x S against DDP's 2 (on
+        # gloo the reduce-scatter is an all-reduce: 4 x (n-1)/n x S).
         # HSDP: the same inside each node (the shard group, on the node's links), then one all-reduce of
         # each unit's gradient shard across the nodes: a node's shards together are S bytes, sent
         # through the node's NICs (modelled as one all-reduce of S between the nodes).
         shard = cluster if opts.strategy == "fsdp" else replace(cluster, n=min(cluster.per_node, n))
         across = replace(cluster, n=cluster.nodes, per_node=1) if opts.strategy == "hsdp" else None
         gathers = [shard.allgather(b.bytes) for b in buckets]
-        costs = [g + shard.allgather(b.bytes) for g, b in zip(gathers, buckets, strict=True)]
+        costs = [g + shard.reduce_scatter(b.bytes) for g, b in zip(gathers, buckets, strict=True)]
         if across is not None:
             replicas = [across.allreduce(b.bytes) for b in buckets]
             costs = [c + t for c, (t, _) in zip(costs, replicas, strict=True)]
@@ -244,6 +273,8 @@ def step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
         comm_end, comm, forward_end = 0.0, 0.0, p.forward_s
     elif cluster.overlaps(profile.threads):
         comm_end = _stream(ready, costs)
+    elif opts.strategy == "ddp" and cluster.nodes > 1:
+        comm_end = _stream_on_busy_cores(p, cluster, buckets, costs, opts)
     else:  # no core left for communication: it runs instead of compute, not beside it
         comm_end = p.backward_s + sum(costs)
         forward_end = p.forward_s + forward_comm
@@ -276,14 +307,16 @@ def slow_link_bytes(cluster: Cluster, strategy: str, nbytes: float) -> float:
     """Bytes each node sends between nodes per step for `nbytes` of gradients (parameters alike), on
     rings: a ring over all n ranks crosses out of each node once, carrying (n-1)/n of the data per
     all-gather or reduce-scatter (DDP's all-reduce is both: 2; FSDP's step is 3: two all-gathers and a
-    reduce-scatter); HSDP crosses only with its all-reduce of the node's shards between the m nodes,
-    2 (m-1)/m of the data. 0 on one node."""
+    reduce-scatter, 4 on gloo, whose reduce-scatter is an all-reduce); HSDP crosses only with its
+    all-reduce of the node's shards between the m nodes, 2 (m-1)/m of the data. 0 on one node."""
     m, n = cluster.nodes, cluster.n
     if m <= 1:
         return 0.0
     if strategy == "hsdp":
         return 2 * (m - 1) / m * nbytes
-    return (3 if strategy == "fsdp" else 2) * (n - 1) / n * nbytes
+    if strategy == "fsdp":
+        return (4 if cluster.link.backend == "gloo" else 3) * (n - 1) / n * nbytes
+    return 2 * (n - 1) / n * nbytes
 
 
 def with_efficiency(preds: list[Prediction], base: Prediction) -> list[Prediction]:

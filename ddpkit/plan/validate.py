@@ -9,6 +9,10 @@ divisible by 1, 2, 3 and 4:
     ddpkit bench scaling --workload ddpkit.plan.validate:mlp48 --max-nproc 4 --buckets 25 \\
         --hooks allreduce --out runs/scaling-mlp
     python -m ddpkit.plan.validate runs/scaling-mlp/scaling.json plan=runs/plan-mlp.json
+
+HSDP across two hosts (benchmarks/hsdp_step.py measures and predicts; `two_hosts` gives its rows):
+
+    python -m ddpkit.plan.validate runs/hsdp_step.json
 """
 
 from __future__ import annotations
@@ -58,6 +62,27 @@ def compare(plans: dict[str, dict[str, Any]], scaling: dict[str, Any]) -> list[d
     return rows
 
 
+def two_hosts(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of benchmarks/hsdp_step.py's JSON (two hosts of 2 ranks over a limited link: HSDP 2x2,
+    FSDP 4, DDP 4, each measured and predicted) in `compare`'s form, labelled "plan"."""
+    names = {"hsdp": "HSDP 2x2", "fsdp": "FSDP 4", "ddp": "DDP 4"}
+    rows = []
+    for name in result["strategies"]:
+        m, p = result["measured"].get(name), result["predicted"].get(name)
+        if m is None or p is None:
+            continue
+        rows.append(
+            {
+                "workload": f"{result['workload']}{result['global_batch']} {names.get(name, name)}, 2 hosts",
+                "n": 4,
+                "measured_ms": m["step_ms"],
+                "spread": m["spread"],
+                "plan": {"ms": p["step_ms"], "error": p["step_ms"] / m["step_ms"] - 1},
+            }
+        )
+    return rows
+
+
 def markdown(rows: list[dict[str, Any]], labels: list[str]) -> str:
     head = (
         "| workload | N | measured ms (spread) | " + " | ".join(f"{lb}: ms (error)" for lb in labels) + " |"
@@ -78,6 +103,9 @@ if (
 ):  # python -m ddpkit.plan.validate scaling.json label=plan.json [label=plan.json ...]
     with open(sys.argv[1]) as f:
         scaling_data = json.load(f)
+    if "links" in scaling_data:  # python -m ddpkit.plan.validate hsdp_step.json (benchmarks/hsdp_step.py)
+        print(markdown(two_hosts(scaling_data), ["plan"]))
+        sys.exit(0)
     plans = {}
     for arg in sys.argv[2:]:
         label, _, path = arg.partition("=")
