@@ -71,7 +71,7 @@ LABS = REPO / "examples" / "notebooks"
 @pytest.mark.timeout(300)
 def test_the_course_labs_run_top_to_bottom(tmp_path: Path, name: str, expect: str) -> None:
     # The labs run real benchmarks and traces (fresh launches of 1 and 2 ranks): lab 02 took 48 s in a CI
-    # run at load ~2, 77 s at load ~4 and passed its old 105 s bound at load ~10. The bounds guard against a
+    # run at load ~2, 77 s at load ~4 and ran past its old 105 s bound at load ~10. The bounds guard against a
     # hang, not the machine's speed: 240 s a cell, 270 s in all, under pytest's 300 s.
     nb, seconds = execute(LABS / name, tmp_path, cell_timeout=240, budget=270)
     out = text_of(nb)
