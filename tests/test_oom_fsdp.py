@@ -185,6 +185,26 @@ def test_an_estimate_that_fails_trains_unsplit_and_says_why_and_how(generous, po
     assert diff < FLOOR, f"a failed estimate changed the training by {diff:.2e}"
 
 
+def test_the_failed_estimate_is_named_in_the_users_terms() -> None:
+    """What fake tensors cannot run, as the one line says it: a value read, a shape from the data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ddpkit.training import oom_ahead
+
+    said = {}
+    for name, step in {"read": lambda x: x.sum().item(), "mask": lambda x: x[x > 0]}.items():
+        with FakeTensorMode() as mode:
+            x = mode.from_tensor(torch.randn(4, 3))
+            with pytest.raises(RuntimeError) as err:
+                step(x)
+        said[name] = oom_ahead.failure(err.value)
+    assert said["read"].startswith("DataDependentOutputException: aten._local_scalar_dense"), said
+    assert "reads a tensor's value (.item()" in said["read"], said
+    assert said["mask"].startswith("DynamicOutputShapeException: aten.nonzero"), said
+    assert "makes a shape from the data (a boolean mask" in said["mask"], said
+    assert "\n" not in oom_ahead.failure(ValueError("first line\n  second line")), "not one line"
+
+
 def test_a_real_oom_under_fsdp_says_the_estimate_it_split_by() -> None:
     """Under FSDP no agreement can follow a rank out of its collectives: an out-of-memory error in a step
     stays the one-paragraph error (the launcher ends the peers), now with the estimate that was wrong."""

@@ -27,8 +27,12 @@ Cost: one fake build and one fake step per size tried (seconds on a CPU; docs/pl
 run; nothing per step. A step fake tensors cannot run (`.item()` or an `if` on a tensor in `train_step`,
 a shape made from the data, an operator without a fake kernel) is advice lost, not an error: 1 part,
 said in one line with the fake-tensor error and the split by hand (the session's accumulation doubled),
-and an out-of-memory error later names it. HSDP is estimated as FSDP over its shard group (the
-replicas' all-reduce of the gradients is not counted).
+and an out-of-memory error later names it. HSDP is estimated as FSDP over its shard group: its
+all-reduce across the replicas adds no tensor memory (torch 2.13's FSDP2, `foreach_reduce` in
+`_fsdp_collectives.py`: `dist.all_reduce(reduce_output, group=all_reduce_group)` runs in place on the
+reduce-scatter's output, which, reduced in fp32 as ddpkit's precision policies do, becomes the sharded
+gradients themselves; `ddpkit plan --memory --strategy hsdp` runs that all-reduce on a 2-D fake mesh
+and gets the same peak to the byte, tests/test_plan_memory.py).
 """
 
 from __future__ import annotations
