@@ -2,6 +2,7 @@
 
     python benchmarks/plan_memory.py      # every row: 3 models x ddp/fsdp x AC off/on x 2, 4 ranks
     python benchmarks/plan_memory.py --nproc 2 --models gpt --json runs/plan_memory.json
+    python benchmarks/plan_memory.py --nproc 4 --strategies hsdp --shard-degree 2   # HSDP 2 x 2
 
 Each row launches real ranks (`torch.distributed.run --standalone`, gloo, 1 thread each) that train
 with `ddpkit.session` exactly the step the estimate runs on fake tensors: the same model factory,
@@ -76,9 +77,14 @@ def rank_main(case: dict, out: str) -> None:
         world=case["world"],
         device_kind="cpu",
         activation_checkpointing=case["ac"],
+        shard_degree=case.get("shard"),
     )
     spec = memory.resolve_model(job)
-    strategy = FSDPOptions(shm=False) if case["strategy"] == "fsdp" else "ddp"
+    strategy: str | FSDPOptions = FSDPOptions(shm=False) if case["strategy"] == "fsdp" else "ddp"
+    if case["strategy"] == "hsdp":  # forced on one machine: replicate world/shard x shard
+        from ddpkit.strategy.hsdp_options import HSDPOptions
+
+        strategy = HSDPOptions(replicate=case["world"] // case["shard"], shard=case["shard"], shm=False)
     with ddpkit.session(seed=0, strategy=strategy, shard_optimizer=False) as s:
         ac = None
         if case["ac"]:
@@ -207,6 +213,7 @@ def estimate(case: dict) -> dict:
         world=case["world"],
         device_kind="cpu",
         activation_checkpointing=case["ac"],
+        shard_degree=case.get("shard"),
     )
     start = time.perf_counter()
     b = memory.estimate(job)
@@ -219,7 +226,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
+    p.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp", "hsdp"])
+    p.add_argument("--shard-degree", type=int, default=2, help="hsdp: ranks per shard group")
     p.add_argument("--ac", nargs="+", default=["off", "on"], choices=["off", "on"])
     p.add_argument("--allocator", choices=list(ALLOCATORS), default="exact")
     p.add_argument("--json", default=None)
@@ -256,6 +264,8 @@ def main() -> None:
                         "ac": ac_class if ac == "on" else None,
                         "track": ns.track,
                     }
+                    if strategy == "hsdp":
+                        case["shard"] = ns.shard_degree
                     row = {"name": name, **case, **estimate(case), **measure(case, ns.allocator)}
                     row["error"] = row["estimate"] / row["measured"] - 1
                     row["allocator_error"] = row["estimate"] / row["allocator"] - 1
@@ -270,8 +280,10 @@ def main() -> None:
                         Path(ns.json).write_text(json.dumps({"rows": rows, "load": load}, indent=2))
                     real = row["tracked_real"]
                     mib = {k: row[k] / 2**20 for k in ("estimate", "allocator", "measured", "base")}
+                    shard = ns.shard_degree
+                    shown = f"hsdp {n // shard}x{shard}" if strategy == "hsdp" else strategy
                     print(
-                        f"| {name} | {strategy} | {ac} | {n} | {case['micro_batch']} | "
+                        f"| {name} | {shown} | {ac} | {n} | {case['micro_batch']} | "
                         f"{mib['estimate']:.1f} | {mib['allocator']:.1f} | {row['allocator_error']:+.1%} | "
                         f"{mib['measured']:.1f} | {row['error']:+.1%} | "
                         f"{mib['measured'] - mib['allocator']:.1f} | {mib['base']:.1f} | "

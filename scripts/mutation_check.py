@@ -1208,6 +1208,22 @@ MUTANTS = [
         "the split chosen ahead under FSDP halves the micro-batch without doubling the accumulation",
     ),
     Mutant(
+        "oom-ahead-estimate-failure-raises",
+        "ddpkit/training/oom_ahead.py",
+        "        except Exception as exc:  # the estimate is advice",
+        "        except ImportError as exc:  # mutant: a failed fake step crashes; the estimate is advice",
+        ("tests/test_oom_fsdp.py::test_an_estimate_that_fails_trains_unsplit_and_says_why_and_how",),
+        "micro_batch='auto' under FSDP crashes when its train_step cannot run on fake tensors (e.g. .item())",
+    ),
+    Mutant(
+        "oom-ahead-estimate-failure-silent",
+        "ddpkit/training/oom_ahead.py",
+        "        _say_failed(s, auto, n, unestimated, failed)\n        return\n",
+        "        return  # mutant: a failed estimate trains unsplit without a word\n",
+        ("tests/test_oom_fsdp.py::test_an_estimate_that_fails_trains_unsplit_and_says_why_and_how",),
+        "micro_batch='auto' under FSDP trains unsplit, saying nothing, when its estimate fails",
+    ),
+    Mutant(
         "oom-ahead-sync-deferred",
         "ddpkit/step/stepping.py",
         "        deferred = not block.sync or (self.oom is not None and not self.oom.ahead)",

@@ -11,6 +11,9 @@ read back), then 80 % of the estimated whole step, which only the half micro-bat
 
 from __future__ import annotations
 
+import contextlib
+import io
+import math
 import os
 from pathlib import Path
 
@@ -39,21 +42,35 @@ def _dataset() -> TensorDataset:
     return TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g))
 
 
+def _loss(m: nn.Module, b: list[torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(m(b[0]), b[1])
+
+
+def _loss_read(m: nn.Module, b: list[torch.Tensor]) -> torch.Tensor:
+    """The same loss, read as a number in the step (a NaN guard): fake tensors hold no value to read."""
+    loss = F.cross_entropy(m(b[0]), b[1])
+    if not math.isfinite(loss.item()):
+        raise FloatingPointError("the loss is not finite")
+    return loss
+
+
 def train_fsdp(per_rank: int, k: int, budget_mib: float | None, auto: bool = True,
-               ckpt: str | None = None) -> dict:  # fmt: skip
+               ckpt: str | None = None, reads: bool = False) -> dict:  # fmt: skip
     """fit under FSDP with `per_rank` samples per loader micro-batch, accumulation k and the step budget
-    `budget_mib` (None: unset); the full weights after it, the split and the estimate."""
+    `budget_mib` (None: unset); the full weights after it, the split and the estimate. `reads`: the
+    train_step calls `.item()` (its estimate fails), and the session's lines are returned."""
     old = os.environ.pop(STEP_MEMORY_ENV, None)
     if budget_mib is not None:
         os.environ[STEP_MEMORY_ENV] = f"{budget_mib:.3f}"
     rec = Recorder()
+    out = io.StringIO()
     try:
-        with ddpkit.session(seed=0, accumulation=k, strategy="fsdp", verbose=False, log_to=rec,
-                            micro_batch="auto" if auto else None) as s:  # fmt: skip
+        with contextlib.redirect_stdout(out), ddpkit.session(seed=0, accumulation=k, strategy="fsdp",
+                verbose=reads, log_to=rec, micro_batch="auto" if auto else None) as s:  # fmt: skip
             model = s.model(_mlp)
             opt = torch.optim.AdamW(model.parameters(), lr=0.01)
             loader = s.loader(_dataset(), batch_size=per_rank * s.world_size * k, shuffle=True)
-            result = ddpkit.fit(s, model, opt, loader, lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+            result = ddpkit.fit(s, model, opt, loader, _loss_read if reads else _loss,
                                 max_steps=STEPS, progress=False, flops=None)  # fmt: skip
             if ckpt is not None:
                 s.save(ckpt, model=model, optimizer=opt, stepper=s.stepper)
@@ -66,6 +83,8 @@ def train_fsdp(per_rank: int, k: int, budget_mib: float | None, auto: bool = Tru
                 "estimate": dict(auto_state.estimate) if auto_state else None,
                 "splits": list(auto_state.splits) if auto_state else None,
                 "logged": [v for _, v in rec.seen if "micro_batch/parts" in v],
+                "said": [line for line in out.getvalue().splitlines() if "micro_batch='auto'" in line],
+                "note": auto_state.ahead_note if auto_state else "",
             }
     finally:
         os.environ.pop(STEP_MEMORY_ENV, None)
@@ -84,8 +103,7 @@ def resume_fsdp(ckpt: str, budget_mib: float) -> dict:
             s.load(ckpt, model=model, optimizer=opt, stepper=s.stepper)
             loaded = (s.stepper.oom.parts, s.stepper.accumulation)
             loader = s.loader(_dataset(), batch_size=PER_RANK * s.world_size)
-            ddpkit.fit(s, model, opt, loader, lambda m, b: F.cross_entropy(m(b[0]), b[1]),
-                       max_steps=STEPS + 1, progress=False, flops=None)  # fmt: skip
+            ddpkit.fit(s, model, opt, loader, _loss, max_steps=STEPS + 1, progress=False, flops=None)  # fmt: skip
             return {"loaded": loaded, "parts": s.stepper.oom.parts, "estimate": dict(s.stepper.oom.estimate)}
     finally:
         os.environ.pop(STEP_MEMORY_ENV, None)
@@ -142,6 +160,49 @@ def test_a_small_budget_splits_ahead_and_equals_the_smaller_loader_batch(generou
     for r in resumed:
         assert r["loaded"] == (2, 2) and r["parts"] == 2, r
         assert r["estimate"]["budget"] == got[0]["estimate"]["budget"], "estimated again after the resume"
+
+
+def test_an_estimate_that_fails_trains_unsplit_and_says_why_and_how(generous, pool2) -> None:
+    """A train_step fake tensors cannot run (`.item()` on the loss: a NaN guard) under a budget that
+    would split: the run neither crashes nor splits silently: 1 part on both ranks, one line on rank 0
+    naming the fake-tensor error and the hand split (accumulation=2 for micro-batches of 128), and the
+    weights of plain FSDP (the generous run's, checked equal to plain FSDP above)."""
+    whole = max(r["estimate"]["whole"] for r in generous) / 2**20
+    got = pool2.run(train_fsdp, PER_RANK, 1, 0.8 * whole, True, None, True, timeout=120)
+    for r in got:
+        assert r["steps"] == STEPS and r["parts"] == 1 and r["accumulation"] == 1 and r["splits"] == [], r
+        assert r["estimate"]["failed"] == 2 and r["estimate"]["peak"] == 0, r["estimate"]
+        note = r["note"]
+        assert "the estimate before the first step failed (DataDependentOutputException" in note, note
+    said = got[0]["said"]
+    print(said[0] if said else "nothing said")
+    assert len(said) == 1 and got[1]["said"] == [], (said, got[1]["said"])
+    assert "could not be estimated on fake tensors (DataDependentOutputException" in said[0], said
+    assert ".item()" in said[0] and "no split, micro-batches of 256" in said[0], said
+    assert "accumulation=2 (micro-batches of 128 for the same global batch 512)" in said[0], said
+    assert [(v["micro_batch/size"], v["micro_batch/parts"]) for v in got[0]["logged"]] == [(PER_RANK, 1)]
+    diff = _diff(got[0]["params"], generous[0]["params"])
+    assert diff < FLOOR, f"a failed estimate changed the training by {diff:.2e}"
+
+
+def test_the_failed_estimate_is_named_in_the_users_terms() -> None:
+    """What fake tensors cannot run, as the one line says it: a value read, a shape from the data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ddpkit.training import oom_ahead
+
+    said = {}
+    for name, step in {"read": lambda x: x.sum().item(), "mask": lambda x: x[x > 0]}.items():
+        with FakeTensorMode() as mode:
+            x = mode.from_tensor(torch.randn(4, 3))
+            with pytest.raises(RuntimeError) as err:
+                step(x)
+        said[name] = oom_ahead.failure(err.value)
+    assert said["read"].startswith("DataDependentOutputException: aten._local_scalar_dense"), said
+    assert "reads a tensor's value (.item()" in said["read"], said
+    assert said["mask"].startswith("DynamicOutputShapeException: aten.nonzero"), said
+    assert "makes a shape from the data (a boolean mask" in said["mask"], said
+    assert "\n" not in oom_ahead.failure(ValueError("first line\n  second line")), "not one line"
 
 
 def test_a_real_oom_under_fsdp_says_the_estimate_it_split_by() -> None:

@@ -65,6 +65,10 @@ def test_fsdp_and_the_sharded_step_divide_model_state_by_the_world_size() -> Non
     assert two.parameters == 2 * four.parameters
     hsdp = estimate(_job(strategy="hsdp", world=4, shard_degree=2))  # 2 replicas of 2 shards
     assert hsdp.parameters == two.parameters and hsdp.optimizer_state == two.optimizer_state
+    # FSDP2's HSDP all-reduces the reduce-scatter's output in place, and that output is the sharded
+    # gradient (fp32 reduce): the whole step, run through that all-reduce on the 2-D mesh, holds to the
+    # byte what FSDP over the shard group holds, which is how micro_batch="auto" estimates HSDP
+    assert hsdp.as_dict() == two.as_dict(), (hsdp.as_dict(), two.as_dict())
     zero1 = estimate(_job(strategy="zero1", world=2))
     assert zero1.parameters == 4 * count and zero1.gradients == 4 * count  # replicated, as DDP
     # rank 0 owns the largest tensor (256x128) and, greedily, what keeps the ranks' loads level

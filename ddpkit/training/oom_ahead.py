@@ -24,8 +24,15 @@ The budget: `DDPKIT_STEP_MEMORY_MIB` (MiB a step's tensors may hold) when set; e
 memory less 1 GiB (the context), on CPU ranks the cgroup limit (`ddpkit.strategy.rank_memory`) less
 400 MiB of runtime; with neither (a CPU rank nothing limits) no estimate is made and nothing is split.
 Cost: one fake build and one fake step per size tried (seconds on a CPU; docs/planning.md), once per
-run; nothing per step. HSDP is estimated as FSDP over its shard group (the replicas' all-reduce of
-the gradients is not counted).
+run; nothing per step. A step fake tensors cannot run (`.item()` or an `if` on a tensor in `train_step`,
+a shape made from the data, an operator without a fake kernel) is advice lost, not an error: 1 part,
+said in one line with the fake-tensor error and the split by hand (the session's accumulation doubled),
+and an out-of-memory error later names it. HSDP is estimated as FSDP over its shard group: its
+all-reduce across the replicas adds no tensor memory (torch 2.13's FSDP2, `foreach_reduce` in
+`_fsdp_collectives.py`: `dist.all_reduce(reduce_output, group=all_reduce_group)` runs in place on the
+reduce-scatter's output, which, reduced in fp32 as ddpkit's precision policies do, becomes the sharded
+gradients themselves; `ddpkit plan --memory --strategy hsdp` runs that all-reduce on a 2-D fake mesh
+and gets the same peak to the byte, tests/test_plan_memory.py).
 """
 
 from __future__ import annotations
@@ -141,7 +148,10 @@ def estimates(
 def choose(s: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
            train_step: Callable[[nn.Module, Any], torch.Tensor], batch: Any) -> None:  # fmt: skip
     """Before the first step of a `micro_batch="auto"` session under FSDP: estimate, agree, set the split
-    (`AutoMicroBatch.parts`), say it, log it. Once per run: a session resumed with an estimate skips it."""
+    (`AutoMicroBatch.parts`), say it, log it. Once per run: a session resumed with an estimate skips it.
+    An estimate that fails (a `train_step` fake tensors cannot run: `.item()`, a shape made from the data,
+    an operator without a fake kernel) is advice lost, not an error: 1 part, said in one line with why
+    and how to split by hand."""
     auto: oom.AutoMicroBatch | None = s.stepper.oom
     if auto is None or not auto.ahead or auto.estimate:
         return
@@ -154,6 +164,7 @@ def choose(s: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
     sizes = [1 << i for i in range(max(1, n).bit_length()) if (1 << i) <= max(1, n)]
     found: dict[int, Breakdown] = {}
     why = ""
+    failed = ""  # why this rank made no estimate although a budget is known
     own = 1
     if limit is not None and blueprint is not None and n > 0 and s.distributed:
 
@@ -167,37 +178,76 @@ def choose(s: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
             with fake_group(strategy, s.world_size) as mesh:
                 found = estimates(blueprint, mesh, optimizer, train_step, largest_piece, sizes, fits,
                                   s.stepper.autocast, s.device)  # fmt: skip
-        except Exception as exc:  # the estimate is advice: a model it cannot run trains as the loader says
-            why = f"the estimate failed ({type(exc).__name__}: {str(exc)[:200]})"
+        except Exception as exc:  # the estimate is advice: a step it cannot run trains as the loader says
+            found, failed = {}, failure(exc)
         fitting = [p for p, b in found.items() if fits(b)]
         own = min(fitting) if fitting else (max(found) if found else 1)
         if found and not fitting:
             why = "even one sample per micro-batch is estimated above the budget"
-    elif blueprint is None:
-        why = "no FSDP blueprint of this model"
-    row = torch.tensor(
-        [float(own), float(found[1].total if 1 in found else 0)], dtype=torch.float64, device=s.device
-    )
+    elif limit is not None:
+        failed = ("no FSDP blueprint of this model" if blueprint is None else
+                  "an empty micro-batch" if n <= 0 else "not a distributed run")  # fmt: skip
+    row = torch.zeros(2 + s.world_size, dtype=torch.float64, device=s.device)
+    row[0], row[1] = float(own), float(found[1].total if 1 in found else 0)
+    row[2 + s.rank] = 1.0 if failed else 0.0  # which ranks made no estimate: every rank's line names them
     if s.distributed:
         dist.all_reduce(row, op=dist.ReduceOp.MAX)  # once per run: every rank takes the largest split
     parts = int(row[0].item())
+    unestimated = [r for r in range(s.world_size) if row[2 + r] > 0]
     seconds = time.perf_counter() - start
     peak = found[min(found, key=lambda p: abs(p - parts))].total if found else 0
     auto.parts = parts
     auto.estimate = {"micro_batch": n / parts, "peak": float(peak), "budget": float(limit or 0),
-                     "parts": float(parts), "whole": row[1].item(), "seconds": seconds}  # fmt: skip
+                     "parts": float(parts), "whole": row[1].item(), "seconds": seconds,
+                     "failed": float(len(unestimated))}  # fmt: skip
     if parts > 1:
         auto.splits.append({"step": s.stepper.steps + 1, "parts": parts})
     s.stepper.accumulation = auto.accumulation
-    auto.ahead_note = note(auto.estimate)
+    auto.ahead_note = note(auto.estimate, failed)
+    if unestimated and len(unestimated) == s.world_size:
+        _say_failed(s, auto, n, unestimated, failed)
+        return
+    if unestimated:  # some ranks estimated: theirs is the split (FSDP's ranks hold alike)
+        lost = f"rank(s) {unestimated} could not estimate{f' ({failed})' if failed else ''}"
+        why = f"{why}; {lost}" if why else lost
     _say(s, auto, n, parts, limit, source, row[1].item(), seconds, why)
 
 
-def note(e: Mapping[str, float]) -> str:
+# What a fake tensor cannot do, in the user's terms (torch._subclasses.fake_tensor's exceptions).
+_CANNOT = {
+    "DataDependentOutputException": "train_step reads a tensor's value (.item(), .tolist(), an `if` on a "
+    "tensor), which fake tensors do not hold",
+    "DynamicOutputShapeException": "train_step makes a shape from the data (a boolean mask, nonzero, "
+    "unique), which fake tensors cannot know",
+    "UnsupportedOperatorException": "an operator in the step has no fake-tensor kernel",
+}
+
+
+def failure(exc: BaseException) -> str:
+    """Why the fake step failed, in one line: the exception's type, its first line, and what it means."""
+    first = (str(exc).strip().splitlines() or [""])[0][:160]
+    name = type(exc).__name__
+    return f"{name}: {first}" + (f"; {_CANNOT[name]}" if name in _CANNOT else "")
+
+
+def _say_failed(s: Any, auto: oom.AutoMicroBatch, n: int, ranks: list[int], failed: str) -> None:
+    """The one line of an estimate that could not be made on any rank: 1 part, why, and the hand split."""
+    what = f"{s.strategy.describe()}, micro_batch='auto'"
+    why = failed or f"rank {ranks[0]}'s fake step failed"
+    s.print(f"ddpkit: {what}: the first step could not be estimated on fake tensors ({why}): no split, "
+            f"micro-batches of {n} as the loader gives them; to split by hand, run the session with "
+            f"accumulation={2 * auto.base} (micro-batches of {max(1, n // 2)} for the same global batch "
+            f"{n * auto.base * s.world_size})")  # fmt: skip
+    s.log({"micro_batch/size": n, "micro_batch/parts": 1}, step=s.stepper.steps)
+
+
+def note(e: Mapping[str, float], failed: str = "") -> str:
     """The estimate the split was chosen by, as the clause an out-of-memory error adds (`oom.explain`)."""
-    if not e.get("budget"):
+    if not e.get("budget") or not e.get("peak"):
+        made = f"the estimate before the first step failed ({failed})" if failed else (
+            "no estimate was made before the first step")  # fmt: skip
         return (" (FSDP all-gathers in the forward and backward, so ddpkit cannot re-run the step split "
-                "on every rank; no estimate was made before the first step)")  # fmt: skip
+                f"on every rank; {made})")  # fmt: skip
     return (
         f" (FSDP all-gathers in the forward and backward, so ddpkit cannot re-run the step split on "
         f"every rank; before the first step it estimated this rank's peak at {e['peak'] / MIB:.0f} MiB "
