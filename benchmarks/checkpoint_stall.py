@@ -99,9 +99,9 @@ def main(s, width: int, rounds: int, strategy: str = "ddp") -> None:
     def spread(v: list[float]) -> str:
         return f"{statistics.median(v):.2f} s [{min(v):.2f}..{max(v):.2f}]"
 
-    s.print(f"checkpoint_stall: {strategy}, {s.world_size} rank(s) x {torch.get_num_threads()} thread(s), windows of "
-            f"{width} steps, {rounds} rounds; window without a save {spread(window['none'])}, step "
-            f"{step_med * 1e3:.0f} ms; load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")  # fmt: skip
+    s.print(f"checkpoint_stall: {strategy}, {s.world_size} rank(s) x {torch.get_num_threads()} thread(s), "
+            f"windows of {width} steps, {rounds} rounds; window without a save {spread(window['none'])}, "
+            f"step {step_med * 1e3:.0f} ms; load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")  # fmt: skip
     for kind in ("sync", "thread", "process"):
         med = statistics.median(lost[kind])
         s.print(f"  {kind:8s} lost {spread(lost[kind])} = {100 * med / sync:.0f}% of sync; in the call "

@@ -88,12 +88,12 @@ def process_writer(directory: Path, process: Any) -> Any:
             self.entries: dict[str, Any] = {}
 
         def write_data(self, plan: Any, planner: Any) -> Future:
-            name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"  # FileSystemWriter's name, one file per rank
+            name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"  # FileSystemWriter's: one file per rank
             byte_items = [w for w in plan.items if w.type == WriteItemType.BYTE_IO]  # first, as DCP does
             items = byte_items + [w for w in plan.items if w.type != WriteItemType.BYTE_IO]
             answer = process.write_shards(directory / name, [planner.resolve_data(w) for w in items])
-            results = [WriteResult(index=w.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
-                       for w, (offset, length) in zip(items, answer["spans"], strict=True)]  # fmt: skip
+            results = [WriteResult(index=w.index, size_in_bytes=n, storage_data=_StorageInfo(name, offset, n))
+                       for w, (offset, n) in zip(items, answer["spans"], strict=True)]  # fmt: skip
             self.entries[f"{DIRECTORY}/{name}"] = {"bytes": answer["bytes"], "sha256": answer["sha256"]}
             done: Future = Future()
             done.set_result(results)
