@@ -1,5 +1,6 @@
-"""Background saves under FSDP (copied shards, saved by the writer thread with DCP) and the pinned CPU copy: real torchrun, gloo ranks,
-a real SIGKILL while DCP's thread writes."""
+"""Background saves under FSDP (copied shards, saved by the writer thread with DCP; with background="process"
+each rank's DCP file written by its writer process) and the pinned CPU copy: real torchrun and the shared
+gloo rank pools, a real SIGKILL while DCP's thread writes, and of a writer process mid-save."""
 
 from __future__ import annotations
 
@@ -178,10 +179,12 @@ def process_save(root: str) -> dict:
                 "file": mine.stat().st_size, "path": str(path)}  # fmt: skip
 
 
+# The writer process imports torch at its first FSDP save, at idle priority: slow on a loaded machine.
+@pytest.mark.timeout(240)
 def test_a_process_save_under_fsdp_is_written_by_the_writer_process_and_resumes_bitwise(pool2, tmp_path: Path) -> None:
     from ddpkit.checkpoint.inspect import report
 
-    ranks = pool2.run(process_save, str(tmp_path / "ck"))
+    ranks = pool2.run(process_save, str(tmp_path / "ck"), timeout=180)
     for rank, got in enumerate(ranks):
         assert got["step"] == 1 and got["same"], f"rank {rank}: not the shards of the call: {got}"
         assert got["writer"] != got["me"]
@@ -224,8 +227,9 @@ def killed_writer(root: str) -> dict:
                 "new_writer": s.checkpoints._process.process.pid != writer}  # fmt: skip
 
 
+@pytest.mark.timeout(240)
 def test_a_killed_fsdp_writer_process_fails_the_save_on_every_rank_and_loses_no_checkpoint(pool2, tmp_path: Path) -> None:
-    ranks = pool2.run(killed_writer, str(tmp_path / "ck"))
+    ranks = pool2.run(killed_writer, str(tmp_path / "ck"), timeout=180)
     assert "killed by signal 9" in ranks[1]["error"], ranks[1]["error"]
     assert ranks[0]["error"], "rank 0 committed (or did not report) a save that rank 1's writer never finished"
     for got in ranks:
