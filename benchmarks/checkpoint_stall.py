@@ -69,6 +69,26 @@ def main(s, width: int, rounds: int, strategy: str = "ddp") -> None:
     slowest: dict[str, list[float]] = {k: [] for k in KINDS}
     tail: dict[str, list[float]] = {k: [] for k in KINDS}
     plain_steps: list[float] = []
+    def summary(done: int) -> None:  # after every round from the second: a cut-off run still reports
+        base, step_med = statistics.median(window["none"]), statistics.median(plain_steps)
+        lost = {k: [t - base for t in window[k]] for k in KINDS if k != "none"}
+        sync = statistics.median(lost["sync"])
+
+        def spread(v: list[float]) -> str:
+            return f"{statistics.median(v):.2f} s [{min(v):.2f}..{max(v):.2f}]"
+
+        threads = torch.get_num_threads()
+        head = (f"checkpoint_stall: {strategy}, {s.world_size} rank(s) x {threads} thread(s), "
+                f"windows of {width} steps, {done} of {rounds} rounds; window without a save "
+                f"{spread(window['none'])}, step {step_med * 1e3:.0f} ms; load {load_before:.1f} -> "
+                f"{os.getloadavg()[0]:.1f}")  # fmt: skip
+        s.print(head)
+        for kind in ("sync", "thread", "process"):
+            med, during = statistics.median(lost[kind]), statistics.median(slowest[kind]) - step_med
+            s.print(f"  {kind:8s} lost {spread(lost[kind])} = {100 * med / sync:.0f}% of sync; in the call "
+                    f"{statistics.median(inside[kind]):.3f} s; slowest step +{during:.2f} s; "
+                    f"tail {spread(tail[kind])}")
+
     for r in range(rounds):
         order = list(KINDS) if r % 2 == 0 else list(reversed(KINDS))  # no kind always follows another
         for kind in order:
@@ -92,21 +112,8 @@ def main(s, width: int, rounds: int, strategy: str = "ddp") -> None:
             if mode is None:
                 plain_steps += steps
             slowest[kind].append(max(steps))
-    base, step_med = statistics.median(window["none"]), statistics.median(plain_steps)
-    lost = {k: [t - base for t in window[k]] for k in KINDS if k != "none"}
-    sync = statistics.median(lost["sync"])
-
-    def spread(v: list[float]) -> str:
-        return f"{statistics.median(v):.2f} s [{min(v):.2f}..{max(v):.2f}]"
-
-    s.print(f"checkpoint_stall: {strategy}, {s.world_size} rank(s) x {torch.get_num_threads()} thread(s), "
-            f"windows of {width} steps, {rounds} rounds; window without a save {spread(window['none'])}, "
-            f"step {step_med * 1e3:.0f} ms; load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")  # fmt: skip
-    for kind in ("sync", "thread", "process"):
-        med = statistics.median(lost[kind])
-        s.print(f"  {kind:8s} lost {spread(lost[kind])} = {100 * med / sync:.0f}% of sync; in the call "
-                f"{statistics.median(inside[kind]):.3f} s; slowest step +{statistics.median(slowest[kind]) - step_med:.2f} s; "  # noqa: E501
-                f"tail {statistics.median(tail[kind]):.2f} s [{min(tail[kind]):.2f}..{max(tail[kind]):.2f}]")
+        if r >= 1:
+            summary(r + 1)
 
 
 if __name__ == "__main__":
