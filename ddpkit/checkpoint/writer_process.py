@@ -89,7 +89,7 @@ class WriterProcess:
         each tensor read from the arena (staged there first if it is not), each small object as the bytes
         DCP serialised it to. Answers once the file is fsynced: its size, SHA-256, and each item's
         [offset, length] in it (for DCP's metadata)."""
-        listed = []
+        listed: list[dict[str, Any]] = []
         for item in items:
             if isinstance(item, io.BytesIO):
                 listed.append({"data": base64.b64encode(item.getbuffer()).decode()})
