@@ -3,8 +3,11 @@
     OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_stall.py            # two busy ranks
     OMP_NUM_THREADS=1 ddpkit run --nproc 1 benchmarks/checkpoint_stall.py            # one rank, a core free
     OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_stall.py 12 7   # 12 steps, 7 rounds
+    OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_stall.py 12 5 fsdp   # under FSDP
 
-The 37.8M-parameter MLP with AdamW (global batch 64; `ddpkit.tools.workloads`), DDP. Each round runs one
+The 37.8M-parameter MLP with AdamW (global batch 64; `ddpkit.tools.workloads`), DDP (or FSDP: each
+rank saves its shards through DCP; the thread writes them in training's process, the process out of
+it). Each round runs one
 window of W steps of each kind, in turn (interleaved, so drifts in the machine's load hit every kind
 alike); a window with a save calls `s.save(..., keep=1)` after its first step (`background=` False,
 "thread" or "process"). lost = the window's time minus the median window without a save; a write still
@@ -34,11 +37,11 @@ ROOT = Path(tempfile.gettempdir()) / f"ddpkit-checkpoint-stall-{os.getuid()}"
 KINDS = {"none": None, "sync": False, "thread": "thread", "process": "process"}
 
 
-def workload(s):
-    """The MLP under DDP, its optimizer and one training step (also benchmarks/checkpoint_threads.py's)."""
+def workload(s, strategy: str = "ddp"):
+    """The MLP under DDP (or FSDP), its optimizer and one training step (also checkpoint_threads.py's)."""
     wl = NAMED["mlp"]
     torch.manual_seed(0)
-    model = s.model(wl.build(), strategy="ddp")
+    model = s.model(wl.build(), strategy=strategy)
     opt = wl.optimizer(model.parameters())
     x, y = wl.sample(torch.Generator().manual_seed(s.rank), wl.global_batch // s.world_size)
 
@@ -49,8 +52,8 @@ def workload(s):
     return model, opt, step
 
 
-def main(s, width: int, rounds: int) -> None:
-    model, opt, step = workload(s)
+def main(s, width: int, rounds: int, strategy: str = "ddp") -> None:
+    model, opt, step = workload(s, strategy)
 
     if s.is_main:
         shutil.rmtree(ROOT, ignore_errors=True)
@@ -66,6 +69,26 @@ def main(s, width: int, rounds: int) -> None:
     slowest: dict[str, list[float]] = {k: [] for k in KINDS}
     tail: dict[str, list[float]] = {k: [] for k in KINDS}
     plain_steps: list[float] = []
+    def summary(done: int) -> None:  # after every round from the second: a cut-off run still reports
+        base, step_med = statistics.median(window["none"]), statistics.median(plain_steps)
+        lost = {k: [t - base for t in window[k]] for k in KINDS if k != "none"}
+        sync = statistics.median(lost["sync"])
+
+        def spread(v: list[float]) -> str:
+            return f"{statistics.median(v):.2f} s [{min(v):.2f}..{max(v):.2f}]"
+
+        threads = torch.get_num_threads()
+        head = (f"checkpoint_stall: {strategy}, {s.world_size} rank(s) x {threads} thread(s), "
+                f"windows of {width} steps, {done} of {rounds} rounds; window without a save "
+                f"{spread(window['none'])}, step {step_med * 1e3:.0f} ms; load {load_before:.1f} -> "
+                f"{os.getloadavg()[0]:.1f}")  # fmt: skip
+        s.print(head)
+        for kind in ("sync", "thread", "process"):
+            med, during = statistics.median(lost[kind]), statistics.median(slowest[kind]) - step_med
+            s.print(f"  {kind:8s} lost {spread(lost[kind])} = {100 * med / sync:.0f}% of sync; in the call "
+                    f"{statistics.median(inside[kind]):.3f} s; slowest step +{during:.2f} s; "
+                    f"tail {spread(tail[kind])}")
+
     for r in range(rounds):
         order = list(KINDS) if r % 2 == 0 else list(reversed(KINDS))  # no kind always follows another
         for kind in order:
@@ -89,25 +112,13 @@ def main(s, width: int, rounds: int) -> None:
             if mode is None:
                 plain_steps += steps
             slowest[kind].append(max(steps))
-    base, step_med = statistics.median(window["none"]), statistics.median(plain_steps)
-    lost = {k: [t - base for t in window[k]] for k in KINDS if k != "none"}
-    sync = statistics.median(lost["sync"])
-
-    def spread(v: list[float]) -> str:
-        return f"{statistics.median(v):.2f} s [{min(v):.2f}..{max(v):.2f}]"
-
-    s.print(f"checkpoint_stall: {s.world_size} rank(s) x {torch.get_num_threads()} thread(s), windows of "
-            f"{width} steps, {rounds} rounds; window without a save {spread(window['none'])}, step "
-            f"{step_med * 1e3:.0f} ms; load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")  # fmt: skip
-    for kind in ("sync", "thread", "process"):
-        med = statistics.median(lost[kind])
-        s.print(f"  {kind:8s} lost {spread(lost[kind])} = {100 * med / sync:.0f}% of sync; in the call "
-                f"{statistics.median(inside[kind]):.3f} s; slowest step +{statistics.median(slowest[kind]) - step_med:.2f} s; "  # noqa: E501
-                f"tail {statistics.median(tail[kind]):.2f} s [{min(tail[kind]):.2f}..{max(tail[kind]):.2f}]")
+        if r >= 1:
+            summary(r + 1)
 
 
 if __name__ == "__main__":
     width = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    strategy = sys.argv[3] if len(sys.argv) > 3 else "ddp"
     with ddpkit.session(seed=0, verbose=True) as session:
-        main(session, width, rounds)
+        main(session, width, rounds, strategy)

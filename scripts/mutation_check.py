@@ -1545,6 +1545,15 @@ MUTANTS = [
         ("tests/test_warmstart.py::test_spawn_forks_importable_functions_from_a_preloaded_server",),
         "ranks asked for the portable kernels fork from a server that loaded the vectorised ones",
     ),
+    Mutant(
+        "fsdp-shards-written-on-the-thread",
+        "ddpkit/checkpoint/dcp.py",
+        "    if process is not None:\n        writer = process_writer(tmp / DIRECTORY, process)\n",
+        "    if False:  # mutant: DCP's shards written by the writer thread, in training's process\n"
+        "        writer = process_writer(tmp / DIRECTORY, process)\n",
+        ("tests/test_background_fsdp.py::test_a_process_save_under_fsdp_is_written_by_the_writer_process_and_resumes_bitwise",),
+        'under FSDP, background="process" writes DCP\'s shards from training\'s process (the writer thread)',
+    ),
 ]
 
 

@@ -1,8 +1,10 @@
-"""Background saves under FSDP (copied shards, saved by the writer thread with DCP) and the pinned CPU copy: real torchrun, gloo ranks,
-a real SIGKILL while DCP's thread writes."""
+"""Background saves under FSDP (copied shards, saved by the writer thread with DCP; with background="process"
+each rank's DCP file written by its writer process) and the pinned CPU copy: real torchrun and the shared
+gloo rank pools, a real SIGKILL while DCP's thread writes, and of a writer process mid-save."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -120,3 +122,118 @@ def test_the_writer_thread_runs_at_the_lowest_priority() -> None:
     thread.join()
     assert seen == [19]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19, "the caller was niced"
+
+
+# -- background="process" under FSDP: the writer process writes each rank's DCP file (shared rank pools) --
+
+
+def _fsdp(s):  # the smallest FSDP job that has sharded weights and sharded AdamW moments
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = s.model(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8)), strategy="fsdp")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    s.backward(model(torch.randn(4, 64)).square().mean())
+    s.step(opt)
+    return model, opt
+
+
+def _shards(model, opt) -> dict[str, torch.Tensor]:
+    """This rank's shards of the weights and of AdamW's state, copied (no collective)."""
+    local = {f"w.{k}": v.to_local().clone() for k, v in model.state_dict().items()}
+    for i, p in enumerate(model.parameters()):
+        local |= {f"opt.{i}.{k}": (v.to_local() if hasattr(v, "to_local") else v).clone()
+                  for k, v in opt.state[p].items()}  # fmt: skip
+    return local
+
+
+def _wchar(pid: int) -> int:
+    """The bytes process `pid` has written (/proc/PID/io), as a user would read them."""
+    return int(dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())["wchar"])
+
+
+def process_save(root: str) -> dict:
+    """Rank r: a process save under FSDP while training changes the state; what the writer process wrote,
+    and whether a fresh model and optimizer loaded from it hold the shards of the call, bit for bit."""
+    import ddpkit
+
+    with ddpkit.session(seed=0, verbose=False) as s:
+        model, opt = _fsdp(s)
+        want = _shards(model, opt)
+        path = s.save(root, model=model, optimizer=opt, step=1, background="process")
+        with torch.no_grad():  # training goes on while the shards are written
+            for p in model.parameters():
+                p.add_(1.0)
+            for state in opt.state.values():
+                for v in state.values():
+                    v.add_(1.0)
+        s.checkpoints.wait()
+        writer = s.checkpoints._process.process.pid
+        wrote = _wchar(writer)
+        fresh, fresh_opt = _fsdp(s)
+        step = s.load(root, model=fresh, optimizer=fresh_opt, step=0)["step"]
+        got = _shards(fresh, fresh_opt)
+        same = got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
+        mine = Path(path) / "dcp" / f"__{s.rank}_0.distcp"
+        return {"step": step, "same": same, "writer": writer, "me": os.getpid(), "writer_wrote": wrote,
+                "file": mine.stat().st_size, "path": str(path)}  # fmt: skip
+
+
+# The writer process imports torch at its first FSDP save, at idle priority: slow on a loaded machine.
+@pytest.mark.timeout(240)
+def test_a_process_save_under_fsdp_is_written_by_the_writer_process_and_resumes_bitwise(pool2, tmp_path: Path) -> None:
+    from ddpkit.checkpoint.inspect import report
+
+    ranks = pool2.run(process_save, str(tmp_path / "ck"), timeout=180)
+    for rank, got in enumerate(ranks):
+        assert got["step"] == 1 and got["same"], f"rank {rank}: not the shards of the call: {got}"
+        assert got["writer"] != got["me"]
+        # the rank's DCP file went out through its writer process, not through training's
+        assert got["writer_wrote"] >= got["file"] > 0, f"rank {rank}: its writer process did not write its shards"
+    text, ok = report(ranks[0]["path"])
+    assert ok, text  # every checksum in the manifest holds: what `ddpkit checkpoint inspect` checks
+
+
+def killed_writer(root: str) -> dict:
+    """Rank r: a checkpoint, then a process save whose writer process on rank 1 is killed mid-save; what
+    each rank saw, what the folder holds, and whether the next save (a new writer) commits."""
+    import signal
+
+    import ddpkit
+    from ddpkit.checkpoint.checkpoints import latest
+
+    with ddpkit.session(seed=0, verbose=False) as s:
+        model, opt = _fsdp(s)
+        s.save(root, model=model, optimizer=opt, step=1, background="process")
+        s.checkpoints.wait()
+        writer = s.checkpoints._process.process.pid
+        if s.rank == 1:
+            os.kill(writer, signal.SIGSTOP)  # its next write is held...
+        s.save(root, model=model, optimizer=opt, step=2, background="process")
+        if s.rank == 1:
+            os.kill(writer, signal.SIGKILL)  # ...and it dies during the save (before or inside the write)
+        try:
+            s.checkpoints.wait()
+            error = ""
+        except Exception as err:
+            error = f"{type(err).__name__}: {err}"
+        s.barrier()
+        after = sorted(p.name for p in Path(root).iterdir())
+        newest = latest(Path(root)).name
+        step = s.load(root, model=model, optimizer=opt, step=0)["step"]
+        path = s.save(root, model=model, optimizer=opt, step=3, background="process")
+        s.checkpoints.wait()
+        return {"error": error, "after": after, "newest": newest, "step": step, "next": Path(path).name,
+                "new_writer": s.checkpoints._process.process.pid != writer}  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_fsdp_writer_process_fails_the_save_on_every_rank_and_loses_no_checkpoint(pool2, tmp_path: Path) -> None:
+    ranks = pool2.run(killed_writer, str(tmp_path / "ck"), timeout=180)
+    assert "killed by signal 9" in ranks[1]["error"], ranks[1]["error"]
+    assert ranks[0]["error"], "rank 0 committed (or did not report) a save that rank 1's writer never finished"
+    for got in ranks:
+        assert got["after"] == ["ckpt-000001"] and got["newest"] == "ckpt-000001", got  # partial files removed
+        assert got["step"] == 1, got
+        assert got["next"] == "ckpt-000002", got  # the next save commits...
+    assert ranks[1]["new_writer"] and not ranks[0]["new_writer"]  # ...with a new writer where one was killed

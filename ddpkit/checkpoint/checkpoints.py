@@ -171,7 +171,7 @@ class Checkpoints:
                 ctx.say(line)
         out = writer.write_file if writer is not None else None
         job = start(ctx, root, snapshot, keep, group=self._writer_group if mode else None, out=out,
-                    remote=remote)  # fmt: skip
+                    remote=remote, process=writer)  # fmt: skip
         self.last, self.found = files.final_dir(root, job.seq), (str(path), state)  # a rollback target
         if mode is not None:
             self._background.run(lambda: write(ctx, job, snapshot))

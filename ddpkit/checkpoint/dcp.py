@@ -35,30 +35,94 @@ DIRECTORY = "dcp"
 NAME = re.compile(r"^dcp/(\.metadata|__\d+_\d+\.distcp)$")
 
 
-def save(state: dict, tmp: Path, rank: int, group: Any = None) -> dict[str, Any]:
+def save(state: dict, tmp: Path, rank: int, group: Any = None, process: Any = None) -> dict[str, Any]:
     """Write this rank's shards of `state` (a collective over `group`, default: the default group); the
     manifest entries of the files it wrote. A background save calls it on ddpkit's writer thread with a
-    gloo group of the checkpoints' own, so DCP's collectives never mix with training's."""
+    gloo group of the checkpoints' own, so DCP's collectives never mix with training's. With `process`
+    (`background="process"`: a `WriterProcess`) DCP plans on this thread, and the writer process writes
+    and hashes the rank's file (`process_writer`): its bytes never pass through training's interpreter."""
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
 
-    writer = FileSystemWriter(tmp / DIRECTORY, single_file_per_rank=True, thread_count=1)
-    dcp_save(state, storage_writer=writer, process_group=group)
+    if process is not None:
+        writer = process_writer(tmp / DIRECTORY, process)
+        _dcp_save(state, writer, group)
+        listed = dict(writer.entries)
+        if rank == 0:
+            listed[f"{DIRECTORY}/.metadata"] = describe_file(tmp / DIRECTORY / ".metadata")
+        return listed
+    _dcp_save(state, FileSystemWriter(tmp / DIRECTORY, single_file_per_rank=True, thread_count=1), group)
     return written(tmp, rank)
 
 
-def stage(state: Any) -> Any:
+def _dcp_save(state: dict, writer: Any, group: Any) -> None:
+    """DCP's save; its failure on any rank (raised on every rank as DCP's `CheckpointException`, a
+    BaseException that `except Exception` would let through) as a `CheckpointError` naming each rank's."""
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp_save(state, storage_writer=writer, process_group=group)
+    except CheckpointException as err:
+        ranks = "; ".join(f"rank {r}: {type(e).__name__}: {str(e).split(chr(10))[0]}"
+                          for r, (e, _) in sorted(err.failures.items()))  # fmt: skip
+        raise CheckpointError(
+            f"the sharded state (DCP) could not be saved ({ranks}): this save is not committed, and the "
+            "previous checkpoint is untouched and still the newest valid one"
+        ) from err
+
+
+def process_writer(directory: Path, process: Any) -> Any:
+    """DCP's `FileSystemWriter` whose `write_data` (the bytes: every tensor's `torch.save`, then fsync) runs
+    in ddpkit's writer process; planning, the collectives and the metadata stay DCP's own, on the
+    calling thread. The file is the one DCP would write (`__<rank>_0.distcp`, one per rank, the same
+    items in the same format), so DCP's reader, resharding, inspect and convert read it unchanged."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+    class ProcessWriter(FileSystemWriter):
+        def __init__(self) -> None:
+            super().__init__(directory, single_file_per_rank=True, thread_count=1)
+            self.entries: dict[str, Any] = {}
+
+        def write_data(self, plan: Any, planner: Any) -> Future:
+            name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"  # FileSystemWriter's: one file per rank
+            byte_items = [w for w in plan.items if w.type == WriteItemType.BYTE_IO]  # first, as DCP does
+            items = byte_items + [w for w in plan.items if w.type != WriteItemType.BYTE_IO]
+            answer = process.write_shards(directory / name, [planner.resolve_data(w) for w in items])
+            results = [WriteResult(index=w.index, size_in_bytes=n, storage_data=_StorageInfo(name, offset, n))
+                       for w, (offset, n) in zip(items, answer["spans"], strict=True)]  # fmt: skip
+            self.entries[f"{DIRECTORY}/{name}"] = {"bytes": answer["bytes"], "sha256": answer["sha256"]}
+            done: Future = Future()
+            done.set_result(results)
+            return done
+
+    return ProcessWriter()
+
+
+def stage(state: Any, into: Any = None) -> Any:
     """A copy of every tensor of `state` (a DTensor stays a DTensor: this rank's shard is copied), so
-    that training may change the originals while the writer thread saves the copy.
+    that training may change the originals while the writer saves the copy. `into`: a function that
+    copies a tensor where the writer process reads it (`Arena.stage`); default a clone.
 
     Not DCP's `async_save`: measured on 2 CPU ranks (37.8M MLP, FSDP), its own thread cost 106-148 %
     of a synchronous save's training time; this copy plus ddpkit's idle-priority writer, 77-78 %."""
     if isinstance(state, torch.Tensor):
-        return state.detach().clone()
+        if into is None:
+            return state.detach().clone()
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(state, DTensor):
+            local = into(state.to_local().detach())
+            return DTensor.from_local(local, state.device_mesh, state.placements, run_check=False,
+                                      shape=state.shape, stride=state.stride())  # fmt: skip
+        return into(state.detach())
     if isinstance(state, dict):
-        return {k: stage(v) for k, v in state.items()}
+        return {k: stage(v, into) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(stage(v) for v in state)
+        return type(state)(stage(v, into) for v in state)
     return state
 
 

@@ -77,6 +77,7 @@ class Job:
     group: Any = None
     out: Callable[[Path, dict[str, torch.Tensor]], dict[str, Any]] | None = None  # None: `stream_tensors`
     remote: Remote | None = None  # an fsspec root: rank 0 uploads the committed checkpoint to it
+    process: Any = None  # background="process": the `WriterProcess` that writes DCP's shards too
 
     @property
     def tmp(self) -> Path:
@@ -99,7 +100,7 @@ def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool,
     dcp_state = None
     if sharded is not None:
         dcp_state = checkpoint_dcp.assemble(ctx.strategy, sharded)
-        dcp_state = checkpoint_dcp.stage(dcp_state) if copy else dcp_state
+        dcp_state = checkpoint_dcp.stage(dcp_state, stage) if copy else dcp_state
     objects = {kind: sorted(parts[kind]) for kind in ("modules", "per_rank", "shared", "values")}
     if sharded is not None:
         objects["sharded"] = sorted([sharded[0][0], *sharded[1]])
@@ -160,11 +161,12 @@ def full_weights(ctx: CheckpointContext, module: torch.nn.Module) -> dict[str, t
 
 def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: Retention, group: Any = None,
           out: Callable[[Path, dict[str, torch.Tensor]], dict[str, Any]] | None = None,
-          remote: Remote | None = None) -> Job:  # fmt: skip
+          remote: Remote | None = None, process: Any = None) -> Job:  # fmt: skip
     """Rank 0 opens the temporary directory and tells the others its number (through the store);
     `group` is the process group of `write`'s collectives (None: training's); `out` writes the big
     tensor files (None: `stream_tensors` on this thread; the writer process's `write_file`); `remote`:
-    the store the checkpoint goes to after its local commit (`root` is then its local folder)."""
+    the store the checkpoint goes to after its local commit (`root` is then its local folder);
+    `process`: the writer process, which then writes this rank's DCP shards as well."""
     sync = Sync(ctx, "save")
     if ctx.is_main:
         try:
@@ -181,7 +183,7 @@ def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: Retention, g
         sync.publish("dir", str(seq))
     else:
         seq = int(sync.wait_one(0, "dir", "rank 0 to start the checkpoint"))
-    return Job(root, seq, keep, sync, group, out, remote)
+    return Job(root, seq, keep, sync, group, out, remote, process)
 
 
 def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
@@ -197,11 +199,13 @@ def write(ctx: CheckpointContext, job: Job, snap: Snapshot) -> Path:
             if full is not None:
                 gathered[name] = full
         if snap.dcp is not None:  # a collective; DCP reports an error on any rank to every rank
-            listed.update(checkpoint_dcp.save(snap.dcp, job.tmp, ctx.rank, job.group))
+            listed.update(checkpoint_dcp.save(snap.dcp, job.tmp, ctx.rank, job.group, job.process))
         listed.update(checkpoint_state.write_rank(job.tmp, ctx.rank, snap.rank_tree, snap.rank_tensors))
         job.sync.publish(f"rank{ctx.rank}", json.dumps(listed))
     except Exception as err:
         job.sync.publish(f"rank{ctx.rank}", f"error: rank {ctx.rank}: {err}")
+        if ctx.is_main:  # e.g. DCP's save failed on some rank (every rank raises): its partial files go
+            shutil.rmtree(job.tmp, ignore_errors=True)
         raise
     if ctx.is_main:
         final = _write_shared_and_commit(ctx, job, snap, listed, gathered)

@@ -16,6 +16,18 @@ and writes the file: the safetensors header, then each piece's bytes straight fr
 hashing them on the way; fsync; then, and only then, it answers {"bytes": N, "sha256": "..."} (or
 {"error": "..."}). The parent's manifest and atomic rename come after that answer. End of input (the
 training process ended or died) ends it.
+
+Under FSDP and HSDP the request is one rank's file of DCP's shards (`dcp/__R_0.distcp`):
+
+    {"segments": [...], "path": ".../dcp/__0_0.distcp",
+     "items": [{"data": "<base64>"}, {"at": [id, offset, n], "dtype": "float32", "shape": [4, 8]}, ...]}
+
+and each item is written in DCP's own format: small objects as the bytes the parent's DCP planner
+serialised, each tensor as `torch.save` of it (what DCP's `FileSystemWriter` writes, so DCP's reader,
+resharding and `ddpkit checkpoint inspect/convert` read it unchanged); the answer adds each item's
+[offset, length] in the file, which the parent hands back to DCP for its metadata. Only this request
+imports torch (once, on the first; a few seconds at idle priority): a DDP job's writer stays
+torch-free.
 """
 
 from __future__ import annotations
@@ -78,6 +90,59 @@ def write_file(request: dict, maps: dict[int, mmap.mmap]) -> dict:
     return {"bytes": os.stat(request["path"]).st_size, "sha256": digest.hexdigest()}
 
 
+class _Hashed:
+    """A write-only file that hashes and counts what goes through it (torch.save writes into it)."""
+
+    def __init__(self, f: object, digest: object) -> None:
+        self.f, self.digest, self.n = f, digest, 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), CHUNK):
+            piece = view[start : start + CHUNK]
+            self.digest.update(piece)  # type: ignore[attr-defined]
+            while piece:
+                piece = piece[self.f.write(piece) :]  # type: ignore[attr-defined]
+        self.n += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+
+def write_shards(request: dict, maps: dict[int, mmap.mmap]) -> dict:
+    """One rank's DCP file: each item as DCP's `FileSystemWriter` writes it (module docstring)."""
+    import warnings
+
+    import torch  # here only: a DDP job's writer never imports it
+
+    torch.set_num_threads(1)
+    digest = hashlib.sha256()
+    spans = []
+    with open(request["path"], "wb", buffering=0) as f:
+        out = _Hashed(f, digest)
+        for item in request["items"]:
+            start = out.n
+            if "data" in item:
+                out.write(base64.b64decode(item["data"]))
+            else:
+                dtype, shape = getattr(torch, item["dtype"]), item["shape"]
+                if item["at"] is None:  # no elements: nothing in shared memory
+                    tensor = torch.empty(shape, dtype=dtype)
+                else:
+                    segment, offset, n = item["at"]
+                    with warnings.catch_warnings():  # a read-only mapping: torch only reads it
+                        warnings.simplefilter("ignore")
+                        count = n // torch.empty((), dtype=dtype).element_size()
+                        tensor = torch.frombuffer(maps[segment], dtype=dtype, count=count, offset=offset)
+                    tensor = tensor.view(shape)
+                torch.save(tensor, out)  # type: ignore[arg-type]
+                del tensor  # the mapping can be closed later (no view left)
+            spans.append([start, out.n - start])
+        os.fsync(f.fileno())  # durable before the answer: the parent commits on it
+    return {"bytes": os.stat(request["path"]).st_size, "sha256": digest.hexdigest(), "spans": spans}
+
+
 def lowest_priority(nice: int) -> None:
     """SCHED_IDLE and `nice` for this whole process: it runs on CPU time training leaves idle."""
     with contextlib.suppress(AttributeError, OSError):
@@ -106,7 +171,7 @@ def main(fd: int, nice: int | None) -> None:
             send(sock, {"ok": True})
             continue
         try:
-            answer = write_file(request, maps)
+            answer = write_shards(request, maps) if "items" in request else write_file(request, maps)
         except Exception as err:  # reported to the parent, which fails the save with it
             answer = {"error": f"{type(err).__name__}: {err}"}
         try:
@@ -116,4 +181,8 @@ def main(fd: int, nice: int | None) -> None:
 
 
 if __name__ == "__main__":
+    # Run by path, Python puts this file's folder first on sys.path, where ddpkit's own `inspect.py` would
+    # shadow the standard library's (which torch imports): the folder goes.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     main(int(sys.argv[1]), None if sys.argv[2] == "none" else int(sys.argv[2]))

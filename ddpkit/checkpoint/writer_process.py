@@ -6,10 +6,11 @@
 
 Why a process: the writer thread shares training's interpreter, and its Python work (and any C code
 that keeps the GIL) stalls training's thread; the bytes of the big files (the model's weights, the
-optimizer state) are written and hashed by `ddpkit/checkpoint/writer_child.py`, a torch-free program in
-its own interpreter at the lowest CPU priority, which reads them from the shared memory the save's copy
-went to (no second copy, no pickling). The writer thread still coordinates (the optimizer shares
-gathered over the writer's gloo group, the per-rank files, the manifest and the rename), mostly
+optimizer state; under FSDP and HSDP each rank's file of DCP's shards) are written and hashed by
+`ddpkit/checkpoint/writer_child.py`, a program in its own interpreter at the lowest CPU priority (torch-free
+unless it writes DCP's shards), which reads them from the shared memory the save's copy went to (no second
+copy, no pickling). The writer thread still coordinates (the optimizer shares gathered over the writer's
+gloo group, DCP's planning and metadata, the per-rank files, the manifest and the rename), mostly
 waiting. The rename happens only after the process has answered for every file, and it answers after
 fsync: a killed writer process fails that save with a clear error and leaves the previous checkpoint
 the newest valid one; the next save starts a new process.
@@ -18,6 +19,7 @@ the newest valid one; the next save starts a new process.
 from __future__ import annotations
 
 import base64
+import io
 import json
 import socket
 import struct
@@ -76,6 +78,30 @@ class WriterProcess:
         request = {"segments": [s.id for s in new], "path": str(path),
                    "head": base64.b64encode(head).decode(), "pieces": pieces}  # fmt: skip
         answer = self._ask(request, [s.fd for s in new])
+        for segment in new:
+            segment.sent = True
+        if "error" in answer:
+            raise CheckpointError(f"the checkpoint writer process could not write {path}: {answer['error']}")
+        return answer
+
+    def write_shards(self, path: Path, items: list[torch.Tensor | io.BytesIO]) -> dict[str, Any]:
+        """One rank's file of DCP's shards, written by the process in DCP's format (`writer_child.py`):
+        each tensor read from the arena (staged there first if it is not), each small object as the bytes
+        DCP serialised it to. Answers once the file is fsynced: its size, SHA-256, and each item's
+        [offset, length] in it (for DCP's metadata)."""
+        listed: list[dict[str, Any]] = []
+        for item in items:
+            if isinstance(item, io.BytesIO):
+                listed.append({"data": base64.b64encode(item.getbuffer()).decode()})
+                continue
+            t = item.detach()
+            where = self.arena.locate(t) if t.numel() else None
+            if where is None and t.numel():  # not staged by `capture` (or not contiguous): staged now
+                where = self.arena.locate(self.arena.stage(t))
+            listed.append({"at": where, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)})
+        new = [s for s in self.arena.segments if not s.sent]
+        answer = self._ask({"segments": [s.id for s in new], "path": str(path), "items": listed},
+                           [s.fd for s in new])  # fmt: skip
         for segment in new:
             segment.sent = True
         if "error" in answer:
