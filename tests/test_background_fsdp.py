@@ -176,7 +176,8 @@ def process_save(root: str) -> dict:
         same = got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
         mine = Path(path) / "dcp" / f"__{s.rank}_0.distcp"
         return {"step": step, "same": same, "writer": writer, "me": os.getpid(), "writer_wrote": wrote,
-                "file": mine.stat().st_size, "path": str(path)}  # fmt: skip
+                "file": mine.stat().st_size, "path": str(path),
+                "weights": {k: v for k, v in want.items() if k.startswith("w.")}}  # fmt: skip
 
 
 # The writer process imports torch at its first FSDP save, at idle priority: slow on a loaded machine.
@@ -192,6 +193,18 @@ def test_a_process_save_under_fsdp_is_written_by_the_writer_process_and_resumes_
         assert got["writer_wrote"] >= got["file"] > 0, f"rank {rank}: its writer process did not write its shards"
     text, ok = report(ranks[0]["path"])
     assert ok, text  # every checksum in the manifest holds: what `ddpkit checkpoint inspect` checks
+    # and DCP reshards it like any FSDP checkpoint: one process (here) loads the whole weights, which are the
+    # two ranks' dim-0 shards at the call, joined
+    from torch import nn
+
+    import ddpkit
+
+    with ddpkit.session(seed=0, verbose=False) as s:
+        one = s.model(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8)), strategy="fsdp")
+        assert s.load(str(tmp_path / "ck"), model=one, step=0)["step"] == 1
+    for k, v in one.state_dict().items():
+        joined = torch.cat([ranks[0]["weights"][f"w.{k}"], ranks[1]["weights"][f"w.{k}"]])
+        assert v.equal(joined), f"{k}: one process did not load the two ranks' shards"
 
 
 def killed_writer(root: str) -> dict:
