@@ -397,8 +397,9 @@ MUTANTS = [
     Mutant(
         "bg-optimizer-staging",
         "ddpkit/checkpoint/write.py",
-        "dcp_state = checkpoint_dcp.stage(dcp_state) if copy else dcp_state",
-        "dcp_state = {k: checkpoint_dcp.stage(v) if k == sharded[0][0] else v for k, v in dcp_state.items()}",
+        "dcp_state = checkpoint_dcp.stage(dcp_state, stage) if copy else dcp_state",
+        "dcp_state = {k: checkpoint_dcp.stage(v, stage) if k == sharded[0][0] else v\n"
+        "                     for k, v in dcp_state.items()}",
         ("tests/test_background_fsdp.py::test_a_background_fsdp_save_loads_the_weights_and_optimizer_state_of_the_call",),
         "an FSDP background save copies the model only; the writer thread saves the live optimizer state",
     ),
