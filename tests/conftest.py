@@ -321,6 +321,9 @@ NOT_KERNEL_DEPENDENT = {
     "test_anatomy.py": "timings and their arithmetic; no trained values compared",
     "test_bench.py": "benchmark arithmetic (floors, spreads) on measured or given numbers",
     "test_checkpoint.py": "save/load round trips: the same bytes come back",
+    "test_background_fsdp.py::test_a_process_save_under_fsdp_is_written_by_the_writer_process_and_resumes_bitwise": (
+        "a save/load round trip: the loaded shards are the saved bytes (joined by torch.cat, no arithmetic)"
+    ),
     "test_checkpoint_tools.py": "conversions return the saved bytes; forwards compared in one process on the same weights",
     "test_checkpoint_portable.py": "a load copies the saved values: the loaded state equals the saved bytes",
     "test_checkpoint_remote.py": "downloaded checkpoints equal the uploaded bytes; the preempted run: " + _SAME_BY_CONSTRUCTION,

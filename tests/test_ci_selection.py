@@ -160,3 +160,14 @@ def test_ci_runs_every_mutant_whose_record_does_not_cover_it(tmp_path: Path, mon
     picked, why = mc.due([calm, hit, helped, edited, lost, unrecorded])
     assert [m.name for m in picked] == [hit.name, helped.name, edited.name, lost.name, unrecorded.name], why
     assert "c3" in why
+
+
+def test_every_mutants_target_text_occurs_once_in_its_file() -> None:
+    """A change that moves a mutant's target text would stop the mutation leg after the whole suite has run:
+    caught here, in the suite, with the mutants named."""
+    mc = _mutation_check()
+    moved = [f"{m.name} ({m.file}: {(REPO / m.file).read_text().count(m.old)} times)" for m in mc.MUTANTS
+             if (REPO / m.file).read_text().count(m.old) != 1]  # fmt: skip
+    assert not moved, "mutants whose target text is not in their file exactly once: " + ", ".join(moved)
+    missing = [f"{m.name}: {t}" for m in mc.MUTANTS for t in m.tests if not (REPO / t.split("::")[0]).is_file()]
+    assert not missing, "mutants naming test files that do not exist: " + ", ".join(missing)
