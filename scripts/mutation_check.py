@@ -970,8 +970,8 @@ MUTANTS = [
     Mutant(
         "writer-answers-unwritten",
         "ddpkit/checkpoint/writer_child.py",
-        "                    piece = piece[f.write(piece) :]",
-        "                    piece = piece[len(piece) :]  # mutant: hashed, answered, never written",
+        "                piece = piece[self.f.write(piece) :]  # type: ignore[attr-defined]",
+        "                piece = piece[len(piece) :]  # mutant: hashed, answered, never written",
         ("tests/test_background_process.py::test_a_process_save_is_the_state_of_the_call_and_the_bytes_of_a_synchronous_save",),
         "the writer process reports a file written (and the checkpoint committed) before its bytes are in it",
     ),

@@ -72,26 +72,9 @@ def send(sock: socket.socket, body: dict) -> None:
     sock.sendall(struct.pack("<I", len(data)) + data)
 
 
-def write_file(request: dict, maps: dict[int, mmap.mmap]) -> dict:
-    digest = hashlib.sha256()
-    head = base64.b64decode(request["head"])
-    with open(request["path"], "wb", buffering=0) as f:
-        f.write(head)
-        digest.update(head)
-        for segment, offset, n in request["pieces"]:
-            view = memoryview(maps[segment])[offset : offset + n]
-            for start in range(0, n, CHUNK):
-                piece = view[start : start + CHUNK]
-                digest.update(piece)
-                while piece:
-                    piece = piece[f.write(piece) :]
-            view.release()
-        os.fsync(f.fileno())  # durable before the answer: the parent commits on it
-    return {"bytes": os.stat(request["path"]).st_size, "sha256": digest.hexdigest()}
-
-
 class _Hashed:
-    """A write-only file that hashes and counts what goes through it (torch.save writes into it)."""
+    """A write-only file that hashes and counts what goes through it, in CHUNK pieces (each hashed, then
+    written while still in the core's cache); both kinds of request write through it, torch.save too."""
 
     def __init__(self, f: object, digest: object) -> None:
         self.f, self.digest, self.n = f, digest, 0
@@ -108,6 +91,19 @@ class _Hashed:
 
     def flush(self) -> None:
         pass
+
+
+def write_file(request: dict, maps: dict[int, mmap.mmap]) -> dict:
+    digest = hashlib.sha256()
+    with open(request["path"], "wb", buffering=0) as f:
+        out = _Hashed(f, digest)
+        out.write(base64.b64decode(request["head"]))
+        for segment, offset, n in request["pieces"]:
+            view = memoryview(maps[segment])[offset : offset + n]
+            out.write(view)
+            view.release()
+        os.fsync(f.fileno())  # durable before the answer: the parent commits on it
+    return {"bytes": os.stat(request["path"]).st_size, "sha256": digest.hexdigest()}
 
 
 def write_shards(request: dict, maps: dict[int, mmap.mmap]) -> dict:

@@ -66,23 +66,12 @@ class WriterProcess:
             return files.write_tensors(path, tensors)  # a dtype the streamed header does not know
         pieces, laid_out = [], {}
         for key, t in tensors.items():
-            where = self.arena.locate(t) if t.numel() else None
-            if where is None and t.numel():  # e.g. the optimizer state gathered on the writer thread
-                t = self.arena.stage(t)
-                where = self.arena.locate(t)
+            t, where = self._in_arena(t)  # e.g. the optimizer state gathered on the writer thread: staged
             laid_out[key] = t
             if where is not None:
                 pieces.append(where)
         head = files.safetensors_header(laid_out.items(), {"format": files.FORMAT})
-        new = [s for s in self.arena.segments if not s.sent]
-        request = {"segments": [s.id for s in new], "path": str(path),
-                   "head": base64.b64encode(head).decode(), "pieces": pieces}  # fmt: skip
-        answer = self._ask(request, [s.fd for s in new])
-        for segment in new:
-            segment.sent = True
-        if "error" in answer:
-            raise CheckpointError(f"the checkpoint writer process could not write {path}: {answer['error']}")
-        return answer
+        return self._write(path, {"head": base64.b64encode(head).decode(), "pieces": pieces})
 
     def write_shards(self, path: Path, items: list[torch.Tensor | io.BytesIO]) -> dict[str, Any]:
         """One rank's file of DCP's shards, written by the process in DCP's format (`writer_child.py`):
@@ -94,13 +83,24 @@ class WriterProcess:
             if isinstance(item, io.BytesIO):
                 listed.append({"data": base64.b64encode(item.getbuffer()).decode()})
                 continue
-            t = item.detach()
-            where = self.arena.locate(t) if t.numel() else None
-            if where is None and t.numel():  # not staged by `capture` (or not contiguous): staged now
-                where = self.arena.locate(self.arena.stage(t))
+            t, where = self._in_arena(item.detach())  # not staged by `capture` (or not contiguous): now
             listed.append({"at": where, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)})
+        return self._write(path, {"items": listed})
+
+    def _in_arena(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """`t` in the arena (staged there if it is not yet) and where it lies; None for an empty tensor."""
+        if not t.numel():
+            return t, None
+        where = self.arena.locate(t)
+        if where is None:
+            t = self.arena.stage(t)
+            where = self.arena.locate(t)
+        return t, where
+
+    def _write(self, path: Path, request: dict[str, Any]) -> dict[str, Any]:
+        """Send one file's request with the arena segments the process has not seen yet; its answer."""
         new = [s for s in self.arena.segments if not s.sent]
-        answer = self._ask({"segments": [s.id for s in new], "path": str(path), "items": listed},
+        answer = self._ask({"segments": [s.id for s in new], "path": str(path), **request},
                            [s.fd for s in new])  # fmt: skip
         for segment in new:
             segment.sent = True
