@@ -130,6 +130,9 @@ def test_spawn_forks_importable_functions_from_a_preloaded_server() -> None:
     # torch._dynamo: imported by the server for every rank; a new interpreter only imports it when used
     warm = {"start_method": "forkserver", "timeout": 60}
     assert ddpkit.spawn(_loaded, nproc=2, args=("torch._dynamo",), **warm) == [True, True]
-    portable = {"ATEN_CPU_CAPABILITY": "default"}  # read as torch loads: new interpreters
+    # read as torch loads, so another value than this process's means new interpreters (the suite may run
+    # under ATEN_CPU_CAPABILITY=default itself)
+    other = "avx2" if os.environ.get("ATEN_CPU_CAPABILITY") == "default" else "default"
+    portable = {"ATEN_CPU_CAPABILITY": other}
     assert ddpkit.spawn(_loaded, nproc=2, args=("torch._dynamo",), env=portable, **warm) == [False, False]
     assert ddpkit.spawn(_loaded, nproc=2, args=("torch._dynamo",), timeout=60) == [False, False]  # "auto"
