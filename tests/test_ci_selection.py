@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from conftest import NOT_KERNEL_DEPENDENT, QUICK, REPO, kernel_independent
+from conftest import NOT_KERNEL_DEPENDENT, QUICK, REPO, WORKERS_ENV, auto_workers, kernel_independent
 
 TESTS = REPO / "tests"
 # Signs that a test compares floats: equality of tensors, a tolerance, the calibrated noise floor, a
@@ -124,6 +124,21 @@ def test_ci_runs_the_readmes_test_command_verbatim() -> None:
     command = "scripts/setup.sh && .venv/bin/python -m pytest -q"
     assert f"{command}     #" in (REPO / "README.md").read_text()
     assert any(line.strip().startswith(command) for line in (REPO / ".ci" / "run").read_text().splitlines())
+
+
+def test_the_whole_suite_runs_on_a_worker_per_core_and_named_tests_in_one_process() -> None:
+    """`pytest -q` (pyproject's `-n auto`) spreads the suite over the cores; a developer's named file or
+    test, and the mutation check's runs, stay in one process (no worker start-up, `-s` and `--pdb` work)."""
+    assert auto_workers(["tests"], REPO, cores=2, env={}) == 2  # the README's command: testpaths
+    assert auto_workers([], REPO, cores=2, env={}) == 2
+    assert auto_workers(["tests"], REPO, cores=64, env={}) == 4
+    assert auto_workers(["tests"], REPO, cores=1, env={}) == 0
+    assert auto_workers(["tests/test_verify.py"], REPO, cores=2, env={}) == 0
+    assert auto_workers(["tests/test_verify.py::test_x", "tests"], REPO, cores=2, env={}) == 0
+    assert auto_workers(["tests"], REPO, cores=2, env={}, marks="quick") == 0  # the inner loop
+    assert auto_workers(["tests"], REPO, cores=2, env={}, marks="numerics and not kernel_independent") == 2
+    assert auto_workers(["tests"], REPO, cores=2, env={WORKERS_ENV: "3"}) == 3
+    assert "-n auto --dist loadfile" in (REPO / "pyproject.toml").read_text()  # the hook is what `-n auto` asks
 
 
 def _mutation_check():
