@@ -2,8 +2,10 @@
 
     OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_threads.py          # 5 rounds, 6 steps
     OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_threads.py 6 3      # width, rounds
+    OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_threads.py 6 3 fsdp # under FSDP
 
-The workload of `benchmarks/checkpoint_stall.py` (the 37.8M-parameter MLP with AdamW under DDP). Each
+The workload of `benchmarks/checkpoint_stall.py` (the 37.8M-parameter MLP with AdamW under DDP, or
+FSDP: each rank's shards through DCP, whose planning and metadata run on the writer thread). Each
 round runs a window of W steps per kind (none, sync, thread, process), the save at the first step, then
 waits for the write; around each window every rank reads the CPU time (user + system, from /proc) of
 each of its threads, of its writer process, and of the kernel's threads (children of kthreadd: the
@@ -89,8 +91,8 @@ def sample(child: int | None) -> dict[str, float]:
     return out
 
 
-def main(s, width: int, rounds: int) -> None:
-    model, opt, step = workload(s)  # the stall benchmark's, so the two measure the same save
+def main(s, width: int, rounds: int, strategy: str = "ddp") -> None:
+    model, opt, step = workload(s, strategy)  # the stall benchmark's, so the two measure the same save
 
     if s.is_main:
         shutil.rmtree(ROOT, ignore_errors=True)
@@ -125,10 +127,10 @@ def main(s, width: int, rounds: int) -> None:
     if not s.is_main:
         return
     classes = ("train", "normal", "idle", "ended", "child", "kernel")
-    print(f"checkpoint_threads: {s.world_size} rank(s), windows of {width} steps (the write waited for "
-          f"inside), {rounds} rounds; load {load:.1f} -> {os.getloadavg()[0]:.1f}; CPU seconds beyond the "
-          "window without a save, median over rounds; other: the machine's busy time beyond the "
-          "ranks' and the kernel's")  # fmt: skip
+    print(f"checkpoint_threads: {strategy}, {s.world_size} rank(s), windows of {width} steps (the write "
+          f"waited for inside), {rounds} rounds; load {load:.1f} -> {os.getloadavg()[0]:.1f}; CPU seconds "
+          "beyond the window without a save, median over rounds; other: the machine's busy time beyond "
+          "the ranks' and the kernel's")  # fmt: skip
     print(f"  {'kind':8s} {'rank':>4s} {'wall':>6s} " + " ".join(f"{c:>6s}" for c in classes) + "  other")
     for kind in ("sync", "thread", "process"):
         ranks = [e for e in everyone if e is not None]
@@ -144,5 +146,6 @@ def main(s, width: int, rounds: int) -> None:
 if __name__ == "__main__":
     width = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    strategy = sys.argv[3] if len(sys.argv) > 3 else "ddp"
     with ddpkit.session(seed=0, verbose=False) as session:
-        main(session, width, rounds)
+        main(session, width, rounds, strategy)

@@ -1549,9 +1549,8 @@ MUTANTS = [
     Mutant(
         "fsdp-shards-written-on-the-thread",
         "ddpkit/checkpoint/dcp.py",
-        "    if process is not None:\n        writer = process_writer(tmp / DIRECTORY, process)\n",
-        "    if False:  # mutant: DCP's shards written by the writer thread, in training's process\n"
-        "        writer = process_writer(tmp / DIRECTORY, process)\n",
+        "    write = process.write_shards if process is not None else write_here\n",
+        "    write = write_here  # mutant: the writer thread writes DCP's shards after all\n",
         ("tests/test_background_fsdp.py::test_a_process_save_under_fsdp_is_written_by_the_writer_process_and_resumes_bitwise",),
         'under FSDP, background="process" writes DCP\'s shards from training\'s process (the writer thread)',
     ),
