@@ -106,6 +106,13 @@ def main(s, width: int, rounds: int, strategy: str = "ddp", wait: float = 0.0) -
             s.print(f"  {kind:8s} lost {spread(lost[kind])} = {100 * med / sync:.0f}% of sync; in the call "
                     f"{statistics.median(inside[kind]):.3f} s; slowest step +{during:.2f} s; "
                     f"tail {spread(tail[kind])}")
+        # each round's window minus the same round's window without a save (neighbours in time: a drift
+        # in the machine's load cancels), median [min..max]; and every window, for other statistics
+        paired = {k: [t - n for t, n in zip(window[k], window["none"], strict=True)] for k in lost}
+        s.print("  paired with their round's window without a save: " + "; ".join(
+            f"{k} {spread(v)}" for k, v in paired.items()))
+        every = (f"{k} " + " ".join(f"{t:.2f}" for t in v) for k, v in window.items())
+        s.print("  windows (s): " + "; ".join(every))
 
     for r in range(rounds):
         order = list(KINDS) if r % 2 == 0 else list(reversed(KINDS))  # no kind always follows another
