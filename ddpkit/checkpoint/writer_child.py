@@ -81,7 +81,7 @@ class _Hashed:
     def __init__(self, f: object, digest: object) -> None:
         self.f, self.digest, self.n = f, digest, 0
 
-    def write(self, data: bytes | memoryview) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), CHUNK):
             piece = view[start : start + CHUNK]
