@@ -90,8 +90,9 @@ class Background:
     def staging(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """Where the next save's copy goes (`capture`'s `stage`): the memory of the last save's copy, reused
         (`ddpkit.checkpoint.staging.Arena`; the last write has finished), so a save after the first
-        faults in no new pages on training's thread: measured under FSDP (37.8M MLP, 2 ranks), a clone
-        into fresh memory kept the call 0.19 s against 0.06 s for a copy into memory already mapped.
+        faults in no new pages on training's thread: measured under FSDP (37.8M MLP, 2 ranks, 216 MiB
+        a rank), a clone into fresh memory took 160 ms of its CPU against 34 ms, and the call 0.19 s
+        against 0.05-0.07 s (docs/fault-tolerance.md).
         The copy's memory is then held between saves, as the writer process's is. None where memfd is
         missing (not Linux): a clone."""
         if not Arena.available():
