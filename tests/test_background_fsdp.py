@@ -300,7 +300,7 @@ def test_a_thread_save_under_fsdp_reads_nothing_back_and_reuses_the_memory_of_it
         assert got["step"] == 2 and got["same"], f"rank {rank}: not the shards of the call"
         assert got["reused"], f"rank {rank}: the second save's copy took new memory"
         # the file holds the shards and DCP's few records around them, not the memory they were copied into
-        assert got["held"] < got["size"] < got["held"] + (64 << 10), (rank, got)
+        assert got["held"] < got["size"] < got["held"] + (1 << 20), (rank, got)  # a segment is 64 MiB or more
         # its SHA-256 was taken while it was written: the writer thread never read it back
         assert got["read"] < got["size"] // 4, f"rank {rank}: {got['read']} bytes read during the save: {got}"
     text, ok = report(ranks[0]["path"])
