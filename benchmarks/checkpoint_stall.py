@@ -4,6 +4,7 @@
     OMP_NUM_THREADS=1 ddpkit run --nproc 1 benchmarks/checkpoint_stall.py            # one rank, a core free
     OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_stall.py 12 7   # 12 steps, 7 rounds
     OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_stall.py 12 5 fsdp   # under FSDP
+    OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_stall.py 6 5 fsdp 1  # cores half idle
 
 The 37.8M-parameter MLP with AdamW (global batch 64; `ddpkit.tools.workloads`), DDP (or FSDP: each
 rank saves its shards through DCP; the thread writes them in training's process, the process out of
@@ -16,6 +17,11 @@ after the window is not counted: use wider windows to take it in). Printed: per 
 [min..max], its share of the synchronous save's, the median time inside the call, the slowest step in
 the window minus the median step without a save (the stall of one step), the tail, and the load
 average before and after (`os.getloadavg`).
+
+A fourth argument R makes every step wait R times its own median compute time after it (a sleep, which
+leaves the core and the interpreter lock free), as a rank waits for its GPU: a node whose CPU cores
+are mostly idle, with two FSDP ranks, which one process cannot stand for (with one process `s.model`
+uses the model as is: no shards, no DCP).
 """
 
 from __future__ import annotations
@@ -52,8 +58,19 @@ def workload(s, strategy: str = "ddp"):
     return model, opt, step
 
 
-def main(s, width: int, rounds: int, strategy: str = "ddp") -> None:
-    model, opt, step = workload(s, strategy)
+def main(s, width: int, rounds: int, strategy: str = "ddp", wait: float = 0.0) -> None:
+    model, opt, compute = workload(s, strategy)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        compute()
+        times.append(time.perf_counter() - t)
+    pause = wait * statistics.median(times)  # the time a GPU would keep this rank waiting per step
+
+    def step() -> None:
+        compute()
+        if pause:
+            time.sleep(pause)
 
     if s.is_main:
         shutil.rmtree(ROOT, ignore_errors=True)
@@ -79,7 +96,8 @@ def main(s, width: int, rounds: int, strategy: str = "ddp") -> None:
 
         threads = torch.get_num_threads()
         head = (f"checkpoint_stall: {strategy}, {s.world_size} rank(s) x {threads} thread(s), "
-                f"windows of {width} steps, {done} of {rounds} rounds; window without a save "
+                f"windows of {width} steps, {done} of {rounds} rounds, a wait of {pause * 1e3:.0f} ms "
+                f"after each step; window without a save "
                 f"{spread(window['none'])}, step {step_med * 1e3:.0f} ms; load {load_before:.1f} -> "
                 f"{os.getloadavg()[0]:.1f}")  # fmt: skip
         s.print(head)
@@ -88,6 +106,13 @@ def main(s, width: int, rounds: int, strategy: str = "ddp") -> None:
             s.print(f"  {kind:8s} lost {spread(lost[kind])} = {100 * med / sync:.0f}% of sync; in the call "
                     f"{statistics.median(inside[kind]):.3f} s; slowest step +{during:.2f} s; "
                     f"tail {spread(tail[kind])}")
+        # each round's window minus the same round's window without a save (neighbours in time: a drift
+        # in the machine's load cancels), median [min..max]; and every window, for other statistics
+        paired = {k: [t - n for t, n in zip(window[k], window["none"], strict=True)] for k in lost}
+        s.print("  paired with their round's window without a save: " + "; ".join(
+            f"{k} {spread(v)}" for k, v in paired.items()))
+        every = (f"{k} " + " ".join(f"{t:.2f}" for t in v) for k, v in window.items())
+        s.print("  windows (s): " + "; ".join(every))
 
     for r in range(rounds):
         order = list(KINDS) if r % 2 == 0 else list(reversed(KINDS))  # no kind always follows another
@@ -120,5 +145,6 @@ if __name__ == "__main__":
     width = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
     strategy = sys.argv[3] if len(sys.argv) > 3 else "ddp"
+    wait = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     with ddpkit.session(seed=0, verbose=True) as session:
-        main(session, width, rounds, strategy)
+        main(session, width, rounds, strategy, wait)

@@ -2,8 +2,11 @@
 
     OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_threads.py          # 5 rounds, 6 steps
     OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_threads.py 6 3      # width, rounds
+    OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_threads.py 6 3 fsdp # under FSDP
+    OMP_NUM_THREADS=1 ddpkit run --nproc 2 benchmarks/checkpoint_threads.py parts    # FSDP's pieces
 
-The workload of `benchmarks/checkpoint_stall.py` (the 37.8M-parameter MLP with AdamW under DDP). Each
+The workload of `benchmarks/checkpoint_stall.py` (the 37.8M-parameter MLP with AdamW under DDP, or
+FSDP: each rank's shards through DCP, whose planning and metadata run on the writer thread). Each
 round runs a window of W steps per kind (none, sync, thread, process), the save at the first step, then
 waits for the write; around each window every rank reads the CPU time (user + system, from /proc) of
 each of its threads, of its writer process, and of the kernel's threads (children of kthreadd: the
@@ -20,6 +23,14 @@ of the CPU seconds beyond the window without a save, split by who spent them:
 
 CPU that is not idle-priority (train, normal, kernel) takes time from the ranks whatever the writer's
 priority; idle-priority CPU only uses what the ranks leave.
+
+`parts` times the pieces of an FSDP save on their own (CPU seconds of the calling thread, median of
+6): the state dicts (`strategy.sharded_state`), the copy of the shards into fresh memory (a clone)
+and into memory reused from the save before (`staging.Arena`), DCP's save planning with and without
+its plan cache (`DefaultSavePlanner(enable_plan_caching=True)`; local planning, the rank's own plan
+as the global one), and on rank 0 how long a busy Python loop on the main thread is kept from the
+interpreter lock while a thread writes the rank's shards (`writer_child.write_items`: the sum of its
+gaps over 4 ms, and the longest).
 """
 
 from __future__ import annotations
@@ -89,8 +100,8 @@ def sample(child: int | None) -> dict[str, float]:
     return out
 
 
-def main(s, width: int, rounds: int) -> None:
-    model, opt, step = workload(s)  # the stall benchmark's, so the two measure the same save
+def main(s, width: int, rounds: int, strategy: str = "ddp") -> None:
+    model, opt, step = workload(s, strategy)  # the stall benchmark's, so the two measure the same save
 
     if s.is_main:
         shutil.rmtree(ROOT, ignore_errors=True)
@@ -125,10 +136,10 @@ def main(s, width: int, rounds: int) -> None:
     if not s.is_main:
         return
     classes = ("train", "normal", "idle", "ended", "child", "kernel")
-    print(f"checkpoint_threads: {s.world_size} rank(s), windows of {width} steps (the write waited for "
-          f"inside), {rounds} rounds; load {load:.1f} -> {os.getloadavg()[0]:.1f}; CPU seconds beyond the "
-          "window without a save, median over rounds; other: the machine's busy time beyond the "
-          "ranks' and the kernel's")  # fmt: skip
+    print(f"checkpoint_threads: {strategy}, {s.world_size} rank(s), windows of {width} steps (the write "
+          f"waited for inside), {rounds} rounds; load {load:.1f} -> {os.getloadavg()[0]:.1f}; CPU seconds "
+          "beyond the window without a save, median over rounds; other: the machine's busy time beyond "
+          "the ranks' and the kernel's")  # fmt: skip
     print(f"  {'kind':8s} {'rank':>4s} {'wall':>6s} " + " ".join(f"{c:>6s}" for c in classes) + "  other")
     for kind in ("sync", "thread", "process"):
         ranks = [e for e in everyone if e is not None]
@@ -141,8 +152,91 @@ def main(s, width: int, rounds: int) -> None:
             print(f"  {kind:8s} {rank:4d} " + " ".join(f"{v:6.2f}" for v in cols)
                   + (f" {other:6.2f}" if rank == 0 else ""))  # fmt: skip
 
+def parts(s) -> None:
+    import threading
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from ddpkit.checkpoint import dcp
+    from ddpkit.checkpoint.staging import Arena
+    from ddpkit.checkpoint.writer_child import write_items
+
+    model, opt, step = workload(s, "fsdp")
+    step()
+    say = print if s.is_main else (lambda *a: None)
+
+    def cpu(fn, n: int = 6) -> str:
+        times = []
+        for _ in range(n):
+            t = time.thread_time()
+            fn()
+            times.append(time.thread_time() - t)
+        return f"{statistics.median(times) * 1e3:.1f} ms [{min(times) * 1e3:.1f}..{max(times) * 1e3:.1f}]"
+
+    state = s.strategy.sharded_state(model, {"optimizer": opt})
+    arena = Arena()
+    arena.reset()
+    dcp.stage(state, arena.stage)
+
+    def reused() -> None:
+        arena.reset()
+        dcp.stage(state, arena.stage)
+
+    def plan(cache: bool) -> None:
+        planner = DefaultSavePlanner(enable_plan_caching=cache)
+        planner.set_up_planner(state, None, True)
+        writer = FileSystemWriter(ROOT / "plan", single_file_per_rank=True)
+        writer.set_up_storage_writer(True)
+        local = writer.prepare_local_plan(planner.create_local_plan())
+        plans, _ = planner.create_global_plan([local])
+        planner.finish_plan(writer.prepare_global_plan(plans)[0])
+
+    say(f"checkpoint_threads parts: fsdp, {s.world_size} rank(s); load {os.getloadavg()[0]:.1f}; CPU of the "
+        "calling thread per save, median [min..max] of 6")  # fmt: skip
+    say(f"  state dicts (sharded_state) {cpu(lambda: s.strategy.sharded_state(model, {'optimizer': opt}))}")
+    say(f"  copy into fresh memory (clone) {cpu(lambda: dcp.stage(state))}")
+    say(f"  copy into reused memory (arena) {cpu(reused)}")
+    say(f"  DCP planning without its cache {cpu(lambda: plan(False))}; with it {cpu(lambda: plan(True))}")
+    s.barrier()
+    if s.is_main:  # the other rank waits in the barrier below
+        staged = dcp.stage(state)
+        tensors = [dcp.exact(t.to_local() if hasattr(t, "to_local") else t) for t in _tensors(staged)]
+        ROOT.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            thread = threading.Thread(target=write_items, args=(str(ROOT / "gil.distcp"), tensors))
+            gaps, last = [], time.perf_counter()
+            thread.start()
+            while thread.is_alive():
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+            thread.join()
+            held = sum(g for g in gaps if g > 0.004)
+            say(f"  a thread writing the rank's {sum(t.nbytes for t in tensors) / 2**20:.0f} MiB of shards: "
+                f"the main thread's gaps over 4 ms add to {held * 1e3:.0f} ms, the longest "
+                f"{max(gaps) * 1e3:.0f} ms")
+    s.barrier()
+
+
+def _tensors(tree):
+    if hasattr(tree, "shape"):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["parts"]:
+        with ddpkit.session(seed=0, verbose=False) as session:
+            parts(session)
+        sys.exit(0)
     width = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    strategy = sys.argv[3] if len(sys.argv) > 3 else "ddp"
     with ddpkit.session(seed=0, verbose=False) as session:
-        main(session, width, rounds)
+        main(session, width, rounds, strategy)

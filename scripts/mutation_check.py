@@ -1549,11 +1549,35 @@ MUTANTS = [
     Mutant(
         "fsdp-shards-written-on-the-thread",
         "ddpkit/checkpoint/dcp.py",
-        "    if process is not None:\n        writer = process_writer(tmp / DIRECTORY, process)\n",
-        "    if False:  # mutant: DCP's shards written by the writer thread, in training's process\n"
-        "        writer = process_writer(tmp / DIRECTORY, process)\n",
+        "    write = process.write_shards if process is not None else write_here\n",
+        "    write = write_here  # mutant: the writer thread writes DCP's shards after all\n",
         ("tests/test_background_fsdp.py::test_a_process_save_under_fsdp_is_written_by_the_writer_process_and_resumes_bitwise",),
         'under FSDP, background="process" writes DCP\'s shards from training\'s process (the writer thread)',
+    ),
+    Mutant(
+        "thread-copy-fresh-memory",
+        "ddpkit/checkpoint/background.py",
+        "        self._arena.reset()\n        return self._arena.stage\n",
+        "        return None  # mutant: each save's copy cloned into fresh memory\n",
+        ("tests/test_background_fsdp.py::test_a_thread_save_under_fsdp_reads_nothing_back_and_reuses_the_memory_of_its_copy",),
+        "a thread save's copy faults in new memory on training's thread at every save",
+    ),
+    Mutant(
+        "dcp-file-read-back",
+        "ddpkit/checkpoint/writer_child.py",
+        '    return {"bytes": os.stat(path).st_size, "sha256": digest.hexdigest(), "spans": spans}',
+        '    return {"bytes": os.stat(path).st_size, "spans": spans,  # mutant: the file read back\n'
+        '            "sha256": hashlib.sha256(open(path, "rb").read()).hexdigest()}',
+        ("tests/test_background_fsdp.py::test_a_thread_save_under_fsdp_reads_nothing_back_and_reuses_the_memory_of_its_copy",),
+        "the writer reads each DCP file back to hash it (a second pass over its bytes)",
+    ),
+    Mutant(
+        "dcp-staged-segment-written",
+        "ddpkit/checkpoint/dcp.py",
+        "            return flat.view(t.dtype).view(t.shape)",
+        "            return t  # mutant: torch.save of a view into the staging segment",
+        ("tests/test_background_fsdp.py::test_a_thread_save_under_fsdp_reads_nothing_back_and_reuses_the_memory_of_its_copy",),
+        "the thread writer's DCP file holds the whole staging segment each shard was copied into",
     ),
 ]
 

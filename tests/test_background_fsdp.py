@@ -127,13 +127,13 @@ def test_the_writer_thread_runs_at_the_lowest_priority() -> None:
 # -- background="process" under FSDP: the writer process writes each rank's DCP file (shared rank pools) --
 
 
-def _fsdp(s):  # the smallest FSDP job that has sharded weights and sharded AdamW moments
+def _fsdp(s, width: int = 64):  # the smallest FSDP job that has sharded weights and sharded AdamW moments
     from torch import nn
 
     torch.manual_seed(0)
-    model = s.model(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8)), strategy="fsdp")
+    model = s.model(nn.Sequential(nn.Linear(width, width), nn.Linear(width, 64), nn.Linear(64, 8)), strategy="fsdp")
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    s.backward(model(torch.randn(4, 64)).square().mean())
+    s.backward(model(torch.randn(4, width)).square().mean())
     s.step(opt)
     return model, opt
 
@@ -250,3 +250,58 @@ def test_a_killed_fsdp_writer_process_fails_the_save_on_every_rank_and_loses_no_
         assert got["step"] == 1, got
         assert got["next"] == "ckpt-000002", got  # the next save commits...
     assert ranks[1]["new_writer"] and not ranks[0]["new_writer"]  # ...with a new writer where one was killed
+
+
+
+# -- background=True under FSDP: the writer thread hashes DCP's file as it writes it, from a reused copy --
+
+
+def _rchar() -> int:
+    """The bytes this process has read (/proc/self/io: every thread's, ended ones too)."""
+    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])
+
+
+def thread_saves(root: str) -> dict:
+    """Rank r: two thread saves under FSDP, training going on during the second; what the second read,
+    whether its copy took new memory, and whether it resumes the shards of its call bit for bit."""
+    import ddpkit
+
+    with ddpkit.session(seed=0, verbose=False) as s:
+        model, opt = _fsdp(s, width=1024)  # 4 MiB of weights (12 with AdamW's moments), halved per rank
+        s.save(root, model=model, optimizer=opt, step=1, background=True)
+        s.checkpoints.wait()
+        staged = s.checkpoints._background._arena.nbytes()  # the first save's copy
+        want = _shards(model, opt)
+        before = _rchar()
+        path = s.save(root, model=model, optimizer=opt, step=2, background=True)
+        with torch.no_grad():  # training goes on while the shards are written
+            for p in model.parameters():
+                p.add_(1.0)
+        s.checkpoints.wait()
+        read = _rchar() - before
+        reused = s.checkpoints._background._arena.nbytes() == staged > 0
+        fresh, fresh_opt = _fsdp(s, width=1024)
+        step = s.load(root, model=fresh, optimizer=fresh_opt, step=0)["step"]
+        got = _shards(fresh, fresh_opt)
+        same = got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
+        held = sum(v.numel() * v.element_size() for v in want.values())
+        size = (Path(path) / "dcp" / f"__{s.rank}_0.distcp").stat().st_size
+        return {"step": step, "same": same, "reused": reused, "read": read, "held": held, "size": size,
+                "path": str(path)}  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the reused copy is Linux's (memfd)")
+def test_a_thread_save_under_fsdp_reads_nothing_back_and_reuses_the_memory_of_its_copy(pool2, tmp_path: Path) -> None:
+    from ddpkit.checkpoint.inspect import report
+
+    ranks = pool2.run(thread_saves, str(tmp_path / "ck"), timeout=180)
+    for rank, got in enumerate(ranks):
+        assert got["step"] == 2 and got["same"], f"rank {rank}: not the shards of the call"
+        assert got["reused"], f"rank {rank}: the second save's copy took new memory"
+        # the file holds the shards and DCP's few records around them, not the memory they were copied into
+        assert got["held"] < got["size"] < got["held"] + (1 << 20), (rank, got)  # a segment is 64 MiB or more
+        # its SHA-256 was taken while it was written: the writer thread never read it back
+        assert got["read"] < got["size"] // 4, f"rank {rank}: {got['read']} bytes read during the save: {got}"
+    text, ok = report(ranks[0]["path"])
+    assert ok, text  # every checksum in the manifest holds

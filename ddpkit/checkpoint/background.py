@@ -2,7 +2,8 @@
 
     s.save("runs/ckpt", **state, step=step, background=True)   # copies the state to CPU and returns
 
-The state was already copied (`ddpkit.checkpoint.write.capture(copy=True)`), so training may change
+The state was already copied (`ddpkit.checkpoint.write.capture(copy=True)`, into memory kept from one
+save to the next: `Background.staging`), so training may change
 the originals while the thread writes the files, hashes them and (rank 0, once every rank's part is
 in) commits the checkpoint by renaming it into place. Until then the previous checkpoint is the
 newest valid one, so a crash in the middle loses nothing that was committed. The next save, a load,
@@ -16,6 +17,10 @@ import os
 import threading
 from collections.abc import Callable
 from typing import Any
+
+import torch
+
+from ddpkit.checkpoint.staging import Arena
 
 NICE = 19  # the writer's niceness: it runs on CPU time training leaves idle
 
@@ -79,7 +84,24 @@ class Background:
         self._nice = nice  # None: the writer keeps training's priority
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._arena: Arena | None = None
         self.result: Any = None
+
+    def staging(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Where the next save's copy goes (`capture`'s `stage`): the memory of the last save's copy, reused
+        (`ddpkit.checkpoint.staging.Arena`; the last write has finished), so a save after the first
+        faults in no new pages on training's thread: measured under FSDP (37.8M MLP, 2 ranks, 216 MiB
+        a rank), a clone into fresh memory took 160 ms of its CPU against 34 ms, and the call 0.19 s
+        against 0.05-0.07 s (docs/fault-tolerance.md).
+        The copy's memory is then held between saves, as the writer process's is. None where memfd is
+        missing (not Linux): a clone."""
+        if not Arena.available():
+            return None
+        self.wait()
+        if self._arena is None:
+            self._arena = Arena()
+        self._arena.reset()
+        return self._arena.stage
 
     @property
     def busy(self) -> bool:
@@ -108,3 +130,13 @@ class Background:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+    def close(self) -> None:
+        """Finish the write in flight (its error is raised), then release the staging memory."""
+        try:
+            self.wait()
+        finally:
+            if self._arena is not None:
+                self.result = None  # the last write's answer may hold views of the arena
+                self._arena.close()
+                self._arena = None

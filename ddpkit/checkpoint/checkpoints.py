@@ -163,7 +163,7 @@ class Checkpoints:
         if background and ctx.distributed and self._writer_group is None:  # collective: all ranks are here
             self._writer_group = writer_group(self._nice)  # its own (DCP, optimizer shares), lowest priority
         writer = self._writer_process() if mode == "process" else None
-        stage = writer.arena.stage if writer is not None else None
+        stage = writer.arena.stage if writer is not None else self._background.staging() if mode else None
         snapshot = capture(ctx, {**self._extras(), **state}, copy=mode is not None, stage=stage)
         for name, line in snapshot.notes.items():
             if name not in self._noted:  # once a session: each save keeps it per rank all the same
@@ -249,7 +249,7 @@ class Checkpoints:
     def close(self) -> None:
         """At the session's end: finish a background save (its error is raised here), drop the handlers."""
         try:
-            self._background.wait()
+            self._background.close()  # the write in flight, then its staging memory
         finally:
             if self._process is not None:
                 self._process.close()

@@ -40,18 +40,39 @@ def save(state: dict, tmp: Path, rank: int, group: Any = None, process: Any = No
     manifest entries of the files it wrote. A background save calls it on ddpkit's writer thread with a
     gloo group of the checkpoints' own, so DCP's collectives never mix with training's. With `process`
     (`background="process"`: a `WriterProcess`) DCP plans on this thread, and the writer process writes
-    and hashes the rank's file (`process_writer`): its bytes never pass through training's interpreter."""
-    from torch.distributed.checkpoint import FileSystemWriter
+    and hashes the rank's file: its bytes never pass through training's interpreter. Without, this
+    thread writes it the same way (`writer_child.write_items`): hashed as it is written, not read back."""
+    write = process.write_shards if process is not None else write_here
+    writer = hashing_writer(tmp / DIRECTORY, write)
+    _dcp_save(state, writer, group)
+    listed = dict(writer.entries)
+    if rank == 0:
+        listed[f"{DIRECTORY}/.metadata"] = describe_file(tmp / DIRECTORY / ".metadata")
+    return listed
 
-    if process is not None:
-        writer = process_writer(tmp / DIRECTORY, process)
-        _dcp_save(state, writer, group)
-        listed = dict(writer.entries)
-        if rank == 0:
-            listed[f"{DIRECTORY}/.metadata"] = describe_file(tmp / DIRECTORY / ".metadata")
-        return listed
-    _dcp_save(state, FileSystemWriter(tmp / DIRECTORY, single_file_per_rank=True, thread_count=1), group)
-    return written(tmp, rank)
+
+def write_here(path: Path, items: list[torch.Tensor | io.BytesIO]) -> dict[str, Any]:
+    """One rank's DCP file written and hashed on the calling thread (`writer_child.write_items`)."""
+    from ddpkit.checkpoint.writer_child import write_items
+
+    return write_items(str(path), [i.getbuffer() if isinstance(i, io.BytesIO) else exact(i) for i in items])
+
+
+def exact(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the CPU in a storage of exactly its bytes (`torch.save` writes a tensor's whole storage):
+    itself when it owns them, else a tensor over the same memory (a copy in a reused staging segment,
+    `ddpkit.checkpoint.staging`), else a clone (what DCP's own writer does)."""
+    t = t.detach().cpu()
+    n = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() == n:
+        return t
+    if n and t.is_contiguous():
+        try:  # the same bytes, no copy: numpy's view of them carries no more than they are
+            flat = torch.from_numpy(t.reshape(-1).view(torch.uint8).numpy())
+            return flat.view(t.dtype).view(t.shape)
+        except (RuntimeError, TypeError):
+            pass
+    return t.clone()
 
 
 def _dcp_save(state: dict, writer: Any, group: Any) -> None:
@@ -71,18 +92,20 @@ def _dcp_save(state: dict, writer: Any, group: Any) -> None:
         ) from err
 
 
-def process_writer(directory: Path, process: Any) -> Any:
-    """DCP's `FileSystemWriter` whose `write_data` (the bytes: every tensor's `torch.save`, then fsync) runs
-    in ddpkit's writer process; planning, the collectives and the metadata stay DCP's own, on the
-    calling thread. The file is the one DCP would write (`__<rank>_0.distcp`, one per rank, the same
-    items in the same format), so DCP's reader, resharding, inspect and convert read it unchanged."""
+def hashing_writer(directory: Path, write: Any) -> Any:
+    """DCP's `FileSystemWriter` whose `write_data` (the bytes: every tensor's `torch.save`, then fsync) is
+    `write(path, items)`: the writer process's `write_shards`, or `write_here` on the calling thread;
+    both hash the file as they write it. Planning, the collectives and the metadata stay DCP's own, on
+    the calling thread. The file is the one DCP would write (`__<rank>_0.distcp`, one per rank, the
+    same items in the same format), so DCP's reader, resharding, inspect and convert read it
+    unchanged; `entries` holds its manifest entry (size, SHA-256)."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future
 
-    class ProcessWriter(FileSystemWriter):
+    class HashingWriter(FileSystemWriter):
         def __init__(self) -> None:
             super().__init__(directory, single_file_per_rank=True, thread_count=1)
             self.entries: dict[str, Any] = {}
@@ -91,7 +114,7 @@ def process_writer(directory: Path, process: Any) -> Any:
             name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"  # FileSystemWriter's: one file per rank
             byte_items = [w for w in plan.items if w.type == WriteItemType.BYTE_IO]  # first, as DCP does
             items = byte_items + [w for w in plan.items if w.type != WriteItemType.BYTE_IO]
-            answer = process.write_shards(directory / name, [planner.resolve_data(w) for w in items])
+            answer = write(directory / name, [planner.resolve_data(w) for w in items])
             results = [WriteResult(index=w.index, size_in_bytes=n, storage_data=_StorageInfo(name, offset, n))
                        for w, (offset, n) in zip(items, answer["spans"], strict=True)]  # fmt: skip
             self.entries[f"{DIRECTORY}/{name}"] = {"bytes": answer["bytes"], "sha256": answer["sha256"]}
@@ -99,7 +122,7 @@ def process_writer(directory: Path, process: Any) -> Any:
             done.set_result(results)
             return done
 
-    return ProcessWriter()
+    return HashingWriter()
 
 
 def stage(state: Any, into: Any = None) -> Any:
@@ -124,15 +147,6 @@ def stage(state: Any, into: Any = None) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(stage(v, into) for v in state)
     return state
-
-
-def written(tmp: Path, rank: int) -> dict[str, Any]:
-    """The manifest entries of the DCP files this rank wrote (rank 0 also the metadata)."""
-    directory = tmp / DIRECTORY
-    mine = sorted(directory.glob(f"__{rank}_*.distcp"))
-    if rank == 0:
-        mine.append(directory / ".metadata")
-    return {f"{DIRECTORY}/{p.name}": describe_file(p) for p in mine}
 
 
 def load(state: dict, checkpoint: Path) -> None:

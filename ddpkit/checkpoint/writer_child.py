@@ -41,6 +41,8 @@ import os
 import socket
 import struct
 import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 # Each piece is hashed, then written while it is still in the core's cache: measured on 448 MiB from a
 # memfd (hash + write + fsync), 0.71 s of CPU with 1 MiB pieces against 1.59 s with 8 MiB ones (which
@@ -79,7 +81,7 @@ class _Hashed:
     def __init__(self, f: object, digest: object) -> None:
         self.f, self.digest, self.n = f, digest, 0
 
-    def write(self, data: bytes | memoryview) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), CHUNK):
             piece = view[start : start + CHUNK]
@@ -113,30 +115,47 @@ def write_shards(request: dict, maps: dict[int, mmap.mmap]) -> dict:
     import torch  # here only: a DDP job's writer never imports it
 
     torch.set_num_threads(1)
+
+    def items() -> Iterator[Any]:
+        for item in request["items"]:
+            if "data" in item:
+                yield base64.b64decode(item["data"])
+                continue
+            dtype, shape = getattr(torch, item["dtype"]), item["shape"]
+            if item["at"] is None:  # no elements: nothing in shared memory
+                yield torch.empty(shape, dtype=dtype)
+                continue
+            segment, offset, n = item["at"]
+            with warnings.catch_warnings():  # a read-only mapping: torch only reads it
+                warnings.simplefilter("ignore")
+                count = n // torch.empty((), dtype=dtype).element_size()
+                tensor = torch.frombuffer(maps[segment], dtype=dtype, count=count, offset=offset)
+            yield tensor.view(shape)  # no view is kept after the write: the mapping can be closed later
+
+    return write_items(request["path"], items())
+
+
+def write_items(path: str, items: Iterable[Any]) -> dict:
+    """A DCP file (`__R_0.distcp`) of `items`: bytes as they are (DCP's serialised small objects), each
+    tensor as `torch.save` of it (what DCP's `FileSystemWriter` writes), hashed on the way (nothing is
+    read back) and fsynced. Its size, SHA-256, and each item's [offset, length] (for DCP's metadata).
+    The writer process runs it on the tensors it maps; a thread writer (`ddpkit.checkpoint.dcp`) on the
+    tensors of its copy, which must own exactly their bytes (`torch.save` writes a tensor's storage)."""
+    import torch
+
     digest = hashlib.sha256()
     spans = []
-    with open(request["path"], "wb", buffering=0) as f:
+    with open(path, "wb", buffering=0) as f:
         out = _Hashed(f, digest)
-        for item in request["items"]:
+        for item in items:
             start = out.n
-            if "data" in item:
-                out.write(base64.b64decode(item["data"]))
+            if isinstance(item, (bytes, bytearray, memoryview)):
+                out.write(item)
             else:
-                dtype, shape = getattr(torch, item["dtype"]), item["shape"]
-                if item["at"] is None:  # no elements: nothing in shared memory
-                    tensor = torch.empty(shape, dtype=dtype)
-                else:
-                    segment, offset, n = item["at"]
-                    with warnings.catch_warnings():  # a read-only mapping: torch only reads it
-                        warnings.simplefilter("ignore")
-                        count = n // torch.empty((), dtype=dtype).element_size()
-                        tensor = torch.frombuffer(maps[segment], dtype=dtype, count=count, offset=offset)
-                    tensor = tensor.view(shape)
-                torch.save(tensor, out)  # type: ignore[arg-type]
-                del tensor  # the mapping can be closed later (no view left)
+                torch.save(item, out)  # type: ignore[arg-type]
             spans.append([start, out.n - start])
         os.fsync(f.fileno())  # durable before the answer: the parent commits on it
-    return {"bytes": os.stat(request["path"]).st_size, "sha256": digest.hexdigest(), "spans": spans}
+    return {"bytes": os.stat(path).st_size, "sha256": digest.hexdigest(), "spans": spans}
 
 
 def lowest_priority(nice: int) -> None:
