@@ -136,9 +136,10 @@ def _every_thread_counted():  # type: ignore[no-untyped-def]
     collective on a worker thread that carries the caller's state only while the collective runs, so
     when that thread drops the last reference to a collective's tensors after it (the caller has
     waited and moved on first; with 4 ranks on 2 cores it often has) the block is freed uncounted and
-    stays in the total for the rest of the profile. Measured (docs/planning.md): a 4 MiB and a 12 MiB
-    clone of FSDP's reduce-scatter input (gloo all-reduces a `clone()` of it) from the first step
-    still in the total at the second step's peak, 85.2 MiB read where the real peak was 69.2. c10's
+    stays in the total for the rest of the profile. Measured (docs/planning.md, the tiny GPT under FSDP
+    with activation checkpointing at 4 ranks): 16.2 MiB of clones of the first step's reduce-scatter
+    inputs (gloo all-reduces a `clone()` of the input) still in the total at the second step's peak,
+    85.4 MiB read where the allocator held 69.2. c10's
     flag `caffe2_report_cpu_memory_usage` makes the allocator keep the total on every thread (its
     `LOG(INFO)` lines stay below c10's default log level); set here, restored after."""
     import ctypes
