@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 # (6-170 MiB) below the measured peak, never above it. So: at most 10 % above, and below by no more
 # than 15 % + 128 MiB. A dropped category (the activations are half of this step) falls outside.
 OVER, UNDER, SLACK = 0.10, 0.15, 128 << 20
-ALLOCATOR = 0.10  # the goal, against the allocator's peak (docs/planning.md: within 1 % in every row)
+ALLOCATOR = 0.10  # the goal, against the allocator's peak (docs/planning.md: within 2.2 % in every row)
 
 
 @pytest.mark.timeout(300)
