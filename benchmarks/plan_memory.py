@@ -119,16 +119,53 @@ def _allocator_log():  # type: ignore[no-untyped-def]
     the rank allocated since: the model, its gradients and optimizer state, the micro-batch and the
     step's activations and temporaries, including the scratch tensors kernels allocate inside
     themselves (which no dispatcher-level tracker sees). Not in it: what is allocated outside torch's
-    allocator (gloo's buffers, oneDNN's own scratchpads, autograd's graph nodes, Python objects)."""
+    allocator (gloo's buffers, oneDNN's own scratchpads, autograd's graph nodes, Python objects).
+    Counted on every thread (`_every_thread_counted`), not only on the threads the profiler runs on."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _every_thread_counted(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield prof
 
 
-def _allocator_peak(prof: object) -> int:
+@contextlib.contextmanager
+def _every_thread_counted():  # type: ignore[no-untyped-def]
+    """Keep the allocator's running total on every thread while the profiler records.
+
+    The profiler's state is thread-local, and c10's allocator updates its total only where it is on
+    (`memoryProfilingEnabled()` in `ProfiledCPUMemoryReporter::New` and `::Delete`): gloo runs each
+    collective on a worker thread that carries the caller's state only while the collective runs, so
+    when that thread drops the last reference to a collective's tensors after it (the caller has
+    waited and moved on first; with 4 ranks on 2 cores it often has) the block is freed uncounted and
+    stays in the total for the rest of the profile. Measured (docs/planning.md, the tiny GPT under FSDP
+    with activation checkpointing at 4 ranks): 16.2 MiB of clones of the first step's reduce-scatter
+    inputs (gloo all-reduces a `clone()` of the input) still in the total at the second step's peak,
+    85.4 MiB read where the allocator held 69.2. c10's
+    flag `caffe2_report_cpu_memory_usage` makes the allocator keep the total on every thread (its
+    `LOG(INFO)` lines stay below c10's default log level); set here, restored after."""
+    import ctypes
+
+    import torch
+
+    lib = Path(torch.__file__).parent / "lib" / "libc10.so"
+    try:
+        flag = ctypes.c_bool.in_dll(ctypes.CDLL(str(lib)), "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError) as err:
+        raise RuntimeError(
+            f"cannot reach c10's flag caffe2_report_cpu_memory_usage in {lib} ({err}): the allocator's "
+            "peak would miss the blocks freed on gloo's threads. Run the benchmark with a Linux torch wheel"
+        ) from err
+    old, flag.value = flag.value, True
+    try:
+        yield
+    finally:
+        flag.value = old
+
+
+def _allocator_peak(prof: object, window: str = "ddpkit_step_1") -> int:
     """The largest running total of torch's CPU allocator during the second (steady-state) step, the
-    step the estimate tracks: the CPU ranks' counterpart of `torch.cuda.max_memory_allocated`."""
+    step the estimate tracks: the CPU ranks' counterpart of `torch.cuda.max_memory_allocated`. Counted
+    from the total at the profile's first allocation (the allocator's total is process-wide and never
+    reset, so a process that profiled before would otherwise start above zero)."""
     from torch._C._profiler import _EventType
 
     roots = prof.profiler.kineto_results.experimental_event_tree()  # type: ignore[attr-defined]
@@ -137,10 +174,13 @@ def _allocator_peak(prof: object) -> int:
         e = stack.pop()
         stack.extend(e.children)
         events.append(e)
-    window = [e for e in events if e.name == "ddpkit_step_1"]
-    start, end = window[0].start_time_ns, window[0].end_time_ns
-    allocs = [e for e in events if e.tag == _EventType.Allocation and start <= e.start_time_ns <= end]
-    return max(e.extra_fields.total_allocated for e in allocs)
+    every = sorted((e for e in events if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    first = every[0].extra_fields
+    start_total = first.total_allocated - first.alloc_size
+    spans = [e for e in events if e.name == window]
+    start, end = spans[0].start_time_ns, spans[0].end_time_ns
+    inside = [e for e in every if start <= e.start_time_ns <= end]
+    return max(e.extra_fields.total_allocated for e in inside) - start_total
 
 
 def _tracker(model: object, opt: object) -> object:

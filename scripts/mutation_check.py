@@ -1025,6 +1025,14 @@ MUTANTS = [
         "an FSDP checkpoint is read as whole-model files in one process or under DDP (it has none)",
     ),
     Mutant(
+        "plan-memory-allocator-one-thread",
+        "benchmarks/plan_memory.py",
+        "    old, flag.value = flag.value, True",
+        "    old = flag.value  # mutant: the allocator's total kept only on the profiler's threads",
+        ("tests/test_plan_memory_ranks.py::test_the_allocator_peak_counts_a_block_freed_on_another_thread",),
+        "the plan's validation reads a block freed on gloo's worker thread as still held (peak too high)",
+    ),
+    Mutant(
         "plan-memory-activations",
         "ddpkit/observe/memory_breakdown.py",
         "                sums[_FOLD[name]] += int(value)",
