@@ -480,19 +480,7 @@ def quick_entry(nodeid: str) -> str | None:
     return base if base in entries else None
 
 
-# Under pytest-xdist's `--dist loadfile` a module is one unit of work, handed to the next free worker in the
-# collection's order: the longest modules (the suite's per-file times, docs/testing.md) go first, in the
-# seed's order among themselves, so that a run does not end with one worker deep in a long module while the
-# other has nothing left. The rest keep the seed's order.
-FIRST_ON_WORKERS = (
-    "test_elastic", "test_preemption", "test_memory_limit", "test_notebooks", "test_adapters", "test_launch",
-    "test_compile", "test_checkpoint_remote", "test_hsdp_elastic", "test_plan_memory_ranks",
-)  # fmt: skip
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # after pytest-randomly's shuffle (a wrapper, run first)
-        items.sort(key=lambda item: Path(item.nodeid.split("::")[0]).stem not in FIRST_ON_WORKERS)
     for item in items:
         if quick_entry(item.nodeid):
             item.add_marker(pytest.mark.quick)

@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 from conftest import (
-    FIRST_ON_WORKERS,
     NOT_KERNEL_DEPENDENT,
     QUICK,
     REPO,
@@ -147,8 +146,6 @@ def test_the_whole_suite_runs_on_a_worker_per_core_and_named_tests_in_one_proces
     assert auto_workers(["tests"], REPO, cores=2, env={}, marks="numerics and not kernel_independent") == 2
     assert auto_workers(["tests"], REPO, cores=2, env={WORKERS_ENV: "3"}) == 3
     assert "-n auto --dist loadfile" in (REPO / "pyproject.toml").read_text()  # the hook is what `-n auto` asks
-    missing = [name for name in FIRST_ON_WORKERS if not (TESTS / f"{name}.py").is_file()]
-    assert not missing, f"FIRST_ON_WORKERS names modules that are gone: {missing}"
 
 
 def _mutation_check():
