@@ -494,6 +494,14 @@ MUTANTS = [
         "the tests' run_cli kills only the launcher's group on a timeout (torchrun's workers live on)",
     ),
     Mutant(
+        "suite-longest-first-off",
+        "tests/conftest.py",
+        "    return max(pending, key=lambda scope: seconds.get(Path(scope.split(\"::\")[0]).name, default))",
+        "    return pending[0]  # mutant: xdist's own order (most tests first)",
+        ("tests/test_ci_selection.py::test_the_workers_take_the_longest_modules_first_and_the_table_names_real_modules",),
+        "the suite's workers take modules in xdist's order, the longest few-test modules last",
+    ),
+    Mutant(
         "resume-bitwise",
         "ddpkit/verify/resume.py",
         "        if not report.bitwise:  # rounding of another shape, no resume\n",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,6 +118,32 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return auto_workers(
         list(config.args), config.invocation_params.dir, cores, dict(os.environ), config.option.markexpr
     )
+
+
+MODULE_SECONDS = REPO / "tests" / "module_seconds.json"
+
+
+def longest_first(seconds: dict[str, float], pending: list[str]) -> str:
+    """The pending module (`tests/test_x.py`) to hand out next: the longest by the table, one not in it
+    taken at the median. Ties keep xdist's own order."""
+    default = statistics.median(seconds.values()) if seconds else 0.0
+    return max(pending, key=lambda scope: seconds.get(Path(scope.split("::")[0]).name, default))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` handing out modules longest first (scripts/module_seconds.py says why)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    seconds = json.loads(MODULE_SECONDS.read_text()) if MODULE_SECONDS.exists() else {}
+
+    class LongestFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node: Any) -> None:
+            self.workqueue.move_to_end(longest_first(seconds, list(self.workqueue)), last=False)
+            super()._assign_work_unit(node)
+
+    return LongestFirst(config, log)
 
 
 def python() -> str:
@@ -412,6 +440,13 @@ NOT_KERNEL_DEPENDENT = {
     "test_compile.py::test_compile_options_are_checked_and_the_cache_directory_is_chosen": _REFUSAL,
     "test_compile.py::test_unwrap_returns_the_module_through_nested_compile_wrappers": "module identity",
     "test_compile.py::test_verify_compile_fails_when_nothing_was_compiled": "verify notices that nothing compiled",
+    "test_fsdp_compile.py::test_verify_strategy_fsdp_compile_on_the_command_line": (
+        "the command line's plumbing of verify under FSDP and compile, whose floor the leg checks in "
+        "test_hsdp's compiled verify and test_fsdp_compile_trains_like_eager_fsdp_and_one_process_with_the_same_names"
+    ),
+    "test_hsdp.py::test_verify_strategy_hsdp_on_the_command_line": (
+        "the command line's plumbing of test_verify_strategy_hsdp_2x2_trains_the_weights_of_one_process (in the leg)"
+    ),
     "test_compile.py::test_verify_compile_flag_on_the_command_line": (
         "the command line's plumbing of test_verify_compile_matches_one_eager_process (in the leg)"
     ),

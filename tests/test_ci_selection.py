@@ -15,17 +15,20 @@ module or with a bare `==` is not seen): the list catches the usual ways, not ev
 from __future__ import annotations
 
 import ast
+import json
 import re
 import sys
 from pathlib import Path
 
 from conftest import (
+    MODULE_SECONDS,
     NOT_KERNEL_DEPENDENT,
     QUICK,
     REPO,
     WORKERS_ENV,
     auto_workers,
     kernel_independent,
+    longest_first,
 )
 
 TESTS = REPO / "tests"
@@ -146,6 +149,19 @@ def test_the_whole_suite_runs_on_a_worker_per_core_and_named_tests_in_one_proces
     assert auto_workers(["tests"], REPO, cores=2, env={}, marks="numerics and not kernel_independent") == 2
     assert auto_workers(["tests"], REPO, cores=2, env={WORKERS_ENV: "3"}) == 3
     assert "-n auto --dist loadfile" in (REPO / "pyproject.toml").read_text()  # the hook is what `-n auto` asks
+
+
+def test_the_workers_take_the_longest_modules_first_and_the_table_names_real_modules() -> None:
+    """Left to xdist's order (most tests first), the few-test modules that take longest came last and one
+    worker ran them alone at the end; tests/conftest.py hands modules out by tests/module_seconds.json."""
+    seconds = json.loads(MODULE_SECONDS.read_text())
+    assert set(seconds) <= {path.name for path in TESTS.glob("test_*.py")}, "module_seconds.json: stale names"
+    assert seconds["test_memory_limit.py"] > seconds["test_public_api.py"]  # the 4-rank proof goes out early
+    pending = ["tests/test_public_api.py", "tests/test_memory_limit.py", "tests/test_brand_new.py"]
+    assert longest_first(seconds, pending) == "tests/test_memory_limit.py"
+    table = {"test_a.py": 1.0, "test_b.py": 5.0, "test_c.py": 9.0}
+    assert longest_first(table, ["tests/test_a.py", "tests/test_new.py"]) == "tests/test_new.py"  # the median
+    assert longest_first(table, ["tests/test_a.py", "tests/test_c.py::Class"]) == "tests/test_c.py::Class"
 
 
 def _mutation_check():
