@@ -27,16 +27,17 @@ HW = ddpkit.Hardware(gpus=0, cpu_cores=2)
 
 
 class Gate:
-    """In front of the S3 server: from `hold(prefix)` on, the second object PUT under that prefix is held
-    (its client waits on the upload, as on a stalled link) until `let_go()`, then refused. The test's hand
-    on the network, so that a kill lands in the middle of an upload whatever the machine's speed."""
+    """In front of the S3 server: from `hold(prefix)` on, the first object PUT under that prefix after one
+    is stored there is held (its client waits on the upload, as on a stalled link) until `let_go()`, then
+    refused. The test's hand on the network, so that a kill lands in the middle of an upload whatever the
+    machine's speed (a PUT the server failed, and its client's retry, do not count as stored)."""
 
     def __init__(self, app: Callable) -> None:
-        self.app, self.prefix, self.puts = app, "", 0
-        self.lock, self.holding, self.released = threading.Lock(), threading.Event(), threading.Event()
+        self.app, self.prefix, self.stored = app, "", 0
+        self.holding, self.released = threading.Event(), threading.Event()
 
     def hold(self, prefix: str) -> None:
-        self.prefix, self.puts = prefix, 0
+        self.prefix, self.stored = prefix, 0
         self.holding.clear()
         self.released.clear()
 
@@ -46,16 +47,23 @@ class Gate:
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         put = environ["REQUEST_METHOD"] == "PUT"
-        if put and self.prefix and environ["PATH_INFO"].startswith(self.prefix):
-            with self.lock:
-                self.puts += 1
-                second = self.puts >= 2
-            if second:
-                self.holding.set()
-                self.released.wait(120)  # the test kills the client meanwhile; bounded all the same
-                start_response("503 Service Unavailable", [("Content-Length", "0")])
-                return [b""]
-        return self.app(environ, start_response)
+        if not (put and self.prefix and environ["PATH_INFO"].startswith(self.prefix)):
+            return self.app(environ, start_response)
+        if self.stored:  # s3fs uploads one file after another: the one before is in, this one stalls
+            self.holding.set()
+            self.released.wait(120)  # the test kills the client meanwhile; bounded all the same
+            start_response("503 Service Unavailable", [("Content-Length", "0")])
+            return [b""]
+        status: list[str] = []
+
+        def record(code: str, headers: list, *exc: object) -> Callable:
+            status.append(code)
+            return start_response(code, headers, *exc)
+
+        body = list(self.app(environ, record))  # moto answers whole, not streamed
+        if status and status[0].startswith("200"):
+            self.stored += 1
+        return body
 
 
 @pytest.fixture(scope="module")
