@@ -460,6 +460,14 @@ MUTANTS = [
         "no time-based progress line (only tenths of a known total)",
     ),
     Mutant(
+        "progress-bar-on-terminal",
+        "ddpkit/observe/progress.py",
+        "        if is_terminal(*([stream] if stream else [])):",
+        "        if False:  # mutant: plain lines on a terminal too",
+        ("tests/test_progress.py::test_on_a_terminal_the_bar_refreshes_in_place",),
+        "fit on a terminal prints plain progress lines instead of tqdm's bar",
+    ),
+    Mutant(
         "fsdp-whole-build",
         "ddpkit/strategy/fsdp.py",
         "        module, shards, peak = fsdp_init.build(factory, *self.shard_index())\n",

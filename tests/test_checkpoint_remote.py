@@ -6,13 +6,12 @@ leaves the store's checkpoint whole or absent, and the relaunch resumes from the
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,33 +21,78 @@ from torch import nn
 import ddpkit
 
 pytest.importorskip("s3fs", reason='pip install "ddpkit[remote-test]"')
-moto_server = pytest.importorskip("moto.server", reason='pip install "ddpkit[remote-test]"')
+pytest.importorskip("moto.server", reason='pip install "ddpkit[remote-test]"')
 
 HW = ddpkit.Hardware(gpus=0, cpu_cores=2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class Gate:
+    """In front of the S3 server: from `hold(prefix)` on, the first object PUT under that prefix after one
+    is stored there is held (its client waits on the upload, as on a stalled link) until `let_go()`, then
+    refused. The test's hand on the network, so that a kill lands in the middle of an upload whatever the
+    machine's speed (a PUT the server failed, and its client's retry, do not count as stored)."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app, self.prefix, self.stored = app, "", 0
+        self.holding, self.released = threading.Event(), threading.Event()
+
+    def hold(self, prefix: str) -> None:
+        self.prefix, self.stored = prefix, 0
+        self.holding.clear()
+        self.released.clear()
+
+    def let_go(self) -> None:
+        self.prefix = ""
+        self.released.set()
+
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        put = environ["REQUEST_METHOD"] == "PUT"
+        if not (put and self.prefix and environ["PATH_INFO"].startswith(self.prefix)):
+            return self.app(environ, start_response)
+        if self.stored:  # s3fs uploads one file after another: the one before is in, this one stalls
+            self.holding.set()
+            self.released.wait(120)  # the test kills the client meanwhile; bounded all the same
+            start_response("503 Service Unavailable", [("Content-Length", "0")])
+            return [b""]
+        status: list[str] = []
+
+        def record(code: str, headers: list, *exc: object) -> Callable:
+            status.append(code)
+            return start_response(code, headers, *exc)
+
+        body = list(self.app(environ, record))  # moto answers whole, not streamed
+        if status and status[0].startswith("200"):
+            self.stored += 1
+        return body
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    port = _free_port()
-    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    srv.start()
-    yield f"http://127.0.0.1:{port}"
-    srv.stop()
+def server() -> Iterator[tuple[str, Gate]]:
+    """moto's S3 server (as moto's ThreadedMotoServer runs it) behind a Gate, on a port the OS picks."""
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import make_server
+
+    gate = Gate(DomainDispatcherApplication(create_backend_app))
+    srv = make_server("127.0.0.1", 0, gate, threaded=True, request_handler=MotoRequestHandler)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_port}", gate
+    gate.let_go()
+    srv.shutdown()
+    thread.join(10)
 
 
 @pytest.fixture
-def store(server: str, tmp_path: Path, request: pytest.FixtureRequest):
+def store(server: tuple[str, Gate], tmp_path: Path, request: pytest.FixtureRequest):
     """A fresh bucket, credentials for the local server, this machine's cache folder; the fs."""
     import fsspec
 
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=server,
+                      AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=server[0],
                       DDPKIT_CHECKPOINT_CACHE=str(tmp_path / "cache"))  # fmt: skip
     bucket = f"b{abs(hash(request.node.name)) % 10**8}-{time.time_ns() % 10**6}"
     fs, _ = fsspec.core.url_to_fs(f"s3://{bucket}")
@@ -126,55 +170,59 @@ def test_a_store_without_its_driver_is_refused_with_the_package_to_install() -> 
 JOB = """
 import sys, torch, ddpkit
 from torch import nn
-url, mode = sys.argv[1], sys.argv[2]
+url = sys.argv[1]
 with ddpkit.session(seed=0, verbose=True) as s:
-    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])  # 64 MiB, 128 MiB of AdamW state
-    opt = torch.optim.AdamW(model.parameters())
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))  # the architecture of _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     values = s.load(url, model=model, optimizer=opt, step=0)
-    print(f"RESUMED {values['step']}", flush=True)  # one string: ranks share the pipe
-    if mode == "save":
-        s.backward(model(torch.randn(2, 1024)).sum()); s.step(opt)
-        s.save(url, model=model, optimizer=opt, step=values["step"] + 1)
-        print(f"SAVED {values['step'] + 1}", flush=True)
+    print(f"RESUMED {values['step']}", flush=True)
+    s.backward(model(torch.randn(2, 64)).sum()); s.step(opt)
+    s.save(url, model=model, optimizer=opt, step=values["step"] + 1)
+    print(f"SAVED {values['step'] + 1}", flush=True)
 """
 
 
-def test_a_kill_during_the_upload_leaves_the_stores_checkpoint_whole_or_absent(store, tmp_path: Path) -> None:
+def test_a_kill_during_the_upload_leaves_the_stores_checkpoint_whole_or_absent(server, store, tmp_path: Path) -> None:
+    """A job resumes from ckpt-000001 and saves ckpt-000002; the store stalls its upload after the first
+    object (the Gate), and the job is killed there (SIGKILL: no handler runs). The store must hold no
+    manifest for ckpt-000002, and a relaunch on another machine (an empty local folder; here, in this
+    process) resumes from ckpt-000001, saves ckpt-000003 and removes the unfinished upload."""
+    _, gate = server
     fs, bucket = store
     url = f"s3://{bucket}/run"
+    model, opt = _model()
+    with ddpkit.session(env={}, hardware=HW, verbose=False) as s:  # the first run's checkpoint
+        s.save(url, model=model, optimizer=opt, step=1)
+    assert _names(fs, f"{bucket}/run") == ["ckpt-000001"]
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(JOB))
-
-    def launch(cache: str) -> subprocess.Popen:
-        env = {**os.environ, "DDPKIT_CHECKPOINT_CACHE": str(tmp_path / cache), "OMP_NUM_THREADS": "1"}
-        return subprocess.Popen([sys.executable, str(script), url, "save"], env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-
-    first = launch("a")
-    out, err = first.communicate(timeout=100)
-    assert first.returncode == 0 and "SAVED 1" in out, err[-2000:]
-    second = launch("a")
+    env = {**os.environ, "DDPKIT_CHECKPOINT_CACHE": str(tmp_path / "a"), "OMP_NUM_THREADS": "1"}
+    gate.hold(f"/{bucket}/run/ckpt-000002/")
+    job = subprocess.Popen([sys.executable, str(script), url], env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:  # the first object of ckpt-000002 is in: the upload is under way
-            fs.invalidate_cache()
-            if fs.exists(f"{bucket}/run/ckpt-000002") and fs.find(f"{bucket}/run/ckpt-000002"):
-                break
-            time.sleep(0.01)
-        else:
-            pytest.fail("the second save's upload never started")
-        os.kill(second.pid, signal.SIGSTOP)  # frozen in the middle of its upload
-        fs.invalidate_cache()
+        if not gate.holding.wait(90):  # an event, not a poll: the upload's second object is on the wire
+            job.kill()
+            out, err = job.communicate(timeout=30)
+            pytest.fail(f"the job's upload never reached its second object:\n{out[-2000:]}\n{err[-2000:]}")
         there = {p.rsplit("/", 1)[-1] for p in fs.find(f"{bucket}/run/ckpt-000002")}
-        os.kill(second.pid, signal.SIGKILL)
+        job.kill()  # SIGKILL in the middle of its upload
+        out, err = job.communicate(timeout=30)
     finally:
-        second.kill()
-        second.wait()
+        gate.let_go()
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert "RESUMED 1" in out and "SAVED" not in out, f"{out[-2000:]}\n{err[-2000:]}"
     assert there and "manifest.json" not in there, f"committed before its parts were in: {sorted(there)}"
-    resumed = launch("b")  # another machine: nothing in its local folder
-    out, err = resumed.communicate(timeout=100)
-    assert resumed.returncode == 0, err[-2000:]
-    assert "RESUMED 1" in out and "SAVED 2" in out, out
+    os.environ["DDPKIT_CHECKPOINT_CACHE"] = str(tmp_path / "b")  # another machine: nothing local
+    fresh = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    with ddpkit.session(env={}, hardware=HW, verbose=False) as s:
+        assert s.load(url, model=fresh, optimizer=fresh_opt, step=0)["step"] == 1
+        s.backward(fresh(torch.randn(2, 64)).sum())
+        s.step(fresh_opt)
+        s.save(url, model=fresh, optimizer=fresh_opt, step=2)
     assert _names(fs, f"{bucket}/run") == ["ckpt-000001", "ckpt-000003"]  # the unfinished upload removed
 
 

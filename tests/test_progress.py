@@ -3,21 +3,15 @@ the demo print plain progress lines, not tqdm's carriage-return refreshes; on a 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pty
 import re
-import select
-import signal
 import struct
-import subprocess
-import sys
 import termios
+import threading
 import time
-from pathlib import Path
-
-import pytest
-from conftest import REPO
 
 LINE = re.compile(
     r"^fit: step (\d+)/(\d+) \(\d+%\), epoch \d+, loss [\d.e+-]+, \d+ samples/s, [\d.]+ ms/step, "
@@ -25,33 +19,56 @@ LINE = re.compile(
 )  # issue 33: FLOP/s and MFU against the CPU's measured matmul peak
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-
-
-def test_on_a_terminal_the_bar_refreshes_in_place(tmp_path: Path) -> None:
-    """The control of tests/test_demo.py's log file (plain lines there): the demo on a pseudo-terminal draws
-    tqdm's bar (carriage returns)."""
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # 120 columns for the bar
-    proc = subprocess.Popen([sys.executable, "-m", "ddpkit.tools.demo", "--epochs", "1", "--out", str(tmp_path / "out")],
-                            stdout=follower, stderr=follower, cwd=tmp_path, env=_env(), start_new_session=True)  # fmt: skip
-    os.close(follower)
-    chunks = []
-    deadline = time.monotonic() + 100  # under pytest's 120 s; the demo and its ranks are killed first
+def _drain(fd: int, chunks: list[bytes]) -> None:
+    """Read a pseudo-terminal's leader side until its follower side is closed (EIO) or ends."""
     while True:
-        if not select.select([leader], [], [], max(0.0, deadline - time.monotonic()))[0]:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            pytest.fail(f"the demo did not finish in 100 s: {b''.join(chunks)[-2000:]!r}")
         try:
-            chunk = os.read(leader, 65536)
-        except OSError:  # the terminal closed: the process exited
+            chunk = os.read(fd, 65536)
+        except OSError:
             break
         if not chunk:
             break
         chunks.append(chunk)
-    assert proc.wait(timeout=10) == 0
+
+
+def test_on_a_terminal_the_bar_refreshes_in_place() -> None:
+    """The control of tests/test_demo.py's log file (plain lines there): `fit`, the demo's loop, with stdout
+    and stderr on a pseudo-terminal draws tqdm's bar (carriage returns). In this process: `fit` decides
+    from sys.stdout and sys.stderr, as the demo's does from its terminal."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+    from ddpkit.training.fit import fit
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # 120 columns for the bar
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=_drain, args=(leader, chunks), daemon=True)  # the pty never fills
+    reader.start()
+    terminal = os.fdopen(follower, "w", buffering=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as one rank of the demo: a tiny model on two threads crawls under load
+    hardware = ddpkit.Hardware(gpus=0, cpu_cores=2)
+    try:
+        with (
+            contextlib.redirect_stdout(terminal),
+            contextlib.redirect_stderr(terminal),
+            ddpkit.session(env={}, hardware=hardware, seed=0, verbose=False) as s,
+        ):
+            model = s.model(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            data = TensorDataset(torch.randn(256, 16), torch.randint(0, 4, (256,)))
+            fit(s, model, opt, s.loader(data, batch_size=32), lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                epochs=1)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+        terminal.close()  # the follower side: the reader sees the terminal close
+        reader.join(30)
+        os.close(leader)
+    assert not reader.is_alive()
     text = b"".join(chunks).decode(errors="replace")
     assert re.search(r"\rfit: +\d+%", text), "tqdm redraws the bar in place (a carriage return, then the bar)"
     assert not any(LINE.match(x.strip()) for x in text.splitlines()), "and prints no plain progress line"
