@@ -1603,6 +1603,15 @@ MUTANTS = [
         ("tests/test_background_fsdp.py::test_a_thread_save_under_fsdp_reads_nothing_back_and_reuses_the_memory_of_its_copy",),
         "the thread writer's DCP file holds the whole staging segment each shard was copied into",
     ),
+    Mutant(
+        "elastic-attempt-prefix",
+        "ddpkit/cluster/lifecycle.py",
+        '    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":\n',
+        "    if False:  # mutant: the restart count names the store prefix in elastic jobs too\n",
+        ("tests/test_elastic.py::test_a_lost_host_then_a_joining_host_and_the_job_finishes_on_both[step]",),
+        "a host joining an elastic job after a lost host never meets the survivors (they count a restart, "
+        "it does not: two store prefixes), and the job hangs",
+    ),
 ]
 
 

@@ -1,6 +1,6 @@
 """An elastic run for tests/test_elastic.py, under `ddpkit run --nnodes MIN:MAX` (or `--nproc N`).
 
-    ddpkit run ... tests/elastic_train.py CKPT OUT [--sleep S [--sleep-at-world W]] [--hold-at-world W]
+    ddpkit run ... tests/elastic_train.py CKPT OUT [--sleep S [--sleep-at-world W]] [--hold W:N ...]
         [--loop accumulate|step|plain|invariant] [--idiom every|if] [--save-every N] [--strategy NAME]
 
 96 samples, global batch 8, 2 epochs: 24 optimizer steps, a checkpoint after each (--save-every N:
@@ -13,8 +13,14 @@ s.accumulate(model)`, the default), "step" (`s.backward(loss); s.step(opt)`, no 
 "invariant" (`reproducible="any-world", chunk=4`: `s.invariant.step`, 2 chunks per global batch).
 --sleep S pauses S seconds after each step (a node leaves or joins mid-run); with --sleep-at-world W only
 while the world size is W (the steps after the change need no pause: nothing changes again).
---hold-at-world W: at world size W, after step 8 (--hold-after N), wait (in barriers) until the world changes
-(a host joins or is lost): the change then comes mid-run however slow the machine is, never after the end.
+--hold W:N (repeatable): at world size W, right after step N (its save included), wait (in barriers) until
+the world changes (a host joins or is lost): the change then comes mid-run however slow the machine is,
+never after the end, and never during a save (a host lost while the other waits for its part of a
+checkpoint is noticed only after 60 s of silence, `ddpkit.cluster.lifecycle.SILENT_AFTER`). Only at step N
+exactly, so that `--hold 2:8 --hold 1:12` holds at world size 2 until a host is lost, then (resumed from
+step 6) at world size 1 until a host joins, and (resumed from step 12) never again.
+Unlaunched (`python tests/elastic_train.py`, or `main(argv)` from tests/elastic_reference.py): one process,
+world size 1, the uninterrupted reference.
 Global rank 0 appends "world accumulation step per-rank-batch" to OUT/steps.txt after each optimizer
 step (the accumulation the loop really ran: 1 for "plain") and writes OUT/final.safetensors at the end.
 """
@@ -36,19 +42,23 @@ import ddpkit
 EPOCHS, SAMPLES, GLOBAL_BATCH = 2, 96, 8
 
 
-def main() -> None:
+def _hold(text: str) -> tuple[int, int]:
+    world, step = text.split(":")
+    return int(world), int(step)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("ckpt")
     ap.add_argument("out")
     ap.add_argument("--sleep", type=float, default=0.3)
     ap.add_argument("--sleep-at-world", type=int, default=None)
-    ap.add_argument("--hold-at-world", type=int, default=None)
-    ap.add_argument("--hold-after", type=int, default=8)
+    ap.add_argument("--hold", type=_hold, action="append", default=[])
     ap.add_argument("--loop", choices=("accumulate", "step", "plain", "invariant"), default="accumulate")
     ap.add_argument("--idiom", choices=("every", "if"), default="every")
     ap.add_argument("--save-every", type=int, default=1)
     ap.add_argument("--strategy", default="auto")  # e.g. "hsdp": a replica per host (tests/test_hsdp_elastic.py)
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
     torch.set_num_threads(1)
     invariant = {"reproducible": "any-world", "chunk": 4} if ns.loop == "invariant" else {}
     with ddpkit.session(seed=0, strategy=ns.strategy, **invariant) as s:
@@ -92,7 +102,7 @@ def main() -> None:
                     s.save(ns.ckpt, **state, step=step)
                 if ns.sleep_at_world in (None, s.world_size):
                     time.sleep(ns.sleep)  # long enough steps for a node to leave or join mid-run
-                while ns.hold_at_world == s.world_size and step >= ns.hold_after:
+                while (s.world_size, step) in ns.hold:
                     # until the world changes: a joining host makes the agent restart this worker (SIGTERM);
                     # a lost host fails this barrier (as it would the next step's all-reduce), and the agent
                     # restarts the survivors

@@ -124,9 +124,7 @@ def _init_group(plan: Placement, limits: Limits) -> None:
     store, _, _ = next(
         dist.rendezvous(init_method, r.rank, r.world_size, timeout=timedelta(seconds=limits.rendezvous))
     )
-    # torchrun's agent keeps one store across restarts: without a prefix per attempt, a restarted rank
-    # can read the address a dead rank published and fail to connect ("Connection refused").
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if r.launcher == "torchrun" else "0"
+    attempt = _attempt() if r.launcher == "torchrun" else "0"
     dist.init_process_group(
         backend=plan.backend,
         store=dist.PrefixStore(f"ddpkit/attempt-{attempt}", store),
@@ -135,6 +133,22 @@ def _init_group(plan: Placement, limits: Limits) -> None:
         timeout=timedelta(seconds=limits.rendezvous),  # the meeting: store waits and connections
     )
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=limits.collective))  # then every collective
+
+
+def _attempt() -> str:
+    """The store prefix's attempt under torchrun: one name for every rank of the round.
+
+    When the agent shares its store with the workers (TORCHELASTIC_USE_AGENT_STORE=True, fixed-size jobs),
+    that store outlives a restart: without a prefix per attempt, a restarted rank can read the address a
+    dead rank published and fail to connect ("Connection refused"). Elastic jobs (`ddpkit run --nnodes
+    MIN:MAX` sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) get a fresh store each round, hosted by its rank 0
+    on a fresh port, and there the restart count is no round number: an agent counts a restart when its
+    worker failed, not when it restarts for a joining node, so after a lost host the survivors are at
+    attempt 1 and a replacement host at 0, and under two prefixes they never met (a hang until
+    rendezvous_timeout; tests/test_elastic.py, a lost host then a joining host)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return "0"  # a store of this round's own
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 # Seconds without a heartbeat from a rank that is waited for: it is gone. Generous, because a
