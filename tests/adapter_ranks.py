@@ -160,9 +160,9 @@ def train(kind: str, strategy: str, how: str, base: str, steps: int = 4, out: st
             s.export(f"{out}/adapter", model)
             s.export(f"{out}/merged", model, merged=True)
         logits = None
-        if out is not None:
+        if out is not None:  # the module itself: under compile=, no second (no-grad, 2-row) graph for this
             with torch.no_grad():
-                logits = model(input_ids=hf_ranks.padded(99, rows=2)["input_ids"]).logits.detach().clone()
+                logits = inner(input_ids=hf_ranks.padded(99, rows=2)["input_ids"]).logits.detach().clone()
     graphs = _graphs() - graphs_before
     return {"initial": initial, "final": final, "frozen_moved": frozen_moved, "frozen_grads": frozen_grads,
             "with_state": with_state, "printed": printed.getvalue(), "logits": logits, "graphs": graphs,

@@ -18,7 +18,7 @@ from ddpkit.data import make_loader, plan_batch
 from ddpkit.step import invariant
 from ddpkit.tools.workloads import TinyGPT, TutorialCNN
 
-STEPS, BATCH, CHUNK = 20, 32, 4
+STEPS, BATCH, CHUNK = 8, 32, 4  # 8 steps: every mutant of the mode changes a hash at the first
 
 
 def _mlp() -> nn.Module:

@@ -36,14 +36,27 @@ def base(tmp_path_factory) -> dict[str, str]:
     return {kind: str(root / kind) for kind in ("gpt2", "llama")}
 
 
+_ONE_PROCESS: dict[tuple, tuple[list, list]] = {}
+
+
+def _one_process_runs(kind: str, base: str, how: str, world: int, rescaled: bool) -> tuple[list, list]:
+    """One process's run and its permuted variant (the floor), once per module for each set-up: several
+    tests compare against the same one (plain torch and peft, no ddpkit code: a mutant cannot reach it)."""
+    key = (kind, base, how, world, rescaled)
+    if key not in _ONE_PROCESS:
+        _ONE_PROCESS[key] = (adapter_ranks.train_one_process(kind, base, how, world, rescaled=rescaled),
+                             adapter_ranks.train_one_process(kind, base, how, world, permuted=True,
+                                                             rescaled=rescaled))  # fmt: skip
+    return _ONE_PROCESS[key]
+
+
 def _within_floor(got: dict[str, torch.Tensor], kind: str, base: str, how: str, world: int,
                   rescaled: bool = False) -> None:
     """`got` (the distributed run's final adapters) against one process's, per tensor, within the
     tolerance verify uses: 10x the floor (one process against itself with its rows permuted), 8 eps,
     or 1% of the last step's update. `rescaled`: one process back-propagating the token sum over a power
     of two, as ddpkit's token weighting does (`adapter_ranks.train_one_process`)."""
-    ref = adapter_ranks.train_one_process(kind, base, how, world, rescaled=rescaled)
-    variant = adapter_ranks.train_one_process(kind, base, how, world, permuted=True, rescaled=rescaled)
+    ref, variant = _one_process_runs(kind, base, how, world, rescaled)
     assert set(got) == set(ref[-1]) and got
     for name, a in ref[-1].items():
         floor = (deviation(a, variant[-1][name]).rel_norm, deviation(a, variant[-1][name]).max_abs)

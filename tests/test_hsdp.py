@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -73,15 +74,30 @@ def test_verify_strategy_hsdp_2x2_trains_the_weights_of_one_process(pool4) -> No
     assert "HSDP" in text, text
 
 
-@pytest.mark.timeout(260)  # above the subprocess's 240 s
-def test_verify_strategy_hsdp_on_the_command_line() -> None:
-    from conftest import REPO, run_cli
+@pytest.mark.timeout(260)  # above the pool run's 240 s
+def test_verify_strategy_hsdp_on_the_command_line(pool4, monkeypatch, capsys) -> None:
+    """`ddpkit verify --strategy hsdp --shard-degree 2` through the command line's entry point, in this
+    process, its 4 ranks from the pool (`ddpkit verify`'s own launch of fresh ranks is the command-line
+    tests' of test_verify, test_compile and test_fsdp_compile)."""
+    from ddpkit.verify import cli, verify
 
+    ran: list[str] = []
+
+    def runner(fn, spec):
+        import pickle
+
+        results = pool4.run(fn, spec, timeout=240)
+        ran.extend(pickle.loads(r).strategy for r in results)
+        return results
+
+    monkeypatch.setattr(cli, "verify", lambda spec: verify(spec, runner=runner))
     args = ["--model", "fsdp_train:net", "--data", "fsdp_train:data", "--optimizer", "adamw", "--nproc", "4"]
     args += ["--strategy", "hsdp", "--shard-degree", "2", "--steps", "3", "--batch-size", "16"]
-    out = run_cli("verify", *args, "--floor", "permuted", "--json", "-", cwd=REPO / "tests", timeout=240)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert '"strategy": "hsdp"' in out.stdout and '"passed": true' in out.stdout, out.stdout
+    code = cli.main([*args, "--floor", "permuted", "--json", "-"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert '"strategy": "hsdp"' in out and '"passed": true' in out, out
+    assert ran == ["HSDP (fully_shard, replicate 2 x shard 2)"] * 4, ran
 
 
 def test_verify_hsdp_refuses_the_bitwise_mode_that_would_not_apply_it() -> None:
@@ -171,17 +187,29 @@ def test_hsdp_resume_at_the_same_shape_is_bitwise(pool4, tmp_path) -> None:
     assert "dcp/.metadata" in manifest["files"]
 
 
+@pytest.fixture(scope="module")
+def hsdp_saved(pool4, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One HSDP (2 x 2) run saved at step 3 (model and AdamW, no loader), for every test that loads it
+    elsewhere; each test loads its own copy (a load at step 3 saves step 3 again, under its strategy)."""
+    root = tmp_path_factory.mktemp("hsdp-saved") / "ckpt"
+    return root, pool4.run(checkpointed, str(root), "hsdp", (2, 2), 3, False, 6, False)
+
+
+def _copy_of(saved: Path, tmp_path: Path) -> str:
+    return str(shutil.copytree(saved, tmp_path / "ckpt"))
+
+
 @pytest.mark.parametrize(
     ("kind", "degrees", "world"),
     [("fsdp", (), 4), ("fsdp", (), 2), ("hsdp", (1, 2), 2), ("ddp", (), 2), ("single", (), 1)],
     ids=["fsdp4", "fsdp2", "hsdp1x2", "ddp2", "one-process"],
 )
-def test_hsdp_checkpoint_resumes_under_another_shape_exactly(pool2, pool4, tmp_path, kind, degrees, world):
+def test_hsdp_checkpoint_resumes_under_another_shape_exactly(pool2, pool4, hsdp_saved, tmp_path, kind, degrees,
+                                                             world):  # fmt: skip
     """HSDP (2 x 2) saved at step 3, loaded under FSDP over 4 or 2 ranks, HSDP (1 x 2), DDP over 2 ranks
     and in one process: DCP reshards the weights and AdamW's moments exactly (a copy, no arithmetic), so
     they equal the saved ones bit for bit."""
-    root = str(tmp_path / "ckpt")
-    saved = pool4.run(checkpointed, root, "hsdp", (2, 2), 3, False, 6, False)
+    root, saved = _copy_of(hsdp_saved[0], tmp_path), hsdp_saved[1]
     if world == 1:  # here, in this process
         loaded = [checkpointed(root, kind, degrees, 3, True, 6, False)]
     else:
@@ -214,15 +242,14 @@ def test_an_hsdp_background_save_holds_the_state_of_the_call(pool4, tmp_path) ->
         _same(r["loaded"]["moments"], r["at_call"]["moments"], f"rank {rank}: AdamW moments")
 
 
-def test_an_hsdp_checkpoint_converts_to_whole_weights_for_ddp_and_one_process(pool4, tmp_path) -> None:
+def test_an_hsdp_checkpoint_converts_to_whole_weights_for_ddp_and_one_process(hsdp_saved, tmp_path) -> None:
     """DDP and one process read whole-model files: `ddpkit checkpoint convert` writes one from the
     HSDP shards, offline, equal to the trained weights bit for bit."""
     from safetensors.torch import load_file
 
     from ddpkit.checkpoint import convert
 
-    root = tmp_path / "ckpt"
-    saved = pool4.run(checkpointed, str(root), "hsdp", (2, 2), 3, False, 6, False)
+    root, saved = Path(_copy_of(hsdp_saved[0], tmp_path)), hsdp_saved[1]
     out, _ = convert.to_safetensors(next(root.glob("ckpt-*")), tmp_path / "model.safetensors")
     _same(load_file(str(out)), saved[0]["params"], "converted weights")
 

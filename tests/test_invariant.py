@@ -7,22 +7,17 @@ runs as plain DDP show the mode is what does it: their hashes differ with the wo
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import invariant_models
 import invariant_ranks
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run_cli
 from torch import nn
 
 from ddpkit.errors import DdpkitError
 from ddpkit.step import invariant
 from ddpkit.step.chunktree import TreeSum, combine
 from ddpkit.verify import VerifySpec, bitwise
-
-HERE = Path(__file__).parent
 
 
 @pytest.mark.numerics
@@ -94,7 +89,7 @@ def test_world_sizes_that_are_no_power_of_two_or_do_not_divide_the_chunks_are_re
 
 @pytest.mark.numerics  # .ci/run repeats it under ATEN_CPU_CAPABILITY=default: other hashes, still equal
 def test_mlp_cnn_and_gpt_train_the_same_weights_on_1_2_and_4_ranks(pool4):
-    """20 AdamW steps, global batch 32 in chunks of 4 (C = 8), shuffled by the loader, at W = 1, 2, 4."""
+    """8 AdamW steps, global batch 32 in chunks of 4 (C = 8), shuffled by the loader, at W = 1, 2, 4."""
     names = ["mlp", "cnn", "gpt"]
     ranks = pool4.run(invariant_ranks.train_all, names, ["any-world", "ddp"], timeout=240)
     steps, c = invariant_ranks.STEPS, invariant_ranks.BATCH // invariant_ranks.CHUNK
@@ -118,17 +113,27 @@ def test_mlp_cnn_and_gpt_train_the_same_weights_on_1_2_and_4_ranks(pool4):
 
 
 @pytest.mark.numerics
-def test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_own_generator(pool_runner):
+@pytest.mark.timeout(240)  # the pool runs' own limits (120 s each) fire first
+def test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_own_generator(pool_runner,
+                                                                                            monkeypatch, capsys):
     """`ddpkit verify --bitwise` as a user runs it: a Noise layer drawing from a generator of its own is
-    the first operation whose output differs (global chunk 2, the first chunk of rank 1 at W = 2)."""
-    args = ("verify", "--bitwise", "--data", "invariant_models:data", "--optimizer", "adamw", "--steps", "3",
-            "--batch-size", "16", "--chunk", "4", "--timeout", "100")  # fmt: skip
-    noisy = run_cli(*args, "--model", "invariant_models:noisy", cwd=HERE, timeout=150)
-    assert noisy.returncode == 1, noisy.stdout + noisy.stderr
-    assert "first difference: step 1, global chunk 2: the output of module `2` (Noise), call 3" in noisy.stdout
+    the first operation whose output differs (global chunk 2, the first chunk of rank 1 at W = 2). The
+    command line's entry point in this process, its ranks from the pools (`ddpkit verify`'s own launch is
+    the command-line tests' of test_verify, test_compile and test_hsdp)."""
+    from ddpkit.verify import cli
+
+    check = bitwise.check
+    monkeypatch.setattr(bitwise, "check", lambda spec, chunk=4, runner=None: check(spec, chunk=chunk,
+                                                                                    runner=pool_runner))
+    args = ["--bitwise", "--data", "invariant_models:data", "--optimizer", "adamw", "--steps", "3",
+            "--batch-size", "16", "--chunk", "4", "--timeout", "100"]  # fmt: skip
+    code = cli.main([*args, "--model", "invariant_models:noisy"])
+    said = capsys.readouterr().out
+    assert code == 1, said
+    assert "first difference: step 1, global chunk 2: the output of module `2` (Noise), call 3" in said, said
     spec = VerifySpec(model=invariant_models.mlp, data=invariant_models.data, optimizer="adamw", steps=3,
                       batch_size=16, timeout=100)  # fmt: skip
-    report = bitwise.check(spec, chunk=4, runner=pool_runner)  # the command line above spawned fresh ranks
+    report = check(spec, chunk=4, runner=pool_runner)
     assert report.passed, report.render()
     assert "bitwise equal (4 tensors x 3 steps)" in report.render()
     refused = bitwise.check(VerifySpec(model=invariant_models.batchnorm, data=invariant_models.data), chunk=4)
