@@ -444,6 +444,20 @@ NOT_KERNEL_DEPENDENT = {
         "the command line's plumbing of verify under FSDP and compile, whose floor the leg checks in "
         "test_hsdp's compiled verify and test_fsdp_compile_trains_like_eager_fsdp_and_one_process_with_the_same_names"
     ),
+    "test_hsdp.py::test_hsdp_resume_at_the_same_shape_is_bitwise": "the same shape: " + _SAME_BY_CONSTRUCTION,
+    "test_hsdp.py::test_hsdp_checkpoint_resumes_under_another_shape_exactly": (
+        "DCP reshards by copying: the loaded weights and moments equal the saved bytes (nothing trained after)"
+    ),
+    "test_hsdp.py::test_an_fsdp_checkpoint_resumes_under_hsdp_exactly": (
+        "DCP reshards by copying: the loaded weights and moments equal the saved bytes"
+    ),
+    "test_hsdp.py::test_an_hsdp_background_save_holds_the_state_of_the_call": (
+        "a save/load round trip: the loaded state equals the state at the call"
+    ),
+    "test_hsdp.py::test_an_hsdp_checkpoint_converts_to_whole_weights_for_ddp_and_one_process": (
+        "conversions return the saved bytes"
+    ),
+    "test_hsdp.py::test_pretrained_weights_into_hsdp_shards_equal_the_file": "weights loaded from a file equal its bytes",
     "test_hsdp.py::test_verify_strategy_hsdp_on_the_command_line": (
         "the command line's plumbing of test_verify_strategy_hsdp_2x2_trains_the_weights_of_one_process (in the leg)"
     ),
