@@ -8,11 +8,12 @@
 optimizer, save: inside the next save's capture, on rank 0). WHO is "launcher" (SIGTERM to the
 launcher's process group, the default), "self" (the preemption signal to this rank only: its peer
 learns of it only through the agreement) or a signal name such as USR1 (that signal to the launcher
-alone, as Slurm's --signal=USR1@120 sends it), or "group-NAME" (that signal to this rank's process group:
-every rank of an srun-like launch, which the test starts in one group, as Slurm signals a step's tasks). With --slow-save S, the save that follows the signal
-takes S seconds longer on the signalling rank (a save longer than `ddpkit run --grace`); with
---second-signal, rank 0 SIGTERMs the launcher again in the middle of that save. Rank 0 writes OUT/final.safetensors at the end, and every
-launch appends "start END" lines to OUT/log.txt (the steps it began from and reached).
+alone, as Slurm's --signal=USR1@120 sends it), or "group-NAME" (that signal to the srun-like launch's
+process group, `step_group`: every rank, which the test starts in one group, as Slurm signals a step's
+tasks). With --slow-save S, the save that follows the signal takes S seconds longer on the signalling rank
+(a save longer than `ddpkit run --grace`); with --second-signal, rank 0 SIGTERMs the launcher again in the
+middle of that save. Rank 0 writes OUT/final.safetensors at the end, and every launch appends "start END"
+lines to OUT/log.txt (the steps it began from and reached).
 
 --idiom: "every" (the default) calls `s.save(..., every=N)` after every step; "if" saves like the README's
 checkpoint section, `if step % N == 0: s.save(...)` (N from --save-every, default 5); "none" never
@@ -53,6 +54,13 @@ def launcher() -> int:
             raise RuntimeError(f"{path} was not written within 30 s")
         time.sleep(0.05)
     return int(Path(path).read_text())
+
+
+def step_group() -> int:
+    """The process group of an srun-like launch's tasks: the one in $PREEMPT_TRAIN_LAUNCHER_FILE when the
+    test wrote it (a rank forked by a warm-start server runs in a group of its own; its client, which
+    passes every signal on to it, is the task in the step's group), else this process's own."""
+    return launcher() if os.environ.get(LAUNCHER_FILE_ENV) else os.getpgrp()
 
 
 class Probe:
@@ -100,7 +108,7 @@ def main() -> None:
                 if who == "self":
                     os.kill(os.getpid(), signal.SIGUSR1)
                 elif who.startswith("group-"):  # every rank at once (no launcher: an srun-like start)
-                    os.killpg(os.getpgrp(), getattr(signal, f"SIG{who.removeprefix('group-')}"))
+                    os.killpg(step_group(), getattr(signal, f"SIG{who.removeprefix('group-')}"))
                 elif who != "launcher":  # the launcher alone, the signal a scheduler sends it
                     os.kill(launcher(), getattr(signal, f"SIG{who}"))
                 elif os.getpgid(launcher()) == launcher():  # the launcher leads its own group

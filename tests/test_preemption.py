@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH_MARK, REPO, communicate, end_launch, popen_cli
+from conftest import LAUNCH_MARK, REPO, communicate, end_launch, popen_cli, python
 from preempt_train import LAUNCHER_FILE_ENV
 from safetensors.torch import load_file
 
@@ -143,8 +143,16 @@ def srun_like(ckpt: Path, out: Path, *script_args: str, env: dict | None = None,
               timeout: float = LAUNCH_TIMEOUT) -> list[subprocess.CompletedProcess]:  # fmt: skip
     """Two ranks as `srun python preempt_train.py` starts them: no launcher, no agent, each rank a process
     of its own with Slurm's task variables (MASTER_ADDR/PORT given, as a batch script exports them), both
-    in one process group (a step's tasks, which Slurm signals together). On a timeout both are killed."""
+    in one process group (a step's tasks, which Slurm signals together). On a timeout both are killed.
+
+    Each task is the suite's warm-start client (tests/conftest.py, `python()`): the rank it runs is forked
+    from the warm server, in a group of its own, and the client passes every signal it receives on to it,
+    so a signal to the step's group reaches every rank, as srun's does; the rank that signals finds that
+    group in the launcher file (`preempt_train.step_group`). Two new interpreters per launch would cost
+    ~10 s of CPU for imports alone."""
     out.mkdir(exist_ok=True)
+    group_file = out / "launcher.pid"
+    group_file.unlink(missing_ok=True)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -153,13 +161,15 @@ def srun_like(ckpt: Path, out: Path, *script_args: str, env: dict | None = None,
              "SLURM_NODEID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1",
              "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DDPKIT_REQUEUE": "0",
-             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-             LAUNCH_MARK: mark}  # fmt: skip
+             LAUNCHER_FILE_ENV: str(group_file), LAUNCH_MARK: mark}  # fmt: skip
+    # ddpkit from the venv's install: a PYTHONPATH of its own would make the ranks new interpreters
     for rank in (0, 1):
         rank_env = {**os.environ, **slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), **(env or {})}
         procs.append(subprocess.Popen(
-            [sys.executable, SCRIPT, str(ckpt), str(out), *script_args], env=rank_env, text=True,
+            [python(), SCRIPT, str(ckpt), str(out), *script_args], env=rank_env, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=procs[0].pid if procs else 0))  # fmt: skip
+    (out / "launcher.pid.tmp").write_text(str(procs[0].pid))  # the step's process group (its leader's pid)
+    (out / "launcher.pid.tmp").rename(group_file)
     try:  # each rank to its end (communicate() would end the other rank, still saving, as left over)
         outs = [proc.communicate(timeout=timeout) for proc in procs]
     except subprocess.TimeoutExpired as err:
@@ -216,15 +226,16 @@ def test_a_signal_seen_by_one_rank_only_stops_both_at_the_same_step(
     assert_same(tmp_path, uninterrupted, step)
 
 
-@pytest.mark.parametrize("name", ["USR1", "USR2"])
-def test_the_preemption_signal_sent_to_ddpkit_run_saves_and_ends_with_75(tmp_path: Path, name: str) -> None:
-    # Slurm's --signal=USR1@120 (or submitit's USR2) reaches the launcher only: the agent must pass it
-    # on to the workers, which save and exit 75; a launcher that does not handle it dies of it.
-    run_args = () if name == "USR1" else ("--preemption-signal", "USR2")
-    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", f"forward:5:0:{name}", run_args=run_args)
+def test_the_preemption_signal_sent_to_ddpkit_run_saves_and_ends_with_75(tmp_path: Path) -> None:
+    # Submitit's USR2 (`--preemption-signal USR2`) reaches the launcher only: the agent must pass it on to
+    # the workers, which save and exit 75; a launcher that does not handle it dies of it. Slurm's
+    # --signal=USR1@120, the default preemption signal, sent to the launcher alone the same way, is
+    # test_every_save_idiom_...[if-USR1] and [every-USR1] (exit 75, "preempted (SIGUSR1)", then bitwise).
+    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:5:0:USR2",
+                   run_args=("--preemption-signal", "USR2"))  # fmt: skip
     assert first.returncode == 75, f"exit {first.returncode}\n{first.stdout[-2000:]}\n{first.stderr[-3000:]}"
     found = re.search(r"ddpkit run: preempted \((\w+)\) at step (\d+), checkpoint (\S+);", first.stderr)
-    assert found and found.group(1) == f"SIG{name}", first.stderr[-3000:]
+    assert found and found.group(1) == "SIGUSR2", first.stderr[-3000:]
     assert Path(found.group(3)).is_dir() and int(found.group(2)) >= 5
 
 
