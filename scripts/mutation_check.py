@@ -265,7 +265,7 @@ MUTANTS = [
         'handled = dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", preempt])',
         'handled = dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"])',
         ("tests/test_preemption.py::test_the_preemption_signal_sent_to_ddpkit_run_saves_and_ends_with_75",),
-        "torchrun's agent does not handle the preemption signal: USR2 (as asked) to `ddpkit run` kills the launcher",
+        "torchrun's agent does not handle the preemption signal: USR2 (as asked) kills `ddpkit run`",
     ),
     Mutant(
         "grace",
