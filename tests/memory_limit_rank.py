@@ -10,9 +10,9 @@ OUT_DIR/rank<r>.json with its peak RSS when it finishes.
 
 `ddp`: first as a user would, `s.model(build)` with ddpkit's memory check on; the refusal it raises
 is written to OUT_DIR/refused<r>.json, with the rank's resident set after it. Then, in the same
-session, the check switched off (DDPKIT_MEMORY_CHECK=off), the same model is built again: DDP then trains until the kernel kills the
-rank. One launch for both saves a launch's start-up (torch's import on 4 ranks); the refused build
-is freed before the second (its tensors are 1 MiB or more, so glibc returns them to the kernel).
+session, the check switched off (DDPKIT_MEMORY_CHECK=off), the same model is built again: DDP then
+trains until the kernel kills the rank. One launch for both saves a launch's start-up (torch's import
+on 4 ranks); the resident set after the refusal shows the refused build was freed (the test checks it).
 """
 
 from __future__ import annotations

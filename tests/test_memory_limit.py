@@ -178,7 +178,8 @@ def test_fsdp_trains_where_ddp_cannot_start(limited: Limited, tmp_path: Path) ->
     assert any(g["oom_kill"] > 0 for g in groups), ddp.stderr[-3000:]
     assert "SIGKILL" in ddp.stderr or "exitcode  : -9" in ddp.stderr
     print(f"DDP refused (resident set after the refusal {[round(r['rss'] / mib) for r in refused]} MiB); "
-          f"without ddpkit's check: killed by the kernel (oom_kill per rank {[g['oom_kill'] for g in groups]})")  # fmt: skip
+          "without ddpkit's check: killed by the kernel "
+          f"(oom_kill per rank {[g['oom_kill'] for g in groups]})")  # fmt: skip
 
 
 def test_limit_is_read_from_cgroup_v1_and_v2_files(tmp_path: Path) -> None:
