@@ -1041,6 +1041,14 @@ MUTANTS = [
         "an FSDP checkpoint is read as whole-model files in one process or under DDP (it has none)",
     ),
     Mutant(
+        "memory-limit-check",
+        "ddpkit/strategy/rank_memory.py",
+        "    if state <= limit:",
+        "    if True:  # mutant: DDP never refused, whatever the rank's memory limit",
+        ("tests/test_memory_limit.py::test_ddp_refusal_names_fsdp_and_the_numbers",),
+        "DDP wraps a model whose replicated state exceeds the rank's cgroup limit (killed mid-step)",
+    ),
+    Mutant(
         "plan-memory-allocator-one-thread",
         "benchmarks/plan_memory.py",
         "    old, flag.value = flag.value, True",
