@@ -21,9 +21,9 @@ pytestmark = pytest.mark.skipif(not cpu_allocator.enabled({}), reason="Linux wit
 # machine (the heap grows now and then: a freed block does not always fit the next one), but 147,457 once
 # on a CI machine (the blocks faulted in again at 9 of 40 allocations). So the checks ask for what keeping
 # memory means, fewer than half of glibc's faults (2-20x fewer measured), not for a ratio one machine gave:
-# switched off, the count equals glibc's. A small model's process (glibc's behaviour on both sides of its
-# check: every step faults its blocks in again, the same count each time) times 5 such steps, then the
-# small model's own steps (SMALL_STEPS below) in the same process: one interpreter for both of its checks.
+# switched off, the count equals glibc's. A small model's probe counts 5 such steps (glibc's behaviour on
+# both sides of its check: every step faults its blocks in again, the same count each time), then, in the
+# same process, the small model's own steps (below): one interpreter for both small-model checks.
 FEWER = 2
 PROBE = """
 import resource, sys, torch, ddpkit
