@@ -823,15 +823,6 @@ MUTANTS = [
         "a big model's freed blocks go back to the kernel and are faulted in at every step",
     ),
     Mutant(
-        "cpu-allocator-heap-top",
-        "ddpkit/parallel/cpu_allocator.py",
-        "        return (libc.mallopt(_M_MMAP_THRESHOLD, mmap) == 1) & "
-        "(libc.mallopt(_M_TRIM_THRESHOLD, trim) == 1)",
-        "        return False  # mutant: a small model's heap top is handed back, faulted in at every step",
-        ("tests/test_cpu_allocator.py::test_a_small_model_keeps_the_top_of_its_heap_between_steps",),
-        "a small model's step faults its activations in again because glibc trims the heap top",
-    ),
-    Mutant(
         "fsdp-shm-setters",
         "ddpkit/parallel/fsdp_shm.py",
         "        module.set_custom_all_gather(ShmAllGather())\n"
