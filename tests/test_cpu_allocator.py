@@ -21,33 +21,20 @@ pytestmark = pytest.mark.skipif(not cpu_allocator.enabled({}), reason="Linux wit
 # machine (the heap grows now and then: a freed block does not always fit the next one), but 147,457 once
 # on a CI machine (the blocks faulted in again at 9 of 40 allocations). So the checks ask for what keeping
 # memory means, fewer than half of glibc's faults (2-20x fewer measured), not for a ratio one machine gave:
-# switched off, the count equals glibc's. A small model's probe counts 5 such steps (glibc's behaviour on
-# both sides of its check: every step faults its blocks in again, the same count each time), then, in the
-# same process, the small model's own steps (below): one interpreter for both small-model checks.
+# switched off, the count equals glibc's.
 FEWER = 2
 PROBE = """
 import resource, sys, torch, ddpkit
 from ddpkit.parallel import cpu_allocator
-big = sys.argv[1] == "big"
 with ddpkit.session(verbose=False, env={}) as s:
-    s.model(torch.nn.Linear(4096, 4096) if big else torch.nn.Linear(16, 4))
+    s.model(torch.nn.Linear(4096, 4096) if sys.argv[1] == "big" else torch.nn.Linear(16, 4))
     faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for step in range(23 if big else 8):
+    for step in range(23):
         if step == 3:
             before = faults()
         x = torch.ones(16 << 20); y = torch.ones(16 << 20); del x, y
-    counted = faults() - before
     huge = [l for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages:")]
-    huge = int(bool(huge) and int(huge[0].split()[1]) > 0)
-    kept = -1
-    if not big:  # 64 MB blocks are mmapped and unmapped whole: the heap the small steps use is untouched
-        for step in range(23):
-            if step == 3:
-                before = faults()
-            xs = [torch.ones(512 << 10) for _ in range(3)]
-            del xs
-        kept = faults() - before
-    print(counted, huge, kept)
+    print(faults() - before, int(bool(huge) and int(huge[0].split()[1]) > 0))
 """
 
 
@@ -62,19 +49,14 @@ def _inherited_off() -> None:
 
 
 @functools.cache  # the baseline probe serves several tests
-def _run_probe(model: str, inherited_off: bool = False, **env: str) -> tuple[int, bool, int]:
+def _probe(model: str, inherited_off: bool = False, **env: str) -> tuple[int, bool]:
+    """(page faults over 20 steps, whether the process holds huge pages at the end)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "THP_", "DDPKIT_"))}
     out = subprocess.run([sys.executable, "-c", PROBE, model], env={**clean, **env}, capture_output=True,
                          text=True, timeout=120, check=True,
                          preexec_fn=_inherited_off if inherited_off else _fresh_thp)  # fmt: skip
-    faults, huge, kept = out.stdout.strip().splitlines()[-1].split()
-    return int(faults), huge == "1", int(kept)
-
-
-def _probe(model: str, inherited_off: bool = False, **env: str) -> tuple[int, bool]:
-    """(page faults over the 64 MB steps, whether the process holds huge pages at the end)."""
-    faults, huge, _ = _run_probe(model, inherited_off, **env)
-    return faults, huge
+    faults, huge = out.stdout.strip().splitlines()[-1].split()
+    return int(faults), huge == "1"
 
 
 def _thp_on_request() -> bool:
@@ -104,10 +86,26 @@ def test_huge_pages_for_a_big_model_on_request_also_when_a_parent_switched_them_
 
 # A small model's step: three 2 MiB activations made and freed (above glibc's first mmap threshold,
 # below 32 MiB). With glibc's defaults the freed top of the heap can be handed back and faulted in again
-# at every step (here: ~1,540 faults per step); ddpkit keeps it (issue 20). Counted over 20 steps after 3
-# of warm-up, in the small-model probe's process (PROBE).
+# at every step (here: ~1,540 faults per step); ddpkit keeps it (issue 20).
+SMALL_STEPS = """
+import resource, torch, ddpkit
+with ddpkit.session(verbose=False, env={}) as s:
+    s.model(torch.nn.Linear(16, 4))
+    faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for step in range(23):
+        if step == 3:
+            before = faults()
+        xs = [torch.ones(512 << 10) for _ in range(3)]
+        del xs
+    print(faults() - before)
+"""
+
+
 def _small_steps(**env: str) -> int:
-    return _run_probe("small", **env)[2]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "DDPKIT_"))}
+    out = subprocess.run([sys.executable, "-c", SMALL_STEPS], env={**clean, **env}, capture_output=True,
+                         text=True, timeout=120, check=True, preexec_fn=_fresh_thp)  # fmt: skip
+    return int(out.stdout.strip().splitlines()[-1])
 
 
 def test_a_small_model_keeps_the_top_of_its_heap_between_steps():
