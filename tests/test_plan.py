@@ -174,6 +174,8 @@ def test_cli_plans_a_small_workload_and_writes_json_and_png(tmp_path, capsys) ->
             "ib-hdr",
             "--steps",
             "2",
+            "--repeats",  # one profile in one fresh process (the default's 3 and their band: test_plan_noise)
+            "1",
             "--json",
             str(out),
             "--plot",

@@ -12,6 +12,7 @@ from conftest import REPO, run_cli
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from ddpkit import cli as ddpkit_cli
 from ddpkit.errors import DdpkitError
 from ddpkit.verify import Tolerance, VerifySpec, cli, verify
 from ddpkit.verify.calibrate import deviation, floors, limit
@@ -192,16 +193,20 @@ def test_cli_pass_writes_json_and_exits_0(tmp_path: Path, pool2, monkeypatch, ca
     assert json.loads(capsys.readouterr().out)["config"]["steps"] == 1
 
 
-def test_ddpkit_verify_failure_explains_and_exits_1(tmp_path: Path) -> None:
-    # End to end, as a user runs it: `ddpkit verify` in a subprocess, spawning its own 2 gloo ranks.
+def test_ddpkit_verify_failure_explains_and_exits_1(tmp_path: Path, pool2, monkeypatch, capsys) -> None:
+    # `ddpkit verify` as its entry point parses it (the top-level command line dispatches to the tool), its
+    # DDP side on the shared pool. The command in a subprocess with ranks of its own (`ddpkit.spawn`),
+    # exiting 1 on a failure, is tests/test_invariant.py's and tests/test_compile.py's.
+    monkeypatch.setattr(cli, "verify", lambda spec: verify(spec, runner=pool2.run))
     out = tmp_path / "report.json"
-    done = run_cli(
+    code = ddpkit_cli.main([
         "verify", "--", "--model", "test_verify_diagnose:bn_net", "--data", "test_verify_diagnose:data",
-        "--steps", "2", "--batch-size", "16", "--json", str(out), cwd=REPO / "tests",
-    )  # fmt: skip
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "why [batchnorm]" in done.stdout and "--sync-batchnorm" in done.stdout
-    assert "verdict: FAIL" in done.stdout
+        "--steps", "2", "--batch-size", "16", "--json", str(out),
+    ])  # fmt: skip
+    stdout = capsys.readouterr().out
+    assert code == 1, stdout[-3000:]
+    assert "why [batchnorm]" in stdout and "--sync-batchnorm" in stdout
+    assert "verdict: FAIL" in stdout
     report = json.loads(out.read_text())
     assert report["passed"] is False and [d["code"] for d in report["diagnoses"]] == ["batchnorm"]
     assert "BatchNorm" in report["config"]["floor_skipped"]["chunked"], "pieces would change its statistics"
