@@ -26,6 +26,13 @@ from ddpkit.names import WARM_START_ENV
 sys.path.insert(0, str(Path(__file__).parent))
 from rankpool import RankPool
 
+# The suite, and every process it starts, writes the bytecode of what it imports, as Python does by default,
+# also where the machine sets PYTHONDONTWRITEBYTECODE (this project's CI machines): scripts/setup.sh compiles
+# only what a ddpkit run imports, and the extras' packages (transformers, moto, the trackers) are compiled
+# once, at their first import here, instead of in every process that imports them.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 REPO = Path(__file__).resolve().parent.parent
 
 _pools: dict[int, RankPool] = {}
