@@ -75,10 +75,12 @@ def _moments(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, to
 
 
 def checkpointed(root: str, kind: str, degrees: tuple, stop: int | None, resume: bool, steps: int = 6,
-                 loader: bool = True) -> dict:  # fmt: skip
+                 loader: bool = True, go_on: bool = False) -> dict:  # fmt: skip
     """Train `steps` steps under `strategy_of(kind, *degrees)`; stop after `stop` (saving model, AdamW,
     step and, with `loader`, the loader to `root`), or resume from `root` and finish. Returns the whole
-    weights and moments (gathered), this rank's local shards and what ran."""
+    weights and moments (gathered), this rank's local shards and what ran. `go_on`: after the save at
+    `stop`, train on to `steps` in the same session (an uninterrupted run that saved on the way), its
+    local shards and moments at the end under "end"."""
     strategy = strategy_of(kind, *degrees)
     shard_optimizer = False if kind == "ddp" else "auto"  # DDP: every rank keeps all the moments, compared
     with ddpkit.session(seed=0, verbose=False, strategy=strategy, shard_optimizer=shard_optimizer) as s:
@@ -94,10 +96,21 @@ def checkpointed(root: str, kind: str, degrees: tuple, stop: int | None, resume:
             s.step(opt, max_norm=1.0)
         if stop is not None:
             s.save(root, **state, step=stop)
-        local = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
-                 for n, p in ddpkit.unwrap(model).named_parameters()}  # fmt: skip
-        return {"params": full_params(model), "moments": _moments(model, opt), "local": local,
-                "strategy": s.strategy.describe(), "done": done}  # fmt: skip
+        out = {"params": full_params(model), "moments": _moments(model, opt), "local": _local(model),
+               "strategy": s.strategy.describe(), "done": done}  # fmt: skip
+        if go_on:
+            for _ in range(steps - stop):
+                x, y = next(it)
+                s.backward(F.cross_entropy(model(x), y))
+                s.step(opt, max_norm=1.0)
+            out["end"] = {"local": _local(model), "moments": _moments(model, opt)}
+        return out
+
+
+def _local(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's local shards (a DTensor's local part; a plain tensor whole), copied."""
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+            for n, p in ddpkit.unwrap(model).named_parameters()}  # fmt: skip
 
 
 def initial_mixed() -> dict:

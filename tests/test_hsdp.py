@@ -172,31 +172,31 @@ def _same(a: dict, b: dict, what: str) -> None:
     assert differ == [], f"{what}: {differ[:4]} differ"
 
 
-def test_hsdp_resume_at_the_same_shape_is_bitwise(pool4, tmp_path) -> None:
-    root = str(tmp_path / "ckpt")
-    straight = pool4.run(checkpointed, str(tmp_path / "unused"), "hsdp", (2, 2), None, False)
-    pool4.run(checkpointed, root, "hsdp", (2, 2), 3, False)
-    resumed = pool4.run(checkpointed, root, "hsdp", (2, 2), None, True)
-    assert [r["done"] for r in resumed] == [3] * 4  # it did resume, at step 3
-    for rank in range(4):
-        _same(resumed[rank]["local"], straight[rank]["local"], f"rank {rank}'s shards")
-        _same(resumed[rank]["moments"], straight[rank]["moments"], f"rank {rank}'s AdamW moments")
-    ckpt = next(Path(root).glob("ckpt-*"))
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    assert manifest["strategy"] == "hsdp" and manifest["objects"]["sharded"] == ["model", "optimizer"]
-    assert "dcp/.metadata" in manifest["files"]
-
-
 @pytest.fixture(scope="module")
 def hsdp_saved(pool4, tmp_path_factory) -> tuple[Path, list[dict]]:
-    """One HSDP (2 x 2) run saved at step 3 (model and AdamW, no loader), for every test that loads it
-    elsewhere; each test loads its own copy (a load at step 3 saves step 3 again, under its strategy)."""
+    """One HSDP (2 x 2) run of 6 steps that saved model, AdamW and loader at step 3 on the way, for every
+    test that loads it: the state at the save, and (under "end") the shards and moments after step 6,
+    what a resume at the same shape must reach. Each test loads its own copy (a load at step 3 saves
+    step 3 again, under its strategy)."""
     root = tmp_path_factory.mktemp("hsdp-saved") / "ckpt"
-    return root, pool4.run(checkpointed, str(root), "hsdp", (2, 2), 3, False, 6, False)
+    return root, pool4.run(checkpointed, str(root), "hsdp", (2, 2), 3, False, 6, True, True)
 
 
 def _copy_of(saved: Path, tmp_path: Path) -> str:
     return str(shutil.copytree(saved, tmp_path / "ckpt"))
+
+
+def test_hsdp_resume_at_the_same_shape_is_bitwise(pool4, hsdp_saved, tmp_path) -> None:
+    root, straight = _copy_of(hsdp_saved[0], tmp_path), [r["end"] for r in hsdp_saved[1]]
+    resumed = pool4.run(checkpointed, root, "hsdp", (2, 2), None, True)  # loader included: the data goes on
+    assert [r["done"] for r in resumed] == [3] * 4  # it did resume, at step 3
+    for rank in range(4):
+        _same(resumed[rank]["local"], straight[rank]["local"], f"rank {rank}'s shards")
+        _same(resumed[rank]["moments"], straight[rank]["moments"], f"rank {rank}'s AdamW moments")
+    ckpt = next(Path(hsdp_saved[0]).glob("ckpt-*"))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["strategy"] == "hsdp" and manifest["objects"]["sharded"] == ["model", "optimizer"]
+    assert "dcp/.metadata" in manifest["files"]
 
 
 @pytest.mark.parametrize(
