@@ -45,6 +45,7 @@ def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    outbox.put((READY, rank, True, None))
     while True:
         request = inbox.get()
         if request is None:
@@ -55,6 +56,10 @@ def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
         except BaseException as exc:
             outbox.put((request_id, rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
+
+
+READY = 0  # the id of the message each worker sends once it has joined the group; requests count from 1
+START_TIMEOUT = 180.0  # the pool's start (imports, the group's rendezvous), not counted in any request's
 
 
 class RankFailure(AssertionError):
@@ -90,6 +95,21 @@ class RankPool:
         ]
         for p in self._procs:
             p.start()
+        # A request's timeout is its own: the workers' start (on a loaded machine, 4 ranks importing and
+        # meeting can take longer than a request may) is waited for here, before any request is sent.
+        ready: set[int] = set()
+        deadline = time.monotonic() + START_TIMEOUT
+        while len(ready) < self.world:
+            while not self._outbox.empty():
+                request_id, rank, _, _ = self._outbox.get()
+                assert request_id == READY, request_id
+                ready.add(rank)
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in ready]
+            if (dead and self._outbox.empty()) or time.monotonic() > deadline:
+                self.close()
+                what = f"rank(s) {dead} died" if dead else f"not ready after {START_TIMEOUT} s"
+                raise RankFailure(f"a pool of {self.world} did not start: {what}")
+            time.sleep(0.002)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> list[Any]:
         """Run `fn(*args)` on every rank; return the results in rank order."""
