@@ -120,10 +120,14 @@ def _allocator_log():  # type: ignore[no-untyped-def]
     step's activations and temporaries, including the scratch tensors kernels allocate inside
     themselves (which no dispatcher-level tracker sees). Not in it: what is allocated outside torch's
     allocator (gloo's buffers, oneDNN's own scratchpads, autograd's graph nodes, Python objects).
-    Counted on every thread (`_every_thread_counted`), not only on the threads the profiler runs on."""
-    from torch.profiler import ProfilerActivity, profile
+    Counted on every thread (`_every_thread_counted`), not only on the threads the profiler runs on.
 
-    with _every_thread_counted(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    `torch.autograd.profiler.profile`, the profiler `torch.profiler.profile` runs for CPU activity, is
+    started here directly: the wrapper's start (`prepare_trace`) asks `hasattr(torch, "_inductor")`,
+    which imports the compiler (seconds of CPU in each rank) to read a CUDA-graph setting."""
+    from torch.autograd.profiler import profile
+
+    with _every_thread_counted(), profile(use_cpu=True, use_kineto=True, profile_memory=True) as prof:
         yield prof
 
 
@@ -168,7 +172,7 @@ def _allocator_peak(prof: object, window: str = "ddpkit_step_1") -> int:
     reset, so a process that profiled before would otherwise start above zero)."""
     from torch._C._profiler import _EventType
 
-    roots = prof.profiler.kineto_results.experimental_event_tree()  # type: ignore[attr-defined]
+    roots = prof.kineto_results.experimental_event_tree()  # type: ignore[attr-defined]
     events, stack = [], list(roots)
     while stack:
         e = stack.pop()

@@ -1,5 +1,5 @@
-"""One rank of the memory-limit proof (tests/test_memory_limit.py): a 132M-parameter MLP (504 MiB of
-weights, 2 GiB of training state with AdamW) trained for two steps under torchrun.
+"""One rank of the memory-limit proof (tests/test_memory_limit.py): a 99M-parameter MLP (376 MiB of
+weights, 1.5 GiB of training state with AdamW) trained for two steps under torchrun.
 
     DDPKIT_TEST_CGROUP=/sys/fs/cgroup/memory/.../ddpkit-limit torchrun --nproc-per-node 4 \\
         tests/memory_limit_rank.py fsdp OUT_DIR
@@ -37,9 +37,9 @@ import ddpkit  # noqa: E402
 from ddpkit.errors import DdpkitError  # noqa: E402
 from ddpkit.strategy import rank_memory  # noqa: E402
 
-# 132M parameters; each 2048x2048 layer (16 MiB) one FSDP unit: small units keep FSDP's gathered
+# 99M parameters; each 2048x2048 layer (16 MiB) one FSDP unit: small units keep FSDP's gathered
 # blocks (its peak above the sharded state) small, so it fits a limit well below DDP's need
-WIDTHS = (1024, *[2048] * 32, 10)
+WIDTHS = (1024, *[2048] * 24, 10)
 
 
 def build() -> nn.Module:

@@ -7,8 +7,10 @@ peak the kernel measures on two real ranks (tests/test_plan_memory_ranks.py).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -18,9 +20,25 @@ from torch import nn
 from ddpkit.errors import DdpkitError
 from ddpkit.observe.memory_breakdown import Breakdown
 from ddpkit.plan import devices, memory, memory_cli, memory_fit, memory_models
-from ddpkit.plan.memory import MemoryJob, estimate
+from ddpkit.plan.memory import MemoryJob
 
 WIDTHS = (64, 256, 128, 16)  # every dimension divisible by 2 and 4: FSDP's shards are exact
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _each_step_estimated_once() -> Iterator[None]:
+    """One fake step per distinct job in this module: the tests, the micro-batch search and the CLI ask
+    for many of the same (the tiny GPT at 2 ranks, micro-batches 1-16), and a job's estimate is a pure
+    function of it (fake tensors; `Breakdown` is frozen), so each is run once and its breakdown shared."""
+    shared = functools.cache(memory.estimate)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(memory, "estimate", shared)
+        patch.setattr(memory_fit, "estimate", shared)
+        yield
+
+
+def estimate(job: MemoryJob) -> Breakdown:
+    return memory.estimate(job)  # the shared one, while this module's tests run
 
 
 def mlp() -> nn.Module:
