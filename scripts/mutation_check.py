@@ -831,6 +831,14 @@ MUTANTS = [
         "a big model's freed blocks go back to the kernel and are faulted in at every step",
     ),
     Mutant(
+        "cpu-allocator-heap-top",
+        "ddpkit/parallel/cpu_allocator.py",
+        "        _keep_heap_top()\n",
+        "        pass  # mutant: glibc trims the heap's top after each step, faulted in again at the next\n",
+        ("tests/test_cpu_allocator.py::test_a_small_model_keeps_the_top_of_its_heap_between_steps",),
+        "a small model's freed top of the heap is given back to the kernel and faulted in at every step",
+    ),
+    Mutant(
         "fsdp-shm-setters",
         "ddpkit/parallel/fsdp_shm.py",
         "        module.set_custom_all_gather(ShmAllGather())\n"
