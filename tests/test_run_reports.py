@@ -10,6 +10,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+import refusal_train
 from conftest import run_cli
 
 from ddpkit.checkpoint import files
@@ -41,11 +42,26 @@ def _plant(checkpoint: Path, marker: Path) -> None:
     files.verify(checkpoint)  # forged well: the manifest alone cannot tell
 
 
+def two_steps_saved(ckpt: str) -> None:
+    """On the pool's ranks: what `ddpkit run --nproc 2 refusal_train.py CKPT` writes (two FSDP steps, each
+    saved: sharded checkpoints, DCP's metadata a pickle), without a launch of its own."""
+    import contextlib
+    import io
+    import sys
+
+    argv = sys.argv
+    sys.argv = ["refusal_train.py", ckpt]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # its start-up lines: not into the suite's output
+            refusal_train.main()
+    finally:
+        sys.argv = argv
+
+
 @pytest.mark.timeout(150)
-def test_a_planted_sharded_checkpoint_ends_the_job_with_one_paragraph(tmp_path: Path) -> None:
+def test_a_planted_sharded_checkpoint_ends_the_job_with_one_paragraph(pool2, tmp_path: Path) -> None:
     ckpt, marker = tmp_path / "ck", tmp_path / "pwned"
-    saved = run_cli("run", "--nproc", "2", SCRIPT, str(ckpt), timeout=60)
-    assert saved.returncode == 0, saved.stderr
+    pool2.run(two_steps_saved, str(ckpt), timeout=60)
     _plant(ckpt / "ckpt-000002", marker)
     done = run_cli("run", "--nproc", "2", SCRIPT, str(ckpt), timeout=60)
     assert done.returncode == 1, done.stderr
