@@ -42,7 +42,7 @@ def _suite_server() -> Path | None:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return None
-    env = dict(item.decode().split("=", 1) for item in environ if b"=" in item)
+    env = dict(item.decode(errors="replace").split("=", 1) for item in environ if b"=" in item)
     return client.parent if load_time_env(env) == load_time_env(os.environ) else None
 
 
