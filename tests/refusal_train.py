@@ -1,10 +1,10 @@
 """A tiny FSDP run that resumes from and saves to CKPT, for tests/test_run_reports.py (`ddpkit run`).
 
-    ddpkit run --nproc 2 tests/refusal_train.py CKPT [--die-at STEP:RANK:SIGNAL]
+    ddpkit run --nproc 2 tests/refusal_train.py CKPT [--die-at STEP:RANK:SIGNAL[,STEP:RANK:SIGNAL...]]
 
 Two optimizer steps from wherever CKPT says, saving after each. --die-at makes global rank RANK end
-itself with SIGNAL (e.g. KILL; RAISE: an exception) at optimizer step STEP, on the first attempt only (TORCHELASTIC_RESTART_COUNT
-0), so that a restarted run finishes.
+itself with SIGNAL (e.g. KILL; RAISE: an exception) at optimizer step STEP; the Nth entry on attempt N
+(TORCHELASTIC_RESTART_COUNT N-1) only, so that the attempt after the last entry finishes.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ def main() -> None:
     ap.add_argument("--strategy", default="fsdp")
     ap.add_argument("--die-at", default=None)
     args = ap.parse_args()
-    die = args.die_at.split(":") if args.die_at else None
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    plants = args.die_at.split(",") if args.die_at else []
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    die = plants[attempt].split(":") if attempt < len(plants) else None
     with ddpkit.session(seed=0, strategy=args.strategy) as s:
         model = s.model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -40,7 +41,7 @@ def main() -> None:
             opt.zero_grad()
             s.backward(loss)
             s.step(opt)
-            if die and first_attempt and int(die[0]) == step and s.rank == int(die[1]):
+            if die and int(die[0]) == step and s.rank == int(die[1]):
                 if die[2] == "RAISE":
                     raise RuntimeError(f"planted failure on rank {s.rank}")
                 os.kill(os.getpid(), signal.Signals[f"SIG{die[2]}"])

@@ -248,11 +248,36 @@ def test_peak_table_and_cpu_cache(tmp_path: Path) -> None:
     assert calls == [1] and first.flops == again.flops == 1e9 and again.measured
 
 
-def test_trace_ranks_draws_every_rank_and_names_the_planted_one(tmp_path: Path, capsys, monkeypatch) -> None:
-    """`ddpkit trace --ranks`: one panel per rank over 40 steps, and fit's slow-rank report for a plant."""
-    from ddpkit.tools import trace
+def _with_cache(cache: str, fn, *args):
+    """On a pool rank: `fn(*args)` with DDPKIT_CACHE_DIR set, as a rank started from the test would have it."""
+    before = os.environ.get("DDPKIT_CACHE_DIR")
+    os.environ["DDPKIT_CACHE_DIR"] = cache
+    try:
+        return fn(*args)
+    finally:
+        if before is None:
+            del os.environ["DDPKIT_CACHE_DIR"]
+        else:
+            os.environ["DDPKIT_CACHE_DIR"] = before
 
-    monkeypatch.setenv("DDPKIT_CACHE_DIR", str(tmp_path / "cache"))
+
+def test_trace_ranks_draws_every_rank_and_names_the_planted_one(
+    pool2, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`ddpkit trace --ranks`: one panel per rank over 40 steps, and fit's slow-rank report for a plant.
+
+    The command's entry point in this process, its ranks the pool's (`ddpkit.spawn` would start two new
+    interpreters, ~10 s of CPU for imports); `ddpkit trace` spawning its ranks is tests/test_trace.py's."""
+    from ddpkit.tools import trace, trace_ranks
+
+    cache = str(tmp_path / "cache")
+    monkeypatch.setenv("DDPKIT_CACHE_DIR", cache)
+
+    def on_the_pool(fn, nproc: int, args, **options) -> list:
+        assert fn is trace_ranks.rank_main and nproc == 2 and options["threads"] == 1, (fn, nproc, options)
+        return pool2.run(_with_cache, cache, fn, *args, timeout=120)
+
+    monkeypatch.setattr(ddpkit, "spawn", on_the_pool)
     code = trace.main(
         ["--ranks", "--workload", "cnn", "--steps", "40", "--slow", "1:30:data", "--out", str(tmp_path)]
     )

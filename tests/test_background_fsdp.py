@@ -1,42 +1,54 @@
 """Background saves under FSDP (copied shards, saved by the writer thread with DCP; with background="process"
-each rank's DCP file written by its writer process) and the pinned CPU copy: real torchrun and the shared
-gloo rank pools, a real SIGKILL while DCP's thread writes, and of a writer process mid-save."""
+each rank's DCP file written by its writer process) and the pinned CPU copy, on the shared gloo rank pools,
+with a real SIGKILL of a writer process mid-save. (A real SIGKILL of a rank while DCP's thread writes, under
+`ddpkit run`, is tests/test_background_save.py's.)"""
 
 from __future__ import annotations
 
 import os
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
 
 from ddpkit.checkpoint.background import lower_priority
 from ddpkit.checkpoint.write import to_cpu
 
-JOB = """
-import os, signal, sys, torch, ddpkit
-from torch import nn
-root, mode, out = sys.argv[1], sys.argv[2], sys.argv[3]
-with ddpkit.session(seed=0) as s:
-    model = s.model(nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]), strategy="fsdp")
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    values = s.load(root, model=model, optimizer=opt, step=0)
 
-    def full():  # every weight whole (a collective)
-        sd = ddpkit.unwrap(model).state_dict()
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in sd.items()}
+def _full(model) -> dict[str, torch.Tensor]:
+    """Every weight whole (a collective)."""
+    import ddpkit
 
-    def full_opt():  # AdamW's moments and step count, whole (a collective), by parameter order
-        return {f"{i}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                for i, p in enumerate(model.parameters()) for k, v in opt.state[p].items() if torch.is_tensor(v)}
+    sd = ddpkit.unwrap(model).state_dict()
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in sd.items()}
 
-    if mode == "save":
+
+def _full_opt(model, opt) -> dict[str, torch.Tensor]:
+    """AdamW's moments and step count, whole (a collective), by parameter order."""
+    return {f"{i}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for i, p in enumerate(model.parameters()) for k, v in opt.state[p].items() if torch.is_tensor(v)}  # fmt: skip
+
+
+def thread_save_and_load(root: str) -> dict:
+    """Rank r: an FSDP background save (background=True: copied shards, DCP on the writer thread) while
+    training changes the weights and AdamW's state, then a fresh model and optimizer loaded from the files:
+    whole, are they the state of the call?"""
+    from torch import nn
+
+    import ddpkit
+
+    with ddpkit.session(seed=0, verbose=False) as s:
+
+        def build():
+            torch.manual_seed(0)  # every rank the same weights (s.model seeds each rank on its own after)
+            model = s.model(nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]), strategy="fsdp")
+            return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+        model, opt = build()
         s.backward(model(torch.randn(4, 256)).square().mean())
         s.step(opt)
-        want, want_opt = full(), full_opt()
-        s.save(root, model=model, optimizer=opt, step=1, background=True)
+        want, want_opt = _full(model), _full_opt(model, opt)
+        path = s.save(root, model=model, optimizer=opt, step=1, background=True)
         with torch.no_grad():  # training goes on while DCP's thread writes: weights and optimizer state
             for p in model.parameters():
                 p.add_(1.0)
@@ -45,53 +57,24 @@ with ddpkit.session(seed=0) as s:
                     if torch.is_tensor(v):
                         v.add_(1.0)
         s.checkpoints.wait()
-        torch.save({"model": want, "opt": want_opt}, f"{out}/want.pt")
-    elif mode == "crash":
-        s.save(root, model=model, optimizer=opt, step=1)
-        s.save(root, model=model, optimizer=opt, step=2, background=True)
-        if s.rank == 0:  # the committing rank dies while the shards are written
-            os.kill(os.getpid(), signal.SIGKILL)
-        s.checkpoints.wait()
-    elif mode == "load":
-        want = torch.load(f"{out}/want.pt")
-        got, got_opt = full(), full_opt()
-        s.print("SAME" if all(got[k].equal(want["model"][k]) for k in want["model"]) else "DIFFERENT")
-        same = got_opt.keys() == want["opt"].keys() and all(got_opt[k].equal(want["opt"][k]) for k in got_opt)
-        s.print("OPTIMIZER " + ("SAME" if same and got_opt else "DIFFERENT"))
-    s.print(f"STEP {values['step']}")  # rank 0 only: two ranks' lines interleave in one pipe
-"""
+        fresh, fresh_opt = build()
+        step = s.load(root, model=fresh, optimizer=fresh_opt, step=0)["step"]
+        got, got_opt = _full(fresh), _full_opt(fresh, fresh_opt)
+        same = got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
+        same_opt = bool(got_opt) and got_opt.keys() == want_opt.keys()
+        same_opt = same_opt and all(got_opt[k].equal(want_opt[k]) for k in want_opt)
+        return {"step": step, "path": str(path), "same": same, "optimizer_same": same_opt}
 
 
-LAUNCH_TIMEOUT = 50  # each launch takes 6-12 s here; two per test stay under pytest's 120 s
-
-
-def _script(tmp_path: Path) -> Path:
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(JOB))
-    return script
-
-
-def test_a_background_fsdp_save_loads_the_weights_and_optimizer_state_of_the_call(tmp_path: Path) -> None:
-    script, root = _script(tmp_path), tmp_path / "ck"
-    saved = run_cli("run", "--nproc", "2", str(script), str(root), "save", str(tmp_path), timeout=LAUNCH_TIMEOUT)
-    assert saved.returncode == 0, saved.stderr[-3000:]
-    assert (root / "ckpt-000001" / "dcp" / ".metadata").is_file()
-    loaded = run_cli("run", "--nproc", "2", str(script), str(root), "load", str(tmp_path), timeout=LAUNCH_TIMEOUT)
-    assert loaded.returncode == 0, loaded.stderr[-3000:]
-    assert "STEP 1" in loaded.stdout and "\nSAME" in loaded.stdout, loaded.stdout
-    assert "OPTIMIZER SAME" in loaded.stdout, "the optimizer state was saved as it was after the call"
-
-
-def test_a_crash_during_a_background_fsdp_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
-    script, root = _script(tmp_path), tmp_path / "ck"
-    crashed = run_cli("run", "--nproc", "2", str(script), str(root), "crash", str(tmp_path), timeout=LAUNCH_TIMEOUT)
-    assert crashed.returncode != 0 and "SIGKILL" in crashed.stderr, crashed.stderr[-2000:]
-    assert (root / "ckpt-000001").is_dir() and not (root / "ckpt-000002").exists()
-    assert (root / ".ckpt-000002.tmp").is_dir(), "the background write was not in flight"
-    resumed = run_cli("run", "--nproc", "2", str(script), str(root), "resume", str(tmp_path), timeout=LAUNCH_TIMEOUT)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "ignored .ckpt-000002.tmp: a save that never finished" in resumed.stdout, resumed.stdout
-    assert "ckpt-000001 (step 1)" in resumed.stdout
+# A crash while DCP's thread writes (rank 0 SIGKILLed under a real `ddpkit run`, then the job resumed from
+# the checkpoint before) is tests/test_background_save.py's [fsdp-thread] case.
+@pytest.mark.timeout(240)
+def test_a_background_fsdp_save_loads_the_weights_and_optimizer_state_of_the_call(pool2, tmp_path: Path) -> None:
+    ranks = pool2.run(thread_save_and_load, str(tmp_path / "ck"), timeout=180)
+    assert (Path(ranks[0]["path"]) / "dcp" / ".metadata").is_file()
+    for rank, got in enumerate(ranks):
+        assert got["step"] == 1 and got["same"], f"rank {rank}: the weights loaded are not those of the call"
+        assert got["optimizer_same"], f"rank {rank}: the optimizer state was not saved as it was after the call"
 
 
 def test_gpu_tensors_are_copied_to_pinned_memory_cpu_tensors_left_for_the_clone() -> None:
@@ -152,40 +135,52 @@ def _wchar(pid: int) -> int:
     return int(dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())["wchar"])
 
 
-def process_save(root: str) -> dict:
+def _process_save(s, root: str) -> dict:
     """Rank r: a process save under FSDP while training changes the state; what the writer process wrote,
     and whether a fresh model and optimizer loaded from it hold the shards of the call, bit for bit."""
+    model, opt = _fsdp(s)
+    want = _shards(model, opt)
+    path = s.save(root, model=model, optimizer=opt, step=1, background="process")
+    with torch.no_grad():  # training goes on while the shards are written
+        for p in model.parameters():
+            p.add_(1.0)
+        for state in opt.state.values():
+            for v in state.values():
+                v.add_(1.0)
+    s.checkpoints.wait()
+    writer = s.checkpoints._process.process.pid
+    wrote = _wchar(writer)
+    fresh, fresh_opt = _fsdp(s)
+    step = s.load(root, model=fresh, optimizer=fresh_opt, step=0)["step"]
+    got = _shards(fresh, fresh_opt)
+    same = got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
+    mine = Path(path) / "dcp" / f"__{s.rank}_0.distcp"
+    return {"step": step, "same": same, "writer": writer, "me": os.getpid(), "writer_wrote": wrote,
+            "file": mine.stat().st_size, "path": str(path),
+            "weights": {k: v for k, v in want.items() if k.startswith("w.")}}  # fmt: skip
+
+
+def process_saves(root: str) -> dict:
+    """Rank r, one session: `_process_save` into ROOT/save, then `_killed_writer` into ROOT/killed. One
+    writer process serves both (it imports torch once, at its first FSDP save, at idle priority)."""
     import ddpkit
 
     with ddpkit.session(seed=0, verbose=False) as s:
-        model, opt = _fsdp(s)
-        want = _shards(model, opt)
-        path = s.save(root, model=model, optimizer=opt, step=1, background="process")
-        with torch.no_grad():  # training goes on while the shards are written
-            for p in model.parameters():
-                p.add_(1.0)
-            for state in opt.state.values():
-                for v in state.values():
-                    v.add_(1.0)
-        s.checkpoints.wait()
-        writer = s.checkpoints._process.process.pid
-        wrote = _wchar(writer)
-        fresh, fresh_opt = _fsdp(s)
-        step = s.load(root, model=fresh, optimizer=fresh_opt, step=0)["step"]
-        got = _shards(fresh, fresh_opt)
-        same = got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
-        mine = Path(path) / "dcp" / f"__{s.rank}_0.distcp"
-        return {"step": step, "same": same, "writer": writer, "me": os.getpid(), "writer_wrote": wrote,
-                "file": mine.stat().st_size, "path": str(path),
-                "weights": {k: v for k, v in want.items() if k.startswith("w.")}}  # fmt: skip
+        return {"save": _process_save(s, f"{root}/save"), "killed": _killed_writer(s, f"{root}/killed")}
+
+
+@pytest.fixture(scope="module")
+def process_runs(pool2, tmp_path_factory) -> dict[str, list[dict]]:
+    ranks = pool2.run(process_saves, str(tmp_path_factory.mktemp("process")), timeout=200)
+    return {part: [got[part] for got in ranks] for part in ("save", "killed")}
 
 
 # The writer process imports torch at its first FSDP save, at idle priority: slow on a loaded machine.
 @pytest.mark.timeout(240)
-def test_a_process_save_under_fsdp_is_written_by_the_writer_process_and_resumes_bitwise(pool2, tmp_path: Path) -> None:
+def test_a_process_save_under_fsdp_is_written_by_the_writer_process_and_resumes_bitwise(process_runs) -> None:
     from ddpkit.checkpoint.inspect import report
 
-    ranks = pool2.run(process_save, str(tmp_path / "ck"), timeout=180)
+    ranks = process_runs["save"]
     for rank, got in enumerate(ranks):
         assert got["step"] == 1 and got["same"], f"rank {rank}: not the shards of the call: {got}"
         assert got["writer"] != got["me"]
@@ -201,48 +196,46 @@ def test_a_process_save_under_fsdp_is_written_by_the_writer_process_and_resumes_
 
     with ddpkit.session(seed=0, verbose=False) as s:
         one = s.model(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8)), strategy="fsdp")
-        assert s.load(str(tmp_path / "ck"), model=one, step=0)["step"] == 1
+        assert s.load(str(Path(ranks[0]["path"]).parent), model=one, step=0)["step"] == 1
     for k, v in one.state_dict().items():
         joined = torch.cat([ranks[0]["weights"][f"w.{k}"], ranks[1]["weights"][f"w.{k}"]])
         assert v.equal(joined), f"{k}: one process did not load the two ranks' shards"
 
 
-def killed_writer(root: str) -> dict:
+def _killed_writer(s, root: str) -> dict:
     """Rank r: a checkpoint, then a process save whose writer process on rank 1 is killed mid-save; what
     each rank saw, what the folder holds, and whether the next save (a new writer) commits."""
     import signal
 
-    import ddpkit
     from ddpkit.checkpoint.checkpoints import latest
 
-    with ddpkit.session(seed=0, verbose=False) as s:
-        model, opt = _fsdp(s)
-        s.save(root, model=model, optimizer=opt, step=1, background="process")
+    model, opt = _fsdp(s)
+    s.save(root, model=model, optimizer=opt, step=1, background="process")
+    s.checkpoints.wait()
+    writer = s.checkpoints._process.process.pid
+    if s.rank == 1:
+        os.kill(writer, signal.SIGSTOP)  # its next write is held...
+    s.save(root, model=model, optimizer=opt, step=2, background="process")
+    if s.rank == 1:
+        os.kill(writer, signal.SIGKILL)  # ...and it dies during the save (before or inside the write)
+    try:
         s.checkpoints.wait()
-        writer = s.checkpoints._process.process.pid
-        if s.rank == 1:
-            os.kill(writer, signal.SIGSTOP)  # its next write is held...
-        s.save(root, model=model, optimizer=opt, step=2, background="process")
-        if s.rank == 1:
-            os.kill(writer, signal.SIGKILL)  # ...and it dies during the save (before or inside the write)
-        try:
-            s.checkpoints.wait()
-            error = ""
-        except Exception as err:
-            error = f"{type(err).__name__}: {err}"
-        s.barrier()
-        after = sorted(p.name for p in Path(root).iterdir())
-        newest = latest(Path(root)).name
-        step = s.load(root, model=model, optimizer=opt, step=0)["step"]
-        path = s.save(root, model=model, optimizer=opt, step=3, background="process")
-        s.checkpoints.wait()
-        return {"error": error, "after": after, "newest": newest, "step": step, "next": Path(path).name,
-                "new_writer": s.checkpoints._process.process.pid != writer}  # fmt: skip
+        error = ""
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
+    s.barrier()
+    after = sorted(p.name for p in Path(root).iterdir())
+    newest = latest(Path(root)).name
+    step = s.load(root, model=model, optimizer=opt, step=0)["step"]
+    path = s.save(root, model=model, optimizer=opt, step=3, background="process")
+    s.checkpoints.wait()
+    return {"error": error, "after": after, "newest": newest, "step": step, "next": Path(path).name,
+            "new_writer": s.checkpoints._process.process.pid != writer}  # fmt: skip
 
 
 @pytest.mark.timeout(240)
-def test_a_killed_fsdp_writer_process_fails_the_save_on_every_rank_and_loses_no_checkpoint(pool2, tmp_path: Path) -> None:
-    ranks = pool2.run(killed_writer, str(tmp_path / "ck"), timeout=180)
+def test_a_killed_fsdp_writer_process_fails_the_save_on_every_rank_and_loses_no_checkpoint(process_runs) -> None:
+    ranks = process_runs["killed"]
     assert "killed by signal 9" in ranks[1]["error"], ranks[1]["error"]
     assert ranks[0]["error"], "rank 0 committed (or did not report) a save that rank 1's writer never finished"
     for got in ranks:

@@ -3,6 +3,8 @@ write leaves the previous checkpoint the newest valid one (real processes, a rea
 
 from __future__ import annotations
 
+import contextlib
+import io
 import textwrap
 from pathlib import Path
 
@@ -59,7 +61,7 @@ with ddpkit.session(seed=0, strategy=sys.argv[3]) as s:
 
 @pytest.mark.parametrize(("strategy", "mode"), [("ddp", "thread"), ("fsdp", "thread"), ("ddp", "process")])
 def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(
-    tmp_path: Path, strategy: str, mode: str
+    pool2, tmp_path: Path, strategy: str, mode: str
 ) -> None:  # fsdp: the writer saves copied shards; process: a writer process writes the big files
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(JOB))
@@ -74,49 +76,60 @@ def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(
     assert "preempted" not in crashed.stdout + crashed.stderr
     assert (root / "ckpt-000001").is_dir() and not (root / "ckpt-000002").exists()
     assert (root / ".ckpt-000002.tmp").is_dir(), "the background write was not in flight"
-    resumed = run_cli("run", "--nproc", "2", str(script), str(root), "load", strategy, mode, timeout=50)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "ignored .ckpt-000002.tmp: a save that never finished" in resumed.stdout, resumed.stdout
-    assert "resumed from" in resumed.stdout and "ckpt-000001 (step 1)" in resumed.stdout
-    assert "STEP 1" in resumed.stdout
+    # the job resumed: its load on the pool's ranks (a second launch would only repeat the first's start)
+    (step, said), (step_1, _) = pool2.run(resume, str(root), strategy, timeout=60)
+    assert "ignored .ckpt-000002.tmp: a save that never finished" in said, said
+    assert "resumed from" in said and "ckpt-000001 (step 1)" in said, said
+    assert step == step_1 == 1
 
 
-SHARDED = """
-import json, sys, torch, ddpkit
-from torch import nn
-from safetensors.torch import load_file
-root = sys.argv[1]
-with ddpkit.session(seed=0, shard_optimizer=True) as s:
-    model = s.model(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    for _ in range(2):
-        s.backward(model(torch.randn(8, 64)).square().mean())
-        s.step(opt)
-    sync = s.save(f"{root}/sync", model=model, optimizer=opt, step=2)
-    background = s.save(f"{root}/background", model=model, optimizer=opt, step=2, background=sys.argv[2])
-    with torch.no_grad():  # training goes on: neither the weights nor the optimizer state may leak in
-        for p in model.parameters():
-            p.add_(1.0)
-        for st in opt.state.values():
-            for v in st.values():
-                v.add_(1.0)
-    s.checkpoints.wait()
-    if s.rank == 0:
+def resume(root: str, strategy: str) -> tuple[int, str]:
+    """On a pool rank: JOB's model and optimizer loaded from `root`; the step and what the session printed
+    (rank 0's lines; none on the others)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), ddpkit.session(seed=0, strategy=strategy) as s:
+        model = s.model(nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]))
+        opt = torch.optim.AdamW(model.parameters())
+        step = s.load(root, model=model, optimizer=opt, step=0)["step"]
+    return step, out.getvalue()
+
+
+def sharded_saves(root: str, mode: str) -> dict:
+    """Rank r of a sharded step (shard_optimizer=True: each rank holds a share of AdamW's state): a
+    synchronous save, then a background one (`mode`) while training changes the weights and the optimizer
+    state; on rank 0, whether the two checkpoints' files hold the same tensors and tree."""
+    import json
+
+    from safetensors.torch import load_file
+
+    with ddpkit.session(seed=0, shard_optimizer=True, verbose=False) as s:
+        model = s.model(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        for _ in range(2):
+            s.backward(model(torch.randn(8, 64)).square().mean())
+            s.step(opt)
+        sync = s.save(f"{root}/sync", model=model, optimizer=opt, step=2)
+        background = s.save(f"{root}/background", model=model, optimizer=opt, step=2, background=mode)
+        with torch.no_grad():  # training goes on: neither the weights nor the optimizer state may leak in
+            for p in model.parameters():
+                p.add_(1.0)
+            for st in opt.state.values():
+                for v in st.values():
+                    v.add_(1.0)
+        s.checkpoints.wait()
+        if s.rank != 0:
+            return {}
         a, b = (load_file(str(p / "state.safetensors")) for p in (sync, background))
         same = a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
         trees = [json.loads((p / "state.json").read_text()) for p in (sync, background)]
-        print("KEYS", len(a), "SAME", same and trees[0] == trees[1], flush=True)
-"""
+        return {"keys": len(a), "same": same and trees[0] == trees[1]}
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
-def test_a_background_save_of_a_sharded_step_holds_the_whole_optimizer_state(tmp_path: Path, mode: str) -> None:
+def test_a_background_save_of_a_sharded_step_holds_the_whole_optimizer_state(pool2, tmp_path: Path, mode: str) -> None:
     """The writer gathers the ranks' shares (not the call): the files equal a synchronous save's."""
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(SHARDED))
-    done = run_cli("run", "--nproc", "2", str(script), str(tmp_path), mode, timeout=100)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "SAME True" in done.stdout and "KEYS 24" in done.stdout, done.stdout
+    got = pool2.run(sharded_saves, str(tmp_path), mode, timeout=120)[0]
+    assert got == {"keys": 24, "same": True}, got
 
 
 def test_the_writer_threads_safetensors_file_is_one_safetensors_reads_with_its_hash(tmp_path: Path) -> None:

@@ -64,11 +64,18 @@ def _forward(weights: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(X)
 
 
-def _converted_forward_equals_trained(ckpt: Path, trained: dict[str, torch.Tensor], tmp: Path) -> None:
+def _converted_forward_equals_trained(
+    ckpt: Path, trained: dict[str, torch.Tensor], tmp: Path, command: bool = True
+) -> None:
+    """`ddpkit checkpoint convert` (`command`: the command line, else its function in this process) and
+    `convert.to_torch` give the trained weights."""
     out = tmp / "model.safetensors"
-    done = run_cli("checkpoint", "convert", str(ckpt), str(out), timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert f"wrote {len(trained)} tensors to {out}" in done.stdout
+    if command:
+        done = run_cli("checkpoint", "convert", str(ckpt), str(out), timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert f"wrote {len(trained)} tensors to {out}" in done.stdout
+    else:
+        assert convert.to_safetensors(ckpt, out) == (out, len(trained))
     converted = load_file(str(out))
     assert sorted(converted) == sorted(trained)
     assert all(torch.equal(converted[k], trained[k]) for k in trained)
@@ -113,10 +120,11 @@ def test_fsdp_two_ranks_converts_from_its_shards_with_no_process_group(pool2, tm
 
 @pytest.mark.timeout(240)
 def test_fsdp_four_ranks_and_one_process_convert_alike(pool4, tmp_path: Path) -> None:
+    # the conversions in this process (the command line's is the two-rank tests'): one launch fewer each
     trained = pool4.run(train_and_save, "fsdp", str(tmp_path / "four"))[0]
-    _converted_forward_equals_trained(tmp_path / "four", trained, tmp_path)
+    _converted_forward_equals_trained(tmp_path / "four", trained, tmp_path, command=False)
     one = train_and_save("single", str(tmp_path / "one"))  # this process: no group, the plain strategy
-    _converted_forward_equals_trained(tmp_path / "one", one, tmp_path)
+    _converted_forward_equals_trained(tmp_path / "one", one, tmp_path, command=False)
 
 
 def _flip(path: Path, at: int) -> None:

@@ -10,6 +10,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+import refusal_train
 from conftest import run_cli
 
 from ddpkit.checkpoint import files
@@ -41,11 +42,26 @@ def _plant(checkpoint: Path, marker: Path) -> None:
     files.verify(checkpoint)  # forged well: the manifest alone cannot tell
 
 
+def two_steps_saved(ckpt: str) -> None:
+    """On the pool's ranks: what `ddpkit run --nproc 2 refusal_train.py CKPT` writes (two FSDP steps, each
+    saved: sharded checkpoints, DCP's metadata a pickle), without a launch of its own."""
+    import contextlib
+    import io
+    import sys
+
+    argv = sys.argv
+    sys.argv = ["refusal_train.py", ckpt]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # its start-up lines: not into the suite's output
+            refusal_train.main()
+    finally:
+        sys.argv = argv
+
+
 @pytest.mark.timeout(150)
-def test_a_planted_sharded_checkpoint_ends_the_job_with_one_paragraph(tmp_path: Path) -> None:
+def test_a_planted_sharded_checkpoint_ends_the_job_with_one_paragraph(pool2, tmp_path: Path) -> None:
     ckpt, marker = tmp_path / "ck", tmp_path / "pwned"
-    saved = run_cli("run", "--nproc", "2", SCRIPT, str(ckpt), timeout=60)
-    assert saved.returncode == 0, saved.stderr
+    pool2.run(two_steps_saved, str(ckpt), timeout=60)
     _plant(ckpt / "ckpt-000002", marker)
     done = run_cli("run", "--nproc", "2", SCRIPT, str(ckpt), timeout=60)
     assert done.returncode == 1, done.stderr
@@ -58,23 +74,21 @@ def test_a_planted_sharded_checkpoint_ends_the_job_with_one_paragraph(tmp_path: 
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize(
-    ("how", "said"),
-    [
-        ("KILL", "died first, killed by SIGKILL"),
-        ("RAISE", "failed first with RuntimeError: planted failure on rank 1"),
-    ],
-)
-def test_each_restart_names_the_rank_that_died_first(tmp_path: Path, how: str, said: str) -> None:
+def test_each_restart_names_the_rank_that_died_first(tmp_path: Path) -> None:
+    # one job, two restarts: rank 1 killed on the first attempt, raising on the second, done on the third
     ckpt = str(tmp_path / "ck")
-    done = run_cli("run", "--nproc", "2", "--max-restarts", "1", SCRIPT, ckpt, "--strategy", "ddp",
-                   "--die-at", f"1:1:{how}", timeout=90)  # fmt: skip
+    done = run_cli("run", "--nproc", "2", "--max-restarts", "2", SCRIPT, ckpt, "--strategy", "ddp",
+                   "--die-at", "1:1:KILL,1:1:RAISE", timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr  # the restarted workers finished
     lines = [line for line in done.stderr.splitlines() if line.startswith("ddpkit run: restart")]
-    assert len(lines) == 1, done.stderr
-    assert lines[0].startswith("ddpkit run: restart 1 of 1: rank 1 (local rank 1 on host "), lines[0]
-    assert said in lines[0], lines[0]
+    assert len(lines) == 2, done.stderr
+    for n, (line, said) in enumerate(zip(lines, SAID, strict=True), 1):
+        assert line.startswith(f"ddpkit run: restart {n} of 2: rank 1 (local rank 1 on host "), line
+        assert said in line, line
     assert "done at step 2" in done.stdout + done.stderr
+
+
+SAID = ("died first, killed by SIGKILL", "failed first with RuntimeError: planted failure on rank 1")
 
 
 def test_a_restart_on_the_second_node_names_the_rank_by_its_global_rank(tmp_path: Path) -> None:

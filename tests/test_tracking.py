@@ -9,10 +9,11 @@ from __future__ import annotations
 import glob
 import json
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, fresh_python, run_cli
+from conftest import REPO, python, run_cli
 
 import ddpkit
 
@@ -191,13 +192,18 @@ def test_fit_logs_loss_lr_throughput_step_time_and_the_clipped_norm_by_itself(tm
     assert [step for step, _ in tensorboard_scalars(tmp_path / "every4", "step_time")] == [4, 8]
 
 
-def test_the_trackers_are_not_imported_unless_something_is_logged() -> None:
-    code = (
+def test_the_trackers_are_not_imported_unless_something_is_logged(tmp_path: Path) -> None:
+    # A process of its own, forked by the suite's warm start (tests/conftest.py; torch and ddpkit imported
+    # there, never a tracker), else a new interpreter: no earlier test's imports.
+    script = tmp_path / "probe.py"
+    script.write_text(
         "import sys, ddpkit\n"
         "with ddpkit.session(verbose=False) as s: pass\n"
         "print(sorted(m for m in ('tensorboard', 'mlflow', 'wandb', 'torch.utils.tensorboard') if m in sys.modules))"
     )
-    assert fresh_python(code).strip() == "[]"
+    done = subprocess.run([python(), str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_an_unknown_tracker_is_an_error_naming_the_choices() -> None:
