@@ -228,14 +228,17 @@ def fails_on_rank_one() -> None:
         s.barrier()
 
 
+# The ranks are forked (as "auto" starts a notebook's function), not new interpreters (~5 s of CPU each
+# for imports): what these tests check, the results and the failure report, does not depend on how the
+# ranks start; "auto" starting new interpreters for a module's function is test_warmstart's last spawn.
 def test_spawn_returns_results_in_rank_order() -> None:
-    assert ddpkit.spawn(rank_info, nproc=2, args=(10,), timeout=60) == [(0, 2, 21), (1, 2, 21)]
+    assert ddpkit.spawn(rank_info, nproc=2, args=(10,), timeout=60, start_method="fork") == [(0, 2, 21), (1, 2, 21)]
     assert not dist.is_initialized(), "the parent never joins the group"
 
 
 def test_spawn_names_the_failing_rank() -> None:
     with pytest.raises(ddpkit.SpawnError, match=r"rank 1 of 2 failed:\nKeyError: 'missing column'"):
-        ddpkit.spawn(fails_on_rank_one, nproc=2, timeout=60)
+        ddpkit.spawn(fails_on_rank_one, nproc=2, timeout=60, start_method="fork")
 
 
 def test_spawn_refuses_what_cannot_be_sent() -> None:
