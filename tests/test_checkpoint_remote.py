@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import python
 from torch import nn
 
 import ddpkit
@@ -198,7 +198,9 @@ def test_a_kill_during_the_upload_leaves_the_stores_checkpoint_whole_or_absent(s
     script.write_text(textwrap.dedent(JOB))
     env = {**os.environ, "DDPKIT_CHECKPOINT_CACHE": str(tmp_path / "a"), "OMP_NUM_THREADS": "1"}
     gate.hold(f"/{bucket}/run/ckpt-000002/")
-    job = subprocess.Popen([sys.executable, str(script), url], env=env, text=True,
+    # The job is the suite's warm client (tests/conftest.py, `python()`): killing it kills the job it runs,
+    # forked from the warm server (SIGKILL too), before its stdout and stderr close
+    job = subprocess.Popen([python(), str(script), url], env=env, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
         if not gate.holding.wait(90):  # an event, not a poll: the upload's second object is on the wire
@@ -226,16 +228,18 @@ def test_a_kill_during_the_upload_leaves_the_stores_checkpoint_whole_or_absent(s
     assert _names(fs, f"{bucket}/run") == ["ckpt-000001", "ckpt-000003"]  # the unfinished upload removed
 
 
-def test_a_preempted_run_saves_to_the_store_and_a_relaunch_on_another_machine_resumes(store, tmp_path: Path) -> None:
+def test_a_preempted_run_saves_to_the_store_and_a_relaunch_on_another_machine_resumes(
+    store, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """`ddpkit run --nproc 2 preempt_train.py s3://...`: SIGTERM at step 3 (no periodic save in the
     run); the preemption save reaches the store before exit 75, and a relaunch with an empty local
-    folder resumes from it and ends bitwise like an uninterrupted run (tests/test_preemption.py's job)."""
-    from test_preemption import NO_PAUSE, SLOW, STEPS, launch
+    folder resumes from it and ends bitwise like an uninterrupted run (tests/test_preemption.py's job,
+    whose uninterrupted run, with a local root, is launched once for the session)."""
+    from test_preemption import NO_PAUSE, SLOW, STEPS, launch, uninterrupted_weights
 
     fs, bucket = store
     url = f"s3://{bucket}/run"
-    reference = launch(tmp_path / "ref", tmp_path / "ref-out", *NO_PAUSE)  # a local root, uninterrupted
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    want = uninterrupted_weights(tmp_path_factory)
     idiom = ("--idiom", "if", "--save-every", "100")
     first = launch(url, tmp_path / "out", "--signal-at", "forward:3:0", *idiom, *SLOW,  # type: ignore[arg-type]
                    env={"DDPKIT_CHECKPOINT_CACHE": str(tmp_path / "machine-a")})  # fmt: skip
@@ -248,7 +252,6 @@ def test_a_preempted_run_saves_to_the_store_and_a_relaunch_on_another_machine_re
     assert "downloaded" in second.stdout and "resumed from" in second.stdout, second.stdout[-2000:]
     from safetensors.torch import load_file
 
-    want = load_file(str(tmp_path / "ref-out" / "final.safetensors"))
     got = load_file(str(tmp_path / "out" / "final.safetensors"))
     assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
     assert (tmp_path / "out" / "log.txt").read_text().split()[-1] == str(STEPS)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_cli
+from conftest import REPO, python, run_cli
 from resume_train import reference, same
 
 from ddpkit.cluster import lifecycle
@@ -186,7 +186,9 @@ with ddpkit.session(verbose=False) as s:
 def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
     script = _script(tmp_path, SLEEPER)
     env = {**os.environ, "OUT_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", str(script)],
+    # `ddpkit run` as the suite's warm client (tests/conftest.py, `python()`): it passes the SIGINT on to
+    # the launcher it runs, forked from the warm server, as a terminal's Ctrl-C reaches `ddpkit run`
+    proc = subprocess.Popen([python(), "-m", "ddpkit.cli", "run", "--nproc", "2", str(script)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
@@ -238,7 +240,9 @@ def test_a_finished_run_exits_zero_despite_a_slow_save_and_native_threads(tmp_pa
 def test_negative_control_native_threads_abort_a_plain_exit(tmp_path: Path) -> None:
     body = FINISHES.split("# Threads")[1].split("\n", 2)[2]
     script = _script(tmp_path, "import threading, time, torch\ntorch.set_num_threads(1)\n" + body)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    # run by the suite's warm client (a process forked from the warm server, torch imported): the same
+    # interpreter exit, without a new interpreter's imports
+    done = subprocess.run([python(), str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == -signal.SIGABRT and "terminate called" in done.stderr, (
         done.returncode,
         done.stderr,

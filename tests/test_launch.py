@@ -61,16 +61,11 @@ def test_plain_torchrun_script_runs_unchanged(tmp_path: Path) -> None:
     assert ranks[0]["master"][0] in ("localhost", "127.0.0.1") and int(ranks[0]["master"][1]) > 0
 
 
-def test_user_thread_setting_wins(tmp_path: Path) -> None:
-    script = _script(tmp_path, PLAIN_TORCHRUN_SCRIPT)
-    done = run_cli("run", "--nproc", "2", str(script), env={"OUT_DIR": str(tmp_path), "OMP_NUM_THREADS": "2"})
-    assert done.returncode == 0, done.stderr
-    assert {r["threads"] for r in _ranks(tmp_path)} == {2}
-
-
 def test_module_target_and_exit_code_come_back(tmp_path: Path) -> None:
+    # The module is found in the working directory, as `python -m` finds it (a PYTHONPATH of its own
+    # would make the launcher and its ranks new interpreters instead of the suite's warm ones)
     (tmp_path / "exiting.py").write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
-    done = run_cli("run", "--nproc", "2", "-m", "exiting", cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    done = run_cli("run", "--nproc", "2", "-m", "exiting", cwd=tmp_path)
     assert done.returncode == 3
     assert "rank 1" in done.stderr and "exit code 3" in done.stderr
 
@@ -171,14 +166,6 @@ def test_busy_explicit_port_is_a_clear_error(tmp_path: Path) -> None:
     assert done.returncode == 2 and f"port {port} is already in use" in done.stderr
 
 
-def test_explicit_free_port_is_used(tmp_path: Path) -> None:
-    script = _script(tmp_path, PLAIN_TORCHRUN_SCRIPT)
-    port = _free_port()
-    done = run_cli("run", "--nproc", "2", "--port", str(port), str(script), env={"OUT_DIR": str(tmp_path)})
-    assert done.returncode == 0, done.stderr
-    assert _ranks(tmp_path)[0]["master"][1] == str(port)
-
-
 def test_non_divisible_global_batch_stops_every_rank(tmp_path: Path) -> None:
     script = _script(
         tmp_path,
@@ -214,21 +201,16 @@ def test_a_rank_that_raises_stops_the_job_promptly(tmp_path: Path) -> None:
     assert time.monotonic() - start < 80, "the waiting rank was not stopped"  # it would wait 300 s
 
 
-def test_device_override_reaches_the_script(tmp_path: Path) -> None:
-    script = _script(
-        tmp_path, "import ddpkit\nwith ddpkit.session() as s:\n    s.print('DEVICE', s.device)\n"
-    )
-    done = run_cli("run", "--nproc", "1", "--device", "cpu", str(script), timeout=60)
-    assert done.returncode == 0 and "DEVICE cpu" in done.stdout
-
-
 def test_every_ranks_printed_lines_stay_whole_under_unbuffered_output(tmp_path: Path) -> None:
     # Both ranks write to their launcher's one stdout; with PYTHONUNBUFFERED (set by many CI systems and
     # by `python -u`) a plain print writes each argument and the newline apart, and lines interleave.
-    script = _script(tmp_path, "import ddpkit\nwith ddpkit.session() as s:\n"
+    # The same launch shows that `ddpkit run --device cpu` reaches the ranks' sessions.
+    script = _script(tmp_path, "import ddpkit\nwith ddpkit.session() as s:\n    s.print('DEVICE', s.device)\n"
                                "    for i in range(300):\n        s.print_all('x', i, 'y')\n")  # fmt: skip
-    done = run_cli("run", "--nproc", "2", str(script), timeout=60, env={"PYTHONUNBUFFERED": "1"})
+    done = run_cli("run", "--nproc", "2", "--device", "cpu", str(script), timeout=60,
+                   env={"PYTHONUNBUFFERED": "1"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "DEVICE cpu" in done.stdout
     lines = [line for line in done.stdout.splitlines() if "x" in line]
     torn = [line for line in lines if not re.fullmatch(r"\[rank [01]\] x \d+ y", line)]
     assert len(lines) == 600 and not torn, torn[:5]
@@ -246,14 +228,17 @@ def fails_on_rank_one() -> None:
         s.barrier()
 
 
+# The ranks are forked (as "auto" starts a notebook's function), not new interpreters (~5 s of CPU each
+# for imports): what these tests check, the results and the failure report, does not depend on how the
+# ranks start; "auto" starting new interpreters for a module's function is test_warmstart's last spawn.
 def test_spawn_returns_results_in_rank_order() -> None:
-    assert ddpkit.spawn(rank_info, nproc=2, args=(10,), timeout=60) == [(0, 2, 21), (1, 2, 21)]
+    assert ddpkit.spawn(rank_info, nproc=2, args=(10,), timeout=60, start_method="fork") == [(0, 2, 21), (1, 2, 21)]
     assert not dist.is_initialized(), "the parent never joins the group"
 
 
 def test_spawn_names_the_failing_rank() -> None:
     with pytest.raises(ddpkit.SpawnError, match=r"rank 1 of 2 failed:\nKeyError: 'missing column'"):
-        ddpkit.spawn(fails_on_rank_one, nproc=2, timeout=60)
+        ddpkit.spawn(fails_on_rank_one, nproc=2, timeout=60, start_method="fork")
 
 
 def test_spawn_refuses_what_cannot_be_sent() -> None:
@@ -261,7 +246,10 @@ def test_spawn_refuses_what_cannot_be_sent() -> None:
         ddpkit.spawn(lambda: 1, nproc=2, start_method="spawn")  # "auto" forks for it (test_notebooks.py)
 
 
-def test_more_cpu_ranks_than_cores_warns_once(tmp_path: Path) -> None:
+def test_the_users_threads_and_port_win_and_more_cpu_ranks_than_cores_warns_once(tmp_path: Path) -> None:
+    # One launch, three settings of the user's: OMP_NUM_THREADS (more than the default of cores / 2
+    # ranks, so the ranks show whose it is), which over-subscribes the cores (warned once), and --port
+    # (the ranks' MASTER_PORT)
     from ddpkit.cluster.launch import oversubscription
 
     assert oversubscription(2, "1", 2) is None and oversubscription(1, "2", 2) is None
@@ -269,12 +257,14 @@ def test_more_cpu_ranks_than_cores_warns_once(tmp_path: Path) -> None:
     assert text and "4 processes x 1 thread(s) on 2 CPU core(s)" in text and "--nproc 2" in text
     assert "1.75-2.7x slower" in (oversubscription(2, "2", 2) or "")
     script = _script(tmp_path, PLAIN_TORCHRUN_SCRIPT)
-    cores = len(os.sched_getaffinity(0))
-    done = run_cli(
-        "run", "--nproc", "2", str(script), env={"OUT_DIR": str(tmp_path), "OMP_NUM_THREADS": str(cores)}
-    )
+    threads = max(2, len(os.sched_getaffinity(0)))  # 2 x threads > cores; the default would be cores // 2
+    port = _free_port()
+    done = run_cli("run", "--nproc", "2", "--port", str(port), str(script),
+                   env={"OUT_DIR": str(tmp_path), "OMP_NUM_THREADS": str(threads)})  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert done.stderr.count(f"ddpkit run: warning: 2 processes x {cores} thread(s)") == 1
+    assert {r["threads"] for r in _ranks(tmp_path)} == {threads}
+    assert done.stderr.count(f"ddpkit run: warning: 2 processes x {threads} thread(s)") == 1
+    assert _ranks(tmp_path)[0]["master"][1] == str(port)
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,10 @@ must be the planned 24, never more.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -56,19 +58,38 @@ def launch(ckpt: Path, out: Path, *script_args: str, run_args: tuple[str, ...] =
                     f"{(err.stderr or '')[-3000:]}")  # fmt: skip
 
 
+def uninterrupted_weights(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run's final weights, launched once per test session: test_checkpoint_remote's
+    preempted run compares with them too. Under pytest-xdist the workers share the session's base
+    folder: the first worker to ask launches the run under a file lock, the others wait and read it."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "preempt-reference"
+    root.mkdir(exist_ok=True)
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        if not (root / "done").exists():  # a failed launch leaves none: the next to ask tries again
+            shutil.rmtree(root / "ck", ignore_errors=True)
+            shutil.rmtree(root / "out", ignore_errors=True)
+            done = launch(root / "ck", root / "out", *NO_PAUSE)
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert (root / "out" / "log.txt").read_text().split() == ["0", str(STEPS)]
+            (root / "done").touch()
+        return load_file(str(root / "out" / "final.safetensors"))
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("reference")
-    done = launch(root / "ck", root / "out", *NO_PAUSE)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (root / "out" / "log.txt").read_text().split() == ["0", str(STEPS)]
-    return load_file(str(root / "out" / "final.safetensors"))
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return uninterrupted_weights(tmp_path_factory)
 
 
 def preempted_then_resumed(
-    tmp_path: Path, signal_at: str, sleep: str = "0.04", idiom: tuple[str, ...] = ()
-) -> tuple[subprocess.CompletedProcess, int]:
-    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", signal_at, "--sleep", sleep, *idiom)
+    tmp_path: Path, signal_at: str, sleep: str = "0.04", idiom: tuple[str, ...] = (),
+    env: dict | None = None, run_args: tuple[str, ...] = (),
+) -> tuple[subprocess.CompletedProcess, int]:  # fmt: skip
+    """The run preempted at `signal_at` (with `env` and `run_args`, the first launch only), then its
+    relaunch; the preemption's exit, line and checkpoint asserted. Returns the first launch and its step."""
+    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", signal_at, "--sleep", sleep, *idiom,
+                   env=env, run_args=run_args)  # fmt: skip
     assert first.returncode == 75, f"exit {first.returncode}\n{first.stdout[-2000:]}\n{first.stderr[-3000:]}"
     found = re.search(r"ddpkit run: preempted \((\w+)\) at step (\d+), checkpoint (\S+);", first.stderr)
     assert found, first.stderr[-3000:]
@@ -102,13 +123,49 @@ def test_a_signal_that_arrives_as_the_run_ends_is_no_failure(uninterrupted, tmp_
     assert_same(tmp_path, uninterrupted, 0)
 
 
-@pytest.mark.parametrize("phase", ["forward:9:1", "backward:13:0", "optimizer:6:1", "save:10:0"])
+def slurm_job(tmp_path: Path, scontrol: str) -> tuple[dict, tuple[str, ...], Path]:
+    """A Slurm job's environment for `ddpkit run` (SLURM_JOB_ID 4242): with a stand-in `scontrol` that logs
+    its calls and answers `Requeue=1` ("requeueable") or `Requeue=0` ("not-requeueable"), or with no
+    `scontrol` on PATH at all and `--requeue 1` ("no-scontrol"). The environment, `ddpkit run`'s
+    arguments and the stand-in's log."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol.txt"
+    bin_dir.mkdir()
+    if scontrol == "no-scontrol":  # only python's directory: no scontrol anywhere on PATH
+        return {"SLURM_JOB_ID": "4242", "PATH": str(Path(sys.executable).parent)}, ("--requeue", "1"), calls
+    requeueable = int(scontrol == "requeueable")
+    fake = bin_dir / "scontrol"
+    fake.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n[ "$1" = show ] && echo "JobId=$4 Requeue={requeueable}"\nexit 0\n'
+    )
+    fake.chmod(0o755)
+    return {"SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{os.environ['PATH']}"}, (), calls
+
+
+@pytest.mark.parametrize(
+    ("phase", "scontrol"),
+    [("forward:9:1", "requeueable"), ("backward:13:0", "not-requeueable"), ("optimizer:6:1", "no-scontrol"),
+     ("save:10:0", None)],
+    ids=["forward:9:1-requeued", "backward:13:0-not-requeueable", "optimizer:6:1-no-scontrol", "save:10:0"],
+)  # fmt: skip
 def test_sigterm_to_the_launcher_then_a_relaunch_ends_like_the_uninterrupted_run(
-    uninterrupted, tmp_path: Path, phase: str
+    uninterrupted, tmp_path: Path, phase: str, scontrol: str | None
 ) -> None:
-    first, step = preempted_then_resumed(tmp_path, phase)
+    # Three of the preempted runs are also a Slurm job's (the relaunches are not): after the save global
+    # rank 0 asks `scontrol show job` once and requeues the job only when it was submitted --requeue;
+    # without scontrol it says so in one line, exits 75 and keeps the checkpoint (the relaunch resumes it).
+    env, run_args, calls = slurm_job(tmp_path, scontrol) if scontrol else ({}, (), tmp_path / "scontrol.txt")
+    first, step = preempted_then_resumed(tmp_path, phase, env=env, run_args=run_args)
     assert "SIGTERM" in first.stderr
     assert int(phase.split(":")[1]) <= step < STEPS
+    if scontrol == "requeueable":
+        assert calls.read_text().splitlines() == ["show job -o 4242", "requeue 4242"]
+        assert "The Slurm job was requeued" in first.stderr and "requeued Slurm job 4242" in first.stdout
+    elif scontrol == "not-requeueable":  # scontrol says the job was not submitted with --requeue
+        assert calls.read_text().splitlines() == ["show job -o 4242"]
+        assert "was not submitted with --requeue: not requeued" in first.stdout
+        assert "requeued" not in first.stderr
+    elif scontrol == "no-scontrol":
+        assert "cannot requeue Slurm job 4242: `scontrol` is not on PATH" in first.stdout
     assert_same(tmp_path, uninterrupted, step)
 
 
@@ -266,28 +323,6 @@ def test_a_save_longer_than_grace_is_cut_off_and_the_previous_checkpoint_stays(t
     assert values["step"] == 5 and not all(a.equal(b) for a, b in zip(before, net.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("requeueable", [1, 0])
-def test_slurm_requeue_runs_scontrol_once_after_the_save(tmp_path: Path, requeueable: int) -> None:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "scontrol.txt"
-    fake = bin_dir / "scontrol"
-    fake.write_text(
-        f'#!/bin/sh\necho "$@" >> {calls}\n[ "$1" = show ] && echo "JobId=$4 Requeue={requeueable}"\nexit 0\n'
-    )
-    fake.chmod(0o755)
-    env = {"SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:5:0", env=env)
-    assert first.returncode == 75, first.stderr[-3000:]
-    if requeueable:
-        assert calls.read_text().splitlines() == ["show job -o 4242", "requeue 4242"]
-        assert "The Slurm job was requeued" in first.stderr and "requeued Slurm job 4242" in first.stdout
-    else:  # scontrol says the job was not submitted with --requeue: asked once, never requeued
-        assert calls.read_text().splitlines() == ["show job -o 4242"]
-        assert "was not submitted with --requeue: not requeued" in first.stdout
-        assert "requeued" not in first.stderr
-
-
 def test_a_second_signal_during_a_save_within_grace_changes_nothing(uninterrupted, tmp_path: Path) -> None:
     # Issue 32: --grace 20, longer than the preemption's save (2 s slower here), and a second SIGTERM to
     # the launcher in the middle of that save: the save completes, exit 75, the relaunch ends bitwise.
@@ -300,17 +335,6 @@ def test_a_second_signal_during_a_save_within_grace_changes_nothing(uninterrupte
     second = launch(tmp_path / "ck", tmp_path / "out", "--idiom", "if", "--save-every", "7", *NO_PAUSE)
     assert second.returncode == 0 and f"(step {step})" in second.stdout, second.stderr[-3000:]
     assert_same(tmp_path, uninterrupted, step)
-
-
-def test_a_missing_scontrol_is_a_clear_message_and_the_checkpoint_is_kept(tmp_path: Path) -> None:
-    bin_dir = tmp_path / "bin"  # only python's directory: no scontrol anywhere on PATH
-    bin_dir.mkdir()
-    env = {"SLURM_JOB_ID": "4242", "PATH": str(Path(sys.executable).parent)}
-    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:5:0", run_args=("--requeue", "1"),
-                   env=env)  # fmt: skip
-    assert first.returncode == 75, first.stderr[-3000:]
-    assert "cannot requeue Slurm job 4242: `scontrol` is not on PATH" in first.stdout
-    assert "preempted (SIGTERM) at step" in first.stderr
 
 
 def test_options_are_validated_and_named() -> None:
