@@ -79,8 +79,11 @@ def _write_client(directory: Path) -> None:
     script = Path(__file__).with_name("warm_client.py")
     line = " ".join(shlex.quote(str(p)) for p in (sys.executable, "-I", "-S", script, directory / SOCKET))
     path = directory / CLIENT
-    path.write_text(f'#!/bin/sh\nexec {line} "$@"\n')
-    path.chmod(0o755)
+    # whole and executable the moment it exists: a client that finds it (and the socket) runs it at once
+    staged = path.with_name(f".{CLIENT}.{os.getpid()}")
+    staged.write_text(f'#!/bin/sh\nexec {line} "$@"\n')
+    staged.chmod(0o755)
+    os.replace(staged, path)
 
 
 def _die_with_parent() -> None:
