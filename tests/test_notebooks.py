@@ -6,11 +6,14 @@ run them: `ddpkit.spawn` with functions defined in cells (tests/notebooks/), and
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, python
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -33,18 +36,30 @@ def execute(
         injected = nbformat.v4.new_code_cell(parameters)
         injected.metadata["tags"] = ["injected-parameters"]
         nb.cells.insert(tagged[0] + 1, injected)
-    paths = [str(REPO), str(REPO / "tests" / "notebooks"), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     client = nbclient.NotebookClient(
         nb, timeout=cell_timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
     )
     start = time.perf_counter()
-    with client.setup_kernel(env=env):
+    with client.setup_kernel(env=kernel_env(cwd)):
         for index, cell in enumerate(nb.cells):
             left = budget - (time.perf_counter() - start)
             client.timeout = max(1, int(min(cell_timeout, left)))
             client.execute_cell(cell, index)
     return nb, time.perf_counter() - start
+
+
+def kernel_env(cwd: Path) -> dict[str, str]:
+    """This process's environment, with this checkout put first on PYTHONPATH only where a new interpreter
+    in `cwd` would import another ddpkit (an installed copy): left unchanged, it is the warm server's
+    (conftest `python()`), so that the commands a lab runs through it are forked from it rather than
+    answered "fresh" for a differing load-time variable (PYTHONPATH is one)."""
+    find = "import importlib.util as u; print(u.find_spec('ddpkit').origin)"
+    origin = subprocess.run(
+        [sys.executable, "-c", find], cwd=cwd, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if Path(origin).resolve() == (REPO / "ddpkit" / "__init__.py").resolve():
+        return dict(os.environ)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
 def text_of(nb) -> str:
@@ -68,11 +83,15 @@ LABS = REPO / "examples" / "notebooks"
 
 
 # What each lab says a reader may change, set so that the test proves the lab runs top to bottom and
-# prints its conclusion in seconds: lab 2 measures a narrower MLP (tests/notebooks/lab_workloads.py; the
-# same shape at 2.1M parameters instead of 38M) over shorter blocks. The reader's run keeps the defaults.
+# prints its conclusion in seconds: lab 2 measures a narrower MLP (tests/notebooks/lab_workloads.py, put in
+# the lab's folder as a reader's own workload module would be; the same shape at 2.1M parameters instead
+# of 38M) over shorter blocks, and runs its `ddpkit` commands with the suite's interpreter (`python()`:
+# the warm server's client, so each command is forked from a process that imported torch once instead of
+# paying that import; its ranks are new interpreters either way). The reader's run keeps the defaults.
 LAB_PARAMETERS = {
     "02_one_process_vs_n_ranks.ipynb": 'WORKLOAD = "lab_workloads:narrow_mlp"\nSTEPS = 3\nBLOCK_SECONDS = 0.1',
 }
+LAB_FILES = {"02_one_process_vs_n_ranks.ipynb": [REPO / "tests" / "notebooks" / "lab_workloads.py"]}
 
 
 @pytest.mark.parametrize(
@@ -91,6 +110,10 @@ def test_the_course_labs_run_top_to_bottom(tmp_path: Path, name: str, expect: st
     # The labs run real benchmarks and traces (fresh launches of 1 and 2 ranks). The bounds guard against a
     # hang, not the machine's speed: 240 s a cell, 270 s in all, under pytest's 300 s.
     parameters = LAB_PARAMETERS.get(name, "")
+    if parameters:
+        parameters += f"\nPYTHON = {python()!r}"
+    for path in LAB_FILES.get(name, []):
+        shutil.copy(path, tmp_path)
     nb, seconds = execute(LABS / name, tmp_path, cell_timeout=240, budget=270, parameters=parameters)
     out = text_of(nb)
     assert expect in out
