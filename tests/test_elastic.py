@@ -73,11 +73,14 @@ class _Hosts:
     it answers "fresh" to a client inside a namespace, and every host's agent and every worker it (re)starts
     would pay ~5 s of CPU for its imports, in a chain at each change of membership (a join: the joining
     agent, then both re-rendezvoused workers), 3-4x slower on a loaded machine. So each namespace has its own
-    server, started there once for the module, and a host's `ddpkit run` is that server's client: the agent
-    is forked warm, and so are its workers (`ddpkit run` hands torchrun the client through
-    DDPKIT_WARM_START). Processes enter a namespace with `nsenter --net` (the network namespace only):
-    `ip netns exec` also gives every command a mount namespace of its own, which a warm server cannot share
-    either. DDPKIT_TEST_WARM=0 (no DDPKIT_WARM_START): no servers, every host's process a new interpreter.
+    server, started there once for the module, and each host's `ddpkit run` names it in DDPKIT_WARM_START:
+    every worker its agent starts or restarts is forked warm. The agent itself is a new interpreter (its
+    import of torch, ~2.5 s, once per host): agents forked from the servers did not meet reliably (a
+    host that joined the rendezvous 0.5 s after the other was left out of its first round, which went on
+    at world size 1). Processes enter a namespace with `nsenter --net` (the network namespace only): `ip
+    netns exec` also gives every command a mount namespace of its own, which the workers, started by the
+    agent, would not share with the server. DDPKIT_TEST_WARM=0 (no DDPKIT_WARM_START): no servers, every
+    host's process a new interpreter.
     """
 
     def __init__(self, tmp_root: Path) -> None:
@@ -85,7 +88,6 @@ class _Hosts:
         self.names = [f"ddpk{tag}a", f"ddpk{tag}b"]
         self.links = [f"va{tag}", f"vb{tag}"]
         self.servers: list[subprocess.Popen | None] = [None, None]
-        self.pythons = [sys.executable, sys.executable]
         self.warm_dirs: list[Path | None] = [None, None]
         self.warm = bool(os.environ.get(WARM_START_ENV)) and shutil.which("nsenter") is not None
         self.ports = itertools.count(PORT)  # a fresh rendezvous port per test: no socket of the last one
@@ -131,20 +133,22 @@ class _Hosts:
         log.close()
 
     def _await_servers(self) -> None:
-        deadline = time.monotonic() + 10  # it listens before it imports: clients queue meanwhile
-        for i, directory in enumerate(self.warm_dirs):
+        """Until each server listens (before it imports: its clients queue meanwhile); `ddpkit run` looks
+        for the client once, and starts its workers as new interpreters if there is none."""
+        deadline = time.monotonic() + 10
+        for directory in self.warm_dirs:
             assert directory is not None
             while warm_client(directory) is None and time.monotonic() < deadline:
                 time.sleep(0.01)
-            client = warm_client(directory)
-            self.pythons[i] = str(client) if client else sys.executable
 
     def lose(self, i: int) -> None:
         """The host is gone: every process of the job in its namespace (the agent, and its workers, which
         torchrun starts in sessions of their own) SIGKILLed at once. All but the namespace's warm server:
         it only imported (no socket of the job's, no file, nothing the other host or the checkpoint folder
         sees), and it stands for the fresh interpreters a host's launcher would start; a new host 1 is then
-        new processes forked from it, as a new machine's would be new processes."""
+        new processes (its agent, and workers forked from the server), as a new machine's would be. A worker
+        the server was forking at that instant goes too: the server kills a forked process whose client
+        (here, killed) has gone."""
         server = self.servers[i]
         keep = {server.pid} if server is not None and server.poll() is None else set()
         for pid in _netns_pids(self.names[i]):
@@ -183,7 +187,7 @@ def hosts(namespaces: _Hosts):
     def start(
         i: int, ckpt: Path, out: Path, run_args: tuple = (), args: tuple = (), log: str = ""
     ) -> subprocess.Popen:
-        cmd = [*net.enter(i), net.pythons[i], "-m", "ddpkit.cli", "run", "--nnodes", "1:2", "--nproc", "1",
+        cmd = [*net.enter(i), sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", "1:2", "--nproc", "1",
                "--max-restarts", "3", "--rdzv-endpoint", f"10.77.0.1:{port}", "--local-addr", f"10.77.0.{i + 1}",
                "--rdzv-conf", RDZV_CONF, *run_args, SCRIPT, str(ckpt), str(out), *args]  # fmt: skip
         file = open(out / (log or f"host{i}.log"), "w")  # noqa: SIM115 (closed with the process)
