@@ -14,12 +14,14 @@ Needs root and iproute2 (skipped otherwise, with the reason).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,13 +30,15 @@ import torch
 from conftest import communicate, end_launch, marked, popen_marked
 from safetensors.torch import load_file
 
+from ddpkit.cluster.warmstart import client as warm_client
+from ddpkit.names import WARM_START_ENV
+
 HERE = Path(__file__).parent
 SCRIPT = str(HERE / "elastic_train.py")
 REFERENCE = str(HERE / "elastic_reference.py")
 # The uninterrupted runs this module compares with, one process for all (tests/elastic_reference.py)
 REFERENCE_LOOPS = ("invariant", "step", "plain", "accumulate")
-DDPKIT = [sys.executable, "-m", "ddpkit.cli", "run"]
-PORT = 29400  # each namespace has its own ports: nothing else listens there
+PORT = 29400  # each namespace has its own ports: nothing else listens there (the first test's; then +1)
 # Two hosts started together meet within 2 s; a lost host's agent is dropped from the rendezvous after 10 s
 # without a heartbeat (ddpkit's defaults: 10 s and ~6 s, for real networks; torch's: 30 s and 15 s).
 # Not sooner: with 3 missed 1 s heartbeats, on a loaded machine (the
@@ -56,55 +60,152 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
 
 
-@pytest.fixture
-def hosts():
-    """Two network namespaces, 10.77.0.1 and 10.77.0.2, and a veth pair between them."""
-    tag = f"{os.getpid() % 100000}"
-    names = [f"ddpk{tag}a", f"ddpk{tag}b"]
-    links = [f"va{tag}", f"vb{tag}"]
-    try:
-        for ns in names:
-            _ip("netns", "add", ns)
-        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
-        for i, (ns, link) in enumerate(zip(names, links, strict=True)):
-            _ip("link", "set", link, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"10.77.0.{i + 1}/24", "dev", link)
-            _ip("-n", ns, "link", "set", link, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as err:
-        for ns in names:
+def _netns_pids(ns: str) -> list[int]:
+    done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=20)
+    return [int(pid) for pid in done.stdout.split()]
+
+
+class _Hosts:
+    """Two network namespaces, 10.77.0.1 and 10.77.0.2, a veth pair between them, and in each a warm-start
+    server (ddpkit.cluster.warmstart) for the module's tests.
+
+    The suite's warm server cannot fork a host's processes: a fork keeps its parent's network namespace, so
+    it answers "fresh" to a client inside a namespace, and every host's agent and every worker it (re)starts
+    would pay ~5 s of CPU for its imports, in a chain at each change of membership (a join: the joining
+    agent, then both re-rendezvoused workers), 3-4x slower on a loaded machine. So each namespace has its own
+    server, started there once for the module, and each host's `ddpkit run` names it in DDPKIT_WARM_START:
+    every worker its agent starts or restarts is forked warm. The agent itself is a new interpreter (its
+    import of torch, ~2.5 s, once per host): agents forked from the servers did not meet reliably (a
+    host that joined the rendezvous 0.5 s after the other was left out of its first round, which went on
+    at world size 1). Processes enter a namespace with `nsenter --net` (the network namespace only): `ip
+    netns exec` also gives every command a mount namespace of its own, which the workers, started by the
+    agent, would not share with the server. DDPKIT_TEST_WARM=0 (no DDPKIT_WARM_START): no servers, every
+    host's process a new interpreter.
+    """
+
+    def __init__(self, tmp_root: Path) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.names = [f"ddpk{tag}a", f"ddpk{tag}b"]
+        self.links = [f"va{tag}", f"vb{tag}"]
+        self.servers: list[subprocess.Popen | None] = [None, None]
+        self.warm_dirs: list[Path | None] = [None, None]
+        self.warm = bool(os.environ.get(WARM_START_ENV)) and shutil.which("nsenter") is not None
+        self.ports = itertools.count(PORT)  # a fresh rendezvous port per test: no socket of the last one
+        try:
+            for ns in self.names:
+                _ip("netns", "add", ns)
+            _ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
+            for i, (ns, link) in enumerate(zip(self.names, self.links, strict=True)):
+                _ip("link", "set", link, "netns", ns)
+                _ip("-n", ns, "addr", "add", f"10.77.0.{i + 1}/24", "dev", link)
+                _ip("-n", ns, "link", "set", link, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+        except subprocess.CalledProcessError as err:
+            self.close()
+            pytest.skip(f"network namespaces are not available here: {err.stderr.decode().strip()}")
+        if self.warm:
+            for i in range(len(self.names)):
+                self._serve(i, tmp_root)
+            self._await_servers()
+
+    def enter(self, i: int) -> list[str]:
+        """The command prefix that runs a command in host i's network namespace (`ip netns` keeps it in
+        /var/run/netns); without nsenter, `ip netns exec` (then nothing is forked warm: no servers)."""
+        if self.warm:
+            return ["nsenter", f"--net=/var/run/netns/{self.names[i]}"]
+        return ["ip", "netns", "exec", self.names[i]]
+
+    def env(self, i: int) -> dict[str, str]:
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": self.links[i], "OMP_NUM_THREADS": "1"}
+        env.pop(WARM_START_ENV, None)  # the suite's server: it cannot fork into the namespace
+        if self.warm_dirs[i] is not None:
+            env[WARM_START_ENV] = str(self.warm_dirs[i])
+        return env
+
+    def _serve(self, i: int, tmp_root: Path) -> None:
+        directory = Path(tempfile.mkdtemp(prefix="ddpkit-warm-", dir=tmp_root))  # a short socket path
+        log = (directory / "server.log").open("w")
+        self.warm_dirs[i] = directory
+        self.servers[i] = subprocess.Popen(
+            [*self.enter(i), sys.executable, "-m", "ddpkit.cluster.warmstart", str(directory)],
+            env=self.env(i), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        )  # fmt: skip
+        log.close()
+
+    def _await_servers(self) -> None:
+        """Until each server listens (before it imports: its clients queue meanwhile); `ddpkit run` looks
+        for the client once, and starts its workers as new interpreters if there is none."""
+        deadline = time.monotonic() + 10
+        for directory in self.warm_dirs:
+            assert directory is not None
+            while warm_client(directory) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    def lose(self, i: int) -> None:
+        """The host is gone: every process of the job in its namespace (the agent, and its workers, which
+        torchrun starts in sessions of their own) SIGKILLed at once. All but the namespace's warm server:
+        it only imported (no socket of the job's, no file, nothing the other host or the checkpoint folder
+        sees), and it stands for the fresh interpreters a host's launcher would start; a new host 1 is then
+        new processes (its agent, and workers forked from the server), as a new machine's would be. A worker
+        the server was forking at that instant goes too: the server kills a forked process whose client
+        (here, killed) has gone."""
+        server = self.servers[i]
+        keep = {server.pid} if server is not None and server.poll() is None else set()
+        for pid in _netns_pids(self.names[i]):
+            if pid not in keep:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        for server in self.servers:
+            if server is not None and server.poll() is None:
+                server.terminate()  # it kills what it forked and is still running
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    server.wait(10)
+        for ns in self.names:
+            for pid in _netns_pids(ns):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
-        pytest.skip(f"network namespaces are not available here: {err.stderr.decode().strip()}")
+
+
+@pytest.fixture(scope="module")
+def namespaces(tmp_path_factory):
+    """The module's two hosts (`_Hosts`): namespaces, link and warm servers, set up once for its tests."""
+    made = _Hosts(tmp_path_factory.getbasetemp())
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def hosts(namespaces: _Hosts):
+    """`start(i, ckpt, out, ...)`: host i's `ddpkit run` of tests/elastic_train.py, the test's own
+    rendezvous port; `start.lose(i)`. Every process a test started ends with it."""
+    net, port = namespaces, next(namespaces.ports)
     started: list[subprocess.Popen] = []
 
-    def start(i: int, ckpt: Path, out: Path, run_args: tuple = (), args: tuple = (), log: str = "") -> subprocess.Popen:
-        cmd = ["ip", "netns", "exec", names[i], *DDPKIT, "--nnodes", "1:2", "--nproc", "1", "--max-restarts",
-               "3", "--rdzv-endpoint", f"10.77.0.1:{PORT}", "--local-addr", f"10.77.0.{i + 1}", "--rdzv-conf",
-               RDZV_CONF, *run_args, SCRIPT, str(ckpt), str(out), *args]  # fmt: skip
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": links[i], "OMP_NUM_THREADS": "1"}
+    def start(
+        i: int, ckpt: Path, out: Path, run_args: tuple = (), args: tuple = (), log: str = ""
+    ) -> subprocess.Popen:
+        cmd = [*net.enter(i), sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", "1:2", "--nproc", "1",
+               "--max-restarts", "3", "--rdzv-endpoint", f"10.77.0.1:{port}", "--local-addr", f"10.77.0.{i + 1}",
+               "--rdzv-conf", RDZV_CONF, *run_args, SCRIPT, str(ckpt), str(out), *args]  # fmt: skip
         file = open(out / (log or f"host{i}.log"), "w")  # noqa: SIM115 (closed with the process)
-        proc = subprocess.Popen(cmd, env=env, stdout=file, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=net.env(i), stdout=file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        file.close()  # the child holds its own copy
         started.append(proc)
         return proc
 
-    def lose(i: int) -> None:
-        """The host is gone: every process in its namespace (the agent, and its workers, which torchrun
-        starts in sessions of their own) SIGKILLed at once."""
-        pids = subprocess.run(["ip", "netns", "pids", names[i]], capture_output=True, text=True, timeout=20)
-        for pid in pids.stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-
-    start.lose = lose  # type: ignore[attr-defined]
+    start.lose = net.lose  # type: ignore[attr-defined]
     yield start
-    for i in range(len(names)):
-        lose(i)
+    for i in range(len(net.names)):
+        net.lose(i)
     for proc in started:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=20)
-    for ns in names:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
 
 
 def _steps(out: Path) -> list[tuple[int, int, int, int]]:

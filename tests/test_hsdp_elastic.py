@@ -14,7 +14,17 @@ import re
 from pathlib import Path
 
 import pytest
-from test_elastic import _at, _check_finished, _lose_host_1, _prepare, _steps, _wait_for, hosts, references  # noqa: F401
+from test_elastic import (  # noqa: F401
+    _at,
+    _check_finished,
+    _lose_host_1,
+    _prepare,
+    _steps,
+    _wait_for,
+    hosts,
+    namespaces,
+    references,
+)
 
 REFERENCE_LOOPS = ("step",)  # the uninterrupted run both tests compare with (the references fixture)
 
