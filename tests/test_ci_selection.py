@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -209,3 +211,15 @@ def test_every_mutants_target_text_occurs_once_in_its_file() -> None:
     assert not moved, "mutants whose target text is not in their file exactly once: " + ", ".join(moved)
     missing = [f"{m.name}: {t}" for m in mc.MUTANTS for t in m.tests if not (REPO / t.split("::")[0]).is_file()]
     assert not missing, "mutants naming test files that do not exist: " + ", ".join(missing)
+
+
+def test_the_set_up_compiles_what_a_run_imports_and_the_suite_writes_the_rest() -> None:
+    """scripts/setup.sh compiles (where no bytecode is written) ddpkit's requirements and theirs, not the
+    extras' packages; those are compiled once by the suite, which writes bytecode for what it imports."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "runtime_packages.py")], capture_output=True,
+                         text=True, check=True, timeout=60).stdout.split()  # fmt: skip
+    names = {Path(p).name.removesuffix(".py") for p in out}
+    assert {"torch", "numpy", "sympy", "tqdm", "safetensors"} <= names, sorted(names)
+    assert not names & {"transformers", "moto", "mlflow", "wandb", "pytest", "ddpkit"}, sorted(names)
+    assert all(Path(p).exists() for p in out)
+    assert not sys.dont_write_bytecode and "PYTHONDONTWRITEBYTECODE" not in os.environ
