@@ -1628,6 +1628,16 @@ MUTANTS = [
         "a host joining an elastic job after a lost host never meets the survivors (they count a restart, "
         "it does not: two store prefixes), and the job hangs",
     ),
+    Mutant(
+        "c10d-nodes-shared-store",
+        "ddpkit/cluster/launch.py",
+        "    if cfg.min_nodes is not None or (cfg.nnodes > 1 and cfg.node_rank is None):\n",
+        "    if cfg.min_nodes is not None:  # mutant: fixed-size nodes share torch's store across restarts\n",
+        ("tests/test_launch.py::test_a_rank_failing_on_one_node_restarts_both_nodes_into_one_group",),
+        "a rank failing on one node of a fixed-size job: the other node's ranks, restarted at another "
+        "restart count, read the dead round's addresses (a wasted restart, or a wait until the rendezvous "
+        "timeout)",
+    ),
 ]
 
 

@@ -94,6 +94,59 @@ def test_two_nodes_on_one_machine_form_one_job(tmp_path: Path) -> None:
     assert [r["local_rank"] for r in ranks] == [0, 1, 0, 1]
 
 
+TWO_NODE_RESTART_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+import torch, torch.distributed as dist
+import ddpkit
+
+out = Path(sys.argv[1])
+with ddpkit.session(seed=0, rendezvous_timeout=60, verbose=False) as s:
+    rank = dist.get_rank()
+    with open(out / f"life-rank{rank}-count{os.environ['TORCHELASTIC_RESTART_COUNT']}", "a") as f:
+        f.write("x")  # one x per start
+    for step in range(5):
+        if step == 3 and not (out / "died").exists():
+            if rank == 1:  # a long step on node 1, outside any collective: its agent finds it healthy
+                (out / "busy").touch()
+                time.sleep(60)  # ended by its agent's restart for the other node
+            while not (out / "busy").exists():
+                time.sleep(0.05)
+            (out / "died").touch()
+            os._exit(1)  # rank 0, on node 0, fails while rank 1 is busy
+        t = torch.ones(1)
+        dist.all_reduce(t)
+    (out / f"sum-rank{rank}").write_text(str(t.item()))
+"""
+
+
+def test_a_rank_failing_on_one_node_restarts_both_nodes_into_one_group(tmp_path: Path) -> None:
+    # Two agents meeting through the c10d rendezvous (`--nnodes 2`, no node ranks). Node 0's rank fails and
+    # its agent counts a restart; node 1's healthy rank is restarted for the new round and its agent counts
+    # none, so the two nodes' restart counts differ. ddpkit run gives every round a store of its own: the
+    # ranks meet again without node 1 failing once more on the dead round's addresses (a wasted restart).
+    script = _script(tmp_path, TWO_NODE_RESTART_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    port = _free_port()
+    cmd = ["run", "--nnodes", "2", "--nproc", "1", "--max-restarts", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
+    nodes = [popen_cli(*cmd, str(script), str(out)) for _ in range(2)]
+    try:  # 50 s each, one after the other: under pytest's 120 s
+        done = [communicate(proc, mark, timeout=50) for proc, mark in nodes]
+    finally:
+        for proc, mark in nodes:
+            end_launch(proc, mark)
+    logs = "\n".join(f"--- node {n} (exit {d.returncode}):\n{d.stderr[-2500:]}" for n, d in enumerate(done))
+    assert [d.returncode for d in done] == [0, 0], logs
+    lives = {p.name: len(p.read_text()) for p in out.glob("life-*")}
+    # the case in question: rank 0 came back at restart count 1, rank 1 twice at 0 (restarted, not failed)
+    assert lives == {"life-rank0-count0": 1, "life-rank0-count1": 1, "life-rank1-count0": 2}, (lives, logs)
+    assert [(out / f"sum-rank{r}").read_text() for r in (0, 1)] == ["2.0", "2.0"]
+    restarts = [re.findall(r"ddpkit run: restart \d+ of 2: (rank \d+)", d.stderr) for d in done]
+    assert sorted(restarts) == [[], ["rank 0"]], (restarts, logs)  # one restart in all: rank 0's
+    assert "Connection refused" not in logs
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

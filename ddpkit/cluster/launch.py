@@ -271,9 +271,13 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         os.environ[SHARE_GPU_ENV] = "1"
     if cfg.min_nodes is not None:  # read by ddpkit.data.elastic_accumulation in every rank
         os.environ.update({ELASTIC_WORLD_ENV: str(cfg.nnodes * nproc), ELASTIC_BATCH_ENV: cfg.elastic_batch})
-        # torch's shared rendezvous store keeps the first round's address: a node that joins a later
-        # round waits for a MASTER_ADDR nobody writes (seen: a 60 s store timeout on both nodes). Without
-        # sharing, rank 0 publishes it in every round.
+    if cfg.min_nodes is not None or (cfg.nnodes > 1 and cfg.node_rank is None):
+        # Nodes meeting through the c10d rendezvous get a store of their own in every round (hosted by the
+        # round's rank 0, which publishes its address in that round), not torch's store shared across
+        # rounds: there a node joining a later round waits for a MASTER_ADDR nobody writes again (seen: a
+        # 60 s store timeout on both nodes), and the agents' restart counts, which name each attempt's
+        # keys, differ between nodes (an agent that restarts its healthy ranks for another node's failure
+        # counts no restart), so the ranks of one round read the dead round's addresses.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     record = Path(tempfile.mkdtemp(prefix="ddpkit-run-")) / "preempted.json"
     os.environ.update({**cfg.stop_policy.env(), PREEMPTION_RECORD_ENV: str(record), RUN_ENV: "1"})

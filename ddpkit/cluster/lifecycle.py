@@ -138,14 +138,16 @@ def _init_group(plan: Placement, limits: Limits) -> None:
 def _attempt() -> str:
     """The store prefix's attempt under torchrun: one name for every rank of the round.
 
-    When the agent shares its store with the workers (TORCHELASTIC_USE_AGENT_STORE=True, fixed-size jobs),
-    that store outlives a restart: without a prefix per attempt, a restarted rank can read the address a
-    dead rank published and fail to connect ("Connection refused"). Elastic jobs (`ddpkit run --nnodes
-    MIN:MAX` sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) get a fresh store each round, hosted by its rank 0
-    on a fresh port, and there the restart count is no round number: an agent counts a restart when its
-    worker failed, not when it restarts for a joining node, so after a lost host the survivors are at
-    attempt 1 and a replacement host at 0, and under two prefixes they never met (a hang until
-    rendezvous_timeout; tests/test_elastic.py, a lost host then a joining host)."""
+    When the agent shares its store with the workers (TORCHELASTIC_USE_AGENT_STORE=True: one node, or
+    nodes with fixed node ranks), that store outlives a restart: without a prefix per attempt, a restarted
+    rank can read the address a dead rank published and fail to connect ("Connection refused"). The
+    restart count is no round number across nodes, though: an agent counts a restart when its worker
+    failed, not when it restarts healthy workers for another node (a failure there, or a joining node).
+    So nodes meeting through the c10d rendezvous (`ddpkit run --nnodes N` or `MIN:MAX` without node ranks
+    sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) get a fresh store each round, hosted by its rank 0 on a
+    fresh port, and one prefix: under two they never met (a hang until rendezvous_timeout;
+    tests/test_elastic.py, a lost host then a joining host, and tests/test_launch.py, a rank failing on one
+    of two nodes)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return "0"  # a store of this round's own
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
