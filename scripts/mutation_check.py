@@ -1629,6 +1629,15 @@ MUTANTS = [
         "it does not: two store prefixes), and the job hangs",
     ),
     Mutant(
+        "warm-client-in-place",
+        "ddpkit/cluster/warmstart.py",
+        "    staged.chmod(0o755)\n    os.replace(staged, path)\n",
+        "    os.replace(staged, path)\n    path.chmod(0o755)  # mutant: made executable after it appears\n",
+        ("tests/test_warmstart.py::test_the_client_script_appears_whole_and_executable",),
+        "the warm-start client's script appears before it is executable: a launch that finds it then "
+        "fails with PermissionError",
+    ),
+    Mutant(
         "c10d-nodes-shared-store",
         "ddpkit/cluster/launch.py",
         "    if cfg.min_nodes is not None or (cfg.nnodes > 1 and cfg.node_rank is None):\n",

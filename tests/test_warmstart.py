@@ -162,3 +162,25 @@ def test_spawn_forks_importable_functions_from_a_preloaded_server() -> None:
     # one rank each: the start method is chosen per call, and a new interpreter costs ~3 s of CPU
     assert ddpkit.spawn(_loaded, nproc=1, args=("torch._dynamo",), env=portable, **warm) == [False]
     assert ddpkit.spawn(_loaded, nproc=1, args=("torch._dynamo",), timeout=60) == [False]  # "auto"
+
+
+def test_the_client_script_appears_whole_and_executable(tmp_path, monkeypatch) -> None:
+    # A launch that finds the client's path runs it at once: written in place and then made executable, it
+    # was once found not yet executable (PermissionError). It must come into place by a rename of a file
+    # already whole and executable.
+    from ddpkit.cluster import warmstart
+
+    seen = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        src, dst = Path(src), Path(dst)
+        seen.append((dst.name, dst.exists(), os.access(src, os.X_OK), src.read_text()))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(warmstart.os, "replace", replace)
+    warmstart._write_client(tmp_path)
+    client = tmp_path / warmstart.CLIENT
+    assert seen == [(warmstart.CLIENT, False, True, client.read_text())], seen
+    assert client.read_text().startswith("#!/bin/sh\nexec ") and os.access(client, os.X_OK)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [warmstart.CLIENT]  # nothing staged left behind
