@@ -46,8 +46,10 @@ def main(rounds: int = 4, size: int = 448 << 20) -> None:
     print(f"checkpoint_chunk: {size >> 20} MiB, {rounds} rounds; load {os.getloadavg()[0]:.1f}")
     for chunk, v in times.items():
         cpu, wall = [c for c, _ in v], statistics.median(w for _, w in v)
-        print(f"  {chunk >> 10:5d} KiB pieces: CPU {statistics.median(cpu):.2f} s "
-              f"[{min(cpu):.2f}..{max(cpu):.2f}], wall {wall:.2f} s")  # fmt: skip
+        print(
+            f"  {chunk >> 10:5d} KiB pieces: CPU {statistics.median(cpu):.2f} s "
+            f"[{min(cpu):.2f}..{max(cpu):.2f}], wall {wall:.2f} s"
+        )
 
 
 if __name__ == "__main__":

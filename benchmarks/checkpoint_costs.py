@@ -70,9 +70,11 @@ def agree(s, blocks: int = 12, per_block: int = 30) -> None:
     p, w, i = (statistics.median(v) * 1e3 for v in (plain, with_call, inside))
     mean = statistics.mean(inside) * 1e3
     slowest = sorted(round(t * 1e6) for t in inside)[-5:]
-    s.print(f"agree: step {p:.3f} ms without, {w:.3f} ms with s.save(every=); inside the call: median "
-            f"{i * 1e3:.1f} us, mean {mean * 1e3:.1f} us = {100 * mean / p:.2f}% of a step "
-            f"({len(plain)} + {len(with_call)} steps; slowest calls {slowest} us)")  # fmt: skip
+    s.print(
+        f"agree: step {p:.3f} ms without, {w:.3f} ms with s.save(every=); inside the call: median "
+        f"{i * 1e3:.1f} us, mean {mean * 1e3:.1f} us = {100 * mean / p:.2f}% of a step "
+        f"({len(plain)} + {len(with_call)} steps; slowest calls {slowest} us)"
+    )
 
 
 def _rss() -> int:
@@ -123,15 +125,17 @@ def save(s, windows: int = 5, width: int = 6) -> None:
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
     share = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim())
     calls = {k: statistics.median(v) for k, v in inside.items()}
-    s.print(f"save ({s.strategy.name}, {s.world_size} ranks x {torch.get_num_threads()} threads, writer nice "
-            f"{os.environ.get('DDPKIT_WRITER_NICE', '19')}): window of {width} steps {base:.2f} s "
-            f"{spread(times['none'])}; training time lost per save: sync {med['sync']:.2f} s "
-            f"{spread(lost['sync'])}, background {med['background']:.2f} s {spread(lost['background'])} "
-            f"({100 * med['background'] / med['sync']:.0f}% of sync); inside the call: sync "
-            f"{calls['sync']:.2f} s, background {calls['background']:.2f} s; write still running after "
-            f"the window: median {statistics.median(tail):.2f} s; rank 0 holds {weights / 2**20:.0f} MiB "
-            f"of weights and {share / 2**20:.0f} MiB of its optimizer state on this rank; RSS growth in a "
-            f"background call {statistics.median(held) / 2**20:.0f} MiB ({windows} windows)")  # fmt: skip
+    s.print(
+        f"save ({s.strategy.name}, {s.world_size} ranks x {torch.get_num_threads()} threads, writer nice "
+        f"{os.environ.get('DDPKIT_WRITER_NICE', '19')}): window of {width} steps {base:.2f} s "
+        f"{spread(times['none'])}; training time lost per save: sync {med['sync']:.2f} s "
+        f"{spread(lost['sync'])}, background {med['background']:.2f} s {spread(lost['background'])} "
+        f"({100 * med['background'] / med['sync']:.0f}% of sync); inside the call: sync "
+        f"{calls['sync']:.2f} s, background {calls['background']:.2f} s; write still running after "
+        f"the window: median {statistics.median(tail):.2f} s; rank 0 holds {weights / 2**20:.0f} MiB "
+        f"of weights and {share / 2**20:.0f} MiB of its optimizer state on this rank; RSS growth in a "
+        f"background call {statistics.median(held) / 2**20:.0f} MiB ({windows} windows)"
+    )
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ def main(s, width: int, rounds: int, strategy: str = "ddp", wait: float = 0.0) -
     slowest: dict[str, list[float]] = {k: [] for k in KINDS}
     tail: dict[str, list[float]] = {k: [] for k in KINDS}
     plain_steps: list[float] = []
+
     def summary(done: int) -> None:  # after every round from the second: a cut-off run still reports
         base, step_med = statistics.median(window["none"]), statistics.median(plain_steps)
         lost = {k: [t - base for t in window[k]] for k in KINDS if k != "none"}
@@ -95,22 +96,28 @@ def main(s, width: int, rounds: int, strategy: str = "ddp", wait: float = 0.0) -
             return f"{statistics.median(v):.2f} s [{min(v):.2f}..{max(v):.2f}]"
 
         threads = torch.get_num_threads()
-        head = (f"checkpoint_stall: {strategy}, {s.world_size} rank(s) x {threads} thread(s), "
-                f"windows of {width} steps, {done} of {rounds} rounds, a wait of {pause * 1e3:.0f} ms "
-                f"after each step; window without a save "
-                f"{spread(window['none'])}, step {step_med * 1e3:.0f} ms; load {load_before:.1f} -> "
-                f"{os.getloadavg()[0]:.1f}")  # fmt: skip
+        head = (
+            f"checkpoint_stall: {strategy}, {s.world_size} rank(s) x {threads} thread(s), "
+            f"windows of {width} steps, {done} of {rounds} rounds, a wait of {pause * 1e3:.0f} ms "
+            f"after each step; window without a save "
+            f"{spread(window['none'])}, step {step_med * 1e3:.0f} ms; load {load_before:.1f} -> "
+            f"{os.getloadavg()[0]:.1f}"
+        )
         s.print(head)
         for kind in ("sync", "thread", "process"):
             med, during = statistics.median(lost[kind]), statistics.median(slowest[kind]) - step_med
-            s.print(f"  {kind:8s} lost {spread(lost[kind])} = {100 * med / sync:.0f}% of sync; in the call "
-                    f"{statistics.median(inside[kind]):.3f} s; slowest step +{during:.2f} s; "
-                    f"tail {spread(tail[kind])}")
+            s.print(
+                f"  {kind:8s} lost {spread(lost[kind])} = {100 * med / sync:.0f}% of sync; in the call "
+                f"{statistics.median(inside[kind]):.3f} s; slowest step +{during:.2f} s; "
+                f"tail {spread(tail[kind])}"
+            )
         # each round's window minus the same round's window without a save (neighbours in time: a drift
         # in the machine's load cancels), median [min..max]; and every window, for other statistics
         paired = {k: [t - n for t, n in zip(window[k], window["none"], strict=True)] for k in lost}
-        s.print("  paired with their round's window without a save: " + "; ".join(
-            f"{k} {spread(v)}" for k, v in paired.items()))
+        s.print(
+            "  paired with their round's window without a save: "
+            + "; ".join(f"{k} {spread(v)}" for k, v in paired.items())
+        )
         every = (f"{k} " + " ".join(f"{t:.2f}" for t in v) for k, v in window.items())
         s.print("  windows (s): " + "; ".join(every))
 

@@ -136,10 +136,12 @@ def main(s, width: int, rounds: int, strategy: str = "ddp") -> None:
     if not s.is_main:
         return
     classes = ("train", "normal", "idle", "ended", "child", "kernel")
-    print(f"checkpoint_threads: {strategy}, {s.world_size} rank(s), windows of {width} steps (the write "
-          f"waited for inside), {rounds} rounds; load {load:.1f} -> {os.getloadavg()[0]:.1f}; CPU seconds "
-          "beyond the window without a save, median over rounds; other: the machine's busy time beyond "
-          "the ranks' and the kernel's")  # fmt: skip
+    print(
+        f"checkpoint_threads: {strategy}, {s.world_size} rank(s), windows of {width} steps (the write "
+        f"waited for inside), {rounds} rounds; load {load:.1f} -> {os.getloadavg()[0]:.1f}; CPU seconds "
+        "beyond the window without a save, median over rounds; other: the machine's busy time beyond "
+        "the ranks' and the kernel's"
+    )
     print(f"  {'kind':8s} {'rank':>4s} {'wall':>6s} " + " ".join(f"{c:>6s}" for c in classes) + "  other")
     for kind in ("sync", "thread", "process"):
         ranks = [e for e in everyone if e is not None]
@@ -149,8 +151,12 @@ def main(s, width: int, rounds: int, strategy: str = "ddp") -> None:
         for rank, e in enumerate(ranks):
             d, b = e[kind], e["none"]
             cols = [d["wall"] - b["wall"], *(d[c] - b[c] for c in classes)]
-            print(f"  {kind:8s} {rank:4d} " + " ".join(f"{v:6.2f}" for v in cols)
-                  + (f" {other:6.2f}" if rank == 0 else ""))  # fmt: skip
+            print(
+                f"  {kind:8s} {rank:4d} "
+                + " ".join(f"{v:6.2f}" for v in cols)
+                + (f" {other:6.2f}" if rank == 0 else "")
+            )
+
 
 def parts(s) -> None:
     import threading
@@ -192,8 +198,10 @@ def parts(s) -> None:
         plans, _ = planner.create_global_plan([local])
         planner.finish_plan(writer.prepare_global_plan(plans)[0])
 
-    say(f"checkpoint_threads parts: fsdp, {s.world_size} rank(s); load {os.getloadavg()[0]:.1f}; CPU of the "
-        "calling thread per save, median [min..max] of 6")  # fmt: skip
+    say(
+        f"checkpoint_threads parts: fsdp, {s.world_size} rank(s); load {os.getloadavg()[0]:.1f}; CPU of the "
+        "calling thread per save, median [min..max] of 6"
+    )
     say(f"  state dicts (sharded_state) {cpu(lambda: s.strategy.sharded_state(model, {'optimizer': opt}))}")
     say(f"  copy into fresh memory (clone) {cpu(lambda: dcp.stage(state))}")
     say(f"  copy into reused memory (arena) {cpu(reused)}")
@@ -213,9 +221,11 @@ def parts(s) -> None:
                 last = now
             thread.join()
             held = sum(g for g in gaps if g > 0.004)
-            say(f"  a thread writing the rank's {sum(t.nbytes for t in tensors) / 2**20:.0f} MiB of shards: "
+            say(
+                f"  a thread writing the rank's {sum(t.nbytes for t in tensors) / 2**20:.0f} MiB of shards: "
                 f"the main thread's gaps over 4 ms add to {held * 1e3:.0f} ms, the longest "
-                f"{max(gaps) * 1e3:.0f} ms")
+                f"{max(gaps) * 1e3:.0f} ms"
+            )
     s.barrier()
 
 

@@ -71,8 +71,10 @@ def plain_round(wl: workloads.Workload, data: Any, batch: int, device: torch.dev
     torch.manual_seed(0)
     model = wl.build().to(device)
     opt = wl.optimizer(model.parameters())
-    loader = data if isinstance(data, list) else DataLoader(
-        data, batch_size=batch, shuffle=True, pin_memory=device.type == "cuda"
+    loader = (
+        data
+        if isinstance(data, list)
+        else DataLoader(data, batch_size=batch, shuffle=True, pin_memory=device.type == "cuda")
     )
     cast: Callable[[], AbstractContextManager] = (
         (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
@@ -115,8 +117,9 @@ def _ratio(a: list[float], b: list[float]) -> list[float]:
     return [statistics.median(r), min(r), max(r)]
 
 
-def measure(spec: str, device: torch.device, rounds: int, scale: int, batches: int, bf16: bool,
-            feed: str = "loader") -> dict:  # fmt: skip
+def measure(
+    spec: str, device: torch.device, rounds: int, scale: int, batches: int, bf16: bool, feed: str = "loader"
+) -> dict:
     wl = workloads.load(spec)
     batch = wl.global_batch * scale
     x, y = wl.sample(torch.Generator().manual_seed(0), batch * batches)
@@ -153,8 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-scale", type=int, default=8, help="global batch x this (a GPU wants more)")
     p.add_argument("--batches", type=int, default=0, help="steps per round (default per workload)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: harness smoke run only")
-    p.add_argument("--feed", choices=("loader", "device"), default="loader",
-                   help="device: batches on the device before timing (the step's own overhead)")  # fmt: skip
+    p.add_argument(
+        "--feed",
+        choices=("loader", "device"),
+        default="loader",
+        help="device: batches on the device before timing (the step's own overhead)",
+    )
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
     if ns.device == "cuda" and not torch.cuda.is_available():
@@ -162,29 +169,45 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device("cuda:0" if ns.device == "cuda" else "cpu")
     what = torch.cuda.get_device_name(0) if ns.device == "cuda" else "CPU SMOKE RUN (not a GPU figure)"
-    print(f"gpu_overhead: {what}; torch {torch.__version__}, CUDA {torch.version.cuda}; load average "
-          f"{os.getloadavg()[0]:.2f}; {ns.rounds} rounds, batch x{ns.batch_scale}, feed {ns.feed}",
-          flush=True)  # fmt: skip
+    print(
+        f"gpu_overhead: {what}; torch {torch.__version__}, CUDA {torch.version.cuda}; load average "
+        f"{os.getloadavg()[0]:.2f}; {ns.rounds} rounds, batch x{ns.batch_scale}, feed {ns.feed}",
+        flush=True,
+    )
     default_batches = {"cnn": 40, "mlp": 20, "gpt": 10}
     rows: dict[str, Any] = {}
     for spec in ns.workload.split(","):
         for precision in ns.precision.split(","):
-            r = measure(spec, device, ns.rounds, ns.batch_scale, ns.batches or default_batches.get(spec, 20),
-                        bf16=precision == "bf16", feed=ns.feed)  # fmt: skip
+            r = measure(
+                spec,
+                device,
+                ns.rounds,
+                ns.batch_scale,
+                ns.batches or default_batches.get(spec, 20),
+                bf16=precision == "bf16",
+                feed=ns.feed,
+            )
             rows[f"{spec}/{precision}"] = r
             s, f = r["steady_ratio"], r["first_ratio"]
-            print(f"{spec:4s} {precision:4s} batch {r['batch']:5d}  "
-                  f"steady: plain {r['plain_steady_ms']:8.2f} ms  "
-                  f"ddpkit {r['ddpkit_steady_ms']:8.2f} ms  ratio {s[0]:.3f} [{s[1]:.3f}, {s[2]:.3f}]   "
-                  f"first step: plain {r['plain_first_ms']:8.1f} ms  ddpkit {r['ddpkit_first_ms']:8.1f} ms  "
-                  f"ratio {f[0]:.2f} [{f[1]:.2f}, {f[2]:.2f}]", flush=True)  # fmt: skip
+            print(
+                f"{spec:4s} {precision:4s} batch {r['batch']:5d}  "
+                f"steady: plain {r['plain_steady_ms']:8.2f} ms  "
+                f"ddpkit {r['ddpkit_steady_ms']:8.2f} ms  ratio {s[0]:.3f} [{s[1]:.3f}, {s[2]:.3f}]   "
+                f"first step: plain {r['plain_first_ms']:8.1f} ms  ddpkit {r['ddpkit_first_ms']:8.1f} ms  "
+                f"ratio {f[0]:.2f} [{f[1]:.2f}, {f[2]:.2f}]",
+                flush=True,
+            )
     for spec in ns.workload.split(","):
         if f"{spec}/32" in rows and f"{spec}/bf16" in rows:
             fp32, bf16 = rows[f"{spec}/32"], rows[f"{spec}/bf16"]
-            print(f"{spec}: bf16 vs fp32 steady step through ddpkit: "
-                  f"{bf16['ddpkit_steady_ms'] / fp32['ddpkit_steady_ms']:.2f}x the fp32 time")  # fmt: skip
-    print("ratio = ddpkit / plain PyTorch per round, median [min, max]; goal for the steady step <= 1.01. "
-          f"Load average at end {os.getloadavg()[0]:.2f}")  # fmt: skip
+            print(
+                f"{spec}: bf16 vs fp32 steady step through ddpkit: "
+                f"{bf16['ddpkit_steady_ms'] / fp32['ddpkit_steady_ms']:.2f}x the fp32 time"
+            )
+    print(
+        "ratio = ddpkit / plain PyTorch per round, median [min, max]; goal for the steady step <= 1.01. "
+        f"Load average at end {os.getloadavg()[0]:.2f}"
+    )
     if ns.json:
         os.makedirs(os.path.dirname(ns.json) or ".", exist_ok=True)
         with open(ns.json, "w") as fh:

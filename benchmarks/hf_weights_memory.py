@@ -63,8 +63,14 @@ def _rank(mode: str, root: str, layers: int) -> dict:
         seconds = time.perf_counter() - start
         local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        return {"imports_mib": after_imports, "session_mib": session_peak, "before_mib": before,
-                "peak_mib": peak, "model_s": seconds, "local_params": local}
+        return {
+            "imports_mib": after_imports,
+            "session_mib": session_peak,
+            "before_mib": before,
+            "peak_mib": peak,
+            "model_s": seconds,
+            "local_params": local,
+        }
 
 
 def _write(root: str, layers: int) -> int:
@@ -90,10 +96,14 @@ def main() -> None:
         for mode in ns.modes:
             ranks = ddpkit.spawn(_rank, ns.nproc, (mode, root, ns.layers), threads=1, timeout=600)
             rows.append({"mode": mode, "ranks": ranks})
-    print(f"GPT-2 {ns.layers} layers x 768: {params / 1e6:.1f}M parameters, {params * 4 / 2**20:.0f} MiB in "
-          f"fp32; {ns.nproc} ranks; MiB per rank (rank 0 / rank 1 / ...)")
-    print("| mode | RSS after imports | peak RSS before s.model | RSS before s.model | peak RSS | "
-          "peak - RSS before s.model | s.model (s) | parameters held |")
+    print(
+        f"GPT-2 {ns.layers} layers x 768: {params / 1e6:.1f}M parameters, {params * 4 / 2**20:.0f} MiB in "
+        f"fp32; {ns.nproc} ranks; MiB per rank (rank 0 / rank 1 / ...)"
+    )
+    print(
+        "| mode | RSS after imports | peak RSS before s.model | RSS before s.model | peak RSS | "
+        "peak - RSS before s.model | s.model (s) | parameters held |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         r = row["ranks"]
@@ -102,10 +112,12 @@ def main() -> None:
             return " / ".join(fmt.format(x[key]) for x in r)
 
         grown = " / ".join(f"{x['peak_mib'] - x['before_mib']:.0f}" for x in r)
-        print(f"| {row['mode']} | {cell('imports_mib', '{:.0f}')} | {cell('session_mib', '{:.0f}')} | "
-              f"{cell('before_mib', '{:.0f}')} | "
-              f"{cell('peak_mib', '{:.0f}')} | {grown} | "
-              f"{cell('model_s', '{:.1f}')} | {cell('local_params', '{:,}')} |")
+        print(
+            f"| {row['mode']} | {cell('imports_mib', '{:.0f}')} | {cell('session_mib', '{:.0f}')} | "
+            f"{cell('before_mib', '{:.0f}')} | "
+            f"{cell('peak_mib', '{:.0f}')} | {grown} | "
+            f"{cell('model_s', '{:.1f}')} | {cell('local_params', '{:,}')} |"
+        )
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(rows, f, indent=1)

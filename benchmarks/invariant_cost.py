@@ -83,8 +83,10 @@ def main() -> None:
         t = sorted(r[mode])  # type: ignore[arg-type]
         q1, med, q3 = statistics.quantiles(t, n=4)[0], statistics.median(t), statistics.quantiles(t, n=4)[2]
         chunks = "" if mode == "ddp" else f" ({batch // int(mode[4:]) // a.nproc} chunks/rank)"
-        print(f"  {mode:7s}{chunks:17s} median {med * 1e3:8.1f} ms  [q1 {q1 * 1e3:.1f}, q3 {q3 * 1e3:.1f}]  "
-              f"x{med / base:.2f} of ddp")  # fmt: skip
+        print(
+            f"  {mode:7s}{chunks:17s} median {med * 1e3:8.1f} ms  [q1 {q1 * 1e3:.1f}, q3 {q3 * 1e3:.1f}]  "
+            f"x{med / base:.2f} of ddp"
+        )
 
 
 if __name__ == "__main__":

@@ -142,8 +142,15 @@ def _counting_hook(counter: Counter) -> Callable:
 def _build(layers: int, seq: int, lora: bool, rank: int) -> Callable[[], Any]:
     import transformers as tf
 
-    cfg = tf.GPT2Config(n_layer=layers, n_embd=768, n_head=12, n_positions=seq, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    cfg = tf.GPT2Config(
+        n_layer=layers,
+        n_embd=768,
+        n_head=12,
+        n_positions=seq,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
 
     def build() -> Any:
         model = tf.GPT2LMHeadModel(cfg)
@@ -151,8 +158,9 @@ def _build(layers: int, seq: int, lora: bool, rank: int) -> Callable[[], Any]:
             return model
         from peft import LoraConfig, get_peft_model
 
-        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["c_attn"],
-                                                lora_dropout=0.0))  # fmt: skip
+        return get_peft_model(
+            model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["c_attn"], lora_dropout=0.0)
+        )
 
     return build
 
@@ -164,8 +172,9 @@ def _fsdp1(module: Any) -> Any:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    return FullyShardedDataParallel(module, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
-                                    use_orig_params=True)  # fmt: skip
+    return FullyShardedDataParallel(
+        module, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}), use_orig_params=True
+    )
 
 
 def _rank(mode: str, layers: int, seq: int, rows: int, steps: int, lora_rank: int) -> dict:
@@ -184,8 +193,10 @@ def _rank(mode: str, layers: int, seq: int, rows: int, steps: int, lora_rank: in
         start = time.perf_counter()
         if strategy == "fsdp1":
             whole = build()
-            counts = (sum(p.numel() for p in whole.parameters() if p.requires_grad),
-                      sum(p.numel() for p in whole.parameters()))  # fmt: skip
+            counts = (
+                sum(p.numel() for p in whole.parameters() if p.requires_grad),
+                sum(p.numel() for p in whole.parameters()),
+            )
             model = _fsdp1(whole)
             del whole
         else:
@@ -221,14 +232,21 @@ def _rank(mode: str, layers: int, seq: int, rows: int, steps: int, lora_rank: in
         done = counter.snapshot()
         state = sum(_local_bytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
         return {
-            "before": before, "build_peak": build_peak, "step_peak": step_peak, "peak_reset": reset,
-            "build_s": build_s, "step_s": statistics.median(times),
-            "params": sum(_local_bytes(p) for p in params), "grads": grads, "optimizer": state,
-            "trainable": trainable, "total": total,
+            "before": before,
+            "build_peak": build_peak,
+            "step_peak": step_peak,
+            "peak_reset": reset,
+            "build_s": build_s,
+            "step_s": statistics.median(times),
+            "params": sum(_local_bytes(p) for p in params),
+            "grads": grads,
+            "optimizer": state,
+            "trainable": trainable,
+            "total": total,
             "reduced": (done[0]["reduce"] - at_warm[0]["reduce"]) / steps,
             "reduce_calls": (done[1]["reduce"] - at_warm[1]["reduce"]) / steps,
             "gathered": (done[0]["gather"] - at_warm[0]["gather"]) / steps,
-        }  # fmt: skip
+        }
 
 
 def _spread(values: list[float], fmt: str) -> str:
@@ -258,18 +276,25 @@ def main() -> None:
             loads.append(os.getloadavg()[0])
             r0 = runs[mode][-1][0]
             grew = (r0["step_peak"] - r0["before"]) / MIB
-            print(f"  {mode}: step {r0['step_s']:.3f} s, step peak {grew:.0f} MiB, reduced "
-                  f"{r0['reduced'] / MIB:.2f} MiB/step (load {loads[-1]:.2f})", flush=True)  # fmt: skip
+            print(
+                f"  {mode}: step {r0['step_s']:.3f} s, step peak {grew:.0f} MiB, reduced "
+                f"{r0['reduced'] / MIB:.2f} MiB/step (load {loads[-1]:.2f})",
+                flush=True,
+            )
     first = runs[ns.modes[0]][0][0]
-    print(f"\nGPT-2 124M-shaped, {ns.layers} layer(s) x 768, vocabulary 50257: {first['total'] / 1e6:.1f}M "
-          f"parameters; LoRA r={ns.rank} on c_attn; {ns.nproc} ranks x 1 thread, {ns.rows} x {ns.seq} tokens "
-          f"per rank per step, AdamW; {ns.rounds} round(s) x {ns.steps} timed steps; load average during the "
-          f"runs {min(loads):.2f}-{max(loads):.2f}")  # fmt: skip
-    print("| mode | trainable | step peak - RSS before s.model (MiB, per rank) | "
-          "build peak - RSS before (MiB) | "
-          "params + grads + optimizer state (MiB, rank 0) | step (s), median [min, max] of runs | "
-          "gradient bytes reduced / step (MiB) | x adapter fp32 bytes | "
-          "all-gathered / step (MiB) |")  # fmt: skip
+    print(
+        f"\nGPT-2 124M-shaped, {ns.layers} layer(s) x 768, vocabulary 50257: {first['total'] / 1e6:.1f}M "
+        f"parameters; LoRA r={ns.rank} on c_attn; {ns.nproc} ranks x 1 thread, {ns.rows} x {ns.seq} tokens "
+        f"per rank per step, AdamW; {ns.rounds} round(s) x {ns.steps} timed steps; load average during the "
+        f"runs {min(loads):.2f}-{max(loads):.2f}"
+    )
+    print(
+        "| mode | trainable | step peak - RSS before s.model (MiB, per rank) | "
+        "build peak - RSS before (MiB) | "
+        "params + grads + optimizer state (MiB, rank 0) | step (s), median [min, max] of runs | "
+        "gradient bytes reduced / step (MiB) | x adapter fp32 bytes | "
+        "all-gathered / step (MiB) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for mode, done in runs.items():
@@ -281,12 +306,14 @@ def main() -> None:
         state = (r["params"] + r["grads"] + r["optimizer"]) / MIB
         row = {"mode": mode, "runs": [[dict(x) for x in ranks] for ranks in done]}
         rows.append(row)
-        print(f"| {mode} | {r['trainable'] / 1e6:.2f}M of {r['total'] / 1e6:.1f}M | "
-              f"{_spread(step_peaks, '{:.0f}')} | "
-              f"{_spread(build_peaks, '{:.0f}')} | {r['params'] / MIB:.0f} + {r['grads'] / MIB:.0f} + "
-              f"{r['optimizer'] / MIB:.0f} = {state:.0f} | {_spread([x['step_s'] for x in r0s], '{:.3f}')} | "
-              f"{r['reduced'] / MIB:.2f} ({r['reduce_calls']:.0f} calls) | {r['reduced'] / adapter:.2f} | "
-              f"{r['gathered'] / MIB:.0f} |")  # fmt: skip
+        print(
+            f"| {mode} | {r['trainable'] / 1e6:.2f}M of {r['total'] / 1e6:.1f}M | "
+            f"{_spread(step_peaks, '{:.0f}')} | "
+            f"{_spread(build_peaks, '{:.0f}')} | {r['params'] / MIB:.0f} + {r['grads'] / MIB:.0f} + "
+            f"{r['optimizer'] / MIB:.0f} = {state:.0f} | {_spread([x['step_s'] for x in r0s], '{:.3f}')} | "
+            f"{r['reduced'] / MIB:.2f} ({r['reduce_calls']:.0f} calls) | {r['reduced'] / adapter:.2f} | "
+            f"{r['gathered'] / MIB:.0f} |"
+        )
     print(f"load average at the end {os.getloadavg()}")
     if ns.json:
         with open(ns.json, "w") as f:

@@ -126,12 +126,16 @@ def _rank(workload_name: str, mode: str, steps: int, keep: int) -> dict:
         tensors = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         state = sum(_bytes(v) for v in tensors)
         return {
-            "params": params, "grads": grads, "optimizer": state, "model_state": params + grads + state,
-            "peak": _peak(s.device), "shmem": _rss_shmem(),
+            "params": params,
+            "grads": grads,
+            "optimizer": state,
+            "model_state": params + grads + state,
+            "peak": _peak(s.device),
+            "shmem": _rss_shmem(),
             "faults": (end.ru_minflt - usage.ru_minflt) / timed,
             "sys_s": (end.ru_stime - usage.ru_stime) / timed,
             "step_s": statistics.median(times) if times else float("nan"),
-        }  # fmt: skip
+        }
 
 
 def _compute(workload_name: str, world: int, reps: int = 5) -> tuple[float, float, float]:
@@ -161,8 +165,9 @@ def _compute(workload_name: str, world: int, reps: int = 5) -> tuple[float, floa
         torch.set_num_threads(threads)
 
 
-def floor_s(mode: str, fwd_bwd: float, opt: float, param_bytes: float, world: int, copy_bps: float,
-            cores: int) -> float | None:  # fmt: skip
+def floor_s(
+    mode: str, fwd_bwd: float, opt: float, param_bytes: float, world: int, copy_bps: float, cores: int
+) -> float | None:
     """The step's floor for `mode` (module doc), or None where none is computed (the sharded step)."""
     if mode == "ddp":
         exchange = floor.exchange_floor_s(param_bytes, world, copy_bps)
@@ -179,8 +184,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, interleaved")
-    p.add_argument("--keep-per-size", type=int, default=fsdp_shm.KEEP_PER_SIZE,
-                   help="fsdp_shm.KEEP_PER_SIZE on the FSDP ranks: buffers kept per size")  # fmt: skip
+    p.add_argument(
+        "--keep-per-size",
+        type=int,
+        default=fsdp_shm.KEEP_PER_SIZE,
+        help="fsdp_shm.KEEP_PER_SIZE on the FSDP ranks: buffers kept per size",
+    )
     p.add_argument("--json", default=None)
     ns = p.parse_args()
     if "ddp" not in ns.modes:
@@ -194,9 +203,12 @@ def main() -> None:
     for nproc in ns.nproc:
         fwd_bwd, opt, copy_bps = ddpkit.spawn(_compute, 1, (ns.workload, nproc), threads=1, timeout=600)[0]
         print(f"one core copies {copy_bps / 1e9:.1f} GB/s (b.copy_(a), 64 MiB, median of 7)", flush=True)
-        print(f"{nproc} ranks: a rank's compute alone, 1 thread: fwd+bwd {fwd_bwd * 1e3:.0f} ms "
-              f"(batch {max(1, workloads.load(ns.workload).global_batch // nproc)}), opt {opt * 1e3:.0f} ms "
-              "(whole model)", flush=True)  # fmt: skip
+        print(
+            f"{nproc} ranks: a rank's compute alone, 1 thread: fwd+bwd {fwd_bwd * 1e3:.0f} ms "
+            f"(batch {max(1, workloads.load(ns.workload).global_batch // nproc)}), opt {opt * 1e3:.0f} ms "
+            "(whole model)",
+            flush=True,
+        )
         hsdp = nproc % 2 == 0 and nproc >= 4  # 2 replicas of at least 2 shards
         runs: dict[str, list[dict]] = {mode: [] for mode in ns.modes if mode != "hsdp" or hsdp}
         for _ in range(ns.rounds):
@@ -205,39 +217,69 @@ def main() -> None:
                 ranks = ddpkit.spawn(_rank, nproc, args, threads=1, timeout=600)
                 worst = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the most loaded rank
                 peaks = [r["peak"] for r in ranks]
-                runs[mode].append({**worst, "step_s": ranks[0]["step_s"], "peaks": peaks,
-                                   "faults": ranks[0]["faults"], "sys_s": ranks[0]["sys_s"],
-                                   "shmem": ranks[0]["shmem"]})  # fmt: skip
+                runs[mode].append(
+                    {
+                        **worst,
+                        "step_s": ranks[0]["step_s"],
+                        "peaks": peaks,
+                        "faults": ranks[0]["faults"],
+                        "sys_s": ranks[0]["sys_s"],
+                        "shmem": ranks[0]["shmem"],
+                    }
+                )
         for mode, done in runs.items():
             steps = [d["step_s"] for d in done]
             mid = sorted(done, key=lambda d: d["step_s"])[len(done) // 2]
-            rows.append({"nproc": nproc, "mode": mode, **mid, "step_s": statistics.median(steps),
-                         "step_min": min(steps), "step_max": max(steps),
-                         "peak": statistics.median(d["peak"] for d in done),
-                         "floor_s": floor_s(mode, fwd_bwd, opt, param_bytes, nproc, copy_bps,
-                                            cores)})  # fmt: skip
+            rows.append(
+                {
+                    "nproc": nproc,
+                    "mode": mode,
+                    **mid,
+                    "step_s": statistics.median(steps),
+                    "step_min": min(steps),
+                    "step_max": max(steps),
+                    "peak": statistics.median(d["peak"] for d in done),
+                    "floor_s": floor_s(mode, fwd_bwd, opt, param_bytes, nproc, copy_bps, cores),
+                }
+            )
             if mode.startswith("fsdp"):
-                line = floor.fsdp_floor_line(statistics.median(steps), fwd_bwd + opt / nproc, param_bytes,
-                                             nproc, copy_bps, cores, mode != "fsdp-slots")  # fmt: skip
+                line = floor.fsdp_floor_line(
+                    statistics.median(steps),
+                    fwd_bwd + opt / nproc,
+                    param_bytes,
+                    nproc,
+                    copy_bps,
+                    cores,
+                    mode != "fsdp-slots",
+                )
                 lines.append(f"{mode}: {line}")
     mib = 2**20
-    print(f"{ns.workload}: per-rank bytes (largest rank), MiB; model state = parameters + gradients + "
-          "optimizer state; peak = each rank's peak RSS from process start (GPU: max allocated)")  # fmt: skip
-    print("| ranks | mode | parameters | gradients | optimizer state | model state | x DDP | peak per rank "
-          "| peak x DDP | step (s) [min, max] | step x DDP | floor (s) | step x floor "
-          "| faults / step (sys ms) | shared RSS (MiB) |")  # fmt: skip
+    print(
+        f"{ns.workload}: per-rank bytes (largest rank), MiB; model state = parameters + gradients + "
+        "optimizer state; peak = each rank's peak RSS from process start (GPU: max allocated)"
+    )
+    print(
+        "| ranks | mode | parameters | gradients | optimizer state | model state | x DDP | peak per rank "
+        "| peak x DDP | step (s) [min, max] | step x DDP | floor (s) | step x floor "
+        "| faults / step (sys ms) | shared RSS (MiB) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ddp = next(r for r in rows if r["nproc"] == row["nproc"] and r["mode"] == "ddp")
         peaks = " / ".join(f"{p / mib:.0f}" for p in row["peaks"])
-        print(f"| {row['nproc']} | {row['mode']} | {row['params'] / mib:.1f} | {row['grads'] / mib:.1f} | "
-              f"{row['optimizer'] / mib:.1f} | {row['model_state'] / mib:.1f} | "
-              f"{row['model_state'] / ddp['model_state']:.2f} | {peaks} | {row['peak'] / ddp['peak']:.2f} | "
-              f"{row['step_s']:.3f} [{row['step_min']:.3f}, {row['step_max']:.3f}] | "
-              f"{row['step_s'] / ddp['step_s']:.2f} | "
-              + (f"{row['floor_s']:.3f} | {row['step_s'] / row['floor_s']:.2f} |" if row["floor_s"]
-                 else "- | - |")
-              + f" {row['faults']:.0f} ({row['sys_s'] * 1e3:.0f}) | {row['shmem'] / mib:.0f} |")  # fmt: skip
+        print(
+            f"| {row['nproc']} | {row['mode']} | {row['params'] / mib:.1f} | {row['grads'] / mib:.1f} | "
+            f"{row['optimizer'] / mib:.1f} | {row['model_state'] / mib:.1f} | "
+            f"{row['model_state'] / ddp['model_state']:.2f} | {peaks} | {row['peak'] / ddp['peak']:.2f} | "
+            f"{row['step_s']:.3f} [{row['step_min']:.3f}, {row['step_max']:.3f}] | "
+            f"{row['step_s'] / ddp['step_s']:.2f} | "
+            + (
+                f"{row['floor_s']:.3f} | {row['step_s'] / row['floor_s']:.2f} |"
+                if row["floor_s"]
+                else "- | - |"
+            )
+            + f" {row['faults']:.0f} ({row['sys_s'] * 1e3:.0f}) | {row['shmem'] / mib:.0f} |"
+        )
     for line in lines:
         print(line)
     print(f"load average {os.getloadavg()[0]:.2f}")

@@ -123,11 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         assert out[0]["world"] == ns.nproc and out[0]["threads"] == 1, out[0]
         med, lo, hi = summarise(t, "ddpkit", "plain")
         dmed, dlo, dhi = summarise(t, "ddpkit", "plain_torch_defaults")
-        rows[spec] = {"plain_ms": statistics.median(t["plain"]) * 1e3,
-                      "ddpkit_ms": statistics.median(t["ddpkit"]) * 1e3,
-                      "plain_torch_defaults_ms": statistics.median(t["plain_torch_defaults"]) * 1e3,
-                      "ratio_same_settings": [med, lo, hi], "ratio_vs_torch_defaults": [dmed, dlo, dhi],
-                      "samples_s": t}  # fmt: skip
+        rows[spec] = {
+            "plain_ms": statistics.median(t["plain"]) * 1e3,
+            "ddpkit_ms": statistics.median(t["ddpkit"]) * 1e3,
+            "plain_torch_defaults_ms": statistics.median(t["plain_torch_defaults"]) * 1e3,
+            "ratio_same_settings": [med, lo, hi],
+            "ratio_vs_torch_defaults": [dmed, dlo, dhi],
+            "samples_s": t,
+        }
         r = rows[spec]
         print(
             f"{spec:4s} plain DDP {r['plain_ms']:7.1f} ms  ddpkit {r['ddpkit_ms']:7.1f} ms  "

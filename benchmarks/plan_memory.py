@@ -332,8 +332,7 @@ def main() -> None:
                         f"{mib['measured']:.1f} | {row['error']:+.1%} | "
                         f"{mib['measured'] - mib['allocator']:.1f} | {mib['base']:.1f} | "
                         f"{row['total'] / 2**20:.1f} | {row['whole'] / 2**20:.1f} | "
-                        f"{row['total_error']:+.1%} |"
-                        + (f" {real / 2**20:.1f} |" if real else ""),
+                        f"{row['total_error']:+.1%} |" + (f" {real / 2**20:.1f} |" if real else ""),
                         flush=True,
                     )
     worst = max(abs(r["allocator_error"]) for r in rows)

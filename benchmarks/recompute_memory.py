@@ -46,8 +46,11 @@ def _rank(strategy: str, recompute: bool, steps: int, scale: int) -> dict:
             s.barrier()
             if i > 0:
                 times.append(time.perf_counter() - start)
-        return {"before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                "step_s": statistics.median(times)}
+        return {
+            "before": before,
+            "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "step_s": statistics.median(times),
+        }
 
 
 def main() -> None:
@@ -61,15 +64,18 @@ def main() -> None:
     print("| activation checkpointing | RSS before s.model | peak RSS | peak - before | step (s, median) |")
     print("|---|---|---|---|---|")
     for recompute in (False, True):
-        ranks = ddpkit.spawn(_rank, ns.nproc, (ns.strategy, recompute, ns.steps, ns.batch_scale), threads=1,
-                             timeout=600)
+        ranks = ddpkit.spawn(
+            _rank, ns.nproc, (ns.strategy, recompute, ns.steps, ns.batch_scale), threads=1, timeout=600
+        )
 
         def fmt(key: str, ranks: list = ranks) -> str:
             return " / ".join(f"{r[key]:.0f}" for r in ranks)
 
         grown = " / ".join(f"{r['peak'] - r['before']:.0f}" for r in ranks)
-        print(f"| {'Block' if recompute else 'off'} | {fmt('before')} | {fmt('peak')} | {grown} | "
-              f"{ranks[0]['step_s']:.3f} |")
+        print(
+            f"| {'Block' if recompute else 'off'} | {fmt('before')} | {fmt('peak')} | {grown} | "
+            f"{ranks[0]['step_s']:.3f} |"
+        )
 
 
 if __name__ == "__main__":

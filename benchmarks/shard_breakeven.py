@@ -72,8 +72,12 @@ def rank_main(widths: list[int], rounds: int, target_s: float) -> dict[str, Any]
                     sharded_s.append(b)
                     ratios.append(b / a)
                 params = sum(p.numel() for p in model.parameters())
-                out[f"{name}/{d}"] = {"params": params, "plain_s": plain_s, "sharded_s": sharded_s,
-                                      "ratio": ratios}  # fmt: skip
+                out[f"{name}/{d}"] = {
+                    "params": params,
+                    "plain_s": plain_s,
+                    "sharded_s": sharded_s,
+                    "ratio": ratios,
+                }
     return out
 
 
@@ -83,16 +87,19 @@ def main() -> int:
     p.add_argument("--block-seconds", type=float, default=0.3)
     ns = p.parse_args()
     load = os.getloadavg()
-    res = ddpkit.spawn(rank_main, nproc=2, args=(list(WIDTHS), ns.rounds, ns.block_seconds), threads=1,
-                       timeout=1200)[0]  # fmt: skip
+    res = ddpkit.spawn(
+        rank_main, nproc=2, args=(list(WIDTHS), ns.rounds, ns.block_seconds), threads=1, timeout=1200
+    )[0]
     print(f"2 ranks x 1 thread; load average {load[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end")
     print("| optimizer | parameters | plain step, ms | sharded step, ms | sharded / plain, per round |")
     print("|---|---|---|---|---|")
     for key, r in res.items():
         rs = r["ratio"]
-        print(f"| {key.split('/')[0]} | {r['params']:,} | {statistics.median(r['plain_s']) * 1e3:.3f} | "
-              f"{statistics.median(r['sharded_s']) * 1e3:.3f} | "
-              f"{statistics.median(rs):.2f} [{min(rs):.2f}, {max(rs):.2f}] |")  # fmt: skip
+        print(
+            f"| {key.split('/')[0]} | {r['params']:,} | {statistics.median(r['plain_s']) * 1e3:.3f} | "
+            f"{statistics.median(r['sharded_s']) * 1e3:.3f} | "
+            f"{statistics.median(rs):.2f} [{min(rs):.2f}, {max(rs):.2f}] |"
+        )
     return 0
 
 

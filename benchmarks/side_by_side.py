@@ -44,8 +44,13 @@ from ddpkit.bench.report import cpu_steal, load_note, table  # noqa: E402
 WORKER = os.path.join(HERE, "peers_worker.py")
 MARK = "PEERS_FIRST_STEP_DONE"  # peers_worker.FIRST_STEP_MARK (not imported: that would import torch)
 TOOLS = ("ddp", "ddpkit", "accelerate", "fabric")
-LABELS = {"ddp": "torchrun + DDP", "ddpkit": "ddpkit run", "accelerate": "torchrun + Accelerate",
-          "fabric": "fabric run", "ddpkit-plain": "ddpkit run, plain loop"}  # fmt: skip
+LABELS = {
+    "ddp": "torchrun + DDP",
+    "ddpkit": "ddpkit run",
+    "accelerate": "torchrun + Accelerate",
+    "fabric": "fabric run",
+    "ddpkit-plain": "ddpkit run, plain loop",
+}
 NEEDS = {"accelerate": "accelerate", "fabric": "lightning"}
 STEPS, WARMUP = 35, 5
 
@@ -60,8 +65,17 @@ def command(tool: str, workload: str, out: str) -> list[str]:
     if tool in ("ddpkit", "ddpkit-plain"):
         return [os.path.join(bin_dir, "ddpkit"), "run", "--nproc", "2", *script]
     if tool == "fabric":
-        return [os.path.join(bin_dir, "fabric"), "run", "--accelerator", "cpu", "--strategy", "ddp",
-                "--devices", "2", *script]  # fmt: skip
+        return [
+            os.path.join(bin_dir, "fabric"),
+            "run",
+            "--accelerator",
+            "cpu",
+            "--strategy",
+            "ddp",
+            "--devices",
+            "2",
+            *script,
+        ]
     raise ValueError(f"unknown tool {tool!r}; choose from {TOOLS}")
 
 
@@ -72,8 +86,9 @@ def run_once(tool: str, workload: str) -> dict[str, Any]:
         seen: list[float] = []
         lines: list[str] = []
         start, wall0 = time.perf_counter(), time.time()
-        proc = subprocess.Popen(command(tool, workload, out), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        proc = subprocess.Popen(
+            command(tool, workload, out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
 
         def read() -> None:
             assert proc.stdout is not None
@@ -139,8 +154,10 @@ def measure(workloads: list[str], tools: list[str], reps: int, log: Any) -> dict
             for tool in order:
                 r = run_once(tool, wl)
                 runs[wl][tool].append(r)
-                log(f"  {wl} rep {rep + 1}/{reps} {tool}: start-up {r['startup_s']:.2f} s, step "
-                    f"{r['step_ms']:.1f} ms, peak RSS {r['peak_rss_mb']:.0f} MB")  # fmt: skip
+                log(
+                    f"  {wl} rep {rep + 1}/{reps} {tool}: start-up {r['startup_s']:.2f} s, step "
+                    f"{r['step_ms']:.1f} ms, peak RSS {r['peak_rss_mb']:.0f} MB"
+                )
     return runs
 
 
@@ -174,8 +191,11 @@ def tables(runs: dict[str, Any], base: str = "ddp") -> str:
                 if t != base:
                     row.append(ratio_cell([r[key] for r in by_tool[t]], [r[key] for r in by_tool[base]]))
             rows.append(row)
-            headers = ["workload", *(f"{LABELS[t]}, {unit}" for t in tools),
-                       *(f"{t} vs DDP" for t in tools if t != base)]  # fmt: skip
+            headers = [
+                "workload",
+                *(f"{LABELS[t]}, {unit}" for t in tools),
+                *(f"{t} vs DDP" for t in tools if t != base),
+            ]
         out.append(f"\n{what}: median [min, max] over repetitions; change vs DDP per repetition")
         out.append(table(headers, rows))
     return "\n".join(out)
@@ -184,8 +204,11 @@ def tables(runs: dict[str, Any], base: str = "ddp") -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="cnn,bn,small,mlp,gpt")
-    p.add_argument("--tools", default="ddp,ddpkit,ddpkit-plain,accelerate,fabric",
-                   help="ddp, ddpkit, ddpkit-plain (README's plain loop), accelerate, fabric")  # fmt: skip
+    p.add_argument(
+        "--tools",
+        default="ddp,ddpkit,ddpkit-plain,accelerate,fabric",
+        help="ddp, ddpkit, ddpkit-plain (README's plain loop), accelerate, fabric",
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json", default=None)
     ns = p.parse_args()
@@ -194,8 +217,12 @@ def main() -> int:
         tools.insert(0, "ddp")
     cores = len(os.sched_getaffinity(0))
     load0, steal0 = os.getloadavg(), cpu_steal()
-    print(f"side_by_side: {', '.join(tools)}" + (f" (not installed: {', '.join(skipped)})" if skipped else "")
-          + f"; load average {load0[0]:.2f}, {cores} cores", flush=True)  # fmt: skip
+    print(
+        f"side_by_side: {', '.join(tools)}"
+        + (f" (not installed: {', '.join(skipped)})" if skipped else "")
+        + f"; load average {load0[0]:.2f}, {cores} cores",
+        flush=True,
+    )
     runs = measure(ns.workloads.split(","), tools, ns.reps, lambda m: print(m, flush=True))
     load1 = os.getloadavg()
     print(tables(runs))

@@ -70,8 +70,15 @@ from ddpkit.tools import workloads
 MODES = ("clip", "clip+guard", "plain", "plain+guard")
 
 
-def _step(s: ddpkit.Session, net: torch.nn.Module, opt: torch.optim.Optimizer, w: workloads.Workload,
-          batch: workloads.Batch, mode: str, judge: spikes.Judge) -> None:  # fmt: skip
+def _step(
+    s: ddpkit.Session,
+    net: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    w: workloads.Workload,
+    batch: workloads.Batch,
+    mode: str,
+    judge: spikes.Judge,
+) -> None:
     s.stepper.spikes = judge if mode.endswith("+guard") else None
     with s.accumulate(net):
         loss = w.step_loss(net, batch)
@@ -189,12 +196,16 @@ def main() -> None:
         for key in ("medians", "cpu"):
             med = r[key]
             ratios = [g / b for g, b in zip(med[mode], med[base], strict=True)]
-            row.append(f"{statistics.median(med[mode]) * 1e3:.3f} [{min(med[mode]) * 1e3:.3f}, "
-                       f"{max(med[mode]) * 1e3:.3f}] | x{statistics.median(ratios):.4f} [{min(ratios):.4f}, "
-                       f"{max(ratios):.4f}]")  # fmt: skip
+            row.append(
+                f"{statistics.median(med[mode]) * 1e3:.3f} [{min(med[mode]) * 1e3:.3f}, "
+                f"{max(med[mode]) * 1e3:.3f}] | x{statistics.median(ratios):.4f} [{min(ratios):.4f}, "
+                f"{max(ratios):.4f}]"
+            )
         spent, twin = r["inside"][mode], statistics.median(r["medians"][base])
-        row.append(f"{statistics.median(spent) * 1e6:.1f} [{min(spent) * 1e6:.1f}, {max(spent) * 1e6:.1f}], "
-                   f"{100 * statistics.median(spent) / twin:.2f}%")  # fmt: skip
+        row.append(
+            f"{statistics.median(spent) * 1e6:.1f} [{min(spent) * 1e6:.1f}, {max(spent) * 1e6:.1f}], "
+            f"{100 * statistics.median(spent) / twin:.2f}%"
+        )
         comm = ", ".join(f"{k} {v:g}" for k, v in r["collectives"][mode].items()) or "none"
         print(f"| {mode} | {' | '.join(row)} | {comm} |")
     (usual, worst), clip = r["judge_alone"], statistics.median(r["medians"]["clip"])

@@ -74,9 +74,11 @@ def main() -> None:
         a.append(plain(batches))
         b.append(through_ddpkit(batches))
     pa, pb = statistics.median(a) * 1e6, statistics.median(b) * 1e6
-    print(f"step_api_cost: plain {pa:.1f} us/step [{min(a) * 1e6:.1f}, {max(a) * 1e6:.1f}], ddpkit {pb:.1f} "
-          f"us/step [{min(b) * 1e6:.1f}, {max(b) * 1e6:.1f}]: +{pb - pa:.1f} us a step "
-          f"(median of {ns.runs} runs of {ns.steps} steps, one thread)")  # fmt: skip
+    print(
+        f"step_api_cost: plain {pa:.1f} us/step [{min(a) * 1e6:.1f}, {max(a) * 1e6:.1f}], ddpkit {pb:.1f} "
+        f"us/step [{min(b) * 1e6:.1f}, {max(b) * 1e6:.1f}]: +{pb - pa:.1f} us a step "
+        f"(median of {ns.runs} runs of {ns.steps} steps, one thread)"
+    )
     if ns.profile:
         profiler = cProfile.Profile()
         through_ddpkit(batches, profiler)

@@ -93,8 +93,14 @@ def python_calls(wl: Any, loop: Any, steps: int) -> dict[str, Any]:
     stats = pstats.Stats(prof)
     rows = []
     for (path, line, name), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
-        rows.append({"fn": f"{os.path.basename(path)}:{line}:{name}", "calls": nc / steps,
-                     "tottime_ms": tt / steps * 1e3, "cumtime_ms": ct / steps * 1e3})  # fmt: skip
+        rows.append(
+            {
+                "fn": f"{os.path.basename(path)}:{line}:{name}",
+                "calls": nc / steps,
+                "tottime_ms": tt / steps * 1e3,
+                "cumtime_ms": ct / steps * 1e3,
+            }
+        )
     total_calls = sum(r["calls"] for r in rows)
     rows.sort(key=lambda r: -r["tottime_ms"])
     return {"calls_per_step": total_calls, "top": rows[:40]}

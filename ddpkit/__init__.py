@@ -33,17 +33,33 @@ if TYPE_CHECKING:
 # Imported on first use (PEP 562): `ddpkit run` and the tools then load only what they need, and the
 # launcher process does not import the training modules it never runs.
 _HOME = {
-    "CheckpointError": "checkpoint.files", "DdpkitError": "errors", "Callback": "training.callbacks",
-    "FitResult": "training.callbacks", "FitState": "training.callbacks", "evaluate": "training.fit",
+    "CheckpointError": "checkpoint.files",
+    "DdpkitError": "errors",
+    "Callback": "training.callbacks",
+    "FitResult": "training.callbacks",
+    "FitState": "training.callbacks",
+    "evaluate": "training.fit",
     "fit": "training.fit",
-    "Accuracy": "observe.metrics", "Mean": "observe.metrics", "MetricSet": "observe.metrics",
-    "Sum": "observe.metrics", "StepMonitor": "observe.monitor", "Session": "training.session",
+    "Accuracy": "observe.metrics",
+    "Mean": "observe.metrics",
+    "MetricSet": "observe.metrics",
+    "Sum": "observe.metrics",
+    "StepMonitor": "observe.monitor",
+    "Session": "training.session",
     "seed_everything": "training.seeding",
-    "session": "training.session", "SpawnError": "cluster.spawn", "spawn": "cluster.spawn",
-    "StepInfo": "step.stepping", "DDPOptions": "strategy", "FSDPOptions": "strategy",
-    "ShmAllReduce": "parallel.shm_allreduce", "to_device": "data", "Hardware": "cluster.topology",
-    "Placement": "cluster.topology", "unwrap": "parallel.modules", "SpikeGuard": "step.spikes",
-}  # fmt: skip
+    "session": "training.session",
+    "SpawnError": "cluster.spawn",
+    "spawn": "cluster.spawn",
+    "StepInfo": "step.stepping",
+    "DDPOptions": "strategy",
+    "FSDPOptions": "strategy",
+    "ShmAllReduce": "parallel.shm_allreduce",
+    "to_device": "data",
+    "Hardware": "cluster.topology",
+    "Placement": "cluster.topology",
+    "unwrap": "parallel.modules",
+    "SpikeGuard": "step.spikes",
+}
 
 
 def __getattr__(name: str) -> Any:

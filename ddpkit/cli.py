@@ -39,7 +39,7 @@ def _nproc(value: str) -> int | str:
 
 
 def _nnodes(value: str) -> tuple[int | None, int]:
-    """"4" -> (None, 4); "1:4" -> (1, 4): an elastic job of 1 to 4 nodes."""
+    """ "4" -> (None, 4); "1:4" -> (1, 4): an elastic job of 1 to 4 nodes."""
     low, sep, high = value.partition(":")
     try:
         return (int(low), int(high)) if sep else (None, int(value))
@@ -65,12 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="launch a script on N processes (torchrun-compatible)")
     _add_launch_options(run, default_nproc="auto")
     run.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
-    run.add_argument("--preemption-signal", default=DEFAULT_PREEMPTION_SIGNAL,
-                     help="besides SIGTERM: save and stop (USR1)")
+    run.add_argument(
+        "--preemption-signal", default=DEFAULT_PREEMPTION_SIGNAL, help="besides SIGTERM: save and stop (USR1)"
+    )
     run.add_argument("--requeue", choices=REQUEUE_CHOICES, default="auto", help="Slurm: requeue after it")
     run.add_argument("--grace", type=float, default=30.0, help="seconds to let ranks save when stopped")
-    run.add_argument("--elastic-batch", choices=ELASTIC_BATCH_CHOICES, default="auto",
-                     help="--nnodes MIN:MAX at fewer nodes: keep the per-rank batch (accumulate more) or not")
+    run.add_argument(
+        "--elastic-batch",
+        choices=ELASTIC_BATCH_CHOICES,
+        default="auto",
+        help="--nnodes MIN:MAX at fewer nodes: keep the per-rank batch (accumulate more) or not",
+    )
     run.add_argument("--rdzv-conf", default=None, help="elastic: torchrun's rendezvous settings (k=v,...)")
     run.add_argument("--local-addr", default=None, help="this node's address as the other nodes reach it")
     run.add_argument("target", help="script.py, or a module name with -m")
@@ -104,8 +109,14 @@ def _launch_config(ns: argparse.Namespace, target: str, args: Sequence[str], mod
         port=ns.port,
         max_restarts=ns.max_restarts,
         **(
-            {"preemption_signal": ns.preemption_signal, "requeue": ns.requeue, "grace": ns.grace,
-             "elastic_batch": ns.elastic_batch, "rdzv_conf": ns.rdzv_conf, "local_addr": ns.local_addr}
+            {
+                "preemption_signal": ns.preemption_signal,
+                "requeue": ns.requeue,
+                "grace": ns.grace,
+                "elastic_batch": ns.elastic_batch,
+                "rdzv_conf": ns.rdzv_conf,
+                "local_addr": ns.local_addr,
+            }
             if ns.command == "run"
             else {}
         ),

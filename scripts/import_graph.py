@@ -137,7 +137,7 @@ def mermaid(edges: dict[str, set[str]]) -> str:
         lines += [f'        {n.replace(".", "_")}["{n}"]' for n in sorted(edges) if wing(n) == w]
         lines.append("    end")
     for n in sorted(edges):
-        lines += [f'    {n.replace(".", "_")} --> {d.replace(".", "_")}' for d in sorted(edges[n])]
+        lines += [f"    {n.replace('.', '_')} --> {d.replace('.', '_')}" for d in sorted(edges[n])]
     return "\n".join(lines)
 
 

@@ -92,7 +92,9 @@ MUTANTS = [
         "ddpkit/strategy/fsdp.py",
         "                compile_block(module.get_submodule(name))",
         "                pass  # mutant: blocks never compiled",
-        ("tests/test_fsdp_compile.py::test_fsdp_compile_trains_like_eager_fsdp_and_one_process_with_the_same_names",),
+        (
+            "tests/test_fsdp_compile.py::test_fsdp_compile_trains_like_eager_fsdp_and_one_process_with_the_same_names",
+        ),
         "s.model(strategy='fsdp', compile=True): no block compiled before fully_shard",
     ),
     Mutant(
@@ -272,7 +274,9 @@ MUTANTS = [
         "ddpkit/cli.py",
         '"grace": ns.grace,',
         '"grace": 30.0,',
-        ("tests/test_preemption.py::test_a_save_longer_than_grace_is_cut_off_and_the_previous_checkpoint_stays",),
+        (
+            "tests/test_preemption.py::test_a_save_longer_than_grace_is_cut_off_and_the_previous_checkpoint_stays",
+        ),
         "`ddpkit run --grace S` ignored (the default 30 s)",
     ),
     Mutant(
@@ -280,7 +284,9 @@ MUTANTS = [
         "ddpkit/cluster/preemption.py",
         "        return max(1, min(wanted, int(MAX_LATENCY_S / self._step), MAX_INTERVAL))",
         "        return 1",
-        ("tests/test_preemption.py::test_agreeing_costs_one_all_reduce_every_k_calls_and_a_scheduled_save_agrees_at_once",),
+        (
+            "tests/test_preemption.py::test_agreeing_costs_one_all_reduce_every_k_calls_and_a_scheduled_save_agrees_at_once",
+        ),
         "the preemption flag is all-reduced on every s.save call, whatever it costs",
     ),
     Mutant(
@@ -305,15 +311,17 @@ MUTANTS = [
         "None) if text.isalnum() else None",
         "None) if text.isalpha() else signal.Signals(int(text))",
         ("tests/test_routes.py::test_one_rule_for_a_signal_name_in_the_launcher_and_the_ranks",),
-        "a signal number (\"10\": SIGUSR1 here, SIGBUS elsewhere) is accepted as a preemption signal",
+        'a signal number ("10": SIGUSR1 here, SIGBUS elsewhere) is accepted as a preemption signal',
     ),
     Mutant(
         "stop-at-step",
         "ddpkit/training/session.py",
         "            self._checkpoints.stepped(info.stepped)",
         "            pass",
-        ("tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[if-TERM]",
-         "tests/test_preemption.py::test_an_accumulating_step_loop_is_stopped_at_an_optimizer_step_not_at_a_batch"),
+        (
+            "tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[if-TERM]",
+            "tests/test_preemption.py::test_an_accumulating_step_loop_is_stopped_at_an_optimizer_step_not_at_a_batch",
+        ),
         "s.step never agrees on a preemption stop nor counts its steps: an accumulating loop is stopped by "
         "the plain loop's rule (a step a batch), its checkpoint a step ahead of its weights",
     ),
@@ -322,7 +330,9 @@ MUTANTS = [
         "ddpkit/data/loader.py",
         "                self.boundary(body)",
         "                pass",
-        ("tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[if-TERM]",),
+        (
+            "tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[if-TERM]",
+        ),
         "the loader's next batch is no stop boundary: the stop saves at s.backward, a batch too far",
     ),
     Mutant(
@@ -330,7 +340,9 @@ MUTANTS = [
         "ddpkit/checkpoint/checkpoints.py",
         "                    self._preemption.agree(self._ctx.distributed, self._ctx.device)",
         "                    pass",
-        ("tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[plain-if-TERM]",),
+        (
+            "tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[plain-if-TERM]",
+        ),
         "the loader's next batch never agrees on a stop: the README's first loop (opt.step(), no s.step) "
         "saving under `if step % N == 0` runs on past the signal to its next periodic save",
     ),
@@ -339,7 +351,9 @@ MUTANTS = [
         "ddpkit/checkpoint/checkpoints.py",
         "        self._saved = True  # this call agrees",
         "        pass  # this call agrees",
-        ("tests/test_preemption.py::test_a_plain_loop_stops_at_the_loaders_next_batch_with_its_steps_counted",),
+        (
+            "tests/test_preemption.py::test_a_plain_loop_stops_at_the_loaders_next_batch_with_its_steps_counted",
+        ),
         "a plain loop's stop counts the batch after a save's body again (the save reset the count after "
         "its step): `step` saved one too high",
     ),
@@ -348,7 +362,9 @@ MUTANTS = [
         "ddpkit/checkpoint/checkpoints.py",
         "self._steps_since += body  #",
         "self._steps_since += 1  #",
-        ("tests/test_preemption.py::test_a_plain_loop_stops_at_the_loaders_next_batch_with_its_steps_counted",),
+        (
+            "tests/test_preemption.py::test_a_plain_loop_stops_at_the_loaders_next_batch_with_its_steps_counted",
+        ),
         "a plain loop's stop counts a new epoch's first batch as a step (no body ran before it)",
     ),
     Mutant(
@@ -356,7 +372,9 @@ MUTANTS = [
         "ddpkit/checkpoint/checkpoints.py",
         '"step": step + self._steps_since',
         '"step": step',
-        ("tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[if-TERM]",),
+        (
+            "tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[if-TERM]",
+        ),
         "the stop saves the remembered `step` as it was given to s.load, not advanced by the steps since",
     ),
     Mutant(
@@ -372,7 +390,9 @@ MUTANTS = [
         "ddpkit/cluster/launch.py",
         "                marker.touch()",
         "                pass",
-        ("tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[if-TERM]",),
+        (
+            "tests/test_preemption.py::test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise[if-TERM]",
+        ),
         "`ddpkit run` never marks that it was signalled: the ranks take its SIGTERM for the agent's stop",
     ),
     Mutant(
@@ -380,7 +400,9 @@ MUTANTS = [
         "ddpkit/cluster/preemption.py",
         "        while not marker.exists():",
         "        while False:  # mutant: every SIGTERM under ddpkit run is a preemption",
-        ("tests/test_background_save.py::test_a_crash_during_a_background_write_leaves_the_previous_checkpoint[ddp-thread]",),
+        (
+            "tests/test_background_save.py::test_a_crash_during_a_background_write_leaves_the_previous_checkpoint[ddp-thread]",
+        ),
         "the survivors of a failed rank take the agent's SIGTERM for a preemption and live on until its "
         "SIGKILL",
     ),
@@ -389,8 +411,10 @@ MUTANTS = [
         "ddpkit/data/batching.py",
         'mode = "per-rank" if accumulation > 1 else "accumulation"',
         'mode = "per-rank"',
-        ("tests/test_launch.py::test_an_elastic_job_below_its_largest_size_keeps_the_global_batch[auto-plain-1-8]",
-         "tests/test_launch.py::test_an_elastic_job_below_its_largest_size_keeps_the_global_batch[auto-step-1-8]"),
+        (
+            "tests/test_launch.py::test_an_elastic_job_below_its_largest_size_keeps_the_global_batch[auto-plain-1-8]",
+            "tests/test_launch.py::test_an_elastic_job_below_its_largest_size_keeps_the_global_batch[auto-step-1-8]",
+        ),
         "elastic below the largest size always accumulates more: a loop without s.accumulate fails or "
         "(the README's first loop) trains at half the global batch",
     ),
@@ -400,7 +424,9 @@ MUTANTS = [
         "dcp_state = checkpoint_dcp.stage(dcp_state, stage) if copy else dcp_state",
         "dcp_state = {k: checkpoint_dcp.stage(v, stage) if k == sharded[0][0] else v\n"
         "                     for k, v in dcp_state.items()}",
-        ("tests/test_background_fsdp.py::test_a_background_fsdp_save_loads_the_weights_and_optimizer_state_of_the_call",),
+        (
+            "tests/test_background_fsdp.py::test_a_background_fsdp_save_loads_the_weights_and_optimizer_state_of_the_call",
+        ),
         "an FSDP background save copies the model only; the writer thread saves the live optimizer state",
     ),
     Mutant(
@@ -432,7 +458,9 @@ MUTANTS = [
         "ddpkit/observe/tracking.py",
         "purge_step=resume_at)",
         "purge_step=None)",
-        ("tests/test_tracking.py::test_tensorboard_events_read_back_and_a_resumed_session_replaces_the_points_after_its_start",),
+        (
+            "tests/test_tracking.py::test_tensorboard_events_read_back_and_a_resumed_session_replaces_the_points_after_its_start",
+        ),
         "a resumed session's TensorBoard points are appended after the old run's, not replacing them",
     ),
     Mutant(
@@ -487,9 +515,11 @@ MUTANTS = [
     Mutant(
         "elastic-batch-accumulation",
         "ddpkit/data/batching.py",
-        "    if mode != \"per-rank\":\n        return accumulation, (",
+        '    if mode != "per-rank":\n        return accumulation, (',
         "    if False:  # mutant: --elastic-batch accumulation ignored\n        return accumulation, (",
-        ("tests/test_launch.py::test_an_elastic_job_below_its_largest_size_keeps_the_global_batch[accumulation-accumulate-1-8]",),
+        (
+            "tests/test_launch.py::test_an_elastic_job_below_its_largest_size_keeps_the_global_batch[accumulation-accumulate-1-8]",
+        ),
         "`ddpkit run --elastic-batch accumulation` ignored (per-rank batch kept, more accumulation)",
     ),
     Mutant(
@@ -504,9 +534,11 @@ MUTANTS = [
     Mutant(
         "suite-longest-first-off",
         "tests/conftest.py",
-        "    return max(pending, key=lambda scope: seconds.get(Path(scope.split(\"::\")[0]).name, default))",
+        '    return max(pending, key=lambda scope: seconds.get(Path(scope.split("::")[0]).name, default))',
         "    return pending[0]  # mutant: xdist's own order (most tests first)",
-        ("tests/test_ci_selection.py::test_the_workers_take_the_longest_modules_first_and_the_table_names_real_modules",),
+        (
+            "tests/test_ci_selection.py::test_the_workers_take_the_longest_modules_first_and_the_table_names_real_modules",
+        ),
         "the suite's workers take modules in xdist's order, the longest few-test modules last",
     ),
     Mutant(
@@ -546,7 +578,9 @@ MUTANTS = [
         "ddpkit/strategy/hf.py",
         "if not is_hf(inner) or target.suffix",
         "if True or target.suffix",
-        ("tests/test_hf_models.py::test_token_weighted_training_matches_one_process_and_exports[gpt2-fsdp-False]",),
+        (
+            "tests/test_hf_models.py::test_token_weighted_training_matches_one_process_and_exports[gpt2-fsdp-False]",
+        ),
         "s.export of an HF model to a directory writes no from_pretrained layout",
     ),
     Mutant(
@@ -570,7 +604,9 @@ MUTANTS = [
         "ddpkit/strategy/building.py",
         "    if recompute is not None:  # before DDP/FSDP",
         "    if False:  # before DDP/FSDP",
-        ("tests/test_activation_checkpointing.py::test_recomputed_blocks_train_bitwise_the_same_weights[ddp]",),
+        (
+            "tests/test_activation_checkpointing.py::test_recomputed_blocks_train_bitwise_the_same_weights[ddp]",
+        ),
         "s.model(activation_checkpointing=Block) recomputes nothing",
     ),
     Mutant(
@@ -578,7 +614,9 @@ MUTANTS = [
         "ddpkit/strategy/fsdp.py",
         "chosen = list(dict.fromkeys(checkpointing.unit_name(n) for n in found))",
         "chosen = list(dict.fromkeys(found))",
-        ("tests/test_activation_checkpointing.py::test_recomputed_blocks_train_bitwise_the_same_weights[fsdp]",),
+        (
+            "tests/test_activation_checkpointing.py::test_recomputed_blocks_train_bitwise_the_same_weights[fsdp]",
+        ),
         "FSDPOptions(blocks=) shards the block inside its checkpoint wrapper instead of the wrapper",
     ),
     Mutant(
@@ -640,8 +678,8 @@ MUTANTS = [
     Mutant(
         "sampler-share",
         "ddpkit/data/samplers.py",
-        "batches = rank_rows(order, rank=self.rank,",
-        "batches = rank_rows(order, rank=0,",
+        "            rank=self.rank,\n",
+        "            rank=0,\n",
         ("tests/test_data_samplers.py::test_each_rank_takes_its_share_of_the_global_order",),
         "every rank reads rank 0's share of the user's sampler order",
     ),
@@ -682,8 +720,10 @@ MUTANTS = [
         "ddpkit/observe/anatomy.py",
         "        if i == _BACKWARD and self._cursor < self._last_grad <= now:",
         "        if False:  # mutant: the sync wait stays inside backward",
-        ("tests/test_anatomy.py::test_anatomy_marks_split_backward_at_the_last_gradient",
-         "tests/test_anatomy.py::test_slow_rank_named_with_its_cause"),
+        (
+            "tests/test_anatomy.py::test_anatomy_marks_split_backward_at_the_last_gradient",
+            "tests/test_anatomy.py::test_slow_rank_named_with_its_cause",
+        ),
         "backward is not split at the last gradient: no gradient-sync wait measured",
     ),
     Mutant(
@@ -739,7 +779,9 @@ MUTANTS = [
         "ddpkit/step/invariant.py",
         "        ddp.register_comm_hook(None, refuse)",
         "        pass  # mutant: DDP's all-reduce runs silently in reproducible='any-world'",
-        ("tests/test_invariant.py::test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal",),
+        (
+            "tests/test_invariant.py::test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal",
+        ),
         "a loss.backward() through the DDP model in reproducible='any-world' trains an ordinary DDP run",
     ),
     Mutant(
@@ -755,7 +797,9 @@ MUTANTS = [
         "ddpkit/step/invariant.py",
         "        self.phases.stepped(True)\n",
         "        pass  # mutant: s.invariant.step never reaches the step anatomy\n",
-        ("tests/test_invariant.py::test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal",),
+        (
+            "tests/test_invariant.py::test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal",
+        ),
         "an any-world loop shows no steps to StepMonitor, MFU or the slow-rank report",
     ),
     Mutant(
@@ -763,7 +807,9 @@ MUTANTS = [
         "ddpkit/step/stepping.py",
         '        self._refuse_in_invariant_mode("s.step(opt)")\n',
         "",
-        ("tests/test_invariant.py::test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal",),
+        (
+            "tests/test_invariant.py::test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal",
+        ),
         "s.step(opt) in reproducible='any-world' steps with DDP's gradients without a word",
     ),
     Mutant(
@@ -795,23 +841,29 @@ MUTANTS = [
         "ddpkit/verify/bitwise.py",
         "            if outputs.get(key, (None, None, None))[2] != digest:",
         "            if False:  # mutant: module outputs never compared",
-        ("tests/test_invariant.py::test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_own_generator",),
+        (
+            "tests/test_invariant.py::test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_own_generator",
+        ),
         "verify --bitwise no longer names the first module whose output differs (only gradients and weights)",
     ),
     Mutant(
         "invariant-sampler",
         "ddpkit/step/invariant.py",
-        "        options[\"sampler\"] = global_order(dataset, shuffle)",
+        '        options["sampler"] = global_order(dataset, shuffle)',
         "        pass  # mutant: DistributedSampler's interleaved split, not contiguous chunks",
-        ("tests/test_invariant.py::test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal",),
+        (
+            "tests/test_invariant.py::test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal",
+        ),
         "s.loader in reproducible='any-world' keeps DistributedSampler's split (rank r: rows r, r+W, ...)",
     ),
     Mutant(
         "invariant-resume",
         "ddpkit/step/invariant.py",
-        "        self.counters.steps = state[\"steps\"]",
+        '        self.counters.steps = state["steps"]',
         "        pass  # mutant: the step counter (the chunks' seeds) restarts at 0 after s.load",
-        ("tests/test_invariant.py::test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal",),
+        (
+            "tests/test_invariant.py::test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_bitwise_equal",
+        ),
         "s.load(invariant=s.invariant) leaves the mode's step counter at 0",
     ),
     Mutant(
@@ -825,9 +877,11 @@ MUTANTS = [
     Mutant(
         "cpu-allocator-keep",
         "ddpkit/parallel/cpu_allocator.py",
-        "        ok = libc.mallopt(_M_MMAP_MAX, int(env.get(\"MALLOC_MMAP_MAX_\", 0))) == 1",
+        '        ok = libc.mallopt(_M_MMAP_MAX, int(env.get("MALLOC_MMAP_MAX_", 0))) == 1',
         "        ok = True  # mutant: big blocks stay mmapped, faulted in again at every step",
-        ("tests/test_cpu_allocator.py::test_a_model_with_big_tensors_reuses_blocks_instead_of_faulting_them_in",),
+        (
+            "tests/test_cpu_allocator.py::test_a_model_with_big_tensors_reuses_blocks_instead_of_faulting_them_in",
+        ),
         "a big model's freed blocks go back to the kernel and are faulted in at every step",
     ),
     Mutant(
@@ -923,7 +977,9 @@ MUTANTS = [
         "ddpkit/strategy/hf.py",
         "        table[n] = replay(fn)",
         "        pass  # mutant: transformers' captured trunc_normal_ & co. stay no-ops on meta",
-        ("tests/test_hf_models.py::test_a_vits_trunc_normal_init_is_one_process_weights_under_the_shard_by_shard_build",),
+        (
+            "tests/test_hf_models.py::test_a_vits_trunc_normal_init_is_one_process_weights_under_the_shard_by_shard_build",
+        ),
         "FSDP's shard-by-shard build of a ViT leaves its trunc_normal_ init undone (other initial weights)",
     ),
     Mutant(
@@ -931,7 +987,9 @@ MUTANTS = [
         "ddpkit/observe/monitor.py",
         "        self.flops_per_step = float(flops * self.accumulation) if flops > 0 else None",
         "        self.flops_per_step = float(flops) if flops > 0 else None  # mutant: one micro-batch a step",
-        ("tests/test_anatomy.py::test_flops_per_optimizer_step_count_every_micro_batch_of_an_accumulating_step",),
+        (
+            "tests/test_anatomy.py::test_flops_per_optimizer_step_count_every_micro_batch_of_an_accumulating_step",
+        ),
         "FLOPs per optimizer step count one micro-batch: FLOP/s and MFU k times too low under accumulation",
     ),
     Mutant(
@@ -972,7 +1030,9 @@ MUTANTS = [
         "ddpkit/checkpoint/reading.py",
         "        return files.verify(chosen)",
         "        return files.Found(chosen, files.json.loads((chosen / files.MANIFEST).read_text()))",
-        ("tests/test_checkpoint_tools.py::test_a_checkpoint_whose_checksum_fails_is_reported_and_never_converted",),
+        (
+            "tests/test_checkpoint_tools.py::test_a_checkpoint_whose_checksum_fails_is_reported_and_never_converted",
+        ),
         "ddpkit checkpoint convert reads a checkpoint without checking its checksums",
     ),
     Mutant(
@@ -980,7 +1040,9 @@ MUTANTS = [
         "ddpkit/checkpoint/write.py",
         '    diverged = differing(parts["shared"], ctx.device) if ctx.distributed else []',
         "    diverged: list[str] = []  # mutant: state that differs between ranks saved once, rank 0's",
-        ("tests/test_checkpoint_ranks.py::test_an_object_whose_state_differs_between_ranks_comes_back_per_rank",),
+        (
+            "tests/test_checkpoint_ranks.py::test_an_object_whose_state_differs_between_ranks_comes_back_per_rank",
+        ),
         "an object whose state differs between ranks comes back as rank 0's on every rank",
     ),
     Mutant(
@@ -988,7 +1050,9 @@ MUTANTS = [
         "ddpkit/checkpoint/checkpoints.py",
         "            if found is None and not skipped and (what := files.foreign(root)) is not None:",
         "            if False and (what := files.foreign(root)) is not None:  # mutant: another tool's file",
-        ("tests/test_checkpoint_ranks.py::test_a_file_another_tool_wrote_is_refused_at_load_not_taken_for_a_fresh_start",),
+        (
+            "tests/test_checkpoint_ranks.py::test_a_file_another_tool_wrote_is_refused_at_load_not_taken_for_a_fresh_start",
+        ),
         "s.load on a file another tool wrote says 'no checkpoint yet' and starts fresh",
     ),
     Mutant(
@@ -996,7 +1060,9 @@ MUTANTS = [
         "ddpkit/checkpoint/writer_child.py",
         "                piece = piece[self.f.write(piece) :]  # type: ignore[attr-defined]",
         "                piece = piece[len(piece) :]  # mutant: hashed, answered, never written",
-        ("tests/test_background_process.py::test_a_process_save_is_the_state_of_the_call_and_the_bytes_of_a_synchronous_save",),
+        (
+            "tests/test_background_process.py::test_a_process_save_is_the_state_of_the_call_and_the_bytes_of_a_synchronous_save",
+        ),
         "the writer process reports a file written (and the checkpoint committed) before its bytes are in it",
     ),
     Mutant(
@@ -1004,7 +1070,9 @@ MUTANTS = [
         "ddpkit/checkpoint/checkpoints.py",
         "        out = writer.write_file if writer is not None else None",
         "        out = None  # mutant: the big files written on training's process after all",
-        ("tests/test_background_process.py::test_a_process_save_is_the_state_of_the_call_and_the_bytes_of_a_synchronous_save",),
+        (
+            "tests/test_background_process.py::test_a_process_save_is_the_state_of_the_call_and_the_bytes_of_a_synchronous_save",
+        ),
         'background="process" stages into shared memory but writes and hashes on training\'s interpreter',
     ),
     Mutant(
@@ -1012,16 +1080,20 @@ MUTANTS = [
         "ddpkit/checkpoint/checkpoints.py",
         "        if self._process is not None and not self._process.alive:",
         "        if False:  # mutant: a dead writer process is asked again",
-        ("tests/test_background_process.py::test_a_killed_writer_process_fails_its_save_and_loses_no_earlier_checkpoint",),
+        (
+            "tests/test_background_process.py::test_a_killed_writer_process_fails_its_save_and_loses_no_earlier_checkpoint",
+        ),
         "after a writer process died, every later process save fails",
     ),
     Mutant(
         "remote-manifest-first",
         "ddpkit/checkpoint/remote.py",
-        "        for name in sorted(manifest[\"files\"], key=lambda n: (final / n).stat().st_size):",
-        "        for name in [files.MANIFEST, *sorted(manifest[\"files\"], "
+        '        for name in sorted(manifest["files"], key=lambda n: (final / n).stat().st_size):',
+        '        for name in [files.MANIFEST, *sorted(manifest["files"], '
         "key=lambda n: (final / n).stat().st_size)]:  # mutant",
-        ("tests/test_checkpoint_remote.py::test_a_kill_during_the_upload_leaves_the_stores_checkpoint_whole_or_absent",),
+        (
+            "tests/test_checkpoint_remote.py::test_a_kill_during_the_upload_leaves_the_stores_checkpoint_whole_or_absent",
+        ),
         "a remote checkpoint is committed (its manifest uploaded) before all its parts are in the store",
     ),
     Mutant(
@@ -1037,7 +1109,9 @@ MUTANTS = [
         "ddpkit/checkpoint/remote.py",
         "        kept = retention.kept(manifests)",
         "        kept = Retention(retention.last).kept(manifests)  # mutant: the newest K only",
-        ("tests/test_checkpoint_remote.py::test_a_save_to_s3_resumes_on_another_machine_and_keeps_the_newest",),
+        (
+            "tests/test_checkpoint_remote.py::test_a_save_to_s3_resumes_on_another_machine_and_keeps_the_newest",
+        ),
         "the store's retention deletes the best checkpoint (keep_best) and every Nth (keep_every)",
     ),
     Mutant(
@@ -1104,8 +1178,10 @@ MUTANTS = [
         "ddpkit/strategy/hsdp.py",
         "        self.shape = self.shape.with_mesh(replicate=replicate, shard=shard)",
         "        self.shape = self.shape.with_mesh(shard=shard, replicate=replicate)  # mutant: dims swapped",
-        ("tests/test_hsdp.py::test_hsdp_2x2_is_fsdp2_on_a_2d_mesh_with_bitwise_replicas",
-         "tests/test_hsdp.py::test_verify_strategy_hsdp_2x2_trains_the_weights_of_one_process"),
+        (
+            "tests/test_hsdp.py::test_hsdp_2x2_is_fsdp2_on_a_2d_mesh_with_bitwise_replicas",
+            "tests/test_hsdp.py::test_verify_strategy_hsdp_2x2_trains_the_weights_of_one_process",
+        ),
         "HSDP's mesh with its replicate and shard dimensions swapped (shard groups strided across nodes)",
     ),
     Mutant(
@@ -1113,8 +1189,10 @@ MUTANTS = [
         "ddpkit/strategy/fsdp.py",
         "        mesh = self.shape.device_mesh()  # 1-D",
         "        mesh = self.shape.device_mesh()[self.shape.mesh[-1][0]]  # mutant: the shard dim only; 1-D",
-        ("tests/test_hsdp.py::test_hsdp_2x2_is_fsdp2_on_a_2d_mesh_with_bitwise_replicas",
-         "tests/test_hsdp.py::test_verify_strategy_hsdp_2x2_trains_the_weights_of_one_process"),
+        (
+            "tests/test_hsdp.py::test_hsdp_2x2_is_fsdp2_on_a_2d_mesh_with_bitwise_replicas",
+            "tests/test_hsdp.py::test_verify_strategy_hsdp_2x2_trains_the_weights_of_one_process",
+        ),
         "HSDP sharded on the shard dimension's 1-D mesh only: no all-reduce across replica groups",
     ),
     Mutant(
@@ -1130,8 +1208,10 @@ MUTANTS = [
         "ddpkit/strategy/adapters.py",
         "keep = set(trainable_names(module))",
         "keep = set(state)",
-        ("tests/test_adapters.py::test_checkpoint_holds_adapters_only_and_resumes_bitwise[ddp]",
-         "tests/test_adapters.py::test_checkpoint_holds_adapters_only_and_resumes_bitwise[fsdp]"),
+        (
+            "tests/test_adapters.py::test_checkpoint_holds_adapters_only_and_resumes_bitwise[ddp]",
+            "tests/test_adapters.py::test_checkpoint_holds_adapters_only_and_resumes_bitwise[fsdp]",
+        ),
         "s.save writes the frozen base into a PEFT model's checkpoint",
     ),
     Mutant(
@@ -1155,17 +1235,21 @@ MUTANTS = [
         "ddpkit/checkpoint/dcp.py",
         '    if not found.manifest.get("objects", {}).get("sharded"):',
         '    if saved != "fsdp":  # mutant: only FSDP\'s checkpoints are read as shards',
-        ("tests/test_hsdp.py::test_hsdp_resume_at_the_same_shape_is_bitwise",
-         "tests/test_hsdp.py::test_hsdp_checkpoint_resumes_under_another_shape_exactly"),
+        (
+            "tests/test_hsdp.py::test_hsdp_resume_at_the_same_shape_is_bitwise",
+            "tests/test_hsdp.py::test_hsdp_checkpoint_resumes_under_another_shape_exactly",
+        ),
         "an HSDP checkpoint is read as a whole-model file it does not hold (no resume from HSDP shards)",
     ),
     Mutant(
         "hsdp-optimizer-shards-refused",
         "ddpkit/strategy/fsdp.py",
         'SHARDED_KINDS = ("fsdp", "hsdp")',
-        'SHARDED_KINDS = ("fsdp",)  # mutant: HSDP\'s optimizer shards counted as a DDP checkpoint\'s',
-        ("tests/test_hsdp.py::test_hsdp_resume_at_the_same_shape_is_bitwise",
-         "tests/test_hsdp.py::test_hsdp_checkpoint_resumes_under_another_shape_exactly"),
+        "SHARDED_KINDS = (\"fsdp\",)  # mutant: HSDP's optimizer shards counted as a DDP checkpoint's",
+        (
+            "tests/test_hsdp.py::test_hsdp_resume_at_the_same_shape_is_bitwise",
+            "tests/test_hsdp.py::test_hsdp_checkpoint_resumes_under_another_shape_exactly",
+        ),
         "an HSDP checkpoint's sharded optimizer state is refused as if DDP had saved it",
     ),
     Mutant(
@@ -1197,7 +1281,9 @@ MUTANTS = [
         "ddpkit/plan/simulate.py",
         "            costs = [c + t for c, (t, _) in zip(costs, replicas, strict=True)]",
         "            costs = list(costs)  # mutant: the all-reduce between nodes costs nothing",
-        ("tests/test_hsdp_plan.py::test_across_nodes_hsdp_sends_less_over_the_slow_link_and_steps_faster_than_fsdp",),
+        (
+            "tests/test_hsdp_plan.py::test_across_nodes_hsdp_sends_less_over_the_slow_link_and_steps_faster_than_fsdp",
+        ),
         "`ddpkit plan --strategy hsdp` leaves the all-reduce of the shards between nodes out of the step",
     ),
     Mutant(
@@ -1205,15 +1291,19 @@ MUTANTS = [
         "ddpkit/plan/simulate.py",
         '        if self.link.backend == "gloo":\n            return self.allreduce(nbytes)[0]',
         "        if False:  # mutant: gloo's reduce-scatter costed as a ring's\n            return 0.0",
-        ("tests/test_hsdp_plan.py::test_on_gloo_a_reduce_scatter_costs_an_all_reduce_so_fsdp_sends_four_passes",),
+        (
+            "tests/test_hsdp_plan.py::test_on_gloo_a_reduce_scatter_costs_an_all_reduce_so_fsdp_sends_four_passes",
+        ),
         "`ddpkit plan` costs FSDP2's reduce-scatter on gloo as a ring's, half of what gloo sends",
     ),
     Mutant(
         "plan-ddp-wire-serial-on-busy-cores",
         "ddpkit/plan/simulate.py",
         '    elif opts.strategy == "ddp" and cluster.nodes > 1:',
-        '    elif False:  # mutant: DDP\'s wire time across nodes added to the backward on busy cores',
-        ("tests/test_hsdp_plan.py::test_ddp_across_nodes_on_busy_cores_waits_for_the_wire_beside_the_backward",),
+        "    elif False:  # mutant: DDP's wire time across nodes added to the backward on busy cores",
+        (
+            "tests/test_hsdp_plan.py::test_ddp_across_nodes_on_busy_cores_waits_for_the_wire_beside_the_backward",
+        ),
         "`ddpkit plan` adds DDP's all-reduce between nodes to the backward when the cores are busy",
     ),
     Mutant(
@@ -1318,7 +1408,9 @@ MUTANTS = [
         "ddpkit/step/stepping.py",
         '            state["spikes"] = self.spikes.state_dict()',
         "            pass  # mutant: a resume judges against an empty window",
-        ("tests/test_spikes.py::test_a_resume_from_before_the_spike_decides_the_same_and_ends_bitwise_equal",),
+        (
+            "tests/test_spikes.py::test_a_resume_from_before_the_spike_decides_the_same_and_ends_bitwise_equal",
+        ),
         "the spike guard's window is not saved with the stepper, so a resumed run decides differently",
     ),
     Mutant(
@@ -1337,14 +1429,16 @@ MUTANTS = [
         "ddpkit/step/spikes.py",
         "        self.watch = [weakref.ref(p, self.forget) for p in params]",
         "        self.watch = []  # mutant: the views of a freed model's buckets are kept",
-        ("tests/test_spikes.py::test_the_guards_own_norm_reads_each_run_of_bucket_views_as_one_tensor_and_holds_no_model",),
+        (
+            "tests/test_spikes.py::test_the_guards_own_norm_reads_each_run_of_bucket_views_as_one_tensor_and_holds_no_model",
+        ),
         "the guard's remembered bucket views keep a model's gradient buffers alive after the model is freed",
     ),
     Mutant(
         "export-url-json-first",
         "ddpkit/checkpoint/remote.py",
-        'key=lambda n: (n.endswith(".json"), n))',
-        "key=lambda n: n)  # mutant: in name order, config.json before the weights",
+        'key=lambda n: (n.endswith(".json"), n),',
+        "key=lambda n: n,  # mutant: in name order, config.json before the weights",
         ("tests/test_checkpoint_remote.py::test_a_folder_is_uploaded_with_its_json_files_last",),
         "an exported folder's config is uploaded before its weights (a cut-off upload looks whole)",
     ),
@@ -1353,7 +1447,9 @@ MUTANTS = [
         "ddpkit/checkpoint/remote.py",
         "    if is_main:\n        upload(say)\n    return written\n",
         "    return written  # mutant: the export stays in the local cache\n",
-        ("tests/test_checkpoint_remote.py::test_a_hugging_face_export_to_s3_is_a_folder_from_pretrained_loads",),
+        (
+            "tests/test_checkpoint_remote.py::test_a_hugging_face_export_to_s3_is_a_folder_from_pretrained_loads",
+        ),
         "s.export of a Hugging Face folder to a URL writes it locally and never uploads it",
     ),
     Mutant(
@@ -1361,7 +1457,9 @@ MUTANTS = [
         "ddpkit/checkpoint/background.py",
         "            idle_priority()\n            lower_priority(nice)\n        try:\n",
         "            pass  # mutant: gloo threads at training priority\n        try:\n",
-        ("tests/test_checkpoint_writer_priority.py::test_the_threads_a_background_save_starts_run_at_the_lowest_priority",),
+        (
+            "tests/test_checkpoint_writer_priority.py::test_the_threads_a_background_save_starts_run_at_the_lowest_priority",
+        ),
         "the background save's process group (gloo's worker threads) runs at training's priority",
     ),
     Mutant(
@@ -1369,7 +1467,9 @@ MUTANTS = [
         "ddpkit/checkpoint/dcp.py",
         "            load_whole_optimizers(model, optimizers, found, strict=strict)\n",
         "            pass  # mutant: the optimizer saved whole is not loaded into FSDP's shards\n",
-        ("tests/test_checkpoint_portable.py::test_a_two_rank_checkpoint_loads_under_another_strategy[ddp-fsdp]",),
+        (
+            "tests/test_checkpoint_portable.py::test_a_two_rank_checkpoint_loads_under_another_strategy[ddp-fsdp]",
+        ),
         "a DDP checkpoint's optimizer state is dropped when an FSDP run loads it (a fresh optimizer)",
     ),
     Mutant(
@@ -1377,7 +1477,9 @@ MUTANTS = [
         "ddpkit/data/loader.py",
         '            state["skipped"] = [list(r) for r in self._skips]',
         "            pass  # mutant: the skipped samples are not in the checkpoint",
-        ("tests/test_spike_rollback.py::test_a_resume_after_the_rollback_keeps_the_skip_listed_in_the_checkpoint",),
+        (
+            "tests/test_spike_rollback.py::test_a_resume_after_the_rollback_keeps_the_skip_listed_in_the_checkpoint",
+        ),
         "the samples a rollback left out are not in the loader's checkpoint state, so a resume reads them",
     ),
     Mutant(
@@ -1396,7 +1498,9 @@ MUTANTS = [
         "ddpkit/training/fit.py",
         "end - self.loader.batch.per_rank * s.world_size, end))",
         "end - self.loader.batch.per_rank, end))  # mutant: a rank's share, not the global batch",
-        ("tests/test_spike_rollback.py::test_a_rollback_leaves_the_bad_batch_out_and_ends_where_a_run_without_it_ends",),
+        (
+            "tests/test_spike_rollback.py::test_a_rollback_leaves_the_bad_batch_out_and_ends_where_a_run_without_it_ends",
+        ),
         "the rollback names the spiking step's samples per rank instead of by global position",
     ),
     Mutant(
@@ -1404,7 +1508,9 @@ MUTANTS = [
         "ddpkit/training/fit.py",
         "        s.load(root, **objects)\n",
         "        pass  # mutant: no checkpoint loaded\n",
-        ("tests/test_spike_rollback.py::test_a_rollback_leaves_the_bad_batch_out_and_ends_where_a_run_without_it_ends",),
+        (
+            "tests/test_spike_rollback.py::test_a_rollback_leaves_the_bad_batch_out_and_ends_where_a_run_without_it_ends",
+        ),
         "remedy='rollback' leaves out the samples but never goes back to the checkpoint",
     ),
     Mutant(
@@ -1412,7 +1518,9 @@ MUTANTS = [
         "ddpkit/training/fit.py",
         "        back = max(0, pass_epoch - loader.epoch)",
         "        back = 0  # mutant: fit's epoch count stays in the spike's epoch",
-        ("tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[mid-epoch]",),
+        (
+            "tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[mid-epoch]",
+        ),
         "a rollback into the previous epoch leaves fit counting the spike's epoch (the run ends early)",
     ),
     Mutant(
@@ -1420,7 +1528,9 @@ MUTANTS = [
         "ddpkit/training/fit.py",
         "        if batches == 0 and not resumed:",
         "        if batches == 0:  # mutant: a pass resumed at its epoch's end is an empty loader",
-        ("tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[epoch-end]",),
+        (
+            "tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[epoch-end]",
+        ),
         "a rollback (or resume) to a checkpoint saved at an epoch's last step stops with 'yielded no batch'",
     ),
     Mutant(
@@ -1428,7 +1538,9 @@ MUTANTS = [
         "ddpkit/training/fit.py",
         "            self.evaluate(again=resumed and batches == 0)\n",
         "            self.evaluate()  # mutant: the repeated epoch end's evaluation added\n",
-        ("tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[epoch-end]",),
+        (
+            "tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[epoch-end]",
+        ),
         "a rollback to a checkpoint at an epoch's last step leaves that epoch evaluated twice in the evals",
     ),
     Mutant(
@@ -1436,7 +1548,9 @@ MUTANTS = [
         "ddpkit/training/fit.py",
         '        state.evals[:] = [e for e in state.evals if e["step"] <= state.step]',
         "        pass  # mutant: the abandoned path's evaluations stay in FitResult.evals\n",
-        ("tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[mid-epoch]",),
+        (
+            "tests/test_spike_rollback.py::test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_without_the_batch[mid-epoch]",
+        ),
         "the evaluations a rollback undid stay in FitResult.evals beside those of the replay",
     ),
     Mutant(
@@ -1514,10 +1628,12 @@ MUTANTS = [
     Mutant(
         "hsdp-resume-shape-ignored",
         "ddpkit/verify/resume.py",
-        "                        strategy=part.session_strategy()) as s:  # fmt: skip",
-        '                        strategy="auto") as s:  # mutant: every part runs DDP',
-        ("tests/test_hsdp_resume.py::test_an_hsdp_2x2_run_resumed_under_fsdp_2_ends_within_the_floor",
-         "tests/test_hsdp_resume.py::test_an_fsdp_2_checkpoint_under_hsdp_2x2_without_the_optimizer_is_named"),
+        "        strategy=part.session_strategy(),\n    ) as s:",
+        '        strategy="auto",  # mutant: every part runs DDP\n    ) as s:',
+        (
+            "tests/test_hsdp_resume.py::test_an_hsdp_2x2_run_resumed_under_fsdp_2_ends_within_the_floor",
+            "tests/test_hsdp_resume.py::test_an_fsdp_2_checkpoint_under_hsdp_2x2_without_the_optimizer_is_named",
+        ),
         "`ddpkit verify --resume` across shapes runs DDP on both sides and reports the shapes asked for",
     ),
     Mutant(
@@ -1526,8 +1642,10 @@ MUTANTS = [
         "    if not s.strategy.shards_state:\n        return s.stepper.optimizer_state(optimizer)",
         "    if True:  # mutant: a sharded optimizer's local state, keyed as it is\n"
         "        return s.stepper.optimizer_state(optimizer)",
-        ("tests/test_hsdp_resume.py::test_an_hsdp_2x2_run_resumed_under_fsdp_2_ends_within_the_floor",
-         "tests/test_hsdp_resume.py::test_an_fsdp_2_checkpoint_under_hsdp_2x2_without_the_optimizer_is_named"),
+        (
+            "tests/test_hsdp_resume.py::test_an_hsdp_2x2_run_resumed_under_fsdp_2_ends_within_the_floor",
+            "tests/test_hsdp_resume.py::test_an_fsdp_2_checkpoint_under_hsdp_2x2_without_the_optimizer_is_named",
+        ),
         "`ddpkit verify --resume` compares a sharded optimizer's local shards, not the gathered state",
     ),
     Mutant(
@@ -1573,7 +1691,7 @@ MUTANTS = [
     Mutant(
         "spawn-forkserver",
         "ddpkit/cluster/spawn.py",
-        "        mp.get_context(\"forkserver\").set_forkserver_preload(list(PRELOAD))",
+        '        mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))',
         "        pass  # mutant: the forkserver imports nothing ahead",
         ("tests/test_warmstart.py::test_spawn_forks_importable_functions_from_a_preloaded_server",),
         "ranks asked for with start_method='forkserver' pay torch's imports again",
@@ -1591,15 +1709,19 @@ MUTANTS = [
         "ddpkit/checkpoint/dcp.py",
         "    write = process.write_shards if process is not None else write_here\n",
         "    write = write_here  # mutant: the writer thread writes DCP's shards after all\n",
-        ("tests/test_background_fsdp.py::test_a_process_save_under_fsdp_is_written_by_the_writer_process_and_resumes_bitwise",),
-        'under FSDP, background="process" writes DCP\'s shards from training\'s process (the writer thread)',
+        (
+            "tests/test_background_fsdp.py::test_a_process_save_under_fsdp_is_written_by_the_writer_process_and_resumes_bitwise",
+        ),
+        "under FSDP, background=\"process\" writes DCP's shards from training's process (the writer thread)",
     ),
     Mutant(
         "thread-copy-fresh-memory",
         "ddpkit/checkpoint/background.py",
         "        self._arena.reset()\n        return self._arena.stage\n",
         "        return None  # mutant: each save's copy cloned into fresh memory\n",
-        ("tests/test_background_fsdp.py::test_a_thread_save_under_fsdp_reads_nothing_back_and_reuses_the_memory_of_its_copy",),
+        (
+            "tests/test_background_fsdp.py::test_a_thread_save_under_fsdp_reads_nothing_back_and_reuses_the_memory_of_its_copy",
+        ),
         "a thread save's copy faults in new memory on training's thread at every save",
     ),
     Mutant(
@@ -1608,7 +1730,9 @@ MUTANTS = [
         '    return {"bytes": os.stat(path).st_size, "sha256": digest.hexdigest(), "spans": spans}',
         '    return {"bytes": os.stat(path).st_size, "spans": spans,  # mutant: the file read back\n'
         '            "sha256": hashlib.sha256(open(path, "rb").read()).hexdigest()}',
-        ("tests/test_background_fsdp.py::test_a_thread_save_under_fsdp_reads_nothing_back_and_reuses_the_memory_of_its_copy",),
+        (
+            "tests/test_background_fsdp.py::test_a_thread_save_under_fsdp_reads_nothing_back_and_reuses_the_memory_of_its_copy",
+        ),
         "the writer reads each DCP file back to hash it (a second pass over its bytes)",
     ),
     Mutant(
@@ -1616,7 +1740,9 @@ MUTANTS = [
         "ddpkit/checkpoint/dcp.py",
         "            return flat.view(t.dtype).view(t.shape)",
         "            return t  # mutant: torch.save of a view into the staging segment",
-        ("tests/test_background_fsdp.py::test_a_thread_save_under_fsdp_reads_nothing_back_and_reuses_the_memory_of_its_copy",),
+        (
+            "tests/test_background_fsdp.py::test_a_thread_save_under_fsdp_reads_nothing_back_and_reuses_the_memory_of_its_copy",
+        ),
         "the thread writer's DCP file holds the whole staging segment each shard was copied into",
     ),
     Mutant(
@@ -1901,8 +2027,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "-j", "--jobs", type=int, default=JOBS, help=f"mutants run at once, each in its own copy ({JOBS})"
     )
-    parser.add_argument("--due", action="store_true", help="only the mutants the record does not cover, "
-                        "then others within --budget")  # fmt: skip
+    parser.add_argument(
+        "--due",
+        action="store_true",
+        help="only the mutants the record does not cover, then others within --budget",
+    )
     parser.add_argument("--budget", type=float, default=0, help="with --due: seconds to fill with others")
     parser.add_argument("--seed", type=int, default=0, help="with --due: the order of the others")
     parser.add_argument("--record", action="store_true", help="record the caught mutants at HEAD")
@@ -1966,8 +2095,10 @@ def main(argv: list[str] | None = None) -> int:
         ok = ok and rc == 1
         print(f"| {m.name} | {m.file}: {m.what} | {verdict} | {secs:.0f} |")
     caught = sum(results[m.name][0] == 1 for m in chosen)
-    print(f"\n{caught} of {len(chosen)} mutants caught, {ns.jobs} at a time, "
-          f"in {time.monotonic() - began:.0f} s")  # fmt: skip
+    print(
+        f"\n{caught} of {len(chosen)} mutants caught, {ns.jobs} at a time, "
+        f"in {time.monotonic() - began:.0f} s"
+    )
     if ns.due:
         print(f"{len(MUTANTS) - len(chosen)} of {len(MUTANTS)} mutants not run (the record covers them)")
     if ns.record:

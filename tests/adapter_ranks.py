@@ -34,7 +34,7 @@ def get_peft(model: nn.Module, kind: str) -> nn.Module:
 
 
 def factory(kind: str, base: str, how: str):
-    """"pretrained": the base read by `from_pretrained` in the factory (what most scripts do);
+    """ "pretrained": the base read by `from_pretrained` in the factory (what most scripts do);
     "config": the base built from its config, its weights given by `s.model(..., weights=base)`; "bf16":
     the same with the base cast to bf16 before get_peft_model (its adapters stay fp32)."""
     from peft import get_peft_model
@@ -83,7 +83,7 @@ def trainable(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _options(strategy: str) -> object:
-    """"fsdp": units by size (each block its own); "hsdp": the same, replicate 2 x shard 2 (4 ranks)."""
+    """ "fsdp": units by size (each block its own); "hsdp": the same, replicate 2 x shard 2 (4 ranks)."""
     if strategy == "hsdp":
         return HSDPOptions(replicate=2, shard=2, min_block_params=2_000)
     return FSDPOptions(min_block_params=2_000) if strategy == "fsdp" else strategy
@@ -95,12 +95,16 @@ def _steps(s, model, opt, first: int, last: int, accumulation: int = 2, world: i
     rows = 4 * (world or s.world_size)
     for step in range(first, last):
         for micro in range(accumulation):
-            batch = hf_ranks._rows(hf_ranks.padded(step * accumulation + micro, rows=rows), s.rank, s.world_size)
+            batch = hf_ranks._rows(
+                hf_ranks.padded(step * accumulation + micro, rows=rows), s.rank, s.world_size
+            )
             with s.accumulate(model):
                 loss_sum, tokens = hf_ranks.token_sum(model, batch)
                 counted = int(tokens)
                 s.backward(loss_sum, tokens=tokens)
-            assert int(tokens) == counted, f"s.backward changed the caller's token count: {counted} -> {int(tokens)}"
+            assert int(tokens) == counted, (
+                f"s.backward changed the caller's token count: {counted} -> {int(tokens)}"
+            )
             s.step(opt)
 
 
@@ -110,8 +114,9 @@ def _loss_over(s, model, micro_batches: int) -> float:
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         for i in range(micro_batches):
-            loss_sum, tokens = hf_ranks.token_sum(model, hf_ranks._rows(hf_ranks.padded(i, rows=4 * s.world_size),
-                                                                         s.rank, s.world_size))
+            loss_sum, tokens = hf_ranks.token_sum(
+                model, hf_ranks._rows(hf_ranks.padded(i, rows=4 * s.world_size), s.rank, s.world_size)
+            )
             total += torch.stack([loss_sum.double(), tokens.double()])
     if s.world_size > 1:
         torch.distributed.all_reduce(total)
@@ -126,8 +131,17 @@ def _graphs() -> int:
     return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
 
 
-def train(kind: str, strategy: str, how: str, base: str, steps: int = 4, out: str | None = None,
-          shard_optimizer: object = "auto", options: dict | None = None, evaluate: bool = False) -> dict:
+def train(
+    kind: str,
+    strategy: str,
+    how: str,
+    base: str,
+    steps: int = 4,
+    out: str | None = None,
+    shard_optimizer: object = "auto",
+    options: dict | None = None,
+    evaluate: bool = False,
+) -> dict:
     """Token-weighted AdamW steps on the adapters (the optimizer given every parameter, as scripts do);
     the initial and final adapters gathered, the frozen base's gradients and optimizer state, the
     sharded step's note; `out`: the adapter directory and the merged model exported there; `options`:
@@ -135,26 +149,46 @@ def train(kind: str, strategy: str, how: str, base: str, steps: int = 4, out: st
     micro-batches trained on, before and after."""
     printed, graphs_before = io.StringIO(), _graphs()
     chosen = _options(strategy)  # HSDP's degrees go to the session (its mesh), once
-    with contextlib.redirect_stdout(printed), ddpkit.session(
-            seed=0, accumulation=2, shard_optimizer=shard_optimizer,
-            strategy=chosen if strategy == "hsdp" else "auto") as s:  # fmt: skip
-        model = s.model(factory(kind, base, how), strategy=None if strategy == "hsdp" else chosen,
-                        weights=None if how == "pretrained" else base, **(options or {}))
+    with (
+        contextlib.redirect_stdout(printed),
+        ddpkit.session(
+            seed=0,
+            accumulation=2,
+            shard_optimizer=shard_optimizer,
+            strategy=chosen if strategy == "hsdp" else "auto",
+        ) as s,
+    ):
+        model = s.model(
+            factory(kind, base, how),
+            strategy=None if strategy == "hsdp" else chosen,
+            weights=None if how == "pretrained" else base,
+            **(options or {}),
+        )
         initial = trainable(model)
         inner = ddpkit.unwrap(model)
-        frozen_start = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                        for n, p in inner.named_parameters() if not p.requires_grad}
+        frozen_start = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in inner.named_parameters()
+            if not p.requires_grad
+        }
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = [_loss_over(s, model, 2 * steps)] if evaluate else []
         _steps(s, model, opt, 0, steps)
         losses += [_loss_over(s, model, 2 * steps)] if evaluate else []
-        frozen_moved = [n for n, p in inner.named_parameters() if not p.requires_grad
-                        and not torch.equal((p.full_tensor() if hasattr(p, "full_tensor") else p).detach(),
-                                            frozen_start[n])]
+        frozen_moved = [
+            n
+            for n, p in inner.named_parameters()
+            if not p.requires_grad
+            and not torch.equal(
+                (p.full_tensor() if hasattr(p, "full_tensor") else p).detach(), frozen_start[n]
+            )
+        ]
         frozen_grads = [n for n, p in inner.named_parameters() if not p.requires_grad and p.grad is not None]
         with_state = sorted(plain_name(n) for n, p in inner.named_parameters() if p in opt.state)
         dtypes = sorted({(p.requires_grad, str(p.dtype)) for p in inner.parameters()})
-        dtypes += sorted({("state", str(v.dtype)) for st in opt.state.values() for k, v in st.items() if k != "step"})
+        dtypes += sorted(
+            {("state", str(v.dtype)) for st in opt.state.values() for k, v in st.items() if k != "step"}
+        )
         final = trainable(model)
         if out is not None:
             s.export(f"{out}/adapter", model)
@@ -164,13 +198,30 @@ def train(kind: str, strategy: str, how: str, base: str, steps: int = 4, out: st
             with torch.no_grad():
                 logits = inner(input_ids=hf_ranks.padded(99, rows=2)["input_ids"]).logits.detach().clone()
     graphs = _graphs() - graphs_before
-    return {"initial": initial, "final": final, "frozen_moved": frozen_moved, "frozen_grads": frozen_grads,
-            "with_state": with_state, "printed": printed.getvalue(), "logits": logits, "graphs": graphs,
-            "dtypes": dtypes, "losses": losses}
+    return {
+        "initial": initial,
+        "final": final,
+        "frozen_moved": frozen_moved,
+        "frozen_grads": frozen_grads,
+        "with_state": with_state,
+        "printed": printed.getvalue(),
+        "logits": logits,
+        "graphs": graphs,
+        "dtypes": dtypes,
+        "losses": losses,
+    }
 
 
-def train_one_process(kind: str, base: str, how: str, world: int, steps: int = 4, accumulation: int = 2,
-                      permuted: bool = False, rescaled: bool = False) -> list[dict[str, torch.Tensor]]:
+def train_one_process(
+    kind: str,
+    base: str,
+    how: str,
+    world: int,
+    steps: int = 4,
+    accumulation: int = 2,
+    permuted: bool = False,
+    rescaled: bool = False,
+) -> list[dict[str, torch.Tensor]]:
     """The same steps on the whole global batch in one process (the mean over all its valid tokens):
     the trainable parameters after each step. `permuted`: each batch's rows in another order, the noise
     floor's variant (only the order of the sums changes). `rescaled`: the other variant, the backward
@@ -202,12 +253,15 @@ def train_one_process(kind: str, base: str, how: str, world: int, steps: int = 4
     return states
 
 
-def save_after_two_steps(kind: str, strategy: str, base: str, root: str, options: dict | None = None,
-                         world: int | None = None) -> str | None:
+def save_after_two_steps(
+    kind: str, strategy: str, base: str, root: str, options: dict | None = None, world: int | None = None
+) -> str | None:
     """2 steps from the pretrained base, then `s.save(root)`; the checkpoint's path. `world`: the global
     batch of a run at that world size (one process saving for a resume on more ranks)."""
     with ddpkit.session(seed=0, accumulation=2, verbose=False, log_to=None) as s:
-        model = s.model(factory(kind, base, "config"), strategy=_options(strategy), weights=base, **(options or {}))
+        model = s.model(
+            factory(kind, base, "config"), strategy=_options(strategy), weights=base, **(options or {})
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         _steps(s, model, opt, 0, 2, world=world)
         saved = s.save(root, model=model, optimizer=opt)
@@ -248,12 +302,15 @@ def tuple_token_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.
 
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], return_dict=False)[0]
     labels = batch["labels"][:, 1:]
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                           reduction="sum")
+    loss = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
     return loss, (labels != -100).sum()
 
 
-def resume_in_one_process(kind: str, base: str, root: str, world: int, steps: int = 4) -> dict[str, torch.Tensor]:
+def resume_in_one_process(
+    kind: str, base: str, root: str, world: int, steps: int = 4
+) -> dict[str, torch.Tensor]:
     """Load the checkpoint `root` that a `world`-rank run saved after 2 steps into ONE process (another
     world size: the sharded adapters and their optimizer state read whole) and run the other steps on
     the same global batches; the final adapters."""
@@ -265,8 +322,9 @@ def resume_in_one_process(kind: str, base: str, root: str, world: int, steps: in
         return trainable(model)
 
 
-
-def resume_on_ranks(kind: str, strategy: str, base: str, root: str, steps: int = 4) -> dict[str, torch.Tensor]:
+def resume_on_ranks(
+    kind: str, strategy: str, base: str, root: str, steps: int = 4
+) -> dict[str, torch.Tensor]:
     """Load the checkpoint `root` (saved by one process on this run's global batch) on this session's
     ranks under `strategy` (FSDP: the whole adapters and AdamW state cut into shards) and run the other
     steps; the final adapters, gathered."""

@@ -163,8 +163,11 @@ def python() -> str:
         log = (directory / "server.log").open("w")
         _warm["server"] = subprocess.Popen(
             [sys.executable, "-m", "ddpkit.cluster.warmstart", str(directory)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-        )  # fmt: skip
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 10  # it listens before it imports: clients queue meanwhile
         while warm_client(directory) is None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -224,8 +227,10 @@ def marked(mark: str, var: str = LAUNCH_MARK) -> list[int]:
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         try:
-            if needle in (proc / "environ").read_bytes().split(b"\0") and (proc / "stat").read_text().split(
-                ") ", 1)[1][0] != "Z":  # fmt: skip
+            if (
+                needle in (proc / "environ").read_bytes().split(b"\0")
+                and (proc / "stat").read_text().split(") ", 1)[1][0] != "Z"
+            ):
                 pids.append(int(proc.name))
         except OSError:  # gone, or not ours
             continue
@@ -301,8 +306,13 @@ def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None, env: dict
 
 def fresh_python(code: str, timeout: float = 60) -> str:
     """Run `code` in a new interpreter (nothing imported yet, ddpkit from this checkout); its stdout."""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -389,15 +399,15 @@ NOT_KERNEL_DEPENDENT = {
     ),
     "test_checkpoint_tools.py": "conversions return the saved bytes; forwards compared in one process on the same weights",
     "test_checkpoint_portable.py": "a load copies the saved values: the loaded state equals the saved bytes",
-    "test_checkpoint_remote.py": "downloaded checkpoints equal the uploaded bytes; the preempted run: " + _SAME_BY_CONSTRUCTION,
+    "test_checkpoint_remote.py": "downloaded checkpoints equal the uploaded bytes; the preempted run: "
+    + _SAME_BY_CONSTRUCTION,
     "test_ci_selection.py": "this check's own sample of a float comparison",
     "test_data_hf.py": _SAME_BY_CONSTRUCTION,
     "test_fit.py": "logged values read back as written",
     "test_gpucheck.py": "names of checks; nothing computed",
     "test_hf_weights.py": "weights loaded from a checkpoint equal its bytes",
     "test_plan.py": "the planner's cost model in Python floats; no torch kernel",
-    "test_plugins.py::test_a_strategy_registered_from_outside_trains_with_its_shape":
-        "replicas compared with each other: every rank applies the same all-reduced gradient",
+    "test_plugins.py::test_a_strategy_registered_from_outside_trains_with_its_shape": "replicas compared with each other: every rank applies the same all-reduced gradient",
     "test_architecture.py::test_every_wing_index_lists_all_its_modules": "module names in docstrings; nothing computed",
     "test_plan_noise.py": "the planner's noise bands in Python floats; no torch kernel",
     "test_plan_memory.py": "bytes of fake tensors (shapes and dtypes): no kernel computes a value",
@@ -517,7 +527,6 @@ NOT_KERNEL_DEPENDENT = {
     ),
     "test_verify.py::test_spec_errors": _REFUSAL,
 }
-
 
 
 def kernel_independent(nodeid: str) -> bool:

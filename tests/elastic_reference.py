@@ -25,7 +25,9 @@ def main() -> None:
         out = root / loop
         out.mkdir(parents=True)
         # no checkpoint is due (1000 > 24 steps): the reference needs none
-        elastic_train.main([str(out / "ckpt"), str(out), "--sleep", "0", "--loop", loop, "--save-every", "1000"])
+        elastic_train.main(
+            [str(out / "ckpt"), str(out), "--sleep", "0", "--loop", loop, "--save-every", "1000"]
+        )
 
 
 if __name__ == "__main__":

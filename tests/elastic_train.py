@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--loop", choices=("accumulate", "step", "plain", "invariant"), default="accumulate")
     ap.add_argument("--idiom", choices=("every", "if"), default="every")
     ap.add_argument("--save-every", type=int, default=1)
-    ap.add_argument("--strategy", default="auto")  # e.g. "hsdp": a replica per host (tests/test_hsdp_elastic.py)
+    ap.add_argument(
+        "--strategy", default="auto"
+    )  # e.g. "hsdp": a replica per host (tests/test_hsdp_elastic.py)
     ns = ap.parse_args(argv)
     torch.set_num_threads(1)
     invariant = {"reproducible": "any-world", "chunk": 4} if ns.loop == "invariant" else {}
@@ -109,7 +111,9 @@ def main(argv: list[str] | None = None) -> None:
                     s.barrier()
                     time.sleep(0.1)
         final = str(Path(ns.out) / "final.safetensors")
-        if s.strategy.shards_state:  # FSDP/HSDP: the whole weights gathered from the shards, written by rank 0
+        if (
+            s.strategy.shards_state
+        ):  # FSDP/HSDP: the whole weights gathered from the shards, written by rank 0
             s.export(final, model)
         elif s.is_main:
             weights = {k: v.contiguous() for k, v in ddpkit.unwrap(model).state_dict().items()}

@@ -58,7 +58,12 @@ def initial(factory_name: str, options: bool, whole: bool = False) -> dict:
         torch.manual_seed(0)
         reference = factory()
         local = sum(p.to_local().numel() for p in model.parameters())
-        return {"fsdp": _state(model), "one": _state(reference), "local": local, "total": sum(p.numel() for p in reference.parameters())}  # fmt: skip
+        return {
+            "fsdp": _state(model),
+            "one": _state(reference),
+            "local": local,
+            "total": sum(p.numel() for p in reference.parameters()),
+        }
 
 
 def trains(world_batches: int = 4) -> list[float]:

@@ -59,8 +59,13 @@ def train(
                 norms.append(float(info.grad_norm))
             losses.append(float(s.all_reduce(loss.detach(), op="mean")))
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-        return {"params": full_params(model), "norms": norms, "losses": losses, "local": local,
-                "strategy": s.strategy.name}  # fmt: skip
+        return {
+            "params": full_params(model),
+            "norms": norms,
+            "losses": losses,
+            "local": local,
+            "strategy": s.strategy.name,
+        }
 
 
 def different_init() -> str:

@@ -20,31 +20,76 @@ def config(kind: str):
 
     small = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     if kind == "gpt2":
-        return tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                             attn_pdrop=0.0, **small)  # no dropout: the ranks compare to one process
+        return tf.GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **small,
+        )  # no dropout: the ranks compare to one process
     if kind in ("llama", "llama-tied"):
-        return tf.LlamaConfig(hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, max_position_embeddings=64,
-                              tie_word_embeddings=kind == "llama-tied", **small)
+        return tf.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=kind == "llama-tied",
+            **small,
+        )
     if kind == "qwen2":
-        return tf.Qwen2Config(hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, **small)
+        return tf.Qwen2Config(
+            hidden_size=32,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            **small,
+        )
     if kind == "bert":
-        return tf.BertConfig(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             max_position_embeddings=64, hidden_dropout_prob=0.0,
-                             attention_probs_dropout_prob=0.0, **small)
+        return tf.BertConfig(
+            hidden_size=32,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **small,
+        )
     if kind == "vit":  # its _init_weights draws trunc_normal_ (cls token, position embeddings)
-        return tf.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
-                            num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
-                            attention_probs_dropout_prob=0.0, num_labels=3)
+        return tf.ViTConfig(
+            image_size=8,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            num_labels=3,
+        )
     raise ValueError(kind)
 
 
 def model_class(kind: str) -> type[nn.Module]:
     import transformers as tf
 
-    return {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "llama-tied": tf.LlamaForCausalLM,
-            "qwen2": tf.Qwen2ForCausalLM, "bert": tf.BertForMaskedLM, "vit": tf.ViTForImageClassification}[kind]
+    return {
+        "gpt2": tf.GPT2LMHeadModel,
+        "llama": tf.LlamaForCausalLM,
+        "llama-tied": tf.LlamaForCausalLM,
+        "qwen2": tf.Qwen2ForCausalLM,
+        "bert": tf.BertForMaskedLM,
+        "vit": tf.ViTForImageClassification,
+    }[kind]
 
 
 def factory(kind: str):
@@ -62,7 +107,7 @@ def batch(kind: str, rank: int, world: int, n: int = 4, length: int = 12) -> dic
     """The same global batch on every rank (seeded), then this rank's rows; BERT: masked-LM labels."""
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, VOCAB, (n * world, length), generator=g)
-    mine = ids[rank * n:(rank + 1) * n]
+    mine = ids[rank * n : (rank + 1) * n]
     return {"input_ids": mine, "labels": mine.clone()}
 
 
@@ -88,11 +133,15 @@ def initial(kind: str, strategy: str, whole: bool, min_block_params: int = 10_00
         inner = ddpkit.unwrap(model)
         state = _state(model) if strategy == "fsdp" else _ddp_state(model)
         units = sorted(n for n, m in inner.named_modules() if type(m).__name__.startswith("FSDP"))
-        tied = [(a, b) for a, b in _tied_names(kind)
-                if inner.get_parameter(a) is inner.get_parameter(b)]
+        tied = [(a, b) for a, b in _tied_names(kind) if inner.get_parameter(a) is inner.get_parameter(b)]
         loss = model(**batch(kind, s.rank, s.world_size)).loss
-        return {"got": state, "one": _state(one_process(kind)), "units": units, "tied": tied,
-                "loss": float(loss.detach())}
+        return {
+            "got": state,
+            "one": _state(one_process(kind)),
+            "units": units,
+            "tied": tied,
+            "loss": float(loss.detach()),
+        }
 
 
 def initial_fsdp_factory(kind: str) -> dict:
@@ -106,11 +155,13 @@ def initial_fsdp_factory(kind: str) -> dict:
 
 
 def _tied_names(kind: str) -> list[tuple[str, str]]:
-    return {"gpt2": [("lm_head.weight", "transformer.wte.weight")],
-            "llama-tied": [("lm_head.weight", "model.embed_tokens.weight")],
-            "qwen2": [("lm_head.weight", "model.embed_tokens.weight")],
-            "bert": [("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight")],
-            "llama": []}[kind]
+    return {
+        "gpt2": [("lm_head.weight", "transformer.wte.weight")],
+        "llama-tied": [("lm_head.weight", "model.embed_tokens.weight")],
+        "qwen2": [("lm_head.weight", "model.embed_tokens.weight")],
+        "bert": [("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight")],
+        "llama": [],
+    }[kind]
 
 
 # -- ddpkit verify on an HF model (`--model hf_ranks:gpt2 --batches hf_ranks:padded --loss hf_ranks:token_sum`)
@@ -138,18 +189,20 @@ def token_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor
 
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     labels = batch["labels"][:, 1:]
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                           reduction="sum")
+    loss = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
     return loss, (labels != -100).sum()
 
 
 def _rows(batch: dict, rank: int, world: int) -> dict:
     n = batch["input_ids"].shape[0] // world
-    return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+    return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
 
 
-def train(kind: str, strategy: str, whole: bool, root: str | None = None, steps: int = 3,
-          accumulation: int = 2) -> dict:
+def train(
+    kind: str, strategy: str, whole: bool, root: str | None = None, steps: int = 3, accumulation: int = 2
+) -> dict:
     """The README recipe: padded sequences, the summed loss with `s.backward(..., tokens=)`, SGD with
     momentum; the final weights gathered. `root`: exported there (`s.export`) for `from_pretrained`."""
     with ddpkit.session(seed=0, verbose=False, accumulation=accumulation) as s:
@@ -158,7 +211,9 @@ def train(kind: str, strategy: str, whole: bool, root: str | None = None, steps:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         for step in range(steps):
             for micro in range(accumulation):
-                batch = _rows(padded(step * accumulation + micro, rows=4 * s.world_size), s.rank, s.world_size)
+                batch = _rows(
+                    padded(step * accumulation + micro, rows=4 * s.world_size), s.rank, s.world_size
+                )
                 with s.accumulate(model):
                     loss_sum, tokens = token_sum(model, batch)
                     s.backward(loss_sum, tokens=tokens)
@@ -174,7 +229,9 @@ def train_one_process(kind: str, world: int, steps: int = 3, accumulation: int =
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
         opt.zero_grad()
-        parts = [token_sum(model, padded(step * accumulation + m, rows=4 * world)) for m in range(accumulation)]
+        parts = [
+            token_sum(model, padded(step * accumulation + m, rows=4 * world)) for m in range(accumulation)
+        ]
         total = sum(float(n) for _, n in parts)
         (sum(loss for loss, _ in parts) / total).backward()
         opt.step()
@@ -189,7 +246,12 @@ def initial_all(kind: str) -> dict:
         r = initial(kind, strategy, whole)
         differ = sorted(k for k in r["one"] if k not in r["got"] or not torch.equal(r["got"][k], r["one"][k]))
         out[f"{strategy}-{'whole' if whole else 'factory'}"] = {
-            "differ": differ, "compared": len(r["one"]), "units": r["units"], "tied": r["tied"], "loss": r["loss"]}
+            "differ": differ,
+            "compared": len(r["one"]),
+            "units": r["units"],
+            "tied": r["tied"],
+            "loss": r["loss"],
+        }
     return out
 
 
@@ -211,8 +273,12 @@ def small_units(kind: str) -> dict:
         inner = ddpkit.unwrap(model)
         model(**batch(kind, s.rank, s.world_size)).loss.backward()
         units = sorted(n for n, m in inner.named_modules() if type(m).__name__.startswith("FSDP"))
-        return {"units": units, "tied": [(a, b) for a, b in _tied_names(kind)
-                                         if inner.get_parameter(a) is inner.get_parameter(b)]}
+        return {
+            "units": units,
+            "tied": [
+                (a, b) for a, b in _tied_names(kind) if inner.get_parameter(a) is inner.get_parameter(b)
+            ],
+        }
 
 
 def pretrained(kind: str, root: str, shard_size: str | None = None) -> nn.Module:
@@ -231,5 +297,10 @@ def load(kind: str, strategy: str, weights: str) -> dict:
         inner = ddpkit.unwrap(model)
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in inner.parameters())
         state = _state(model) if strategy == "fsdp" else _ddp_state(model)
-        return {"got": state, "local": local, "tied": [(a, b) for a, b in _tied_names(kind)
-                                                        if inner.get_parameter(a) is inner.get_parameter(b)]}
+        return {
+            "got": state,
+            "local": local,
+            "tied": [
+                (a, b) for a, b in _tied_names(kind) if inner.get_parameter(a) is inner.get_parameter(b)
+            ],
+        }

@@ -22,10 +22,13 @@ def trained(replicate: int, shard: int) -> dict:
     with contextlib.redirect_stdout(printed), ddpkit.session(seed=0, strategy=options) as s:
         model = s.model(lambda: _net(), strategy=options)
         meshes = {
-            name: (tuple(p.device_mesh.mesh_dim_names or ()), tuple(p.device_mesh.shape),
-                   [type(pl).__name__ for pl in p.placements])
+            name: (
+                tuple(p.device_mesh.mesh_dim_names or ()),
+                tuple(p.device_mesh.shape),
+                [type(pl).__name__ for pl in p.placements],
+            )
             for name, p in model.named_parameters()
-        }  # fmt: skip
+        }
         describe = s.strategy.describe()
     result = train(options, steps=4, accumulation=2)  # its own session: the same options, trained
     with ddpkit.session(seed=0, verbose=False, strategy=options) as s:
@@ -36,8 +39,14 @@ def trained(replicate: int, shard: int) -> dict:
         s.step(opt)
         local = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
         whole = full_params(model)
-    return {**result, "meshes": meshes, "printed": printed.getvalue(), "describe": describe, "local": local,
-            "whole_after_step": whole}  # fmt: skip
+    return {
+        **result,
+        "meshes": meshes,
+        "printed": printed.getvalue(),
+        "describe": describe,
+        "local": local,
+        "whole_after_step": whole,
+    }
 
 
 def _net() -> torch.nn.Module:
@@ -48,8 +57,11 @@ def _net() -> torch.nn.Module:
 
 def refused(replicate: int | None, shard: int | None, within_node: bool = True) -> str:
     try:
-        with ddpkit.session(seed=0, verbose=False,
-                            strategy=HSDPOptions(replicate=replicate, shard=shard, within_node=within_node)):  # fmt: skip
+        with ddpkit.session(
+            seed=0,
+            verbose=False,
+            strategy=HSDPOptions(replicate=replicate, shard=shard, within_node=within_node),
+        ):
             return "no error"
     except ddpkit.DdpkitError as err:
         return str(err)
@@ -74,8 +86,16 @@ def _moments(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, to
     return out
 
 
-def checkpointed(root: str, kind: str, degrees: tuple, stop: int | None, resume: bool, steps: int = 6,
-                 loader: bool = True, go_on: bool = False) -> dict:  # fmt: skip
+def checkpointed(
+    root: str,
+    kind: str,
+    degrees: tuple,
+    stop: int | None,
+    resume: bool,
+    steps: int = 6,
+    loader: bool = True,
+    go_on: bool = False,
+) -> dict:
     """Train `steps` steps under `strategy_of(kind, *degrees)`; stop after `stop` (saving model, AdamW,
     step and, with `loader`, the loader to `root`), or resume from `root` and finish. Returns the whole
     weights and moments (gathered), this rank's local shards and what ran. `go_on`: after the save at
@@ -96,8 +116,13 @@ def checkpointed(root: str, kind: str, degrees: tuple, stop: int | None, resume:
             s.step(opt, max_norm=1.0)
         if stop is not None:
             s.save(root, **state, step=stop)
-        out = {"params": full_params(model), "moments": _moments(model, opt), "local": _local(model),
-               "strategy": s.strategy.describe(), "done": done}  # fmt: skip
+        out = {
+            "params": full_params(model),
+            "moments": _moments(model, opt),
+            "local": _local(model),
+            "strategy": s.strategy.describe(),
+            "done": done,
+        }
         if go_on:
             for _ in range(steps - stop):
                 x, y = next(it)
@@ -109,8 +134,10 @@ def checkpointed(root: str, kind: str, degrees: tuple, stop: int | None, resume:
 
 def _local(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's local shards (a DTensor's local part; a plain tensor whole), copied."""
-    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
-            for n, p in ddpkit.unwrap(model).named_parameters()}  # fmt: skip
+    return {
+        n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+        for n, p in ddpkit.unwrap(model).named_parameters()
+    }
 
 
 def initial_mixed() -> dict:
@@ -163,5 +190,8 @@ def background_roundtrip(root: str) -> dict:
         fresh = s.model(net, strategy=strategy)
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
         s.load(root, model=fresh, optimizer=fresh_opt)
-        return {"at_call": at_call, "loaded": {"params": full_params(fresh), "moments": _moments(fresh, fresh_opt)},
-                "moved": full_params(model)}  # fmt: skip
+        return {
+            "at_call": at_call,
+            "loaded": {"params": full_params(fresh), "moments": _moments(fresh, fresh_opt)},
+            "moved": full_params(model),
+        }

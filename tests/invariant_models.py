@@ -33,4 +33,6 @@ def batchnorm() -> nn.Module:
 
 def data() -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(3)
-    return torch.utils.data.TensorDataset(torch.randn(128, 8, generator=g), torch.randint(0, 3, (128,), generator=g))
+    return torch.utils.data.TensorDataset(
+        torch.randn(128, 8, generator=g), torch.randint(0, 3, (128,), generator=g)
+    )

@@ -22,8 +22,9 @@ STEPS, BATCH, CHUNK = 8, 32, 4  # 8 steps: every mutant of the mode changes a ha
 
 
 def _mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.GELU(),
-                         nn.Linear(64, 4))  # fmt: skip
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4)
+    )
 
 
 def _gpt() -> nn.Module:
@@ -35,11 +36,14 @@ def workload(name: str) -> tuple[Any, Any, Any]:
     g = torch.Generator().manual_seed(1)
     n = STEPS * BATCH
     if name == "mlp":
-        data = torch.utils.data.TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g))
+        data = torch.utils.data.TensorDataset(
+            torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+        )
         return _mlp, data, lambda m, b: F.cross_entropy(m(b[0]), b[1])
     if name == "cnn":
-        data = torch.utils.data.TensorDataset(torch.randn(n, 3, 32, 32, generator=g),
-                                              torch.randint(0, 10, (n,), generator=g))  # fmt: skip
+        data = torch.utils.data.TensorDataset(
+            torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+        )
         return TutorialCNN, data, lambda m, b: F.cross_entropy(m(b[0]), b[1])
     tokens = torch.randint(0, 64, (n, 17), generator=g)
     data = torch.utils.data.TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
@@ -72,14 +76,29 @@ def _train(name: str, world: int, group: Any, mode: str) -> tuple[str, dict[str,
         assert mode_state is not None
         options: dict[str, Any] = {}
         shuffle, drop_last = mode_state.loader_options(data, BATCH, True, options)
-        loader = make_loader(data, batch, rank=rank, device=torch.device("cpu"), seed=0, shuffle=shuffle,
-                             drop_last=drop_last, **options)  # fmt: skip
+        loader = make_loader(
+            data,
+            batch,
+            rank=rank,
+            device=torch.device("cpu"),
+            seed=0,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            **options,
+        )
         for b in loader:
             mode_state.step(model, opt, b, loss_fn)
         counters = vars(mode_state.counters)
     else:  # plain DDP on each rank's contiguous share: the same samples, DDP's sums
-        loader = make_loader(data, batch, rank=rank, device=torch.device("cpu"), seed=0, drop_last=True,
-                             sampler=invariant.global_order(data, True))  # fmt: skip
+        loader = make_loader(
+            data,
+            batch,
+            rank=rank,
+            device=torch.device("cpu"),
+            seed=0,
+            drop_last=True,
+            sampler=invariant.global_order(data, True),
+        )
         wrapped = nn.parallel.DistributedDataParallel(model, process_group=group) if world > 1 else model
         for b in loader:
             loss_fn(wrapped, b).backward()

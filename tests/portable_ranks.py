@@ -48,7 +48,9 @@ def load(root: str, strategy: str, env: dict | None = None, optimizer: bool = Tr
     kwargs = {"env": env, "hardware": ddpkit.Hardware(gpus=0, cpu_cores=2)} if env is not None else {}
     with ddpkit.session(seed=1, verbose=False, strategy=strategy, **kwargs) as s:
         torch.manual_seed(1)
-        model = s.model(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)))
+        model = s.model(
+            nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         state = {"model": model, "optimizer": opt} if optimizer else {"model": model}
         values = s.load(root, **state, step=0)

@@ -126,6 +126,7 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=0.02)
         opt.register_step_pre_hook(lambda *a: fire("optimizer"))
         loader = s.loader(data, batch_size=GLOBAL_BATCH, shuffle=True)
+
         def again() -> None:
             os.kill(launcher(), signal.SIGTERM)
 

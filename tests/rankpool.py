@@ -36,10 +36,15 @@ def _die_with_parent() -> None:
 def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
     _die_with_parent()
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
         OMP_NUM_THREADS="1",
-    )  # fmt: skip
+    )
     import torch
     import torch.distributed as dist
 

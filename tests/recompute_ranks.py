@@ -19,7 +19,9 @@ class DropBlock(Block):
 
 
 def dropnet() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), *[DropBlock(16) for _ in range(3)], torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), *[DropBlock(16) for _ in range(3)], torch.nn.Linear(16, 4)
+    )
 
 
 def _final(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -32,12 +34,16 @@ def train(strategy: str, recompute: bool, steps: int = 3, cls: type = Block, dro
     `dropout`: the blocks are DropBlocks (dropout p=0.5 inside each)."""
     with ddpkit.session(seed=0, verbose=False) as s:
         chosen = FSDPOptions(blocks=(Block,)) if strategy == "fsdp" else strategy
-        model = s.model(dropnet if dropout else net, strategy=chosen, activation_checkpointing=cls if recompute else None)
+        model = s.model(
+            dropnet if dropout else net, strategy=chosen, activation_checkpointing=cls if recompute else None
+        )
         inner = ddpkit.unwrap(model)
         calls = [0]
         for m in inner.modules():
             if isinstance(m, Block):  # FSDP2 makes it an FSDPBlock
-                m.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))  # pre: the recompute
+                m.register_forward_pre_hook(
+                    lambda *_: calls.__setitem__(0, calls[0] + 1)
+                )  # pre: the recompute
                 # stops early once it has what the backward needs, before a post-forward hook
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for x, y in list(s.loader(data(), batch_size=16))[:steps]:
@@ -45,8 +51,12 @@ def train(strategy: str, recompute: bool, steps: int = 3, cls: type = Block, dro
                 s.backward(F.cross_entropy(model(x), y))
             s.step(opt)
         units = sorted(n for n, m in inner.named_modules() if type(m).__name__.startswith("FSDP"))
-        return {"final": _final(model), "calls": calls[0], "units": units,
-                "state_keys": sorted(inner.state_dict().keys())}
+        return {
+            "final": _final(model),
+            "calls": calls[0],
+            "units": units,
+            "state_keys": sorted(inner.state_dict().keys()),
+        }
 
 
 def hf_auto(strategy: str, recompute: bool, weights: str | None = None) -> dict:
@@ -55,8 +65,12 @@ def hf_auto(strategy: str, recompute: bool, weights: str | None = None) -> dict:
 
     with ddpkit.session(seed=0, verbose=False) as s:
         chosen = FSDPOptions(min_block_params=10_000) if strategy == "fsdp" else strategy
-        model = s.model(hf_ranks.factory("gpt2"), strategy=chosen, weights=weights,
-                        activation_checkpointing="auto" if recompute else None)
+        model = s.model(
+            hf_ranks.factory("gpt2"),
+            strategy=chosen,
+            weights=weights,
+            activation_checkpointing="auto" if recompute else None,
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -64,8 +78,12 @@ def hf_auto(strategy: str, recompute: bool, weights: str | None = None) -> dict:
         for step in range(2):
             batch = hf_ranks._rows(hf_ranks.padded(step, rows=8), s.rank, s.world_size)
             with s.accumulate(model):
-                out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                            labels=batch["labels"], use_cache=False)
+                out = model(
+                    input_ids=batch["input_ids"],
+                    attention_mask=batch["attention_mask"],
+                    labels=batch["labels"],
+                    use_cache=False,
+                )
                 s.backward(out.loss)
             s.step(opt)
         return {"final": _final(model), "wrapped": wrapped}

@@ -133,7 +133,9 @@ if __name__ == "__main__":
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--no-position", action="store_true")
     a = p.parse_args()
-    result = train(a.ckpt, every=a.every, kill_at=a.kill_at, out=a.out, position=not a.no_position, verbose=True)
+    result = train(
+        a.ckpt, every=a.every, kill_at=a.kill_at, out=a.out, position=not a.no_position, verbose=True
+    )
     assert result is not None
     torch.save({k: v for k, v in result.items() if k != "seen"}, Path(a.out, f"rank{result['rank']}.pt"))
 

@@ -34,14 +34,22 @@ class Numbers(IterableDataset):
             yield torch.full((3,), float(i) / self.n), i
 
 
-def train(ckpt: str | None, every: int = 0, kill_at: int | None = None, out: str | None = None) -> dict[str, Any]:
+def train(
+    ckpt: str | None, every: int = 0, kill_at: int | None = None, out: str | None = None
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     with ddpkit.session(seed=0) as s:
         model = s.model(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         # fork: in the pool's spawned processes the default would start each worker as a new interpreter
-        loader = s.loader(Numbers(N), batch_size=GLOBAL_BATCH, shuffle=True, shuffle_buffer=16, num_workers=2,
-                          multiprocessing_context="fork")  # fmt: skip
+        loader = s.loader(
+            Numbers(N),
+            batch_size=GLOBAL_BATCH,
+            shuffle=True,
+            shuffle_buffer=16,
+            num_workers=2,
+            multiprocessing_context="fork",
+        )
         step = s.load(ckpt, model=model, optimizer=opt, loader=loader, step=0)["step"] if ckpt else 0
         seen = []
         for _ in range(loader.epoch, EPOCHS):

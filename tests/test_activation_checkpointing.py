@@ -48,11 +48,15 @@ def test_a_block_fed_the_raw_batch_still_trains(pool2) -> None:
     implementation would leave its gradients None (transformers#45518); the non-reentrant one trains it."""
     plain = pool2.run(recompute_ranks.train, "ddp", False, 3, torch.nn.Linear)
     recomputed = pool2.run(recompute_ranks.train, "ddp", True, 3, torch.nn.Linear)
-    assert [n for n in plain[0]["final"] if not torch.equal(plain[0]["final"][n], recomputed[0]["final"][n])] == []
+    assert [
+        n for n in plain[0]["final"] if not torch.equal(plain[0]["final"][n], recomputed[0]["final"][n])
+    ] == []
 
 
-@pytest.mark.skipif(not os.environ.get("CI") and __import__("importlib").util.find_spec("transformers") is None,
-                    reason="transformers is not installed (pip install 'ddpkit[hf]')")
+@pytest.mark.skipif(
+    not os.environ.get("CI") and __import__("importlib").util.find_spec("transformers") is None,
+    reason="transformers is not installed (pip install 'ddpkit[hf]')",
+)
 def test_auto_finds_an_hf_models_blocks_and_loads_weights_through_the_wrappers(pool2, tmp_path) -> None:
     import hf_ranks
 
@@ -60,7 +64,9 @@ def test_auto_finds_an_hf_models_blocks_and_loads_weights_through_the_wrappers(p
     plain = pool2.run(recompute_ranks.hf_auto, "fsdp", False, str(tmp_path))
     recomputed = pool2.run(recompute_ranks.hf_auto, "fsdp", True, str(tmp_path))
     assert recomputed[0]["wrapped"] == 2 and plain[0]["wrapped"] == 0  # GPT2Block x 2 layers
-    assert [n for n in plain[0]["final"] if not torch.equal(plain[0]["final"][n], recomputed[0]["final"][n])] == []
+    assert [
+        n for n in plain[0]["final"] if not torch.equal(plain[0]["final"][n], recomputed[0]["final"][n])
+    ] == []
 
 
 def test_a_class_the_model_lacks_is_a_clear_error() -> None:

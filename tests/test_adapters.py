@@ -44,14 +44,16 @@ def _one_process_runs(kind: str, base: str, how: str, world: int, rescaled: bool
     tests compare against the same one (plain torch and peft, no ddpkit code: a mutant cannot reach it)."""
     key = (kind, base, how, world, rescaled)
     if key not in _ONE_PROCESS:
-        _ONE_PROCESS[key] = (adapter_ranks.train_one_process(kind, base, how, world, rescaled=rescaled),
-                             adapter_ranks.train_one_process(kind, base, how, world, permuted=True,
-                                                             rescaled=rescaled))  # fmt: skip
+        _ONE_PROCESS[key] = (
+            adapter_ranks.train_one_process(kind, base, how, world, rescaled=rescaled),
+            adapter_ranks.train_one_process(kind, base, how, world, permuted=True, rescaled=rescaled),
+        )
     return _ONE_PROCESS[key]
 
 
-def _within_floor(got: dict[str, torch.Tensor], kind: str, base: str, how: str, world: int,
-                  rescaled: bool = False) -> None:
+def _within_floor(
+    got: dict[str, torch.Tensor], kind: str, base: str, how: str, world: int, rescaled: bool = False
+) -> None:
     """`got` (the distributed run's final adapters) against one process's, per tensor, within the
     tolerance verify uses: 10x the floor (one process against itself with its rows permuted), 8 eps,
     or 1% of the last step's update. `rescaled`: one process back-propagating the token sum over a power
@@ -81,9 +83,16 @@ def test_fsdp_adapters_start_as_one_process_bit_for_bit(pool2, base, how) -> Non
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize(("kind", "strategy", "how"),
-                         [("gpt2", "ddp", "pretrained"), ("gpt2", "fsdp", "pretrained"), ("llama", "fsdp", "config"), ("llama", "fsdp", "pretrained"),
-                          ("llama", "ddp", "config")])
+@pytest.mark.parametrize(
+    ("kind", "strategy", "how"),
+    [
+        ("gpt2", "ddp", "pretrained"),
+        ("gpt2", "fsdp", "pretrained"),
+        ("llama", "fsdp", "config"),
+        ("llama", "fsdp", "pretrained"),
+        ("llama", "ddp", "config"),
+    ],
+)
 def test_lora_training_matches_one_process_within_the_floor(pool2, base, kind, strategy, how) -> None:
     results = pool2.run(adapter_ranks.train, kind, strategy, how, base[kind])
     for r in results:
@@ -108,7 +117,9 @@ def test_bf16_base_with_fp32_adapters_trains_as_one_process(pool2, base, strateg
         assert r["dtypes"] == [(False, "torch.bfloat16"), (True, "torch.float32"), ("state", "torch.float32")]
         assert r["frozen_moved"] == [] and r["frozen_grads"] == []
         assert r["with_state"] == sorted(r["final"])
-    assert ("kept the PEFT model's 4 trainable tensors in fp32" in results[0]["printed"]) == (how == "bf16-cast")
+    assert ("kept the PEFT model's 4 trainable tensors in fp32" in results[0]["printed"]) == (
+        how == "bf16-cast"
+    )
     before, after = results[0]["losses"]  # over the 8 global micro-batches trained on (random tokens)
     assert after < before - 0.004, f"the loss did not fall: {before} -> {after}"
     _within_floor(results[0]["final"], "gpt2", base["gpt2"], how, world=2, rescaled=True)
@@ -144,12 +155,16 @@ def test_sharded_step_leaves_the_frozen_base_alone(pool2, base) -> None:
 RECOMPUTE = {"activation_checkpointing": "auto"}  # GPT2Block, found through the PeftModel
 
 
-@pytest.mark.parametrize(("strategy", "options"), [("ddp", None), ("fsdp", None), ("fsdp", RECOMPUTE)],
-                         ids=["ddp", "fsdp", "fsdp-recompute"])
+@pytest.mark.parametrize(
+    ("strategy", "options"),
+    [("ddp", None), ("fsdp", None), ("fsdp", RECOMPUTE)],
+    ids=["ddp", "fsdp", "fsdp-recompute"],
+)
 def test_checkpoint_holds_adapters_only_and_resumes_bitwise(pool2, base, tmp_path, strategy, options) -> None:
     """With activation checkpointing too: its wrappers are in the parameters' names, not the state's."""
-    results = pool2.run(adapter_ranks.save_and_resume, "gpt2", strategy, base["gpt2"], str(tmp_path / "ckpt"),
-                        options)
+    results = pool2.run(
+        adapter_ranks.save_and_resume, "gpt2", strategy, base["gpt2"], str(tmp_path / "ckpt"), options
+    )
     for r in results:
         differ = [n for n in r["straight"] if not torch.equal(r["straight"][n], r["resumed"][n])]
         assert differ == [], f"resumed adapters differ from the straight run: {differ}"
@@ -174,7 +189,9 @@ def test_checkpoint_holds_adapters_only_and_resumes_bitwise(pool2, base, tmp_pat
     frozen = sum(p.numel() for p in one.parameters() if not p.requires_grad)
     adapters = sum(p.numel() for p in one.parameters() if p.requires_grad)
     held = sum(n for k, n in names.items() if "transformer." in k)
-    assert held <= 3 * adapters + 16 < frozen, f"{held} elements saved for {adapters} adapter elements"  # + steps
+    assert held <= 3 * adapters + 16 < frozen, (
+        f"{held} elements saved for {adapters} adapter elements"
+    )  # + steps
 
 
 @pytest.mark.numerics
@@ -185,8 +202,9 @@ def test_export_adapter_directory_and_merged_model(pool2, base, tmp_path) -> Non
     from peft import PeftModel
 
     out = tmp_path / "out"
-    results = pool2.run(adapter_ranks.train, "gpt2", "fsdp", "config", base["gpt2"], 3, str(out), "auto",
-                        RECOMPUTE)
+    results = pool2.run(
+        adapter_ranks.train, "gpt2", "fsdp", "config", base["gpt2"], 3, str(out), "auto", RECOMPUTE
+    )
     assert "activation checkpointing: 2 GPT2Block" in results[0]["printed"], results[0]["printed"][-2000:]
     assert (out / "adapter" / "adapter_config.json").is_file()
     assert not (out / "adapter" / "model.safetensors").exists()
@@ -206,24 +224,30 @@ def test_export_adapter_directory_and_merged_model(pool2, base, tmp_path) -> Non
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize(("strategy", "options", "note"),
-                         [("ddp", {"compile": {"backend": "aot_eager"}}, "")], ids=["ddp-compile"])
-def test_activation_checkpointing_and_compile_on_a_peft_model(pool2, base, tmp_path, strategy, options,
-                                                              note) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "options", "note"), [("ddp", {"compile": {"backend": "aot_eager"}}, "")], ids=["ddp-compile"]
+)
+def test_activation_checkpointing_and_compile_on_a_peft_model(
+    pool2, base, tmp_path, strategy, options, note
+) -> None:
     """A PEFT model recomputed per block (FSDP) or compiled (DDP; Dynamo and AOTAutograd through peft's
     LoRA layers, without Inductor's C++): trains to one process's within the floor, and exports the
     adapter directory `PeftModel` loads (the wrappers' names kept out of it)."""
     from peft import PeftModel
 
     out = tmp_path / "out"
-    results = pool2.run(adapter_ranks.train, "gpt2", strategy, "config", base["gpt2"], 4, str(out), "auto", options)
+    results = pool2.run(
+        adapter_ranks.train, "gpt2", strategy, "config", base["gpt2"], 4, str(out), "auto", options
+    )
     assert note in results[0]["printed"], results[0]["printed"][-2000:]
     assert ("compile" not in options) or results[0]["graphs"] > 0, "nothing was compiled"
     for r in results:
         assert r["frozen_moved"] == [] and r["frozen_grads"] == []
         assert r["with_state"] == sorted(r["final"]) and r["final"]
     _within_floor(results[0]["final"], "gpt2", base["gpt2"], "config", world=2)
-    loaded = PeftModel.from_pretrained(hf_ranks.model_class("gpt2").from_pretrained(base["gpt2"]), str(out / "adapter"))
+    loaded = PeftModel.from_pretrained(
+        hf_ranks.model_class("gpt2").from_pretrained(base["gpt2"]), str(out / "adapter")
+    )
     got = {n: p.detach() for n, p in loaded.named_parameters() if "lora_" in n}
     assert set(got) == set(results[0]["final"])
     assert all(torch.equal(got[n], results[0]["final"][n]) for n in got), "the exported adapters differ"
@@ -240,15 +264,35 @@ def test_checkpoint_of_other_adapters_is_a_clear_error(tmp_path, base) -> None:
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize(("strategy", "loss"), [("fsdp", "hf_ranks:token_sum"), ("ddp", "adapter_ranks:tuple_token_sum")])
-def test_ddpkit_verify_passes_on_a_peft_model_with_its_default_floor(pool2, monkeypatch, capsys, strategy, loss) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "loss"), [("fsdp", "hf_ranks:token_sum"), ("ddp", "adapter_ranks:tuple_token_sum")]
+)
+def test_ddpkit_verify_passes_on_a_peft_model_with_its_default_floor(
+    pool2, monkeypatch, capsys, strategy, loss
+) -> None:
     """Default options (the 'permuted' and 'chunked' floor): a ModelOutput, and a tuple holding the
     key-value cache, are both read by the chunked variant."""
     from ddpkit.verify import cli, verify
 
     monkeypatch.setattr(cli, "verify", lambda spec: verify(spec, runner=pool2.run))
-    code = cli.main(["--model", "adapter_ranks:gpt2_lora", "--batches", "hf_ranks:padded", "--loss", loss,
-                     "--strategy", strategy, "--optimizer", "adamw", "--steps", "3", "--batch-size", "8"])
+    code = cli.main(
+        [
+            "--model",
+            "adapter_ranks:gpt2_lora",
+            "--batches",
+            "hf_ranks:padded",
+            "--loss",
+            loss,
+            "--strategy",
+            strategy,
+            "--optimizer",
+            "adamw",
+            "--steps",
+            "3",
+            "--batch-size",
+            "8",
+        ]
+    )
     text = capsys.readouterr().out
     assert code == 0 and "verdict: PASS" in text, text[-3000:]
     assert "lora_A" in text
@@ -258,14 +302,18 @@ def test_lint_names_find_unused_parameters_set_for_a_frozen_base() -> None:
     from ddpkit.lint import lint_source
 
     def script(flag: str) -> str:
-        return ("import ddpkit, torch\n"
-                "from peft import LoraConfig, get_peft_model\n"
-                "from transformers import AutoModelForCausalLM\n"
-                "with ddpkit.session() as s:\n"
-                "    build = lambda: get_peft_model(AutoModelForCausalLM.from_pretrained('base'), LoraConfig())\n"
-                f"    model = s.model(build{flag})\n")
+        return (
+            "import ddpkit, torch\n"
+            "from peft import LoraConfig, get_peft_model\n"
+            "from transformers import AutoModelForCausalLM\n"
+            "with ddpkit.session() as s:\n"
+            "    build = lambda: get_peft_model(AutoModelForCausalLM.from_pretrained('base'), LoraConfig())\n"
+            f"    model = s.model(build{flag})\n"
+        )
 
-    findings = [f for f in lint_source(script(", find_unused_parameters=True"), "train.py") if f.code == "DDP012"]
+    findings = [
+        f for f in lint_source(script(", find_unused_parameters=True"), "train.py") if f.code == "DDP012"
+    ]
     assert len(findings) == 1 and "frozen base" in findings[0].message, findings
     assert [f for f in lint_source(script(""), "train.py") if f.code == "DDP012"] == []
 

@@ -148,8 +148,15 @@ def test_detector_thresholds_and_persistence() -> None:
     """Pure rules: relative AND absolute thresholds, the others must wait, 3 gathers in a row, said once."""
 
     def row(busy_extra: float = 0.0, sync: float = 0.001, data: float = 0.001) -> dict:
-        r = {"steps": 20.0, "data": data + busy_extra, "forward": 0.002, "backward": 0.002, "sync": sync,
-             "optimizer": 0.001, "other": 0.0005}  # fmt: skip
+        r = {
+            "steps": 20.0,
+            "data": data + busy_extra,
+            "forward": 0.002,
+            "backward": 0.002,
+            "sync": sync,
+            "optimizer": 0.001,
+            "other": 0.0005,
+        }
         r["step"] = sum(r[k] for k in ("data", "forward", "backward", "sync", "optimizer", "other"))
         r["busy"] = r["step"] - r["sync"]
         return r

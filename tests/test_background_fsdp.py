@@ -25,8 +25,12 @@ def _full(model) -> dict[str, torch.Tensor]:
 
 def _full_opt(model, opt) -> dict[str, torch.Tensor]:
     """AdamW's moments and step count, whole (a collective), by parameter order."""
-    return {f"{i}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for i, p in enumerate(model.parameters()) for k, v in opt.state[p].items() if torch.is_tensor(v)}  # fmt: skip
+    return {
+        f"{i}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for i, p in enumerate(model.parameters())
+        for k, v in opt.state[p].items()
+        if torch.is_tensor(v)
+    }
 
 
 def thread_save_and_load(root: str) -> dict:
@@ -69,12 +73,16 @@ def thread_save_and_load(root: str) -> dict:
 # A crash while DCP's thread writes (rank 0 SIGKILLed under a real `ddpkit run`, then the job resumed from
 # the checkpoint before) is tests/test_background_save.py's [fsdp-thread] case.
 @pytest.mark.timeout(240)
-def test_a_background_fsdp_save_loads_the_weights_and_optimizer_state_of_the_call(pool2, tmp_path: Path) -> None:
+def test_a_background_fsdp_save_loads_the_weights_and_optimizer_state_of_the_call(
+    pool2, tmp_path: Path
+) -> None:
     ranks = pool2.run(thread_save_and_load, str(tmp_path / "ck"), timeout=180)
     assert (Path(ranks[0]["path"]) / "dcp" / ".metadata").is_file()
     for rank, got in enumerate(ranks):
         assert got["step"] == 1 and got["same"], f"rank {rank}: the weights loaded are not those of the call"
-        assert got["optimizer_same"], f"rank {rank}: the optimizer state was not saved as it was after the call"
+        assert got["optimizer_same"], (
+            f"rank {rank}: the optimizer state was not saved as it was after the call"
+        )
 
 
 def test_gpu_tensors_are_copied_to_pinned_memory_cpu_tensors_left_for_the_clone() -> None:
@@ -114,7 +122,9 @@ def _fsdp(s, width: int = 64):  # the smallest FSDP job that has sharded weights
     from torch import nn
 
     torch.manual_seed(0)
-    model = s.model(nn.Sequential(nn.Linear(width, width), nn.Linear(width, 64), nn.Linear(64, 8)), strategy="fsdp")
+    model = s.model(
+        nn.Sequential(nn.Linear(width, width), nn.Linear(width, 64), nn.Linear(64, 8)), strategy="fsdp"
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     s.backward(model(torch.randn(4, width)).square().mean())
     s.step(opt)
@@ -125,8 +135,10 @@ def _shards(model, opt) -> dict[str, torch.Tensor]:
     """This rank's shards of the weights and of AdamW's state, copied (no collective)."""
     local = {f"w.{k}": v.to_local().clone() for k, v in model.state_dict().items()}
     for i, p in enumerate(model.parameters()):
-        local |= {f"opt.{i}.{k}": (v.to_local() if hasattr(v, "to_local") else v).clone()
-                  for k, v in opt.state[p].items()}  # fmt: skip
+        local |= {
+            f"opt.{i}.{k}": (v.to_local() if hasattr(v, "to_local") else v).clone()
+            for k, v in opt.state[p].items()
+        }
     return local
 
 
@@ -155,9 +167,16 @@ def _process_save(s, root: str) -> dict:
     got = _shards(fresh, fresh_opt)
     same = got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
     mine = Path(path) / "dcp" / f"__{s.rank}_0.distcp"
-    return {"step": step, "same": same, "writer": writer, "me": os.getpid(), "writer_wrote": wrote,
-            "file": mine.stat().st_size, "path": str(path),
-            "weights": {k: v for k, v in want.items() if k.startswith("w.")}}  # fmt: skip
+    return {
+        "step": step,
+        "same": same,
+        "writer": writer,
+        "me": os.getpid(),
+        "writer_wrote": wrote,
+        "file": mine.stat().st_size,
+        "path": str(path),
+        "weights": {k: v for k, v in want.items() if k.startswith("w.")},
+    }
 
 
 def process_saves(root: str) -> dict:
@@ -185,7 +204,9 @@ def test_a_process_save_under_fsdp_is_written_by_the_writer_process_and_resumes_
         assert got["step"] == 1 and got["same"], f"rank {rank}: not the shards of the call: {got}"
         assert got["writer"] != got["me"]
         # the rank's DCP file went out through its writer process, not through training's
-        assert got["writer_wrote"] >= got["file"] > 0, f"rank {rank}: its writer process did not write its shards"
+        assert got["writer_wrote"] >= got["file"] > 0, (
+            f"rank {rank}: its writer process did not write its shards"
+        )
     text, ok = report(ranks[0]["path"])
     assert ok, text  # every checksum in the manifest holds: what `ddpkit checkpoint inspect` checks
     # and DCP reshards it like any FSDP checkpoint: one process (here) loads the whole weights, which are the
@@ -229,21 +250,32 @@ def _killed_writer(s, root: str) -> dict:
     step = s.load(root, model=model, optimizer=opt, step=0)["step"]
     path = s.save(root, model=model, optimizer=opt, step=3, background="process")
     s.checkpoints.wait()
-    return {"error": error, "after": after, "newest": newest, "step": step, "next": Path(path).name,
-            "new_writer": s.checkpoints._process.process.pid != writer}  # fmt: skip
+    return {
+        "error": error,
+        "after": after,
+        "newest": newest,
+        "step": step,
+        "next": Path(path).name,
+        "new_writer": s.checkpoints._process.process.pid != writer,
+    }
 
 
 @pytest.mark.timeout(240)
-def test_a_killed_fsdp_writer_process_fails_the_save_on_every_rank_and_loses_no_checkpoint(process_runs) -> None:
+def test_a_killed_fsdp_writer_process_fails_the_save_on_every_rank_and_loses_no_checkpoint(
+    process_runs,
+) -> None:
     ranks = process_runs["killed"]
     assert "killed by signal 9" in ranks[1]["error"], ranks[1]["error"]
-    assert ranks[0]["error"], "rank 0 committed (or did not report) a save that rank 1's writer never finished"
+    assert ranks[0]["error"], (
+        "rank 0 committed (or did not report) a save that rank 1's writer never finished"
+    )
     for got in ranks:
-        assert got["after"] == ["ckpt-000001"] and got["newest"] == "ckpt-000001", got  # partial files removed
+        assert got["after"] == ["ckpt-000001"] and got["newest"] == "ckpt-000001", (
+            got
+        )  # partial files removed
         assert got["step"] == 1, got
         assert got["next"] == "ckpt-000002", got  # the next save commits...
     assert ranks[1]["new_writer"] and not ranks[0]["new_writer"]  # ...with a new writer where one was killed
-
 
 
 # -- background=True under FSDP: the writer thread hashes DCP's file as it writes it, from a reused copy --
@@ -279,13 +311,22 @@ def thread_saves(root: str) -> dict:
         same = got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
         held = sum(v.numel() * v.element_size() for v in want.values())
         size = (Path(path) / "dcp" / f"__{s.rank}_0.distcp").stat().st_size
-        return {"step": step, "same": same, "reused": reused, "read": read, "held": held, "size": size,
-                "path": str(path)}  # fmt: skip
+        return {
+            "step": step,
+            "same": same,
+            "reused": reused,
+            "read": read,
+            "held": held,
+            "size": size,
+            "path": str(path),
+        }
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the reused copy is Linux's (memfd)")
-def test_a_thread_save_under_fsdp_reads_nothing_back_and_reuses_the_memory_of_its_copy(pool2, tmp_path: Path) -> None:
+def test_a_thread_save_under_fsdp_reads_nothing_back_and_reuses_the_memory_of_its_copy(
+    pool2, tmp_path: Path
+) -> None:
     from ddpkit.checkpoint.inspect import report
 
     ranks = pool2.run(thread_saves, str(tmp_path / "ck"), timeout=180)

@@ -75,8 +75,13 @@ def test_a_process_save_is_the_state_of_the_call_and_the_bytes_of_a_synchronous_
         assert os.sched_getscheduler(writer) == os.SCHED_IDLE  # CPU time training leaves idle
         assert os.sched_getscheduler(0) != os.SCHED_IDLE
         # the bytes left through the writer process, not through this one
-        written = int(dict(line.split(": ") for line in Path(f"/proc/{writer}/io").read_text().splitlines())["wchar"])
-        assert written >= (path / "model.safetensors").stat().st_size + (path / "state.safetensors").stat().st_size
+        written = int(
+            dict(line.split(": ") for line in Path(f"/proc/{writer}/io").read_text().splitlines())["wchar"]
+        )
+        assert (
+            written
+            >= (path / "model.safetensors").stat().st_size + (path / "state.safetensors").stat().st_size
+        )
         a, b = _manifest(sync)["files"], _manifest(path)["files"]
         for name in ("model.safetensors", "state.safetensors", "state.json"):
             assert a[name] == b[name], f"{name}: not the bytes a synchronous save writes"
@@ -104,8 +109,11 @@ def test_a_killed_writer_process_fails_its_save_and_loses_no_earlier_checkpoint(
         s.save(root, model=model, optimizer=opt, step=2, background="process")
         time.sleep(0.2)
         os.kill(writer, signal.SIGKILL)  # ...and the writer dies in the middle of it
-        with pytest.raises(CheckpointError, match=r"writer process .* ended \(killed by signal 9\).*previous "
-                                                  r"checkpoint is untouched"):  # fmt: skip
+        with pytest.raises(
+            CheckpointError,
+            match=r"writer process .* ended \(killed by signal 9\).*previous "
+            r"checkpoint is untouched",
+        ):
             s.checkpoints.wait()
         assert (root / "ckpt-000001").is_dir() and not (root / "ckpt-000002").exists()
         assert latest(root) == root / "ckpt-000001"
@@ -121,7 +129,8 @@ def test_a_killed_writer_process_fails_its_save_and_loses_no_earlier_checkpoint(
 
 def test_an_unknown_background_mode_is_refused_with_the_choices(tmp_path: Path) -> None:
     model, _ = _trained()
-    with ddpkit.session(env={}, hardware=HW, verbose=False) as s, pytest.raises(
-        ddpkit.DdpkitError, match=r"background='proc' is not a way to save.*\"process\""
+    with (
+        ddpkit.session(env={}, hardware=HW, verbose=False) as s,
+        pytest.raises(ddpkit.DdpkitError, match=r"background='proc' is not a way to save.*\"process\""),
     ):
         s.save(tmp_path, model=model, step=1, background="proc")

@@ -126,7 +126,9 @@ def sharded_saves(root: str, mode: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
-def test_a_background_save_of_a_sharded_step_holds_the_whole_optimizer_state(pool2, tmp_path: Path, mode: str) -> None:
+def test_a_background_save_of_a_sharded_step_holds_the_whole_optimizer_state(
+    pool2, tmp_path: Path, mode: str
+) -> None:
     """The writer gathers the ranks' shares (not the call): the files equal a synchronous save's."""
     got = pool2.run(sharded_saves, str(tmp_path), mode, timeout=120)[0]
     assert got == {"keys": 24, "same": True}, got

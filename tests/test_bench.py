@@ -209,4 +209,6 @@ def test_fsdp_floor_counts_fsdp2s_copies_and_the_least_exchange() -> None:
     assert floor.fsdp_floor_s(0.1, 100e6, 1, 10e9, cores=2) == pytest.approx(0.1)
     line = floor.fsdp_floor_line(0.295, 0.1, 100e6, 2, 10e9, cores=2)
     assert "950 MB" in line and "(48 ms)" in line and "= 148 ms" in line and "2.00x the floor" in line
-    assert "moves 1150 MB" in line and "moves 1550 MB" in floor.fsdp_floor_line(0.3, 0.1, 100e6, 2, 10e9, 2, False)
+    assert "moves 1150 MB" in line and "moves 1550 MB" in floor.fsdp_floor_line(
+        0.3, 0.1, 100e6, 2, 10e9, 2, False
+    )

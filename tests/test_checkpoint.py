@@ -57,7 +57,9 @@ def test_round_trip_restores_objects_values_and_rng(tmp_path: Path) -> None:
         assert torch.equal(a, b)
     assert fresh_opt.state_dict()["param_groups"][0]["lr"] == 0.1
     assert fresh_opt.state_dict()["param_groups"][0]["betas"] == (0.9, 0.999)  # tuples stay tuples
-    for a, b in zip(opt.state_dict()["state"].values(), fresh_opt.state_dict()["state"].values(), strict=True):
+    for a, b in zip(
+        opt.state_dict()["state"].values(), fresh_opt.state_dict()["state"].values(), strict=True
+    ):
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert values["step"] == 7 and math.isnan(values["best"]) and values["tags"] == ("a", 1)
     assert values["sizes"] == {1: 2.5} and values["other"] == "default"
@@ -98,7 +100,9 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_damage_is_detected_and_the_newest_valid_checkpoint_is_chosen(tmp_path: Path, capsys, damage: str) -> None:
+def test_damage_is_detected_and_the_newest_valid_checkpoint_is_chosen(
+    tmp_path: Path, capsys, damage: str
+) -> None:
     name, harm, words = DAMAGE[damage]
     _, newest = _save_steps(tmp_path, [1, 2])
     harm(newest / name)
@@ -136,8 +140,9 @@ def test_a_planted_pickle_is_refused_without_running(tmp_path: Path, capsys, mon
     manifest = json.loads((evil / "manifest.json").read_text())
     manifest["files"] = {
         p.name: {"bytes": p.stat().st_size, "sha256": files.sha256_of(p)}
-        for p in evil.iterdir() if p.name != "manifest.json"
-    }  # fmt: skip
+        for p in evil.iterdir()
+        if p.name != "manifest.json"
+    }
     files.write_manifest(evil, {k: v for k, v in manifest.items() if k not in ("format", "self_sha256")})
     assert _load(tmp_path / "ck")["step"] == 1
     assert "not a safetensors file" in capsys.readouterr().out
@@ -171,7 +176,9 @@ with ddpkit.session(env={}, verbose=False) as s:
 def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_chosen(tmp_path: Path) -> None:
     script = tmp_path / "crash.py"
     script.write_text(textwrap.dedent(CRASH_SCRIPT))
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], capture_output=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ck")], capture_output=True, timeout=60
+    )
     assert done.returncode == -signal.SIGKILL, done.stderr
     names = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert names == [".ckpt-000002.tmp", "ckpt-000001"]  # the half-written one never got its final name
@@ -185,7 +192,9 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_chosen(t
 
 def test_clear_errors_for_what_cannot_be_saved_or_loaded(tmp_path: Path) -> None:
     with ddpkit.session(env={}, hardware=HW, verbose=False) as s:
-        with pytest.raises(ddpkit.DdpkitError, match=r"cannot save values/fn of type builtin_function_or_method.*no pickle"):
+        with pytest.raises(
+            ddpkit.DdpkitError, match=r"cannot save values/fn of type builtin_function_or_method.*no pickle"
+        ):
             s.save(tmp_path, fn=len)
         s.save(tmp_path, model=nn.Linear(2, 2), step=1)
         with pytest.raises(ddpkit.DdpkitError, match=r"has no optimizer \(it holds model, step\)"):

@@ -36,7 +36,9 @@ def test_a_two_rank_checkpoint_loads_in_one_process(pool2, tmp_path: Path, write
 
 
 @pytest.mark.parametrize(("writer", "reader"), [("fsdp", "ddp"), ("ddp", "fsdp"), ("fsdp", "fsdp")])
-def test_a_two_rank_checkpoint_loads_under_another_strategy(pool2, tmp_path: Path, writer: str, reader: str) -> None:
+def test_a_two_rank_checkpoint_loads_under_another_strategy(
+    pool2, tmp_path: Path, writer: str, reader: str
+) -> None:
     root = str(tmp_path / "ck")
     saved = pool2.run(save, root, writer)[0]
     for loaded in pool2.run(load, root, reader):
@@ -58,13 +60,19 @@ def load_other_optimizer(root: str) -> None:
     from torch import nn
 
     with ddpkit.session(seed=1, verbose=False, strategy="fsdp") as s:
-        model = s.model(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)))
+        model = s.model(
+            nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        )
         opt = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
         s.load(root, model=model, optimizer=opt, step=0)
 
 
-def test_a_whole_optimizer_state_for_other_parameters_is_refused_with_the_way_out(pool2, tmp_path: Path) -> None:
+def test_a_whole_optimizer_state_for_other_parameters_is_refused_with_the_way_out(
+    pool2, tmp_path: Path
+) -> None:
     root = str(tmp_path / "ck")
     pool2.run(save, root, "ddp")
-    with pytest.raises(Exception, match=r"holds optimizer= for 6 parameters.*this optimizer has 2.*same order"):
+    with pytest.raises(
+        Exception, match=r"holds optimizer= for 6 parameters.*this optimizer has 2.*same order"
+    ):
         pool2.run(load_other_optimizer, root)

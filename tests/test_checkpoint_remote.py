@@ -91,9 +91,13 @@ def store(server: tuple[str, Gate], tmp_path: Path, request: pytest.FixtureReque
     """A fresh bucket, credentials for the local server, this machine's cache folder; the fs."""
     import fsspec
 
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=server[0],
-                      DDPKIT_CHECKPOINT_CACHE=str(tmp_path / "cache"))  # fmt: skip
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=server[0],
+        DDPKIT_CHECKPOINT_CACHE=str(tmp_path / "cache"),
+    )
     bucket = f"b{abs(hash(request.node.name)) % 10**8}-{time.time_ns() % 10**6}"
     fs, _ = fsspec.core.url_to_fs(f"s3://{bucket}")
     fs.mkdir(bucket)
@@ -121,8 +125,9 @@ def test_a_save_to_s3_resumes_on_another_machine_and_keeps_the_newest(store, tmp
     with ddpkit.session(env={}, hardware=HW, verbose=False) as s:
         for step in (1, 2):
             s.save(url, model=model, optimizer=opt, step=step, keep=2, keep_best="loss", loss=1.0 / step)
-        s.save(url, model=model, optimizer=opt, step=3, keep=1, keep_best="loss", loss=0.9,
-               background="process")  # fmt: skip  (uploaded behind training)
+        s.save(
+            url, model=model, optimizer=opt, step=3, keep=1, keep_best="loss", loss=0.9, background="process"
+        )  # (uploaded behind training)
         s.checkpoints.wait()
     assert _names(fs, f"{bucket}/run") == ["ckpt-000002", "ckpt-000003"]  # the newest, and the best (0.5)
     assert "manifest.json" in _names(fs, f"{bucket}/run/ckpt-000003")
@@ -182,7 +187,9 @@ with ddpkit.session(seed=0, verbose=True) as s:
 """
 
 
-def test_a_kill_during_the_upload_leaves_the_stores_checkpoint_whole_or_absent(server, store, tmp_path: Path) -> None:
+def test_a_kill_during_the_upload_leaves_the_stores_checkpoint_whole_or_absent(
+    server, store, tmp_path: Path
+) -> None:
     """A job resumes from ckpt-000001 and saves ckpt-000002; the store stalls its upload after the first
     object (the Gate), and the job is killed there (SIGKILL: no handler runs). The store must hold no
     manifest for ckpt-000002, and a relaunch on another machine (an empty local folder; here, in this
@@ -200,8 +207,9 @@ def test_a_kill_during_the_upload_leaves_the_stores_checkpoint_whole_or_absent(s
     gate.hold(f"/{bucket}/run/ckpt-000002/")
     # The job is the suite's warm client (tests/conftest.py, `python()`): killing it kills the job it runs,
     # forked from the warm server (SIGKILL too), before its stdout and stderr close
-    job = subprocess.Popen([python(), str(script), url], env=env, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    job = subprocess.Popen(
+        [python(), str(script), url], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     try:
         if not gate.holding.wait(90):  # an event, not a poll: the upload's second object is on the wire
             job.kill()
@@ -241,13 +249,25 @@ def test_a_preempted_run_saves_to_the_store_and_a_relaunch_on_another_machine_re
     url = f"s3://{bucket}/run"
     want = uninterrupted_weights(tmp_path_factory)
     idiom = ("--idiom", "if", "--save-every", "100")
-    first = launch(url, tmp_path / "out", "--signal-at", "forward:3:0", *idiom, *SLOW,  # type: ignore[arg-type]
-                   env={"DDPKIT_CHECKPOINT_CACHE": str(tmp_path / "machine-a")})  # fmt: skip
+    first = launch(
+        url,
+        tmp_path / "out",
+        "--signal-at",
+        "forward:3:0",
+        *idiom,
+        *SLOW,  # type: ignore[arg-type]
+        env={"DDPKIT_CHECKPOINT_CACHE": str(tmp_path / "machine-a")},
+    )
     assert first.returncode == 75, f"{first.stdout[-2000:]}\n{first.stderr[-3000:]}"
     assert f"uploaded ckpt-000001 to {url}/ckpt-000001" in first.stdout, first.stdout[-2000:]
     assert "manifest.json" in _names(fs, f"{bucket}/run/ckpt-000001")
-    second = launch(url, tmp_path / "out", *idiom, *NO_PAUSE,  # type: ignore[arg-type]
-                    env={"DDPKIT_CHECKPOINT_CACHE": str(tmp_path / "machine-b")})  # fmt: skip
+    second = launch(
+        url,
+        tmp_path / "out",
+        *idiom,
+        *NO_PAUSE,  # type: ignore[arg-type]
+        env={"DDPKIT_CHECKPOINT_CACHE": str(tmp_path / "machine-b")},
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "downloaded" in second.stdout and "resumed from" in second.stdout, second.stdout[-2000:]
     from safetensors.torch import load_file
@@ -299,5 +319,9 @@ def test_a_folder_is_uploaded_with_its_json_files_last(tmp_path: Path) -> None:
 
     store = Store()
     put_folder(store, tmp_path, "b/hf")
-    assert store.put == ["b/hf/model-00001.safetensors", "b/hf/tokenizer.model", "b/hf/config.json",
-                         "b/hf/sub/adapter_config.json"]  # fmt: skip
+    assert store.put == [
+        "b/hf/model-00001.safetensors",
+        "b/hf/tokenizer.model",
+        "b/hf/config.json",
+        "b/hf/sub/adapter_config.json",
+    ]

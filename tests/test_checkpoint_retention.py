@@ -22,7 +22,9 @@ def test_the_newest_k_every_nth_and_the_best_are_kept(tmp_path: Path) -> None:
     losses = {1: 0.9, 2: 0.5, 3: 0.1, 4: 0.7, 5: 0.6, 6: 0.8, 7: 0.75}  # the best (lowest) at step 3
     with ddpkit.session(env={}, hardware=HW, verbose=False) as s:
         for step, loss in losses.items():
-            s.save(tmp_path, model=model, step=step, val_loss=loss, keep=2, keep_every=4, keep_best="val_loss")
+            s.save(
+                tmp_path, model=model, step=step, val_loss=loss, keep=2, keep_every=4, keep_best="val_loss"
+            )
             assert _steps(tmp_path)[-1] == step, "the checkpoint just written was deleted"
     assert _steps(tmp_path) == [3, 4, 6, 7]  # best 3, every 4th (4), newest two (6, 7); seq == step here
     with ddpkit.session(env={}, hardware=HW, verbose=False) as s:

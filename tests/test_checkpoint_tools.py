@@ -114,7 +114,9 @@ def test_fsdp_two_ranks_converts_from_its_shards_with_no_process_group(pool2, tm
     assert "model (sharded: dcp/): 10 tensors, 1,028 numbers" in text, text
     assert re.search(r"\n    0\.weight +\[16, 8\] +float32\n", text), text
     assert "optimizer (sharded optimizer: dcp/): 30 tensors (exp_avg, exp_avg_sq, step)" in text, text
-    assert re.search(r"loader \(per rank\): rank 0: epoch 0, sample \d+; rank 1: epoch 0, sample \d+", text), text
+    assert re.search(
+        r"loader \(per rank\): rank 0: epoch 0, sample \d+; rank 1: epoch 0, sample \d+", text
+    ), text
     assert "checksums: all 9 files hold" in text, text
 
 
@@ -169,8 +171,14 @@ def test_hf_gpt2_to_a_folder_from_pretrained_loads_and_back_into_a_checkpoint(tm
         model.eval()
         with torch.no_grad():
             trained = model(input_ids=ids).logits
-    done = run_cli("checkpoint", "convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"),
-                   "--config", str(tmp_path / "export"))  # fmt: skip
+    done = run_cli(
+        "checkpoint",
+        "convert",
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "hf"),
+        "--config",
+        str(tmp_path / "export"),
+    )
     assert done.returncode == 0, done.stderr
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
@@ -222,8 +230,12 @@ def test_convert_holds_one_tensor_at_a_time_not_the_model(pool2, tmp_path: Path)
     size = pool2.run(save_large, str(tmp_path / "big"), 16, 1448)[0]
     tensor = size // 16
     code = "import ddpkit.checkpoint.convert, torch.distributed.checkpoint\n" + PEAK
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "big"), str(tmp_path / "big.safetensors")],
-                          capture_output=True, text=True, timeout=200)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "big"), str(tmp_path / "big.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert done.returncode == 0, done.stderr
     grew = int(done.stdout.split()[-1])
     print(
@@ -238,7 +250,9 @@ def test_convert_holds_one_tensor_at_a_time_not_the_model(pool2, tmp_path: Path)
 def test_a_swapped_export_call_is_refused_with_the_order_named(tmp_path: Path) -> None:
     with ddpkit.session(seed=0, verbose=False) as s:
         model = s.model(torch.nn.Linear(3, 2))
-        with pytest.raises(ddpkit.DdpkitError, match=r"path first, then the model.*s\.export\('runs/final', model\)"):
+        with pytest.raises(
+            ddpkit.DdpkitError, match=r"path first, then the model.*s\.export\('runs/final', model\)"
+        ):
             s.export(model, str(tmp_path / "w.safetensors"))  # type: ignore[arg-type]
         s.export(str(tmp_path / "w.safetensors"), model)
     assert set(load_file(tmp_path / "w.safetensors")) == {"weight", "bias"}

@@ -47,7 +47,9 @@ def save_in_background(root: str, mode: str) -> tuple[list[tuple[str, int]], int
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["thread", "process"])
-def test_the_threads_a_background_save_starts_run_at_the_lowest_priority(pool2, tmp_path: Path, mode: str) -> None:
+def test_the_threads_a_background_save_starts_run_at_the_lowest_priority(
+    pool2, tmp_path: Path, mode: str
+) -> None:
     for started, step in pool2.run(save_in_background, str(tmp_path / "ckpt"), mode):
         assert step == 1
         assert started, "no thread of the writer's process group found"  # gloo's workers stay for the session

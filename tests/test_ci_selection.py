@@ -40,6 +40,8 @@ SIGNS = re.compile(
     r"torch\.equal|allclose|assert_close|isclose|approx\(|calibrat|noise.floor|bitwise|tolerance|atol|rtol"
     r"|deviation|max_abs|\bverify\b"
 )
+
+
 def _marks(nodes: list[ast.expr]) -> set[str]:
     return {m for node in nodes for m in re.findall(r"pytest\.mark\.(\w+)", ast.unparse(node))}
 
@@ -79,9 +81,11 @@ def test_every_float_comparison_runs_under_the_portable_kernels_or_says_why_not(
     left_out = [
         f"{test} ({', '.join(sorted(signs))})"
         for test, (marks, signs) in found.items()
-        if signs and "numerics" not in marks
-        and test not in NOT_KERNEL_DEPENDENT and test.split("::")[0] not in NOT_KERNEL_DEPENDENT
-    ]  # fmt: skip
+        if signs
+        and "numerics" not in marks
+        and test not in NOT_KERNEL_DEPENDENT
+        and test.split("::")[0] not in NOT_KERNEL_DEPENDENT
+    ]
     assert not left_out, (
         "these tests compare floats but are not marked `numerics`, so .ci/run never runs them on the "
         "portable kernels: mark them @pytest.mark.numerics, or list them in NOT_KERNEL_DEPENDENT "
@@ -96,10 +100,16 @@ def test_every_float_comparison_runs_under_the_portable_kernels_or_says_why_not(
 def test_a_listed_test_leaves_the_default_kernel_leg_and_no_other_does() -> None:
     """The leg runs `-m "numerics and not kernel_independent"`: a listed file or test (any parametrisation)
     is marked kernel_independent, also inside a module marked `numerics` as a whole; an unlisted one is not."""
-    assert kernel_independent("tests/test_elastic.py::test_a_lost_host_and_the_job_finishes_on_the_other[step]")
+    assert kernel_independent(
+        "tests/test_elastic.py::test_a_lost_host_and_the_job_finishes_on_the_other[step]"
+    )
     assert kernel_independent("tests/test_verify.py::test_spec_errors")
-    assert not kernel_independent("tests/test_verify.py::test_adamw_transformer_stays_within_the_calibrated_floor")
-    assert not kernel_independent("tests/test_invariant.py::test_mlp_cnn_and_gpt_train_the_same_weights_on_1_2_and_4_ranks")
+    assert not kernel_independent(
+        "tests/test_verify.py::test_adamw_transformer_stays_within_the_calibrated_floor"
+    )
+    assert not kernel_independent(
+        "tests/test_invariant.py::test_mlp_cnn_and_gpt_train_the_same_weights_on_1_2_and_4_ranks"
+    )
 
 
 def test_the_sign_scan_sees_a_float_comparison(tmp_path: Path) -> None:
@@ -150,7 +160,9 @@ def test_the_whole_suite_runs_on_a_worker_per_core_and_named_tests_in_one_proces
     assert auto_workers(["tests"], REPO, cores=2, env={}, marks="quick") == 0  # the inner loop
     assert auto_workers(["tests"], REPO, cores=2, env={}, marks="numerics and not kernel_independent") == 2
     assert auto_workers(["tests"], REPO, cores=2, env={WORKERS_ENV: "3"}) == 3
-    assert "-n auto --dist loadfile" in (REPO / "pyproject.toml").read_text()  # the hook is what `-n auto` asks
+    assert (
+        "-n auto --dist loadfile" in (REPO / "pyproject.toml").read_text()
+    )  # the hook is what `-n auto` asks
 
 
 def test_the_workers_take_the_longest_modules_first_and_the_table_names_real_modules() -> None:
@@ -190,8 +202,14 @@ def test_ci_runs_every_mutant_whose_record_does_not_cover_it(tmp_path: Path, mon
         lost.name: {**entry, "digest": mc.digest(lost), "commit": "c3"},
     }
     helper = "tests/hsdp_ranks.py"  # a helper module a test file imports counts as the test's
-    helped = mc.Mutant(helped.name, helped.file, helped.old, helped.new,
-                       ("tests/test_hsdp.py::test_hsdp_2x2_trains_the_weights_of_one_process",), helped.what)  # fmt: skip
+    helped = mc.Mutant(
+        helped.name,
+        helped.file,
+        helped.old,
+        helped.new,
+        ("tests/test_hsdp.py::test_hsdp_2x2_trains_the_weights_of_one_process",),
+        helped.what,
+    )
     record[helped.name]["digest"] = mc.digest(helped)
     changes = {"c1": {"README.md"}, "c2": {hit.file}, "c4": {helper}, "c3": None}
     monkeypatch.setattr(mc, "RECORD", tmp_path / "record.json")
@@ -206,18 +224,28 @@ def test_every_mutants_target_text_occurs_once_in_its_file() -> None:
     """A change that moves a mutant's target text would stop the mutation leg after the whole suite has run:
     caught here, in the suite, with the mutants named."""
     mc = _mutation_check()
-    moved = [f"{m.name} ({m.file}: {(REPO / m.file).read_text().count(m.old)} times)" for m in mc.MUTANTS
-             if (REPO / m.file).read_text().count(m.old) != 1]  # fmt: skip
+    moved = [
+        f"{m.name} ({m.file}: {(REPO / m.file).read_text().count(m.old)} times)"
+        for m in mc.MUTANTS
+        if (REPO / m.file).read_text().count(m.old) != 1
+    ]
     assert not moved, "mutants whose target text is not in their file exactly once: " + ", ".join(moved)
-    missing = [f"{m.name}: {t}" for m in mc.MUTANTS for t in m.tests if not (REPO / t.split("::")[0]).is_file()]
+    missing = [
+        f"{m.name}: {t}" for m in mc.MUTANTS for t in m.tests if not (REPO / t.split("::")[0]).is_file()
+    ]
     assert not missing, "mutants naming test files that do not exist: " + ", ".join(missing)
 
 
 def test_the_set_up_compiles_what_a_run_imports_and_the_suite_writes_the_rest() -> None:
     """scripts/setup.sh compiles (where no bytecode is written) ddpkit's requirements and theirs, not the
     extras' packages; those are compiled once by the suite, which writes bytecode for what it imports."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "runtime_packages.py")], capture_output=True,
-                         text=True, check=True, timeout=60).stdout.split()  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "runtime_packages.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.split()
     names = {Path(p).name.removesuffix(".py") for p in out}
     assert {"torch", "numpy", "sympy", "tqdm", "safetensors"} <= names, sorted(names)
     assert not names & {"transformers", "moto", "mlflow", "wandb", "pytest", "ddpkit"}, sorted(names)

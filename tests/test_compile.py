@@ -181,9 +181,12 @@ def _own_process(tmp_path: Path, backend: str, fresh: bool, **env: str) -> str:
     script = tmp_path / "cache_script.py"
     script.write_text(CACHE_SCRIPT)
     out = subprocess.run(
-        [sys.executable if fresh else python(), str(script), backend], capture_output=True, text=True, env=full,
+        [sys.executable if fresh else python(), str(script), backend],
+        capture_output=True,
+        text=True,
+        env=full,
         timeout=100,
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
@@ -243,7 +246,9 @@ def test_verify_compile_flag_on_the_command_line(pool2, monkeypatch, capsys) -> 
     # The command itself, end to end, is test_fsdp_compile.py's `--strategy fsdp --compile`.
     from ddpkit.verify import cli
 
-    monkeypatch.setattr(cli, "verify", lambda spec: verify(spec, runner=functools.partial(pool2.run, timeout=180)))
+    monkeypatch.setattr(
+        cli, "verify", lambda spec: verify(spec, runner=functools.partial(pool2.run, timeout=180))
+    )
     monkeypatch.chdir(REPO / "tests")
     monkeypatch.setattr(sys, "path", list(sys.path))  # main() adds the folder it runs in
     args = ["--model", "test_compile:net", "--data", "test_compile:dataset", "--optimizer", "adamw"]
@@ -268,8 +273,15 @@ def test_verify_compile_fails_when_nothing_was_compiled(pool2) -> None:
     On the pool's ranks, Dynamo's switch (TORCHDYNAMO_DISABLE sets it as torch loads) turned off for the
     run: through `ddpkit verify` the variable made the command and both ranks new interpreters (~15 s of
     CPU for imports); the command line's plumbing of the verdict is test_verify.py's (exit 1)."""
-    spec = VerifySpec(model=net, data=dataset(), optimizer="adamw", steps=2, batch_size=16, compile=True,
-                      floor=("permuted",))  # fmt: skip
+    spec = VerifySpec(
+        model=net,
+        data=dataset(),
+        optimizer="adamw",
+        steps=2,
+        batch_size=16,
+        compile=True,
+        floor=("permuted",),
+    )
     report = verify(spec, runner=lambda fn, spec: pool2.run(_dynamo_off, fn, spec, timeout=180))
     said = report.render()
     assert not report.passed, said

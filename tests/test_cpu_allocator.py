@@ -101,10 +101,20 @@ def _probe(model: str, inherited_off: bool = False, **env: str) -> tuple[int, bo
     or a parent's prctl flag to inherit."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "THP_", "DDPKIT_"))}
     fresh = inherited_off or env.get("DDPKIT_CPU_ALLOCATOR") == "hugepages"
-    out = subprocess.run([sys.executable if fresh else python(), _probe_file(), model,
-                          "inherited" if inherited_off else "allowed"], env={**clean, **env},
-                         capture_output=True, text=True, timeout=120, check=True,
-                         preexec_fn=_inherited_off if inherited_off else None)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable if fresh else python(),
+            _probe_file(),
+            model,
+            "inherited" if inherited_off else "allowed",
+        ],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        preexec_fn=_inherited_off if inherited_off else None,
+    )
     faults, huge, heap = out.stdout.strip().splitlines()[-1].split()
     return int(faults), huge == "1", int(heap)
 

@@ -66,7 +66,9 @@ def write_shards(folder: str, sizes: list[int]) -> list[str]:
     paths, start = [], 0
     for k, size in enumerate(sizes):
         path = Path(folder) / f"part-{k}.jsonl"
-        path.write_text("".join(json.dumps({"id": i, "x": [i / N] * 3}) + "\n" for i in range(start, start + size)))
+        path.write_text(
+            "".join(json.dumps({"id": i, "x": [i / N] * 3}) + "\n" for i in range(start, start + size))
+        )
         paths.append(str(path))
         start += size
     return paths
@@ -83,13 +85,22 @@ def hf_stream(source: str, files: list[str], rank: int = 0, world: int = 1):
 
 def stream_ids(source: str, files: list[str], workers: int, shuffle: bool = True) -> list[list[list[int]]]:
     with ddpkit.session(seed=2, verbose=False) as s:
-        loader = s.loader(hf_stream(source, files, s.rank, s.world_size), per_rank_batch_size=4,
-                          shuffle=shuffle and source != "split", shuffle_buffer=8, **_fork(workers))  # fmt: skip
+        loader = s.loader(
+            hf_stream(source, files, s.rank, s.world_size),
+            per_rank_batch_size=4,
+            shuffle=shuffle and source != "split",
+            shuffle_buffer=8,
+            **_fork(workers),
+        )
         return [[b["id"].tolist() for b in loader] for _ in range(2)]
 
 
-@pytest.mark.parametrize(("source", "world", "workers"), [("memory", 2, 2), ("files", 2, 0), ("memory", 3, 1), ("split", 2, 0)])
-def test_streaming_every_id_once_per_epoch(pool2, pool3, tmp_path: Path, source: str, world: int, workers: int) -> None:
+@pytest.mark.parametrize(
+    ("source", "world", "workers"), [("memory", 2, 2), ("files", 2, 0), ("memory", 3, 1), ("split", 2, 0)]
+)
+def test_streaming_every_id_once_per_epoch(
+    pool2, pool3, tmp_path: Path, source: str, world: int, workers: int
+) -> None:
     files = write_shards(str(tmp_path), [12, 12, 12, 12])
     results = (pool2 if world == 2 else pool3).run(stream_ids, source, files, workers, timeout=90)
     for epoch in range(2):
@@ -100,7 +111,9 @@ def test_streaming_every_id_once_per_epoch(pool2, pool3, tmp_path: Path, source:
 
 def test_uneven_shards_end_every_rank_at_the_shortest_ranks_last_batch(pool2, tmp_path: Path) -> None:
     files = write_shards(str(tmp_path), [18, 14, 10, 6])
-    held = [sum(1 for _ in split_dataset_by_node(hf_stream("files", files), rank=r, world_size=2)) for r in (0, 1)]
+    held = [
+        sum(1 for _ in split_dataset_by_node(hf_stream("files", files), rank=r, world_size=2)) for r in (0, 1)
+    ]
     assert held[0] != held[1], f"both ranks hold {held}: the test would not exercise the tail rule"
     results = pool2.run(stream_ids, "files", files, 0, False, timeout=90)  # unshuffled: the parts are `held`
     per_rank = [sum(len(b) for b in r[0]) for r in results]
@@ -111,13 +124,19 @@ def test_uneven_shards_end_every_rank_at_the_shortest_ranks_last_batch(pool2, tm
     assert len(seen) == sum(per_rank) == sum(min(h, 4 * shortest) for h in held), (held, per_rank)
 
 
-def train_stream(source: str, files: list[str], ckpt: str | None, stop_after: int | None, verbose: bool = False) -> dict:
+def train_stream(
+    source: str, files: list[str], ckpt: str | None, stop_after: int | None, verbose: bool = False
+) -> dict:
     torch.set_num_threads(1)
     with ddpkit.session(seed=0, verbose=verbose) as s:
         model = s.model(torch.nn.Linear(3, 2))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         loader = s.loader(hf_stream(source, files), batch_size=8, shuffle=True, shuffle_buffer=8)
-        step = s.load(ckpt, model=model, optimizer=opt, loader=loader, step=0)["step"] if ckpt and stop_after is None else 0
+        step = (
+            s.load(ckpt, model=model, optimizer=opt, loader=loader, step=0)["step"]
+            if ckpt and stop_after is None
+            else 0
+        )
         seen = []
         for _ in range(2 - loader.epoch):
             for b in loader:
@@ -142,7 +161,10 @@ def test_streaming_resumed_mid_epoch_ends_bitwise_like_uninterrupted(pool2, tmp_
         assert all(torch.equal(a, b) for a, b in zip(got["params"], want["params"], strict=True))
     alone = train_stream("files", files, ckpt, None, True)  # in this process: world size 1
     out = capsys.readouterr().out
-    assert "pre-split source: world size 2 -> 1: each rank's position belonged to its old part, so epoch 1 restarts" in out, out
+    assert (
+        "pre-split source: world size 2 -> 1: each rank's position belonged to its old part, so epoch 1 restarts"
+        in out
+    ), out
     assert sorted(i for b in alone["seen"] for i in b) == list(range(N)), "epoch 1 was not read whole"
 
 
@@ -164,7 +186,9 @@ def stateful(ckpt: str, stop_after: tuple[int, ...] | None, workers: int) -> dic
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_stateful_dataloader_resumes_at_each_ranks_own_position(pool2, tmp_path: Path, workers: int) -> None:
+def test_a_stateful_dataloader_resumes_at_each_ranks_own_position(
+    pool2, tmp_path: Path, workers: int
+) -> None:
     ckpt = str(tmp_path / "ckpt")
     # The ranks save at positions of their own (2 and 4 batches of 3 into their 24 ids): a rank handed
     # another rank's position (rank 0's, say) would repeat or skip ids of its own part.

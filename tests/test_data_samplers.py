@@ -89,7 +89,10 @@ def test_a_stopped_run_resumes_on_the_order_at_the_same_and_another_world_size(p
     assert _global(pool2.run(read, "weighted", ckpt)) == alone[7:]
     resumed = read("weighted", ckpt)  # in this process: world size 1
     assert resumed["seen"] == alone[7:]
-    assert "loader at epoch 1, sample 16; sampler re-split from global sample 16 over 1 rank(s)" in resumed["out"], resumed["out"]
+    assert (
+        "loader at epoch 1, sample 16; sampler re-split from global sample 16 over 1 rank(s)"
+        in resumed["out"]
+    ), resumed["out"]
 
 
 class Buckets(Sampler[list[int]]):
@@ -108,12 +111,18 @@ class Buckets(Sampler[list[int]]):
 
 def read_batches(name: str, ckpt: str | None = None, stop_after: int | None = None) -> dict:
     """Like `read`, with batch_sampler= (its batches are the global micro-batches)."""
-    user = Buckets() if name == "buckets" else BatchSampler(RandomSampler(range(N)), batch_size=GLOBAL, drop_last=False)
+    user = (
+        Buckets()
+        if name == "buckets"
+        else BatchSampler(RandomSampler(range(N)), batch_size=GLOBAL, drop_last=False)
+    )
     return _two_epochs(ckpt, stop_after, batch_sampler=user)
 
 
 @pytest.mark.parametrize("name", ["torch", "buckets"])
-def test_a_batch_sampler_gives_each_rank_its_part_of_every_global_batch(pool2, tmp_path: Path, name: str) -> None:
+def test_a_batch_sampler_gives_each_rank_its_part_of_every_global_batch(
+    pool2, tmp_path: Path, name: str
+) -> None:
     alone = read_batches(name)["seen"]  # one process: the batch sampler's own batches
     assert _global(pool2.run(read_batches, name)) == alone, "the global batches are not the batch sampler's"
     assert alone[: len(alone) // 2] != alone[len(alone) // 2 :], "the same order every epoch"

@@ -38,8 +38,14 @@ def stream_ids(n: int, epochs: int, drop_last: bool) -> dict:
     with ddpkit.session(seed=3, verbose=False) as s:
         out = {}
         for workers in (0, 1, 2):
-            loader = s.loader(Numbers(n), per_rank_batch_size=PER_RANK, shuffle=True, drop_last=drop_last,
-                              shuffle_buffer=16, **_fork(workers))  # fmt: skip
+            loader = s.loader(
+                Numbers(n),
+                per_rank_batch_size=PER_RANK,
+                shuffle=True,
+                drop_last=drop_last,
+                shuffle_buffer=16,
+                **_fork(workers),
+            )
             out[workers] = [[ids.tolist() for _, ids in loader] for _ in range(epochs)]
         return out
 
@@ -99,8 +105,14 @@ class Part(IterableDataset):
 
 def presplit_ids(workers: int) -> list[list[list[int]]]:
     with ddpkit.session(seed=3, verbose=False) as s:
-        loader = s.loader(Part(s.rank, s.world_size), per_rank_batch_size=PER_RANK, presplit=True, shuffle=True,
-                          shuffle_buffer=8, **_fork(workers))  # fmt: skip
+        loader = s.loader(
+            Part(s.rank, s.world_size),
+            per_rank_batch_size=PER_RANK,
+            presplit=True,
+            shuffle=True,
+            shuffle_buffer=8,
+            **_fork(workers),
+        )
         return [[ids.tolist() for _, ids in loader] for _ in range(2)]
 
 
@@ -126,7 +138,11 @@ def train_stream(ckpt: str | None, stop_after: int | None, workers: int, batch: 
         model = s.model(nn.Linear(3, 2))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         loader = s.loader(Numbers(N), batch_size=batch, shuffle=True, shuffle_buffer=16, **_fork(workers))
-        step = s.load(ckpt, model=model, optimizer=opt, loader=loader, step=0)["step"] if ckpt and stop_after is None else 0
+        step = (
+            s.load(ckpt, model=model, optimizer=opt, loader=loader, step=0)["step"]
+            if ckpt and stop_after is None
+            else 0
+        )
         seen = []
         for _ in range(2 - loader.epoch):
             for x, ids in loader:
@@ -144,7 +160,9 @@ def train_stream(ckpt: str | None, stop_after: int | None, workers: int, batch: 
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_stopped_mid_epoch_and_resumed_ends_bitwise_like_uninterrupted(pool2, tmp_path: Path, workers: int) -> None:
+def test_stopped_mid_epoch_and_resumed_ends_bitwise_like_uninterrupted(
+    pool2, tmp_path: Path, workers: int
+) -> None:
     whole = pool2.run(train_stream, None, None, workers, timeout=90)
     ckpt = str(tmp_path / "ckpt")
     pool2.run(train_stream, ckpt, 7, workers, timeout=90)  # 6 steps per epoch: mid epoch 1
@@ -155,7 +173,9 @@ def test_stopped_mid_epoch_and_resumed_ends_bitwise_like_uninterrupted(pool2, tm
         assert all(torch.equal(a, b) for a, b in zip(got["params"], want["params"], strict=True))
 
 
-def test_resumed_at_another_world_size_the_stream_is_re_split_from_the_global_position(pool2, tmp_path: Path) -> None:
+def test_resumed_at_another_world_size_the_stream_is_re_split_from_the_global_position(
+    pool2, tmp_path: Path
+) -> None:
     whole = pool2.run(train_stream, None, None, 0, timeout=90)
     ckpt = str(tmp_path / "ckpt")
     pool2.run(train_stream, ckpt, 3, 0, timeout=90)
@@ -175,11 +195,20 @@ class Once:
 
 
 def test_a_one_pass_iterator_is_refused_with_a_paragraph() -> None:
-    with ddpkit.session(env={}, verbose=False) as s, pytest.raises(ddpkit.DdpkitError, match="can be read once"):
+    with (
+        ddpkit.session(env={}, verbose=False) as s,
+        pytest.raises(ddpkit.DdpkitError, match="can be read once"),
+    ):
         s.loader((i for i in range(4)), batch_size=2)
-    with ddpkit.session(env={}, verbose=False) as s, pytest.raises(ddpkit.DdpkitError, match="persistent_workers"):
+    with (
+        ddpkit.session(env={}, verbose=False) as s,
+        pytest.raises(ddpkit.DdpkitError, match="persistent_workers"),
+    ):
         s.loader(Numbers(4), batch_size=2, num_workers=1, persistent_workers=True)
-    with ddpkit.session(env={}, verbose=False) as s, pytest.raises(ddpkit.DdpkitError, match="an iterable has no indices"):
+    with (
+        ddpkit.session(env={}, verbose=False) as s,
+        pytest.raises(ddpkit.DdpkitError, match="an iterable has no indices"),
+    ):
         s.loader(Numbers(4), batch_size=2, sampler=range(4))
 
 
@@ -197,8 +226,21 @@ def test_killed_mid_epoch_and_restarted_ends_bitwise_like_uninterrupted(pool2, t
     which resume from the step-6 checkpoint: the same batches and weights as the uninterrupted run."""
     out = tmp_path / "out"
     out.mkdir()
-    done = run_cli("run", "--nproc", "2", "--max-restarts", "1", str(REPO / "tests" / "stream_train.py"),
-                   str(tmp_path / "ck"), str(out), "--every", "3", "--kill-at", "8", timeout=150)  # fmt: skip
+    done = run_cli(
+        "run",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        str(REPO / "tests" / "stream_train.py"),
+        str(tmp_path / "ck"),
+        str(out),
+        "--every",
+        "3",
+        "--kill-at",
+        "8",
+        timeout=150,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "killed.txt").exists() and "resumed from" in done.stdout, done.stdout[-2000:]
     whole = pool2.run(stream_train.train, None, timeout=90)
@@ -206,7 +248,9 @@ def test_killed_mid_epoch_and_restarted_ends_bitwise_like_uninterrupted(pool2, t
         got = torch.load(out / f"rank{rank}.pt", weights_only=True)
         assert got["step"] == want["step"] == 12
         assert got["seen"] == want["seen"][6:], f"rank {rank} read other batches after the restart"
-        assert all(torch.equal(got["params"][k], v) for k, v in want["params"].items()), f"rank {rank} weights differ"
+        assert all(torch.equal(got["params"][k], v) for k, v in want["params"].items()), (
+            f"rank {rank} weights differ"
+        )
 
 
 class Rows(IterableDataset):

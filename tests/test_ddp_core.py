@@ -109,9 +109,13 @@ def output_and_collectives() -> dict:
         mean = s.all_reduce(torch.tensor([s.rank * 2.0]), op="mean").item()
         biggest = s.all_reduce(s.rank, op="max").item()
         return {
-            "out": out.getvalue(), "main": s.is_main, "total": total, "mean": mean, "max": biggest,
+            "out": out.getvalue(),
+            "main": s.is_main,
+            "total": total,
+            "mean": mean,
+            "max": biggest,
             "ddp": isinstance(model, nn.parallel.DistributedDataParallel),
-        }  # fmt: skip
+        }
 
 
 def test_only_global_rank_zero_prints_and_collectives_agree(pool2) -> None:
@@ -142,12 +146,18 @@ def test_single_process_needs_no_group_and_explains_ddp_options(capsys) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"batch_size": 30, "world_size": 4}, r"global batch 30 is not divisible by world size 4 .* Use a multiple of 4 \(e.g. 32\)"),
-        ({"batch_size": 64, "world_size": 2, "accumulation": 3}, r"x 3 accumulation step\(s\) = 6. Use a multiple of 6"),
+        (
+            {"batch_size": 30, "world_size": 4},
+            r"global batch 30 is not divisible by world size 4 .* Use a multiple of 4 \(e.g. 32\)",
+        ),
+        (
+            {"batch_size": 64, "world_size": 2, "accumulation": 3},
+            r"x 3 accumulation step\(s\) = 6. Use a multiple of 6",
+        ),
         ({"batch_size": None, "world_size": 2}, r"exactly one of batch_size"),
         ({"batch_size": 8, "per_rank_batch_size": 4, "world_size": 2}, r"exactly one of batch_size"),
     ],
-)  # fmt: skip
+)
 def test_batch_arithmetic_errors(kwargs: dict, message: str) -> None:
     kwargs.setdefault("per_rank_batch_size", None)
     batch, per_rank = kwargs.pop("batch_size"), kwargs.pop("per_rank_batch_size")

@@ -128,8 +128,12 @@ class _Hosts:
         self.warm_dirs[i] = directory
         self.servers[i] = subprocess.Popen(
             [*self.enter(i), sys.executable, "-m", "ddpkit.cluster.warmstart", str(directory)],
-            env=self.env(i), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-        )  # fmt: skip
+            env=self.env(i),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
         log.close()
 
     def _await_servers(self) -> None:
@@ -187,9 +191,30 @@ def hosts(namespaces: _Hosts):
     def start(
         i: int, ckpt: Path, out: Path, run_args: tuple = (), args: tuple = (), log: str = ""
     ) -> subprocess.Popen:
-        cmd = [*net.enter(i), sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", "1:2", "--nproc", "1",
-               "--max-restarts", "3", "--rdzv-endpoint", f"10.77.0.1:{port}", "--local-addr", f"10.77.0.{i + 1}",
-               "--rdzv-conf", RDZV_CONF, *run_args, SCRIPT, str(ckpt), str(out), *args]  # fmt: skip
+        cmd = [
+            *net.enter(i),
+            sys.executable,
+            "-m",
+            "ddpkit.cli",
+            "run",
+            "--nnodes",
+            "1:2",
+            "--nproc",
+            "1",
+            "--max-restarts",
+            "3",
+            "--rdzv-endpoint",
+            f"10.77.0.1:{port}",
+            "--local-addr",
+            f"10.77.0.{i + 1}",
+            "--rdzv-conf",
+            RDZV_CONF,
+            *run_args,
+            SCRIPT,
+            str(ckpt),
+            str(out),
+            *args,
+        ]
         file = open(out / (log or f"host{i}.log"), "w")  # noqa: SIM115 (closed with the process)
         proc = subprocess.Popen(
             cmd, env=net.env(i), stdout=file, stderr=subprocess.STDOUT, start_new_session=True
@@ -236,8 +261,9 @@ class _References:
 
     def start(self) -> None:
         if self.run is None:
-            self.run = popen_marked([sys.executable, REFERENCE, str(self.root), *self.loops],
-                                    env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+            self.run = popen_marked(
+                [sys.executable, REFERENCE, str(self.root), *self.loops], env={"OMP_NUM_THREADS": "1"}
+            )
 
     def weights(self, loop: str) -> dict[str, torch.Tensor]:
         self.start()

@@ -50,8 +50,18 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_like_an_uninterrupted_one(
     out.mkdir()
     args = ["--every", "3", "--kill-at", "14"] + ([] if position else ["--no-position"])
     start = time.monotonic()
-    done = run_cli("run", "--nproc", "2", "--max-restarts", "1", TRAIN, str(tmp_path / "ck"), str(out), *args,
-                   timeout=150)  # fmt: skip
+    done = run_cli(
+        "run",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        TRAIN,
+        str(tmp_path / "ck"),
+        str(out),
+        *args,
+        timeout=150,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     # What the user needs: the rank that died named, with how it died, whichever rank exited first
     # (ddpkit's restart line orders a killed rank before the peers that noticed it; run_report.py).
@@ -70,8 +80,10 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_like_an_uninterrupted_one(
             assert diff == [], f"rank {rank} differs from the uninterrupted run at {diff}"
         else:
             assert "/model/0.weight" in diff, "without the data position the run should differ"
-    print(f"\nkill -9 at step {killed_step} -> training again from step {resumed_step} after "
-          f"{float(resumed_at) - float(killed_at):.1f} s (whole job {time.monotonic() - start:.1f} s)")  # fmt: skip
+    print(
+        f"\nkill -9 at step {killed_step} -> training again from step {resumed_step} after "
+        f"{float(resumed_at) - float(killed_at):.1f} s (whole job {time.monotonic() - start:.1f} s)"
+    )
 
 
 STALL = """
@@ -90,11 +102,14 @@ def test_a_stalled_rank_fails_the_job_within_the_timeout_and_is_named(tmp_path: 
     done = run_cli("run", "--nproc", "2", str(script), timeout=90)
     elapsed = time.monotonic() - start
     assert done.returncode == 1, done.stderr[-3000:]
-    culprit = (r"rank 1 did not reach the collective that rank 0 waits in \(all_reduce, at job.py:7\): "
-               r"rank 1 is at \S*job.py:6 in <module>: time.sleep\(60\)")  # fmt: skip
+    culprit = (
+        r"rank 1 did not reach the collective that rank 0 waits in \(all_reduce, at job.py:7\): "
+        r"rank 1 is at \S*job.py:6 in <module>: time.sleep\(60\)"
+    )
     assert re.search(rf"DdpkitError: {culprit}", done.stderr), done.stderr[-3000:]  # the error's first line
-    assert re.search(r"rank 1: running \(not in a collective\) at .*job.py:6 in <module>: time.sleep\(60\)",
-                     done.stderr), done.stderr[-3000:]  # fmt: skip
+    assert re.search(
+        r"rank 1: running \(not in a collective\) at .*job.py:6 in <module>: time.sleep\(60\)", done.stderr
+    ), done.stderr[-3000:]
     assert re.search(r"rank 0: in all_reduce at .*job.py:7 in <module>: s.all_reduce\(2.0\)", done.stderr)
     assert re.match(rf"ddpkit run: {culprit}.*\. Then rank 0 .* timed out", _headline(done.stderr)), (
         done.stderr
@@ -131,8 +146,10 @@ def test_a_rank_missing_from_ddps_own_collective_is_named_first(tmp_path: Path) 
     done = run_cli("run", "--nproc", "2", str(script), timeout=120)
     elapsed = time.monotonic() - start
     assert done.returncode == 1, done.stderr[-3000:]
-    culprit = (r"rank 1 did not reach the collective that rank 0 waits in \(DDP's forward: its bucket rebuild, "
-               r"at job.py:10\): rank 1 is at \S*job.py:9 in <module>: time.sleep\(120\)")  # fmt: skip
+    culprit = (
+        r"rank 1 did not reach the collective that rank 0 waits in \(DDP's forward: its bucket rebuild, "
+        r"at job.py:10\): rank 1 is at \S*job.py:9 in <module>: time.sleep\(120\)"
+    )
     assert re.search(rf"DdpkitError: {culprit}\n", done.stderr), done.stderr[-3000:]  # the error's first line
     assert re.match(rf"ddpkit run: {culprit}\. Then rank 0 .* timed out", _headline(done.stderr)), done.stderr
     assert re.search(r"rank 0: in DDP's forward: its bucket rebuild at \S*job.py:10 in <module>", done.stderr)
@@ -154,8 +171,9 @@ with ddpkit.session(verbose=False) as s:
 def test_a_used_up_restart_budget_ends_with_one_report_and_no_orphans(tmp_path: Path) -> None:
     script = _script(tmp_path, BUDGET)
     start = time.monotonic()
-    done = run_cli("run", "--nproc", "2", "--max-restarts", "1", str(script), env={"OUT_DIR": str(tmp_path)},
-                   timeout=120)  # fmt: skip
+    done = run_cli(
+        "run", "--nproc", "2", "--max-restarts", "1", str(script), env={"OUT_DIR": str(tmp_path)}, timeout=120
+    )
     assert done.returncode == 1
     restarts = [line for line in done.stderr.splitlines() if line.startswith("ddpkit run: restart")]
     reports = [
@@ -188,8 +206,13 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
     env = {**os.environ, "OUT_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     # `ddpkit run` as the suite's warm client (tests/conftest.py, `python()`): it passes the SIGINT on to
     # the launcher it runs, forked from the warm server, as a terminal's Ctrl-C reaches `ddpkit run`
-    proc = subprocess.Popen([python(), "-m", "ddpkit.cli", "run", "--nproc", "2", str(script)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [python(), "-m", "ddpkit.cli", "run", "--nproc", "2", str(script)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while len(list(tmp_path.glob("pid-*"))) < 2 and time.monotonic() < deadline:

@@ -58,12 +58,21 @@ def fit_run(log: str) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         recorder = Recorder()
         result = fit(
-            s, model, opt, s.loader(_data(), batch_size=16, shuffle=True), _train_step,
-            max_steps=10, eval_loader=s.loader(_data(), batch_size=32, evaluation=True), eval_step=_eval_step,
-            metrics={"accuracy": Accuracy(), "loss": Mean()}, eval_every=4,
-            scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5), callbacks=[recorder],
-            log=log, progress=True,
-        )  # fmt: skip
+            s,
+            model,
+            opt,
+            s.loader(_data(), batch_size=16, shuffle=True),
+            _train_step,
+            max_steps=10,
+            eval_loader=s.loader(_data(), batch_size=32, evaluation=True),
+            eval_step=_eval_step,
+            metrics={"accuracy": Accuracy(), "loss": Mean()},
+            eval_every=4,
+            scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
+            callbacks=[recorder],
+            log=log,
+            progress=True,
+        )
         return {"result": result, "events": recorder.events, "lr": opt.param_groups[0]["lr"]}
 
 
@@ -80,9 +89,12 @@ def test_fit_budget_evaluation_scheduler_callbacks_and_logs(suffix: str, pool2, 
     events = r0["events"]
     assert events[:3] == ["fit_start@0", "epoch_start@0", "step_start@0"]
     assert events[3:8] == ["step_end@1", "step_start@1", "step_end@2", "step_start@2", "step_end@3"]
-    assert "step_end@4" in events and events[events.index("step_end@4") + 1 : events.index("step_end@4") + 3] == [
-        "eval_start@4", "eval_end@4",
-    ]  # fmt: skip
+    assert "step_end@4" in events and events[
+        events.index("step_end@4") + 1 : events.index("step_end@4") + 3
+    ] == [
+        "eval_start@4",
+        "eval_end@4",
+    ]
     assert events[-3:] == ["eval_start@10", "eval_end@10", "fit_end@10"] and events == r1["events"]
     if suffix == "jsonl":
         rows = [json.loads(line) for line in log.read_text().splitlines()]
@@ -105,8 +117,15 @@ def non_finite() -> str:
             return loss * math.nan if (s.rank == 1 and seen[0] == 6) else loss
 
         try:
-            fit(s, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                s.loader(_data(), batch_size=8, shuffle=True), poisoned, epochs=3, progress=False)  # fmt: skip
+            fit(
+                s,
+                model,
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                s.loader(_data(), batch_size=8, shuffle=True),
+                poisoned,
+                epochs=3,
+                progress=False,
+            )
         except DdpkitError as exc:
             return str(exc)
         return "finished"
@@ -130,9 +149,16 @@ class StopOnRank1(Callback):
 def stop_request() -> dict:
     with ddpkit.session(seed=0, verbose=False) as s:
         model = s.model(_net())
-        result = fit(s, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                     s.loader(_data(), batch_size=8, shuffle=True), _train_step, epochs=5,
-                     callbacks=[StopOnRank1()], progress=False)  # fmt: skip
+        result = fit(
+            s,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            s.loader(_data(), batch_size=8, shuffle=True),
+            _train_step,
+            epochs=5,
+            callbacks=[StopOnRank1()],
+            progress=False,
+        )
         return {"steps": result.steps, "reason": result.stop_reason}
 
 
@@ -151,9 +177,19 @@ def test_one_process_fit_and_configuration_errors(tmp_path: Path, capsys) -> Non
             fit(s, model, opt, loader, _train_step)
         with pytest.raises(DdpkitError, match=r"eval_loader, eval_step and metrics together"):
             fit(s, model, opt, loader, _train_step, epochs=1, eval_loader=loader)
-        result = fit(s, model, opt, loader, _train_step, epochs=3, log=tmp_path / "log.csv",
-                     eval_loader=s.loader(_data(), batch_size=64, evaluation=True), eval_step=_eval_step,
-                     metrics={"accuracy": Accuracy(), "loss": Mean()}, progress=False)  # fmt: skip
+        result = fit(
+            s,
+            model,
+            opt,
+            loader,
+            _train_step,
+            epochs=3,
+            log=tmp_path / "log.csv",
+            eval_loader=s.loader(_data(), batch_size=64, evaluation=True),
+            eval_step=_eval_step,
+            metrics={"accuracy": Accuracy(), "loss": Mean()},
+            progress=False,
+        )
     assert result.steps == 12 and [e["step"] for e in result.evals] == [4, 8, 12]
     assert result.evals[-1]["accuracy"] > 0.8 and result.losses[-1] < result.losses[0]
     assert capsys.readouterr().out == ""  # quiet: the user's callbacks decide what is printed

@@ -157,8 +157,12 @@ def test_no_rank_ever_holds_the_whole_model_measured_by_the_kernel(tmp_path: Pat
     script.write_text(textwrap.dedent(RSS_JOB))
     done = run_cli("run", "--nproc", "4", str(script), timeout=90, env={"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    grew = {int(r): (int(g), int(m)) for r, g, m in re.findall(r"RANK (\d) GREW (\d+) MODEL (\d+)", done.stdout)}
+    grew = {
+        int(r): (int(g), int(m)) for r, g, m in re.findall(r"RANK (\d) GREW (\d+) MODEL (\d+)", done.stdout)
+    }
     assert sorted(grew) == [0, 1, 2, 3], done.stdout
     for rank, (growth, model) in grew.items():
         assert model == 48 * 2**22
-        assert growth < 0.75 * model, f"rank {rank}: peak RSS grew {growth / 2**20:.0f} MiB for a {model / 2**20:.0f} MiB model"
+        assert growth < 0.75 * model, (
+            f"rank {rank}: peak RSS grew {growth / 2**20:.0f} MiB for a {model / 2**20:.0f} MiB model"
+        )

@@ -32,8 +32,15 @@ def _shared_gather(on: bool):
         fsdp_shm.SHARED_GATHER = True
 
 
-def train(shm, accumulation: int = 1, steps: int = 4, precision: str = "32", shared_gather: bool = True,
-          prefetch: int = 0, d: int = 16) -> dict:  # fmt: skip
+def train(
+    shm,
+    accumulation: int = 1,
+    steps: int = 4,
+    precision: str = "32",
+    shared_gather: bool = True,
+    prefetch: int = 0,
+    d: int = 16,
+) -> dict:
     """AdamW with clipping on fsdp_train's net (every Linear its own unit; `prefetch` blocks ahead, set
     explicitly, forward and backward); what the collectives did."""
     out = io.StringIO()
@@ -65,8 +72,16 @@ def train(shm, accumulation: int = 1, steps: int = 4, precision: str = "32", sha
         params = full_params(model)
     closed = comms is None or not comms.shm.active  # the session's end unmapped the segment
     closed &= comms is None or comms.gather is None or not comms.gather.active
-    return {"params": params, "norms": norms, "counts": counts, "shared": shared, "held": held, "region": region,
-            "printed": out.getvalue(), "closed": closed}  # fmt: skip
+    return {
+        "params": params,
+        "norms": norms,
+        "counts": counts,
+        "shared": shared,
+        "held": held,
+        "region": region,
+        "printed": out.getvalue(),
+        "closed": closed,
+    }
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -114,7 +129,9 @@ def test_shared_all_gather_output_grows_and_takes_explicit_prefetching(pool2, pr
     shared = pool2.run(train, "auto", 1, 3, "32", True, prefetch, 64, timeout=120)
     slots = pool2.run(train, "auto", 1, 3, "32", False, prefetch, 64, timeout=120)
     assert all(r["region"] >= 4 * (64 * 64 + 64) and r["shared"] > 0 for r in shared)
-    assert all((r["held"] > 0) == (prefetch > 1) and r["shared"] + r["held"] == r["counts"][0] for r in shared)
+    assert all(
+        (r["held"] > 0) == (prefetch > 1) and r["shared"] + r["held"] == r["counts"][0] for r in shared
+    )
     assert all(_same(shared[0]["params"], r["params"]) for r in shared + slots)
     assert shared[0]["norms"] == slots[0]["norms"]
 
@@ -150,7 +167,9 @@ def test_verify_fsdp_passes_with_the_shm_path_on(pool2) -> None:
     session default) against one process, within verify's tolerance."""
     from ddpkit.verify import VerifySpec, verify
 
-    spec = VerifySpec(model=net, data=data, optimizer="adamw", steps=6, batch_size=12, nproc=2, strategy="fsdp")
+    spec = VerifySpec(
+        model=net, data=data, optimizer="adamw", steps=6, batch_size=12, nproc=2, strategy="fsdp"
+    )
     report = verify(spec, runner=pool2.run)
     assert report.passed and report.replicas_identical, report.render()
     assert all(r["counts"][1] > 0 for r in pool2.run(default_path, timeout=120))

@@ -31,12 +31,16 @@ def test_initial_weights_are_one_process_weights_under_every_build(pool2, kind: 
     tied = hf_ranks._tied_names(kind)
     for rank, builds in enumerate(results):
         for build, r in builds.items():
-            assert r["differ"] == [], f"rank {rank}, {kind} {build}: {r['differ'][:5]} differ from one process"
+            assert r["differ"] == [], (
+                f"rank {rank}, {kind} {build}: {r['differ'][:5]} differ from one process"
+            )
             assert r["compared"] > 10
             assert r["tied"] == tied, f"{kind} {build}: the tie came apart"
             assert abs(r["loss"] - builds["ddp-factory"]["loss"]) < 1e-5  # the same forward on each build
         units = builds["fsdp-factory"]["units"]
-        assert len(units) >= 3 and units == builds["fsdp-whole"]["units"], units  # blocks sharded on their own
+        assert len(units) >= 3 and units == builds["fsdp-whole"]["units"], (
+            units
+        )  # blocks sharded on their own
         for a, b in tied:  # both owners of a tied weight in the one unit that holds them (here the root)
             owners = {a.rsplit(".", 1)[0], b.rsplit(".", 1)[0]}
             assert not any(o == u or o.startswith(f"{u}.") for o in owners for u in units if u), units
@@ -64,9 +68,13 @@ def test_gpt2_factory_without_ddpkit_hf_init_would_differ() -> None:
     assert not getattr(model.transformer.wte, "_is_hf_initialized", False)  # post_init skipped it
 
 
-@pytest.mark.parametrize(("kind", "strategy", "whole"),
-                         [("gpt2", "fsdp", False), ("llama-tied", "fsdp", True), ("bert", "ddp", False)])
-def test_token_weighted_training_matches_one_process_and_exports(pool2, tmp_path, kind, strategy, whole) -> None:
+@pytest.mark.parametrize(
+    ("kind", "strategy", "whole"),
+    [("gpt2", "fsdp", False), ("llama-tied", "fsdp", True), ("bert", "ddp", False)],
+)
+def test_token_weighted_training_matches_one_process_and_exports(
+    pool2, tmp_path, kind, strategy, whole
+) -> None:
     results = pool2.run(hf_ranks.train, kind, strategy, whole, str(tmp_path / "out"))
     assert all(r["token_weighted"] for r in results)
     one = hf_ranks.train_one_process(kind, world=2)
@@ -76,7 +84,9 @@ def test_token_weighted_training_matches_one_process_and_exports(pool2, tmp_path
     for name in one:
         moved = (one[name] - start[name]).norm()
         dist = (got[name] - one[name]).norm()
-        assert dist <= 1e-4 * max(moved, 1e-3) + 1e-6, f"{name}: {dist:.3g} from one process (moved {moved:.3g})"
+        assert dist <= 1e-4 * max(moved, 1e-3) + 1e-6, (
+            f"{name}: {dist:.3g} from one process (moved {moved:.3g})"
+        )
     assert all(torch.equal(got[n], results[1]["final"][n]) for n in got), "the ranks hold other weights"
     loaded = hf_ranks.model_class(kind).from_pretrained(tmp_path / "out")
     reloaded = dict(loaded.named_parameters())
@@ -101,8 +111,24 @@ def test_ddpkit_verify_fsdp_passes_on_gpt2(pool2, monkeypatch, capsys) -> None:
     from ddpkit.verify import cli, verify
 
     monkeypatch.setattr(cli, "verify", lambda spec: verify(spec, runner=pool2.run))
-    code = cli.main(["--model", "hf_ranks:gpt2", "--batches", "hf_ranks:padded", "--loss", "hf_ranks:token_sum",
-                     "--strategy", "fsdp", "--optimizer", "adamw", "--steps", "3", "--batch-size", "8"])
+    code = cli.main(
+        [
+            "--model",
+            "hf_ranks:gpt2",
+            "--batches",
+            "hf_ranks:padded",
+            "--loss",
+            "hf_ranks:token_sum",
+            "--strategy",
+            "fsdp",
+            "--optimizer",
+            "adamw",
+            "--steps",
+            "3",
+            "--batch-size",
+            "8",
+        ]
+    )
     text = capsys.readouterr().out
     assert code == 0 and "verdict: PASS" in text, text[-3000:]
     assert "transformer.wte.weight" in text
@@ -130,6 +156,8 @@ def test_a_parameter_hf_init_never_writes_is_refused_not_zeroed() -> None:
             if isinstance(module, nn.Linear):
                 module.weight.data.normal_(0.0, 0.02)
 
-    with pytest.raises(DdpkitError, match=r"Tiny built shard by shard left 1 parameter\(s\) never initialised \(scale\)"):
+    with pytest.raises(
+        DdpkitError, match=r"Tiny built shard by shard left 1 parameter\(s\) never initialised \(scale\)"
+    ):
         fsdp_init.build(lambda: Tiny(tf.PretrainedConfig()), rank=0, world=1)
     fsdp_init.build(hf_ranks.factory("gpt2"), rank=0, world=1)  # a model that initialises everything: built

@@ -23,8 +23,10 @@ import hf_ranks
 import ddpkit
 
 
-@pytest.mark.parametrize(("kind", "strategy", "shard_size"),
-                         [("gpt2", "fsdp", None), ("qwen2", "fsdp", "20KB"), ("llama", "ddp", None)])
+@pytest.mark.parametrize(
+    ("kind", "strategy", "shard_size"),
+    [("gpt2", "fsdp", None), ("qwen2", "fsdp", "20KB"), ("llama", "ddp", None)],
+)
 def test_loaded_weights_equal_the_checkpoint(pool2, tmp_path, kind, strategy, shard_size) -> None:
     reference = hf_ranks.pretrained(kind, str(tmp_path / "ckpt"), shard_size)
     if shard_size:

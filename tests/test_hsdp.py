@@ -38,9 +38,14 @@ def test_hsdp_2x2_is_fsdp2_on_a_2d_mesh_with_bitwise_replicas(pool4) -> None:
         assert ranks[a]["local"].keys() == ranks[b]["local"].keys()
         for name in ranks[a]["local"]:
             assert torch.equal(ranks[a]["local"][name], ranks[b]["local"][name]), f"replicas differ: {name}"
-    diff = [n for n in ranks[0]["local"] if ranks[0]["local"][n].numel() and ranks[1]["local"][n].numel()
-            and ranks[0]["local"][n].shape == ranks[1]["local"][n].shape
-            and torch.equal(ranks[0]["local"][n], ranks[1]["local"][n])]  # fmt: skip
+    diff = [
+        n
+        for n in ranks[0]["local"]
+        if ranks[0]["local"][n].numel()
+        and ranks[1]["local"][n].numel()
+        and ranks[0]["local"][n].shape == ranks[1]["local"][n].shape
+        and torch.equal(ranks[0]["local"][n], ranks[1]["local"][n])
+    ]
     assert len(diff) < len(ranks[0]["local"]), "ranks 0 and 1 hold the same values: nothing is sharded"
     for r in ranks[1:]:  # the whole model, gathered, is the same on every rank
         for name, t in r["whole_after_step"].items():
@@ -57,8 +62,9 @@ def test_verify_strategy_hsdp_2x2_trains_the_weights_of_one_process(pool4) -> No
 
     from ddpkit.verify import VerifySpec, verify
 
-    spec = VerifySpec(model=net, data=data, optimizer="adamw", steps=6, batch_size=12, nproc=4,
-                      strategy="hsdp")  # fmt: skip
+    spec = VerifySpec(
+        model=net, data=data, optimizer="adamw", steps=6, batch_size=12, nproc=4, strategy="hsdp"
+    )
     assert spec.degrees == (2, 2)  # the default: 2 replicas of nproc / 2 shards
     ran: list[str] = []
 
@@ -106,19 +112,36 @@ def test_verify_hsdp_refuses_the_bitwise_mode_that_would_not_apply_it() -> None:
     from ddpkit.verify import cli
 
     with pytest.raises(DdpkitError, match="--strategy hsdp would not be applied"):
-        cli.main(["--model", "fsdp_train:net", "--data", "fsdp_train:data", "--nproc", "4", "--strategy", "hsdp",
-                  "--bitwise"])  # fmt: skip
+        cli.main(
+            [
+                "--model",
+                "fsdp_train:net",
+                "--data",
+                "fsdp_train:data",
+                "--nproc",
+                "4",
+                "--strategy",
+                "hsdp",
+                "--bitwise",
+            ]
+        )
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"strategy": "hsdp", "nproc": 3, "batch_size": 12}, r"shard groups of nproc // 2 ranks.*--shard-degree"),
+        (
+            {"strategy": "hsdp", "nproc": 3, "batch_size": 12},
+            r"shard groups of nproc // 2 ranks.*--shard-degree",
+        ),
         ({"strategy": "hsdp", "shard": 3}, r"shard groups of 3 ranks: the shard degree must divide nproc"),
         ({"strategy": "fsdp", "shard": 2}, r"--shard-degree\) is HSDP's, not fsdp's. Pass --strategy hsdp"),
-        ({"strategy": "hsdp", "sync_batchnorm": True}, r"DDP-only options. Leave them out with --strategy hsdp"),
+        (
+            {"strategy": "hsdp", "sync_batchnorm": True},
+            r"DDP-only options. Leave them out with --strategy hsdp",
+        ),
     ],
-)  # fmt: skip
+)
 def test_verify_spec_refuses_an_impossible_hsdp_shape(kwargs: dict, message: str) -> None:
     from fsdp_train import data, net
 
@@ -204,8 +227,9 @@ def test_hsdp_resume_at_the_same_shape_is_bitwise(pool4, hsdp_saved, tmp_path) -
     [("fsdp", (), 4), ("fsdp", (), 2), ("hsdp", (1, 2), 2), ("ddp", (), 2), ("single", (), 1)],
     ids=["fsdp4", "fsdp2", "hsdp1x2", "ddp2", "one-process"],
 )
-def test_hsdp_checkpoint_resumes_under_another_shape_exactly(pool2, pool4, hsdp_saved, tmp_path, kind, degrees,
-                                                             world):  # fmt: skip
+def test_hsdp_checkpoint_resumes_under_another_shape_exactly(
+    pool2, pool4, hsdp_saved, tmp_path, kind, degrees, world
+):
     """HSDP (2 x 2) saved at step 3, loaded under FSDP over 4 or 2 ranks, HSDP (1 x 2), DDP over 2 ranks
     and in one process: DCP reshards the weights and AdamW's moments exactly (a copy, no arithmetic), so
     they equal the saved ones bit for bit."""
@@ -237,7 +261,9 @@ def test_an_fsdp_checkpoint_resumes_under_hsdp_exactly(pool2, pool4, tmp_path, k
 
 def test_an_hsdp_background_save_holds_the_state_of_the_call(pool4, tmp_path) -> None:
     for rank, r in enumerate(pool4.run(background_roundtrip, str(tmp_path / "ckpt"))):
-        assert any(not torch.equal(r["moved"][k], r["at_call"]["params"][k]) for k in r["moved"])  # trained on
+        assert any(
+            not torch.equal(r["moved"][k], r["at_call"]["params"][k]) for k in r["moved"]
+        )  # trained on
         _same(r["loaded"]["params"], r["at_call"]["params"], f"rank {rank}: weights")
         _same(r["loaded"]["moments"], r["at_call"]["moments"], f"rank {rank}: AdamW moments")
 
@@ -289,8 +315,9 @@ def test_verify_hsdp_in_bf16_and_compiled_against_one_process(pool4, how) -> Non
     from ddpkit.verify import VerifySpec, verify
 
     extra = {"precision": "bf16"} if how == "bf16" else {"compile": True}
-    spec = VerifySpec(model=net, data=data, optimizer="adamw", steps=3, batch_size=12, nproc=4,
-                      strategy="hsdp", **extra)  # fmt: skip  (bf16: "permuted" alone is too tight, for FSDP too)
+    spec = VerifySpec(
+        model=net, data=data, optimizer="adamw", steps=3, batch_size=12, nproc=4, strategy="hsdp", **extra
+    )  # (bf16: "permuted" alone is too tight, for FSDP too)
     ran: list = []
 
     def runner(fn, spec):

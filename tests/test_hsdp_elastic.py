@@ -56,7 +56,11 @@ def test_an_hsdp_job_that_loses_a_host_resumes_on_the_other(hosts, references, t
 
 
 @pytest.mark.timeout(200)  # the inner limits: meeting 60 + the end 60 + reference 40 s
-def test_two_hosts_of_two_ranks_train_hsdp_2x2_to_the_reference_weights(hosts, references, tmp_path: Path) -> None:  # noqa: F811
+def test_two_hosts_of_two_ranks_train_hsdp_2x2_to_the_reference_weights(
+    hosts,  # noqa: F811
+    references,  # noqa: F811
+    tmp_path: Path,
+) -> None:
     """`ddpkit run --nnodes 2 --nproc 2` on each host, strategy="hsdp" with no degrees: replicate 2 (the
     hosts) x shard 2 (a host's ranks), the mesh named in the start-up line; all 24 steps at world size
     4 (per-rank batch 2, the global batch 8) and the final weights within 1e-5 of the uninterrupted run."""

@@ -24,7 +24,10 @@ def _big() -> object:  # 8 units of 64 MiB of gradients, ready through the backw
 
 def test_hsdp_on_one_node_is_fsdp() -> None:
     cluster = Cluster(n=8, per_node=8, link=links.preset("ib-ndr"))
-    fsdp, hsdp = step(_big(), cluster, Options(strategy="fsdp")), step(_big(), cluster, Options(strategy="hsdp"))
+    fsdp, hsdp = (
+        step(_big(), cluster, Options(strategy="fsdp")),
+        step(_big(), cluster, Options(strategy="hsdp")),
+    )
     assert hsdp.step_s == pytest.approx(fsdp.step_s) and hsdp.comm_s == pytest.approx(fsdp.comm_s)
     assert hsdp.slow_link_bytes == fsdp.slow_link_bytes == 0.0
 
@@ -35,7 +38,10 @@ def test_across_nodes_hsdp_sends_less_over_the_slow_link_and_steps_faster_than_f
     the bytes between nodes but its step's communication is about FSDP's.)"""
     link = links.preset("eth-100g")
     cluster = Cluster(n=32, per_node=8, link=link)  # 4 nodes x 8
-    fsdp, hsdp = step(_big(), cluster, Options(strategy="fsdp")), step(_big(), cluster, Options(strategy="hsdp"))
+    fsdp, hsdp = (
+        step(_big(), cluster, Options(strategy="fsdp")),
+        step(_big(), cluster, Options(strategy="hsdp")),
+    )
     total = 8 * 64 * MB
     assert fsdp.slow_link_bytes == pytest.approx(3 * 31 / 32 * total)  # two all-gathers + a reduce-scatter
     assert hsdp.slow_link_bytes == pytest.approx(2 * 3 / 4 * total)  # one all-reduce between the 4 nodes
@@ -60,7 +66,9 @@ def test_plan_advises_hsdp_where_fsdp_is_needed_on_several_nodes() -> None:
     assert f"{state / 8 / 1e9:.2f} GB of model state per device" in hsdp[0]["what"]
     assert 'strategy="hsdp"' in hsdp[0]["cost"]
     one_node = Planner(profiles={8: p}, link=_link(), per_node=16, batches={1: 8, 16: 8})
-    items = advise(one_node, 16, Options(), one_node.predict(16, Options()), strong=False, device_memory_gb=0.5)
+    items = advise(
+        one_node, 16, Options(), one_node.predict(16, Options()), strong=False, device_memory_gb=0.5
+    )
     assert not [i for i in items if i["what"].startswith("HSDP")]  # one node: HSDP is FSDP
 
 
@@ -69,11 +77,21 @@ def test_plan_advises_hsdp_where_fsdp_is_needed_on_several_nodes() -> None:
     [
         (1.0, 2, "ddp", "DDP fits; FSDP not needed"),
         (10.0, 1, "fsdp 4", "use strategy='fsdp'"),
-        (10.0, 2, "hsdp 2x4", "on 2 nodes x 4 ranks use strategy='hsdp' instead: replicate 2 x shard 4, 2.50 GB"),
-        (40.0, 2, "fsdp 8", "a node's share (10.00 GB per rank sharded 4 ways) does not fit either, so FSDP over "
-                             "all 8 ranks (5.00 GB per rank), not HSDP"),
+        (
+            10.0,
+            2,
+            "hsdp 2x4",
+            "on 2 nodes x 4 ranks use strategy='hsdp' instead: replicate 2 x shard 4, 2.50 GB",
+        ),
+        (
+            40.0,
+            2,
+            "fsdp 8",
+            "a node's share (10.00 GB per rank sharded 4 ways) does not fit either, so FSDP over "
+            "all 8 ranks (5.00 GB per rank), not HSDP",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bench_tune_names_the_hsdp_shape_where_a_node_share_fits(state_gb, nodes, shape, says) -> None:
     """4 ranks per machine of 8 GB each (80% usable): 10 GB of model state needs sharding; 4 ways per
     node it fits, so across 2 nodes HSDP(2x4); 40 GB does not fit a node's 4 ranks: FSDP over all 8."""
@@ -90,7 +108,9 @@ def _two_hosts() -> links.Link:
 
     def rows(level: str, alpha: float, beta: float) -> list[dict]:
         sizes = (64 * 1024, MB, 4 * MB, 8 * MB)
-        return [{"level": level, "op": "all_reduce", "bytes": s, "seconds": 2 * alpha + s / beta} for s in sizes]
+        return [
+            {"level": level, "op": "all_reduce", "bytes": s, "seconds": 2 * alpha + s / beta} for s in sizes
+        ]
 
     return links.two_level([*rows("intra", 300e-6, 1e9), *rows("inter_alone", 1e-3, 25e6)], cores=2)
 
@@ -117,9 +137,13 @@ def test_on_gloo_a_reduce_scatter_costs_an_all_reduce_so_fsdp_sends_four_passes(
     fsdp, hsdp = step(p, cluster, Options(strategy="fsdp")), step(p, cluster, Options(strategy="hsdp"))
     assert fsdp.slow_link_bytes == pytest.approx(4 * 3 / 4 * 9 * MB)
     assert hsdp.slow_link_bytes == pytest.approx(9 * MB)  # the shard all-reduce: 2 x 1/2 of S per node
-    assert fsdp.comm_s == pytest.approx(sum(2 * cluster.allgather(s) + cluster.allreduce(s)[0] for s in (MB, 8 * MB)))
+    assert fsdp.comm_s == pytest.approx(
+        sum(2 * cluster.allgather(s) + cluster.allreduce(s)[0] for s in (MB, 8 * MB))
+    )
     inside, across = Cluster(n=2, per_node=2, link=gloo), Cluster(n=2, per_node=1, link=gloo)
-    want = sum(2 * inside.allgather(s) + inside.allreduce(s)[0] + across.allreduce(s)[0] for s in (MB, 8 * MB))
+    want = sum(
+        2 * inside.allgather(s) + inside.allreduce(s)[0] + across.allreduce(s)[0] for s in (MB, 8 * MB)
+    )
     assert hsdp.comm_s == pytest.approx(want)
     assert across.allreduce(8 * MB)[0] == pytest.approx(2e-3 + 8 * MB / 25e6, rel=1e-3)  # the slow link's β
 
@@ -147,9 +171,13 @@ def test_the_two_host_benchmark_gives_validation_rows() -> None:
     """benchmarks/hsdp_step.py's JSON as rows of the plan's validation table (python -m ddpkit.plan.validate)."""
     from ddpkit.plan.validate import markdown, two_hosts
 
-    result = {"workload": "gpt", "global_batch": 24, "strategies": ["hsdp", "ddp"],
-              "measured": {"hsdp": {"step_ms": 4000.0, "spread": 0.2}, "ddp": {"step_ms": 2000.0, "spread": 0.1}},
-              "predicted": {"hsdp": {"step_ms": 3600.0}, "ddp": {"step_ms": 2500.0}}}  # fmt: skip
+    result = {
+        "workload": "gpt",
+        "global_batch": 24,
+        "strategies": ["hsdp", "ddp"],
+        "measured": {"hsdp": {"step_ms": 4000.0, "spread": 0.2}, "ddp": {"step_ms": 2000.0, "spread": 0.1}},
+        "predicted": {"hsdp": {"step_ms": 3600.0}, "ddp": {"step_ms": 2500.0}},
+    }
     text = markdown(two_hosts(result), ["plan"])
     assert "| gpt24 HSDP 2x2, 2 hosts | 4 | 4000.0 (±10%) | 3600.0 (-10%) |" in text, text
     assert "| gpt24 DDP 4, 2 hosts | 4 | 2000.0 (±5%) | 2500.0 (+25%) |" in text, text

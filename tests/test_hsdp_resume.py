@@ -22,13 +22,15 @@ pytestmark = [pytest.mark.numerics, pytest.mark.timeout(240)]
 
 def forgets_optimizer(s, model, optimizer, loader) -> Resumable:
     """Model, loader and s.stepper saved; the AdamW moments not (kept, so the check can name them)."""
-    return Resumable(saved={"model": model, "loader": loader, "stepper": s.stepper},
-                     others={"optimizer": optimizer})  # fmt: skip
+    return Resumable(
+        saved={"model": model, "loader": loader, "stepper": s.stepper}, others={"optimizer": optimizer}
+    )
 
 
 def _spec(strategy: str, **kwargs) -> VerifySpec:
-    return VerifySpec(model=net, data=data, optimizer="adamw", steps=4, batch_size=16, nproc=4,
-                      strategy=strategy, **kwargs)  # fmt: skip
+    return VerifySpec(
+        model=net, data=data, optimizer="adamw", steps=4, batch_size=16, nproc=4, strategy=strategy, **kwargs
+    )
 
 
 @pytest.fixture
@@ -50,8 +52,9 @@ def test_an_hsdp_2x2_run_resumed_under_fsdp_2_ends_within_the_floor(runner) -> N
 def test_an_fsdp_2_checkpoint_under_hsdp_2x2_without_the_optimizer_is_named(runner) -> None:
     """The weights load across the shapes (nothing differs before the optimizer); the AdamW moments,
     gathered from their shards on both sides, are what is missing right after s.load."""
-    rs = ResumeSpec(spec=_spec("fsdp"), world=2, resume_world=4, resume_strategy="hsdp",
-                    setup=forgets_optimizer)  # fmt: skip
+    rs = ResumeSpec(
+        spec=_spec("fsdp"), world=2, resume_world=4, resume_strategy="hsdp", setup=forgets_optimizer
+    )
     report = check(rs, runner=runner)
     text = report.render()
     assert not report.passed, text
@@ -63,8 +66,15 @@ def test_an_fsdp_2_checkpoint_under_hsdp_2x2_without_the_optimizer_is_named(runn
 
 
 def _ns(**kwargs) -> argparse.Namespace:
-    base = {"nproc": 4, "resume_nproc": None, "resume_strategy": None, "resume_shard_degree": None,
-            "save_at": None, "setup": None, "timeout": 60.0}  # fmt: skip
+    base = {
+        "nproc": 4,
+        "resume_nproc": None,
+        "resume_strategy": None,
+        "resume_shard_degree": None,
+        "save_at": None,
+        "setup": None,
+        "timeout": 60.0,
+    }
     return argparse.Namespace(**{**base, **kwargs})
 
 
@@ -77,7 +87,7 @@ def _ns(**kwargs) -> argparse.Namespace:
         ("fsdp", None, {"resume_strategy": "hsdp", "resume_shard_degree": 4}, ("FSDP(4)", "HSDP(1x4)")),
         ("ddp", None, {"resume_nproc": 1}, ("DDP(4)", "one process")),
     ],
-)  # fmt: skip
+)
 def test_the_command_line_names_the_shape_of_each_part(strategy, shard, ns, shapes) -> None:
     from ddpkit.verify.resume import resume_spec
 
@@ -88,11 +98,14 @@ def test_the_command_line_names_the_shape_of_each_part(strategy, shard, ns, shap
 @pytest.mark.parametrize(
     ("ns", "message"),
     [
-        ({"resume_nproc": 2, "resume_strategy": "hsdp", "resume_shard_degree": 4}, r"HSDP over 2 ranks cannot"),
+        (
+            {"resume_nproc": 2, "resume_strategy": "hsdp", "resume_shard_degree": 4},
+            r"HSDP over 2 ranks cannot",
+        ),
         ({"resume_strategy": "fsdp", "resume_shard_degree": 2}, r"is HSDP's. Pass --resume-strategy hsdp"),
         ({"resume_nproc": 3, "resume_strategy": "hsdp"}, r"does not divide the global batch|HSDP over 3"),
     ],
-)  # fmt: skip
+)
 def test_an_impossible_resumed_shape_is_refused_before_any_rank_starts(ns, message) -> None:
     from ddpkit.verify.resume import resume_spec
 

@@ -27,7 +27,9 @@ def test_the_tree_is_the_same_split_over_ranks_and_not_a_running_sum():
     whole = TreeSum()
     for leaf in leaves:
         whole.add(leaf.clone())
-    by_hand = ((leaves[0] + leaves[1]) + (leaves[2] + leaves[3])) + ((leaves[4] + leaves[5]) + (leaves[6] + leaves[7]))
+    by_hand = ((leaves[0] + leaves[1]) + (leaves[2] + leaves[3])) + (
+        (leaves[4] + leaves[5]) + (leaves[6] + leaves[7])
+    )
     assert torch.equal(whole.total(), by_hand)
     for world in (2, 4):  # each rank's contiguous range, then the ranks' sums along the same tree
         parts = []
@@ -114,8 +116,9 @@ def test_mlp_cnn_and_gpt_train_the_same_weights_on_1_2_and_4_ranks(pool4):
 
 @pytest.mark.numerics
 @pytest.mark.timeout(240)  # the pool runs' own limits (120 s each) fire first
-def test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_own_generator(pool_runner,
-                                                                                            monkeypatch, capsys):
+def test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_own_generator(
+    pool_runner, monkeypatch, capsys
+):
     """`ddpkit verify --bitwise` as a user runs it: a Noise layer drawing from a generator of its own is
     the first operation whose output differs (global chunk 2, the first chunk of rank 1 at W = 2). The
     command line's entry point in this process, its ranks from the pools (`ddpkit verify`'s own launch is
@@ -123,24 +126,46 @@ def test_verify_bitwise_passes_an_mlp_with_dropout_and_names_a_layer_with_its_ow
     from ddpkit.verify import cli
 
     check = bitwise.check
-    monkeypatch.setattr(bitwise, "check", lambda spec, chunk=4, runner=None: check(spec, chunk=chunk,
-                                                                                    runner=pool_runner))
-    args = ["--bitwise", "--data", "invariant_models:data", "--optimizer", "adamw", "--steps", "3",
-            "--batch-size", "16", "--chunk", "4", "--timeout", "100"]  # fmt: skip
+    monkeypatch.setattr(
+        bitwise, "check", lambda spec, chunk=4, runner=None: check(spec, chunk=chunk, runner=pool_runner)
+    )
+    args = [
+        "--bitwise",
+        "--data",
+        "invariant_models:data",
+        "--optimizer",
+        "adamw",
+        "--steps",
+        "3",
+        "--batch-size",
+        "16",
+        "--chunk",
+        "4",
+        "--timeout",
+        "100",
+    ]
     code = cli.main([*args, "--model", "invariant_models:noisy"])
     said = capsys.readouterr().out
     assert code == 1, said
     assert "first difference: step 1, global chunk 2: the output of module `2` (Noise), call 3" in said, said
-    spec = VerifySpec(model=invariant_models.mlp, data=invariant_models.data, optimizer="adamw", steps=3,
-                      batch_size=16, timeout=100)  # fmt: skip
+    spec = VerifySpec(
+        model=invariant_models.mlp,
+        data=invariant_models.data,
+        optimizer="adamw",
+        steps=3,
+        batch_size=16,
+        timeout=100,
+    )
     report = check(spec, chunk=4, runner=pool_runner)
     assert report.passed, report.render()
     assert "bitwise equal (4 tensors x 3 steps)" in report.render()
     refused = bitwise.check(VerifySpec(model=invariant_models.batchnorm, data=invariant_models.data), chunk=4)
     assert not refused.passed and "1 is a BatchNorm1d" in refused.render()
     with pytest.raises(DdpkitError, match="on 3 ranks"):  # before any rank starts
-        bitwise.check(VerifySpec(model=invariant_models.mlp, data=invariant_models.data, nproc=3, batch_size=48),
-                      chunk=4)
+        bitwise.check(
+            VerifySpec(model=invariant_models.mlp, data=invariant_models.data, nproc=3, batch_size=48),
+            chunk=4,
+        )
 
 
 @pytest.mark.numerics
@@ -169,7 +194,8 @@ def test_the_session_option_is_invariant_and_a_run_resumed_on_fewer_ranks_ends_b
         assert "ran through the DDP model in a session with reproducible='any-world'" in said[0], said
         assert said[1].startswith("s.backward: DdpkitError") and "s.invariant.step(model" in said[1], said
         assert said[2].startswith("s.step: DdpkitError") and "s.invariant.step(model" in said[2], said
-    with pytest.raises(DdpkitError, match="accumulation=2"), ddpkit.session(
-        reproducible="any-world", accumulation=2, env={}, verbose=False
+    with (
+        pytest.raises(DdpkitError, match="accumulation=2"),
+        ddpkit.session(reproducible="any-world", accumulation=2, env={}, verbose=False),
     ):
         pass

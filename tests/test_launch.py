@@ -80,7 +80,9 @@ def test_two_nodes_on_one_machine_form_one_job(tmp_path: Path) -> None:
     script = _script(tmp_path, PLAIN_TORCHRUN_SCRIPT)
     port = _free_port()
     cmd = ["run", "--nnodes", "2", "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    nodes = [popen_cli(*cmd, "--node-rank", str(r), str(script), env={"OUT_DIR": str(tmp_path)}) for r in (0, 1)]
+    nodes = [
+        popen_cli(*cmd, "--node-rank", str(r), str(script), env={"OUT_DIR": str(tmp_path)}) for r in (0, 1)
+    ]
     try:  # 50 s each, one after the other: under pytest's 120 s
         done = [communicate(proc, mark, timeout=50) for proc, mark in nodes]
     finally:
@@ -129,7 +131,17 @@ def test_a_rank_failing_on_one_node_restarts_both_nodes_into_one_group(tmp_path:
     out = tmp_path / "out"
     out.mkdir()
     port = _free_port()
-    cmd = ["run", "--nnodes", "2", "--nproc", "1", "--max-restarts", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
+    cmd = [
+        "run",
+        "--nnodes",
+        "2",
+        "--nproc",
+        "1",
+        "--max-restarts",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+    ]
     nodes = [popen_cli(*cmd, str(script), str(out)) for _ in range(2)]
     try:  # 50 s each, one after the other: under pytest's 120 s
         done = [communicate(proc, mark, timeout=50) for proc, mark in nodes]
@@ -258,10 +270,14 @@ def test_every_ranks_printed_lines_stay_whole_under_unbuffered_output(tmp_path: 
     # Both ranks write to their launcher's one stdout; with PYTHONUNBUFFERED (set by many CI systems and
     # by `python -u`) a plain print writes each argument and the newline apart, and lines interleave.
     # The same launch shows that `ddpkit run --device cpu` reaches the ranks' sessions.
-    script = _script(tmp_path, "import ddpkit\nwith ddpkit.session() as s:\n    s.print('DEVICE', s.device)\n"
-                               "    for i in range(300):\n        s.print_all('x', i, 'y')\n")  # fmt: skip
-    done = run_cli("run", "--nproc", "2", "--device", "cpu", str(script), timeout=60,
-                   env={"PYTHONUNBUFFERED": "1"})  # fmt: skip
+    script = _script(
+        tmp_path,
+        "import ddpkit\nwith ddpkit.session() as s:\n    s.print('DEVICE', s.device)\n"
+        "    for i in range(300):\n        s.print_all('x', i, 'y')\n",
+    )
+    done = run_cli(
+        "run", "--nproc", "2", "--device", "cpu", str(script), timeout=60, env={"PYTHONUNBUFFERED": "1"}
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "DEVICE cpu" in done.stdout
     lines = [line for line in done.stdout.splitlines() if "x" in line]
@@ -285,7 +301,10 @@ def fails_on_rank_one() -> None:
 # for imports): what these tests check, the results and the failure report, does not depend on how the
 # ranks start; "auto" starting new interpreters for a module's function is test_warmstart's last spawn.
 def test_spawn_returns_results_in_rank_order() -> None:
-    assert ddpkit.spawn(rank_info, nproc=2, args=(10,), timeout=60, start_method="fork") == [(0, 2, 21), (1, 2, 21)]
+    assert ddpkit.spawn(rank_info, nproc=2, args=(10,), timeout=60, start_method="fork") == [
+        (0, 2, 21),
+        (1, 2, 21),
+    ]
     assert not dist.is_initialized(), "the parent never joins the group"
 
 
@@ -312,8 +331,15 @@ def test_the_users_threads_and_port_win_and_more_cpu_ranks_than_cores_warns_once
     script = _script(tmp_path, PLAIN_TORCHRUN_SCRIPT)
     threads = max(2, len(os.sched_getaffinity(0)))  # 2 x threads > cores; the default would be cores // 2
     port = _free_port()
-    done = run_cli("run", "--nproc", "2", "--port", str(port), str(script),
-                   env={"OUT_DIR": str(tmp_path), "OMP_NUM_THREADS": str(threads)})  # fmt: skip
+    done = run_cli(
+        "run",
+        "--nproc",
+        "2",
+        "--port",
+        str(port),
+        str(script),
+        env={"OUT_DIR": str(tmp_path), "OMP_NUM_THREADS": str(threads)},
+    )
     assert done.returncode == 0, done.stderr
     assert {r["threads"] for r in _ranks(tmp_path)} == {threads}
     assert done.stderr.count(f"ddpkit run: warning: 2 processes x {threads} thread(s)") == 1
@@ -322,9 +348,13 @@ def test_the_users_threads_and_port_win_and_more_cpu_ranks_than_cores_warns_once
 
 @pytest.mark.parametrize(
     ("mode", "loop", "accumulation", "batch"),
-    [("per-rank", "accumulate", 2, 4), ("accumulation", "accumulate", 1, 8), ("auto", "step", 1, 8),
-     ("auto", "plain", 1, 8)],
-)  # fmt: skip
+    [
+        ("per-rank", "accumulate", 2, 4),
+        ("accumulation", "accumulate", 1, 8),
+        ("auto", "step", 1, 8),
+        ("auto", "plain", 1, 8),
+    ],
+)
 def test_an_elastic_job_below_its_largest_size_keeps_the_global_batch(
     tmp_path: Path, mode: str, loop: str, accumulation: int, batch: int
 ) -> None:
@@ -339,10 +369,30 @@ def test_an_elastic_job_below_its_largest_size_keeps_the_global_batch(
         port = sock.getsockname()[1]
     out = tmp_path / "out"
     out.mkdir()
-    done = run_cli("run", "--nnodes", "1:2", "--nproc", "1", "--max-restarts", "1", "--elastic-batch", mode,
-                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=1",
-                   str(REPO / "tests" / "elastic_train.py"), str(tmp_path / "ck"), str(out), "--sleep", "0",
-                   "--loop", loop, timeout=90, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    done = run_cli(
+        "run",
+        "--nnodes",
+        "1:2",
+        "--nproc",
+        "1",
+        "--max-restarts",
+        "1",
+        "--elastic-batch",
+        mode,
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-conf",
+        "last_call_timeout=1",
+        str(REPO / "tests" / "elastic_train.py"),
+        str(tmp_path / "ck"),
+        str(out),
+        "--sleep",
+        "0",
+        "--loop",
+        loop,
+        timeout=90,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     if mode == "auto":
         assert "elastic: world size 1 of up to 2: the per-rank batch grows 2x" in done.stdout, done.stdout

@@ -81,49 +81,153 @@ _TORCHRUN = f"{PX}/ddp-tutorial-series/multigpu_torchrun.py"
 _MULTIGPU = f"{PX}/ddp-tutorial-series/multigpu.py"
 _DDP = f"{PX}/ddp/example.py"
 SEEDS = [
-    Seed("DDP001", f"{PX}/FSDP2/example.py", (
-        ("    optim = torch.optim.Adam(model.parameters(), lr=1e-2)\n", ""),
-        ("    fsdp_kwargs = {}\n", "    optim = torch.optim.Adam(model.parameters(), lr=1e-2)\n    fsdp_kwargs = {}\n"),
-    ), "optim = torch.optim.Adam"),
+    Seed(
+        "DDP001",
+        f"{PX}/FSDP2/example.py",
+        (
+            ("    optim = torch.optim.Adam(model.parameters(), lr=1e-2)\n", ""),
+            (
+                "    fsdp_kwargs = {}\n",
+                "    optim = torch.optim.Adam(model.parameters(), lr=1e-2)\n    fsdp_kwargs = {}\n",
+            ),
+        ),
+        "optim = torch.optim.Adam",
+    ),
     Seed("DDP002", _DDP, (("self.relu = nn.ReLU()", "self.relu = nn.BatchNorm1d(10)"),), "DDP(model"),
-    Seed("DDP003", _TORCHRUN, (("F.cross_entropy(output, targets)", 'F.cross_entropy(output, targets, reduction="sum")'),), "reduction="),
-    Seed("DDP004", _MULTIGPU, (
-        ("        self.model = DDP(model, device_ids=[gpu_id])\n",
-         "        self.model = DDP(model, device_ids=[gpu_id])\n        self.model.module.requires_grad_(False)\n"),
-    ), "requires_grad_(False)"),
-    Seed("DDP004", _DDP, (
-        ("    ddp_model = DDP(model, device_ids=[rank])\n",
-         "    ddp_model = DDP(model, device_ids=[rank])\n    model.net2 = nn.Linear(10, 5).to(rank)\n"),
-    ), "model.net2 = "),
-    Seed("DDP005", _MULTIGPU, (("        self.train_data.sampler.set_epoch(epoch)\n", ""),), "sampler=DistributedSampler"),
-    Seed("DDP006", _MULTIGPU, (("if self.gpu_id == 0 and epoch % self.save_every == 0:", "if epoch % self.save_every == 0:"),), "torch.save"),
-    Seed("DDP007", _TORCHRUN, (
-        ("        loss.backward()\n        self.optimizer.step()\n",
-         "        loss.backward()\n        self.optimizer.step()\n        print(f\"loss {loss.item():.4f}\")\n"),
-    ), "print(f\"loss"),
-    Seed("DDP008", f"{PX}/FSDP2/example.py", (("torch.manual_seed(0)", "torch.manual_seed(rank)"),), "manual_seed(rank)"),
-    Seed("DDP008", f"{PX}/FSDP/T5_training.py", (
-        ("    torch.manual_seed(args.seed)\n", "    if int(os.environ['RANK']) == 0:\n        torch.manual_seed(args.seed)\n"),
-    ), "manual_seed(args.seed)"),
+    Seed(
+        "DDP003",
+        _TORCHRUN,
+        (("F.cross_entropy(output, targets)", 'F.cross_entropy(output, targets, reduction="sum")'),),
+        "reduction=",
+    ),
+    Seed(
+        "DDP004",
+        _MULTIGPU,
+        (
+            (
+                "        self.model = DDP(model, device_ids=[gpu_id])\n",
+                "        self.model = DDP(model, device_ids=[gpu_id])\n        self.model.module.requires_grad_(False)\n",
+            ),
+        ),
+        "requires_grad_(False)",
+    ),
+    Seed(
+        "DDP004",
+        _DDP,
+        (
+            (
+                "    ddp_model = DDP(model, device_ids=[rank])\n",
+                "    ddp_model = DDP(model, device_ids=[rank])\n    model.net2 = nn.Linear(10, 5).to(rank)\n",
+            ),
+        ),
+        "model.net2 = ",
+    ),
+    Seed(
+        "DDP005",
+        _MULTIGPU,
+        (("        self.train_data.sampler.set_epoch(epoch)\n", ""),),
+        "sampler=DistributedSampler",
+    ),
+    Seed(
+        "DDP006",
+        _MULTIGPU,
+        (("if self.gpu_id == 0 and epoch % self.save_every == 0:", "if epoch % self.save_every == 0:"),),
+        "torch.save",
+    ),
+    Seed(
+        "DDP007",
+        _TORCHRUN,
+        (
+            (
+                "        loss.backward()\n        self.optimizer.step()\n",
+                '        loss.backward()\n        self.optimizer.step()\n        print(f"loss {loss.item():.4f}")\n',
+            ),
+        ),
+        'print(f"loss',
+    ),
+    Seed(
+        "DDP008",
+        f"{PX}/FSDP2/example.py",
+        (("torch.manual_seed(0)", "torch.manual_seed(rank)"),),
+        "manual_seed(rank)",
+    ),
+    Seed(
+        "DDP008",
+        f"{PX}/FSDP/T5_training.py",
+        (
+            (
+                "    torch.manual_seed(args.seed)\n",
+                "    if int(os.environ['RANK']) == 0:\n        torch.manual_seed(args.seed)\n",
+            ),
+        ),
+        "manual_seed(args.seed)",
+    ),
     Seed("DDP009", _DDP, (("model = ToyModel().to(rank)", 'model = ToyModel().to("cuda:0")'),), "cuda:0"),
-    Seed("DDP009", _TORCHRUN, (("DDP(self.model, device_ids=[self.gpu_id])", "DDP(self.model, device_ids=[0])"),), "device_ids=[0]"),
-    Seed("DDP010", _DDP, (("model = ToyModel().to(rank)", "model = ToyModel().to(rank).to(torch.bfloat16)"),), "torch.bfloat16"),
-    Seed("DDP011", _MULTIGPU, (("self.model = DDP(model, device_ids=[gpu_id])", "self.model = torch.nn.DataParallel(model)"),), "DataParallel"),
-    Seed("DDP007", "nanogpt/train.py", (("if iter_num % log_interval == 0 and master_process:", "if iter_num % log_interval == 0:"),), "print(f\"iter"),
-    Seed("DDP009", "nanogpt/train.py", (("DDP(model, device_ids=[ddp_local_rank])", "DDP(model, device_ids=[0])"),), "device_ids=[0]"),
-    Seed("DDP012", _DDP, (("DDP(model, device_ids=[rank])", "DDP(model, device_ids=[rank], find_unused_parameters=True)"),), "find_unused"),
-    Seed("DDP013", _MULTIGPU, (
-        ("from datautils import MyTrainDataset\n",
-         "from torch.utils.data import IterableDataset\n\nclass MyTrainDataset(IterableDataset):\n"
-         "    def __init__(self, size):\n        self.size = size\n\n    def __iter__(self):\n"
-         "        for _ in range(self.size):\n            yield torch.rand(20), torch.rand(1)\n"),
-        ("        shuffle=False,\n        sampler=DistributedSampler(dataset)\n", "        shuffle=False,\n"),
-    ), "def __iter__"),
-    Seed("DDP014", _DDP, (
-        ("return self.net2(self.relu(self.net1(x)))",
-         "return self.net2(torch.utils.checkpoint.checkpoint(lambda t: self.relu(self.net1(t)), x))"),
-    ), "checkpoint"),
-]  # fmt: skip
+    Seed(
+        "DDP009",
+        _TORCHRUN,
+        (("DDP(self.model, device_ids=[self.gpu_id])", "DDP(self.model, device_ids=[0])"),),
+        "device_ids=[0]",
+    ),
+    Seed(
+        "DDP010",
+        _DDP,
+        (("model = ToyModel().to(rank)", "model = ToyModel().to(rank).to(torch.bfloat16)"),),
+        "torch.bfloat16",
+    ),
+    Seed(
+        "DDP011",
+        _MULTIGPU,
+        (("self.model = DDP(model, device_ids=[gpu_id])", "self.model = torch.nn.DataParallel(model)"),),
+        "DataParallel",
+    ),
+    Seed(
+        "DDP007",
+        "nanogpt/train.py",
+        (("if iter_num % log_interval == 0 and master_process:", "if iter_num % log_interval == 0:"),),
+        'print(f"iter',
+    ),
+    Seed(
+        "DDP009",
+        "nanogpt/train.py",
+        (("DDP(model, device_ids=[ddp_local_rank])", "DDP(model, device_ids=[0])"),),
+        "device_ids=[0]",
+    ),
+    Seed(
+        "DDP012",
+        _DDP,
+        (("DDP(model, device_ids=[rank])", "DDP(model, device_ids=[rank], find_unused_parameters=True)"),),
+        "find_unused",
+    ),
+    Seed(
+        "DDP013",
+        _MULTIGPU,
+        (
+            (
+                "from datautils import MyTrainDataset\n",
+                "from torch.utils.data import IterableDataset\n\nclass MyTrainDataset(IterableDataset):\n"
+                "    def __init__(self, size):\n        self.size = size\n\n    def __iter__(self):\n"
+                "        for _ in range(self.size):\n            yield torch.rand(20), torch.rand(1)\n",
+            ),
+            (
+                "        shuffle=False,\n        sampler=DistributedSampler(dataset)\n",
+                "        shuffle=False,\n",
+            ),
+        ),
+        "def __iter__",
+    ),
+    Seed(
+        "DDP014",
+        _DDP,
+        (
+            (
+                "return self.net2(self.relu(self.net1(x)))",
+                "return self.net2(torch.utils.checkpoint.checkpoint(lambda t: self.relu(self.net1(t)), x))",
+            ),
+        ),
+        "checkpoint",
+    ),
+]
 
 
 @pytest.mark.parametrize(
@@ -171,17 +275,36 @@ def test_what_ddpkit_handles_is_not_reported() -> None:
 @pytest.mark.parametrize(
     "old, new, code",
     [
-        ("    model = s.model(Net(), sync_batchnorm=True)\n    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)",
-         "    model = Net()\n    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)\n    model = s.model(model)", "DDP001"),
-        ("s.model(Net(), sync_batchnorm=True)", "s.model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))", "DDP002"),
+        (
+            "    model = s.model(Net(), sync_batchnorm=True)\n    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)",
+            "    model = Net()\n    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)\n    model = s.model(model)",
+            "DDP001",
+        ),
+        (
+            "s.model(Net(), sync_batchnorm=True)",
+            "s.model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))",
+            "DDP002",
+        ),
         ("F.cross_entropy(model(x), y)", "F.cross_entropy(model(x), y, reduction='sum')", "DDP003"),
         ("s.print(", "print(", "DDP007"),
         ("ddpkit.session(seed=0)", "ddpkit.session(seed=int(os.environ['RANK']))", "DDP008"),
-        ("s.save(\"runs/ckpt\", model=model, optimizer=opt, loader=train)", "torch.save(model.state_dict(), 'm.pt')", "DDP006"),
-        ("model = s.model(Net(), sync_batchnorm=True)", "model = s.model(Net().cuda(), sync_batchnorm=True)", "DDP009"),
-        ("s.model(Net(), sync_batchnorm=True)", "s.model(nn.Linear(4, 4), find_unused_parameters=True)", "DDP012"),
+        (
+            's.save("runs/ckpt", model=model, optimizer=opt, loader=train)',
+            "torch.save(model.state_dict(), 'm.pt')",
+            "DDP006",
+        ),
+        (
+            "model = s.model(Net(), sync_batchnorm=True)",
+            "model = s.model(Net().cuda(), sync_batchnorm=True)",
+            "DDP009",
+        ),
+        (
+            "s.model(Net(), sync_batchnorm=True)",
+            "s.model(nn.Linear(4, 4), find_unused_parameters=True)",
+            "DDP012",
+        ),
     ],
-)  # fmt: skip
+)
 def test_ddpkit_script_with_one_trap(old: str, new: str, code: str) -> None:
     source = textwrap.dedent(GOOD_DDPKIT)
     assert source.count(old) == 1
@@ -378,9 +501,16 @@ SAVE = HEAD + "    model = DDP(Net())\n    torch.save(model.state_dict(), 'm.pt'
 
 @pytest.mark.parametrize(
     "comment, silenced",
-    [("  # ddpkit: noqa", True), ("  # noqa: DDP006", True), ("  # noqa: E501, DDP006", True),
-     ("  # ddpkit: noqa: DDP006", True), ("  # noqa: DDP007", False), ("  # noqa", False), ("", False)],
-)  # fmt: skip
+    [
+        ("  # ddpkit: noqa", True),
+        ("  # noqa: DDP006", True),
+        ("  # noqa: E501, DDP006", True),
+        ("  # ddpkit: noqa: DDP006", True),
+        ("  # noqa: DDP007", False),
+        ("  # noqa", False),
+        ("", False),
+    ],
+)
 def test_noqa(comment: str, silenced: bool) -> None:
     assert codes(SAVE.format(comment=comment)) == ([] if silenced else ["DDP006"])
 

@@ -146,9 +146,13 @@ def check(snippet: Snippet) -> list[str]:
 
 
 SOURCES = sorted(
-    [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").glob("*.py"),
-     *(ROOT / "examples").glob("notebooks/*.ipynb")]
-)  # fmt: skip
+    [
+        ROOT / "README.md",
+        *(ROOT / "docs").glob("*.md"),
+        *(ROOT / "examples").glob("*.py"),
+        *(ROOT / "examples").glob("notebooks/*.ipynb"),
+    ]
+)
 
 
 def snippets_of(path: Path) -> list[Snippet]:

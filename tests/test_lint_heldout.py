@@ -18,9 +18,21 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent / "lint_heldout"
 CODES = {
-    "A": "DDP001", "B": "DDP002", "C": "DDP003", "D": "DDP004", "E": "DDP005", "F": "DDP006", "G": "DDP007",
-    "H": "DDP008", "I": "DDP009", "J": "DDP010", "K": "DDP011", "L": "DDP012", "M": "DDP013", "N": "DDP014",
-}  # fmt: skip
+    "A": "DDP001",
+    "B": "DDP002",
+    "C": "DDP003",
+    "D": "DDP004",
+    "E": "DDP005",
+    "F": "DDP006",
+    "G": "DDP007",
+    "H": "DDP008",
+    "I": "DDP009",
+    "J": "DDP010",
+    "K": "DDP011",
+    "L": "DDP012",
+    "M": "DDP013",
+    "N": "DDP014",
+}
 
 
 @dataclass(frozen=True)

@@ -139,10 +139,16 @@ def test_iterable_dataset_that_splits_itself_or_is_split_before() -> None:
     assert codes(init.replace("BODY", PLAIN)) == []
     plain = STREAM.replace("BODY", PLAIN)
     split_before = [
-        ('Stream("tokens.bin")', 'Stream(files[rank::world_size])'),
-        ('DataLoader(Stream("tokens.bin")', 'DataLoader(split_dataset_by_node(Stream("tokens.bin"), rank=r, world_size=w)'),
-        ('DataLoader(Stream("tokens.bin")', 'DataLoader(ShardedStream(Stream("tokens.bin"), dist.get_rank())'),
-    ]  # fmt: skip
+        ('Stream("tokens.bin")', "Stream(files[rank::world_size])"),
+        (
+            'DataLoader(Stream("tokens.bin")',
+            'DataLoader(split_dataset_by_node(Stream("tokens.bin"), rank=r, world_size=w)',
+        ),
+        (
+            'DataLoader(Stream("tokens.bin")',
+            'DataLoader(ShardedStream(Stream("tokens.bin"), dist.get_rank())',
+        ),
+    ]
     for old, new in split_before:
         assert codes(plain.replace(old, new)) == [], new
 
@@ -152,7 +158,7 @@ def test_iterable_dataset_given_to_ddpkits_loader_is_not_reported() -> None:
     source = STREAM.replace("BODY", PLAIN).replace(
         '    dist.init_process_group("gloo")\n    model = DDP(Net())\n    for x in DataLoader(Stream("tokens.bin"), batch_size=8, num_workers=4):',
         '    import ddpkit\n    s = ddpkit.session()\n    model = s.model(Net())\n    for x in s.loader(Stream("tokens.bin"), batch_size=8):',
-    )  # fmt: skip
+    )
     assert "s.loader(Stream" in source
     assert codes(source) == []
     assert codes(source.replace("s.loader(", "DataLoader(")) == [("DDP013", 10)]
@@ -212,8 +218,11 @@ CKPT = """
 
 
 def test_reentrant_checkpointing_under_ddp() -> None:
-    for call in ("checkpoint(block, x)", "checkpoint(block, x, use_reentrant=True)",
-                 "torch.utils.checkpoint.checkpoint_sequential(block, 2, x)"):  # fmt: skip
+    for call in (
+        "checkpoint(block, x)",
+        "checkpoint(block, x, use_reentrant=True)",
+        "torch.utils.checkpoint.checkpoint_sequential(block, 2, x)",
+    ):
         assert codes(CKPT.replace("CALL", call)) == [("DDP014", 13)], call
     for call in ("checkpoint(block, x, use_reentrant=False)", "checkpoint(block, x, **options)", "block(x)"):
         assert codes(CKPT.replace("CALL", call)) == [], call

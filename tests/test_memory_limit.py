@@ -153,10 +153,20 @@ def _launch(limited: Limited, strategy: str, out: Path) -> tuple[subprocess.Comp
     out.mkdir()
     full_env = {**os.environ, "DDPKIT_TEST_CGROUP": str(groups), "OMP_NUM_THREADS": "1"}
     run = run_marked(  # 2 launches x 190 s < the test's 600 s; workers ended on a timeout (conftest.py)
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
-         str(REPO / "tests" / "memory_limit_rank.py"), strategy, str(out)],
-        timeout=190, env=full_env, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={RANKS}",
+            str(REPO / "tests" / "memory_limit_rank.py"),
+            strategy,
+            str(out),
+        ],
+        timeout=190,
+        env=full_env,
+        cwd=REPO,
+    )
     return run, [limited.cg.usage(groups / f"rank{r}") for r in range(RANKS)]
 
 
@@ -168,10 +178,12 @@ def test_fsdp_trains_where_ddp_cannot_start(limited: Limited, tmp_path: Path) ->
     ranks = [json.loads((tmp_path / "fsdp" / f"rank{r}.json").read_text()) for r in range(RANKS)]
     assert all(len(r["losses"]) == 2 for r in ranks) and ranks[0]["losses"] == ranks[3]["losses"]
     assert all(g["oom_kill"] == 0 and g["max_usage"] < LIMIT for g in groups)
-    print(f"\nFSDP, {RANKS} ranks, limit {LIMIT / mib:.0f} MiB: cgroup peak per rank (page cache included) "
-          f"{[round(g['max_usage'] / mib) for g in groups]} MiB "
-          f"({round((LIMIT - max(g['max_usage'] for g in groups)) / mib)} MiB below the limit), peak RSS "
-          f"{[round(r['peak_rss'] / mib) for r in ranks]} MiB")  # fmt: skip
+    print(
+        f"\nFSDP, {RANKS} ranks, limit {LIMIT / mib:.0f} MiB: cgroup peak per rank (page cache included) "
+        f"{[round(g['max_usage'] / mib) for g in groups]} MiB "
+        f"({round((LIMIT - max(g['max_usage'] for g in groups)) / mib)} MiB below the limit), peak RSS "
+        f"{[round(r['peak_rss'] / mib) for r in ranks]} MiB"
+    )
 
     ddp, groups = _launch(limited, "ddp", tmp_path / "ddp")
     refused = [json.loads((tmp_path / "ddp" / f"refused{r}.json").read_text()) for r in range(RANKS)]
@@ -185,9 +197,11 @@ def test_fsdp_trains_where_ddp_cannot_start(limited: Limited, tmp_path: Path) ->
     assert ddp.returncode != 0, "DDP trained past the limit: the limit is not enforced"
     assert any(g["oom_kill"] > 0 for g in groups), ddp.stderr[-3000:]
     assert "SIGKILL" in ddp.stderr or "exitcode  : -9" in ddp.stderr
-    print(f"DDP refused (resident set after the refusal {[round(r['rss'] / mib) for r in refused]} MiB); "
-          "without ddpkit's check: killed by the kernel "
-          f"(oom_kill per rank {[g['oom_kill'] for g in groups]})")  # fmt: skip
+    print(
+        f"DDP refused (resident set after the refusal {[round(r['rss'] / mib) for r in refused]} MiB); "
+        "without ddpkit's check: killed by the kernel "
+        f"(oom_kill per rank {[g['oom_kill'] for g in groups]})"
+    )
 
 
 def test_limit_is_read_from_cgroup_v1_and_v2_files(tmp_path: Path) -> None:

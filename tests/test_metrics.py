@@ -93,8 +93,10 @@ def collectives() -> dict:
             "objects": gather_object(s, {"rank": r, "name": f"r{r}"}),
             "sum": reduce_sum(s, r + 1).item(),
             "weighted": reduce_mean(s, torch.tensor(float(r)), weight=10 if r == 0 else 30).item(),
-            "any": s.any_rank(r == 1), "all": s.all_ranks(r == 1), "all_true": s.all_ranks(True),
-        }  # fmt: skip
+            "any": s.any_rank(r == 1),
+            "all": s.all_ranks(r == 1),
+            "all_true": s.all_ranks(True),
+        }
 
 
 def test_gathers_reductions_and_stop_flags(pool2) -> None:

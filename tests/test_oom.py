@@ -69,8 +69,9 @@ class _Planted:
 
 def train(per_rank: int, k: int, steps: int, planted: _Planted | None = None, auto: bool = True) -> dict:
     """fit with `per_rank` samples per loader micro-batch and accumulation k; the weights after it."""
-    with ddpkit.session(seed=0, accumulation=k, verbose=False, micro_batch="auto" if auto else None,
-                        log_to=None) as s:  # fmt: skip
+    with ddpkit.session(
+        seed=0, accumulation=k, verbose=False, micro_batch="auto" if auto else None, log_to=None
+    ) as s:
         model = s.model(_mlp())
         opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
         loader = s.loader(_dataset(), batch_size=per_rank * s.world_size * k, shuffle=True)
@@ -142,8 +143,21 @@ def _vm_size() -> int:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _address_limit(budget_mib: int) -> tuple[int, list[torch.Tensor]]:
@@ -188,14 +202,25 @@ def train_under_address_limit(per_rank: int, budget_mib: int, auto: bool = True)
                 limit, _ballast = _address_limit(budget_mib)  # held until this function returns
                 resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
             try:
-                result = ddpkit.fit(s, model, opt, loader, lambda m, b: F.cross_entropy(m(b[0]), b[1]),
-                                    max_steps=3, progress=False, flops=None)  # fmt: skip
+                result = ddpkit.fit(
+                    s,
+                    model,
+                    opt,
+                    loader,
+                    lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                    max_steps=3,
+                    progress=False,
+                    flops=None,
+                )
             except DdpkitError as err:
                 return {"error": str(err)}
         finally:
             resource.setrlimit(resource.RLIMIT_AS, (soft, hard))  # the pool's process lives on
-        return {"steps": result.steps, "parts": s.stepper.oom.parts if s.stepper.oom else None,
-                "params": [p.detach().clone() for p in ddpkit.unwrap(model).parameters()]}  # fmt: skip
+        return {
+            "steps": result.steps,
+            "parts": s.stepper.oom.parts if s.stepper.oom else None,
+            "params": [p.detach().clone() for p in ddpkit.unwrap(model).parameters()],
+        }
 
 
 @pytest.mark.numerics
@@ -308,8 +333,14 @@ def test_what_counts_as_out_of_memory() -> None:
 def test_refusals_name_the_fix() -> None:
     with pytest.raises(DdpkitError, match="micro_batch=8 is not 'auto'"):
         ddpkit.session(micro_batch=8, env={}, hardware=ddpkit.Hardware(0, 2)).__enter__()  # type: ignore[arg-type]
-    auto_any_world = ddpkit.session(micro_batch="auto", reproducible="any-world", chunk=4, verbose=False,
-                                    env={}, hardware=ddpkit.Hardware(0, 2))  # fmt: skip
+    auto_any_world = ddpkit.session(
+        micro_batch="auto",
+        reproducible="any-world",
+        chunk=4,
+        verbose=False,
+        env={},
+        hardware=ddpkit.Hardware(0, 2),
+    )
     with (
         pytest.raises(DdpkitError, match="micro_batch='auto' with reproducible='any-world'"),
         auto_any_world as s,
@@ -329,8 +360,16 @@ def _other_error_on_rank_1() -> str:
             return F.cross_entropy(m(b[0]), b[1])
 
         try:
-            ddpkit.fit(s, model, opt, s.loader(_dataset(), batch_size=32), step, max_steps=2, progress=False,
-                       flops=None)  # fmt: skip
+            ddpkit.fit(
+                s,
+                model,
+                opt,
+                s.loader(_dataset(), batch_size=32),
+                step,
+                max_steps=2,
+                progress=False,
+                flops=None,
+            )
         except Exception as err:
             return f"{type(err).__name__}: {err}"
     return ""

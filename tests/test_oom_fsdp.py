@@ -54,8 +54,14 @@ def _loss_read(m: nn.Module, b: list[torch.Tensor]) -> torch.Tensor:
     return loss
 
 
-def train_fsdp(per_rank: int, k: int, budget_mib: float | None, auto: bool = True,
-               ckpt: str | None = None, reads: bool = False) -> dict:  # fmt: skip
+def train_fsdp(
+    per_rank: int,
+    k: int,
+    budget_mib: float | None,
+    auto: bool = True,
+    ckpt: str | None = None,
+    reads: bool = False,
+) -> dict:
     """fit under FSDP with `per_rank` samples per loader micro-batch, accumulation k and the step budget
     `budget_mib` (None: unset); the full weights after it, the split and the estimate. `reads`: the
     train_step calls `.item()` (its estimate fails), and the session's lines are returned."""
@@ -65,13 +71,30 @@ def train_fsdp(per_rank: int, k: int, budget_mib: float | None, auto: bool = Tru
     rec = Recorder()
     out = io.StringIO()
     try:
-        with contextlib.redirect_stdout(out), ddpkit.session(seed=0, accumulation=k, strategy="fsdp",
-                verbose=reads, log_to=rec, micro_batch="auto" if auto else None) as s:  # fmt: skip
+        with (
+            contextlib.redirect_stdout(out),
+            ddpkit.session(
+                seed=0,
+                accumulation=k,
+                strategy="fsdp",
+                verbose=reads,
+                log_to=rec,
+                micro_batch="auto" if auto else None,
+            ) as s,
+        ):
             model = s.model(_mlp)
             opt = torch.optim.AdamW(model.parameters(), lr=0.01)
             loader = s.loader(_dataset(), batch_size=per_rank * s.world_size * k, shuffle=True)
-            result = ddpkit.fit(s, model, opt, loader, _loss_read if reads else _loss,
-                                max_steps=STEPS, progress=False, flops=None)  # fmt: skip
+            result = ddpkit.fit(
+                s,
+                model,
+                opt,
+                loader,
+                _loss_read if reads else _loss,
+                max_steps=STEPS,
+                progress=False,
+                flops=None,
+            )
             if ckpt is not None:
                 s.save(ckpt, model=model, optimizer=opt, stepper=s.stepper)
             auto_state = s.stepper.oom
@@ -96,14 +119,15 @@ def resume_fsdp(ckpt: str, budget_mib: float) -> dict:
     """A new session loads the checkpoint (with a budget that would not split) and trains one step."""
     os.environ[STEP_MEMORY_ENV] = f"{budget_mib:.3f}"
     try:
-        with ddpkit.session(seed=0, accumulation=1, strategy="fsdp", verbose=False, log_to=None,
-                            micro_batch="auto") as s:  # fmt: skip
+        with ddpkit.session(
+            seed=0, accumulation=1, strategy="fsdp", verbose=False, log_to=None, micro_batch="auto"
+        ) as s:
             model = s.model(_mlp)
             opt = torch.optim.AdamW(model.parameters(), lr=0.01)
             s.load(ckpt, model=model, optimizer=opt, stepper=s.stepper)
             loaded = (s.stepper.oom.parts, s.stepper.accumulation)
             loader = s.loader(_dataset(), batch_size=PER_RANK * s.world_size)
-            ddpkit.fit(s, model, opt, loader, _loss, max_steps=STEPS + 1, progress=False, flops=None)  # fmt: skip
+            ddpkit.fit(s, model, opt, loader, _loss, max_steps=STEPS + 1, progress=False, flops=None)
             return {"loaded": loaded, "parts": s.stepper.oom.parts, "estimate": dict(s.stepper.oom.estimate)}
     finally:
         os.environ.pop(STEP_MEMORY_ENV, None)

@@ -30,8 +30,21 @@ ALLOCATOR = 0.10  # the goal, against the allocator's peak (docs/planning.md: wi
 @pytest.mark.timeout(300)
 def test_estimate_is_within_tolerance_of_the_peak_two_real_ranks_measure(tmp_path) -> None:
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "plan_memory.py"), "--nproc", "2", "--models", "gpt",
-           "--strategies", "ddp", "fsdp", "--ac", "off", "--json", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "plan_memory.py"),
+        "--nproc",
+        "2",
+        "--models",
+        "gpt",
+        "--strategies",
+        "ddp",
+        "fsdp",
+        "--ac",
+        "off",
+        "--json",
+        str(out),
+    ]
     done = run_marked(cmd, timeout=280, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]

@@ -19,8 +19,19 @@ MB = 1 << 20
 
 def _profile(compute_scale: float = 1.0, band: tuple[float, float] = (1.0, 1.0)) -> Profile:
     params = tuple(Param(name=f"p{i}", shape=(MB,), bytes=4 * MB, ready_s=0.002 * (i + 1)) for i in range(4))
-    p = Profile(workload="synthetic", device="cpu", threads=1, batch=8, forward_s=0.010, backward_s=0.020,
-                optimizer_s=0.005, copy_s=0.001, params=params, state_bytes=0, band=band)  # fmt: skip
+    p = Profile(
+        workload="synthetic",
+        device="cpu",
+        threads=1,
+        batch=8,
+        forward_s=0.010,
+        backward_s=0.020,
+        optimizer_s=0.005,
+        copy_s=0.001,
+        params=params,
+        state_bytes=0,
+        band=band,
+    )
     return p.scaled(compute_scale)
 
 

@@ -52,8 +52,12 @@ def train_registered(steps: int) -> dict:
                 s.step(opt)
             chosen = s.strategy
             assert isinstance(chosen, Replicas)
-            return {"name": chosen.name, "mesh": chosen.shape.mesh, "said": out.getvalue().splitlines(),
-                    "weights": torch.cat([p.detach().flatten() for p in model.parameters()])}  # fmt: skip
+            return {
+                "name": chosen.name,
+                "mesh": chosen.shape.mesh,
+                "said": out.getvalue().splitlines(),
+                "weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
+            }
     finally:
         registered.pop("replicas")
 
@@ -113,7 +117,6 @@ def test_a_strategy_instance_is_used_as_it_is() -> None:
         assert s.step(torch.optim.SGD(model.parameters(), lr=0.1)).stepped
 
 
-
 def test_a_users_own_tracker_receives_s_log() -> None:
     mine = Recorder()
     with ddpkit.session(log_to=mine, verbose=False) as s:
@@ -168,7 +171,10 @@ def test_moved_paths_still_import_with_a_deprecation_warning() -> None:
 def test_the_shape_carries_nodes_and_a_mesh_that_must_cover_the_ranks() -> None:
     shape = Shape(torch.device("cpu"), rank=5, world_size=8, local_rank=1, local_world_size=4)
     assert (shape.nodes, shape.distributed, shape.mesh) == (2, True, (("shard", 8),))
-    assert shape.with_mesh(replicate=2, shard=4).describe() == "2 node(s) x 4 rank(s), mesh replicate 2 x shard 4"
+    assert (
+        shape.with_mesh(replicate=2, shard=4).describe()
+        == "2 node(s) x 4 rank(s), mesh replicate 2 x shard 4"
+    )
     with pytest.raises(ddpkit.DdpkitError, match=r"does not cover the 8 ranks"):
         shape.with_mesh(replicate=3, shard=4)
 
@@ -177,4 +183,6 @@ def test_fsdp_asks_its_shape_for_its_ranks_not_torch_distributed() -> None:
     from pathlib import Path
 
     source = (Path(ddpkit.__file__).parent / "strategy" / "fsdp.py").read_text()
-    assert "get_rank()" not in source and "get_world_size()" not in source and "init_device_mesh" not in source
+    assert (
+        "get_rank()" not in source and "get_world_size()" not in source and "init_device_mesh" not in source
+    )

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAP
         ("16", "cpu", True, "bf16", torch.bfloat16, False, "float16 training needs CUDA"),
         ("16-mixed", "cpu", True, "bf16", torch.bfloat16, False, "uses bfloat16 autocast instead"),
     ],
-)  # fmt: skip
+)
 def test_precision_decision_table(requested, device, bf16_ok, name, dtype, scaler, note) -> None:
     plan = resolve_precision(requested, device, bf16_supported=bf16_ok)
     assert (plan.name, plan.autocast_dtype, plan.scaler) == (name, dtype, scaler)
@@ -86,9 +86,12 @@ def bf16_training() -> dict:
             losses.append(loss.item())
         grads_dtype = {p.dtype for p in model.parameters()}
         return {
-            "dtypes": dtypes, "param_dtypes": grads_dtype, "losses": losses, "out": out.getvalue(),
+            "dtypes": dtypes,
+            "param_dtypes": grads_dtype,
+            "losses": losses,
+            "out": out.getvalue(),
             "params": [p.detach().clone() for p in ddpkit.unwrap(model).parameters()],
-        }  # fmt: skip
+        }
 
 
 def test_bf16_autocast_on_cpu_ranks(pool2) -> None:

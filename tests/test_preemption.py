@@ -38,8 +38,14 @@ SLOW = ("--sleep", "0.1")  # a signalled run with no periodic save: see test_eve
 pytestmark = pytest.mark.timeout(180)
 
 
-def launch(ckpt: Path, out: Path, *script_args: str, run_args: tuple[str, ...] = (), env: dict | None = None,
-           timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:  # fmt: skip
+def launch(
+    ckpt: Path,
+    out: Path,
+    *script_args: str,
+    run_args: tuple[str, ...] = (),
+    env: dict | None = None,
+    timeout: float = LAUNCH_TIMEOUT,
+) -> subprocess.CompletedProcess:
     """`ddpkit run --nproc 2 preempt_train.py` in a new session; on a timeout the launcher and its
     workers (in sessions of their own) are killed and the test fails."""
     out.mkdir(exist_ok=True)
@@ -47,15 +53,26 @@ def launch(ckpt: Path, out: Path, *script_args: str, run_args: tuple[str, ...] =
     # (tests/conftest.py) has that server, not the launcher, as its parent process.
     pid_file = out / "launcher.pid"
     pid_file.unlink(missing_ok=True)
-    proc, mark = popen_cli("run", "--nproc", "2", *run_args, SCRIPT, str(ckpt), str(out), *script_args,
-                           env={"OMP_NUM_THREADS": "1", LAUNCHER_FILE_ENV: str(pid_file), **(env or {})})  # fmt: skip
+    proc, mark = popen_cli(
+        "run",
+        "--nproc",
+        "2",
+        *run_args,
+        SCRIPT,
+        str(ckpt),
+        str(out),
+        *script_args,
+        env={"OMP_NUM_THREADS": "1", LAUNCHER_FILE_ENV: str(pid_file), **(env or {})},
+    )
     (out / "launcher.pid.tmp").write_text(str(proc.pid))  # `ddpkit run`, or the warm client that is it
     (out / "launcher.pid.tmp").rename(pid_file)
     try:
         return communicate(proc, mark, timeout)
     except subprocess.TimeoutExpired as err:
-        pytest.fail(f"ddpkit run did not finish in {timeout} s:\n{(err.stdout or '')[-2000:]}\n"
-                    f"{(err.stderr or '')[-3000:]}")  # fmt: skip
+        pytest.fail(
+            f"ddpkit run did not finish in {timeout} s:\n{(err.stdout or '')[-2000:]}\n"
+            f"{(err.stderr or '')[-3000:]}"
+        )
 
 
 def uninterrupted_weights(tmp_path_factory: pytest.TempPathFactory) -> dict:
@@ -83,13 +100,26 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def preempted_then_resumed(
-    tmp_path: Path, signal_at: str, sleep: str = "0.04", idiom: tuple[str, ...] = (),
-    env: dict | None = None, run_args: tuple[str, ...] = (),
-) -> tuple[subprocess.CompletedProcess, int]:  # fmt: skip
+    tmp_path: Path,
+    signal_at: str,
+    sleep: str = "0.04",
+    idiom: tuple[str, ...] = (),
+    env: dict | None = None,
+    run_args: tuple[str, ...] = (),
+) -> tuple[subprocess.CompletedProcess, int]:
     """The run preempted at `signal_at` (with `env` and `run_args`, the first launch only), then its
     relaunch; the preemption's exit, line and checkpoint asserted. Returns the first launch and its step."""
-    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", signal_at, "--sleep", sleep, *idiom,
-                   env=env, run_args=run_args)  # fmt: skip
+    first = launch(
+        tmp_path / "ck",
+        tmp_path / "out",
+        "--signal-at",
+        signal_at,
+        "--sleep",
+        sleep,
+        *idiom,
+        env=env,
+        run_args=run_args,
+    )
     assert first.returncode == 75, f"exit {first.returncode}\n{first.stdout[-2000:]}\n{first.stderr[-3000:]}"
     found = re.search(r"ddpkit run: preempted \((\w+)\) at step (\d+), checkpoint (\S+);", first.stderr)
     assert found, first.stderr[-3000:]
@@ -116,8 +146,16 @@ def test_a_signal_that_arrives_as_the_run_ends_is_no_failure(uninterrupted, tmp_
     # SIGTERM to the launcher in the last step: the ranks finish before they can agree to stop and exit 0.
     # The launch ends 0, not 143: the work was done, and a scheduler must not take it for lost (or requeue
     # a finished job). The weights are the uninterrupted run's.
-    done = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:23:0", "--idiom", "if",
-                  "--save-every", "100")  # fmt: skip
+    done = launch(
+        tmp_path / "ck",
+        tmp_path / "out",
+        "--signal-at",
+        "forward:23:0",
+        "--idiom",
+        "if",
+        "--save-every",
+        "100",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "SIGTERM arrived as the run was ending: every rank finished and exited 0" in done.stderr
     assert_same(tmp_path, uninterrupted, 0)
@@ -143,10 +181,14 @@ def slurm_job(tmp_path: Path, scontrol: str) -> tuple[dict, tuple[str, ...], Pat
 
 @pytest.mark.parametrize(
     ("phase", "scontrol"),
-    [("forward:9:1", "requeueable"), ("backward:13:0", "not-requeueable"), ("optimizer:6:1", "no-scontrol"),
-     ("save:10:0", None)],
+    [
+        ("forward:9:1", "requeueable"),
+        ("backward:13:0", "not-requeueable"),
+        ("optimizer:6:1", "no-scontrol"),
+        ("save:10:0", None),
+    ],
     ids=["forward:9:1-requeued", "backward:13:0-not-requeueable", "optimizer:6:1-no-scontrol", "save:10:0"],
-)  # fmt: skip
+)
 def test_sigterm_to_the_launcher_then_a_relaunch_ends_like_the_uninterrupted_run(
     uninterrupted, tmp_path: Path, phase: str, scontrol: str | None
 ) -> None:
@@ -175,13 +217,18 @@ def test_sigterm_to_the_launcher_then_a_relaunch_ends_like_the_uninterrupted_run
     # signal, each at most 1 s and, at 0.1 s a step, 10 steps (ddpkit.cluster.preemption); so these runs
     # are signalled at step 3 with 0.1 s steps, >= 20 steps before the end (at step 8 with 40 ms steps a
     # loaded machine at times ended the run first: exit 0, "arrived as the run was ending").
-    [("forward:3:0", ("--idiom", "if", "--save-every", "100", *SLOW)),  # SIGTERM; no periodic save in the run
-     ("forward:9:1:USR1", ("--idiom", "if", "--save-every", "7")),  # SIGUSR1, as Slurm sends it
-     ("backward:11:0:USR1", ("--idiom", "every", "--save-every", "5")),
-     # the README's first loop (loss.backward(); opt.step(), no s.step): agreed at the loader's next batch
-     ("forward:3:0", ("--loop", "plain", "--idiom", "if", "--save-every", "100", *SLOW))],
+    [
+        (
+            "forward:3:0",
+            ("--idiom", "if", "--save-every", "100", *SLOW),
+        ),  # SIGTERM; no periodic save in the run
+        ("forward:9:1:USR1", ("--idiom", "if", "--save-every", "7")),  # SIGUSR1, as Slurm sends it
+        ("backward:11:0:USR1", ("--idiom", "every", "--save-every", "5")),
+        # the README's first loop (loss.backward(); opt.step(), no s.step): agreed at the loader's next batch
+        ("forward:3:0", ("--loop", "plain", "--idiom", "if", "--save-every", "100", *SLOW)),
+    ],
     ids=["if-TERM", "if-USR1", "every-USR1", "plain-if-TERM"],
-)  # fmt: skip
+)
 def test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise(
     uninterrupted, tmp_path: Path, signal_at: str, idiom: tuple[str, ...]
 ) -> None:
@@ -196,8 +243,9 @@ def test_every_save_idiom_is_saved_at_the_stop_and_resumes_bitwise(
     assert_same(tmp_path, uninterrupted, step)
 
 
-def srun_like(ckpt: Path, out: Path, *script_args: str, env: dict | None = None,
-              timeout: float = LAUNCH_TIMEOUT) -> list[subprocess.CompletedProcess]:  # fmt: skip
+def srun_like(
+    ckpt: Path, out: Path, *script_args: str, env: dict | None = None, timeout: float = LAUNCH_TIMEOUT
+) -> list[subprocess.CompletedProcess]:
     """Two ranks as `srun python preempt_train.py` starts them: no launcher, no agent, each rank a process
     of its own with Slurm's task variables (MASTER_ADDR/PORT given, as a batch script exports them), both
     in one process group (a step's tasks, which Slurm signals together). On a timeout both are killed.
@@ -214,17 +262,44 @@ def srun_like(ckpt: Path, out: Path, *script_args: str, env: dict | None = None,
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     mark, procs = uuid.uuid4().hex, []
-    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2", "SLURM_NNODES": "1",
-             "SLURM_NODEID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1",
-             "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DDPKIT_REQUEUE": "0",
-             LAUNCHER_FILE_ENV: str(group_file), LAUNCH_MARK: mark}  # fmt: skip
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_NTASKS": "2",
+        "SLURM_NNODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NUM_NODES": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURM_STEP_NODELIST": "localhost",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "DDPKIT_REQUEUE": "0",
+        LAUNCHER_FILE_ENV: str(group_file),
+        LAUNCH_MARK: mark,
+    }
     # ddpkit from the venv's install: a PYTHONPATH of its own would make the ranks new interpreters
     for rank in (0, 1):
-        rank_env = {**os.environ, **slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), **(env or {})}
-        procs.append(subprocess.Popen(
-            [python(), SCRIPT, str(ckpt), str(out), *script_args], env=rank_env, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=procs[0].pid if procs else 0))  # fmt: skip
+        rank_env = {
+            **os.environ,
+            **slurm,
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            **(env or {}),
+        }
+        procs.append(
+            subprocess.Popen(
+                [python(), SCRIPT, str(ckpt), str(out), *script_args],
+                env=rank_env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                process_group=procs[0].pid if procs else 0,
+            )
+        )
     (out / "launcher.pid.tmp").write_text(str(procs[0].pid))  # the step's process group (its leader's pid)
     (out / "launcher.pid.tmp").rename(group_file)
     try:  # each rank to its end (communicate() would end the other rank, still saving, as left over)
@@ -232,15 +307,19 @@ def srun_like(ckpt: Path, out: Path, *script_args: str, env: dict | None = None,
     except subprocess.TimeoutExpired as err:
         end_launch(procs[0], mark)
         pytest.fail(f"the srun-like ranks did not finish in {timeout} s:\n{(err.stderr or '')[-3000:]}")
-    return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs, strict=True)]
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs, strict=True)
+    ]
 
 
 @pytest.mark.parametrize(
     ("name", "idiom"),
-    [("USR1", ("--idiom", "every", "--save-every", "5")),  # Slurm's --signal=USR1@120, configured by env
-     ("TERM", ("--loop", "plain", "--idiom", "if", "--save-every", "100", *SLOW))],  # its time limit's SIGTERM
+    [
+        ("USR1", ("--idiom", "every", "--save-every", "5")),  # Slurm's --signal=USR1@120, configured by env
+        ("TERM", ("--loop", "plain", "--idiom", "if", "--save-every", "100", *SLOW)),
+    ],  # its time limit's SIGTERM
     ids=["USR1-every", "TERM-plain-if"],
-)  # fmt: skip
+)
 def test_signals_to_every_rank_of_an_srun_like_launch_save_and_resume_bitwise(
     uninterrupted, tmp_path: Path, name: str, idiom: tuple[str, ...]
 ) -> None:
@@ -251,16 +330,21 @@ def test_signals_to_every_rank_of_an_srun_like_launch_save_and_resume_bitwise(
 
     env = {"DDPKIT_PREEMPTION_SIGNAL": "USR1"} if name == "USR1" else {}
     at = 8 if name == "USR1" else 3  # TERM: no periodic save, the asynchronous agreements only (see above)
-    ranks = srun_like(tmp_path / "ck", tmp_path / "out", "--signal-at", f"forward:{at}:0:group-{name}", *idiom, env=env)
-    said = "\n".join(f"rank {r}: exit {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-2000:]}" for r, p in
-                     enumerate(ranks))  # fmt: skip
+    ranks = srun_like(
+        tmp_path / "ck", tmp_path / "out", "--signal-at", f"forward:{at}:0:group-{name}", *idiom, env=env
+    )
+    said = "\n".join(
+        f"rank {r}: exit {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-2000:]}" for r, p in enumerate(ranks)
+    )
     assert [p.returncode for p in ranks] == [75, 75], said
     found = re.search(rf"ddpkit: preempted \(SIG{name}\) at step (\d+): saved (\S+);", ranks[0].stdout)
     assert found and "Traceback" not in ranks[0].stderr + ranks[1].stderr, said
     step, saved = int(found.group(1)), Path(found.group(2))
     assert at <= step < STEPS and latest(tmp_path / "ck") == saved  # the newest checkpoint, and it verifies
     again = srun_like(tmp_path / "ck", tmp_path / "out", *idiom, *NO_PAUSE)
-    assert [p.returncode for p in again] == [0, 0] and f"(step {step})" in again[0].stdout, again[0].stderr[-3000:]
+    assert [p.returncode for p in again] == [0, 0] and f"(step {step})" in again[0].stdout, again[0].stderr[
+        -3000:
+    ]
     assert_same(tmp_path, uninterrupted, step)
 
 
@@ -288,8 +372,13 @@ def test_the_preemption_signal_sent_to_ddpkit_run_saves_and_ends_with_75(tmp_pat
     # the workers, which save and exit 75; a launcher that does not handle it dies of it. Slurm's
     # --signal=USR1@120, the default preemption signal, sent to the launcher alone the same way, is
     # test_every_save_idiom_...[if-USR1] and [every-USR1] (exit 75, "preempted (SIGUSR1)", then bitwise).
-    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:5:0:USR2",
-                   run_args=("--preemption-signal", "USR2"))  # fmt: skip
+    first = launch(
+        tmp_path / "ck",
+        tmp_path / "out",
+        "--signal-at",
+        "forward:5:0:USR2",
+        run_args=("--preemption-signal", "USR2"),
+    )
     assert first.returncode == 75, f"exit {first.returncode}\n{first.stdout[-2000:]}\n{first.stderr[-3000:]}"
     found = re.search(r"ddpkit run: preempted \((\w+)\) at step (\d+), checkpoint (\S+);", first.stderr)
     assert found and found.group(1) == "SIGUSR2", first.stderr[-3000:]
@@ -301,8 +390,15 @@ def test_a_save_longer_than_grace_is_cut_off_and_the_previous_checkpoint_stays(t
     # launcher reports a stop (not a preemption), the half-written checkpoint is never committed. 8 s is
     # 4x the grace whatever the load, and 22 s under the default grace of 30 s, so a launcher that ignores
     # --grace lets the save finish (exit 75) even on a loaded machine (with 20 s it did not, now and then).
-    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:5:0", "--slow-save", "8",
-                   run_args=("--grace", "2"))  # fmt: skip
+    first = launch(
+        tmp_path / "ck",
+        tmp_path / "out",
+        "--signal-at",
+        "forward:5:0",
+        "--slow-save",
+        "8",
+        run_args=("--grace", "2"),
+    )
     assert first.returncode == 128 + signal.SIGTERM, (
         f"exit {first.returncode} (75: the save was waited for, past --grace)\n{first.stderr[-3000:]}"
     )
@@ -326,8 +422,20 @@ def test_a_save_longer_than_grace_is_cut_off_and_the_previous_checkpoint_stays(t
 def test_a_second_signal_during_a_save_within_grace_changes_nothing(uninterrupted, tmp_path: Path) -> None:
     # Issue 32: --grace 20, longer than the preemption's save (2 s slower here), and a second SIGTERM to
     # the launcher in the middle of that save: the save completes, exit 75, the relaunch ends bitwise.
-    first = launch(tmp_path / "ck", tmp_path / "out", "--signal-at", "forward:9:0", "--slow-save", "2",
-                   "--second-signal", "--idiom", "if", "--save-every", "7", run_args=("--grace", "20"))  # fmt: skip
+    first = launch(
+        tmp_path / "ck",
+        tmp_path / "out",
+        "--signal-at",
+        "forward:9:0",
+        "--slow-save",
+        "2",
+        "--second-signal",
+        "--idiom",
+        "if",
+        "--save-every",
+        "7",
+        run_args=("--grace", "20"),
+    )
     assert first.returncode == 75, f"exit {first.returncode}\n{first.stderr[-3000:]}"
     found = re.search(r"ddpkit run: preempted \((\w+)\) at step (\d+), checkpoint (\S+);", first.stderr)
     assert found, first.stderr[-3000:]
@@ -340,7 +448,9 @@ def test_a_second_signal_during_a_save_within_grace_changes_nothing(uninterrupte
 def test_options_are_validated_and_named() -> None:
     assert signal_of("usr2") == signal.SIGUSR2 and signal_of("SIGTERM") == signal.SIGTERM
     assert PreemptionOptions.from_env({"DDPKIT_PREEMPTION_SIGNAL": "USR2"}).signals == (
-        signal.SIGTERM, signal.SIGUSR2)  # fmt: skip
+        signal.SIGTERM,
+        signal.SIGUSR2,
+    )
     with pytest.raises(Exception, match="'USR9' is not a signal name"):
         PreemptionOptions(signal="USR9")
 
@@ -382,7 +492,6 @@ def test_agreeing_costs_one_all_reduce_every_k_calls_and_a_scheduled_save_agrees
     issued, scheduled_sync, stop = results[0]
     assert issued < 300 // 4, f"{issued} all-reduces in 300 calls: the agreement interval never grew"
     assert scheduled_sync == 1 and not stop
-
 
 
 def test_a_stop_is_seen_within_about_a_second_however_dear_the_agreement() -> None:
@@ -476,8 +585,9 @@ def test_an_accumulating_step_loop_is_stopped_at_an_optimizer_step_not_at_a_batc
     import ddpkit
     from ddpkit.cluster.preemption import Preempted
 
-    with ddpkit.session(env={}, hardware=ddpkit.Hardware(gpus=0, cpu_cores=2), verbose=False,
-                        accumulation=2) as s:  # fmt: skip
+    with ddpkit.session(
+        env={}, hardware=ddpkit.Hardware(gpus=0, cpu_cores=2), verbose=False, accumulation=2
+    ) as s:
         model = s.model(nn.Linear(2, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         loader = s.loader(TensorDataset(torch.ones(80, 2)), batch_size=4)  # 20 micro-batches of 2 an epoch

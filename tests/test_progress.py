@@ -61,8 +61,14 @@ def test_on_a_terminal_the_bar_refreshes_in_place() -> None:
             model = s.model(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             data = TensorDataset(torch.randn(256, 16), torch.randint(0, 4, (256,)))
-            fit(s, model, opt, s.loader(data, batch_size=32), lambda m, b: F.cross_entropy(m(b[0]), b[1]),
-                epochs=1)  # fmt: skip
+            fit(
+                s,
+                model,
+                opt,
+                s.loader(data, batch_size=32),
+                lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                epochs=1,
+            )
     finally:
         torch.set_num_threads(threads)
         terminal.close()  # the follower side: the reader sees the terminal close

@@ -7,11 +7,37 @@ from ddpkit.cli import build_parser
 
 
 def test_public_names() -> None:
-    assert sorted(ddpkit.__all__) == sorted([
-        "Accuracy", "Callback", "CheckpointError", "DDPOptions", "DdpkitError", "FSDPOptions", "FitResult", "FitState", "Hardware",
-        "Mean", "MetricSet", "Placement", "Session", "ShmAllReduce", "SpawnError", "SpikeGuard", "StepInfo", "StepMonitor", "Sum", "__version__",
-        "evaluate", "fit", "seed_everything", "session", "spawn", "to_device", "unwrap",
-    ])  # fmt: skip
+    assert sorted(ddpkit.__all__) == sorted(
+        [
+            "Accuracy",
+            "Callback",
+            "CheckpointError",
+            "DDPOptions",
+            "DdpkitError",
+            "FSDPOptions",
+            "FitResult",
+            "FitState",
+            "Hardware",
+            "Mean",
+            "MetricSet",
+            "Placement",
+            "Session",
+            "ShmAllReduce",
+            "SpawnError",
+            "SpikeGuard",
+            "StepInfo",
+            "StepMonitor",
+            "Sum",
+            "__version__",
+            "evaluate",
+            "fit",
+            "seed_everything",
+            "session",
+            "spawn",
+            "to_device",
+            "unwrap",
+        ]
+    )
 
 
 def _options(command: str) -> set[str]:
@@ -21,11 +47,24 @@ def _options(command: str) -> set[str]:
 
 def test_run_options_are_torchrun_compatible() -> None:
     assert _options("run") == {
-        "-h", "--help", "--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--port",
-        "--max-restarts", "--device", "--share-gpu", "-m", "--preemption-signal", "--requeue", "--grace",
-        "--rdzv-conf", "--local-addr",  # torchrun's own names
+        "-h",
+        "--help",
+        "--nproc",
+        "--nnodes",
+        "--node-rank",
+        "--rdzv-endpoint",
+        "--port",
+        "--max-restarts",
+        "--device",
+        "--share-gpu",
+        "-m",
+        "--preemption-signal",
+        "--requeue",
+        "--grace",
+        "--rdzv-conf",
+        "--local-addr",  # torchrun's own names
         "--elastic-batch",  # ddpkit's: which batch an elastic job keeps at fewer nodes
-    }  # fmt: skip
+    }
 
 
 def test_tools_receive_their_own_options(capsys) -> None:

@@ -46,12 +46,19 @@ POINTS = {
 
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("point", list(POINTS))
-def test_resume_ends_bitwise_like_the_uninterrupted_run(pool2, tmp_path: Path, point: str, workers: int) -> None:
+def test_resume_ends_bitwise_like_the_uninterrupted_run(
+    pool2, tmp_path: Path, point: str, workers: int
+) -> None:
     ckpt = str(tmp_path / "ckpt")
     assert pool2.run(stop_at, ckpt, POINTS[point], workers) == [None, None]
     final = pool2.run(resume, ckpt, workers)
     for rank, (got, want) in enumerate(zip(final, reference(pool2), strict=True)):
-        assert same({k: v for k, v in got.items() if k != "seen"}, {k: v for k, v in want.items() if k != "seen"}) == []
+        assert (
+            same(
+                {k: v for k, v in got.items() if k != "seen"}, {k: v for k, v in want.items() if k != "seen"}
+            )
+            == []
+        )
         resumed_steps = len(got["seen"])
         assert got["seen"] == want["seen"][-resumed_steps:], f"rank {rank} saw other batches after resuming"
 
@@ -86,9 +93,15 @@ def test_saved_weights_load_into_a_plain_model_without_ddpkit(pool2, tmp_path: P
     plain = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
     plain.load_state_dict(weights)  # strict: every key matches
     assert sorted(p.name for p in saved.iterdir()) == [
-        "manifest.json", "model.safetensors", "rank-00000.json", "rank-00000.safetensors",
-        "rank-00001.json", "rank-00001.safetensors", "state.json", "state.safetensors",
-    ]  # fmt: skip
+        "manifest.json",
+        "model.safetensors",
+        "rank-00000.json",
+        "rank-00000.safetensors",
+        "rank-00001.json",
+        "rank-00001.safetensors",
+        "state.json",
+        "state.safetensors",
+    ]
 
 
 def accumulation_run(ckpt: str | None, accumulation: int, stop_after: int | None = None) -> dict:
@@ -100,7 +113,11 @@ def accumulation_run(ckpt: str | None, accumulation: int, stop_after: int | None
         model = s.model(nn.Linear(6, 3))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         loader = s.loader(make_data(), batch_size=GLOBAL_BATCH, shuffle=True)
-        step = s.load(ckpt, model=model, optimizer=opt, loader=loader, step=0)["step"] if stop_after is None and ckpt else 0
+        step = (
+            s.load(ckpt, model=model, optimizer=opt, loader=loader, step=0)["step"]
+            if stop_after is None and ckpt
+            else 0
+        )
         steps, current = [], []
         for x, y, idx in loader:
             with s.accumulate(model):

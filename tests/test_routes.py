@@ -64,8 +64,10 @@ def test_a_save_before_s_model_builds_the_strategy_in_the_session_and_hands_a_va
         assert context.strategy is s.strategy and context.optimizers is s.stepper
         with pytest.raises(dataclasses.FrozenInstanceError):
             context.rank = 1  # type: ignore[misc]
-        assert not any(callable(getattr(context, f.name)) and f.name not in ("say", "barrier")
-                       for f in dataclasses.fields(context))  # fmt: skip
+        assert not any(
+            callable(getattr(context, f.name)) and f.name not in ("say", "barrier")
+            for f in dataclasses.fields(context)
+        )
         model = s.model(nn.Linear(3, 2))
         assert s.strategy is context.strategy  # the one strategy, not rebuilt by s.model
         assert s.load(str(tmp_path / "ck"), model=None, step=0)["step"] == 1

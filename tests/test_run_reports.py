@@ -77,8 +77,20 @@ def test_a_planted_sharded_checkpoint_ends_the_job_with_one_paragraph(pool2, tmp
 def test_each_restart_names_the_rank_that_died_first(tmp_path: Path) -> None:
     # one job, two restarts: rank 1 killed on the first attempt, raising on the second, done on the third
     ckpt = str(tmp_path / "ck")
-    done = run_cli("run", "--nproc", "2", "--max-restarts", "2", SCRIPT, ckpt, "--strategy", "ddp",
-                   "--die-at", "1:1:KILL,1:1:RAISE", timeout=120)  # fmt: skip
+    done = run_cli(
+        "run",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "2",
+        SCRIPT,
+        ckpt,
+        "--strategy",
+        "ddp",
+        "--die-at",
+        "1:1:KILL,1:1:RAISE",
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr  # the restarted workers finished
     lines = [line for line in done.stderr.splitlines() if line.startswith("ddpkit run: restart")]
     assert len(lines) == 2, done.stderr

@@ -115,8 +115,12 @@ def fp16_overflow_in_one_share(exchange: str) -> dict:
             params.append([p.detach().clone() for p in model.parameters()])
         sharder = s.stepper.sharded_step(opt)
         owner = sharder.owned[1] if sharder is not None else []
-        return {"skipped": infos, "params": params[-1], "rank1_owns": any(p is owned_by_1 for p in owner),
-                "scattered_steps": sharder.exchange.steps if sharder and sharder.exchange else 0}  # fmt: skip
+        return {
+            "skipped": infos,
+            "params": params[-1],
+            "rank1_owns": any(p is owned_by_1 for p in owner),
+            "scattered_steps": sharder.exchange.steps if sharder and sharder.exchange else 0,
+        }
 
 
 def test_fp16_overflow_seen_by_one_rank_skips_the_step_everywhere(pool2) -> None:

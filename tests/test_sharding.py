@@ -99,7 +99,10 @@ def test_checkpoint_holds_the_full_optimizer_state(pool2, tmp_path) -> None:
         assert sorted(got["state"]["state"]) == sorted(want)
         for k, st in want.items():
             for key, value in st.items():
-                assert torch.equal(torch.as_tensor(got["state"]["state"][k][key]), torch.as_tensor(value)), (k, key)
+                assert torch.equal(torch.as_tensor(got["state"]["state"][k][key]), torch.as_tensor(value)), (
+                    k,
+                    key,
+                )
 
 
 def load_unsharded(path: str) -> dict:
@@ -131,8 +134,10 @@ def test_join_after_sharded_steps_is_a_clear_error(pool2) -> None:
 def gather_streams(sizes: list[list[int]], chunk_mb: float) -> list[list[torch.Tensor]]:
     state = ShmAllReduce(chunk_mb=chunk_mb)
     rank = dist.get_rank()
-    owned = [[torch.full((n,), float(r * 1000 + i)) if r == rank else torch.zeros(n) for i, n in enumerate(ns)]
-             for r, ns in enumerate(sizes)]
+    owned = [
+        [torch.full((n,), float(r * 1000 + i)) if r == rank else torch.zeros(n) for i, n in enumerate(ns)]
+        for r, ns in enumerate(sizes)
+    ]
     state.all_gather_(owned)
     state.close()
     return owned

@@ -52,8 +52,17 @@ def train(planted: bool, removed: bool, remedy: str | None, root: str = "", star
         def train_step(m: nn.Module, batch: tuple) -> torch.Tensor:
             return F.cross_entropy(m(batch[0]), batch[1])
 
-        result = ddpkit.fit(s, model, opt, loader, train_step, epochs=1, progress=False, flops=None,
-                            callbacks=[saver] if root else [])  # fmt: skip
+        result = ddpkit.fit(
+            s,
+            model,
+            opt,
+            loader,
+            train_step,
+            epochs=1,
+            progress=False,
+            flops=None,
+            callbacks=[saver] if root else [],
+        )
         return {**_outcome(s, model, loader, saver, result), "listed": listed}
 
 
@@ -118,8 +127,12 @@ def test_a_resume_after_the_rollback_keeps_the_skip_listed_in_the_checkpoint(poo
 def _global_order(world: int, skipped: tuple[int, int, int] | None, resume: dict | None = None) -> list[int]:
     """Every rank's samples of one pass, interleaved back into the global order (one process)."""
     data = torch.utils.data.TensorDataset(torch.arange(64))
-    loaders = [make_loader(data, BatchPlan(8 // world, world, 1), rank=r, device=torch.device("cpu"), seed=0,
-                           shuffle=True) for r in range(world)]  # fmt: skip
+    loaders = [
+        make_loader(
+            data, BatchPlan(8 // world, world, 1), rank=r, device=torch.device("cpu"), seed=0, shuffle=True
+        )
+        for r in range(world)
+    ]
     for loader in loaders:
         if resume is not None:
             loader.load_state_dict(resume)
@@ -167,7 +180,9 @@ def test_a_rollback_to_a_checkpoint_without_the_loader_or_to_another_loader_is_r
 
 
 # -- a rollback across an epoch boundary: the checkpoint in epoch 0, the bad batch in epoch 1 -------------
-PER_EPOCH = 10  # global batches per epoch; 2 epochs, shuffled (each epoch's order a function of (seed, epoch))
+PER_EPOCH = (
+    10  # global batches per epoch; 2 epochs, shuffled (each epoch's order a function of (seed, epoch))
+)
 BAD_AT = 2  # the bad batch: global batch BAD_AT (0-based) of epoch 1, optimizer step PER_EPOCH + BAD_AT + 1
 BAD_1 = (1, BAD_AT * GLOBAL, (BAD_AT + 1) * GLOBAL)  # its global samples in epoch 1's order
 # the first sample of that batch, by DistributedSampler's order (seed 0 + epoch 1; at world 2 rank r reads
@@ -175,15 +190,22 @@ BAD_1 = (1, BAD_AT * GLOBAL, (BAD_AT + 1) * GLOBAL)  # its global samples in epo
 TARGET = int(torch.randperm(PER_EPOCH * GLOBAL, generator=torch.Generator().manual_seed(1))[BAD_AT * GLOBAL])
 
 
-def train_epochs(remedy: str | None, root: str = "", save_at: int = 0, start: str = "",
-                 left_out: tuple[int, int, int] | None = None) -> dict:  # fmt: skip
+def train_epochs(
+    remedy: str | None,
+    root: str = "",
+    save_at: int = 0,
+    start: str = "",
+    left_out: tuple[int, int, int] | None = None,
+) -> dict:
     """Two shuffled epochs under `fit` on every rank; sample TARGET is bad in epoch 1 only. `save_at`: the
     step the callback saves at (in `root`); `start`: a checkpoint to begin from; `left_out`: global
     samples the loader leaves out from the start (the run whose data never had the bad batch)."""
     guard = ddpkit.SpikeGuard(window=20, warmup=5, remedy=remedy) if remedy else None
     g = torch.Generator().manual_seed(0)
     n = PER_EPOCH * GLOBAL
-    data = TensorDataset(torch.randn(n, 10, generator=g), torch.randint(0, 3, (n,), generator=g), torch.arange(n))
+    data = TensorDataset(
+        torch.randn(n, 10, generator=g), torch.randint(0, 3, (n,), generator=g), torch.arange(n)
+    )
     with ddpkit.session(seed=0, verbose=False, log_to=None, spike_guard=guard) as s:
         model = s.model(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)))
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -208,11 +230,26 @@ def train_epochs(remedy: str | None, root: str = "", save_at: int = 0, start: st
             metrics["loss"].update(F.cross_entropy(m(batch[0]), batch[1], reduction="none"))
 
         held_out = s.loader(TensorDataset(*data.tensors[:2]), batch_size=4 * GLOBAL, evaluation=True)
-        result = ddpkit.fit(s, model, opt, loader, train_step, epochs=2, progress=False, flops=None,
-                            eval_loader=held_out, eval_step=eval_step, metrics={"loss": ddpkit.Mean()},
-                            callbacks=[saver] if root else [])  # fmt: skip
-        return {**_outcome(s, model, loader, saver, result), "epochs": (result.epochs, loader.position),
-                "seen": seen, "evals": result.evals}  # fmt: skip
+        result = ddpkit.fit(
+            s,
+            model,
+            opt,
+            loader,
+            train_step,
+            epochs=2,
+            progress=False,
+            flops=None,
+            eval_loader=held_out,
+            eval_step=eval_step,
+            metrics={"loss": ddpkit.Mean()},
+            callbacks=[saver] if root else [],
+        )
+        return {
+            **_outcome(s, model, loader, saver, result),
+            "epochs": (result.epochs, loader.position),
+            "seen": seen,
+            "evals": result.evals,
+        }
 
 
 @pytest.fixture(scope="module")
@@ -235,8 +272,13 @@ def test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_
     rolled = pool2.run(train_epochs, "rollback", root, save_at)
     clean, ruined = unguarded["clean"][0], unguarded["ruined"]
     scale = sum(float(v.double().norm() ** 2) for v in clean["weights"].values()) ** 0.5
-    far, near = _distance(ruined[0]["weights"], clean["weights"]), _distance(rolled[0]["weights"], clean["weights"])
-    print(f"from the run without the bad batch (norm {scale:.4g}): unguarded {far:.4g}, rolled back {near:.4g}")
+    far, near = (
+        _distance(ruined[0]["weights"], clean["weights"]),
+        _distance(rolled[0]["weights"], clean["weights"]),
+    )
+    print(
+        f"from the run without the bad batch (norm {scale:.4g}): unguarded {far:.4g}, rolled back {near:.4g}"
+    )
     assert far > 0.1 * scale, "the bad sample should throw an unguarded run far off"
     assert near <= 1e-6 * scale, "the rolled-back run should end where the run that never had the batch ends"
     steps = 2 * PER_EPOCH - 1
@@ -249,15 +291,19 @@ def test_a_rollback_across_an_epoch_boundary_restores_the_epochs_order_and_ends_
         # of epoch 0 again (none at its end), then epoch 1 in its own order without the bad batch
         replayed = [(0, (k + 1) * GLOBAL) for k in range(save_at, PER_EPOCH)]
         assert r["seen"] == (
-            [(0, (k + 1) * GLOBAL) for k in range(PER_EPOCH)] + [(1, (k + 1) * GLOBAL) for k in range(BAD_AT + 1)]
-            + replayed + clean["seen"][PER_EPOCH:]
-        ), r["seen"]  # fmt: skip
+            [(0, (k + 1) * GLOBAL) for k in range(PER_EPOCH)]
+            + [(1, (k + 1) * GLOBAL) for k in range(BAD_AT + 1)]
+            + replayed
+            + clean["seen"][PER_EPOCH:]
+        ), r["seen"]
     assert rolled[0]["epochs"] == clean["epochs"], (rolled[0]["epochs"], clean["epochs"])
     # one evaluation per epoch's end, as in the run without the batch: the abandoned path's epoch-0 end
     # (after a mid-epoch checkpoint) is dropped, and its repeat (after the epoch-end one) replaces it
     evals, clean_evals = rolled[0]["evals"], clean["evals"]
     assert [e["step"] for e in evals] == [e["step"] for e in clean_evals] == [PER_EPOCH, steps], evals
-    assert all(math.isclose(e["loss"], c["loss"], rel_tol=1e-6) for e, c in zip(evals, clean_evals, strict=True)), evals
+    assert all(
+        math.isclose(e["loss"], c["loss"], rel_tol=1e-6) for e, c in zip(evals, clean_evals, strict=True)
+    ), evals
     losses, without = torch.tensor(rolled[0]["losses"]), torch.tensor(clean["losses"])
     assert losses.shape == without.shape == (steps,) and torch.allclose(losses, without, rtol=1e-6, atol=0)
     # relaunched from that checkpoint in epoch 0: the same spike in epoch 1, the same rollback, the same bits

@@ -40,16 +40,23 @@ def _data(planted: bool, removed: bool = False) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-
-def train(planted: bool, removed: bool, guard: bool, ckpt: str = "", stop: int = 0, lift: int = 0,
-          options: dict | None = None) -> dict:  # fmt: skip
+def train(
+    planted: bool,
+    removed: bool,
+    guard: bool,
+    ckpt: str = "",
+    stop: int = 0,
+    lift: int = 0,
+    options: dict | None = None,
+) -> dict:
     """One epoch under `fit` on every rank. `ckpt` + `stop`: save after `stop` steps and return;
     `ckpt` alone: resume from it. `lift`: at that step, rank 0's loss gets +1e3 (no gradient: only
     its own loss spikes, the agreed mean with it). `options`: more of the session's (accumulation=2,
     strategy="fsdp")."""
     rec = Recorder()
-    with ddpkit.session(seed=0, verbose=False, log_to=rec, spike_guard=GUARD if guard else None,
-                        **(options or {})) as s:  # fmt: skip
+    with ddpkit.session(
+        seed=0, verbose=False, log_to=rec, spike_guard=GUARD if guard else None, **(options or {})
+    ) as s:
         model = s.model(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)))
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         loader = s.loader(_data(planted, removed), batch_size=GLOBAL)
@@ -63,8 +70,18 @@ def train(planted: bool, removed: bool, guard: bool, ckpt: str = "", stop: int =
             loss = F.cross_entropy(m(batch[0]), batch[1])
             return loss + 1e3 if calls[0] == lift and s.rank == 0 else loss
 
-        ddpkit.fit(s, model, opt, loader, train_step, epochs=1, max_steps=stop or None, progress=False,
-                   flops=None, track_every=1000)  # fmt: skip
+        ddpkit.fit(
+            s,
+            model,
+            opt,
+            loader,
+            train_step,
+            epochs=1,
+            max_steps=stop or None,
+            progress=False,
+            flops=None,
+            track_every=1000,
+        )
         if stop:
             s.save(ckpt, **things)
         judge = s.stepper.spikes
@@ -115,8 +132,10 @@ def test_a_planted_bad_batch_ruins_the_weights_unless_every_rank_skips_it(pool2)
         _distance(ruined[0]["weights"], clean[0]["weights"]),
         _distance(guarded[0]["weights"], clean[0]["weights"]),
     )
-    print(f"weights' distance from the run without the bad batch (norm {scale:.4g}): unguarded {far:.4g}, "
-          f"guarded {near:.4g}")  # fmt: skip
+    print(
+        f"weights' distance from the run without the bad batch (norm {scale:.4g}): unguarded {far:.4g}, "
+        f"guarded {near:.4g}"
+    )
     assert far > scale, "the planted sample should wreck an unguarded run"
     assert near <= 1e-6 * scale, "the guarded run should end where the run that never saw the batch ends"
     for r in guarded:  # every rank: the same single decision, the same weights
@@ -188,7 +207,9 @@ def count_collectives(guard: bool) -> dict[str, int]:
             return F.cross_entropy(m(batch[0]), batch[1])
 
         with profile(use_kineto=False) as prof:
-            ddpkit.fit(s, model, opt, loader, train_step, max_steps=8, max_norm=1.0, progress=False, flops=None)
+            ddpkit.fit(
+                s, model, opt, loader, train_step, max_steps=8, max_norm=1.0, progress=False, flops=None
+            )
         counts: dict[str, int] = {}
         for event in prof.function_events:
             if event.name.startswith("gloo:"):

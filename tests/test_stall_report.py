@@ -38,21 +38,50 @@ FORWARD = (DDP, "forward", "inputs, kwargs = self._pre_forward(*inputs, **kwargs
 @pytest.mark.parametrize(
     ("stack", "state"),
     [
-        (_stack(FORWARD, (DDP, "_pre_forward", "if torch.is_grad_enabled() and self.reducer._rebuild_buckets():")),
-         "in DDP's forward: its bucket rebuild"),
-        (_stack(FORWARD, (DDP, "_pre_forward", "self._sync_buffers()"), (DDP, "_sync_buffers", "..."),
-                (DDP, "_distributed_broadcast_coalesced", "dist._broadcast_coalesced(")),
-         "in DDP's forward: its buffer broadcast"),
-        (_stack((DDP, "__init__", "_sync_module_states("),
-                (torch.distributed.utils.__file__, "_sync_params_and_buffers", "dist._broadcast_coalesced(")),
-         "in DDP's construction: its shape check and weight broadcast"),
+        (
+            _stack(
+                FORWARD,
+                (DDP, "_pre_forward", "if torch.is_grad_enabled() and self.reducer._rebuild_buckets():"),
+            ),
+            "in DDP's forward: its bucket rebuild",
+        ),
+        (
+            _stack(
+                FORWARD,
+                (DDP, "_pre_forward", "self._sync_buffers()"),
+                (DDP, "_sync_buffers", "..."),
+                (DDP, "_distributed_broadcast_coalesced", "dist._broadcast_coalesced("),
+            ),
+            "in DDP's forward: its buffer broadcast",
+        ),
+        (
+            _stack(
+                (DDP, "__init__", "_sync_module_states("),
+                (torch.distributed.utils.__file__, "_sync_params_and_buffers", "dist._broadcast_coalesced("),
+            ),
+            "in DDP's construction: its shape check and weight broadcast",
+        ),
         (_stack((c10d.__file__, "all_reduce", "work.wait()")), "in all_reduce"),
-        (_stack((torch.autograd.__file__, "backward", "_engine_run_backward(")), "in backward: DDP's gradient all-reduce"),
-        (_stack(FORWARD, (DDP, "_pre_forward", "self.reducer.prepare_for_forward()")), "running (not in a collective)"),
+        (
+            _stack((torch.autograd.__file__, "backward", "_engine_run_backward(")),
+            "in backward: DDP's gradient all-reduce",
+        ),
+        (
+            _stack(FORWARD, (DDP, "_pre_forward", "self.reducer.prepare_for_forward()")),
+            "running (not in a collective)",
+        ),
         (_stack(), "running (not in a collective)"),
     ],
-    ids=["bucket-rebuild", "buffer-broadcast", "construction", "all_reduce", "backward", "ddp-not-waiting", "user"],
-)  # fmt: skip
+    ids=[
+        "bucket-rebuild",
+        "buffer-broadcast",
+        "construction",
+        "all_reduce",
+        "backward",
+        "ddp-not-waiting",
+        "user",
+    ],
+)
 def test_ddps_own_collectives_count_as_collectives(stack: list[FrameSummary], state: str) -> None:
     position = describe(stack)
     assert position["state"] == state
@@ -64,8 +93,12 @@ def test_ddps_own_collectives_count_as_collectives(stack: list[FrameSummary], st
 
 
 def _at(state: str, line: int, code: str, collective: bool = True) -> dict:
-    return {"state": state, "collective": collective, "where": f"{USER}:{line} in <module>: {code}",
-            "at": f"train.py:{line}"}  # fmt: skip
+    return {
+        "state": state,
+        "collective": collective,
+        "where": f"{USER}:{line} in <module>: {code}",
+        "at": f"train.py:{line}",
+    }
 
 
 SLEEPING = _at("running (not in a collective)", 9, "time.sleep(60)", collective=False)
@@ -94,8 +127,15 @@ def test_no_culprit_when_every_rank_waits_in_the_same_collective_and_a_mismatch_
     assert "rank 1 in all_reduce at train.py:14" in headline
 
 
-def _failure(tmp_path: Path, rank: int, exc: BaseException | None, *,
-             when: float, stalled: str | None = None, exitcode: int = 1) -> ProcessFailure:  # fmt: skip
+def _failure(
+    tmp_path: Path,
+    rank: int,
+    exc: BaseException | None,
+    *,
+    when: float,
+    stalled: str | None = None,
+    exitcode: int = 1,
+) -> ProcessFailure:
     path = tmp_path / f"error-{rank}.json"
     if exc is not None:
         failures.write_error_file(str(path), exc, rank, when, stalled=stalled)

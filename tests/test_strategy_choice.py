@@ -15,7 +15,10 @@ def test_model_state_counts_parameters_gradients_and_optimizer_state() -> None:
     assert model_state_bytes(net, optimizer_slots(torch.optim.AdamW)) == 100_100 * 4 * 4
     assert model_state_bytes(frozen, 2) == 100_100 * 4 * 4, "frozen parameters train no state"
     sgd = torch.optim.SGD(net.parameters(), lr=0.1)
-    assert optimizer_slots(sgd) == 0 and optimizer_slots(torch.optim.SGD(net.parameters(), 0.1, momentum=0.9)) == 1
+    assert (
+        optimizer_slots(sgd) == 0
+        and optimizer_slots(torch.optim.SGD(net.parameters(), 0.1, momentum=0.9)) == 1
+    )
     assert optimizer_slots(torch.optim.Adam(net.parameters())) == 2 and optimizer_slots(None) == 2
 
 
@@ -27,7 +30,9 @@ def test_adam_state_of_measured_mlp_matches_the_memory_benchmark() -> None:
     assert model_state_bytes(mlp, 2) / 2**20 == pytest.approx(576.8, abs=0.1)
 
 
-@pytest.mark.parametrize(("state_gb", "device_gb", "fsdp"), [(10, 80, False), (63, 80, False), (65, 80, True)])
+@pytest.mark.parametrize(
+    ("state_gb", "device_gb", "fsdp"), [(10, 80, False), (63, 80, False), (65, 80, True)]
+)
 def test_fsdp_when_the_replicated_state_does_not_fit(state_gb: float, device_gb: float, fsdp: bool) -> None:
     v = verdict(int(state_gb * 1e9), int(device_gb * 1e9), world=8)
     assert v.fsdp is fsdp and (state_gb > FITS_SHARE * device_gb) is fsdp

@@ -37,9 +37,11 @@ def sync_layer(sizes: list[int]) -> dict:
         (y * weights).sum().backward()
         grads = torch.stack([bn.weight.grad, bn.bias.grad])
         return {
-            "y": y.detach(), "x_grad": x.grad, "param_grads": s.all_reduce(grads),
+            "y": y.detach(),
+            "x_grad": x.grad,
+            "param_grads": s.all_reduce(grads),
             "running": (bn.running_mean.clone(), bn.running_var.clone()),
-        }  # fmt: skip
+        }
 
 
 def test_sync_batchnorm_equals_batchnorm_on_the_concatenated_batch(pool3) -> None:

@@ -58,8 +58,9 @@ def train(
     tokens). variant "permuted": the noise-floor run (rows permuted, padded to SEQ).
     """
     data = sequences()
-    with ddpkit.session(seed=0, accumulation=accumulation, verbose=False, strategy=strategy,
-                        precision=precision) as s:  # fmt: skip
+    with ddpkit.session(
+        seed=0, accumulation=accumulation, verbose=False, strategy=strategy, precision=precision
+    ) as s:
         net = s.model(model())
         opt = torch.optim.SGD(net.parameters(), lr=0.5)
         world, k = s.world_size, accumulation

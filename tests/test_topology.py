@@ -23,11 +23,17 @@ def torchrun(rank: int, world: int, local_rank: int | None = None, local_world: 
 
 def slurm(procid: int, ntasks: int, localid: int, nnodes: int = 1, **extra: str) -> dict:
     return {
-        "SLURM_PROCID": str(procid), "SLURM_NTASKS": str(ntasks), "SLURM_LOCALID": str(localid),
-        "SLURM_NNODES": str(nnodes), "SLURM_NODEID": str(procid // (ntasks // nnodes)),
-        "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train",
-        "SLURM_STEP_ID": "0", **extra,
-    }  # fmt: skip
+        "SLURM_PROCID": str(procid),
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_LOCALID": str(localid),
+        "SLURM_NNODES": str(nnodes),
+        "SLURM_NODEID": str(procid // (ntasks // nnodes)),
+        "SLURM_NODELIST": "gpu[07-08]",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_STEP_ID": "0",
+        **extra,
+    }
 
 
 # (name, env, hardware, device override, expected mode, device, backend, rank, world)
@@ -41,17 +47,54 @@ TABLE = [
     ("torchrun 2 ranks, 2 GPUs", torchrun(1, 2), TWO_GPUS, "auto", "ddp-gpu", "cuda:1", "nccl", 1, 2),
     ("torchrun 2 GPUs forced to CPU", torchrun(1, 2), TWO_GPUS, "cpu", "ddp-cpu", "cpu", "gloo", 1, 2),
     ("torchrun world 1 with a GPU", torchrun(0, 1), ONE_GPU, "auto", "single-gpu", "cuda:0", None, 0, 1),
-    ("2 nodes x 8 GPUs, node 1", torchrun(13, 16, 5, 8), EIGHT_GPUS, "auto", "ddp-gpu", "cuda:5", "nccl", 13, 16),
+    (
+        "2 nodes x 8 GPUs, node 1",
+        torchrun(13, 16, 5, 8),
+        EIGHT_GPUS,
+        "auto",
+        "ddp-gpu",
+        "cuda:5",
+        "nccl",
+        13,
+        16,
+    ),
     ("slurm 4 tasks, 2 nodes", slurm(3, 4, 1, 2), TWO_GPUS, "auto", "ddp-gpu", "cuda:1", "nccl", 3, 4),
     ("slurm 2 tasks, CPU", slurm(1, 2, 1), CPU, "auto", "ddp-cpu", "cpu", "gloo", 1, 2),
-    ("slurm interactive shell: alone", slurm(0, 2, 0, SLURM_JOB_NAME="bash"), CPU, "auto", "single-cpu", "cpu",
-     None, 0, 1),
+    (
+        "slurm interactive shell: alone",
+        slurm(0, 2, 0, SLURM_JOB_NAME="bash"),
+        CPU,
+        "auto",
+        "single-cpu",
+        "cpu",
+        None,
+        0,
+        1,
+    ),
     ("slurm 1 task: alone", slurm(0, 1, 0), ONE_GPU, "auto", "single-gpu", "cuda:0", None, 0, 1),
-    ("torchrun inside srun: torchrun wins", {**slurm(0, 1, 0), **torchrun(1, 2)}, CPU, "auto", "ddp-cpu", "cpu",
-     "gloo", 1, 2),
-    ("DDPKIT_DEVICE=cpu from ddpkit run", {**torchrun(0, 2), "DDPKIT_DEVICE": "cpu"}, TWO_GPUS, "auto",
-     "ddp-cpu", "cpu", "gloo", 0, 2),
-]  # fmt: skip
+    (
+        "torchrun inside srun: torchrun wins",
+        {**slurm(0, 1, 0), **torchrun(1, 2)},
+        CPU,
+        "auto",
+        "ddp-cpu",
+        "cpu",
+        "gloo",
+        1,
+        2,
+    ),
+    (
+        "DDPKIT_DEVICE=cpu from ddpkit run",
+        {**torchrun(0, 2), "DDPKIT_DEVICE": "cpu"},
+        TWO_GPUS,
+        "auto",
+        "ddp-cpu",
+        "cpu",
+        "gloo",
+        0,
+        2,
+    ),
+]
 
 
 @pytest.mark.parametrize(("name", "env", "hw", "device", "mode", "dev", "backend", "rank", "world"), TABLE)
@@ -79,22 +122,68 @@ def test_first_slurm_host(nodelist: str, host: str) -> None:
 
 
 CONTRADICTIONS = [
-    ("4 ranks per node, 2 GPUs, NCCL", torchrun(1, 4), TWO_GPUS, {"backend": "nccl"}, r"4 processes on this node.*only 2 GPU.*--nproc 2.*--device cpu"),
+    (
+        "4 ranks per node, 2 GPUs, NCCL",
+        torchrun(1, 4),
+        TWO_GPUS,
+        {"backend": "nccl"},
+        r"4 processes on this node.*only 2 GPU.*--nproc 2.*--device cpu",
+    ),
     ("4 ranks per node, 2 GPUs, auto", torchrun(0, 4), TWO_GPUS, {}, r"NCCL needs one GPU per process"),
     ("cuda asked, no GPU", {}, CPU, {"device": "cuda"}, r"no visible GPU.*--device cpu"),
     ("nccl asked on CPU", torchrun(0, 2), CPU, {"backend": "nccl"}, r"'nccl' needs GPUs.*gloo"),
     ("rank outside world", {"RANK": "2", "WORLD_SIZE": "2"}, CPU, {}, r"rank 2 is outside world size 2"),
-    ("world size not a number", {"RANK": "0", "WORLD_SIZE": "two"}, CPU, {}, r"WORLD_SIZE='two' is not an integer"),
-    ("LOCAL_RANK beyond GPUs", torchrun(0, 1, 0, 1) | {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}, TWO_GPUS,
-     {"backend": "gloo"}, r"LOCAL_RANK 3 but only 2 GPU"),
+    (
+        "world size not a number",
+        {"RANK": "0", "WORLD_SIZE": "two"},
+        CPU,
+        {},
+        r"WORLD_SIZE='two' is not an integer",
+    ),
+    (
+        "LOCAL_RANK beyond GPUs",
+        torchrun(0, 1, 0, 1) | {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"},
+        TWO_GPUS,
+        {"backend": "gloo"},
+        r"LOCAL_RANK 3 but only 2 GPU",
+    ),
     ("unknown device", {}, CPU, {"device": "tpu"}, r"device='tpu' is not one of"),
-    ("more ranks than GPUs names --share-gpu", torchrun(2, 3), ONE_GPU, {}, r"3 processes.*only 1 GPU.*--nproc 1.*--share-gpu.*--device cpu"),
-    ("LOCAL_RANK beyond GPUs names the fix", torchrun(0, 1, 0, 1) | {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, ONE_GPU,
-     {"backend": "gloo"}, r"LOCAL_RANK 1 but only 1 GPU.*--nproc auto.*CUDA_VISIBLE_DEVICES.*--share-gpu"),
-    ("share_gpu without a GPU", torchrun(0, 2), CPU, {"share_gpu": True}, r"share_gpu=True.*no visible GPU.*Drop --share-gpu"),
-    ("share_gpu with --device cpu", torchrun(0, 2), ONE_GPU, {"share_gpu": True, "device": "cpu"}, r"device='cpu' was asked"),
-    ("share_gpu with nccl", torchrun(0, 2), ONE_GPU, {"share_gpu": True, "backend": "nccl"}, r"Duplicate GPU detected.*backend='auto'"),
-]  # fmt: skip
+    (
+        "more ranks than GPUs names --share-gpu",
+        torchrun(2, 3),
+        ONE_GPU,
+        {},
+        r"3 processes.*only 1 GPU.*--nproc 1.*--share-gpu.*--device cpu",
+    ),
+    (
+        "LOCAL_RANK beyond GPUs names the fix",
+        torchrun(0, 1, 0, 1) | {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+        ONE_GPU,
+        {"backend": "gloo"},
+        r"LOCAL_RANK 1 but only 1 GPU.*--nproc auto.*CUDA_VISIBLE_DEVICES.*--share-gpu",
+    ),
+    (
+        "share_gpu without a GPU",
+        torchrun(0, 2),
+        CPU,
+        {"share_gpu": True},
+        r"share_gpu=True.*no visible GPU.*Drop --share-gpu",
+    ),
+    (
+        "share_gpu with --device cpu",
+        torchrun(0, 2),
+        ONE_GPU,
+        {"share_gpu": True, "device": "cpu"},
+        r"device='cpu' was asked",
+    ),
+    (
+        "share_gpu with nccl",
+        torchrun(0, 2),
+        ONE_GPU,
+        {"share_gpu": True, "backend": "nccl"},
+        r"Duplicate GPU detected.*backend='auto'",
+    ),
+]
 
 
 @pytest.mark.parametrize(("name", "env", "hw", "kwargs", "message"), CONTRADICTIONS)
@@ -117,9 +206,15 @@ SHARED = [
     ("3 ranks, 2 GPUs, local rank 1", torchrun(1, 3), TWO_GPUS, "cuda:1", "gloo", True),
     ("2 ranks, 2 GPUs: nothing to share, NCCL", torchrun(1, 2), TWO_GPUS, "cuda:1", "nccl", False),
     ("1 process: plain single GPU", {}, ONE_GPU, "cuda:0", None, False),
-    ("DDPKIT_SHARE_GPU=1 from ddpkit run", {**torchrun(1, 2), "DDPKIT_SHARE_GPU": "1"}, ONE_GPU, "cuda:0",
-     "gloo", True),
-]  # fmt: skip
+    (
+        "DDPKIT_SHARE_GPU=1 from ddpkit run",
+        {**torchrun(1, 2), "DDPKIT_SHARE_GPU": "1"},
+        ONE_GPU,
+        "cuda:0",
+        "gloo",
+        True,
+    ),
+]
 
 
 @pytest.mark.parametrize(("name", "env", "hw", "dev", "backend", "shared"), SHARED)

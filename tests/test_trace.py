@@ -8,8 +8,21 @@ from ddpkit.tools import trace
 
 
 def test_trace_writes_chrome_trace_png_and_explains_buckets(tmp_path, capsys) -> None:
-    code = trace.main(["--workload", "cnn", "--warmup", "1", "--steps", "2", "--bucket-cap-mb", "0.1",
-                       "--explain", "--out", str(tmp_path)])
+    code = trace.main(
+        [
+            "--workload",
+            "cnn",
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--bucket-cap-mb",
+            "0.1",
+            "--explain",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     done = [e for e in events if e["ph"] == "X"]
@@ -31,8 +44,10 @@ def _ev(name: str, track: str, start: float, end: float, step: int = 0) -> dict:
 def test_overlap_counts_comm_before_the_last_launch_as_hidden() -> None:
     events = [
         _ev("backward", "compute", 0.0, 10.0),
-        _ev("all-reduce bucket 0", "bucket 0", 2.0, 6.0),   # fully before the last launch at 5: hidden 3, exposed 1
-        _ev("all-reduce bucket 1", "bucket 1", 5.0, 9.0),   # after the last launch: exposed 4
+        _ev(
+            "all-reduce bucket 0", "bucket 0", 2.0, 6.0
+        ),  # fully before the last launch at 5: hidden 3, exposed 1
+        _ev("all-reduce bucket 1", "bucket 1", 5.0, 9.0),  # after the last launch: exposed 4
     ]
     ov = trace.overlap(events)
     assert ov["hidden_s"] == 3.0 and ov["exposed_s"] == 4.0
@@ -40,8 +55,10 @@ def test_overlap_counts_comm_before_the_last_launch_as_hidden() -> None:
 
 
 def test_chrome_trace_is_microseconds_from_the_first_event() -> None:
-    ranks = [{"rank": 0, "events": [_ev("forward", "compute", 1.0, 1.5)]},
-             {"rank": 1, "events": [_ev("forward", "compute", 1.25, 2.0)]}]
+    ranks = [
+        {"rank": 0, "events": [_ev("forward", "compute", 1.0, 1.5)]},
+        {"rank": 1, "events": [_ev("forward", "compute", 1.25, 2.0)]},
+    ]
     xs = [e for e in trace.chrome_trace(ranks)["traceEvents"] if e["ph"] == "X"]
     assert [(e["pid"], e["ts"], e["dur"]) for e in xs] == [(0, 0.0, 5e5), (1, 2.5e5, 7.5e5)]
 

@@ -147,8 +147,21 @@ def test_a_2_rank_run_whose_writer_is_killed_and_restarted_logs_every_step_once(
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
     out = tmp_path / "out"
-    done = run_cli("run", "--nproc", "2", "--max-restarts", "1", str(REPO / "tests" / "tracking_train.py"),
-                   str(out), "--kill-at", "8", "--steps", "12", timeout=110, env=OFFLINE)  # fmt: skip
+    done = run_cli(
+        "run",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        str(REPO / "tests" / "tracking_train.py"),
+        str(out),
+        "--kill-at",
+        "8",
+        "--steps",
+        "12",
+        timeout=110,
+        env=OFFLINE,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "killed.txt").read_text() == "8", "global rank 0, the writer, was killed at step 8"
     assert (out / "rank0-trackers.txt").read_text() == "tensorboard,mlflow,wandb"
@@ -177,18 +190,33 @@ def test_fit_logs_loss_lr_throughput_step_time_and_the_clipped_norm_by_itself(tm
     with ddpkit.session(seed=0, log_to="tensorboard", log_dir=str(tmp_path), verbose=False) as s:
         model = s.model(torch.nn.Linear(4, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        ddpkit.fit(s, model, opt, s.loader(data, batch_size=16, shuffle=True),
-                   lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
-                   epochs=2, max_norm=1.0, track_every=1, progress=False)  # fmt: skip
+        ddpkit.fit(
+            s,
+            model,
+            opt,
+            s.loader(data, batch_size=16, shuffle=True),
+            lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+            epochs=2,
+            max_norm=1.0,
+            track_every=1,
+            progress=False,
+        )
     for tag in ("loss", "lr", "throughput", "step_time", "grad_norm"):
         assert [step for step, _ in tensorboard_scalars(tmp_path, tag)] == list(range(1, 9)), tag
     assert all(v > 0 for _, v in tensorboard_scalars(tmp_path, "throughput"))
     with ddpkit.session(seed=0, log_to="tensorboard", log_dir=str(tmp_path / "every4"), verbose=False) as s:
         model = s.model(torch.nn.Linear(4, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        ddpkit.fit(s, model, opt, s.loader(data, batch_size=16, shuffle=True),
-                   lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), epochs=2, track_every=4,
-                   progress=False)  # fmt: skip
+        ddpkit.fit(
+            s,
+            model,
+            opt,
+            s.loader(data, batch_size=16, shuffle=True),
+            lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+            epochs=2,
+            track_every=4,
+            progress=False,
+        )
     assert [step for step, _ in tensorboard_scalars(tmp_path / "every4", "step_time")] == [4, 8]
 
 

@@ -158,15 +158,24 @@ def _lambda_model():
     [
         ({"batches": "m:f"}, r"exactly one of data .* and batches"),
         ({"nproc": 1}, r"nproc=1: DDP with fewer than 2 ranks has nothing to compare. Pass nproc=2"),
-        ({"nproc": 4, "batch_size": 30}, r"global batch 30 does not split evenly over 4 ranks. Use a multiple of 4, e.g. 32"),
+        (
+            {"nproc": 4, "batch_size": 30},
+            r"global batch 30 does not split evenly over 4 ranks. Use a multiple of 4, e.g. 32",
+        ),
         ({"precision": "fp8"}, r"precision='fp8' is not known"),
         ({"model": _lambda_model()}, r"cannot be sent to the DDP ranks .* pass model='module:function'"),
-        ({"optimizer": "m:f", "optimizer_options": {"lr": 1}}, r"optimizer_options apply to the built-in optimizers only"),
+        (
+            {"optimizer": "m:f", "optimizer_options": {"lr": 1}},
+            r"optimizer_options apply to the built-in optimizers only",
+        ),
         ({"floor": ("reversed",)}, r"names no known reference variant"),
         ({"shard_optimizer": "zero3"}, r"shard_optimizer='zero3' is not True, 'auto' or 'gradients'"),
-        ({"shard_optimizer": True, "strategy": "fsdp"}, r"FSDP already shards the step. Leave --shard-optimizer out"),
+        (
+            {"shard_optimizer": True, "strategy": "fsdp"},
+            r"FSDP already shards the step. Leave --shard-optimizer out",
+        ),
     ],
-)  # fmt: skip
+)
 def test_spec_errors(kwargs: dict, message: str) -> None:
     with pytest.raises(DdpkitError, match=message):
         VerifySpec(**{"model": mlp, "data": data, **kwargs})
@@ -199,10 +208,22 @@ def test_ddpkit_verify_failure_explains_and_exits_1(tmp_path: Path, pool2, monke
     # exiting 1 on a failure, is tests/test_invariant.py's and tests/test_compile.py's.
     monkeypatch.setattr(cli, "verify", lambda spec: verify(spec, runner=pool2.run))
     out = tmp_path / "report.json"
-    code = ddpkit_cli.main([
-        "verify", "--", "--model", "test_verify_diagnose:bn_net", "--data", "test_verify_diagnose:data",
-        "--steps", "2", "--batch-size", "16", "--json", str(out),
-    ])  # fmt: skip
+    code = ddpkit_cli.main(
+        [
+            "verify",
+            "--",
+            "--model",
+            "test_verify_diagnose:bn_net",
+            "--data",
+            "test_verify_diagnose:data",
+            "--steps",
+            "2",
+            "--batch-size",
+            "16",
+            "--json",
+            str(out),
+        ]
+    )
     stdout = capsys.readouterr().out
     assert code == 1, stdout[-3000:]
     assert "why [batchnorm]" in stdout and "--sync-batchnorm" in stdout

@@ -154,11 +154,26 @@ def test_another_world_size_resumes_within_tolerance(runner) -> None:
 
 def test_the_command_line(tmp_path) -> None:
     result = run_cli(
-        "verify", "--resume", "--model", "test_verify_resume:mlp", "--data", "test_verify_resume:data",
-        "--optimizer", "test_verify_resume:momentum", "--setup", "test_verify_resume:forgets_scheduler",
-        "--steps", "6", "--batch-size", "16", "--save-at", "3", timeout=200,
-        cwd=tmp_path, env={"PYTHONPATH": f"{__file__.rsplit('/', 1)[0]}:{__file__.rsplit('/', 2)[0]}"},
-    )  # fmt: skip
+        "verify",
+        "--resume",
+        "--model",
+        "test_verify_resume:mlp",
+        "--data",
+        "test_verify_resume:data",
+        "--optimizer",
+        "test_verify_resume:momentum",
+        "--setup",
+        "test_verify_resume:forgets_scheduler",
+        "--steps",
+        "6",
+        "--batch-size",
+        "16",
+        "--save-at",
+        "3",
+        timeout=200,
+        cwd=tmp_path,
+        env={"PYTHONPATH": f"{__file__.rsplit('/', 1)[0]}:{__file__.rsplit('/', 2)[0]}"},
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "scheduler" in result.stdout and "verdict: FAIL" in result.stdout
 

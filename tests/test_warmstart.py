@@ -55,8 +55,9 @@ def server(tmp_path_factory):
         yield suite
         return
     directory = tmp_path_factory.mktemp("warm")
-    proc = subprocess.Popen([sys.executable, "-m", "ddpkit.cluster.warmstart", str(directory)],
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit.cluster.warmstart", str(directory)], start_new_session=True
+    )
     deadline = time.monotonic() + 60
     while warm_client(directory) is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -72,8 +73,14 @@ def _script(tmp_path: Path, body: str) -> Path:
 
 
 def run(server: Path, *args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 60):
-    return subprocess.run([str(warm_client(server)), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, cwd=cwd)  # fmt: skip
+    return subprocess.run(
+        [str(warm_client(server)), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
 
 
 def test_a_forked_script_gets_its_arguments_environment_directory_and_exit_code(server, tmp_path) -> None:

@@ -65,8 +65,12 @@ def cpu_steal() -> tuple[int, int] | None:
     return sum(fields), fields[7] if len(fields) > 7 else 0
 
 
-def load_note(before: Sequence[float] | None, after: Sequence[float] | None, cores: int,
-              steal: tuple[tuple[int, int] | None, tuple[int, int] | None] = (None, None)) -> str:
+def load_note(
+    before: Sequence[float] | None,
+    after: Sequence[float] | None,
+    cores: int,
+    steal: tuple[tuple[int, int] | None, tuple[int, int] | None] = (None, None),
+) -> str:
     """One line on how quiet the machine was; flags the figures as provisional when others competed.
 
     Two signs: a load average above half the cores *before* the run (the run's own ranks raise it

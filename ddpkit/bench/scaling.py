@@ -24,8 +24,14 @@ from ddpkit.errors import DdpkitError
 from ddpkit.tools import workloads
 
 
-def plan(workload: workloads.Workload, max_nproc: int, threads: int, cores: int,
-         buckets: list[float], hooks: list[str]) -> tuple[list[Config], list[str]]:
+def plan(
+    workload: workloads.Workload,
+    max_nproc: int,
+    threads: int,
+    cores: int,
+    buckets: list[float],
+    hooks: list[str],
+) -> tuple[list[Config], list[str]]:
     """Configs for the scaling curve, the bucket sweep and the hook comparison; notes on skipped n."""
     notes = []
     configs = []
@@ -37,23 +43,48 @@ def plan(workload: workloads.Workload, max_nproc: int, threads: int, cores: int,
             notes.append(f"nproc {n} skipped: global batch {workload.global_batch} is not divisible by it")
             continue
         counts.append(n)
-        configs.append(Config(label=f"nproc {n}", nproc=n, threads=threads, gradient_as_bucket_view=True,
-                              cpu_allocator=True, shard=n > 1))
+        configs.append(
+            Config(
+                label=f"nproc {n}",
+                nproc=n,
+                threads=threads,
+                gradient_as_bucket_view=True,
+                cpu_allocator=True,
+                shard=n > 1,
+            )
+        )
     top = counts[-1]
     if top > 1:
         for mb in buckets:
             if mb != 25:
-                configs.append(Config(label=f"bucket {mb:g} MB", nproc=top, threads=threads,
-                                      gradient_as_bucket_view=True, bucket_cap_mb=mb,
-                                      cpu_allocator=True, shard=True))
+                configs.append(
+                    Config(
+                        label=f"bucket {mb:g} MB",
+                        nproc=top,
+                        threads=threads,
+                        gradient_as_bucket_view=True,
+                        bucket_cap_mb=mb,
+                        cpu_allocator=True,
+                        shard=True,
+                    )
+                )
         for hook in hooks:
             if hook != "allreduce":
-                configs.append(Config(label=f"hook {hook}", nproc=top, threads=threads,
-                                      gradient_as_bucket_view=True, hook=hook,
-                                      cpu_allocator=True, shard=True))
+                configs.append(
+                    Config(
+                        label=f"hook {hook}",
+                        nproc=top,
+                        threads=threads,
+                        gradient_as_bucket_view=True,
+                        hook=hook,
+                        cpu_allocator=True,
+                        shard=True,
+                    )
+                )
     if cores > threads:
-        configs.append(Config(label=f"1 process x {cores} threads", nproc=1, threads=cores,
-                              cpu_allocator=True))
+        configs.append(
+            Config(label=f"1 process x {cores} threads", nproc=1, threads=cores, cpu_allocator=True)
+        )
     return configs, notes
 
 
@@ -67,14 +98,26 @@ def run(ns: argparse.Namespace) -> int:
     for note in notes:
         print(f"ddpkit bench scaling: {note}")
     if ns.threads * max_nproc > cores:
-        print(f"ddpkit bench scaling: note: {max_nproc} x {ns.threads} threads exceeds {cores} cores; the "
-              "largest counts oversubscribe the CPU and will not scale")
+        print(
+            f"ddpkit bench scaling: note: {max_nproc} x {ns.threads} threads exceeds {cores} cores; the "
+            "largest counts oversubscribe the CPU and will not scale"
+        )
     before, steal0 = report.machine()["load_average"], report.cpu_steal()
-    print(f"ddpkit bench scaling: workload {workload.name}, global batch {workload.global_batch}, "
-          f"{len(configs)} configurations x {ns.rounds} rounds x >= {ns.block_seconds:g} s", flush=True)
-    stats = measure(ns.workload, configs, rounds=ns.rounds, steps=ns.steps, warmup=ns.warmup,
-                    target_s=ns.block_seconds,
-                    no_sync=True, log=print if ns.verbose else None)
+    print(
+        f"ddpkit bench scaling: workload {workload.name}, global batch {workload.global_batch}, "
+        f"{len(configs)} configurations x {ns.rounds} rounds x >= {ns.block_seconds:g} s",
+        flush=True,
+    )
+    stats = measure(
+        ns.workload,
+        configs,
+        rounds=ns.rounds,
+        steps=ns.steps,
+        warmup=ns.warmup,
+        target_s=ns.block_seconds,
+        no_sync=True,
+        log=print if ns.verbose else None,
+    )
     after, steal1 = report.machine()["load_average"], report.cpu_steal()
     data = summarise(workload, configs, stats)
     data.update(machine=report.machine(), load_before=before, load_after=after, notes=notes)
@@ -98,27 +141,54 @@ def summarise(workload: workloads.Workload, configs: list[Config], stats: dict[s
         # is what the machine allows (shared memory bandwidth, the optimizer step every rank repeats)
         # before communication costs anything.
         alone = statistics.median(st.no_sync) if st.no_sync else None
-        rows.append({
-            "nproc": c.nproc, "threads": c.threads, "step_ms": st.median * 1e3, "spread": st.spread,
-            "samples_per_s": workload.global_batch / st.median, "speedup": t1 / st.median,
-            "efficiency": t1 / (c.nproc * st.median), "comm_share": st.comm_share,
-            "efficiency_without_comm": t1 / (c.nproc * alone) if alone else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "nproc": c.nproc,
+                "threads": c.threads,
+                "step_ms": st.median * 1e3,
+                "spread": st.spread,
+                "samples_per_s": workload.global_batch / st.median,
+                "speedup": t1 / st.median,
+                "efficiency": t1 / (c.nproc * st.median),
+                "comm_share": st.comm_share,
+                "efficiency_without_comm": t1 / (c.nproc * alone) if alone else None,
+            }
+        )
     others = []
     for c in configs:
         if c in curve:
             continue
         st = stats[c.label]
-        others.append({"label": c.label, "step_ms": st.median * 1e3, "spread": st.spread,
-                       "samples_per_s": workload.global_batch / st.median, "comm_share": st.comm_share,
-                       "lossy": c.hook in LOSSY_HOOKS, "settings": c.describe()})
+        others.append(
+            {
+                "label": c.label,
+                "step_ms": st.median * 1e3,
+                "spread": st.spread,
+                "samples_per_s": workload.global_batch / st.median,
+                "comm_share": st.comm_share,
+                "lossy": c.hook in LOSSY_HOOKS,
+                "settings": c.describe(),
+            }
+        )
     top = curve[-1]
-    others.insert(0, {"label": "ddpkit defaults (bucket 25 MB, allreduce, sharded step)",
-                      "step_ms": stats[top.label].median * 1e3, "spread": stats[top.label].spread,
-                      "samples_per_s": workload.global_batch / stats[top.label].median,
-                      "comm_share": stats[top.label].comm_share, "lossy": False, "settings": top.describe()})
-    return {"workload": workload.name, "global_batch": workload.global_batch, "scaling": rows,
-            "options": others}
+    others.insert(
+        0,
+        {
+            "label": "ddpkit defaults (bucket 25 MB, allreduce, sharded step)",
+            "step_ms": stats[top.label].median * 1e3,
+            "spread": stats[top.label].spread,
+            "samples_per_s": workload.global_batch / stats[top.label].median,
+            "comm_share": stats[top.label].comm_share,
+            "lossy": False,
+            "settings": top.describe(),
+        },
+    )
+    return {
+        "workload": workload.name,
+        "global_batch": workload.global_batch,
+        "scaling": rows,
+        "options": others,
+    }
 
 
 def _pct(v: float | None) -> str:
@@ -126,18 +196,52 @@ def _pct(v: float | None) -> str:
 
 
 def print_tables(data: dict[str, Any]) -> None:
-    rows = [[r["nproc"], r["threads"], r["step_ms"], f"±{r['spread'] / 2:.0%}", r["samples_per_s"],
-             r["speedup"], r["efficiency"], _pct(r["comm_share"]),
-             "" if r.get("efficiency_without_comm") is None else f"{r['efficiency_without_comm']:.3f}"]
-            for r in data["scaling"]]
-    print(report.table(["nproc", "threads", "step ms", "spread", "samples/s", "speed-up", "efficiency",
-                        "comm share", "efficiency without comm"], rows))
-    print("(efficiency without comm: the same steps with no all-reduce, ranks running independently --\n"
-          " the ceiling this machine sets before any communication, from memory bandwidth shared by the\n"
-          " ranks and the optimizer step each rank repeats)")
+    rows = [
+        [
+            r["nproc"],
+            r["threads"],
+            r["step_ms"],
+            f"±{r['spread'] / 2:.0%}",
+            r["samples_per_s"],
+            r["speedup"],
+            r["efficiency"],
+            _pct(r["comm_share"]),
+            "" if r.get("efficiency_without_comm") is None else f"{r['efficiency_without_comm']:.3f}",
+        ]
+        for r in data["scaling"]
+    ]
+    print(
+        report.table(
+            [
+                "nproc",
+                "threads",
+                "step ms",
+                "spread",
+                "samples/s",
+                "speed-up",
+                "efficiency",
+                "comm share",
+                "efficiency without comm",
+            ],
+            rows,
+        )
+    )
+    print(
+        "(efficiency without comm: the same steps with no all-reduce, ranks running independently --\n"
+        " the ceiling this machine sets before any communication, from memory bandwidth shared by the\n"
+        " ranks and the optimizer step each rank repeats)"
+    )
     print()
-    rows = [[o["label"] + (" (lossy)" if o["lossy"] else ""), o["step_ms"], f"±{o['spread'] / 2:.0%}",
-             o["samples_per_s"], _pct(o["comm_share"])] for o in data["options"]]
+    rows = [
+        [
+            o["label"] + (" (lossy)" if o["lossy"] else ""),
+            o["step_ms"],
+            f"±{o['spread'] / 2:.0%}",
+            o["samples_per_s"],
+            _pct(o["comm_share"]),
+        ]
+        for o in data["options"]
+    ]
     print(report.table(["at the largest nproc", "step ms", "spread", "samples/s", "comm share"], rows))
 
 
@@ -149,12 +253,21 @@ def plot(data: dict[str, Any], path: str) -> str:
     a.plot(n, thr, "o-", label="measured", color="#3366cc")
     a.plot(n, [thr[0] * k for k in n], "--", color="#999999", label="ideal (linear)")
     ceiling = [r.get("efficiency_without_comm") or 1.0 for r in data["scaling"]]
-    a.plot(n, [thr[0] * k * e for k, e in zip(n, ceiling, strict=True)], ":", color="#339966",
-           label="without communication")
+    a.plot(
+        n,
+        [thr[0] * k * e for k, e in zip(n, ceiling, strict=True)],
+        ":",
+        color="#339966",
+        label="without communication",
+    )
     for k, t, r in zip(n, thr, data["scaling"], strict=True):
         a.annotate(f"{r['efficiency']:.2f}", (k, t), textcoords="offset points", xytext=(4, -12), fontsize=8)
-    a.set(xlabel="processes (ranks)", ylabel="samples / s", xticks=n,
-          title=f"{data['workload']}: throughput (labels: efficiency)")
+    a.set(
+        xlabel="processes (ranks)",
+        ylabel="samples / s",
+        xticks=n,
+        title=f"{data['workload']}: throughput (labels: efficiency)",
+    )
     a.legend()
     opts = data["options"]
     labels = [o["label"].replace(" (bucket", "\n(bucket") for o in opts]

@@ -44,8 +44,12 @@ def candidates(nproc: int, cores: int, *, quick: bool = False, fused: bool = Fal
     threads = max(1, cores // nproc)
 
     def ddp(label: str, **options: Any) -> Config:
-        return Config(label=label, nproc=nproc, threads=threads,
-                      **{"gradient_as_bucket_view": True, "cpu_allocator": True, **options})
+        return Config(
+            label=label,
+            nproc=nproc,
+            threads=threads,
+            **{"gradient_as_bucket_view": True, "cpu_allocator": True, **options},
+        )
 
     configs = [
         Config(label="hand-written DDP (torch defaults)", nproc=nproc, threads=threads),
@@ -67,13 +71,16 @@ def candidates(nproc: int, cores: int, *, quick: bool = False, fused: bool = Fal
             ddp("bf16 compression", hook="bf16", shard=True),
         ]
     if cores > 1:
-        configs.append(Config(label=f"1 process x {cores} threads (no DDP)", nproc=1, threads=cores,
-                              cpu_allocator=True))
+        configs.append(
+            Config(label=f"1 process x {cores} threads (no DDP)", nproc=1, threads=cores, cpu_allocator=True)
+        )
         if not quick:
             configs.append(Config(label=f"1 process x {cores} threads, glibc malloc", nproc=1, threads=cores))
     if fused:  # changes the user's optimizer construction: reported apart from the DDP options
-        configs += [ddp("ddpkit defaults + fused optimizer", fused=True, shard=True),
-                    ddp("shm hook + fused optimizer", hook="shm", fused=True, shard=True)]
+        configs += [
+            ddp("ddpkit defaults + fused optimizer", fused=True, shard=True),
+            ddp("shm hook + fused optimizer", hook="shm", fused=True, shard=True),
+        ]
         if cores > 1:
             label = f"1 process x {cores} threads + fused optimizer"
             configs.append(Config(label=label, nproc=1, threads=cores, fused=True, cpu_allocator=True))
@@ -95,30 +102,44 @@ def run(ns: argparse.Namespace) -> int:
         raise problem(f"--nodes {ns.nodes} is below 1", "Pass --nodes 1 (this machine) or the job's nodes")
     configs = candidates(nproc, cores, quick=ns.quick, fused=ns.fused)
     before, steal0 = report.machine()["load_average"], report.cpu_steal()
-    print(f"ddpkit bench tune: workload {ns.workload}, {len(configs)} configurations x {ns.rounds} rounds "
-          f"x >= {ns.block_seconds:g} s (interleaved)", flush=True)
-    stats = measure(ns.workload, configs, rounds=ns.rounds, steps=ns.steps, warmup=ns.warmup,
-                    target_s=ns.block_seconds,
-                    log=print if ns.verbose else None)
+    print(
+        f"ddpkit bench tune: workload {ns.workload}, {len(configs)} configurations x {ns.rounds} rounds "
+        f"x >= {ns.block_seconds:g} s (interleaved)",
+        flush=True,
+    )
+    stats = measure(
+        ns.workload,
+        configs,
+        rounds=ns.rounds,
+        steps=ns.steps,
+        warmup=ns.warmup,
+        target_s=ns.block_seconds,
+        log=print if ns.verbose else None,
+    )
     after, steal1 = report.machine()["load_average"], report.cpu_steal()
     base = stats[configs[0].label].median
     rows = []
     for c in sorted(configs, key=lambda c: stats[c.label].median):
         st = stats[c.label]
         lossy = " (lossy)" if c.hook in LOSSY_HOOKS else " (your optimizer changes)" if c.fused else ""
-        rows.append([c.label + lossy, st.median * 1e3, f"±{st.spread / 2:.0%}", base / st.median,
-                     c.describe()])
+        rows.append(
+            [c.label + lossy, st.median * 1e3, f"±{st.spread / 2:.0%}", base / st.median, c.describe()]
+        )
     print(report.table(["configuration", "step ms (median)", "spread", "speed-up", "settings"], rows))
     best, gain = recommend(stats, configs, ns.allow_lossy)
-    print(f"\nrecommendation: {best.label} -- {gain:.2f}x the step rate of hand-written DDP with torch's "
-          f"defaults ({stats[best.label].median * 1e3:.0f} ms vs {base * 1e3:.0f} ms per step)")
+    print(
+        f"\nrecommendation: {best.label} -- {gain:.2f}x the step rate of hand-written DDP with torch's "
+        f"defaults ({stats[best.label].median * 1e3:.0f} ms vs {base * 1e3:.0f} ms per step)"
+    )
     print(_how_to(best))
     changed = [c for c in configs if c.fused]
     if changed:
         top = min(changed, key=lambda c: stats[c.label].median)
         gain_fused = base / stats[top.label].median
-        print(f"beyond ddpkit's options: {top.label} -- {gain_fused:.2f}x (construct your optimizer with "
-              "fused=True: one kernel per tensor, the same update up to float rounding)")
+        print(
+            f"beyond ddpkit's options: {top.label} -- {gain_fused:.2f}x (construct your optimizer with "
+            "fused=True: one kernel per tensor, the same update up to float rounding)"
+        )
     line = floor_of(ns.workload, configs, stats, nproc)
     if line:
         print(line)
@@ -129,11 +150,19 @@ def run(ns: argparse.Namespace) -> int:
     if note:
         print(note)
     data: dict[str, Any] = {
-        "workload": ns.workload, "machine": report.machine(), "load_before": before, "load_after": after,
+        "workload": ns.workload,
+        "machine": report.machine(),
+        "load_before": before,
+        "load_after": after,
         "configs": [{**c.__dict__, **stats[c.label].as_dict()} for c in configs],
         "recommendation": {"label": best.label, "speedup": gain},
-        "memory": {"model_state_bytes": memory.state_bytes, "device_bytes": memory.device_bytes,
-                   "fsdp": memory.fsdp, "nodes": ns.nodes, "shape": shape},
+        "memory": {
+            "model_state_bytes": memory.state_bytes,
+            "device_bytes": memory.device_bytes,
+            "fsdp": memory.fsdp,
+            "nodes": ns.nodes,
+            "shape": shape,
+        },
     }
     if ns.json:
         print(f"json: {report.write_json(ns.json, data)}")
@@ -149,8 +178,9 @@ def floor_of(workload: str, configs: list[Config], stats: dict[str, Stats], npro
     if ranks is None or one is None:
         return None
     grads = floor.grad_bytes_of(workloads.load(workload).build())
-    return floor.floor_line(stats[ranks.label].median, stats[one.label].median, grads, nproc,
-                            floor.copy_bandwidth())  # fmt: skip
+    return floor.floor_line(
+        stats[ranks.label].median, stats[one.label].median, grads, nproc, floor.copy_bandwidth()
+    )
 
 
 def memory_verdict(workload: str, nproc: int) -> choice.MemoryVerdict:
@@ -212,9 +242,13 @@ def _how_to(cfg: Config) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="mlp", help="cnn, mlp, gpt, or package.module:function")
     p.add_argument("--nproc", type=int, default=None, help="DDP processes (default: 2, or 1 on one core)")
-    p.add_argument("--nodes", type=int, default=1,
-                   help="machines like this one the job will run on: where the model needs sharding, the "
-                        "memory line names HSDP's shape (replicate NODES x shard NPROC)")  # fmt: skip
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="machines like this one the job will run on: where the model needs sharding, the "
+        "memory line names HSDP's shape (replicate NODES x shard NPROC)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="rotations through all configurations")
     p.add_argument("--steps", type=int, default=3, help="at least this many timed steps per block")
     p.add_argument("--block-seconds", type=float, default=1.0, help="at least this long per timed block")

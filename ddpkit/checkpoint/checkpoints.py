@@ -83,7 +83,9 @@ class Checkpoints:
     e.g. a tracker's run id.
     """
 
-    def __init__(self, context: CheckpointContext, *, preemption: Preemption, writer_nice: int = NICE) -> None:  # noqa: E501
+    def __init__(
+        self, context: CheckpointContext, *, preemption: Preemption, writer_nice: int = NICE
+    ) -> None:
         self._ctx = context
         self._background = Background(nice=writer_nice)
         self._nice = writer_nice
@@ -104,9 +106,17 @@ class Checkpoints:
         self._registered[name] = obj
 
     # -- save -----------------------------------------------------------------------------------
-    def save(self, path: str | Path, *, keep: int = 3, keep_every: int | None = None,
-             keep_best: str | tuple[str, str] | None = None, background: bool | str = False,
-             every: int | None = None, **state: Any) -> Path | None:  # fmt: skip
+    def save(
+        self,
+        path: str | Path,
+        *,
+        keep: int = 3,
+        keep_every: int | None = None,
+        keep_best: str | tuple[str, str] | None = None,
+        background: bool | str = False,
+        every: int | None = None,
+        **state: Any,
+    ) -> Path | None:
         """Write a new checkpoint under `path` atomically; keep the newest `keep`; return its directory.
 
         Retention (on disk and in a remote store alike): the newest `keep`, plus every checkpoint whose
@@ -147,15 +157,18 @@ class Checkpoints:
             return self._write(path, retention, background, state) if due else None
         raise self._preempted(self._write(path, retention, False, state), state.get("step"))
 
-    def _write(self, path: str | Path, keep: keeping.Retention, background: bool | str,
-               state: dict[str, Any]) -> Path:  # fmt: skip
+    def _write(
+        self, path: str | Path, keep: keeping.Retention, background: bool | str, state: dict[str, Any]
+    ) -> Path:
         _require_safe_torch()
         mode = writer_mode(background)
         remote = Remote.parse(path)
         root = remote.local if remote is not None else local_path(path)
         if files.is_checkpoint(root):
-            raise problem(f"{root} is a checkpoint, not a folder of checkpoints",
-                          f"Save to its parent folder {root.parent}")  # fmt: skip
+            raise problem(
+                f"{root} is a checkpoint, not a folder of checkpoints",
+                f"Save to its parent folder {root.parent}",
+            )
         if root.exists() and not root.is_dir():
             raise not_a_root(files.foreign(root) or f"{root} is not a folder")
         self._background.wait()  # the previous save first: one write at a time, in order
@@ -170,8 +183,16 @@ class Checkpoints:
                 self._noted.add(name)
                 ctx.say(line)
         out = writer.write_file if writer is not None else None
-        job = start(ctx, root, snapshot, keep, group=self._writer_group if mode else None, out=out,
-                    remote=remote, process=writer)  # fmt: skip
+        job = start(
+            ctx,
+            root,
+            snapshot,
+            keep,
+            group=self._writer_group if mode else None,
+            out=out,
+            remote=remote,
+            process=writer,
+        )
         self.last, self.found = files.final_dir(root, job.seq), (str(path), state)  # a rollback target
         if mode is not None:
             self._background.run(lambda: write(ctx, job, snapshot))
@@ -412,7 +433,9 @@ def _choose(ctx: CheckpointContext, root: Path, remote: Remote | None = None) ->
         ctx.say(f"ddpkit: skipped a damaged checkpoint: {line}")
     if found is not None and not files.is_checkpoint(root):
         for unfinished in files.unfinished_after(root, found.path):
-            ctx.say(f"ddpkit: ignored {unfinished.name}: a save that never finished (the job ended "
-                    f"while it was written); {found.path.name} is the newest complete one")  # fmt: skip
+            ctx.say(
+                f"ddpkit: ignored {unfinished.name}: a save that never finished (the job ended "
+                f"while it was written); {found.path.name} is the newest complete one"
+            )
     sync.publish("choice", json.dumps({"path": str(found.path) if found else None}))
     return found

@@ -69,8 +69,9 @@ def _convert(ns: argparse.Namespace) -> int:
         path = convert.from_weights(source, out, name=ns.name, step=ns.step)
         print(f"ddpkit: wrote {path} from {source}: s.load({str(out)!r}, {ns.name}=model) resumes from it")
         return 0
-    to = ns.to or ("safetensors" if out.suffix == ".safetensors" else "torch" if out.suffix in TORCH_SUFFIXES
-                   else "hf")  # fmt: skip
+    to = ns.to or (
+        "safetensors" if out.suffix == ".safetensors" else "torch" if out.suffix in TORCH_SUFFIXES else "hf"
+    )
     if to == "hf":
         if ns.config is None:
             raise reading.CheckpointError(

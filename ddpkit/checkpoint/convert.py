@@ -97,17 +97,29 @@ def from_weights(
     try:
         infos = [i for p in paths for i in reading.safetensors_entries(p)[0]]
         chained = (kv for p in paths for kv in reading.read_safetensors(p))
-        entries = {f"{name}.safetensors": _write_stream(tmp / f"{name}.safetensors", infos, chained,
-                                                        {"format": files.FORMAT})}  # fmt: skip
+        entries = {
+            f"{name}.safetensors": _write_stream(
+                tmp / f"{name}.safetensors", infos, chained, {"format": files.FORMAT}
+            )
+        }
         entries["state.safetensors"] = files.write_tensors(tmp / "state.safetensors", Tensors())
         values = {"step": step} if step is not None else {}
         entries["state.json"] = files.write_json(tmp / "state.json", {"objects": {}, "values": values})
         entries.update(checkpoint_state.write_rank(tmp, 0, {"rng": None, "objects": {}}, Tensors()))
-        files.write_manifest(tmp, {
-            "seq": seq, "created": time.time(), "torch": torch.__version__, "world_size": 1, "step": step,
-            "strategy": "single", "converted_from": str(source), "files": entries,
-            "objects": {"modules": [name], "per_rank": [], "shared": [], "values": sorted(values)},
-        })  # fmt: skip
+        files.write_manifest(
+            tmp,
+            {
+                "seq": seq,
+                "created": time.time(),
+                "torch": torch.__version__,
+                "world_size": 1,
+                "step": step,
+                "strategy": "single",
+                "converted_from": str(source),
+                "files": entries,
+                "objects": {"modules": [name], "per_rank": [], "shared": [], "values": sorted(values)},
+            },
+        )
         files.commit(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -161,8 +173,9 @@ def _stream(target: Path, infos: list[TensorInfo], tensors: Iterable[tuple[str, 
     return target
 
 
-def _write_stream(path: Path, infos: list[TensorInfo], tensors: Iterable[tuple[str, torch.Tensor]],
-                  metadata: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+def _write_stream(
+    path: Path, infos: list[TensorInfo], tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str]
+) -> dict[str, Any]:
     """A safetensors file from tensors that arrive one at a time, in the order of `infos` (whose shapes
     and dtypes make the header); fsynced; its size and SHA-256 for a manifest."""
     placeholders = [(i.key, torch.empty(i.shape, dtype=i.dtype, device="meta")) for i in infos]
@@ -171,8 +184,10 @@ def _write_stream(path: Path, infos: list[TensorInfo], tensors: Iterable[tuple[s
         f.write(head)
         for info, (key, tensor) in zip(infos, tensors, strict=True):
             if key != info.key or tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
-                raise CheckpointError(f"{key} {list(tensor.shape)} {tensor.dtype} read where the header "
-                                      f"says {info.key} {list(info.shape)} {info.dtype}")  # fmt: skip
+                raise CheckpointError(
+                    f"{key} {list(tensor.shape)} {tensor.dtype} read where the header "
+                    f"says {info.key} {list(info.shape)} {info.dtype}"
+                )
             if tensor.numel():
                 data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
                 while data:

@@ -84,8 +84,10 @@ def _dcp_save(state: dict, writer: Any, group: Any) -> None:
     try:
         dcp_save(state, storage_writer=writer, process_group=group)
     except CheckpointException as err:
-        ranks = "; ".join(f"rank {r}: {type(e).__name__}: {str(e).split(chr(10))[0]}"
-                          for r, (e, _) in sorted(err.failures.items()))  # fmt: skip
+        ranks = "; ".join(
+            f"rank {r}: {type(e).__name__}: {str(e).split(chr(10))[0]}"
+            for r, (e, _) in sorted(err.failures.items())
+        )
         raise CheckpointError(
             f"the sharded state (DCP) could not be saved ({ranks}): this save is not committed, and the "
             "previous checkpoint is untouched and still the newest valid one"
@@ -115,8 +117,10 @@ def hashing_writer(directory: Path, write: Any) -> Any:
             byte_items = [w for w in plan.items if w.type == WriteItemType.BYTE_IO]  # first, as DCP does
             items = byte_items + [w for w in plan.items if w.type != WriteItemType.BYTE_IO]
             answer = write(directory / name, [planner.resolve_data(w) for w in items])
-            results = [WriteResult(index=w.index, size_in_bytes=n, storage_data=_StorageInfo(name, offset, n))
-                       for w, (offset, n) in zip(items, answer["spans"], strict=True)]  # fmt: skip
+            results = [
+                WriteResult(index=w.index, size_in_bytes=n, storage_data=_StorageInfo(name, offset, n))
+                for w, (offset, n) in zip(items, answer["spans"], strict=True)
+            ]
             self.entries[f"{DIRECTORY}/{name}"] = {"bytes": answer["bytes"], "sha256": answer["sha256"]}
             done: Future = Future()
             done.set_result(results)
@@ -139,8 +143,14 @@ def stage(state: Any, into: Any = None) -> Any:
 
         if isinstance(state, DTensor):
             local = into(state.to_local().detach())
-            return DTensor.from_local(local, state.device_mesh, state.placements, run_check=False,
-                                      shape=state.shape, stride=state.stride())  # fmt: skip
+            return DTensor.from_local(
+                local,
+                state.device_mesh,
+                state.placements,
+                run_check=False,
+                shape=state.shape,
+                stride=state.stride(),
+            )
         return into(state.detach())
     if isinstance(state, dict):
         return {k: stage(v, into) for k, v in state.items()}
@@ -167,8 +177,10 @@ def _checked_metadata(checkpoint: Path) -> Path:
     """The checkpoint's DCP directory, its metadata read by `MetadataUnpickler` first (refused otherwise)."""
     directory = checkpoint / DIRECTORY
     if not (directory / ".metadata").is_file():
-        raise CheckpointError(f"{checkpoint} has no sharded state ({DIRECTORY}/.metadata): it was saved "
-                              "without FSDP; load it with the strategy it was saved with")  # fmt: skip
+        raise CheckpointError(
+            f"{checkpoint} has no sharded state ({DIRECTORY}/.metadata): it was saved "
+            "without FSDP; load it with the strategy it was saved with"
+        )
     try:  # refused here, on every rank alike, before DCP's collectives wrap it in every rank's traceback
         MetadataUnpickler(io.BytesIO((directory / ".metadata").read_bytes())).load()
     except (CheckpointError, pickle.UnpicklingError, EOFError, ValueError) as err:
@@ -230,15 +242,18 @@ class MetadataUnpickler(pickle.Unpickler):
             obj = getattr(torch, name, None)
             if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
                 return obj
-        raise CheckpointError(f"the sharded checkpoint's metadata names {module}.{name}, which is not DCP "
-                              "metadata: refused unread (a planted pickle?)")  # fmt: skip
+        raise CheckpointError(
+            f"the sharded checkpoint's metadata names {module}.{name}, which is not DCP "
+            "metadata: refused unread (a planted pickle?)"
+        )
 
 
 def pair_optimizers(model: Any, optimizers: Mapping[str, torch.optim.Optimizer]) -> dict[str, Any]:
     """The optimizers whose parameters belong to `model` (their state is sharded with it)."""
     own = {id(p) for p in model.parameters()}
-    return {n: o for n, o in optimizers.items()
-            if any(id(p) in own for g in o.param_groups for p in g["params"])}  # fmt: skip
+    return {
+        n: o for n, o in optimizers.items() if any(id(p) in own for g in o.param_groups for p in g["params"])
+    }
 
 
 def split(strategy: Any, parts: dict[str, dict[str, Any]]) -> tuple[tuple[str, Any], dict] | None:
@@ -250,8 +265,10 @@ def split(strategy: Any, parts: dict[str, dict[str, Any]]) -> tuple[tuple[str, A
     if not models:
         return None
     if len(models) > 1:
-        raise problem(f"{len(models)} sharded models were passed ({', '.join(n for n, _ in models)})",
-                      "Save one FSDP model per checkpoint (wrap the others into one nn.Module)")  # fmt: skip
+        raise problem(
+            f"{len(models)} sharded models were passed ({', '.join(n for n, _ in models)})",
+            "Save one FSDP model per checkpoint (wrap the others into one nn.Module)",
+        )
     name, model = models[0]
     optimizers = {n: o for n, o in parts["shared"].items() if isinstance(o, torch.optim.Optimizer)}
     paired = pair_optimizers(model, optimizers)
@@ -291,8 +308,9 @@ def load_into(strategy: Any, found: Found, sharded: tuple[tuple[str, Any], dict]
     strategy.load_sharded_state(model, optimizers, {"model": state.pop(name), **state})
 
 
-def load_whole_optimizers(model: Any, optimizers: Mapping[str, torch.optim.Optimizer], found: Found, *,
-                          strict: bool) -> None:  # fmt: skip
+def load_whole_optimizers(
+    model: Any, optimizers: Mapping[str, torch.optim.Optimizer], found: Found, *, strict: bool
+) -> None:
     """Optimizer states saved whole (by DDP or one process: `state.json`, keyed by parameter index) into
     the sharded model's optimizers: keyed by parameter name (the i-th parameter of the optimizer's groups
     now, which a script that builds its optimizer the same way has in the same order as when it saved),

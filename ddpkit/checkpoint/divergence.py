@@ -66,8 +66,11 @@ def differing(shared: Mapping[str, Any], device: torch.device) -> list[str]:
     names = checked(shared)
     if not names or not dist.is_initialized() or dist.get_world_size() == 1:
         return []
-    words = [int.from_bytes(d[i : i + 8], "little", signed=True)
-             for d in (digest(shared[n].state_dict()) for n in names) for i in range(0, 32, 8)]  # fmt: skip
+    words = [
+        int.from_bytes(d[i : i + 8], "little", signed=True)
+        for d in (digest(shared[n].state_dict()) for n in names)
+        for i in range(0, 32, 8)
+    ]
     local = torch.tensor(words, dtype=torch.int64, device=device).reshape(len(names), 4)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
@@ -78,6 +81,8 @@ def differing(shared: Mapping[str, Any], device: torch.device) -> list[str]:
 
 def note(name: str, obj: Any) -> str:
     """The one line a save prints the first time `name` goes per rank."""
-    return (f"ddpkit: {name}= ({type(obj).__name__}) is saved per rank: its state differs between the ranks "
-            f"(one copy would bring rank 0's back on every rank); a load at another world size refuses it. "
-            f"Set {MARK} = True on it to say so, or False to keep one copy (rank 0's)")  # fmt: skip
+    return (
+        f"ddpkit: {name}= ({type(obj).__name__}) is saved per rank: its state differs between the ranks "
+        f"(one copy would bring rank 0's back on every rank); a load at another world size refuses it. "
+        f"Set {MARK} = True on it to say so, or False to keep one copy (rank 0's)"
+    )

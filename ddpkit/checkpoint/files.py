@@ -41,9 +41,18 @@ _TMP = re.compile(r"^\.ckpt-(\d{6,})\.tmp$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$|^dcp/(\.metadata|__\d+_\d+\.distcp)$")
 
 
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-                      torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-                      torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}  # fmt: skip
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def safetensors_header(tensors: Any, metadata: Mapping[str, str] | None = None) -> bytes:
@@ -54,8 +63,11 @@ def safetensors_header(tensors: Any, metadata: Mapping[str, str] | None = None) 
     offset = 0
     for name, t in tensors:
         size = t.numel() * t.element_size()
-        entries[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                         "data_offsets": [offset, offset + size]}  # fmt: skip
+        entries[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     blob = json.dumps(entries, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
@@ -89,8 +101,12 @@ def encode(obj: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
     if isinstance(obj, Mapping):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):
             return {k: encode(v, tensors, f"{path}/{k}") for k, v in obj.items()}
-        return {"__items__": [[encode(k, tensors, f"{path}/key{i}"), encode(v, tensors, f"{path}/{k}")]
-                              for i, (k, v) in enumerate(obj.items())]}  # fmt: skip
+        return {
+            "__items__": [
+                [encode(k, tensors, f"{path}/key{i}"), encode(v, tensors, f"{path}/{k}")]
+                for i, (k, v) in enumerate(obj.items())
+            ]
+        }
     raise problem(
         f"cannot save {path} of type {type(obj).__name__}: ddpkit checkpoints hold only tensors, numbers, "
         "strings, lists, tuples and dicts (no pickle, so that loading can never run code)",
@@ -325,8 +341,10 @@ def foreign(root: Path) -> str | None:
         return None
     shown = ", ".join(p.name + ("/" if p.is_dir() else "") for p in entries[:5])
     more = f" and {len(entries) - 5} more" if len(entries) > 5 else ""
-    return (f"{root} is a folder of {len(entries)} other entries ({shown}{more}) and no ddpkit checkpoint "
-            "(ckpt-NNNNNN/ folders)")  # fmt: skip
+    return (
+        f"{root} is a folder of {len(entries)} other entries ({shown}{more}) and no ddpkit checkpoint "
+        "(ckpt-NNNNNN/ folders)"
+    )
 
 
 def human_size(n: float) -> str:

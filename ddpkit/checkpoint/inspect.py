@@ -64,8 +64,11 @@ def report(path: str | Path, *, all_tensors: bool = False) -> tuple[str, bool]:
 def _header(manifest: Mapping[str, Any]) -> str:
     step = manifest.get("step")
     created = manifest.get("created")
-    when = (datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-            if isinstance(created, (int, float)) else "time unknown")  # fmt: skip
+    when = (
+        datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        if isinstance(created, (int, float))
+        else "time unknown"
+    )
     head = f"step {step}, " if step is not None else ""
     strategy = manifest.get("strategy", "ddp")
     who = "one process" if strategy == "single" else strategy

@@ -74,8 +74,11 @@ def open_checked(path: str | Path) -> Found:
         return files.verify(chosen)
     except CheckpointError as err:
         good = next((p for p in older if _verifies(p)), None)
-        alternative = (f"{good} verifies: pass it to use that one" if good is not None
-                       else "no older checkpoint beside it verifies")  # fmt: skip
+        alternative = (
+            f"{good} verifies: pass it to use that one"
+            if good is not None
+            else "no older checkpoint beside it verifies"
+        )
         raise CheckpointError(
             f"refused {chosen}: {str(err).rstrip('.')}. A checkpoint whose checksums do not hold is not "
             f"read or converted (its numbers may be silently wrong); {alternative}, or restore this one "

@@ -51,8 +51,10 @@ def _filesystem(url: str) -> tuple[Any, str]:
     try:
         fs, path = fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as err:
-        raise problem(f"no fsspec file system for {url}: {err}",
-                      "Install the store's fsspec driver (s3:// needs s3fs, gs:// gcsfs, az:// adlfs)") from None  # noqa: E501
+        raise problem(
+            f"no fsspec file system for {url}: {err}",
+            "Install the store's fsspec driver (s3:// needs s3fs, gs:// gcsfs, az:// adlfs)",
+        ) from None
     return fs, path.rstrip("/")
 
 
@@ -107,8 +109,7 @@ class Remote:
         """Delete complete checkpoints `retention` does not keep, and uploads that never got their manifest
         (older than `current`, the one just uploaded, which is never deleted)."""
         complete = self.complete()
-        manifests = [(n, json.loads(self.fs.cat_file(f"{self.path}/{n}/{files.MANIFEST}")))
-                     for n in complete]  # fmt: skip
+        manifests = [(n, json.loads(self.fs.cat_file(f"{self.path}/{n}/{files.MANIFEST}"))) for n in complete]
         kept = retention.kept(manifests)
         doomed = [n for n in complete if n not in kept and n != current]
         seq = int(current.rsplit("-", 1)[-1])
@@ -179,8 +180,14 @@ def export_target(path: str | Path) -> tuple[Path, Any]:
     return local, upload
 
 
-def export_via(path: str | Path, write: Callable[[Path], Any], *, is_main: bool, barrier: Callable[[], None],
-               say: Callable[[str], None]) -> Any:  # fmt: skip
+def export_via(
+    path: str | Path,
+    write: Callable[[Path], Any],
+    *,
+    is_main: bool,
+    barrier: Callable[[], None],
+    say: Callable[[str], None],
+) -> Any:
     """`write(local)` on every rank (an export, a file or a folder such as a Hugging Face or adapter
     directory); for an fsspec URL `local` is in this machine's cache, and rank 0 uploads what was written
     (`put_folder`: a folder's JSON files last). What `write` returns."""
@@ -203,8 +210,10 @@ def put_folder(fs: Any, local: Path, remote_path: str) -> None:
     """A folder to the store: the weights first, the JSON files (`config.json`, `adapter_config.json`,
     which `from_pretrained` reads first) last, so a folder cut off mid-upload has no config and no
     loader takes it for whole; then files an earlier export left there and this one lacks are removed."""
-    names = sorted((p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()),
-                   key=lambda n: (n.endswith(".json"), n))  # fmt: skip
+    names = sorted(
+        (p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()),
+        key=lambda n: (n.endswith(".json"), n),
+    )
     for name in names:
         fs.put_file(str(local / name), f"{remote_path}/{name}")
     fs.invalidate_cache()

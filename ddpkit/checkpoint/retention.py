@@ -72,8 +72,7 @@ def prune(root: Path, retention: Retention, current: int) -> list[Path]:
     return removed
 
 
-def of(keep: int, every: int | None, best: str | tuple[str, str] | None,
-               state: dict[str, Any]) -> Retention:  # fmt: skip
+def of(keep: int, every: int | None, best: str | tuple[str, str] | None, state: dict[str, Any]) -> Retention:
     """`s.save`'s retention keywords, checked: each mistake named with its fix, before anything is written."""
     if not isinstance(keep, int) or keep < 1:
         raise problem(f"keep={keep} would delete the checkpoint just written", "Pass keep=1 or more")

@@ -38,8 +38,10 @@ def split(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             continue
         if isinstance(obj, nn.Module):
             if name == "state":
-                raise problem("a module cannot be saved under the name 'state' (a reserved file name)",
-                              "Pick another keyword, e.g. model=")  # fmt: skip
+                raise problem(
+                    "a module cannot be saved under the name 'state' (a reserved file name)",
+                    "Pick another keyword, e.g. model=",
+                )
             parts["modules"][name] = obj
         elif per_rank_by_kind(obj) or marked_per_rank(obj):
             parts["per_rank"][name] = obj

@@ -41,8 +41,9 @@ class StateOwner(Protocol):
     def write_full_state(self, model: nn.Module, path: Path, rank: int) -> int: ...
     def check_loadable(self, saved: str, optimizers: Collection[str], path: Any) -> None: ...
     def sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> dict: ...
-    def load_sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],
-                           state: dict) -> None: ...  # fmt: skip
+    def load_sharded_state(
+        self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer], state: dict
+    ) -> None: ...
 
 
 class OptimizerStates(Protocol):
@@ -93,6 +94,8 @@ class Sync:
         (raw,) = self.group.wait([f"{self.prefix}/{key}"], self.timeout, what, ranks=(rank,))
         value = raw.decode()
         if value.startswith("error: "):
-            raise problem(f"the checkpoint failed on {value[7:]}",
-                          "See that rank's error above; the previous checkpoint is untouched")  # fmt: skip
+            raise problem(
+                f"the checkpoint failed on {value[7:]}",
+                "See that rank's error above; the previous checkpoint is untouched",
+            )
         return value

@@ -84,8 +84,13 @@ class Job:
         return files.tmp_dir(self.root, self.seq)
 
 
-def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool,
-            stage: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Snapshot:  # fmt: skip
+def capture(
+    ctx: CheckpointContext,
+    state: dict[str, Any],
+    *,
+    copy: bool,
+    stage: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Snapshot:
     """Every rank, at the same point: the state encoded in memory (copied when `copy`), a frozen value.
     `stage` makes the copies (default: a clone; the writer process: into its shared memory)."""
     parts = checkpoint_state.split(state)
@@ -117,10 +122,11 @@ def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool,
                 kept[name][key] = files.own_storage(value, kept[name])
         shared = {n: o.state_dict() for n, o in parts["shared"].items() if n not in shares}
         shared_tree = {
-            "objects": {n: files.encode(to_cpu(v, fresh) if copy else v, shared_tensors, n)
-                        for n, v in shared.items()},
+            "objects": {
+                n: files.encode(to_cpu(v, fresh) if copy else v, shared_tensors, n) for n, v in shared.items()
+            },
             "values": {n: files.encode(v, shared_tensors, f"values/{n}") for n, v in parts["values"].items()},
-        }  # fmt: skip  (shares: encoded by `write` once gathered)
+        }  # (shares: encoded by `write` once gathered)
     if copy:
         if fresh and torch.cuda.is_available():
             torch.cuda.synchronize()  # the pinned copies were asynchronous
@@ -131,9 +137,20 @@ def capture(ctx: CheckpointContext, state: dict[str, Any], *, copy: bool,
     notes = {n: note(n, parts["per_rank"][n]) for n in diverged}
     values = parts["values"].items()
     metrics = {n: v for n, v in values if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return Snapshot(objects, step if isinstance(step, int) else None, ctx.strategy.name, rank_tree,
-                    rank_tensors, kept, shared_tree, shared_tensors, shares, dcp_state, notes,
-                    metrics)  # fmt: skip
+    return Snapshot(
+        objects,
+        step if isinstance(step, int) else None,
+        ctx.strategy.name,
+        rank_tree,
+        rank_tensors,
+        kept,
+        shared_tree,
+        shared_tensors,
+        shares,
+        dcp_state,
+        notes,
+        metrics,
+    )
 
 
 def to_cpu(tree: Any, fresh: set[int]) -> Any:
@@ -159,9 +176,16 @@ def full_weights(ctx: CheckpointContext, module: torch.nn.Module) -> dict[str, t
     return strategy.full_state(module) if strategy.owns(module) else unwrap(module).state_dict()
 
 
-def start(ctx: CheckpointContext, root: Path, snap: Snapshot, keep: Retention, group: Any = None,
-          out: Callable[[Path, dict[str, torch.Tensor]], dict[str, Any]] | None = None,
-          remote: Remote | None = None, process: Any = None) -> Job:  # fmt: skip
+def start(
+    ctx: CheckpointContext,
+    root: Path,
+    snap: Snapshot,
+    keep: Retention,
+    group: Any = None,
+    out: Callable[[Path, dict[str, torch.Tensor]], dict[str, Any]] | None = None,
+    remote: Remote | None = None,
+    process: Any = None,
+) -> Job:
     """Rank 0 opens the temporary directory and tells the others its number (through the store);
     `group` is the process group of `write`'s collectives (None: training's); `out` writes the big
     tensor files (None: `stream_tensors` on this thread; the writer process's `write_file`); `remote`:
@@ -234,11 +258,20 @@ def _write_shared_and_commit(
         for r in range(1, ctx.world_size):
             answer = job.sync.wait_one(r, f"rank{r}", f"rank {r} to write its part of checkpoint {job.seq}")
             entries.update(json.loads(answer))
-        files.write_manifest(tmp, {
-            "seq": job.seq, "created": time.time(), "torch": torch.__version__, "world_size": ctx.world_size,
-            "step": snap.step, "strategy": snap.strategy, "objects": snap.objects, "files": entries,
-            "metrics": dict(snap.metrics),
-        })  # fmt: skip
+        files.write_manifest(
+            tmp,
+            {
+                "seq": job.seq,
+                "created": time.time(),
+                "torch": torch.__version__,
+                "world_size": ctx.world_size,
+                "step": snap.step,
+                "strategy": snap.strategy,
+                "objects": snap.objects,
+                "files": entries,
+                "metrics": dict(snap.metrics),
+            },
+        )
         files.commit(tmp, final)
         prune(job.root, job.keep, job.seq)
         if job.remote is not None:

@@ -47,8 +47,9 @@ class WriterProcess:
         self._sock = parent
         self.process = subprocess.Popen(
             [sys.executable, str(CHILD), str(child.fileno()), "none" if nice is None else str(nice)],
-            pass_fds=[child.fileno()], stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            pass_fds=[child.fileno()],
+            stdin=subprocess.DEVNULL,
+        )
         child.close()
 
     @staticmethod
@@ -100,8 +101,9 @@ class WriterProcess:
     def _write(self, path: Path, request: dict[str, Any]) -> dict[str, Any]:
         """Send one file's request with the arena segments the process has not seen yet; its answer."""
         new = [s for s in self.arena.segments if not s.sent]
-        answer = self._ask({"segments": [s.id for s in new], "path": str(path), **request},
-                           [s.fd for s in new])  # fmt: skip
+        answer = self._ask(
+            {"segments": [s.id for s in new], "path": str(path), **request}, [s.fd for s in new]
+        )
         for segment in new:
             segment.sent = True
         if "error" in answer:

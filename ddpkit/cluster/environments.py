@@ -33,8 +33,15 @@ Env = Mapping[str, str]
 
 # The launchers' variables, owned here (doctor shows them, gpucheck starts its checks without them):
 RANK_VARS = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-    "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MPI_LOCALRANKID",
+    "MPI_LOCALNRANKS",
 )
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_")  # Slurm, torchrun's agent, MPI
 
@@ -111,8 +118,13 @@ def pytorchjob(env: Env) -> RankEnv | None:
     if not needed <= env.keys() or "LOCAL_RANK" in env:
         return None
     rank = env_int(env, "RANK")
-    return RankEnv(launcher="pytorchjob", rank=rank, world_size=env_int(env, "WORLD_SIZE"), node_rank=rank,
-                 **_master(env))  # fmt: skip
+    return RankEnv(
+        launcher="pytorchjob",
+        rank=rank,
+        world_size=env_int(env, "WORLD_SIZE"),
+        node_rank=rank,
+        **_master(env),
+    )
 
 
 def env_vars(env: Env) -> RankEnv | None:
@@ -127,8 +139,15 @@ def env_vars(env: Env) -> RankEnv | None:
         return None
     world, rank = env_int(env, "WORLD_SIZE"), env_int(env, "RANK")
     local_world = max(env_int(env, "LOCAL_WORLD_SIZE", world), 1)
-    return RankEnv(launcher="env", rank=rank, world_size=world, local_rank=rank % local_world,
-                 local_world_size=local_world, node_rank=rank // local_world, **_master(env))  # fmt: skip
+    return RankEnv(
+        launcher="env",
+        rank=rank,
+        world_size=world,
+        local_rank=rank % local_world,
+        local_world_size=local_world,
+        node_rank=rank // local_world,
+        **_master(env),
+    )
 
 
 def mpi(env: Env) -> RankEnv | None:
@@ -159,8 +178,15 @@ def mpi(env: Env) -> RankEnv | None:
             source="mpi",
         )
     node = rank // max(local_world, 1)
-    return RankEnv(launcher="mpi", rank=rank, world_size=world, local_rank=local_rank,
-                 local_world_size=local_world, node_rank=node, **_master(env))  # fmt: skip
+    return RankEnv(
+        launcher="mpi",
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        node_rank=node,
+        **_master(env),
+    )
 
 
 def _interactive(env: Env) -> bool:
@@ -259,8 +285,14 @@ def describe(ranks: RankEnv) -> str:
         "slurm-batch": "a Slurm batch script, not started by srun: one process",
         "none": "no launcher variables: one process",
     }
-    who = (f"; rank {ranks.rank} of {ranks.world_size}, local rank {ranks.local_rank} of "
-           f"{ranks.local_world_size}, node {ranks.node_rank}") if ranks.world_size > 1 else ""  # fmt: skip
+    who = (
+        (
+            f"; rank {ranks.rank} of {ranks.world_size}, local rank {ranks.local_rank} of "
+            f"{ranks.local_world_size}, node {ranks.node_rank}"
+        )
+        if ranks.world_size > 1
+        else ""
+    )
     return names.get(ranks.launcher, ranks.launcher) + who
 
 

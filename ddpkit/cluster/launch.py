@@ -133,7 +133,6 @@ class LaunchConfig:
                 "Check the path (relative to the current directory), or use -m for a module",
             )
 
-
     @property
     def stop_policy(self) -> PreemptionOptions:
         """--preemption-signal and --requeue, as the ranks will read them (`ddpkit.cluster.signals`)."""
@@ -144,8 +143,10 @@ class LaunchConfig:
         if not 1 <= self.min_nodes <= self.nnodes:  # type: ignore[operator]
             raise problem(f"{span} is not MIN:MAX with 1 <= MIN <= MAX", "Pass e.g. --nnodes 1:4")
         if self.node_rank is not None:
-            raise problem(f"{span} with --node-rank {self.node_rank}: elastic nodes get their ranks when "
-                          "they meet", "Leave --node-rank out (or pass a fixed --nnodes N)")  # fmt: skip
+            raise problem(
+                f"{span} with --node-rank {self.node_rank}: elastic nodes get their ranks when they meet",
+                "Leave --node-rank out (or pass a fixed --nnodes N)",
+            )
         if self.max_restarts < 1:
             raise problem(
                 f"{span} restarts the workers when a node is lost, but --max-restarts is {self.max_restarts}",
@@ -216,8 +217,12 @@ def torchrun_argv(cfg: LaunchConfig, nproc: int) -> list[str]:
         hosting = f"is_host={int(cfg.local_addr == host)}" if cfg.local_addr else None
         if elastic:
             conf = ",".join(filter(None, [ELASTIC_RDZV_CONF, hosting, cfg.rdzv_conf]))  # the user's last: win
-            argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=ddpkit",
-                     f"--rdzv-conf={conf}"]  # fmt: skip
+            argv += [
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={host}:{port}",
+                "--rdzv-id=ddpkit",
+                f"--rdzv-conf={conf}",
+            ]
         elif cfg.node_rank is not None:
             # Static rendezvous: node ranks are the user's, node 0 hosts the store at host:port.
             if cfg.node_rank == 0 and _is_local(host) and not port_is_free(port):
@@ -225,8 +230,12 @@ def torchrun_argv(cfg: LaunchConfig, nproc: int) -> list[str]:
             argv += [f"--node-rank={cfg.node_rank}", f"--master-addr={host}", f"--master-port={port}"]
         else:  # a fixed number of nodes meeting through the c10d store, as above
             conf = ",".join(filter(None, [hosting, cfg.rdzv_conf]))
-            argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", "--rdzv-id=ddpkit",
-                     *([f"--rdzv-conf={conf}"] if conf else [])]  # fmt: skip
+            argv += [
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={host}:{port}",
+                "--rdzv-id=ddpkit",
+                *([f"--rdzv-conf={conf}"] if conf else []),
+            ]
     if cfg.local_addr:
         argv.append(f"--local-addr={cfg.local_addr}")
     if cfg.module:
@@ -301,12 +310,19 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         if code := _preempted(record):
             return code
         if ends.codes and all(code == 0 for code in ends.codes):  # the work was done: nothing to resume
-            print(f"ddpkit run: {sig.name} arrived as the run was ending: every rank finished and exited 0 "
-                  "before the ranks agreed to stop, so nothing was cut short and no preemption checkpoint "
-                  "was needed.", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"ddpkit run: {sig.name} arrived as the run was ending: every rank finished and exited 0 "
+                "before the ranks agreed to stop, so nothing was cut short and no preemption checkpoint "
+                "was needed.",
+                file=sys.stderr,
+                flush=True,
+            )
             return 0
-        print(f"ddpkit run: stopped by {sig.name}; every rank was signalled and has exited.",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"ddpkit run: stopped by {sig.name}; every rank was signalled and has exited.",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + int(sig)
     finally:
         with contextlib.suppress(OSError):
@@ -407,8 +423,11 @@ def _preempted(record: Path) -> int:
     except (OSError, ValueError):
         return 0
     requeued = " The Slurm job was requeued." if done.get("requeued") else ""
-    print(f"ddpkit run: preempted ({done.get('signal')}) at step {done.get('step')}, checkpoint "
-          f"{done.get('checkpoint')}; run the same command to resume (exit code {PREEMPTED_EXIT_CODE})."
-          f"{requeued}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"ddpkit run: preempted ({done.get('signal')}) at step {done.get('step')}, checkpoint "
+        f"{done.get('checkpoint')}; run the same command to resume (exit code {PREEMPTED_EXIT_CODE})."
+        f"{requeued}",
+        file=sys.stderr,
+        flush=True,
+    )
     return PREEMPTED_EXIT_CODE

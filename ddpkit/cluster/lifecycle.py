@@ -65,8 +65,16 @@ class Membership:
     made (a long-lived pool of ranks) only gets its own prefix.
     """
 
-    def __init__(self, store: Any, prefix: str, rank: int, limits: Limits, *, owns: bool,
-                 watchdog: Watchdog | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: Any,
+        prefix: str,
+        rank: int,
+        limits: Limits,
+        *,
+        owns: bool,
+        watchdog: Watchdog | None = None,
+    ) -> None:
         self.store, self.prefix, self.rank, self.limits = store, prefix, rank, limits
         self.owns, self.watchdog = owns, watchdog
         self._counts: dict[str, int] = {}

@@ -190,15 +190,20 @@ class Preemption:
     def finish(self, *, is_main: bool, step: Any, checkpoint: Path, say: Callable[[str], None]) -> Preempted:
         """After the preemption checkpoint is committed: tell the launcher, requeue, and the exception."""
         how = self.asked or "a signal"
-        say(f"ddpkit: preempted ({how}) at step {step}: saved {checkpoint}; exiting with code "
-            f"{PREEMPTED_EXIT_CODE} (resume by starting the same command)")  # fmt: skip
+        say(
+            f"ddpkit: preempted ({how}) at step {step}: saved {checkpoint}; exiting with code "
+            f"{PREEMPTED_EXIT_CODE} (resume by starting the same command)"
+        )
         if is_main:
             requeued = requeue.of(self.env).requeue(self.options.requeue, say)  # the launcher's way
             record = self.env.get(PREEMPTION_RECORD_ENV)
             if record:
                 with contextlib.suppress(OSError):
-                    Path(record).write_text(json.dumps({"step": step, "checkpoint": str(checkpoint),
-                                                        "signal": how, "requeued": requeued}))  # fmt: skip
+                    Path(record).write_text(
+                        json.dumps(
+                            {"step": step, "checkpoint": str(checkpoint), "signal": how, "requeued": requeued}
+                        )
+                    )
         return Preempted(step, checkpoint, how)
 
     def close(self) -> None:

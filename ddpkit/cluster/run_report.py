@@ -125,8 +125,9 @@ def report(err: Exception, max_restarts: int = 0) -> int:
         alike = sum(text == mistakes[rank] for text in mistakes.values())
         where = f"by {alike} ranks alike" if alike > 1 else f"by rank {rank}"
         rest = "; the others were stopped" if alike < len(failures) else ""
-        print(f"ddpkit run: {mistakes[rank]}\n(raised {where}{rest}; exit code 1)", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"ddpkit run: {mistakes[rank]}\n(raised {where}{rest}; exit code 1)", file=sys.stderr, flush=True
+        )
         return 1
     rank, first = first_failure(failures)
     stalled = stall_report(failures)  # a timeout: lead with the rank(s) that never came, not the first victim

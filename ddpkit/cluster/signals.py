@@ -34,12 +34,13 @@ def signal_of(name: str) -> Signals:
 
 
 def requeue_of(text: str | bool) -> bool | str:
-    """"auto" (requeue if the Slurm job was submitted with --requeue), True ("1") or False ("0")."""
+    """ "auto" (requeue if the Slurm job was submitted with --requeue), True ("1") or False ("0")."""
     if isinstance(text, bool) or text == "auto":
         return text
     if text not in REQUEUE_CHOICES:
-        raise problem(f"requeue {text!r} is not one of {', '.join(REQUEUE_CHOICES)}",
-                      "Pass --requeue auto, 1 or 0")  # fmt: skip
+        raise problem(
+            f"requeue {text!r} is not one of {', '.join(REQUEUE_CHOICES)}", "Pass --requeue auto, 1 or 0"
+        )
     return text == "1"
 
 
@@ -56,8 +57,10 @@ class PreemptionOptions:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> PreemptionOptions:
-        return cls(signal=env.get(PREEMPTION_SIGNAL_ENV, DEFAULT_PREEMPTION_SIGNAL),
-                   requeue=env.get(REQUEUE_ENV, "auto"))  # fmt: skip
+        return cls(
+            signal=env.get(PREEMPTION_SIGNAL_ENV, DEFAULT_PREEMPTION_SIGNAL),
+            requeue=env.get(REQUEUE_ENV, "auto"),
+        )
 
     def env(self) -> dict[str, str]:
         """What `ddpkit run` passes down to every rank (read back by `from_env`)."""

@@ -151,8 +151,10 @@ def resolve(
     if shared:
         return _shared_plan(ranks, hardware, backend, notes)
     if share_gpu:
-        notes += (f"share_gpu: {ranks.local_world_size} local rank(s) on {hardware.gpus} GPU(s), so every "
-                  "rank has a GPU of its own and nothing is shared",)  # fmt: skip
+        notes += (
+            f"share_gpu: {ranks.local_world_size} local rank(s) on {hardware.gpus} GPU(s), so every "
+            "rank has a GPU of its own and nothing is shared",
+        )
     if world > 1 and backend in ("auto", "nccl") and ranks.local_world_size > hardware.gpus:
         raise problem(
             f"{ranks.local_world_size} processes on this node (world size {world}) but only "

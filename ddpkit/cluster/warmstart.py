@@ -54,9 +54,23 @@ from ddpkit.cluster.warm_client import place
 # Read once, as torch, the C libraries or the interpreter load (or at the first tensor): a forked
 # process keeps the server's values, so a request with other values starts fresh.
 LOAD_TIME = (
-    "TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_LOGS", "TORCH_COMPILE", "PYTORCH_", "ATEN_", "OMP_", "KMP_",
-    "GOMP_", "MKL_", "MALLOC_", "GLIBC_TUNABLES", "THP_", "LD_", "CUDA_", "PYTHON",
-)  # fmt: skip
+    "TORCHINDUCTOR_",
+    "TORCHDYNAMO_",
+    "TORCH_LOGS",
+    "TORCH_COMPILE",
+    "PYTORCH_",
+    "ATEN_",
+    "OMP_",
+    "KMP_",
+    "GOMP_",
+    "MKL_",
+    "MALLOC_",
+    "GLIBC_TUNABLES",
+    "THP_",
+    "LD_",
+    "CUDA_",
+    "PYTHON",
+)
 # ...except these, read when used (Inductor's cache), or applied to the forked process here.
 APPLIED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "PYTHON_EXEC"})
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch._dynamo", "ddpkit.training.fit")

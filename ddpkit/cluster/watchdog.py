@@ -79,8 +79,13 @@ def describe(frames: Sequence[traceback.FrameSummary]) -> dict[str, Any]:
     user = next((fr for fr in reversed(frames) if _is_user(fr.filename)), frames[-1] if frames else None)
     where = f"{user.filename}:{user.lineno} in {user.name}: {(user.line or '').strip()}" if user else "?"
     at = f"{os.path.basename(user.filename)}:{user.lineno}" if user else "?"
-    return {"state": state, "collective": collective, "where": where, "at": at,
-            "stack": [_line(fr) for fr in frames[-8:]]}  # fmt: skip
+    return {
+        "state": state,
+        "collective": collective,
+        "where": where,
+        "at": at,
+        "stack": [_line(fr) for fr in frames[-8:]],
+    }
 
 
 def _ddp_collective(frames: Sequence[traceback.FrameSummary]) -> str | None:
@@ -124,8 +129,9 @@ def exception_position(exc: BaseException) -> dict[str, Any]:
 class Watchdog:
     """Answers position requests from peers; warns when its own rank waits too long in a collective."""
 
-    def __init__(self, store: Any, prefix: str, rank: int, world_size: int, *, warn_after: float,
-                 poll: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self, store: Any, prefix: str, rank: int, world_size: int, *, warn_after: float, poll: float = 1.0
+    ) -> None:
         self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
         self.warn_after, self.poll = warn_after, poll
         self._stop = threading.Event()
@@ -185,8 +191,11 @@ class Watchdog:
             self._warned = True
             report = self.gather(position, deadline=min(10.0, 3 * self.poll + 2))
             lead = f"ddpkit: {report.headline}\n" if report.headline else "ddpkit: "
-            print(f"{lead}rank {self.rank} has waited {waited:.0f} s {position['state']}.\n{report.ranks}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"{lead}rank {self.rank} has waited {waited:.0f} s {position['state']}.\n{report.ranks}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def gather(self, mine: dict[str, Any], deadline: float) -> Report:
         """Ask every rank where it stands (through the store) and format the answers."""
@@ -249,8 +258,9 @@ def _culprit(answers: dict[int, dict[str, Any]], world_size: int) -> str | None:
             waited = "; ".join(
                 f"rank {r}: {a['state'].removeprefix('in ')} at {a['at']}" for r, a in waiting.items()
             )
-        where = "; ".join(f"rank {r} is at {answers[r]['where']}" if r in answers else f"rank {r} {_SILENT}"
-                          for r in behind)  # fmt: skip
+        where = "; ".join(
+            f"rank {r} is at {answers[r]['where']}" if r in answers else f"rank {r} {_SILENT}" for r in behind
+        )
         verb = "waits" if len(waiting) == 1 else "wait"
         return (
             f"{_ranks(behind)} did not reach the collective that {_ranks(waiting)} {verb} in ({waited}): "
@@ -258,8 +268,10 @@ def _culprit(answers: dict[int, dict[str, Any]], world_size: int) -> str | None:
         )
     if len({a["state"] for a in waiting.values()}) > 1:
         places = "; ".join(f"rank {r} {a['state']} at {a['at']}" for r, a in waiting.items())
-        return (f"every rank waits in a collective, but not in the same one ({places}): every rank must call "
-                "the same collectives in the same order")  # fmt: skip
+        return (
+            f"every rank waits in a collective, but not in the same one ({places}): every rank must call "
+            "the same collectives in the same order"
+        )
     return None
 
 

@@ -22,6 +22,14 @@ from ddpkit.data.loader import ShardedLoader, make_loader, seed_worker, to_devic
 from ddpkit.data.samplers import EvalShardSampler, OwnPartSampler, ResumableSampler
 
 __all__ = [
-    "BatchPlan", "EvalShardSampler", "OwnPartSampler", "ResumableSampler", "ShardedLoader",
-    "elastic_accumulation", "make_loader", "plan_batch", "seed_worker", "to_device",
-]  # fmt: skip
+    "BatchPlan",
+    "EvalShardSampler",
+    "OwnPartSampler",
+    "ResumableSampler",
+    "ShardedLoader",
+    "elastic_accumulation",
+    "make_loader",
+    "plan_batch",
+    "seed_worker",
+    "to_device",
+]

@@ -297,10 +297,18 @@ def make_loader(
 
         def make_pass(epoch: int, skip: int) -> DataLoader:
             split = StreamSplit(
-                dataset, rank=rank, world=world, per_rank=batch.per_rank, epoch=epoch, skip=skip, seed=seed,
-                shuffle_buffer=shuffle_buffer if shuffle else 0, drop_last=drop_last, evaluation=evaluation,
+                dataset,
+                rank=rank,
+                world=world,
+                per_rank=batch.per_rank,
+                epoch=epoch,
+                skip=skip,
+                seed=seed,
+                shuffle_buffer=shuffle_buffer if shuffle else 0,
+                drop_last=drop_last,
+                evaluation=evaluation,
                 collate=collate,
-            )  # fmt: skip
+            )
             return DataLoader(split, batch_size=None, collate_fn=as_is, **options)
 
         return ShardedLoader(make_pass(0, 0), device=device, batch=batch, kind=kind, make_pass=make_pass)
@@ -314,19 +322,31 @@ def make_loader(
     if kind == "presplit":
         if not hf and (isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__")):
             dataset = Iterated(dataset, shuffle_buffer if shuffle else 0, seed + 7919 * rank)
-        return _own_part(dataset, batch, rank=rank, device=device, seed=seed, shuffle=shuffle,
-                         drop_last=drop_last, evaluation=evaluation, options=options)  # fmt: skip
+        return _own_part(
+            dataset,
+            batch,
+            rank=rank,
+            device=device,
+            seed=seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            evaluation=evaluation,
+            options=options,
+        )
     user_sampler, user_batches = options.pop("sampler", None), options.pop("batch_sampler", None)
     if (user_sampler is not None or user_batches is not None) and evaluation:
-        raise problem("sampler=/batch_sampler= with evaluation=True: evaluation reads every sample once, "
-                      "in order", "Drop them for the evaluation loader")  # fmt: skip
+        raise problem(
+            "sampler=/batch_sampler= with evaluation=True: evaluation reads every sample once, in order",
+            "Drop them for the evaluation loader",
+        )
     if user_batches is not None:  # its batches are global micro-batches; each rank its part
         batches = SharedBatchSampler(user_batches, rank=rank, world=world, seed=seed)
         loader = DataLoader(dataset, batch_sampler=batches, **options)
         return ShardedLoader(loader, device=device, batch=batch, kind="sampler")
     if user_sampler is not None:
-        order = SharedOrderSampler(user_sampler, rank=rank, world=world, per_rank=batch.per_rank, seed=seed,
-                                   drop_last=drop_last)  # fmt: skip
+        order = SharedOrderSampler(
+            user_sampler, rank=rank, world=world, per_rank=batch.per_rank, seed=seed, drop_last=drop_last
+        )
         loader = DataLoader(dataset, batch_size=batch.per_rank, sampler=order, **options)
         return ShardedLoader(loader, device=device, batch=batch, kind="sampler")
     size = len(dataset)
@@ -352,9 +372,17 @@ def make_loader(
 
 
 def _own_part(
-    dataset: Any, batch: BatchPlan, *, rank: int, device: torch.device, seed: int, shuffle: bool,
-    drop_last: bool, evaluation: bool, options: dict[str, Any],
-) -> ShardedLoader:  # fmt: skip
+    dataset: Any,
+    batch: BatchPlan,
+    *,
+    rank: int,
+    device: torch.device,
+    seed: int,
+    shuffle: bool,
+    drop_last: bool,
+    evaluation: bool,
+    options: dict[str, Any],
+) -> ShardedLoader:
     """A rank's own part (pre-split): read whole, never split again; training passes end together."""
     sampler = None
     if not isinstance(dataset, IterableDataset):
@@ -362,8 +390,10 @@ def _own_part(
         if dist.is_available() and dist.is_initialized() and not evaluation:  # as many as the longest
             dist.all_reduce(size, op=dist.ReduceOp.MIN if drop_last else dist.ReduceOp.MAX)
         target = int(size.item())
-        sampler = OwnPartSampler(len(dataset), target if not evaluation else len(dataset), rank=rank,
-                                 shuffle=shuffle, seed=seed)  # fmt: skip
+        sampler = OwnPartSampler(
+            len(dataset), target if not evaluation else len(dataset), rank=rank, shuffle=shuffle, seed=seed
+        )
     loader = DataLoader(dataset, batch_size=batch.per_rank, sampler=sampler, drop_last=drop_last, **options)
-    return ShardedLoader(loader, device=device, batch=batch, kind="presplit",
-                         equalise=sampler is None and not evaluation)  # fmt: skip
+    return ShardedLoader(
+        loader, device=device, batch=batch, kind="presplit", equalise=sampler is None and not evaluation
+    )

@@ -31,9 +31,13 @@ def resume_point(kind: str, state: Mapping[str, Any], world: int) -> tuple[int, 
         )
     saved_world = int(state["world_size"])
     if kind == "presplit" and saved_world != world and samples:
-        return epoch, 0, (
-            f"pre-split source: world size {saved_world} -> {world}: each rank's position belonged to its "
-            f"old part, so epoch {epoch} restarts from its first sample"
+        return (
+            epoch,
+            0,
+            (
+                f"pre-split source: world size {saved_world} -> {world}: each rank's position belonged "
+                f"to its old part, so epoch {epoch} restarts from its first sample"
+            ),
         )
     if kind in ("stream", "sampler"):
         if saved_world != world and samples:

@@ -126,8 +126,15 @@ class SharedOrderSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         skip, self.skip = self.skip, 0
         order = [int(i) for i in drawn(self.user, self.seed, self.epoch)]
-        batches = rank_rows(order, rank=self.rank, world=self.world, per_rank=self.per_rank, skip=skip,
-                            pad=not self.drop_last, drop_last=self.drop_last)  # fmt: skip
+        batches = rank_rows(
+            order,
+            rank=self.rank,
+            world=self.world,
+            per_rank=self.per_rank,
+            skip=skip,
+            pad=not self.drop_last,
+            drop_last=self.drop_last,
+        )
         return itertools.chain.from_iterable(batches)
 
     def __len__(self) -> int:

@@ -127,9 +127,14 @@ class StreamSplit(IterableDataset):
         if self.shuffle_buffer:
             stream = shuffled(stream, self.shuffle_buffer, self.seed * 1_000_003 + self.epoch)
         batches = rank_rows(
-            stream, rank=self.rank, world=self.world, per_rank=self.per_rank, skip=self.skip,
-            pad=not (self.drop_last or self.evaluation), drop_last=self.drop_last and not self.evaluation,
-        )  # fmt: skip
+            stream,
+            rank=self.rank,
+            world=self.world,
+            per_rank=self.per_rank,
+            skip=self.skip,
+            pad=not (self.drop_last or self.evaluation),
+            drop_last=self.drop_last and not self.evaluation,
+        )
         for j, rows in enumerate(batches):
             if j % workers == worker:
                 yield self.collate(rows)

@@ -11,15 +11,50 @@ from ddpkit.lint.script import Script, last, unparse
 # Methods that return the same module (moved, cast or switched mode): look through them.
 _SAME_MODULE = ("to", "cuda", "cpu", "float", "double", "half", "bfloat16", "train", "eval", "requires_grad_")
 TORCH_OPTIMIZERS = (
-    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD",
-    "LBFGS", "SparseAdam", "Adafactor", "Muon",
-)  # fmt: skip
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "Adagrad",
+    "Adadelta",
+    "RMSprop",
+    "Rprop",
+    "NAdam",
+    "RAdam",
+    "ASGD",
+    "LBFGS",
+    "SparseAdam",
+    "Adafactor",
+    "Muon",
+)
 _LAYERS_WITHOUT_BRANCHES = (
-    "Linear", "Conv1d", "Conv2d", "Conv3d", "ReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Dropout",
-    "LayerNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "MaxPool2d", "AvgPool2d", "Flatten",
-    "Embedding", "Sequential", "Identity", "Softmax", "LogSoftmax", "AdaptiveAvgPool2d", "GroupNorm",
-    "EmbeddingBag", "Parameter",
-)  # fmt: skip
+    "Linear",
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "ReLU",
+    "GELU",
+    "SiLU",
+    "Tanh",
+    "Sigmoid",
+    "Dropout",
+    "LayerNorm",
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "MaxPool2d",
+    "AvgPool2d",
+    "Flatten",
+    "Embedding",
+    "Sequential",
+    "Identity",
+    "Softmax",
+    "LogSoftmax",
+    "AdaptiveAvgPool2d",
+    "GroupNorm",
+    "EmbeddingBag",
+    "Parameter",
+)
 
 
 def origin(script: Script, expr: ast.AST | None, depth: int = 0) -> ast.AST | None:

@@ -131,7 +131,9 @@ def iterable_not_split(script: Script) -> Found:
 
 RULES = (
     Rule(
-        "DDP013", "iterable-not-split", "an IterableDataset that every rank reads whole",
+        "DDP013",
+        "iterable-not-split",
+        "an IterableDataset that every rank reads whole",
         "An IterableDataset gets no DistributedSampler: unless its __iter__ splits the stream by the rank "
         "and world size (and by get_worker_info() with DataLoader workers), every rank and every worker "
         "yields every sample (measured: 2 ranks x 2 workers read each sample 4 times), so an epoch trains "
@@ -140,4 +142,4 @@ RULES = (
         "(torch.utils.data.get_worker_info(), dist.get_rank()); or split before (split_dataset_by_node)",
         iterable_not_split,
     ),
-)  # fmt: skip
+)

@@ -10,10 +10,23 @@ from ddpkit.lint.script import Script, is_const, kwarg, last, unparse
 
 Found = Iterator[tuple[ast.AST, str]]
 _LOSS_FUNCTIONS = (
-    "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
-    "binary_cross_entropy", "binary_cross_entropy_with_logits", "poisson_nll_loss", "gaussian_nll_loss",
-    "cosine_embedding_loss", "margin_ranking_loss", "hinge_embedding_loss", "triplet_margin_loss", "ctc_loss",
-)  # fmt: skip
+    "cross_entropy",
+    "nll_loss",
+    "mse_loss",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "kl_div",
+    "binary_cross_entropy",
+    "binary_cross_entropy_with_logits",
+    "poisson_nll_loss",
+    "gaussian_nll_loss",
+    "cosine_embedding_loss",
+    "margin_ranking_loss",
+    "hinge_embedding_loss",
+    "triplet_margin_loss",
+    "ctc_loss",
+)
 
 
 def _is_loss_fn(script: Script, call: ast.Call) -> bool:
@@ -26,8 +39,10 @@ def _criteria(script: Script) -> dict[str, ast.Call]:
     out: dict[str, ast.Call] = {}
     for node in ast.walk(script.tree):
         call = node.value if isinstance(node, ast.Assign) else None
-        if isinstance(node, ast.Assign) and isinstance(call, ast.Call) and last(script.callee(call)).endswith(
-            "Loss"
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(call, ast.Call)
+            and last(script.callee(call)).endswith("Loss")
         ):
             out.update({unparse(t): call for t in node.targets})  # call is node.value
     return out
@@ -166,17 +181,21 @@ def _epoch_loop(script: Script) -> bool:
 
 RULES = (
     Rule(
-        "DDP003", "summed-loss", "a summed loss that DDP averages",
+        "DDP003",
+        "summed-loss",
+        "a summed loss that DDP averages",
         "DDP divides the summed gradients by the world size: the step is 1/N of the one-process step on "
         "the global batch, and changes when the number of ranks or the per-rank batch does.",
         "use a mean (reduction='mean', .mean()), or divide the sum by the global sample/token count",
         summed_loss,
     ),
     Rule(
-        "DDP005", "sampler-without-set-epoch", "a shuffling DistributedSampler without set_epoch",
+        "DDP005",
+        "sampler-without-set-epoch",
+        "a shuffling DistributedSampler without set_epoch",
         "The sampler shuffles with seed + epoch, and the epoch stays 0 unless set_epoch is called: every "
         "epoch repeats the first one's order. ddpkit's s.loader calls it and is not reported.",
         "call sampler.set_epoch(epoch) at the start of every epoch, or use s.loader(...)",
         sampler_without_epoch,
     ),
-)  # fmt: skip
+)

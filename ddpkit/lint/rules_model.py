@@ -246,8 +246,13 @@ def unused_parameters_flag(script: Script) -> Found:
         if flag is None or not is_const(flag, True) or not wrap.args:
             continue
         if peft:  # the commonest reason people set it, and not one: frozen parameters are not "unused"
-            yield flag, ("a PEFT model's frozen base (requires_grad=False) is not unused: DDP registers only "
-                         "the trainable parameters (the adapters), which all get gradients")  # fmt: skip
+            yield (
+                flag,
+                (
+                    "a PEFT model's frozen base (requires_grad=False) is not unused: DDP registers only "
+                    "the trainable parameters (the adapters), which all get gradients"
+                ),
+            )
         elif static_module(script, wrap.args[0]):
             yield flag, f"`{unparse(wrap.args[0])}` has no branch, loop or unused submodule in forward"
 
@@ -309,7 +314,9 @@ def reentrant_checkpoint(script: Script) -> Found:
 
 RULES = (
     Rule(
-        "DDP001", "optimizer-before-wrap", "optimizer built before the model is sharded/prepared",
+        "DDP001",
+        "optimizer-before-wrap",
+        "optimizer built before the model is sharded/prepared",
         "fully_shard/FSDP replace the parameters by sharded ones (measured: the optimizer's step then "
         "leaves the weights unchanged), to_empty allocates new ones, and ddpkit's s.model may do either "
         "(strategy='fsdp'); ddpkit documents: build the optimizer after s.model. DDP(...) and .to()/.cuda() "
@@ -318,14 +325,18 @@ RULES = (
         optimizer_before_wrap,
     ),
     Rule(
-        "DDP002", "batchnorm-per-rank", "BatchNorm normalised per rank",
+        "DDP002",
+        "batchnorm-per-rank",
+        "BatchNorm normalised per rank",
         "Without SyncBatchNorm each rank normalises with the statistics of its own 1/N of the batch: the "
         "model trains differently from one process on the global batch, badly so for small per-rank batches.",
         "s.model(net, sync_batchnorm=True), or nn.SyncBatchNorm.convert_sync_batchnorm(net) before DDP",
         batchnorm_per_rank,
     ),
     Rule(
-        "DDP004", "changed-after-wrap", "parameters replaced or frozen after wrapping",
+        "DDP004",
+        "changed-after-wrap",
+        "parameters replaced or frozen after wrapping",
         "DDP registers the parameters that need gradients when it wraps. A parameter frozen or a layer "
         "replaced afterwards stops the next step with 'Expected to have finished reduction in the prior "
         "iteration'; with find_unused_parameters=True the new layer is silently never averaged and the "
@@ -334,7 +345,9 @@ RULES = (
         changed_after_wrap,
     ),
     Rule(
-        "DDP010", "half-weights-fp32-optimizer", "weights cast to bf16/fp16 under a torch optimizer",
+        "DDP010",
+        "half-weights-fp32-optimizer",
+        "weights cast to bf16/fp16 under a torch optimizer",
         "The optimizer then updates bf16/fp16 weights in place: updates below the format's resolution "
         "(~0.4% of a weight in bf16) are lost and training silently diverges from fp32 "
         "(TensorAuto/OpenTau#181).",
@@ -342,14 +355,18 @@ RULES = (
         cast_with_fp32_optimizer,
     ),
     Rule(
-        "DDP011", "data-parallel", "torch.nn.DataParallel",
+        "DDP011",
+        "data-parallel",
+        "torch.nn.DataParallel",
         "One process drives every GPU through threads (GIL-bound, the model re-broadcast every step); "
         "torch's documentation recommends DistributedDataParallel even on one machine.",
         "one process per GPU: `ddpkit run train.py` with s.model(net), or torchrun + DDP",
         data_parallel,
     ),
     Rule(
-        "DDP012", "find-unused-parameters", "find_unused_parameters=True without an apparent need",
+        "DDP012",
+        "find-unused-parameters",
+        "find_unused_parameters=True without an apparent need",
         "DDP then traverses the autograd graph after every forward; needed only when some parameters get "
         "no gradient in some steps (branches, unused heads or outputs); frozen parameters (a PEFT model's "
         "base) never need it. Reported when forward has no branch, loop or unused submodule and returns "
@@ -359,7 +376,9 @@ RULES = (
         confidence="low",
     ),
     Rule(
-        "DDP014", "reentrant-checkpoint", "reentrant activation checkpointing under DDP",
+        "DDP014",
+        "reentrant-checkpoint",
+        "reentrant activation checkpointing under DDP",
         "Reentrant checkpointing (use_reentrant=True, or torch.utils.checkpoint without use_reentrant, "
         "whose default it still is) re-runs the block's backward outside DDP's view. Measured on 2 gloo "
         "ranks: with find_unused_parameters=True, 'Expected to mark a variable ready only once'; a block "
@@ -368,4 +387,4 @@ RULES = (
         "pass use_reentrant=False (ddpkit: s.model(net, activation_checkpointing=...) is non-reentrant)",
         reentrant_checkpoint,
     ),
-)  # fmt: skip
+)

@@ -235,21 +235,27 @@ def _under_device_test(script: Script, node: ast.AST) -> bool:
 
 RULES = (
     Rule(
-        "DDP006", "save-every-rank", "torch.save on every rank",
+        "DDP006",
+        "save-every-rank",
+        "torch.save on every rank",
         "Every rank writes the same file at the same time: torn or corrupt checkpoints, N times the I/O. "
         "ddpkit's s.save is not reported (one writer per file, atomic).",
         "save on global rank 0 only (`if dist.get_rank() == 0:`), or s.save(...) with ddpkit",
         save_every_rank,
     ),
     Rule(
-        "DDP007", "print-every-rank", "a loss or metric printed on every rank",
+        "DDP007",
+        "print-every-rank",
+        "a loss or metric printed on every rank",
         "N lines per step, each one rank's local value that reads like the global one. Prints that name "
         "their rank, and ddpkit's s.print, are not reported.",
         "s.print(...) with ddpkit, or `if rank == 0:` after an all_reduce of the value",
         print_every_rank,
     ),
     Rule(
-        "DDP008", "seed-per-rank", "a per-rank seed where ranks must agree, or a seed on some ranks only",
+        "DDP008",
+        "seed-per-rank",
+        "a per-rank seed where ranks must agree, or a seed on some ranks only",
         "FSDP/fully_shard copy no weights between ranks, so a seed that differs per rank before them gives "
         "each rank other initial weights; ddpkit.session(seed=...) also orders the loader's shuffle, which "
         "must agree across ranks; a seed under a rank test leaves the other ranks unseeded. A per-rank seed "
@@ -258,11 +264,13 @@ RULES = (
         seeds,
     ),
     Rule(
-        "DDP009", "hard-coded-gpu", "a hard-coded GPU",
+        "DDP009",
+        "hard-coded-gpu",
+        "a hard-coded GPU",
         "`cuda:0`, `.cuda(0)` or `device_ids=[0]` put every rank on one GPU (NCCL errors, one GPU's memory "
         "for all); a bare `.cuda()` does too when nothing selects the rank's GPU first, and in a ddpkit "
         "script it fails on CPU ranks.",
         "s.device with ddpkit, or torch.cuda.set_device(local_rank) and torch.device('cuda', local_rank)",
         hard_coded_cuda,
     ),
-)  # fmt: skip
+)

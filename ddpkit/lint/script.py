@@ -22,9 +22,13 @@ _INDEXISH = re.compile(r"gpu|device|proc|node|local|global|worker", re.IGNORECAS
 WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "FSDP")
 _SPAWNERS = ("multiprocessing.spawn", "mp.spawn", "start_processes", "ddpkit.spawn", "Process")
 _MULTI_RANK_MARKS = (
-    "DistributedDataParallel", "init_process_group", "DistributedSampler", "fully_shard",
-    "FullyShardedDataParallel", "ddpkit.session",
-)  # fmt: skip
+    "DistributedDataParallel",
+    "init_process_group",
+    "DistributedSampler",
+    "fully_shard",
+    "FullyShardedDataParallel",
+    "ddpkit.session",
+)
 
 
 def unparse(node: ast.AST | None) -> str:

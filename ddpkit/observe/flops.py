@@ -125,8 +125,12 @@ def measure_cpu_matmul(threads: int, *, size: int = 512, seconds: float = 0.3) -
         torch.set_num_threads(before)
 
 
-def cpu_peak(threads: int | None = None, *, directory: str | None = None,
-             measure: Callable[[int], float] = measure_cpu_matmul) -> Peak:  # fmt: skip
+def cpu_peak(
+    threads: int | None = None,
+    *,
+    directory: str | None = None,
+    measure: Callable[[int], float] = measure_cpu_matmul,
+) -> Peak:
     """This machine's measured fp32 matmul peak for `threads` threads, from the cache or measured now."""
     threads = threads or torch.get_num_threads()
     model = cpu_model()
@@ -188,8 +192,9 @@ class Utilisation:
 
     def text(self) -> str:
         """For the progress line: "3.1 TFLOP/s, MFU 41%" (G or MFLOP/s below a tera; below 10%: 2 digits)."""
-        scale, unit = next(((f, u) for f, u in ((TERA, "T"), (1e9, "G"), (1e6, "M"))
-                            if self.achieved >= f), (1.0, ""))  # fmt: skip
+        scale, unit = next(
+            ((f, u) for f, u in ((TERA, "T"), (1e9, "G"), (1e6, "M")) if self.achieved >= f), (1.0, "")
+        )
         rate = f"{self.achieved / scale:.1f} {unit}FLOP/s"
         if self.mfu is None:
             return rate

@@ -76,8 +76,16 @@ class StepMonitor:
     def of(cls, s: Any, *, flops: float | str | None = "count", every: int = 10) -> StepMonitor:
         """The monitor of a session `s` (its ranks, precision, accumulation, output and the anatomy its
         `s.backward`/`s.step` mark), for a loop written by hand; `fit` builds the same."""
-        return cls(s, precision=s.precision.name, accumulation=s.accumulation, flops=flops, every=every,
-                   main=s.is_main, report=s.print, anatomy=s.anatomy)  # fmt: skip
+        return cls(
+            s,
+            precision=s.precision.name,
+            accumulation=s.accumulation,
+            flops=flops,
+            every=every,
+            main=s.is_main,
+            report=s.print,
+            anatomy=s.anatomy,
+        )
 
     def counting(self, run: Callable[[Any], T], arg: Any) -> T:
         """`run(arg)`; the first time (flops="count"), under the FLOP counter: per step = x accumulation."""

@@ -32,12 +32,16 @@ from ddpkit.parallel.collectives import Ranks, gather_object
 
 CAUSES = {
     "data": ("in data loading", "raise num_workers, or check this host's disk and CPU load"),
-    "compute": ("in forward/backward", "check this host's clock and threads (throttling, another "
-                                       "process on its cores)"),
+    "compute": (
+        "in forward/backward",
+        "check this host's clock and threads (throttling, another process on its cores)",
+    ),
     "optimizer": ("in the optimizer step", "check this host's clock and threads"),
-    "other": ("outside the step (the loop's own work between steps)", "check what this rank does "
-                                                                      "between steps (callbacks, logging)"),
-}  # fmt: skip
+    "other": (
+        "outside the step (the loop's own work between steps)",
+        "check what this rank does between steps (callbacks, logging)",
+    ),
+}
 CAUSE_CODES = {name: i for i, name in enumerate(CAUSES)}  # tracker scalar anatomy/slow_cause
 
 
@@ -158,11 +162,13 @@ class RankView:
         if finding is not None:
             self.findings.append(finding)
             self.report(f"ddpkit: {finding.message()}")
-            scalars.update({
-                "anatomy/slow_rank": float(finding.rank),
-                "anatomy/slow_excess_ms": finding.excess_s * 1e3,
-                "anatomy/slow_cause": float(CAUSE_CODES[finding.cause]),
-            })  # fmt: skip
+            scalars.update(
+                {
+                    "anatomy/slow_rank": float(finding.rank),
+                    "anatomy/slow_excess_ms": finding.excess_s * 1e3,
+                    "anatomy/slow_cause": float(CAUSE_CODES[finding.cause]),
+                }
+            )
         return scalars
 
     def scalars(self) -> dict[str, float]:

@@ -175,7 +175,9 @@ class Tracking:
         written = _last_step(steps_path)
         resume_at = first_step if self._state or written >= 0 else None
         built: dict[str, Callable[..., Tracker]] = {
-            "tensorboard": TensorBoard, "mlflow": MLflow, "wandb": WandB
+            "tensorboard": TensorBoard,
+            "mlflow": MLflow,
+            "wandb": WandB,
         }
         self._trackers = []
         for name in names:

@@ -183,8 +183,11 @@ def apply(
     if per_block is not None:
         model, blocks = per_block(module, lambda block: compile_in_place(block, kwargs))
         shown = ", ".join(b or "the whole model" for b in blocks[:3]) + (", ..." if len(blocks) > 3 else "")
-        return model, [*notes, f"compile: {options.describe()} on each of {len(blocks)} block(s) ({shown}) "
-                                f"before sharding; {cache}"]  # fmt: skip
+        return model, [
+            *notes,
+            f"compile: {options.describe()} on each of {len(blocks)} block(s) ({shown}) "
+            f"before sharding; {cache}",
+        ]
     compiled = torch.compile(module, **kwargs)
     model = wrap(compiled)  # type: ignore[arg-type]  # typed a callable; a module's is an OptimizedModule
     where = ", then wrapped in DDP (DDP(torch.compile(module)))" if distributed else " (one process: no DDP)"

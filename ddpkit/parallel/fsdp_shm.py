@@ -138,8 +138,9 @@ class ShmComms:
             and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
         )
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
-                   async_op: bool = False) -> Any:  # fmt: skip
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> Any:
         if not self._ours(group, output, input):
             self.fallbacks += 1  # (an output in `gather`: every rank writes the same bytes into it)
             return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
@@ -156,8 +157,14 @@ class ShmComms:
         self.all_gathers += 1
         return None  # done: FSDP2 waits on no work
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
-                       op: Any, async_op: bool = False) -> Any:  # fmt: skip
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
         if op != dist.ReduceOp.AVG or not input.is_floating_point() or not self._ours(group, output, input):
             self.fallbacks += 1
             return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
@@ -206,23 +213,36 @@ def attach(modules: Sequence[Any], comms: ShmComms) -> str:
         def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             return comms.allocate_gather(size, dtype, device)
 
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                     group: dist.ProcessGroup, async_op: bool = False) -> Any:  # fmt: skip
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: dist.ProcessGroup,
+            async_op: bool = False,
+        ) -> Any:
             return comms.all_gather(output_tensor, input_tensor, group, async_op)
 
     class ShmReduceScatter(ReduceScatter):
         def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             return comms.allocate(size, dtype, device)
 
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                     group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:  # fmt: skip
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: dist.ProcessGroup,
+            op: Any,
+            async_op: bool = False,
+        ) -> Any:
             return comms.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
 
     for module in modules:
         module.set_custom_all_gather(ShmAllGather())
         module.set_custom_reduce_scatter(ShmReduceScatter())
     shm = comms.shm
-    return (f"FSDP2 collectives (all-gather, reduce-scatter) through shared memory: {shm.world} ranks on "
-            f"this machine, {shm.chunk_bytes >> 20} MiB chunks, mean summed in rank order (exact)"
-            f"{', all-gather outputs in shared memory' if comms.shared_gather else ''}; "
-            f"FSDPOptions(shm=False) keeps {backend}")  # fmt: skip
+    return (
+        f"FSDP2 collectives (all-gather, reduce-scatter) through shared memory: {shm.world} ranks on "
+        f"this machine, {shm.chunk_bytes >> 20} MiB chunks, mean summed in rank order (exact)"
+        f"{', all-gather outputs in shared memory' if comms.shared_gather else ''}; "
+        f"FSDPOptions(shm=False) keeps {backend}"
+    )

@@ -34,10 +34,15 @@ import torch
 from ddpkit.errors import problem
 
 ALIASES = {
-    "32": "32", "fp32": "32", "32-true": "32",
-    "bf16": "bf16", "bf16-mixed": "bf16",
-    "16": "16", "fp16": "16", "16-mixed": "16",
-}  # fmt: skip
+    "32": "32",
+    "fp32": "32",
+    "32-true": "32",
+    "bf16": "bf16",
+    "bf16-mixed": "bf16",
+    "16": "16",
+    "fp16": "16",
+    "16-mixed": "16",
+}
 _DTYPES = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
 NAMES = tuple(_DTYPES)  # what runs: "32", "bf16", "16"
 
@@ -214,17 +219,25 @@ def _resolve(requested: str, device_type: str, bf16_supported: bool) -> Precisio
     offered = offers(device_type, bf16_supported=bf16_supported)
     if device_type == "cuda" and name == "bf16" and not bf16_supported:
         return PrecisionPlan(
-            "16", device_type, requested, "precision='bf16': this GPU has no bfloat16 support, so this "
+            "16",
+            device_type,
+            requested,
+            "precision='bf16': this GPU has no bfloat16 support, so this "
             "run uses float16 autocast with a gradient scaler instead. Pass precision='16' to silence "
-            "this, or '32' for full precision", offered,
-        )  # fmt: skip
+            "this, or '32' for full precision",
+            offered,
+        )
     if device_type != "cuda" and name == "16":
         return PrecisionPlan(
-            "bf16", device_type, requested, f"precision='16': float16 training needs CUDA (autocast with "
+            "bf16",
+            device_type,
+            requested,
+            f"precision='16': float16 training needs CUDA (autocast with "
             f"a gradient scaler); this run is on {device_type}, so it uses bfloat16 autocast instead "
             "(the same 16-bit storage, with fp32's exponent range, so no scaler). Pass precision='bf16' "
-            "to silence this, or '32' for full precision", offered,
-        )  # fmt: skip
+            "to silence this, or '32' for full precision",
+            offered,
+        )
     return PrecisionPlan(name, device_type, requested, None, offered)
 
 

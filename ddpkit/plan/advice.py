@@ -116,9 +116,9 @@ def advise(
     return items
 
 
-
-def _hsdp(planner: Planner, n: int, opts: Options, state: float, cap: float, fsdp: Prediction,
-          add: Any) -> list[dict[str, Any]]:  # fmt: skip
+def _hsdp(
+    planner: Planner, n: int, opts: Options, state: float, cap: float, fsdp: Prediction, add: Any
+) -> list[dict[str, Any]]:
     """On several nodes, where FSDP is needed: HSDP (shard inside a node, replicate across nodes), with
     the bytes each node sends over the inter-node link per step against FSDP's, when the node's share of
     the model state fits (`add` appends that item); else a note that it does not fit."""
@@ -128,8 +128,10 @@ def _hsdp(planner: Planner, n: int, opts: Options, state: float, cap: float, fsd
         return []
     per_device = state / shard
     if per_device > 0.8 * cap:
-        what = (f"HSDP (replicate {cluster.nodes} x shard {shard}) would hold {per_device / 1e9:.2f} GB of "
-                "model state per device, over 80% of it: FSDP over all ranks")  # fmt: skip
+        what = (
+            f"HSDP (replicate {cluster.nodes} x shard {shard}) would hold {per_device / 1e9:.2f} GB of "
+            "model state per device, over 80% of it: FSDP over all ranks"
+        )
         return [{"what": what, "gain": "", "cost": ""}]
     hsdp = planner.predict(n, replace(opts, strategy="hsdp"))
     add(

@@ -70,15 +70,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-scale", type=float, default=1.0, help="target device is X times faster")
     p.add_argument("--device-memory", type=float, default=80.0, help="GB per device, for the memory advice")
     p.add_argument("--steps", type=int, default=6, help="timed profile steps")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="profile this many times in fresh processes; predict from the median")  # fmt: skip
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="profile this many times in fresh processes; predict from the median",
+    )
     p.add_argument("--profile", default=None, help="reuse the profiles of an earlier plan's JSON")
     p.add_argument("--json", default=None, metavar="PATH", help="write the plan as JSON ('-': stdout only)")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of efficiency vs N")
     p.add_argument("--list-links", action="store_true", help="print the link presets and their sources")
-    p.add_argument("--memory", action="store_true",
-                   help="the peak memory per rank of one step, and the largest micro-batch that fits: "
-                        "`ddpkit plan --memory --help` (ddpkit.plan.memory_cli)")  # fmt: skip
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="the peak memory per rank of one step, and the largest micro-batch that fits: "
+        "`ddpkit plan --memory --help` (ddpkit.plan.memory_cli)",
+    )
     return p
 
 
@@ -124,12 +131,14 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
             beside = {int(n): profile.Profile.from_dict(d) for n, d in saved.get("beside", {}).items()}
     else:
         wanted = planner.batches_to_profile(list(batches.values()))
-        profiles = profile.measure(spec, wanted, threads=threads, device=ns.device, steps=ns.steps,
-                                   repeats=ns.repeats)  # fmt: skip
+        profiles = profile.measure(
+            spec, wanted, threads=threads, device=ns.device, steps=ns.steps, repeats=ns.repeats
+        )
         if link.shares_cores and ns.contention == "measured":
             for n in (c for c in counts if c > 1):
-                got = profile.measure(spec, [batches[n]], ranks=n, threads=threads, steps=ns.steps,
-                                      repeats=ns.repeats)  # fmt: skip
+                got = profile.measure(
+                    spec, [batches[n]], ranks=n, threads=threads, steps=ns.steps, repeats=ns.repeats
+                )
                 beside[n] = got[batches[n]]
     per_node = ns.gpus_per_node
     if measured:  # one machine's ranks; or two measured hosts, a node being the ranks measured together

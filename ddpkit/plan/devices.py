@@ -47,7 +47,6 @@ class Device:
         return self.memory - self.reserved
 
 
-
 _GPUS: dict[str, tuple[str, int, str]] = {  # key: (name, total bytes as nvidia-smi reports them, source)
     "h100": ("H100 80 GB", 81559 << 20, "nvidia-smi: 81559 MiB (H100 SXM/PCIe 80 GB)"),
     "h200": ("H200 141 GB", 143771 << 20, "nvidia-smi: 143771 MiB"),

@@ -73,8 +73,10 @@ def text(plan: dict[str, Any]) -> str:
     out.append("")
     out.append(curve_table(plan["curve"]))
     if any(r.get("step_band_s") for r in plan["curve"]):
-        out.append(f"  [low, high]: predictions from the fastest and slowest of {plan.get('repeats', 1)} "
-                   "repeated profiles (the step column's central value: from the median one)")  # fmt: skip
+        out.append(
+            f"  [low, high]: predictions from the fastest and slowest of {plan.get('repeats', 1)} "
+            "repeated profiles (the step column's central value: from the median one)"
+        )
     n = plan["curve"][-1]["n"]
     if n > 1:
         out.append("")

@@ -69,23 +69,39 @@ class Counters:
     peak_buffers: int = 0
 
 
-def configure(reproducible: str | None, chunk: int | None, *, seed: int = 0, precision: Any = None,
-              accumulation: int = 1, group: Any = None, rank: int | None = None,
-              world_size: int | None = None, phases: Phases | None = None) -> AnyWorld | None:  # fmt: skip
+def configure(
+    reproducible: str | None,
+    chunk: int | None,
+    *,
+    seed: int = 0,
+    precision: Any = None,
+    accumulation: int = 1,
+    group: Any = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    phases: Phases | None = None,
+) -> AnyWorld | None:
     """The session's option: None (normal DDP) or "any-world" with a chunk size (see the docstring).
     `precision`: the session's `PrecisionPlan` (its autocast runs each chunk's forward; fp16 refused)."""
     if reproducible not in MODES:
-        raise problem(f"reproducible={reproducible!r} is not a mode ddpkit knows",
-                      "Pass reproducible='any-world' (with chunk=, e.g. 4) or leave it out")  # fmt: skip
+        raise problem(
+            f"reproducible={reproducible!r} is not a mode ddpkit knows",
+            "Pass reproducible='any-world' (with chunk=, e.g. 4) or leave it out",
+        )
     if reproducible is None:
         if chunk is not None:
-            raise problem(f"chunk={chunk} was given without reproducible='any-world'",
-                          "Pass reproducible='any-world' too, or leave chunk out")  # fmt: skip
+            raise problem(
+                f"chunk={chunk} was given without reproducible='any-world'",
+                "Pass reproducible='any-world' too, or leave chunk out",
+            )
         return None
     name = getattr(precision, "name", precision or "32")
     if name in ("16", "fp16", "16-mixed"):
-        raise problem("reproducible='any-world' with fp16: the loss scale and its skipped steps are "
-                      "not part of the fixed tree", "Use precision='32' or 'bf16'")  # fmt: skip
+        raise problem(
+            "reproducible='any-world' with fp16: the loss scale and its skipped steps are "
+            "not part of the fixed tree",
+            "Use precision='32' or 'bf16'",
+        )
     if accumulation != 1:
         raise problem(
             f"reproducible='any-world' with accumulation={accumulation}: the mode already runs the global "
@@ -93,8 +109,15 @@ def configure(reproducible: str | None, chunk: int | None, *, seed: int = 0, pre
             "Leave accumulation out (1); a larger global batch costs memory only per chunk",
         )
     context = getattr(precision, "forward_context", None)
-    return AnyWorld(chunk if chunk is not None else 4, seed=seed, group=group, rank=rank,
-                    world_size=world_size, forward_context=context, phases=phases)  # fmt: skip
+    return AnyWorld(
+        chunk if chunk is not None else 4,
+        seed=seed,
+        group=group,
+        rank=rank,
+        world_size=world_size,
+        forward_context=context,
+        phases=phases,
+    )
 
 
 def check_model(module: nn.Module) -> None:
@@ -137,10 +160,17 @@ class _NoPhases:
 class AnyWorld:
     """The mode's state for one session: the chunk size, the ranks, the step counter."""
 
-    def __init__(self, chunk: int, *, seed: int = 0, group: Any = None, rank: int | None = None,
-                 world_size: int | None = None,
-                 forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 phases: Phases | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        chunk: int,
+        *,
+        seed: int = 0,
+        group: Any = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+        phases: Phases | None = None,
+    ) -> None:
         """`rank`/`world_size`: given by a session before it joins the group; else read from `group`.
         `phases`: the session's step anatomy, so `StepMonitor`, MFU and the slow rank see these steps too."""
         if not isinstance(chunk, int) or chunk < 1:
@@ -149,8 +179,9 @@ class AnyWorld:
         self.forward_context = forward_context or contextlib.nullcontext
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else dist.get_rank(group) if distributed else 0
-        self.world = (world_size if world_size is not None
-                      else dist.get_world_size(group) if distributed else 1)  # fmt: skip
+        self.world = (
+            world_size if world_size is not None else dist.get_world_size(group) if distributed else 1
+        )
         if not is_power_of_two(self.world):
             raise problem(
                 f"reproducible='any-world' on {self.world} ranks: the ranks' partial sums are nodes of a "
@@ -195,15 +226,18 @@ class AnyWorld:
             )
         return count
 
-    def loader_options(self, dataset: Any, batch_size: int | None, shuffle: bool,
-                       options: dict[str, Any]) -> tuple[bool, bool]:  # fmt: skip
+    def loader_options(
+        self, dataset: Any, batch_size: int | None, shuffle: bool, options: dict[str, Any]
+    ) -> tuple[bool, bool]:
         """`s.loader`'s (shuffle, drop_last) in this mode, `options` (its DataLoader keywords) completed in
         place: a map-style source read in the global order one process reads (`global_order` as
         `sampler=`, which the loader cuts into contiguous shares); an iterable source is already split
         that way; whole global batches only."""
         if batch_size is None:
-            raise problem("reproducible='any-world' needs the global batch_size= in s.loader",
-                          "Pass batch_size= (the global batch, chunk x 2^k samples)")  # fmt: skip
+            raise problem(
+                "reproducible='any-world' needs the global batch_size= in s.loader",
+                "Pass batch_size= (the global batch, chunk x 2^k samples)",
+            )
         self.chunks_of(batch_size)
         own = options.get("sampler") is not None or options.get("batch_sampler") is not None
         if own or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
@@ -213,9 +247,15 @@ class AnyWorld:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn, *,
-        max_norm: float | None = None, inspect: Callable[[], None] | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batch: Any,
+        loss_fn: LossFn,
+        *,
+        max_norm: float | None = None,
+        inspect: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """One optimizer step on this rank's share of the global batch; returns the global mean loss.
 
         `loss_fn(module, chunk)` returns the MEAN loss over the chunk's samples; `batch` is this rank's
@@ -227,15 +267,18 @@ class AnyWorld:
         params = [p for p in module.parameters() if p.requires_grad]
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
-            raise problem(f"trainable parameters of several dtypes ({sorted(map(str, dtypes))})",
-                          "Train one parameter dtype in reproducible='any-world'")  # fmt: skip
+            raise problem(
+                f"trainable parameters of several dtypes ({sorted(map(str, dtypes))})",
+                "Train one parameter dtype in reproducible='any-world'",
+            )
         samples = _length(batch)
         local, rest = divmod(samples, self.chunk)
         if rest or not is_power_of_two(local):
             raise problem(
                 f"this rank's batch of {samples} samples is not a power-of-two number of chunks of "
-                f"{self.chunk}", "Build the loader with s.loader(..., batch_size=chunk x 2^k) in this mode"
-            )  # fmt: skip
+                f"{self.chunk}",
+                "Build the loader with s.loader(..., batch_size=chunk x 2^k) in this mode",
+            )
         tree = TreeSum()
         with _deterministic(params[0].is_cuda if params else False):
             for j in range(local):
@@ -257,8 +300,15 @@ class AnyWorld:
         self.counters.peak_buffers = max(self.counters.peak_buffers, tree.peak_buffers)
         return total[-3].clone()
 
-    def _chunk_grad(self, module: nn.Module, params: Sequence[nn.Parameter], part: Any, loss_fn: LossFn,
-                    index: int, scale: float) -> torch.Tensor:  # fmt: skip
+    def _chunk_grad(
+        self,
+        module: nn.Module,
+        params: Sequence[nn.Parameter],
+        part: Any,
+        loss_fn: LossFn,
+        index: int,
+        scale: float,
+    ) -> torch.Tensor:
         """One chunk's gradients, its loss and a free slot in one fresh flat buffer (draws seeded)."""
         for p in params:
             p.grad = None
@@ -269,8 +319,10 @@ class AnyWorld:
                 loss = loss_fn(module, part)
             self.phases.mark("forward")  # each chunk's forward and backward add to the step's phases
             if loss.dim() != 0:
-                raise problem(f"loss_fn returned a tensor of shape {tuple(loss.shape)}, not a scalar",
-                              "Return the mean loss over the chunk's samples")  # fmt: skip
+                raise problem(
+                    f"loss_fn returned a tensor of shape {tuple(loss.shape)}, not a scalar",
+                    "Return the mean loss over the chunk's samples",
+                )
             (loss * scale).backward()  # 1/C, a power of two: exact, and no pass over the sum afterwards
             self.phases.mark("backward")
         flat = [p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1) for p in params]
@@ -329,8 +381,10 @@ class AnyWorld:
 def _inner(model: nn.Module) -> nn.Module:
     """The module itself: DDP's wrapper is bypassed (its all-reduce would sum in its own order)."""
     if type(model).__name__ in ("FullyShardedDataParallel", "FSDPModule") or hasattr(model, "reshard"):
-        raise problem("reproducible='any-world' with FSDP: the sharded gradients are reduce-scattered "
-                      "in FSDP's order", "Use strategy='ddp' (or 'single') in this mode")  # fmt: skip
+        raise problem(
+            "reproducible='any-world' with FSDP: the sharded gradients are reduce-scattered in FSDP's order",
+            "Use strategy='ddp' (or 'single') in this mode",
+        )
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
@@ -361,8 +415,10 @@ def _length(batch: Any) -> int:
     values = list(batch.values()) if isinstance(batch, dict) else list(batch)
     lengths = {_length(v) for v in values}
     if len(lengths) != 1:
-        raise problem(f"the batch's tensors hold different numbers of samples ({sorted(lengths)})",
-                      "Put the samples along dim 0 of every tensor")  # fmt: skip
+        raise problem(
+            f"the batch's tensors hold different numbers of samples ({sorted(lengths)})",
+            "Put the samples along dim 0 of every tensor",
+        )
     return lengths.pop()
 
 

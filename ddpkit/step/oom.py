@@ -317,10 +317,12 @@ def auto_for(micro_batch: str | None, accumulation: int, **where: Any) -> AutoMi
     if micro_batch is None:
         return None
     if micro_batch != "auto":
-        raise problem(f"micro_batch={micro_batch!r} is not 'auto' or None",
-                      "Pass micro_batch='auto' to re-run a step that runs out of memory as smaller "
-                      "micro-batches (same global batch), or leave it out; the loader's batch_size "
-                      "sets the micro-batch")  # fmt: skip
+        raise problem(
+            f"micro_batch={micro_batch!r} is not 'auto' or None",
+            "Pass micro_batch='auto' to re-run a step that runs out of memory as smaller "
+            "micro-batches (same global batch), or leave it out; the loader's batch_size "
+            "sets the micro-batch",
+        )
     return AutoMicroBatch(accumulation, **where)
 
 

@@ -37,9 +37,19 @@ from ddpkit.errors import problem
 from ddpkit.step import shard_exchange
 
 PER_PARAMETER = {
-    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Adagrad",
+    "Adadelta",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "Rprop",
+    "ASGD",
     "Adafactor",
-}  # fmt: skip
+}
 NEVER = {"LBFGS", "SparseAdam"}
 _BROADCAST_BUCKET = 256 * 2**20
 # Below this many parameters the plain step is as fast as the sharded one (publishing costs a barrier
@@ -199,10 +209,12 @@ def gather_state(own: dict[str, Any], rank: int, world: int, group: Any) -> dict
 def _layout(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """What rank 0 needs to receive a share: each tensor's shape and dtype, the other values as is."""
     return {
-        i: {k: ("tensor", list(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("value", v)
-            for k, v in entries.items()}
+        i: {
+            k: ("tensor", list(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("value", v)
+            for k, v in entries.items()
+        }
         for i, entries in state.items()
-    }  # fmt: skip
+    }
 
 
 def choose(
@@ -223,8 +235,10 @@ def choose(
     decided: ShardedStep | None = None
     mode = True if mode == "gradients" else mode  # asked for, with its gradients reduce-scattered too
     if mode is True and name in NEVER:
-        raise problem(f"shard_optimizer=True cannot shard {name} (its step is not per parameter)",
-                      "Pass shard_optimizer='auto' or False to ddpkit.session")  # fmt: skip
+        raise problem(
+            f"shard_optimizer=True cannot shard {name} (its step is not per parameter)",
+            "Pass shard_optimizer='auto' or False to ddpkit.session",
+        )
     wanted = mode is True or (
         mode == "auto"
         and device.type == "cpu"

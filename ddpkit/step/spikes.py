@@ -116,8 +116,11 @@ class Spike:
     rollback: bool = False
 
     def describe(self, world: int, total: int) -> str:
-        then = ("every rank drops it and rolls back to the last checkpoint" if self.rollback else
-                f"the step was skipped on all {world} rank(s) (no update, gradients dropped")  # fmt: skip
+        then = (
+            "every rank drops it and rolls back to the last checkpoint"
+            if self.rollback
+            else f"the step was skipped on all {world} rank(s) (no update, gradients dropped"
+        )
         return (
             f"ddpkit: spike at optimizer step {self.step}: {self.name} {self.value:.6g} against a median of "
             f"{self.median:.6g} (MAD {self.mad:.3g}) over the last {self.seen} accepted steps; {then}"
@@ -152,8 +155,11 @@ class Judge:
             window = self.windows.get(name)
             if not math.isfinite(value):  # fp32/bf16 (fp16's scaler skips these itself)
                 med = _median(self.ordered[name]) if window else math.nan
-                return self._skip(Spike(step, name, value, med, math.nan, len(window or ()), g.count_skipped,
-                                        self.rolls_back))  # fmt: skip
+                return self._skip(
+                    Spike(
+                        step, name, value, med, math.nan, len(window or ()), g.count_skipped, self.rolls_back
+                    )
+                )
             if window is None or len(window) < g.warmup:
                 continue
             med = _median(self.ordered[name])
@@ -161,8 +167,9 @@ class Judge:
                 continue
             mad = statistics.median(abs(v - med) for v in window)  # only for a value above the floor
             if value - med > g.threshold * MAD_TO_STD * mad:
-                return self._skip(Spike(step, name, value, med, mad, len(window), g.count_skipped,
-                                        self.rolls_back))  # fmt: skip
+                return self._skip(
+                    Spike(step, name, value, med, mad, len(window), g.count_skipped, self.rolls_back)
+                )
         for name, value in values.items():
             self._join(name, value)
         return None
@@ -186,11 +193,19 @@ class Judge:
         self.report(spike.describe(self.world, self.skipped))
         if self.guard.remedy == "rollback" and not self.rolls_back and not self.noted:
             self.noted = True
-            self.report("ddpkit: SpikeGuard(remedy='rollback') rolls back under ddpkit.fit only (it owns "
-                        "the loop and the data position); this loop's spiking steps are skipped instead")
+            self.report(
+                "ddpkit: SpikeGuard(remedy='rollback') rolls back under ddpkit.fit only (it owns "
+                "the loop and the data position); this loop's spiking steps are skipped instead"
+            )
         if self.track is not None:
-            self.track({f"spike/{spike.name}": spike.value, "spike/median": spike.median,
-                        "spike/skipped": float(self.skipped)}, spike.step)  # fmt: skip
+            self.track(
+                {
+                    f"spike/{spike.name}": spike.value,
+                    "spike/median": spike.median,
+                    "spike/skipped": float(self.skipped),
+                },
+                spike.step,
+            )
         return spike
 
     def state_dict(self) -> dict:
@@ -304,8 +319,11 @@ def _flat(first: torch.Tensor, n: int) -> torch.Tensor:
 def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
     """`a` and `b` can be read as one flat tensor: one storage (not two allocations that happen to touch),
     one dtype, one device."""
-    return (a.dtype == b.dtype and a.device == b.device
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())  # fmt: skip
+    return (
+        a.dtype == b.dtype
+        and a.device == b.device
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )
 
 
 _RUNS = _Runs()  # the process's one training step at a time (`Stepper.step` calls `grad_norm`)
@@ -317,13 +335,19 @@ def _median(ordered: list[float]) -> float:
     return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
 
 
-def judge_for(guard: SpikeGuard | None, *, world: int, report: Callable[[str], None],
-              track: Callable[[Mapping[str, float], int], None]) -> Judge | None:  # fmt: skip
+def judge_for(
+    guard: SpikeGuard | None,
+    *,
+    world: int,
+    report: Callable[[str], None],
+    track: Callable[[Mapping[str, float], int], None],
+) -> Judge | None:
     """The session's judge for `spike_guard=` (None: no guard); anything but a `SpikeGuard` is refused."""
     if guard is None:
         return None
     if not isinstance(guard, SpikeGuard):
-        raise problem(f"spike_guard={guard!r} is not a ddpkit.SpikeGuard",
-                      "Pass spike_guard=ddpkit.SpikeGuard() (its window and thresholds as options), "
-                      "or leave it out")  # fmt: skip
+        raise problem(
+            f"spike_guard={guard!r} is not a ddpkit.SpikeGuard",
+            "Pass spike_guard=ddpkit.SpikeGuard() (its window and thresholds as options), or leave it out",
+        )
     return Judge(guard, world=world, report=report, track=track)

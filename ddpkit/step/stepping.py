@@ -305,7 +305,11 @@ class Stepper:
             return None
         if optimizer not in self._sharded:
             self._sharded[optimizer] = sharding.choose(
-                optimizer, self.shard, self.device, timeout=self.timeout, report=self.report,
+                optimizer,
+                self.shard,
+                self.device,
+                timeout=self.timeout,
+                report=self.report,
                 candidates=self.exchange_candidates,  # empty unless shard_optimizer="gradients"
             )
         return self._sharded[optimizer]

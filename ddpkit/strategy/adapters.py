@@ -109,8 +109,10 @@ def adapters_in_fp32(module: nn.Module) -> str | None:
     with torch.no_grad():
         for p in low:
             p.data = p.data.float()
-    return (f"kept the PEFT model's {len(low)} trainable tensors in fp32 (they were {', '.join(was)}; "
-            "AdamW on 16-bit weights drops small updates); the frozen base keeps its dtype")
+    return (
+        f"kept the PEFT model's {len(low)} trainable tensors in fp32 (they were {', '.join(was)}; "
+        "AdamW on 16-bit weights drops small updates); the frozen base keeps its dtype"
+    )
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -257,8 +259,10 @@ def export_merged(module: nn.Module, path: str | Path, *, main: bool) -> Path:
             merged.get_buffer(name).data = base.get_buffer(name).detach().cpu().clone()
     still = [n for n, p in merged.named_parameters() if p.is_meta]
     if still:
-        raise problem(f"the merged model has {len(still)} tensors the saved state lacks ({still[0]!r})",
-                      "Report this with the model class; export the adapter directory instead")  # fmt: skip
+        raise problem(
+            f"the merged model has {len(still)} tensors the saved state lacks ({still[0]!r})",
+            "Report this with the model class; export the adapter directory instead",
+        )
     target.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(str(target))
     _wait()

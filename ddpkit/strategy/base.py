@@ -117,6 +117,7 @@ class Strategy:
         """Model and optimizer state as this rank's shards, for torch.distributed.checkpoint."""
         raise NotImplementedError(f"the {self.name} strategy keeps whole state")
 
-    def load_sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],
-                           state: dict) -> None:  # fmt: skip
+    def load_sharded_state(
+        self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer], state: dict
+    ) -> None:
         raise NotImplementedError(f"the {self.name} strategy keeps whole state")

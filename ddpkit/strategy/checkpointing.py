@@ -79,22 +79,28 @@ def apply(module: nn.Module, choice: Choice) -> str:
 
     wanted = classes(module, choice)
     if any(isinstance(m, CheckpointWrapper) for m in module.modules()):
-        raise problem("the model already holds checkpoint wrappers, and activation_checkpointing= was passed",
-                      "Pass one of the two: the plain model with activation_checkpointing=, or your wrapped "
-                      "model without it")  # fmt: skip
+        raise problem(
+            "the model already holds checkpoint wrappers, and activation_checkpointing= was passed",
+            "Pass one of the two: the plain model with activation_checkpointing=, or your wrapped "
+            "model without it",
+        )
     count = sum(isinstance(m, wanted) for m in module.modules())
     if not count:
         names = ", ".join(c.__name__ for c in wanted)
-        raise problem(f"activation_checkpointing=({names}) matches no module of the {type(module).__name__}",
-                      "Name the class of the repeated blocks, or pass 'auto'")  # fmt: skip
+        raise problem(
+            f"activation_checkpointing=({names}) matches no module of the {type(module).__name__}",
+            "Name the class of the repeated blocks, or pass 'auto'",
+        )
     apply_activation_checkpointing(
         module,
         checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
         check_fn=lambda m: isinstance(m, wanted),
     )
     names = ", ".join(c.__name__ for c in wanted)
-    return (f"activation checkpointing: {count} {names} module(s) recompute their activations in the backward"
-            + _no_cache_in_training(module))  # fmt: skip
+    return (
+        f"activation checkpointing: {count} {names} module(s) recompute their activations in the backward"
+        + _no_cache_in_training(module)
+    )
 
 
 def _no_cache_in_training(module: nn.Module) -> str:

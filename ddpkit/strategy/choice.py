@@ -16,8 +16,17 @@ from torch import nn
 FITS_SHARE = 0.8  # the model state may fill at most this share of a device; activations need the rest
 
 # Per-parameter state tensors of torch's optimizers (Adam-like: two moments; SGD: momentum, if any).
-_STATE_SLOTS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "RMSprop": 1,
-                "Adadelta": 2, "SGD": 1}  # fmt: skip
+_STATE_SLOTS = {
+    "Adam": 2,
+    "AdamW": 2,
+    "NAdam": 2,
+    "RAdam": 2,
+    "Adamax": 2,
+    "Adagrad": 1,
+    "RMSprop": 1,
+    "Adadelta": 2,
+    "SGD": 1,
+}
 
 
 @dataclass(frozen=True)
@@ -62,11 +71,15 @@ def verdict(state_bytes: int, device_bytes: int, world: int) -> MemoryVerdict:
     """DDP when the replicated state fits in FITS_SHARE of a device, FSDP when it does not."""
     gb = 1e9
     fsdp = state_bytes > FITS_SHARE * device_bytes
-    head = (f"model state {state_bytes / gb:.2f} GB per rank (parameters, gradients, optimizer state; "
-            f"activations not counted) of {device_bytes / gb:.1f} GB per rank")  # fmt: skip
+    head = (
+        f"model state {state_bytes / gb:.2f} GB per rank (parameters, gradients, optimizer state; "
+        f"activations not counted) of {device_bytes / gb:.1f} GB per rank"
+    )
     if fsdp:
-        text = (f"{head}: does not fit with DDP; use strategy='fsdp' ({state_bytes / world / gb:.2f} GB per "
-                f"rank at {world} ranks)")  # fmt: skip
+        text = (
+            f"{head}: does not fit with DDP; use strategy='fsdp' ({state_bytes / world / gb:.2f} GB per "
+            f"rank at {world} ranks)"
+        )
     else:
         text = f"{head}: DDP fits; FSDP not needed (it shards memory at the cost of more communication)"
     return MemoryVerdict(state_bytes, device_bytes, world, fsdp, text)

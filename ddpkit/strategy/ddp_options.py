@@ -10,8 +10,13 @@ from typing import Any
 
 from ddpkit.errors import problem
 
-_CONSTRUCTOR = ("find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view",
-                "broadcast_buffers")  # fmt: skip
+_CONSTRUCTOR = (
+    "find_unused_parameters",
+    "static_graph",
+    "bucket_cap_mb",
+    "gradient_as_bucket_view",
+    "broadcast_buffers",
+)
 
 
 @dataclass(frozen=True, kw_only=True)

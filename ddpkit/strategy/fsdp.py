@@ -105,8 +105,9 @@ class FSDP(Strategy):
         module, shards, peak = fsdp_init.build(factory, *self.shard_index())
         self._built[id(module)] = shards
         name = type(module).__name__
-        self.notes.append(f"FSDP2: built {name} shard by shard (at most {peak / 2**20:.0f} MiB of full "
-                          "tensors at once)")  # fmt: skip
+        self.notes.append(
+            f"FSDP2: built {name} shard by shard (at most {peak / 2**20:.0f} MiB of full tensors at once)"
+        )
         return module
 
     def shard_index(self) -> tuple[int, int]:
@@ -144,8 +145,9 @@ class FSDP(Strategy):
         and the names of the compiled modules ("" for the root)."""
         return self._shard(module, device, options, compile_block)
 
-    def _shard(self, module: nn.Module, device: torch.device, options: object,
-               compile_block: CompileBlock | None) -> tuple[nn.Module, list[str]]:  # fmt: skip
+    def _shard(
+        self, module: nn.Module, device: torch.device, options: object, compile_block: CompileBlock | None
+    ) -> tuple[nn.Module, list[str]]:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         if options is not None and not isinstance(options, FSDPOptions):
@@ -156,8 +158,9 @@ class FSDP(Strategy):
             )
         opts = options or self.options  # this model's own options; the session's stay for the next model
         if is_fsdp(module):
-            raise problem("the model is already sharded with fully_shard",
-                          "Pass the plain nn.Module; ddpkit shards it")  # fmt: skip
+            raise problem(
+                "the model is already sharded with fully_shard", "Pass the plain nn.Module; ddpkit shards it"
+            )
         rank, world = self.shard_index()
         shards = self._built.pop(id(module), None)
         if shards is None:
@@ -171,8 +174,10 @@ class FSDP(Strategy):
             shards = fsdp_init.cut(module, rank, world)  # a model built whole: keep our chunks, free the rest
         check_identical(shards, self.shape)
         if device.type == "cpu" and cpu_allocator.return_freed_blocks():
-            self.notes.append("FSDP2 on CPU: freed blocks of 1 MiB or more go back to the kernel (peak memory"
-                              " follows the live shards; see ddpkit.strategy.rank_memory)")  # fmt: skip
+            self.notes.append(
+                "FSDP2 on CPU: freed blocks of 1 MiB or more go back to the kernel (peak memory"
+                " follows the live shards; see ddpkit.strategy.rank_memory)"
+            )
         mesh = self.shape.device_mesh()  # 1-D: ("shard", world); HSDP: ("replicate", R) x ("shard", S)
         mp = self.precision.fsdp_policy()
         offload: OffloadPolicy = OffloadPolicy()
@@ -180,8 +185,9 @@ class FSDP(Strategy):
             offload = CPUOffloadPolicy()
         elif opts.cpu_offload:
             self.notes.append("cpu_offload=True changes nothing on CPU ranks (the shards are on the CPU)")
-        kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload,
-                      reshard_after_forward=opts.reshard_after_forward)  # fmt: skip
+        kwargs = dict(
+            mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=opts.reshard_after_forward
+        )
         units = self._choose_units(module, opts)
         if self.keep_blueprints:
             self.blueprints[module] = Blueprint(step_memory.skeleton(module), tuple(units), kwargs)
@@ -316,8 +322,9 @@ class FSDP(Strategy):
             state[name] = get_optimizer_state_dict(model, opt)
         return state
 
-    def load_sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],
-                           state: dict) -> None:  # fmt: skip
+    def load_sharded_state(
+        self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer], state: dict
+    ) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,

@@ -83,8 +83,11 @@ def _key(t: torch.Tensor) -> int:
 
 
 def _covers_storage(t: torch.Tensor) -> bool:
-    return (t.is_contiguous() and t.storage_offset() == 0
-            and t.numel() * t.element_size() == t.untyped_storage().nbytes())  # fmt: skip
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+    )
 
 
 class ShardedInit(TorchDispatchMode):
@@ -136,8 +139,11 @@ class ShardedInit(TorchDispatchMode):
         if self.world == 1:
             return mine.reshape(-1).clone()
         if not dist.is_initialized():
-            raise problem("a parameter was written again after it was sharded, and there is no process "
-                          "group to gather it back", "Build the model inside ddpkit.session()")  # fmt: skip
+            raise problem(
+                "a parameter was written again after it was sharded, and there is no process "
+                "group to gather it back",
+                "Build the model inside ddpkit.session()",
+            )
         rows = [c.shape[0] for c in torch.chunk(torch.empty(param.shape[0], 0, device="cpu"), self.world)]
         rows += [0] * (self.world - len(rows))
         most = max(rows)
@@ -192,14 +198,21 @@ class ShardedInit(TorchDispatchMode):
             and func._schema.arguments[0].alias_info is not None
             and (func._schema.arguments[0].alias_info.is_write)
         )
-        overwrite = (isinstance(first, torch.Tensor) and first.is_meta and written
-                     and (seeded or name in _OVERWRITE) and _covers_storage(first))  # fmt: skip
+        overwrite = (
+            isinstance(first, torch.Tensor)
+            and first.is_meta
+            and written
+            and (seeded or name in _OVERWRITE)
+            and _covers_storage(first)
+        )
         real = [
-            self._real(a, overwrite=overwrite and a is first) if isinstance(a, torch.Tensor) and a.is_meta
-            else torch.device("cpu") if isinstance(a, torch.device) and a.type == "meta"
+            self._real(a, overwrite=overwrite and a is first)
+            if isinstance(a, torch.Tensor) and a.is_meta
+            else torch.device("cpu")
+            if isinstance(a, torch.device) and a.type == "meta"
             else a
             for a in flat
-        ]  # fmt: skip
+        ]
         real_args, real_kwargs = tree_unflatten(real, spec)
         real_out = func(*real_args, **real_kwargs)
         if not any(isinstance(t, torch.Tensor) for t in tree_leaves(real_out)):
@@ -241,8 +254,11 @@ class ShardedInit(TorchDispatchMode):
                 )  # never written: uninitialised in one process too; zeros here
             for name, b in module.named_buffers():
                 if b.is_meta:
-                    value = self._real(b, overwrite=False).clone() if _key(b) in self.full else (
-                        torch.zeros(b.shape, dtype=b.dtype))  # fmt: skip
+                    value = (
+                        self._real(b, overwrite=False).clone()
+                        if _key(b) in self.full
+                        else (torch.zeros(b.shape, dtype=b.dtype))
+                    )
                 else:
                     value = b.detach().cpu().clone()
                 shards.buffers[name], shards.sums[f"buffer:{name}"] = value, checksum(value)
@@ -332,15 +348,23 @@ def build(factory: Callable[[], nn.Module], rank: int, world: int) -> tuple[nn.M
     mode = ShardedInit(rank, world)
     handle = register_module_parameter_registration_hook(mode.on_parameter)
     try:
-        with (torch.device("meta"), mode, _Constants(), _init_functions(mode), adapters.cast_on_meta(),
-              hf.loading_as_is(functools.partial(_as_one_process, mode))):  # fmt: skip
+        with (
+            torch.device("meta"),
+            mode,
+            _Constants(),
+            _init_functions(mode),
+            adapters.cast_on_meta(),
+            hf.loading_as_is(functools.partial(_as_one_process, mode)),
+        ):
             module = factory()
     finally:
         handle.remove()
     if not isinstance(module, nn.Module):
-        raise problem(f"the model factory returned a {type(module).__name__}, not an nn.Module",
-                      "Pass a class or a function that builds the model, e.g. s.model(Net) or "
-                      "s.model(lambda: Net(cfg))")  # fmt: skip
+        raise problem(
+            f"the model factory returned a {type(module).__name__}, not an nn.Module",
+            "Pass a class or a function that builds the model, e.g. s.model(Net) or "
+            "s.model(lambda: Net(cfg))",
+        )
     shards = mode.finish(module)
     hf.check_written(module, shards.never_written)
     return module, shards, mode.peak_full

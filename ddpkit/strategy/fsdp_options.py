@@ -32,12 +32,19 @@ class FSDPOptions:
 
     def __post_init__(self) -> None:
         if self.shm not in (True, False, "auto"):
-            raise problem(f"shm={self.shm!r} is not True, False or 'auto'",
-                          "Pass shm='auto' (shared memory on one machine) or False")  # fmt: skip
+            raise problem(
+                f"shm={self.shm!r} is not True, False or 'auto'",
+                "Pass shm='auto' (shared memory on one machine) or False",
+            )
         if self.min_block_params < 1:
-            raise problem(f"min_block_params={self.min_block_params} is below 1",
-                          "Pass a parameter count such as 1_000_000")  # fmt: skip
-        if self.blocks is not None and not all(isinstance(b, type) and issubclass(b, nn.Module)
-                                               for b in self.blocks):  # fmt: skip
-            raise problem(f"blocks={self.blocks!r} holds something that is not an nn.Module class",
-                          "Pass module classes, e.g. blocks=(TransformerBlock,)")  # fmt: skip
+            raise problem(
+                f"min_block_params={self.min_block_params} is below 1",
+                "Pass a parameter count such as 1_000_000",
+            )
+        if self.blocks is not None and not all(
+            isinstance(b, type) and issubclass(b, nn.Module) for b in self.blocks
+        ):
+            raise problem(
+                f"blocks={self.blocks!r} holds something that is not an nn.Module class",
+                "Pass module classes, e.g. blocks=(TransformerBlock,)",
+            )

@@ -133,8 +133,14 @@ def tied_owners(module: nn.Module) -> dict[int, list[tuple[str, str]]]:
     return {k: v for k, v in owners.items() if len(v) > 1}
 
 
-def export(write: Callable[[str | Path, nn.Module], Any], path: str | Path, model: nn.Module, *, main: bool,
-           merged: bool = False) -> Any:  # fmt: skip
+def export(
+    write: Callable[[str | Path, nn.Module], Any],
+    path: str | Path,
+    model: nn.Module,
+    *,
+    main: bool,
+    merged: bool = False,
+) -> Any:
     """`s.export`: an HF model exported to a directory (a path without `.safetensors`) becomes one
     `from_pretrained` loads: `model.safetensors` (written by `write`, streamed under FSDP) plus the
     config, written by global rank 0. A PEFT model: the adapter directory `PeftModel.from_pretrained`
@@ -145,9 +151,10 @@ def export(write: Callable[[str | Path, nn.Module], Any], path: str | Path, mode
 
     if not isinstance(model, nn.Module):  # s.export(model, path): a swapped call, or no model at all
         swapped = " and a model as the path" if isinstance(path, nn.Module) else ""
-        raise problem(f"s.export got a {type(model).__name__} as the model{swapped}",
-                      "Call s.export(path, model): the path first, then the model, e.g. "
-                      "s.export('runs/final', model)")  # fmt: skip
+        raise problem(
+            f"s.export got a {type(model).__name__} as the model{swapped}",
+            "Call s.export(path, model): the path first, then the model, e.g. s.export('runs/final', model)",
+        )
     target = Path(path)
     inner: Any = unwrap(model)  # a transformers PreTrainedModel (config, generation_config)
     if adapters.is_peft(inner) and target.suffix != ".safetensors":

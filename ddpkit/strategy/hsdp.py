@@ -68,8 +68,9 @@ class HSDP(FSDP):
         replicate, shard = self.degrees
         return f"HSDP (fully_shard, replicate {replicate} x shard {shard})"
 
-    def _shard(self, module: nn.Module, device: torch.device, options: object,
-               compile_block: CompileBlock | None) -> tuple[nn.Module, list[str]]:  # fmt: skip
+    def _shard(
+        self, module: nn.Module, device: torch.device, options: object, compile_block: CompileBlock | None
+    ) -> tuple[nn.Module, list[str]]:
         """`FSDP._shard` on the 2-D mesh. The first model's own `HSDPOptions` may set the degrees (an
         "auto" session builds the strategy before it sees them); later ones must ask for the same."""
         if isinstance(options, HSDPOptions) and (asked := options.degrees(self.shape)) != self.degrees:

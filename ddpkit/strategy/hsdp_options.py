@@ -28,8 +28,10 @@ class HSDPOptions(FSDPOptions):
         super().__post_init__()
         for name, value in (("replicate", self.replicate), ("shard", self.shard)):
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise problem(f"HSDPOptions({name}={value!r}) is not a positive whole number",
-                              f"Pass {name}=1 or more, or leave it None (from the launcher)")  # fmt: skip
+                raise problem(
+                    f"HSDPOptions({name}={value!r}) is not a positive whole number",
+                    f"Pass {name}=1 or more, or leave it None (from the launcher)",
+                )
 
     def degrees(self, shape: Shape) -> tuple[int, int]:
         """(replicate, shard) for these ranks, or a clear error naming the fix."""

@@ -91,8 +91,15 @@ def replicated_state_bytes(module: nn.Module, world: int, sharded_step: bool) ->
     return whole + (optimizer // world if sharded_step else optimizer)
 
 
-def check_replicated(strategy: Strategy, module: nn.Module, world: int, *, sharded_step: bool,
-                     env: Mapping[str, str] | None = None, limit: int | None = None) -> None:  # fmt: skip
+def check_replicated(
+    strategy: Strategy,
+    module: nn.Module,
+    world: int,
+    *,
+    sharded_step: bool,
+    env: Mapping[str, str] | None = None,
+    limit: int | None = None,
+) -> None:
     """Refuse a strategy that keeps whole state on each rank when that state exceeds the rank's limit."""
     env = os.environ if env is None else env
     if strategy.shards_state or world < 2 or env.get(OPT_OUT, "").lower() in ("off", "0", "no"):

@@ -36,8 +36,10 @@ __all__ = ["CHECKS", "Context", "Skip", "header", "main", "run"]
 
 def header() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"ddpkit {ddpkit.__version__}, torch {torch.__version__}, CUDA build {torch.version.cuda}, "
-            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPU(s): {gpu}")  # fmt: skip
+    return (
+        f"ddpkit {ddpkit.__version__}, torch {torch.__version__}, CUDA build {torch.version.cuda}, "
+        f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPU(s): {gpu}"
+    )
 
 
 def run(names: list[str], out: Path) -> tuple[list[dict[str, Any]], bool]:
@@ -86,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         results, ok = run(names, out)
     counts = {s: sum(r["status"] == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
-    summary = (f"gpu-check: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped in "
-               f"{time.perf_counter() - start:.0f} s: {'ALL PASS' if ok else 'FAILED'}")  # fmt: skip
+    summary = (
+        f"gpu-check: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped in "
+        f"{time.perf_counter() - start:.0f} s: {'ALL PASS' if ok else 'FAILED'}"
+    )
     print(summary)
     if ns.json:
         Path(ns.json).write_text(json.dumps({"header": header(), "results": results, "ok": ok}, indent=1))

@@ -231,8 +231,9 @@ def _resume_rank(root: str, stop: int | None, steps: int) -> dict[str, torch.Ten
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(7)
         x = torch.randn(384, 8, generator=g)
-        loader = s.loader(TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()), batch_size=32,
-                          shuffle=True)  # fmt: skip
+        loader = s.loader(
+            TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()), batch_size=32, shuffle=True
+        )
         values = s.load(root, model=net, optimizer=opt, loader=loader, step=0)
         step = values["step"]
         for _ in range(loader.epoch, 10):
@@ -273,9 +274,16 @@ def _shared_rank(root: str) -> dict[str, Any]:
         infos = _train_steps(s, net, opt, 1, plant=0 if s.rank == 1 else -1)
         infos += _train_steps(s, net, opt, 2)
         s.save(root, model=net, optimizer=opt)
-        return {"rank": s.rank, "plan": s.plan.describe(), "backend": s.plan.backend, "device": str(s.device),
-                "device_ids": net.device_ids, "bn": bn_type, "skipped": [i.skipped for i in infos],
-                "weights": _digest(net)}  # fmt: skip
+        return {
+            "rank": s.rank,
+            "plan": s.plan.describe(),
+            "backend": s.plan.backend,
+            "device": str(s.device),
+            "device_ids": net.device_ids,
+            "bn": bn_type,
+            "skipped": [i.skipped for i in infos],
+            "weights": _digest(net),
+        }
 
 
 def check_shared_ddp(ctx: Context) -> str:
@@ -296,8 +304,14 @@ def check_shared_ddp(ctx: Context) -> str:
 
 def _cli(ctx: Context, *args: str, env: dict[str, str] | None = None, timeout: float = 300) -> str:
     """Run `ddpkit ARGS` in a fresh process without launcher variables; return its stdout."""
-    out = subprocess.run([sys.executable, "-m", "ddpkit.cli", *args], capture_output=True, text=True,
-                         timeout=timeout, env=clean_env(**(env or {})), cwd=ctx.out)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "ddpkit.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(**(env or {})),
+        cwd=ctx.out,
+    )
     tail = " | ".join((out.stdout + out.stderr).strip().splitlines()[-3:])
     assert out.returncode == 0, f"`ddpkit {' '.join(args[:1])}` exit code {out.returncode}: {tail}"
     return out.stdout
@@ -306,9 +320,24 @@ def _cli(ctx: Context, *args: str, env: dict[str, str] | None = None, timeout: f
 def _verify(ctx: Context, env: dict[str, str], name: str) -> str:
     report = ctx.out / f"verify-{name}.json"
     here = "ddpkit.tools.gpucheck_checks"
-    _cli(ctx, "verify", "--model", f"{here}:verify_model", "--data", f"{here}:verify_data",
-         "--nproc", "2", "--device", device(), "--sync-batchnorm", "--steps", "5", "--json", str(report),
-         env=env)  # fmt: skip
+    _cli(
+        ctx,
+        "verify",
+        "--model",
+        f"{here}:verify_model",
+        "--data",
+        f"{here}:verify_data",
+        "--nproc",
+        "2",
+        "--device",
+        device(),
+        "--sync-batchnorm",
+        "--steps",
+        "5",
+        "--json",
+        str(report),
+        env=env,
+    )
     facts = json.loads(report.read_text())
     assert facts["passed"] and facts["replicas_identical"], facts.get("error")
     worst: dict[str, Any] = max(facts["tensors"], key=lambda r: r.get("rel_norm", 0.0), default={})

@@ -90,8 +90,9 @@ def traced_hook(state: TracedHook, bucket: dist.GradBucket) -> torch.futures.Fut
     return fut.then(done)
 
 
-def _rank(spec: str, hook: str, bucket_cap_mb: float | None, warmup: int, steps: int,
-          strategy: str = "ddp") -> dict[str, Any]:  # fmt: skip
+def _rank(
+    spec: str, hook: str, bucket_cap_mb: float | None, warmup: int, steps: int, strategy: str = "ddp"
+) -> dict[str, Any]:
     import ddpkit
     from ddpkit.parallel import comm_hooks
     from ddpkit.tools import workloads
@@ -306,8 +307,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--hook", default="allreduce", help="allreduce (DDP's default), shm, fp16, bf16, powersgd")
     p.add_argument("--bucket-cap-mb", type=float, default=None)
-    p.add_argument("--strategy", choices=DISTRIBUTED, default="ddp",
-                   help="fsdp: each block's all-gather and reduce-scatter, not buckets")  # fmt: skip
+    p.add_argument(
+        "--strategy",
+        choices=DISTRIBUTED,
+        default="ddp",
+        help="fsdp: each block's all-gather and reduce-scatter, not buckets",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untraced steps first (DDP rebuilds buckets)")
     p.add_argument("--steps", type=int, default=None, help="traced steps (default 3; with --ranks 200)")
     p.add_argument("--ranks", action="store_true", help="every rank's step anatomy over many steps (PNG)")

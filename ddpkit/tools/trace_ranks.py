@@ -23,8 +23,14 @@ import torch
 from ddpkit.errors import problem
 from ddpkit.observe.anatomy import PHASES
 
-COLOURS = {"data": "#e15759", "forward": "#4e79a7", "backward": "#76b7b2", "sync": "#f28e2b",
-           "optimizer": "#59a14f", "other": "#bab0ac"}  # fmt: skip
+COLOURS = {
+    "data": "#e15759",
+    "forward": "#4e79a7",
+    "backward": "#76b7b2",
+    "sync": "#f28e2b",
+    "optimizer": "#59a14f",
+    "other": "#bab0ac",
+}
 
 
 def parse_slow(spec: str | None) -> tuple[int, float, str] | None:
@@ -93,8 +99,9 @@ def plot(ranks: list[dict[str, Any]], path: str, title: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(ranks), 1, figsize=(12, 1.8 + 1.6 * len(ranks)), sharex=True, sharey=True,
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        len(ranks), 1, figsize=(12, 1.8 + 1.6 * len(ranks)), sharex=True, sharey=True, squeeze=False
+    )
     for ax, r in zip(axes[:, 0], ranks, strict=True):
         history = r["history"]
         x = range(1, len(history) + 1)

@@ -147,8 +147,11 @@ def make_bn_cnn(channels: tuple[int, ...] = (32, 32, 64, 64)) -> nn.Sequential:
     layers: list[nn.Module] = []
     c_in = 3
     for i, c in enumerate(channels):
-        layers += [nn.Conv2d(c_in, c, 3, stride=2 if i % 2 else 1, padding=1, bias=False), nn.BatchNorm2d(c),
-                   nn.ReLU()]  # fmt: skip
+        layers += [
+            nn.Conv2d(c_in, c, 3, stride=2 if i % 2 else 1, padding=1, bias=False),
+            nn.BatchNorm2d(c),
+            nn.ReLU(),
+        ]
         c_in = c
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, 10))
 

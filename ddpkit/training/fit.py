@@ -99,13 +99,33 @@ def fit(
     check(epochs, max_steps, eval_loader, eval_step, metrics, eval_every, scheduler_interval, log_every)
     if track_every < 1:
         raise problem(f"track_every={track_every} is below 1", "Pass 1 or more")
-    plan = FitPlan(train_step, epochs, max_steps, max_norm, scheduler, scheduler_interval, log_every,
-                 track_every, eval_loader, eval_step, eval_every, tuple(callbacks))  # fmt: skip
+    plan = FitPlan(
+        train_step,
+        epochs,
+        max_steps,
+        max_norm,
+        scheduler,
+        scheduler_interval,
+        log_every,
+        track_every,
+        eval_loader,
+        eval_step,
+        eval_every,
+        tuple(callbacks),
+    )
     total = total_steps(train_loader, epochs, max_steps, s.accumulation)
     bar = Progress(total) if progress and s.is_main else None
     metric_set = MetricSet(s, **(metrics or {}))
-    monitor = StepMonitor(s, precision=s.precision.name, accumulation=s.accumulation, flops=flops,
-                          every=anatomy_every, main=s.is_main, report=s.print, anatomy=s.anatomy)  # fmt: skip
+    monitor = StepMonitor(
+        s,
+        precision=s.precision.name,
+        accumulation=s.accumulation,
+        flops=flops,
+        every=anatomy_every,
+        main=s.is_main,
+        report=s.print,
+        anatomy=s.anatomy,
+    )
     monitor.anatomy.watch(model)
     loop = _Loop(s, FitState(s, model, optimizer), plan, metric_set, RunLog(log, s.is_main), bar, monitor)
     return loop.run(train_loader)
@@ -130,8 +150,9 @@ class _Loop:
         self.start = self.last_step_end = time.perf_counter()
         self.started_epochs = self.micro_batches = self.samples = 0  # samples: this rank's, this step
         self.rows, self.tracked = Window(), Window()  # since the last log row, the last s.log
-        self.blocks = SplitBlocks(s, state.model, state.optimizer, plan.max_norm, self.counted,
-                                  plan.train_step)  # fmt: skip
+        self.blocks = SplitBlocks(
+            s, state.model, state.optimizer, plan.max_norm, self.counted, plan.train_step
+        )
         judge = s.stepper.spikes
         self.rollback = judge is not None and judge.guard.remedy == "rollback"
         self.loader: ShardedLoader | None = None  # the training loader, when the rollback reads its position
@@ -253,8 +274,11 @@ class _Loop:
             return True
         plan = self.plan
         counted = info.spike is None or info.spike.counted  # a spike skipped: SpikeGuard(count_skipped=)
-        if plan.scheduler is not None and plan.scheduler_interval == "step" and counted and (
-            not info.skipped or info.spike is not None
+        if (
+            plan.scheduler is not None
+            and plan.scheduler_interval == "step"
+            and counted
+            and (not info.skipped or info.spike is not None)
         ):
             plan.scheduler.step()  # not after a step the fp16 scaler skipped: the schedule follows updates
         state.step += counted  # this call's optimizer steps (s.stepper.steps counts the session's)
@@ -285,8 +309,10 @@ class _Loop:
         if target is None:
             for r in ranges:
                 loader.skip_samples(*r)
-            s.print(f"ddpkit: no checkpoint saved or loaded yet in this session, so nothing to roll back "
-                    f"to: the step was skipped instead; global samples {said} are listed as left out")
+            s.print(
+                f"ddpkit: no checkpoint saved or loaded yet in this session, so nothing to roll back "
+                f"to: the step was skipped instead; global samples {said} are listed as left out"
+            )
             return False
         root, objects = target
         needed = {"model": state.model, "optimizer": state.optimizer, "stepper": s.stepper, "loader": loader}
@@ -326,9 +352,11 @@ class _Loop:
         self.started_epochs -= back + 1  # the restarted pass counts once
         self.micro_batches = self.samples = 0
         self.rolled_back = True
-        s.print(f"ddpkit: rolled back every rank to the last checkpoint in {root} (optimizer step "
-                f"{s.stepper.steps}, {undone} step(s) undone); global samples {said} are left out from "
-                "now on (listed as the loader's `skipped` in later checkpoints)")  # fmt: skip
+        s.print(
+            f"ddpkit: rolled back every rank to the last checkpoint in {root} (optimizer step "
+            f"{s.stepper.steps}, {undone} step(s) undone); global samples {said} are left out from "
+            "now on (listed as the loader's `skipped` in later checkpoints)"
+        )
         s.log({"spike/rolled_back": float(undone)}, step=spike.step)
         return True
 
@@ -358,8 +386,14 @@ class _Loop:
         monitor.after_step(s.stepper.steps)  # every anatomy_every steps: one all_gather (every rank)
         if state.step % plan.log_every == 0:
             rates = self.rows.take()
-            row = {"phase": "train", "step": state.step, "epoch": state.epoch, **values, **rates,
-                   **monitor.scalars(rates["step_time"], anatomy=False)}  # fmt: skip
+            row = {
+                "phase": "train",
+                "step": state.step,
+                "epoch": state.epoch,
+                **values,
+                **rates,
+                **monitor.scalars(rates["step_time"], anatomy=False),
+            }
             self.logger.write({**row, "seconds": round(now - self.start, 3)})
         if state.step % plan.track_every == 0:
             rates = self.tracked.take()

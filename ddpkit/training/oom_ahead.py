@@ -67,8 +67,10 @@ def budget(device: torch.device, env: Mapping[str, str]) -> tuple[int | None, fl
         except ValueError:
             from ddpkit.errors import problem
 
-            raise problem(f"{STEP_MEMORY_ENV}={raw!r} is not a number of MiB",
-                          f"Set e.g. {STEP_MEMORY_ENV}=20000, or unset it") from None  # fmt: skip
+            raise problem(
+                f"{STEP_MEMORY_ENV}={raw!r} is not a number of MiB",
+                f"Set e.g. {STEP_MEMORY_ENV}=20000, or unset it",
+            ) from None
     if device.type == "cuda":
         total = torch.cuda.mem_get_info(device)[1]
         return total - step_memory.CUDA_RESERVED, step_memory.CUDA_ALLOWANCE, "the GPU's memory less 1 GiB"
@@ -145,8 +147,13 @@ def estimates(
     return out
 
 
-def choose(s: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
-           train_step: Callable[[nn.Module, Any], torch.Tensor], batch: Any) -> None:  # fmt: skip
+def choose(
+    s: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_step: Callable[[nn.Module, Any], torch.Tensor],
+    batch: Any,
+) -> None:
     """Before the first step of a `micro_batch="auto"` session under FSDP: estimate, agree, set the split
     (`AutoMicroBatch.parts`), say it, log it. Once per run: a session resumed with an estimate skips it.
     An estimate that fails (a `train_step` fake tensors cannot run: `.item()`, a shape made from the data,
@@ -176,8 +183,17 @@ def choose(s: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
 
         try:
             with fake_group(strategy, s.world_size) as mesh:
-                found = estimates(blueprint, mesh, optimizer, train_step, largest_piece, sizes, fits,
-                                  s.stepper.autocast, s.device)  # fmt: skip
+                found = estimates(
+                    blueprint,
+                    mesh,
+                    optimizer,
+                    train_step,
+                    largest_piece,
+                    sizes,
+                    fits,
+                    s.stepper.autocast,
+                    s.device,
+                )
         except Exception as exc:  # the estimate is advice: a step it cannot run trains as the loader says
             found, failed = {}, failure(exc)
         fitting = [p for p, b in found.items() if fits(b)]
@@ -185,8 +201,13 @@ def choose(s: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
         if found and not fitting:
             why = "even one sample per micro-batch is estimated above the budget"
     elif limit is not None:
-        failed = ("no FSDP blueprint of this model" if blueprint is None else
-                  "an empty micro-batch" if n <= 0 else "not a distributed run")  # fmt: skip
+        failed = (
+            "no FSDP blueprint of this model"
+            if blueprint is None
+            else "an empty micro-batch"
+            if n <= 0
+            else "not a distributed run"
+        )
     row = torch.zeros(2 + s.world_size, dtype=torch.float64, device=s.device)
     row[0], row[1] = float(own), float(found[1].total if 1 in found else 0)
     row[2 + s.rank] = 1.0 if failed else 0.0  # which ranks made no estimate: every rank's line names them
@@ -197,9 +218,15 @@ def choose(s: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
     seconds = time.perf_counter() - start
     peak = found[min(found, key=lambda p: abs(p - parts))].total if found else 0
     auto.parts = parts
-    auto.estimate = {"micro_batch": n / parts, "peak": float(peak), "budget": float(limit or 0),
-                     "parts": float(parts), "whole": row[1].item(), "seconds": seconds,
-                     "failed": float(len(unestimated))}  # fmt: skip
+    auto.estimate = {
+        "micro_batch": n / parts,
+        "peak": float(peak),
+        "budget": float(limit or 0),
+        "parts": float(parts),
+        "whole": row[1].item(),
+        "seconds": seconds,
+        "failed": float(len(unestimated)),
+    }
     if parts > 1:
         auto.splits.append({"step": s.stepper.steps + 1, "parts": parts})
     s.stepper.accumulation = auto.accumulation
@@ -234,20 +261,27 @@ def _say_failed(s: Any, auto: oom.AutoMicroBatch, n: int, ranks: list[int], fail
     """The one line of an estimate that could not be made on any rank: 1 part, why, and the hand split."""
     what = f"{s.strategy.describe()}, micro_batch='auto'"
     why = failed or f"rank {ranks[0]}'s fake step failed"
-    s.print(f"ddpkit: {what}: the first step could not be estimated on fake tensors ({why}): no split, "
-            f"micro-batches of {n} as the loader gives them; to split by hand, run the session with "
-            f"accumulation={2 * auto.base} (micro-batches of {max(1, n // 2)} for the same global batch "
-            f"{n * auto.base * s.world_size})")  # fmt: skip
+    s.print(
+        f"ddpkit: {what}: the first step could not be estimated on fake tensors ({why}): no split, "
+        f"micro-batches of {n} as the loader gives them; to split by hand, run the session with "
+        f"accumulation={2 * auto.base} (micro-batches of {max(1, n // 2)} for the same global batch "
+        f"{n * auto.base * s.world_size})"
+    )
     s.log({"micro_batch/size": n, "micro_batch/parts": 1}, step=s.stepper.steps)
 
 
 def note(e: Mapping[str, float], failed: str = "") -> str:
     """The estimate the split was chosen by, as the clause an out-of-memory error adds (`oom.explain`)."""
     if not e.get("budget") or not e.get("peak"):
-        made = f"the estimate before the first step failed ({failed})" if failed else (
-            "no estimate was made before the first step")  # fmt: skip
-        return (" (FSDP all-gathers in the forward and backward, so ddpkit cannot re-run the step split "
-                f"on every rank; {made})")  # fmt: skip
+        made = (
+            f"the estimate before the first step failed ({failed})"
+            if failed
+            else ("no estimate was made before the first step")
+        )
+        return (
+            " (FSDP all-gathers in the forward and backward, so ddpkit cannot re-run the step split "
+            f"on every rank; {made})"
+        )
     return (
         f" (FSDP all-gathers in the forward and backward, so ddpkit cannot re-run the step split on "
         f"every rank; before the first step it estimated this rank's peak at {e['peak'] / MIB:.0f} MiB "
@@ -256,12 +290,23 @@ def note(e: Mapping[str, float], failed: str = "") -> str:
     )
 
 
-def _say(s: Any, auto: oom.AutoMicroBatch, n: int, parts: int, limit: int | None, source: str,
-         whole: float, seconds: float, why: str) -> None:  # fmt: skip
+def _say(
+    s: Any,
+    auto: oom.AutoMicroBatch,
+    n: int,
+    parts: int,
+    limit: int | None,
+    source: str,
+    whole: float,
+    seconds: float,
+    why: str,
+) -> None:
     what = f"{s.strategy.describe()}, micro_batch='auto'"
     if limit is None:
-        s.print(f"ddpkit: {what}: no memory budget known for this rank ({source}; set {STEP_MEMORY_ENV}): "
-                f"micro-batches of {n} as the loader gives them")  # fmt: skip
+        s.print(
+            f"ddpkit: {what}: no memory budget known for this rank ({source}; set {STEP_MEMORY_ENV}): "
+            f"micro-batches of {n} as the loader gives them"
+        )
         return
     est = (
         f"the first step estimated on fake tensors at {whole / MIB:.1f} MiB per rank (max over ranks) "
@@ -270,8 +315,17 @@ def _say(s: Any, auto: oom.AutoMicroBatch, n: int, parts: int, limit: int | None
     if parts == 1:
         s.print(f"ddpkit: {what}: {est}: no split{f' ({why})' if why else ''}")
     else:
-        s.print(f"ddpkit: {what}: {est}: each loader micro-batch of {n} runs as {parts} parts of "
-                f"{n / parts:g} (accumulation {auto.base} -> {auto.accumulation}; global batch "
-                f"{n * auto.base * s.world_size} unchanged){f' ({why})' if why else ''}")  # fmt: skip
-    s.log({"micro_batch/size": n / parts, "micro_batch/parts": parts, "memory/estimate_mib": whole / MIB,
-           "memory/budget_mib": limit / MIB}, step=s.stepper.steps)  # fmt: skip
+        s.print(
+            f"ddpkit: {what}: {est}: each loader micro-batch of {n} runs as {parts} parts of "
+            f"{n / parts:g} (accumulation {auto.base} -> {auto.accumulation}; global batch "
+            f"{n * auto.base * s.world_size} unchanged){f' ({why})' if why else ''}"
+        )
+    s.log(
+        {
+            "micro_batch/size": n / parts,
+            "micro_batch/parts": parts,
+            "memory/estimate_mib": whole / MIB,
+            "memory/budget_mib": limit / MIB,
+        },
+        step=s.stepper.steps,
+    )

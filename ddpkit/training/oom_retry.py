@@ -62,9 +62,15 @@ def dump_snapshot(directory: str, rank: int, step: int) -> str:
 class SplitBlocks:
     """One loader micro-batch as `s.accumulate` blocks; the step's batches re-run after an agreed OOM."""
 
-    def __init__(self, s: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 max_norm: float | None, forward_backward: ForwardBackward,
-                 train_step: TrainStep | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        s: Any,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        forward_backward: ForwardBackward,
+        train_step: TrainStep | None = None,
+    ) -> None:
         self.s, self.model, self.optimizer, self.max_norm = s, model, optimizer, max_norm
         self.forward_backward = forward_backward
         self.train_step = train_step  # FSDP: the loss the split chosen ahead is estimated with
@@ -136,8 +142,11 @@ class SplitBlocks:
         for r in ranks:  # where the memory went on each rank that ran out, in the plan's categories
             s.print(f"ddpkit: {oom.describe_where(r, where.get(r, {}), s.device.type)}")
         if snapshot is not None:
-            print(f"ddpkit: rank {s.rank}'s CUDA memory snapshot at the failure: {snapshot} "
-                  "(open it at https://pytorch.org/memory_viz)", flush=True)  # fmt: skip
+            print(
+                f"ddpkit: rank {s.rank}'s CUDA memory snapshot at the failure: {snapshot} "
+                "(open it at https://pytorch.org/memory_viz)",
+                flush=True,
+            )
         first = where.get(ranks[0], {})
         s.log(
             {

@@ -74,13 +74,16 @@ class Session(RankContext):
         log_to: LogTo = "auto",
         log_dir: str | None = None,
         env: Mapping[str, str] | None = None,
-        reproducible: str | None = None, chunk: int | None = None,  # any-world: ddpkit.step.invariant
+        reproducible: str | None = None,
+        chunk: int | None = None,  # any-world: ddpkit.step.invariant
         micro_batch: str | None = None,  # "auto": a step out of memory is re-run split (ddpkit.step.oom)
         spike_guard: spikes.SpikeGuard | None = None,  # a spiking step skipped on every rank (step.spikes)
     ) -> None:
         if shard_optimizer not in (True, False, "auto", "gradients"):
-            raise problem(f"shard_optimizer={shard_optimizer!r} is not True, False, 'auto' or 'gradients'",
-                          "Pass 'auto' (the default), True, False or 'gradients'")  # fmt: skip
+            raise problem(
+                f"shard_optimizer={shard_optimizer!r} is not True, False, 'auto' or 'gradients'",
+                "Pass 'auto' (the default), True, False or 'gradients'",
+            )
         if accumulation < 1:
             raise problem(f"accumulation={accumulation} is below 1", "Pass 1 (no accumulation) or more")
         super().__init__(plan, verbose=verbose)
@@ -93,25 +96,54 @@ class Session(RankContext):
         self.tracking = Tracking(log_to, log_dir, enabled=self.is_main)  # observe.tracking; opens lazily
         self.anatomy = StepAnatomy()  # where this rank's step time goes (observe.anatomy; fit reports it)
         self._on_close = contextlib.ExitStack()  # process-wide settings put back by close()
-        self.precision = resolve_precision(precision, self.device.type,
-                                           bf16_supported=device_supports_bf16(self.device))  # fmt: skip
-        self.invariant = invariant.configure(reproducible, chunk, seed=seed, precision=self.precision,
-            accumulation=accumulation, rank=self.rank, world_size=self.world_size,
-            phases=self.anatomy)  # fmt: skip
+        self.precision = resolve_precision(
+            precision, self.device.type, bf16_supported=device_supports_bf16(self.device)
+        )
+        self.invariant = invariant.configure(
+            reproducible,
+            chunk,
+            seed=seed,
+            precision=self.precision,
+            accumulation=accumulation,
+            rank=self.rank,
+            world_size=self.world_size,
+            phases=self.anatomy,
+        )
         r = plan.ranks
-        self.shape = Shape(self.device, rank=r.rank, world_size=r.world_size, local_rank=r.local_rank,
-                           local_world_size=r.local_world_size)  # fmt: skip
+        self.shape = Shape(
+            self.device,
+            rank=r.rank,
+            world_size=r.world_size,
+            local_rank=r.local_rank,
+            local_world_size=r.local_world_size,
+        )
         self._shard = shard_optimizer
-        judge = spikes.judge_for(spike_guard, world=self.world_size, report=self.print,
-                                 track=lambda values, step: self.log(values, step=step))  # fmt: skip
-        stepper = functools.partial(Stepper, accumulation, self.precision, distributed=self.distributed,
-                                    report=self.print, shard=shard_optimizer, device=self.device,
-                                    timeout=self.limits.collective,
-                                    invariant_mode=self.invariant,
-                                    auto_micro_batch=oom.auto_for(micro_batch, accumulation,
-                                        rank=self.rank, world=self.world_size, distributed=self.distributed,
-                                        device=self.device),
-                                    spike_judge=judge)  # fmt: skip
+        judge = spikes.judge_for(
+            spike_guard,
+            world=self.world_size,
+            report=self.print,
+            track=lambda values, step: self.log(values, step=step),
+        )
+        stepper = functools.partial(
+            Stepper,
+            accumulation,
+            self.precision,
+            distributed=self.distributed,
+            report=self.print,
+            shard=shard_optimizer,
+            device=self.device,
+            timeout=self.limits.collective,
+            invariant_mode=self.invariant,
+            auto_micro_batch=oom.auto_for(
+                micro_batch,
+                accumulation,
+                rank=self.rank,
+                world=self.world_size,
+                distributed=self.distributed,
+                device=self.device,
+            ),
+            spike_judge=judge,
+        )
         self._choosing = Choosing(strategy, self.shape, self.precision, stepper=stepper)  # built once
 
     @property
@@ -239,8 +271,9 @@ class Session(RankContext):
         A PEFT model: its adapter directory, or with `merged=True` the adapters folded into the base. `path`
         may be an fsspec URL (`s3://bucket/run/hf`): written locally, then uploaded."""
         ckpt = self.checkpoints  # a URL (s3://...): written in a local cache, then uploaded by rank 0
-        return ckpt.export_to(path, lambda local: hf.export(ckpt.export, local, model, main=self.is_main,
-                                                            merged=merged))  # fmt: skip
+        return ckpt.export_to(
+            path, lambda local: hf.export(ckpt.export, local, model, main=self.is_main, merged=merged)
+        )
 
     @property
     def checkpoints(self) -> Checkpoints:
@@ -253,10 +286,16 @@ class Session(RankContext):
 
             stepper = self.stepper  # the strategy, built by the session (once), and the stepper
             context = CheckpointContext(
-                rank=self.rank, world_size=self.world_size, device=self.device, strategy=stepper.strategy,
-                optimizers=stepper, group=self._group, save_timeout=self.limits.save, say=self.print,
+                rank=self.rank,
+                world_size=self.world_size,
+                device=self.device,
+                strategy=stepper.strategy,
+                optimizers=stepper,
+                group=self._group,
+                save_timeout=self.limits.save,
+                say=self.print,
                 barrier=self.barrier,
-            )  # fmt: skip
+            )
             nice = int(self._env.get(WRITER_NICE_ENV, NICE))
             self._checkpoints = Checkpoints(context, preemption=self.preemption, writer_nice=nice)
         return self._checkpoints
@@ -297,17 +336,30 @@ class Session(RankContext):
         `activation_checkpointing`: a block class or "auto", recomputed in the backward (`.checkpointing`).
         """
         sugar = DDPOptions(
-            find_unused_parameters=find_unused_parameters, static_graph=static_graph,
-            bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
-            broadcast_buffers=broadcast_buffers, sync_batchnorm=sync_batchnorm, comm_hook=comm_hook,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            broadcast_buffers=broadcast_buffers,
+            sync_batchnorm=sync_batchnorm,
+            comm_hook=comm_hook,
             comm_hook_options=comm_hook_options,
-        )  # fmt: skip
+        )
         stepper, options = self._choosing.for_model(strategy, sugar)  # the session's strategy; these options
-        model = building.prepare(stepper.strategy, module, options, compiling.CompileOptions.parse(compile),
-                                 shard=self._shard, device=self.device, weights_from=weights,
-                                 recompute=activation_checkpointing, world_size=self.world_size,
-                                 distributed=self.distributed, on_close=self._on_close,
-                                 say=self.print)  # fmt: skip  (how to prepare)
+        model = building.prepare(
+            stepper.strategy,
+            module,
+            options,
+            compiling.CompileOptions.parse(compile),
+            shard=self._shard,
+            device=self.device,
+            weights_from=weights,
+            recompute=activation_checkpointing,
+            world_size=self.world_size,
+            distributed=self.distributed,
+            on_close=self._on_close,
+            say=self.print,
+        )  # (how to prepare)
         stepper.adopt(modules.ddp_of(model))  # ZeRO-2's reduce-scatter, or any-world's guard (step.stepping)
         seed_everything(self.rank_seed)  # each rank's own stream from here on (the module docstring)
         self.anatomy.watch(model)  # its gradient hooks time the sync wait (observe.anatomy)
@@ -338,13 +390,24 @@ class Session(RankContext):
         """
         accumulation = 1 if evaluation else self.accumulation
         if self.invariant is not None and not evaluation:  # any-world: the global order, contiguous shares
-            shuffle, drop_last = self.invariant.loader_options(dataset, batch_size, shuffle,
-                                                               dataloader_kwargs)  # fmt: skip
-        batch = plan_batch(batch_size, per_rank_batch_size, world_size=self.world_size,
-                           accumulation=accumulation)  # fmt: skip
-        built = make_loader(dataset, batch, rank=self.rank, device=self.device, seed=self.seed,
-                            shuffle=shuffle, drop_last=drop_last, evaluation=evaluation,
-                            presplit=presplit, **dataloader_kwargs)  # fmt: skip
+            shuffle, drop_last = self.invariant.loader_options(
+                dataset, batch_size, shuffle, dataloader_kwargs
+            )
+        batch = plan_batch(
+            batch_size, per_rank_batch_size, world_size=self.world_size, accumulation=accumulation
+        )
+        built = make_loader(
+            dataset,
+            batch,
+            rank=self.rank,
+            device=self.device,
+            seed=self.seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            evaluation=evaluation,
+            presplit=presplit,
+            **dataloader_kwargs,
+        )
         if not evaluation:
             self.print(f"ddpkit: {batch.describe()}")
             built.boundary = self._boundary  # before each batch: where a preemption's stop saves
@@ -370,7 +433,8 @@ def session(
     log_dir: str | None = None,
     env: Mapping[str, str] | None = None,
     hardware: topology.Hardware | None = None,
-    reproducible: str | None = None, chunk: int | None = None,
+    reproducible: str | None = None,
+    chunk: int | None = None,
     launcher: Detector | None = None,
     micro_batch: str | None = None,
     spike_guard: spikes.SpikeGuard | None = None,
@@ -402,14 +466,33 @@ def session(
     """
     limits = Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)  # validated here
     env = os.environ if env is None else env
-    plan = topology.resolve(env, hardware or topology.Hardware.detect(), device=device, backend=backend,
-                            share_gpu=share_gpu, launcher=launcher)  # fmt: skip
+    plan = topology.resolve(
+        env,
+        hardware or topology.Hardware.detect(),
+        device=device,
+        backend=backend,
+        share_gpu=share_gpu,
+        launcher=launcher,
+    )
     accumulation, note = elastic_accumulation(accumulation, plan.ranks.world_size, env)  # ddpkit run --nnodes
     plan = dataclasses.replace(plan, notes=(*plan.notes, note)) if note else plan
-    s = Session(plan, seed=seed, accumulation=accumulation, precision=precision, limits=limits,
-                verbose=verbose, shard_optimizer=shard_optimizer, strategy=strategy, log_to=log_to,
-                log_dir=log_dir, env=env, reproducible=reproducible, chunk=chunk,
-                micro_batch=micro_batch, spike_guard=spike_guard)  # fmt: skip
+    s = Session(
+        plan,
+        seed=seed,
+        accumulation=accumulation,
+        precision=precision,
+        limits=limits,
+        verbose=verbose,
+        shard_optimizer=shard_optimizer,
+        strategy=strategy,
+        log_to=log_to,
+        log_dir=log_dir,
+        env=env,
+        reproducible=reproducible,
+        chunk=chunk,
+        micro_batch=micro_batch,
+        spike_guard=spike_guard,
+    )
     try:
         yield s.start()
     except BaseException as exc:

@@ -137,13 +137,16 @@ def check(spec: VerifySpec, *, chunk: int = 4, runner: Runner | None = None) -> 
     `runner(fn, world, args)` -> the ranks' results in rank order (default: `ddpkit.spawn`, fresh
     processes of one thread each); tests pass their rank pools."""
     invariant.AnyWorld(chunk, rank=0, world_size=spec.nproc).chunks_of(spec.batch_size)
-    head = (f"ddpkit verify --bitwise: reproducible='any-world', chunk {chunk}, global batch "
-            f"{spec.batch_size}, 1 vs {spec.nproc} rank(s), {spec.steps} step(s)")  # fmt: skip
+    head = (
+        f"ddpkit verify --bitwise: reproducible='any-world', chunk {chunk}, global batch "
+        f"{spec.batch_size}, 1 vs {spec.nproc} rank(s), {spec.steps} step(s)"
+    )
     try:
         invariant.check_model(build_model(spec))
     except DdpkitError as err:
-        return BitwiseReport(False, [head, f"refused: {err}", "verdict: FAIL (not world-size invariant)"],
-                             first=str(err))  # fmt: skip
+        return BitwiseReport(
+            False, [head, f"refused: {err}", "verdict: FAIL (not world-size invariant)"], first=str(err)
+        )
     run = runner or (lambda fn, n, args: ddpkit.spawn(fn, n, args, timeout=spec.timeout, threads=1))
     runs = [run(bitwise_rank, n, (spec, chunk)) for n in (1, spec.nproc)]
     one, many = ([pickle.loads(r) for r in ranks] for ranks in runs)
@@ -181,16 +184,22 @@ def _first_difference(one: Trace, rank0: Trace, outputs: dict[Key, tuple[str, st
         for key in sorted(k for k in one.outputs if k[0] == step):
             name, kind, digest = one.outputs[key]
             if outputs.get(key, (None, None, None))[2] != digest:
-                return (f"step {step + 1}, global chunk {key[1]}: the output of module `{name}` ({kind}), "
-                        f"call {key[2] + 1} of that chunk's forward; the modules before it agree, so this "
-                        "operation depends on more than its chunk (its own generator, the rank, "
-                        "a collective)")  # fmt: skip
+                return (
+                    f"step {step + 1}, global chunk {key[1]}: the output of module `{name}` ({kind}), "
+                    f"call {key[2] + 1} of that chunk's forward; the modules before it agree, so this "
+                    "operation depends on more than its chunk (its own generator, the rank, "
+                    "a collective)"
+                )
         for name, digest in one.grads[step].items():
             if rank0.grads[step].get(name) != digest:
-                return (f"step {step + 1}: the combined gradient of `{name}` (every module output "
-                        "agrees: its backward is not a function of the chunk alone)")  # fmt: skip
+                return (
+                    f"step {step + 1}: the combined gradient of `{name}` (every module output "
+                    "agrees: its backward is not a function of the chunk alone)"
+                )
         for name, digest in one.weights[step].items():
             if rank0.weights[step].get(name) != digest:
-                return (f"step {step + 1}: `{name}` after the step (outputs and gradients agree: the "
-                        "optimizer step, or a buffer updated per rank)")  # fmt: skip
+                return (
+                    f"step {step + 1}: `{name}` after the step (outputs and gradients agree: the "
+                    "optimizer step, or a buffer updated per rank)"
+                )
     return None

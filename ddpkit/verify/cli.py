@@ -51,15 +51,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
     p.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="the N-rank side (default ddp)")
-    p.add_argument("--shard-degree", type=int, default=None,
-                   help="--strategy hsdp: ranks per shard group (default nproc / 2: 2 replicas)")  # fmt: skip
+    p.add_argument(
+        "--shard-degree",
+        type=int,
+        default=None,
+        help="--strategy hsdp: ranks per shard group (default nproc / 2: 2 replicas)",
+    )
     p.add_argument("--sync-batchnorm", action="store_true", help="s.model(..., sync_batchnorm=True)")
     p.add_argument("--find-unused-parameters", action="store_true")
     p.add_argument("--static-graph", action="store_true")
     p.add_argument("--compile", action="store_true", help="DDP/FSDP side: s.model(..., compile=True)")
-    p.add_argument("--shard-optimizer", choices=("true", "auto", "gradients"), default=None,
-                   help="both sides step with s.step(opt) in session(shard_optimizer=...); 'gradients': "
-                        "the reduce-scatter step")  # fmt: skip
+    p.add_argument(
+        "--shard-optimizer",
+        choices=("true", "auto", "gradients"),
+        default=None,
+        help="both sides step with s.step(opt) in session(shard_optimizer=...); 'gradients': "
+        "the reduce-scatter step",
+    )
     p.add_argument("--after-wrap", default=None, help="module:function(module, session) run after s.model")
     p.add_argument(
         "--floor",
@@ -74,16 +82,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="check save -> restart -> load (ddpkit.verify.resume)"
     )
     p.add_argument("--resume-nproc", type=int, default=None, help="--resume: ranks after the restart")
-    p.add_argument("--resume-strategy", choices=STRATEGIES, default=None,
-                   help="--resume: the strategy after the restart (default --strategy's)")  # fmt: skip
-    p.add_argument("--resume-shard-degree", type=int, default=None,
-                   help="--resume-strategy hsdp: ranks per shard group after the restart")  # fmt: skip
+    p.add_argument(
+        "--resume-strategy",
+        choices=STRATEGIES,
+        default=None,
+        help="--resume: the strategy after the restart (default --strategy's)",
+    )
+    p.add_argument(
+        "--resume-shard-degree",
+        type=int,
+        default=None,
+        help="--resume-strategy hsdp: ranks per shard group after the restart",
+    )
     p.add_argument("--save-at", type=int, default=None, help="--resume: the step saved (default steps // 2)")
     p.add_argument(
         "--setup", default=None, help="--resume: module:function(s, model, opt, loader) -> Resumable"
     )
-    p.add_argument("--bitwise", action="store_true",
-                   help="check reproducible='any-world' (verify.bitwise): 1 rank vs --nproc, bit for bit")
+    p.add_argument(
+        "--bitwise",
+        action="store_true",
+        help="check reproducible='any-world' (verify.bitwise): 1 rank vs --nproc, bit for bit",
+    )
     p.add_argument("--chunk", type=int, default=4, help="--bitwise: samples per chunk (default 4)")
     return p
 

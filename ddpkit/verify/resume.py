@@ -152,10 +152,14 @@ class ResumeSpec:
         again = self.resume_strategy in (None, spec.strategy)
         shard = self.resume_shard if self.resume_shard is not None else spec.shard if again else None
         if shard is not None and (self.resume_strategy or spec.strategy) != "hsdp":
-            raise problem(f"resume_shard={shard} (--resume-shard-degree) is HSDP's",
-                          "Pass --resume-strategy hsdp with it, or leave it out")  # fmt: skip
-        return (Part.of(w, spec.strategy, spec.shard),
-                Part.of(w2, self.resume_strategy or spec.strategy, shard))  # fmt: skip
+            raise problem(
+                f"resume_shard={shard} (--resume-shard-degree) is HSDP's",
+                "Pass --resume-strategy hsdp with it, or leave it out",
+            )
+        return (
+            Part.of(w, spec.strategy, spec.shard),
+            Part.of(w2, self.resume_strategy or spec.strategy, shard),
+        )
 
     @property
     def k(self) -> int:
@@ -223,9 +227,14 @@ def _under(shape: str) -> str:
 def _rank(rs: ResumeSpec, root: str, phase: str, part: Part) -> bytes:
     """phase "full": T steps, saving at K; "resume": load K, then K+1..T. Snapshots from K on (rank 0)."""
     spec, k = rs.spec, rs.k
-    with ddpkit.session(seed=spec.seed, device=spec.device, precision=SESSION_PRECISION[spec.precision],
-                        timeout=rs.timeout, verbose=False,
-                        strategy=part.session_strategy()) as s:  # fmt: skip
+    with ddpkit.session(
+        seed=spec.seed,
+        device=spec.device,
+        precision=SESSION_PRECISION[spec.precision],
+        timeout=rs.timeout,
+        verbose=False,
+        strategy=part.session_strategy(),
+    ) as s:
         model = s.model(build_model(spec))
         optimizer = build_optimizer(spec, model.parameters())
         loss_fn = build_loss(spec)
@@ -287,8 +296,12 @@ def _precision(spec: VerifySpec, batch: Any) -> Any:
 def _snapshot(s: Any, model: nn.Module, optimizer: Any, state: Resumable, step: int, trained: Any) -> dict:
     """Every value the two runs must agree on, flattened to `key -> tensor or plain value`."""
     everything = {**state.saved, **state.others}
-    out: dict[str, Any] = {"step": step, "_kinds": {n: kind(o) for n, o in everything.items()},
-                           "_saved": sorted(state.saved), "_strategy": s.strategy.describe()}  # fmt: skip
+    out: dict[str, Any] = {
+        "step": step,
+        "_kinds": {n: kind(o) for n, o in everything.items()},
+        "_saved": sorted(state.saved),
+        "_strategy": s.strategy.describe(),
+    }
     if trained is not None:
         batch, loss = trained
         rows = [digest(map_rows(batch, lambda t, i=i: t[i : i + 1])) for i in range(_rows(batch))]  # type: ignore[misc]
@@ -363,8 +376,9 @@ def _flatten(out: dict[str, Any], prefix: str, value: Any) -> None:
 
 
 # -- the check --------------------------------------------------------------------------------------------
-def check(rs: ResumeSpec, runner: Callable[[Callable[..., bytes], int, tuple], list[bytes]] | None = None
-          ) -> ResumeReport:  # fmt: skip
+def check(
+    rs: ResumeSpec, runner: Callable[[Callable[..., bytes], int, tuple], list[bytes]] | None = None
+) -> ResumeReport:
     """Run the uninterrupted and the resumed run in fresh processes and compare them.
 
     `runner(fn, world, args)` -> the ranks' results, in rank order (default: `ddpkit.spawn`, fresh
@@ -372,9 +386,14 @@ def check(rs: ResumeSpec, runner: Callable[[Callable[..., bytes], int, tuple], l
     first, then = rs.parts
     spec = rs.spec
     run = runner or functools.partial(_spawn, timeout=rs.timeout)
-    report = ResumeReport(passed=False, bitwise=first == then and spec.precision in ("fp32", "fp64"),
-                          worlds=rs.worlds, steps=spec.steps, save_at=rs.k,
-                          shapes=(first.describe(), then.describe()))  # fmt: skip
+    report = ResumeReport(
+        passed=False,
+        bitwise=first == then and spec.precision in ("fp32", "fp64"),
+        worlds=rs.worlds,
+        steps=spec.steps,
+        save_at=rs.k,
+        shapes=(first.describe(), then.describe()),
+    )
     with tempfile.TemporaryDirectory(prefix="ddpkit-resume-") as tmp:
         full = _snaps(run(_rank, first.world, (rs, tmp + "/ckpt", "full", first)))
         resumed = _snaps(run(_rank, then.world, (rs, tmp + "/ckpt", "resume", then)))
@@ -403,9 +422,16 @@ def _snaps(results: list[bytes]) -> list[dict]:
 
 def resume_spec(ns: argparse.Namespace, spec: VerifySpec) -> ResumeSpec:
     """The check `ddpkit verify --resume` asked for (`ddpkit.verify.cli`'s arguments)."""
-    return ResumeSpec(spec=spec, world=ns.nproc, resume_world=ns.resume_nproc,
-                      resume_strategy=ns.resume_strategy, resume_shard=ns.resume_shard_degree,
-                      save_at=ns.save_at, setup=ns.setup, timeout=ns.timeout)  # fmt: skip
+    return ResumeSpec(
+        spec=spec,
+        world=ns.nproc,
+        resume_world=ns.resume_nproc,
+        resume_strategy=ns.resume_strategy,
+        resume_shard=ns.resume_shard_degree,
+        save_at=ns.save_at,
+        setup=ns.setup,
+        timeout=ns.timeout,
+    )
 
 
 def main(ns: argparse.Namespace, spec: VerifySpec) -> int:

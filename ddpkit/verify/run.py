@@ -383,9 +383,13 @@ def ddp_rank(spec: VerifySpec) -> bytes:
     """
     shard = "auto" if spec.shard_optimizer is None else spec.shard_optimizer  # "auto": the session's default
     with ddpkit.session(
-        seed=spec.seed, device=spec.device, timeout=spec.timeout, verbose=False,
-        strategy=spec.session_strategy(), shard_optimizer=shard,
-    ) as s:  # fmt: skip
+        seed=spec.seed,
+        device=spec.device,
+        timeout=spec.timeout,
+        verbose=False,
+        strategy=spec.session_strategy(),
+        shard_optimizer=shard,
+    ) as s:
         if s.world_size != spec.nproc:
             raise problem(
                 f"the check runs on {s.world_size} rank(s) but nproc={spec.nproc}",

@@ -141,11 +141,15 @@ class VerifySpec:
             )
         self._check_shard()
         if self.shard_optimizer not in (None, True, False, "auto", "gradients"):
-            raise problem(f"shard_optimizer={self.shard_optimizer!r} is not True, 'auto' or 'gradients'",
-                          "Pass --shard-optimizer true, auto or gradients, or leave it out")  # fmt: skip
+            raise problem(
+                f"shard_optimizer={self.shard_optimizer!r} is not True, 'auto' or 'gradients'",
+                "Pass --shard-optimizer true, auto or gradients, or leave it out",
+            )
         if self.shard_optimizer is not None and self.strategy != "ddp":
-            raise problem(f"shard_optimizer with strategy={self.strategy!r}: FSDP already shards the step",
-                          f"Leave --shard-optimizer out with --strategy {self.strategy}")  # fmt: skip
+            raise problem(
+                f"shard_optimizer with strategy={self.strategy!r}: FSDP already shards the step",
+                f"Leave --shard-optimizer out with --strategy {self.strategy}",
+            )
         if self.steps < 1:
             raise problem(f"steps={self.steps} is below 1", "Pass steps=1 or more (default 10)")
         if self.batch_size < self.nproc or self.batch_size % self.nproc:
@@ -179,8 +183,10 @@ class VerifySpec:
     def _check_shard(self) -> None:
         if self.strategy != "hsdp":
             if self.shard is not None:
-                raise problem(f"shard={self.shard} (--shard-degree) is HSDP's, not {self.strategy}'s",
-                              "Pass --strategy hsdp with it, or leave it out")  # fmt: skip
+                raise problem(
+                    f"shard={self.shard} (--shard-degree) is HSDP's, not {self.strategy}'s",
+                    "Pass --strategy hsdp with it, or leave it out",
+                )
             return
         asked = "nproc // 2" if self.shard is None else self.shard
         shard = self.nproc // 2 if self.shard is None else self.shard

@@ -104,10 +104,12 @@ def _grad(net: torch.nn.Module, loss_fn: Any, batch: Any) -> torch.Tensor:
     net.zero_grad(set_to_none=True)
     loss = loss_fn(net, batch)
     (loss[0] / loss[1] if isinstance(loss, tuple) else loss).backward()
-    return torch.cat([
-        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().reshape(-1).cpu()
-        for p in net.parameters()
-    ])  # fmt: skip
+    return torch.cat(
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().reshape(-1).cpu()
+            for p in net.parameters()
+        ]
+    )
 
 
 def _valid_tokens(parts: list[Any]) -> list[int]:
