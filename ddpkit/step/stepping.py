@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -88,6 +89,7 @@ class Stepper:
     ) -> None:
         self.spikes = spike_judge  # spike_guard=: a step far above its window is skipped (`step.spikes`)
         self._agreed_loss: float | None = None  # fit's all-reduced loss for the next step, for the guard
+        self._losses: list[torch.Tensor] = []  # the guard's: this rank's losses of the step in progress
         self.accumulation = accumulation
         self.oom = auto_micro_batch  # micro_batch="auto": deferred sync, agreed OOM (`ddpkit.step.oom`)
         if auto_micro_batch is not None:
@@ -192,6 +194,10 @@ class Stepper:
                 f"{block.index + 1} of {k})",
                 "Remove opt.zero_grad() from the loop: s.step(opt) zeroes them after each optimizer step",
             )
+        if (
+            self.spikes is not None
+        ):  # read only when the step's norm is not finite (`_stop_if_loss_not_finite`)
+            self._losses.append(loss.detach())
         loss = self.loss_scale.scale(self.tokens.prepare(loss, tokens, k))  # loss / k (ddpkit.step.tokens)
         with torch.autocast(self.precision.device_type, enabled=False):  # backward runs outside autocast
             loss.backward()
@@ -228,7 +234,7 @@ class Stepper:
             sharder.reduce_gradients()
         if not self.tokens.settle(optimizer, accumulation=k, joining=self._in_join):
             optimizer.zero_grad(set_to_none=True)  # no valid token on any rank: nothing to learn from
-            self._agreed_loss = None
+            self._agreed_loss, self._losses = None, []
             return StepInfo(stepped=False, skipped=True, step=self.steps)
         # fp16: unscaled; a sharded step's overflow flags agreed by every rank (a share's inf/nan)
         self.loss_scale.unscale(optimizer, agree=sharder.agree_found_inf if sharder is not None else None)
@@ -262,13 +268,39 @@ class Stepper:
 
     def _judge(self, norm: torch.Tensor | None) -> spikes.Spike | None:
         loss, self._agreed_loss = self._agreed_loss, None
+        losses, self._losses = self._losses, []
         if self.spikes is None or norm is None:
             return None
         value = float(norm)  # the all-reduced gradients' norm: the same bits on every rank
         if self.loss_scale.active and not math.isfinite(value):
             return None  # fp16: the scaler skips this step and lowers the scale
+        if loss is None and not math.isfinite(value):  # an `s.step` loop (fit has checked its loss)
+            self._stop_if_loss_not_finite(losses)
         values = {"grad_norm": value} if loss is None else {"loss": loss, "grad_norm": value}
         return self.spikes.judge(self.steps + 1, values)
+
+    def _stop_if_loss_not_finite(self, losses: list[torch.Tensor]) -> None:
+        """In an `s.step` loop under the guard, a step whose gradient norm is not finite: stop, as
+        `ddpkit.fit` does, when a loss of it was not finite on any rank. The guard would skip that step
+        and every later one a nan loss makes (a loss nan from the first step: every step), and the run
+        would end untrained with exit code 0. The norm is agreed, so every rank comes here in the same
+        step: one all-reduce of a flag per rank, on this path only (a finite norm costs nothing)."""
+        bad = any(not bool(torch.isfinite(loss).all()) for loss in losses)
+        ranks = [0] if bad else []
+        if self.distributed:
+            flags = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=self.device)
+            flags[dist.get_rank()] = float(bad)
+            dist.all_reduce(flags)
+            ranks = [r for r, flag in enumerate(flags.tolist()) if flag > 0]
+        if ranks:
+            raise problem(
+                f"the training loss is not finite (nan or inf) at optimizer step {self.steps + 1} on rank(s) "
+                f"{ranks}; the spike guard would skip this step and every later one like it, so the run "
+                "would end untrained: every rank stopped before applying that step, so the weights are those "
+                f"after step {self.steps}",
+                "Lower the learning rate, clip gradients (max_norm=...), check the data that rank read, or "
+                "use precision='32'",
+            )
 
     @property
     def scaler(self) -> LossScale | None:
@@ -331,7 +363,7 @@ class Stepper:
             self._model.zero_grad(set_to_none=True)
         self._micro = self._backwards = 0
         self._block, self._awaiting_step = None, False
-        self._agreed_loss = None
+        self._agreed_loss, self._losses = None, []
         self.tokens.drop()
         if self.oom is not None:
             self.accumulation = self.oom.accumulation

@@ -27,7 +27,7 @@ class FitState:
     step: int = 0  # optimizer steps done in this fit call
     loss: float = math.nan  # the last step's loss, mean over ranks and micro-batches
     epoch_losses: list[float] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)  # every step's loss
+    losses: list[float] = field(default_factory=list)  # every counted step's loss
     metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation
     evals: list[dict[str, float]] = field(default_factory=list)  # every evaluation, with its "step"
     stop_reason: str | None = None  # set by request_stop on this rank, or when another rank asked
@@ -58,9 +58,9 @@ class Callback:
 class FitResult:
     steps: int
     epochs: int  # epochs started
-    losses: list[float]  # per optimizer step, mean over ranks
+    losses: list[float]  # per counted optimizer step, mean over ranks
     evals: list[dict[str, float]]
     seconds: float
     stop_reason: str | None
-    skipped_steps: int  # fp16 steps skipped for inf/nan gradients
+    skipped_steps: int  # steps that applied no update: the fp16 scaler's (inf/nan) and the spike guard's
     anatomy: dict[str, Any] = field(default_factory=dict)  # StepMonitor.summary(): ranks, findings, MFU

@@ -159,6 +159,7 @@ class _Loop:
         self.step_samples: list[tuple[int, int, int]] = []  # (epoch, start, stop) of the step's micro-batches
         self.rolled_back = False  # the pass in progress was abandoned for a checkpoint's position
         self.repeats = (0, 0)  # (optimizer step, rollbacks in a row that spiked at it)
+        self.skipped = 0  # optimizer steps of this call that applied no update (FitResult.skipped_steps)
 
     def emit(self, name: str) -> None:
         for cb in self.plan.callbacks:
@@ -171,7 +172,6 @@ class _Loop:
 
     def run(self, train_loader: Iterable) -> FitResult:
         s, state = self.s, self.state
-        skipped_before = s.skipped_steps
         judge = s.stepper.spikes
         if self.rollback:
             if not isinstance(train_loader, ShardedLoader):
@@ -209,7 +209,7 @@ class _Loop:
             evals=state.evals,
             seconds=time.perf_counter() - self.start,
             stop_reason=state.stop_reason,
-            skipped_steps=s.skipped_steps - skipped_before,
+            skipped_steps=self.skipped,
             anatomy=self.monitor.summary(),
         )
 
@@ -270,6 +270,7 @@ class _Loop:
         info = s.step(state.optimizer, max_norm=self.plan.max_norm)
         self.mark("optimizer")
         self.monitor.anatomy.end_step()
+        self.skipped += info.skipped  # the fp16 scaler's, the guard's (rolled back too), no valid token
         if info.spike is not None and info.spike.rollback and self.roll_back(info.spike):
             return True
         plan = self.plan
@@ -282,13 +283,15 @@ class _Loop:
         ):
             plan.scheduler.step()  # not after a step the fp16 scaler skipped: the schedule follows updates
         state.step += counted  # this call's optimizer steps (s.stepper.steps counts the session's)
-        state.loss = mean_loss
-        state.losses.append(mean_loss)
-        state.epoch_losses.append(mean_loss)
+        if counted:  # a skip that does not count has no loss of its own: `losses` is one per counted step
+            state.loss = mean_loss
+            state.losses.append(mean_loss)
+            state.epoch_losses.append(mean_loss)
         self.emit("step_end")
-        self.after_step(mean_loss, info)
+        self.after_step(mean_loss, info, counted)
         if (
-            self.plan.eval_loader is not None
+            counted  # not again at the step number the last counted step was evaluated at
+            and self.plan.eval_loader is not None
             and self.plan.eval_every is not None
             and state.step % self.plan.eval_every == 0
         ):
@@ -370,9 +373,14 @@ class _Loop:
         self.mark("backward")
         return loss
 
-    def after_step(self, mean_loss: float, info: StepInfo) -> None:
-        """Throughput and step time; the log row, the trackers and the progress line."""
+    def after_step(self, mean_loss: float, info: StepInfo, counted: bool = True) -> None:
+        """Throughput and step time; the log row, the trackers and the progress line. A skipped step that
+        does not count (SpikeGuard(count_skipped=False)) reports nothing at the step number already
+        reported: its samples and time go into the next counted step's throughput and step time."""
         s, state, plan = self.s, self.state, self.plan
+        if not counted:
+            self.monitor.after_step(s.stepper.steps)  # every rank, as after any step (a gather may be due)
+            return
         now = time.perf_counter()
         step_s, self.last_step_end = now - self.last_step_end, now
         samples = self.samples * s.world_size  # the loader gives every rank the same batch size
