@@ -98,12 +98,22 @@ class MemoryJob:
                 f"optimizer {self.optimizer!r} is not known",
                 f"Use one of {', '.join(OPTIMIZERS)} or package.module:function (params -> optimizer)",
             )
+        if self.strategy != "hsdp" and self.shard_degree is not None:
+            raise problem(  # fsdp would otherwise be estimated on HSDP's 2-D mesh and called FSDP
+                f"--shard-degree {self.shard_degree} is HSDP's, not {self.strategy}'s",
+                f"Pass --strategy hsdp with it, or leave it out with --strategy {self.strategy}",
+            )
         if self.strategy == "hsdp":
             shard = self.shard_degree
-            if shard is None or shard < 1 or self.world % shard:
+            if shard is None:
+                raise problem(
+                    "hsdp needs its shard degree: the ranks that share one copy of the model state",
+                    f"Pass --shard-degree K with {self.world} = replicas x K, e.g. the ranks of one node",
+                )
+            if shard < 1 or self.world % shard:
                 raise problem(
                     f"hsdp needs a shard degree that divides the world size {self.world} (got {shard})",
-                    "Pass --shard-degree K with world = replicas x K, e.g. 8 ranks per node",
+                    f"Pass --shard-degree K with {self.world} = replicas x K, e.g. the ranks of one node",
                 )
 
     def describe(self) -> str:

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.errors import problem
+from ddpkit.cluster import failures
+from ddpkit.errors import DdpkitError, problem
 from ddpkit.parallel.compiling import CompileBlock
 from ddpkit.parallel.precision import PrecisionPlan, resolve_precision
 from ddpkit.parallel.shape import Shape
@@ -43,8 +44,18 @@ from ddpkit.strategy.hsdp_options import HSDPOptions
 
 
 def build(options: HSDPOptions | None, shape: Shape, precision: PrecisionPlan) -> HSDP:
-    """The registered builder (`ddpkit.strategy.registry`): the 2-D mesh from the degrees; fp16 refused."""
-    return HSDP(options, shape, resolve_precision(precision, "", loss_scale=False))
+    """The registered builder (`ddpkit.strategy.registry`): the 2-D mesh from the degrees; fp16 refused.
+
+    A session that names HSDP builds it while the session itself is being built, before the session
+    reports its failures to `ddpkit run`: a refused shape is recorded here as a mistake the user can
+    fix (`ddpkit.cluster.failures`), so the launcher prints its one paragraph once for the job instead
+    of every rank printing a traceback that buries it."""
+    try:
+        return HSDP(options, shape, resolve_precision(precision, "", loss_scale=False))
+    except DdpkitError as err:
+        failures.record_failure(err, shape.rank, user_error=True)
+        failures.hush(err)
+        raise
 
 
 class HSDP(FSDP):

@@ -4,6 +4,7 @@ does not import FSDP2's machinery into a session that never asks for it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ddpkit.errors import problem
@@ -34,23 +35,44 @@ class HSDPOptions(FSDPOptions):
                 )
 
     def degrees(self, shape: Shape) -> tuple[int, int]:
-        """(replicate, shard) for these ranks, or a clear error naming the fix."""
+        """(replicate, shard) for these ranks, or a clear error naming the degrees given and the fix."""
         world, local = shape.world_size, max(1, min(shape.local_world_size, shape.world_size))
-        shard = self.shard or (world // self.replicate if self.replicate else local)
-        replicate = self.replicate or max(1, world // shard)
-        if replicate * shard != world:
-            raise problem(
-                f"HSDP's degrees replicate={replicate} x shard={shard} = {replicate * shard} do not cover "
-                f"the {world} ranks of this job",
-                f"Give degrees whose product is {world} (e.g. HSDPOptions(replicate="
-                f"{max(1, world // local)}, shard={local}): shard inside each node, replicate across nodes), "
-                "or leave both None",
-            )
+        replicate, shard = self._cover(world, local)
         if self.within_node and local % shard:
             raise problem(
-                f"HSDP's shard groups of {shard} ranks would span nodes of {local} ranks: their "
-                "all-gathers and reduce-scatters would cross the slow link every step",
-                f"Pass a shard degree that divides {local} (e.g. shard={local}), or "
+                f"{self._given()} makes shard groups of {shard} ranks, which would span nodes of {local} "
+                "ranks: their all-gathers and reduce-scatters would cross the slow link every step",
+                f"Pass a shard degree that divides {local} (e.g. shard={math.gcd(world, local)}), or "
                 "HSDPOptions(within_node=False) to shard across nodes on purpose",
             )
         return replicate, shard
+
+    def _given(self) -> str:
+        """The degrees as the user wrote them: "HSDPOptions(replicate=2)" (None: not written)."""
+        given = [f"{n}={v}" for n, v in (("replicate", self.replicate), ("shard", self.shard)) if v]
+        return f"HSDPOptions({', '.join(given)})" if given else "HSDP's default shard degree"
+
+    def _cover(self, world: int, local: int) -> tuple[int, int]:
+        """(replicate, shard) whose product is `world`: the degree not given follows from the one given
+        (both None: shard = a node's ranks); a degree that does not divide the world is refused."""
+        if self.replicate and self.shard:
+            if self.replicate * self.shard == world:
+                return self.replicate, self.shard
+            what = f"replicate {self.replicate} x shard {self.shard} = {self.replicate * self.shard} ranks"
+        elif self.replicate or self.shard:
+            given = self.replicate or self.shard or 1
+            if world % given == 0:
+                return (given, world // given) if self.replicate else (world // given, given)
+            other = "shard" if self.replicate else "replicate"
+            what = f"{other} would be {world}/{given} ranks (not a whole number)"
+        else:
+            if world % local == 0:
+                return world // local, local
+            what = f"nodes of unequal size (shard = the {local} ranks of this node)"
+        example = math.gcd(world, local)  # divides the world and a node: a shape that is always accepted
+        rest = ", or leave both None" if self.replicate or self.shard else ""
+        raise problem(
+            f"{self._given()} does not cover the {world} ranks of this job: {what}",
+            f"Give degrees whose product is {world} (e.g. HSDPOptions(replicate={world // example}, "
+            f"shard={example}): shard inside each node, replicate across nodes){rest}",
+        )
