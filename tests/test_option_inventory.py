@@ -30,12 +30,13 @@ import importlib
 import inspect
 import re
 import sys
-import tomllib
 from collections.abc import Callable, Iterable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
 from unittest import mock
+
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 INVENTORY = REPO / "tests" / "options"
@@ -292,7 +293,9 @@ def test_an_option_added_without_an_entry_is_reported(tmp_path: Path) -> None:
         return parser
 
     (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "test_fake.py").write_text("def test_fake():\n    pass\n\ndef helper():\n    pass\n")
+    (tmp_path / "tests" / "test_fake.py").write_text(
+        "def test_fake():\n    pass\n\ndef helper():\n    pass\n"
+    )
     test = "tests/test_fake.py::test_fake"
     options = keyword_options("Session.model", model) | field_options("Options", Options)
     options |= cli_options(build)
@@ -342,7 +345,9 @@ def test_the_tools_parsers_and_their_modes_are_walked() -> None:
     assert {"ddpkit checkpoint inspect", "ddpkit checkpoint convert", "ddpkit verify"} <= wheres
     assert Option("ddpkit run", "--nproc") in options and Option("ddpkit run", "target") in options
     assert Option("ddpkit plan --memory", "--shard-degree") in options
-    assert not [o for o in options if o.name in ("tool_args", "--help", "--memory") and o.where != "ddpkit plan"]
+    assert not [
+        o for o in options if o.name in ("tool_args", "--help", "--memory") and o.where != "ddpkit plan"
+    ]
 
 
 def _skeleton(missing: Iterator[Option]) -> str:
