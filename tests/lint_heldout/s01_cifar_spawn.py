@@ -1,5 +1,4 @@
 """Small CIFAR-10 convnet trained with DistributedDataParallel (mp.spawn launcher)."""
-
 import os
 import argparse
 
@@ -53,24 +52,16 @@ class SmallNet(nn.Module):
 
 
 def get_loader(rank, world_size, batch_size):
-    tf = transforms.Compose(
-        [
-            transforms.RandomCrop(32, padding=4),
-            transforms.RandomHorizontalFlip(),
-            transforms.ToTensor(),
-            transforms.Normalize((0.4914, 0.4822, 0.4465), (0.247, 0.243, 0.261)),
-        ]
-    )
+    tf = transforms.Compose([
+        transforms.RandomCrop(32, padding=4),
+        transforms.RandomHorizontalFlip(),
+        transforms.ToTensor(),
+        transforms.Normalize((0.4914, 0.4822, 0.4465), (0.247, 0.243, 0.261)),
+    ])
     ds = datasets.CIFAR10("./data", train=True, download=(rank == 0), transform=tf)
     sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True)
-    loader = DataLoader(
-        ds,
-        batch_size=batch_size,
-        sampler=sampler,
-        num_workers=4,
-        pin_memory=True,
-        drop_last=True,
-    )
+    loader = DataLoader(ds, batch_size=batch_size, sampler=sampler,
+                        num_workers=4, pin_memory=True, drop_last=True)
     return loader, sampler
 
 
@@ -86,9 +77,8 @@ def train(rank, world_size, args):
     model = SmallNet().to(rank)
     ddp_model = DDP(model, device_ids=[rank])
 
-    optimizer = torch.optim.SGD(
-        ddp_model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4
-    )
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=args.lr,
+                                momentum=0.9, weight_decay=5e-4)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
 
     for epoch in range(args.epochs):

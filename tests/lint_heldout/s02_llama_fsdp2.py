@@ -1,5 +1,4 @@
 """Pretraining a small decoder-only transformer with FSDP2 (fully_shard). Launch with torchrun."""
-
 import os
 import math
 import time
@@ -9,10 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    StateDictOptions,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
 
 
 class Block(nn.Module):
@@ -21,9 +17,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(dim)
         self.attn = nn.MultiheadAttention(dim, n_heads, batch_first=True)
         self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(
-            nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)
-        )
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x, mask):
         h = self.ln1(x)
@@ -61,9 +55,7 @@ def configure_optimizer(model, lr, weight_decay=0.1):
 
 
 def shard_model(model):
-    mp_policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-    )
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
         fully_shard(layer, mp_policy=mp_policy)
     fully_shard(model, mp_policy=mp_policy)
@@ -72,10 +64,8 @@ def shard_model(model):
 
 def get_batch(data, batch_size, ctx, device):
     ix = torch.randint(len(data) - ctx - 1, (batch_size,))
-    x = torch.stack([data[i : i + ctx] for i in ix]).to(device, non_blocking=True)
-    y = torch.stack([data[i + 1 : i + 1 + ctx] for i in ix]).to(
-        device, non_blocking=True
-    )
+    x = torch.stack([data[i:i + ctx] for i in ix]).to(device, non_blocking=True)
+    y = torch.stack([data[i + 1:i + 1 + ctx] for i in ix]).to(device, non_blocking=True)
     return x, y
 
 
@@ -98,10 +88,7 @@ def main():
     batch_size, ctx = 8, 1024
 
     data = torch.from_numpy(
-        __import__("numpy")
-        .memmap("train.bin", dtype="uint16", mode="r")
-        .astype("int64")
-    )
+        __import__("numpy").memmap("train.bin", dtype="uint16", mode="r").astype("int64"))
 
     model = TinyLM(ctx=ctx).to(device)
     optimizer = configure_optimizer(model, peak_lr)
@@ -129,9 +116,7 @@ def main():
                 print(f"step {step} loss {loss_avg.item():.4f} ({dt:.1f}s)")
                 t0 = time.time()
 
-    sd = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save(sd, "tinylm_final.pt")
     dist.destroy_process_group()

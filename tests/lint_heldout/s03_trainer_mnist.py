@@ -1,8 +1,7 @@
 """Multi-GPU training with a Trainer class, launched with torchrun.
 
-torchrun --standalone --nproc_per_node=4 s03_trainer_mnist.py 50 10
+    torchrun --standalone --nproc_per_node=4 s03_trainer_mnist.py 50 10
 """
-
 import os
 
 import torch
@@ -85,17 +84,11 @@ class Trainer:
 
 
 def load_train_objs():
-    train_set = datasets.MNIST(
-        "./data",
-        train=True,
-        download=False,
-        transform=transforms.Compose(
-            [
-                transforms.ToTensor(),
-                transforms.Normalize((0.1307,), (0.3081,)),
-            ]
-        ),
-    )
+    train_set = datasets.MNIST("./data", train=True, download=False,
+                               transform=transforms.Compose([
+                                   transforms.ToTensor(),
+                                   transforms.Normalize((0.1307,), (0.3081,)),
+                               ]))
     model = ConvNet()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
     return train_set, model, optimizer
@@ -111,12 +104,7 @@ def prepare_dataloader(dataset: Dataset, batch_size: int):
     )
 
 
-def main(
-    save_every: int,
-    total_epochs: int,
-    batch_size: int,
-    snapshot_path: str = "snapshot.pt",
-):
+def main(save_every: int, total_epochs: int, batch_size: int, snapshot_path: str = "snapshot.pt"):
     ddp_setup()
     torch.manual_seed(0)
     dataset, model, optimizer = load_train_objs()
@@ -128,14 +116,9 @@ def main(
 
 if __name__ == "__main__":
     import argparse
-
     parser = argparse.ArgumentParser(description="simple distributed training job")
-    parser.add_argument(
-        "total_epochs", type=int, help="Total epochs to train the model"
-    )
+    parser.add_argument("total_epochs", type=int, help="Total epochs to train the model")
     parser.add_argument("save_every", type=int, help="How often to save a snapshot")
-    parser.add_argument(
-        "--batch_size", default=64, type=int, help="Input batch size on each device"
-    )
+    parser.add_argument("--batch_size", default=64, type=int, help="Input batch size on each device")
     args = parser.parse_args()
     main(args.save_every, args.total_epochs, args.batch_size)

@@ -3,7 +3,6 @@ Minimal GPT training loop in the style of nanoGPT.
 Single GPU:   python s04_gpt_nano.py
 DDP:          torchrun --standalone --nproc_per_node=8 s04_gpt_nano.py
 """
-
 import os
 import time
 import math
@@ -60,38 +59,20 @@ data_dir = os.path.join("data", dataset)
 def get_batch(split):
     data = np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
     ix = torch.randint(len(data) - block_size, (batch_size,))
-    x = torch.stack(
-        [torch.from_numpy(data[i : i + block_size].astype(np.int64)) for i in ix]
-    )
-    y = torch.stack(
-        [
-            torch.from_numpy(data[i + 1 : i + 1 + block_size].astype(np.int64))
-            for i in ix
-        ]
-    )
-    return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(
-        device, non_blocking=True
-    )
+    x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
+    return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
 
 
 with open(os.path.join(data_dir, "meta.pkl"), "rb") as f:
     meta_vocab_size = pickle.load(f)["vocab_size"]
 
-model_args = dict(
-    n_layer=12,
-    n_head=12,
-    n_embd=768,
-    block_size=block_size,
-    bias=False,
-    vocab_size=meta_vocab_size,
-    dropout=0.0,
-)
+model_args = dict(n_layer=12, n_head=12, n_embd=768, block_size=block_size,
+                  bias=False, vocab_size=meta_vocab_size, dropout=0.0)
 model = GPT(GPTConfig(**model_args))
 model.to(device)
 scaler = torch.cuda.amp.GradScaler(enabled=False)
-optimizer = model.configure_optimizers(
-    weight_decay, learning_rate, (beta1, beta2), "cuda"
-)
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), "cuda")
 if ddp:
     model = DDP(model, device_ids=[ddp_local_rank])
 raw_model = model.module if ddp else model
@@ -136,9 +117,7 @@ while True:
     if iter_num % eval_interval == 0 and iter_num > 0:
         losses = estimate_loss()
         if master_process:
-            print(
-                f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
-            )
+            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         if losses["val"] < best_val_loss:
             best_val_loss = losses["val"]
             checkpoint = {
@@ -152,9 +131,7 @@ while True:
 
     for micro_step in range(gradient_accumulation_steps):
         if ddp:
-            model.require_backward_grad_sync = (
-                micro_step == gradient_accumulation_steps - 1
-            )
+            model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         with ctx:
             logits, loss = model(X, Y)
             loss = loss / gradient_accumulation_steps

@@ -3,7 +3,6 @@
 
 torchrun --nproc_per_node 4 s05_lm_argparse.py --data shards/ --epochs 3
 """
-
 import argparse
 import glob
 import os
@@ -45,22 +44,16 @@ def main():
 
     ds = load_shards(args.data)
     sampler = DistributedSampler(ds, shuffle=True, seed=args.seed)
-    dl = DataLoader(
-        ds, batch_size=args.micro_batch, sampler=sampler, num_workers=2, drop_last=True
-    )
+    dl = DataLoader(ds, batch_size=args.micro_batch, sampler=sampler, num_workers=2, drop_last=True)
 
     lm = AutoModelForCausalLM.from_pretrained(args.model).cuda(local_rank)
-    model = DistributedDataParallel(
-        lm, device_ids=[local_rank], output_device=local_rank
-    )
+    model = DistributedDataParallel(lm, device_ids=[local_rank], output_device=local_rank)
 
     loss_cfg = {"ignore_index": -100, "reduction": "sum"}
     criterion = nn.CrossEntropyLoss(**loss_cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     total_steps = args.epochs * len(dl)
-    sched = torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=args.lr, total_steps=total_steps, pct_start=0.05
-    )
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=total_steps, pct_start=0.05)
 
     step = 0
     for epoch in range(args.epochs):
@@ -85,9 +78,7 @@ def main():
                 stats = loss.detach().reshape(1)
                 dist.reduce(stats, dst=0)
                 if rank == 0:
-                    print(
-                        f"[epoch {epoch} step {step}] summed loss across ranks {stats.item():.2f}"
-                    )
+                    print(f"[epoch {epoch} step {step}] summed loss across ranks {stats.item():.2f}")
 
         if rank == 0:
             os.makedirs(args.out, exist_ok=True)

@@ -1,5 +1,4 @@
 """DDP example with mp.spawn: small convnet with batch norm on MNIST."""
-
 import os
 import sys
 import tempfile
@@ -29,17 +28,10 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(1, 32, 3),
-            nn.BatchNorm2d(32),
-            nn.ReLU(),
-            nn.Conv2d(32, 64, 3),
-            nn.BatchNorm2d(64),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Flatten(),
-            nn.Linear(9216, 128),
-            nn.ReLU(),
-            nn.Linear(128, 10),
+            nn.Conv2d(1, 32, 3), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Conv2d(32, 64, 3), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.MaxPool2d(2), nn.Flatten(),
+            nn.Linear(9216, 128), nn.ReLU(), nn.Linear(128, 10),
         )
 
     def forward(self, x):
@@ -68,15 +60,11 @@ def demo_basic(rank, world_size, epochs=5):
     torch.cuda.set_device(rank)
     torch.manual_seed(0)
 
-    ds = datasets.MNIST(
-        "./data", train=True, download=False, transform=transforms.ToTensor()
-    )
-    loader = DataLoader(
-        ds,
-        batch_size=64,
-        sampler=DistributedSampler(ds, num_replicas=world_size, rank=rank),
-        num_workers=2,
-    )
+    ds = datasets.MNIST("./data", train=True, download=False,
+                        transform=transforms.ToTensor())
+    loader = DataLoader(ds, batch_size=64,
+                        sampler=DistributedSampler(ds, num_replicas=world_size, rank=rank),
+                        num_workers=2)
 
     net = Net()
     net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
@@ -96,9 +84,7 @@ def demo_basic(rank, world_size, epochs=5):
             loss = loss_fn(ddp_model(x), y)
             loss.backward()
             optimizer.step()
-            total += torch.stack(
-                [loss.detach() * len(y), torch.tensor(float(len(y)), device=rank)]
-            )
+            total += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=rank)])
         dist.all_reduce(total)
         if is_main(rank):
             print(f"epoch {epoch} mean loss {(total[0] / total[1]).item():.4f}")

@@ -1,5 +1,4 @@
 """Fine-tune a ViT-B/16 on a folder dataset, linear-probe style warmup then full FT."""
-
 import os
 import argparse
 
@@ -28,25 +27,15 @@ def set_backbone_trainable(vit, trainable):
 
 def build_loaders(root, batch_size, world_size, rank):
     weights = ViT_B_16_Weights.IMAGENET1K_V1
-    train_tf = transforms.Compose(
-        [
-            transforms.RandomResizedCrop(224),
-            transforms.RandomHorizontalFlip(),
-            weights.transforms(),
-        ]
-    )
+    train_tf = transforms.Compose([
+        transforms.RandomResizedCrop(224),
+        transforms.RandomHorizontalFlip(),
+        weights.transforms(),
+    ])
     train_ds = datasets.ImageFolder(os.path.join(root, "train"), transform=train_tf)
-    sampler = DistributedSampler(
-        train_ds, num_replicas=world_size, rank=rank, shuffle=True
-    )
-    loader = DataLoader(
-        train_ds,
-        batch_size=batch_size,
-        sampler=sampler,
-        num_workers=8,
-        pin_memory=True,
-        persistent_workers=True,
-    )
+    sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True)
+    loader = DataLoader(train_ds, batch_size=batch_size, sampler=sampler,
+                        num_workers=8, pin_memory=True, persistent_workers=True)
     return loader, sampler, len(train_ds.classes)
 
 
@@ -71,10 +60,7 @@ def main():
     set_backbone_trainable(model.module, False)
 
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=args.lr,
-        weight_decay=0.05,
-    )
+        [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.05)
     criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
 
     for epoch in range(args.epochs):
@@ -96,9 +82,7 @@ def main():
 
         dist.all_reduce(seen)
         if rank == 0:
-            print(
-                f"epoch {epoch}: loss={seen[0] / seen[2]:.4f} acc={seen[1] / seen[2]:.3%}"
-            )
+            print(f"epoch {epoch}: loss={seen[0] / seen[2]:.4f} acc={seen[1] / seen[2]:.3%}")
             torch.save(model.module.state_dict(), f"vit_ft_e{epoch}.pt")
 
     dist.destroy_process_group()

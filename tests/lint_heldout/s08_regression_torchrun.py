@@ -3,7 +3,6 @@
 torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HOST:29400 \
     s08_regression_torchrun.py
 """
-
 import os
 import time
 
@@ -33,20 +32,16 @@ def load_table(path="features.parquet"):
 
 def make_model(n_in):
     return nn.Sequential(
-        nn.Linear(n_in, 512),
-        nn.SiLU(),
-        nn.Linear(512, 512),
-        nn.SiLU(),
-        nn.Linear(512, 256),
-        nn.SiLU(),
+        nn.Linear(n_in, 512), nn.SiLU(),
+        nn.Linear(512, 512), nn.SiLU(),
+        nn.Linear(512, 256), nn.SiLU(),
         nn.Linear(256, 1),
     )
 
 
 def report(epoch, step, loss, t):
     msg = "[rank {}/{}] epoch {:02d} step {:05d} mse {:.5f} ({:.1f} ms/step)".format(
-        RANK, WORLD_SIZE, epoch, step, loss, t * 1000
-    )
+        RANK, WORLD_SIZE, epoch, step, loss, t * 1000)
     print(msg, flush=True)
 
 
@@ -58,9 +53,7 @@ def train():
 
     ds = load_table()
     sampler = DistributedSampler(ds)
-    loader = DataLoader(
-        ds, batch_size=BATCH, sampler=sampler, num_workers=4, pin_memory=True
-    )
+    loader = DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=4, pin_memory=True)
 
     net = make_model(ds.tensors[0].shape[1]).to(device)
     net = DDP(net, device_ids=[LOCAL_RANK])

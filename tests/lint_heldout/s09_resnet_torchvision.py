@@ -1,5 +1,4 @@
 """Train a torchvision ResNet-50 from scratch on ImageNet-style folders (torchrun, 8 GPUs/node)."""
-
 import os
 import time
 import argparse
@@ -29,24 +28,10 @@ def make_data(args):
     normalize = T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
     train = torchvision.datasets.ImageFolder(
         os.path.join(args.data_path, "train"),
-        T.Compose(
-            [
-                T.RandomResizedCrop(224),
-                T.RandomHorizontalFlip(),
-                T.ToTensor(),
-                normalize,
-            ]
-        ),
-    )
+        T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), normalize]))
     train_sampler = DistributedSampler(train)
-    train_loader = DataLoader(
-        train,
-        batch_size=args.batch_size,
-        sampler=train_sampler,
-        num_workers=args.workers,
-        pin_memory=True,
-        drop_last=True,
-    )
+    train_loader = DataLoader(train, batch_size=args.batch_size, sampler=train_sampler,
+                              num_workers=args.workers, pin_memory=True, drop_last=True)
     return train_loader, train_sampler
 
 
@@ -68,9 +53,7 @@ def main(args):
 
     criterion = nn.CrossEntropyLoss().cuda()
     lr = args.lr * args.batch_size * world_size / 256
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr, momentum=0.9, weight_decay=args.wd
-    )
+    optimizer = torch.optim.SGD(model.parameters(), lr, momentum=0.9, weight_decay=args.wd)
     lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=30, gamma=0.1)
 
     for epoch in range(args.epochs):
@@ -86,31 +69,20 @@ def main(args):
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            meter += torch.tensor(
-                [
-                    loss.item() * image.size(0),
-                    (output.argmax(1) == target).sum().item(),
-                    image.size(0),
-                ],
-                device="cuda",
-            )
+            meter += torch.tensor([loss.item() * image.size(0),
+                                   (output.argmax(1) == target).sum().item(),
+                                   image.size(0)], device="cuda")
         lr_scheduler.step()
         dist.all_reduce(meter)
         if rank == 0:
-            print(
-                f"Epoch {epoch}: loss {meter[0] / meter[2]:.3f} top1 {100 * meter[1] / meter[2]:.2f} "
-                f"time {time.time() - start:.0f}s"
-            )
+            print(f"Epoch {epoch}: loss {meter[0] / meter[2]:.3f} top1 {100 * meter[1] / meter[2]:.2f} "
+                  f"time {time.time() - start:.0f}s")
             os.makedirs(args.output_dir, exist_ok=True)
-            torch.save(
-                {
-                    "model": model_without_ddp.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "lr_scheduler": lr_scheduler.state_dict(),
-                    "epoch": epoch,
-                },
-                os.path.join(args.output_dir, "checkpoint.pth"),
-            )
+            torch.save({"model": model_without_ddp.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "lr_scheduler": lr_scheduler.state_dict(),
+                        "epoch": epoch},
+                       os.path.join(args.output_dir, "checkpoint.pth"))
 
     dist.destroy_process_group()
 

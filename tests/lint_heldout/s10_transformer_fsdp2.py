@@ -1,5 +1,4 @@
 """Supervised fine-tuning with FSDP2 (per-block fully_shard) on a packed instruction dataset."""
-
 import os
 import functools
 from dataclasses import dataclass
@@ -39,9 +38,7 @@ def prepare_epoch(loader, epoch):
 
 
 def apply_fsdp(model, mesh):
-    policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-    )
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=policy)
     for block in model.model.layers:
         shard(block)
@@ -57,20 +54,11 @@ def main(cfg: Config):
     torch.manual_seed(0)
 
     ds = load_from_disk(cfg.data_path)
-    loader = DataLoader(
-        ds,
-        batch_size=cfg.micro_bs,
-        collate_fn=collate,
-        sampler=DistributedSampler(ds, shuffle=True, seed=0),
-        num_workers=2,
-    )
+    loader = DataLoader(ds, batch_size=cfg.micro_bs, collate_fn=collate,
+                        sampler=DistributedSampler(ds, shuffle=True, seed=0), num_workers=2)
 
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.model_name, torch_dtype=torch.float32
-    )
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": False}
-    )
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_name, torch_dtype=torch.float32)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to("cuda")
     apply_fsdp(model, mesh)
 
@@ -81,9 +69,8 @@ def main(cfg: Config):
         for step, (ids, labels) in enumerate(prepare_epoch(loader, epoch)):
             ids, labels = ids.cuda(), labels.cuda()
             logits = model(input_ids=ids).logits.float()
-            loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
-            )
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                   ignore_index=-100)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optim.step()
@@ -95,9 +82,8 @@ def main(cfg: Config):
                     print(f"epoch {epoch} step {step} loss {l.item():.4f}")
 
     # every rank takes part in the gather; only rank 0 writes
-    model_sd, _ = get_state_dict(
-        model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    model_sd, _ = get_state_dict(model, optim,
+                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         os.makedirs(cfg.out, exist_ok=True)
         torch.save(model_sd, os.path.join(cfg.out, "model.pt"))

@@ -2,7 +2,6 @@
 
 Usage: torchrun --nproc_per_node=4 s11_seq2seq_seed.py --src de --tgt en
 """
-
 import os
 import random
 import argparse
@@ -30,29 +29,16 @@ class Seq2Seq(nn.Module):
         super().__init__()
         self.src_emb = nn.Embedding(src_vocab, d_model, padding_idx=pad_id)
         self.tgt_emb = nn.Embedding(tgt_vocab, d_model, padding_idx=pad_id)
-        self.core = nn.Transformer(
-            d_model,
-            nhead,
-            layers,
-            layers,
-            dim_feedforward=2048,
-            dropout=0.1,
-            batch_first=True,
-        )
+        self.core = nn.Transformer(d_model, nhead, layers, layers, dim_feedforward=2048,
+                                   dropout=0.1, batch_first=True)
         self.proj = nn.Linear(d_model, tgt_vocab)
         self.pad_id = pad_id
 
     def forward(self, src, tgt_in):
-        causal = self.core.generate_square_subsequent_mask(tgt_in.size(1)).to(
-            src.device
-        )
-        h = self.core(
-            self.src_emb(src),
-            self.tgt_emb(tgt_in),
-            tgt_mask=causal,
-            src_key_padding_mask=src.eq(self.pad_id),
-            tgt_key_padding_mask=tgt_in.eq(self.pad_id),
-        )
+        causal = self.core.generate_square_subsequent_mask(tgt_in.size(1)).to(src.device)
+        h = self.core(self.src_emb(src), self.tgt_emb(tgt_in), tgt_mask=causal,
+                      src_key_padding_mask=src.eq(self.pad_id),
+                      tgt_key_padding_mask=tgt_in.eq(self.pad_id))
         return self.proj(h)
 
 
@@ -78,20 +64,13 @@ def main():
 
     corpus = ParallelCorpus(f"data/train.{args.src}", f"data/train.{args.tgt}")
     sampler = DistributedSampler(corpus, shuffle=True, seed=args.seed)
-    loader = DataLoader(
-        corpus,
-        batch_size=args.batch_size,
-        sampler=sampler,
-        collate_fn=pad_collate,
-        num_workers=4,
-    )
+    loader = DataLoader(corpus, batch_size=args.batch_size, sampler=sampler,
+                        collate_fn=pad_collate, num_workers=4)
 
     model = Seq2Seq(corpus.src_vocab_size, corpus.tgt_vocab_size).cuda()
     model = DDP(model, device_ids=[local_rank])
     criterion = nn.CrossEntropyLoss(ignore_index=0, label_smoothing=0.1)
-    optimizer = torch.optim.Adam(
-        model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-9
-    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-9)
 
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -100,9 +79,7 @@ def main():
         for src, tgt in loader:
             src, tgt = src.cuda(non_blocking=True), tgt.cuda(non_blocking=True)
             logits = model(src, tgt[:, :-1])
-            loss = criterion(
-                logits.reshape(-1, logits.size(-1)), tgt[:, 1:].reshape(-1)
-            )
+            loss = criterion(logits.reshape(-1, logits.size(-1)), tgt[:, 1:].reshape(-1))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -110,9 +87,7 @@ def main():
             tot += torch.stack([loss.detach(), torch.ones((), device="cuda")])
         dist.all_reduce(tot)
         if rank == 0:
-            print(
-                f"epoch {epoch + 1}/{args.epochs} avg loss {(tot[0] / tot[1]).item():.4f}"
-            )
+            print(f"epoch {epoch + 1}/{args.epochs} avg loss {(tot[0] / tot[1]).item():.4f}")
             torch.save(model.module.state_dict(), f"seq2seq_{args.src}{args.tgt}.pt")
 
     dist.destroy_process_group()

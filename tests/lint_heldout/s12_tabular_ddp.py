@@ -1,5 +1,4 @@
 """Churn model: DDP training of a wide&deep net on categorical + numeric features."""
-
 import os
 from dataclasses import dataclass, field
 
@@ -38,17 +37,11 @@ class ChurnData(Dataset):
 class WideDeep(nn.Module):
     def __init__(self, cfg: TrainConfig):
         super().__init__()
-        self.embs = nn.ModuleList(
-            nn.Embedding(c, cfg.emb_dim) for c in cfg.cardinalities
-        )
+        self.embs = nn.ModuleList(nn.Embedding(c, cfg.emb_dim) for c in cfg.cardinalities)
         d_in = cfg.emb_dim * len(cfg.cardinalities) + cfg.n_numeric
-        self.deep = nn.Sequential(
-            nn.Linear(d_in, cfg.hidden),
-            nn.ReLU(),
-            nn.Linear(cfg.hidden, cfg.hidden),
-            nn.ReLU(),
-            nn.Linear(cfg.hidden, 1),
-        )
+        self.deep = nn.Sequential(nn.Linear(d_in, cfg.hidden), nn.ReLU(),
+                                  nn.Linear(cfg.hidden, cfg.hidden), nn.ReLU(),
+                                  nn.Linear(cfg.hidden, 1))
         self.wide = nn.Linear(cfg.n_numeric, 1)
 
     def forward(self, cat, num):

@@ -3,7 +3,6 @@
 Each rank's batch has a different number of non-pad tokens, so we sum the token losses and
 normalise by the global token count (DDP averages grads over ranks, hence the * world_size).
 """
-
 import os
 import math
 
@@ -46,17 +45,11 @@ def main():
 
     ds = BucketedTextDataset("corpus/train.jsonl", max_len=2048)
     sampler = DistributedSampler(ds, shuffle=True)
-    dl = DataLoader(
-        ds, batch_size=16, sampler=sampler, collate_fn=collate_pad, num_workers=4
-    )
+    dl = DataLoader(ds, batch_size=16, sampler=sampler, collate_fn=collate_pad, num_workers=4)
 
-    model = DDP(
-        DecoderLM(vocab_size=50304, d_model=1024, n_layers=16).to(dev),
-        device_ids=[local_rank],
-    )
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1
-    )
+    model = DDP(DecoderLM(vocab_size=50304, d_model=1024, n_layers=16).to(dev),
+                device_ids=[local_rank])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
     for epoch in range(4):
         sampler.set_epoch(epoch)
@@ -73,15 +66,11 @@ def main():
                 per_token = loss.detach() / world_size
                 dist.all_reduce(per_token)
                 if rank == 0:
-                    print(
-                        f"ep {epoch} it {it} tokens {int(n_tok)} "
-                        f"nll/token {per_token.item():.4f} ppl {math.exp(per_token.item()):.1f}"
-                    )
+                    print(f"ep {epoch} it {it} tokens {int(n_tok)} "
+                          f"nll/token {per_token.item():.4f} ppl {math.exp(per_token.item()):.1f}")
 
         if rank == 0:
-            torch.save(
-                {"model": model.module.state_dict(), "epoch": epoch}, f"lm_ep{epoch}.pt"
-            )
+            torch.save({"model": model.module.state_dict(), "epoch": epoch}, f"lm_ep{epoch}.pt")
         dist.barrier()
 
     dist.destroy_process_group()

@@ -1,5 +1,4 @@
 """Sentence classification fine-tuning (BERT-base) with DDP, with an optional low-memory mode."""
-
 import os
 import argparse
 
@@ -7,11 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
-from transformers import (
-    AutoTokenizer,
-    AutoModelForSequenceClassification,
-    get_linear_schedule_with_warmup,
-)
+from transformers import AutoTokenizer, AutoModelForSequenceClassification, get_linear_schedule_with_warmup
 from datasets import load_dataset
 
 
@@ -28,12 +23,8 @@ def parse():
 
 def encode(tok, split):
     raw = load_dataset("glue", "sst2", split=split)
-    enc = raw.map(
-        lambda b: tok(
-            b["sentence"], truncation=True, padding="max_length", max_length=128
-        ),
-        batched=True,
-    )
+    enc = raw.map(lambda b: tok(b["sentence"], truncation=True, padding="max_length", max_length=128),
+                  batched=True)
     enc.set_format("torch", columns=["input_ids", "attention_mask", "label"])
     return enc
 
@@ -66,11 +57,9 @@ def main():
         running, n = 0.0, 0
         for batch in loader:
             batch = {k: v.cuda(local_rank, non_blocking=True) for k, v in batch.items()}
-            out = model(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
-                labels=batch["label"],
-            )
+            out = model(input_ids=batch["input_ids"],
+                        attention_mask=batch["attention_mask"],
+                        labels=batch["label"])
             out.loss.backward()
             optimizer.step()
             scheduler.step()
@@ -80,9 +69,7 @@ def main():
         stat = torch.tensor([running, n], device=local_rank, dtype=torch.float64)
         dist.all_reduce(stat)
         if is_master:
-            print(
-                f"epoch {epoch}: mean train loss {stat[0].item() / stat[1].item():.4f}"
-            )
+            print(f"epoch {epoch}: mean train loss {stat[0].item() / stat[1].item():.4f}")
 
     if is_master:
         model.module.save_pretrained("bert_sst2")

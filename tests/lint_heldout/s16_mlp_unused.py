@@ -1,5 +1,4 @@
 """Tiny contrastive embedding model for product titles; DDP over all local GPUs via torchrun."""
-
 import os
 
 import torch
@@ -49,9 +48,7 @@ def main():
 
     data = TitlePairs("pairs.tsv")
     sampler = DistributedSampler(data)
-    loader = DataLoader(
-        data, batch_size=1024, sampler=sampler, collate_fn=data.collate, num_workers=4
-    )
+    loader = DataLoader(data, batch_size=1024, sampler=sampler, collate_fn=data.collate, num_workers=4)
 
     model = DualTower().cuda()
     model = DistributedDataParallel(model, device_ids=[local_rank], **DDP_OPTS)
@@ -65,9 +62,7 @@ def main():
             p_ids, p_off = p_ids.cuda(non_blocking=True), p_off.cuda(non_blocking=True)
             logits = model(a_ids, a_off, p_ids, p_off)
             target = torch.arange(logits.size(0), device=logits.device)
-            loss = (
-                F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)
-            ) / 2
+            loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) / 2
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

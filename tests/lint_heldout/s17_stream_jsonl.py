@@ -1,5 +1,4 @@
 """Streaming pretraining on a directory of .jsonl.gz shards (too big for a map-style dataset)."""
-
 import os
 import glob
 import gzip
@@ -37,7 +36,7 @@ class JsonlStream(IterableDataset):
         for text in self._documents():
             buf.extend(self.tok.encode(text).ids + [self.eos])
             while len(buf) >= self.block + 1:
-                chunk, buf = buf[: self.block + 1], buf[self.block :]
+                chunk, buf = buf[: self.block + 1], buf[self.block:]
                 t = torch.tensor(chunk, dtype=torch.long)
                 yield t[:-1], t[1:]
 
@@ -49,20 +48,11 @@ def main():
     torch.cuda.set_device(local_rank)
     torch.manual_seed(0)
 
-    stream = JsonlStream(
-        "/data/pile/train/*.jsonl.gz", "tokenizer.json", block_size=2048
-    )
-    loader = DataLoader(
-        stream, batch_size=8, num_workers=6, pin_memory=True, prefetch_factor=4
-    )
+    stream = JsonlStream("/data/pile/train/*.jsonl.gz", "tokenizer.json", block_size=2048)
+    loader = DataLoader(stream, batch_size=8, num_workers=6, pin_memory=True, prefetch_factor=4)
 
-    model = DDP(
-        DecoderLM(vocab_size=50304, d_model=1024, n_layers=24).cuda(),
-        device_ids=[local_rank],
-    )
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1
-    )
+    model = DDP(DecoderLM(vocab_size=50304, d_model=1024, n_layers=24).cuda(), device_ids=[local_rank])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2000))
 
     max_steps = 100_000
@@ -81,9 +71,7 @@ def main():
             l = loss.detach()
             dist.all_reduce(l, op=dist.ReduceOp.AVG)
             if rank == 0:
-                print(
-                    f"step {step} loss {l.item():.4f} lr {sched.get_last_lr()[0]:.2e}"
-                )
+                print(f"step {step} loss {l.item():.4f} lr {sched.get_last_lr()[0]:.2e}")
         if step % 5000 == 0 and rank == 0:
             torch.save(model.module.state_dict(), f"stream_lm_{step}.pt")
 

@@ -1,5 +1,4 @@
 """Deep residual MLP-Mixer on 64x64 images, activation checkpointing to fit batch 256/GPU."""
-
 import os
 import argparse
 
@@ -17,15 +16,11 @@ class MixerBlock(nn.Module):
     def __init__(self, n_tokens, dim, token_hidden=256, channel_hidden=1024):
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
-        self.token_mlp = nn.Sequential(
-            nn.Linear(n_tokens, token_hidden),
-            nn.GELU(),
-            nn.Linear(token_hidden, n_tokens),
-        )
+        self.token_mlp = nn.Sequential(nn.Linear(n_tokens, token_hidden), nn.GELU(),
+                                       nn.Linear(token_hidden, n_tokens))
         self.ln2 = nn.LayerNorm(dim)
-        self.channel_mlp = nn.Sequential(
-            nn.Linear(dim, channel_hidden), nn.GELU(), nn.Linear(channel_hidden, dim)
-        )
+        self.channel_mlp = nn.Sequential(nn.Linear(dim, channel_hidden), nn.GELU(),
+                                         nn.Linear(channel_hidden, dim))
 
     def forward(self, x):
         x = x + self.token_mlp(self.ln1(x).transpose(1, 2)).transpose(1, 2)
@@ -33,9 +28,7 @@ class MixerBlock(nn.Module):
 
 
 class Mixer(nn.Module):
-    def __init__(
-        self, img=64, patch=8, dim=512, depth=24, n_classes=200, grad_ckpt=True
-    ):
+    def __init__(self, img=64, patch=8, dim=512, depth=24, n_classes=200, grad_ckpt=True):
         super().__init__()
         n_tokens = (img // patch) ** 2
         self.stem = nn.Conv2d(3, dim, patch, patch)
@@ -68,18 +61,11 @@ def main():
     torch.cuda.set_device(lr_)
     torch.manual_seed(0)
 
-    tf = transforms.Compose(
-        [
-            transforms.RandomCrop(64, padding=4),
-            transforms.RandomHorizontalFlip(),
-            transforms.ToTensor(),
-        ]
-    )
+    tf = transforms.Compose([transforms.RandomCrop(64, padding=4), transforms.RandomHorizontalFlip(),
+                             transforms.ToTensor()])
     ds = datasets.ImageFolder(os.path.join(args.data, "train"), tf)
     sampler = DistributedSampler(ds, shuffle=True)
-    dl = DataLoader(
-        ds, batch_size=args.bs, sampler=sampler, num_workers=8, pin_memory=True
-    )
+    dl = DataLoader(ds, batch_size=args.bs, sampler=sampler, num_workers=8, pin_memory=True)
 
     model = DDP(Mixer().cuda(lr_), device_ids=[lr_])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)

@@ -1,5 +1,4 @@
 """Partial fine-tuning of ConvNeXt-T: replace the head and freeze the early stages, then DDP."""
-
 import os
 import argparse
 
@@ -51,9 +50,7 @@ def main():
     weights = ConvNeXt_Tiny_Weights.IMAGENET1K_V1
     ds = datasets.ImageFolder(args.data, transform=weights.transforms())
     sampler = DistributedSampler(ds)
-    loader = DataLoader(
-        ds, batch_size=48, sampler=sampler, num_workers=6, pin_memory=True
-    )
+    loader = DataLoader(ds, batch_size=48, sampler=sampler, num_workers=6, pin_memory=True)
 
     model = build_model(args.classes, args.frozen_stages).to(local_rank)
     model = DDP(model, device_ids=[local_rank])
@@ -65,10 +62,7 @@ def main():
         model.train()
         correct = torch.zeros(2, device=local_rank)
         for x, y in loader:
-            x, y = (
-                x.to(local_rank, non_blocking=True),
-                y.to(local_rank, non_blocking=True),
-            )
+            x, y = x.to(local_rank, non_blocking=True), y.to(local_rank, non_blocking=True)
             out = model(x)
             loss = loss_fn(out, y)
             optimizer.zero_grad()

@@ -1,5 +1,4 @@
 """T5-style encoder-decoder summarisation fine-tune with FSDP (torch.distributed.fsdp.FullyShardedDataParallel)."""
-
 import os
 import functools
 
@@ -25,28 +24,16 @@ class FSDPTrainer:
         self.rank = dist.get_rank()
         self.local_rank = int(os.environ["LOCAL_RANK"])
         self.model = T5ForConditionalGeneration.from_pretrained(model_name)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, weight_decay=0.0
-        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.sampler = DistributedSampler(train_ds, shuffle=True)
-        self.loader = DataLoader(
-            train_ds,
-            batch_size=batch_size,
-            sampler=self.sampler,
-            collate_fn=train_ds.collate,
-            num_workers=2,
-        )
+        self.loader = DataLoader(train_ds, batch_size=batch_size, sampler=self.sampler,
+                                 collate_fn=train_ds.collate, num_workers=2)
         self._shard()
 
     def _shard(self):
-        policy = functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls={T5Block}
-        )
-        bf16 = MixedPrecision(
-            param_dtype=torch.bfloat16,
-            reduce_dtype=torch.bfloat16,
-            buffer_dtype=torch.bfloat16,
-        )
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={T5Block})
+        bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                              buffer_dtype=torch.bfloat16)
         self.model = FSDP(
             self.model,
             auto_wrap_policy=policy,
@@ -90,9 +77,7 @@ def main():
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     torch.manual_seed(0)
-    train_ds = load_summarisation(
-        "cnn_dailymail", split="train", max_src=512, max_tgt=128
-    )
+    train_ds = load_summarisation("cnn_dailymail", split="train", max_src=512, max_tgt=128)
     trainer = FSDPTrainer("t5-base", train_ds)
     trainer.fit(epochs=3)
     dist.barrier()

@@ -1,5 +1,4 @@
 """Convolutional beta-VAE on CelebA 64x64, DDP via torchrun."""
-
 import os
 import argparse
 
@@ -16,28 +15,20 @@ class VAE(nn.Module):
     def __init__(self, z=128):
         super().__init__()
         self.enc = nn.Sequential(
-            nn.Conv2d(3, 32, 4, 2, 1),
-            nn.LeakyReLU(0.2),
-            nn.Conv2d(32, 64, 4, 2, 1),
-            nn.LeakyReLU(0.2),
-            nn.Conv2d(64, 128, 4, 2, 1),
-            nn.LeakyReLU(0.2),
-            nn.Conv2d(128, 256, 4, 2, 1),
-            nn.LeakyReLU(0.2),
+            nn.Conv2d(3, 32, 4, 2, 1), nn.LeakyReLU(0.2),
+            nn.Conv2d(32, 64, 4, 2, 1), nn.LeakyReLU(0.2),
+            nn.Conv2d(64, 128, 4, 2, 1), nn.LeakyReLU(0.2),
+            nn.Conv2d(128, 256, 4, 2, 1), nn.LeakyReLU(0.2),
             nn.Flatten(),
         )
         self.mu = nn.Linear(256 * 16, z)
         self.logvar = nn.Linear(256 * 16, z)
         self.dec_in = nn.Linear(z, 256 * 16)
         self.dec = nn.Sequential(
-            nn.ConvTranspose2d(256, 128, 4, 2, 1),
-            nn.LeakyReLU(0.2),
-            nn.ConvTranspose2d(128, 64, 4, 2, 1),
-            nn.LeakyReLU(0.2),
-            nn.ConvTranspose2d(64, 32, 4, 2, 1),
-            nn.LeakyReLU(0.2),
-            nn.ConvTranspose2d(32, 3, 4, 2, 1),
-            nn.Sigmoid(),
+            nn.ConvTranspose2d(256, 128, 4, 2, 1), nn.LeakyReLU(0.2),
+            nn.ConvTranspose2d(128, 64, 4, 2, 1), nn.LeakyReLU(0.2),
+            nn.ConvTranspose2d(64, 32, 4, 2, 1), nn.LeakyReLU(0.2),
+            nn.ConvTranspose2d(32, 3, 4, 2, 1), nn.Sigmoid(),
         )
 
     def forward(self, x):
@@ -68,14 +59,10 @@ def main():
     torch.cuda.set_device(device)
     torch.manual_seed(5)
 
-    tf = transforms.Compose(
-        [transforms.CenterCrop(148), transforms.Resize(64), transforms.ToTensor()]
-    )
+    tf = transforms.Compose([transforms.CenterCrop(148), transforms.Resize(64), transforms.ToTensor()])
     ds = datasets.CelebA(args.root, split="train", transform=tf, download=False)
     sampler = DistributedSampler(ds, shuffle=True)
-    dl = DataLoader(
-        ds, batch_size=args.bs, sampler=sampler, num_workers=8, drop_last=True
-    )
+    dl = DataLoader(ds, batch_size=args.bs, sampler=sampler, num_workers=8, drop_last=True)
 
     vae = DDP(VAE().to(device), device_ids=[device.index])
     opt = torch.optim.Adam(vae.parameters(), lr=args.lr)
@@ -100,11 +87,7 @@ def main():
             print(f"epoch {epoch}: -ELBO per image {(total / count).item():.2f}")
             with torch.no_grad():
                 vae.module.eval()
-                save_image(
-                    torch.cat([fixed, vae.module(fixed)[0]]),
-                    f"recon_{epoch:03d}.png",
-                    nrow=8,
-                )
+                save_image(torch.cat([fixed, vae.module(fixed)[0]]), f"recon_{epoch:03d}.png", nrow=8)
             torch.save(vae.module.state_dict(), "vae.pt")
 
     dist.destroy_process_group()

@@ -1,5 +1,4 @@
 """Keyword-spotting (Speech Commands v2) with a 1-D conv net; config-dict driven, torchrun launch."""
-
 import os
 import yaml
 
@@ -26,11 +25,8 @@ class KWSNet(nn.Module):
         super().__init__()
         layers, c_in = [], n_mels
         for dilation in (1, 2, 4, 8):
-            layers += [
-                nn.Conv1d(c_in, ch, 3, padding=dilation, dilation=dilation),
-                nn.GroupNorm(8, ch),
-                nn.GELU(),
-            ]
+            layers += [nn.Conv1d(c_in, ch, 3, padding=dilation, dilation=dilation),
+                       nn.GroupNorm(8, ch), nn.GELU()]
             c_in = ch
         self.body = nn.Sequential(*layers)
         self.fc = nn.Linear(ch, n_classes)
@@ -55,21 +51,11 @@ class MelWrap(torch.utils.data.Dataset):
 
 
 def build_loader(cfg, rank, world):
-    base = torchaudio.datasets.SPEECHCOMMANDS(
-        cfg["root"], subset="training", download=False
-    )
+    base = torchaudio.datasets.SPEECHCOMMANDS(cfg["root"], subset="training", download=False)
     ds = MelWrap(base, cfg["n_mels"])
-    sampler = DistributedSampler(
-        ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg["seed"]
-    )
-    return DataLoader(
-        ds,
-        batch_size=cfg["batch_size"],
-        sampler=sampler,
-        num_workers=8,
-        pin_memory=True,
-        drop_last=True,
-    )
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg["seed"])
+    return DataLoader(ds, batch_size=cfg["batch_size"], sampler=sampler,
+                      num_workers=8, pin_memory=True, drop_last=True)
 
 
 def main():
@@ -87,9 +73,8 @@ def main():
     model = KWSNet(cfg["n_mels"]).cuda()
     model = DDP(model, device_ids=[local])
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=1e-2)
-    sched = torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=cfg["lr"], total_steps=cfg["epochs"] * len(loader)
-    )
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg["lr"],
+                                                total_steps=cfg["epochs"] * len(loader))
 
     for epoch in range(cfg["epochs"]):
         model.train()
@@ -102,13 +87,8 @@ def main():
             loss.backward()
             opt.step()
             sched.step()
-            m += torch.stack(
-                [
-                    loss.detach() * y.numel(),
-                    (logits.argmax(-1) == y).sum().float(),
-                    torch.tensor(float(y.numel()), device="cuda"),
-                ]
-            )
+            m += torch.stack([loss.detach() * y.numel(), (logits.argmax(-1) == y).sum().float(),
+                              torch.tensor(float(y.numel()), device="cuda")])
         dist.all_reduce(m)
         if rank == 0:
             print(f"[{epoch:02d}] loss {m[0] / m[2]:.4f} acc {m[1] / m[2]:.4f}")

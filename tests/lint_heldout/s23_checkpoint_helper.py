@@ -1,5 +1,4 @@
 """BiLSTM sentiment classifier with DDP (mp.spawn) and resumable checkpoints."""
-
 import os
 import argparse
 from pathlib import Path
@@ -19,15 +18,12 @@ class BiLSTM(nn.Module):
     def __init__(self, vocab, emb=300, hidden=256, n_cls=2):
         super().__init__()
         self.emb = nn.Embedding(vocab, emb, padding_idx=0)
-        self.rnn = nn.LSTM(
-            emb, hidden, num_layers=2, bidirectional=True, batch_first=True, dropout=0.3
-        )
+        self.rnn = nn.LSTM(emb, hidden, num_layers=2, bidirectional=True, batch_first=True, dropout=0.3)
         self.out = nn.Linear(2 * hidden, n_cls)
 
     def forward(self, ids, lengths):
-        packed = nn.utils.rnn.pack_padded_sequence(
-            self.emb(ids), lengths.cpu(), batch_first=True, enforce_sorted=False
-        )
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths.cpu(), batch_first=True,
+                                                   enforce_sorted=False)
         _, (h, _) = self.rnn(packed)
         return self.out(torch.cat([h[-2], h[-1]], dim=-1))
 

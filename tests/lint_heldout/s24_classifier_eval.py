@@ -1,5 +1,4 @@
 """Swin-T on a 100-class subset with periodic distributed validation (torchrun)."""
-
 import os
 import argparse
 
@@ -18,11 +17,9 @@ def make_loaders(root, bs):
     val = datasets.ImageFolder(os.path.join(root, "val"), tf)
     train_s = DistributedSampler(train, shuffle=True)
     val_s = DistributedSampler(val, shuffle=False)
-    return (
-        DataLoader(train, bs, sampler=train_s, num_workers=8, pin_memory=True),
-        DataLoader(val, bs, sampler=val_s, num_workers=8, pin_memory=True),
-        train_s,
-    )
+    return (DataLoader(train, bs, sampler=train_s, num_workers=8, pin_memory=True),
+            DataLoader(val, bs, sampler=val_s, num_workers=8, pin_memory=True),
+            train_s)
 
 
 @torch.no_grad()

@@ -1,5 +1,4 @@
 """Multi-horizon load forecasting with a GRU encoder; DDP, wandb logging on the master process."""
-
 import os
 import json
 import argparse
@@ -22,8 +21,8 @@ class Windows(Dataset):
         return self.series.shape[0] - self.lb - self.h
 
     def __getitem__(self, i):
-        x = self.series[i : i + self.lb]
-        y = self.series[i + self.lb : i + self.lb + self.h]
+        x = self.series[i:i + self.lb]
+        y = self.series[i + self.lb:i + self.lb + self.h]
         return torch.from_numpy(x), torch.from_numpy(y)
 
 
@@ -64,9 +63,7 @@ def main():
 
     ds = Windows(args.data)
     sampler = DistributedSampler(ds, shuffle=True)
-    dl = DataLoader(
-        ds, batch_size=args.bs, sampler=sampler, num_workers=4, drop_last=True
-    )
+    dl = DataLoader(ds, batch_size=args.bs, sampler=sampler, num_workers=4, drop_last=True)
 
     model = Forecaster(ds.series.shape[1]).cuda()
     model = DDP(model, device_ids=[local_rank])

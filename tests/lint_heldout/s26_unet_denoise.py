@@ -1,5 +1,4 @@
 """Image denoising UNet (GroupNorm) trained with DDP; launched by torchrun on one 4-GPU node."""
-
 import os
 
 import torch
@@ -15,24 +14,14 @@ EPOCHS, BS, LR, SIGMA = 50, 32, 2e-4, 0.1
 
 
 def block(cin, cout):
-    return nn.Sequential(
-        nn.Conv2d(cin, cout, 3, padding=1),
-        nn.GroupNorm(8, cout),
-        nn.SiLU(),
-        nn.Conv2d(cout, cout, 3, padding=1),
-        nn.GroupNorm(8, cout),
-        nn.SiLU(),
-    )
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(8, cout), nn.SiLU(),
+                         nn.Conv2d(cout, cout, 3, padding=1), nn.GroupNorm(8, cout), nn.SiLU())
 
 
 class UNet(nn.Module):
     def __init__(self, ch=(64, 128, 256)):
         super().__init__()
-        self.d1, self.d2, self.d3 = (
-            block(3, ch[0]),
-            block(ch[0], ch[1]),
-            block(ch[1], ch[2]),
-        )
+        self.d1, self.d2, self.d3 = block(3, ch[0]), block(ch[0], ch[1]), block(ch[1], ch[2])
         self.u2 = block(ch[2] + ch[1], ch[1])
         self.u1 = block(ch[1] + ch[0], ch[0])
         self.out = nn.Conv2d(ch[0], 3, 1)
@@ -47,18 +36,11 @@ class UNet(nn.Module):
 
 
 def get_data(rank, world):
-    tf = transforms.Compose(
-        [
-            transforms.RandomCrop(128),
-            transforms.RandomHorizontalFlip(),
-            transforms.ToTensor(),
-        ]
-    )
+    tf = transforms.Compose([transforms.RandomCrop(128), transforms.RandomHorizontalFlip(),
+                             transforms.ToTensor()])
     ds = datasets.ImageFolder("/data/div2k_patches", tf)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True)
-    return DataLoader(
-        ds, batch_size=BS, sampler=sampler, num_workers=6, drop_last=True
-    ), sampler
+    return DataLoader(ds, batch_size=BS, sampler=sampler, num_workers=6, drop_last=True), sampler
 
 
 def psnr(a, b):

@@ -1,6 +1,5 @@
 """Train an MLP-based recommender (fp32 master weights, bf16 autocast), then export a bf16 copy
 for serving and run a quick offline evaluation with it."""
-
 import os
 
 import torch
@@ -20,13 +19,8 @@ class NCF(nn.Module):
         super().__init__()
         self.user = nn.Embedding(N_USERS, DIM)
         self.item = nn.Embedding(N_ITEMS, DIM)
-        self.mlp = nn.Sequential(
-            nn.Linear(2 * DIM, 256),
-            nn.ReLU(),
-            nn.Linear(256, 64),
-            nn.ReLU(),
-            nn.Linear(64, 1),
-        )
+        self.mlp = nn.Sequential(nn.Linear(2 * DIM, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(),
+                                 nn.Linear(64, 1))
 
     def forward(self, u, i):
         return self.mlp(torch.cat([self.user(u), self.item(i)], -1)).squeeze(-1)
@@ -79,12 +73,8 @@ def main():
     if rank == 0:
         torch.save(model.module.state_dict(), "ncf_fp32.pt")
         serving = model.module.to(torch.bfloat16).eval()
-        test_loader = DataLoader(
-            InteractionDataset("interactions_test.parquet"), batch_size=8192
-        )
-        print(
-            f"bf16 serving accuracy: {offline_eval(serving, test_loader, device):.4f}"
-        )
+        test_loader = DataLoader(InteractionDataset("interactions_test.parquet"), batch_size=8192)
+        print(f"bf16 serving accuracy: {offline_eval(serving, test_loader, device):.4f}")
         torch.save(serving.state_dict(), "ncf_bf16_serving.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -4,7 +4,6 @@ Works both single-GPU (python s28_masked_tabular.py) and multi-GPU (torchrun ...
 The dataset file is pre-shuffled offline, so the sampler does not shuffle; the random
 feature masks give each rank different views instead.
 """
-
 import os
 import time
 
@@ -39,22 +38,15 @@ blob = torch.load("tabular_shuffled.pt")
 X = blob["x"].float()
 ds = TensorDataset(X)
 sampler = DistributedSampler(ds, shuffle=False) if ddp else None
-loader = DataLoader(
-    ds, batch_size=BATCH, sampler=sampler, shuffle=False, num_workers=2, drop_last=True
-)
+loader = DataLoader(ds, batch_size=BATCH, sampler=sampler, shuffle=False, num_workers=2, drop_last=True)
 
 
 class MaskedAE(nn.Module):
     def __init__(self, d, hidden=512):
         super().__init__()
         self.mask_token = nn.Parameter(torch.zeros(d))
-        self.enc = nn.Sequential(
-            nn.Linear(d, hidden),
-            nn.GELU(),
-            nn.Dropout(0.1),
-            nn.Linear(hidden, hidden),
-            nn.GELU(),
-        )
+        self.enc = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Dropout(0.1),
+                                 nn.Linear(hidden, hidden), nn.GELU())
         self.dec = nn.Linear(hidden, d)
 
     def forward(self, x, mask):
@@ -86,9 +78,7 @@ for epoch in range(EPOCHS):
     if ddp:
         dist.all_reduce(tot)
     if master_process:
-        print(
-            f"epoch {epoch:3d} masked mse {(tot[0] / tot[1]).item():.5f} ({time.time() - t0:.1f}s)"
-        )
+        print(f"epoch {epoch:3d} masked mse {(tot[0] / tot[1]).item():.5f} ({time.time() - t0:.1f}s)")
 
 if master_process:
     raw = model.module if ddp else model

@@ -1,5 +1,4 @@
 """Trainer-class DDP job (torchrun) for a deep point-cloud classifier (PointNet-style) on ModelNet40."""
-
 import os
 from functools import partial
 
@@ -9,12 +8,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.distributed import (
-    init_process_group,
-    destroy_process_group,
-    get_rank,
-    all_reduce,
-)
+from torch.distributed import init_process_group, destroy_process_group, get_rank, all_reduce
 from torch.utils.checkpoint import checkpoint
 
 from modelnet import ModelNet40  # project-local
@@ -35,12 +29,8 @@ class SharedMLP(nn.Module):
 class PointNet(nn.Module):
     def __init__(self, n_classes=40, use_ckpt=True):
         super().__init__()
-        self.layers = nn.ModuleList(
-            [SharedMLP(3, 64), SharedMLP(64, 128), SharedMLP(128, 1024)]
-        )
-        self.head = nn.Sequential(
-            nn.Linear(1024, 512), nn.ReLU(), nn.Dropout(0.4), nn.Linear(512, n_classes)
-        )
+        self.layers = nn.ModuleList([SharedMLP(3, 64), SharedMLP(64, 128), SharedMLP(128, 1024)])
+        self.head = nn.Sequential(nn.Linear(1024, 512), nn.ReLU(), nn.Dropout(0.4), nn.Linear(512, n_classes))
         self.use_ckpt = use_ckpt
 
     def forward(self, pts):
@@ -56,9 +46,7 @@ def prepare_model(model, device_id):
 
 
 class Trainer:
-    def __init__(
-        self, model, train_data, make_optimizer, save_every, snapshot_path="pointnet.pt"
-    ):
+    def __init__(self, model, train_data, make_optimizer, save_every, snapshot_path="pointnet.pt"):
         self.gpu_id = int(os.environ["LOCAL_RANK"])
         self.global_rank = get_rank()
         self.model = prepare_model(model, self.gpu_id)
@@ -103,15 +91,8 @@ def main(total_epochs=200, save_every=10, batch_size=32):
     init_process_group(backend="nccl")
     torch.manual_seed(0)
     ds = ModelNet40("/data/modelnet40", split="train", n_points=1024)
-    loader = DataLoader(
-        ds,
-        batch_size=batch_size,
-        pin_memory=True,
-        shuffle=False,
-        sampler=DistributedSampler(ds),
-        num_workers=4,
-        drop_last=True,
-    )
+    loader = DataLoader(ds, batch_size=batch_size, pin_memory=True, shuffle=False,
+                        sampler=DistributedSampler(ds), num_workers=4, drop_last=True)
     model = PointNet()
     make_optimizer = partial(torch.optim.Adam, lr=1e-3, weight_decay=1e-4)
     Trainer(model, loader, make_optimizer, save_every).train(total_epochs)

@@ -1,6 +1,5 @@
 """Multi-task streaming training: each shard belongs to one task, and each batch only
 exercises that task's head, so DDP must tolerate unused parameters."""
-
 import os
 import glob
 import json
@@ -44,20 +43,14 @@ class ShardedTaskStream(IterableDataset):
 def collate_same_task(items):
     task = items[0][0]
     assert all(t == task for t, _, _ in items)
-    return (
-        task,
-        torch.stack([i for _, i, _ in items]),
-        torch.tensor([l for _, _, l in items]),
-    )
+    return task, torch.stack([i for _, i, _ in items]), torch.tensor([l for _, _, l in items])
 
 
 class MultiTaskModel(nn.Module):
     def __init__(self, vocab=32000, dim=384, layers=6):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
-        enc_layer = nn.TransformerEncoderLayer(
-            dim, 6, 4 * dim, batch_first=True, norm_first=True
-        )
+        enc_layer = nn.TransformerEncoderLayer(dim, 6, 4 * dim, batch_first=True, norm_first=True)
         self.encoder = nn.TransformerEncoder(enc_layer, layers)
         self.heads = nn.ModuleDict({t: nn.Linear(dim, n) for t, n in TASKS.items()})
 
@@ -74,9 +67,7 @@ def main():
     torch.manual_seed(0)
 
     stream = ShardedTaskStream("/data/mt/*-*.jsonl", rank, world)
-    loader = DataLoader(
-        stream, batch_size=64, num_workers=4, collate_fn=collate_same_task
-    )
+    loader = DataLoader(stream, batch_size=64, num_workers=4, collate_fn=collate_same_task)
 
     model = MultiTaskModel().cuda(local_rank)
     # only one task head participates in any given step
@@ -84,10 +75,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=2e-4, weight_decay=0.01)
 
     for step, (task, ids, labels) in enumerate(itertools.islice(loader, 50_000)):
-        ids, labels = (
-            ids.cuda(local_rank, non_blocking=True),
-            labels.cuda(local_rank, non_blocking=True),
-        )
+        ids, labels = ids.cuda(local_rank, non_blocking=True), labels.cuda(local_rank, non_blocking=True)
         loss = F.cross_entropy(model(ids, task), labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()

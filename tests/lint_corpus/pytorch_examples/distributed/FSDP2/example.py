@@ -7,13 +7,11 @@ from model import ModelArgs, Transformer
 from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 from utils import inspect_mixed_precision, inspect_model
 
-
 def verify_min_gpu_count(min_gpus: int = 2) -> bool:
-    """verification that we have at least 2 gpus to run dist examples"""
+    """ verification that we have at least 2 gpus to run dist examples """
     has_gpu = torch.accelerator.is_available()
     gpu_count = torch.accelerator.device_count()
     return has_gpu and gpu_count >= min_gpus
-
 
 def set_modules_to_forward_prefetch(model, num_to_forward_prefetch):
     for i, layer in enumerate(model.layers):
@@ -38,9 +36,7 @@ def set_modules_to_backward_prefetch(model, num_to_backward_prefetch):
 def main(args):
     _min_gpu_count = 2
     if not verify_min_gpu_count(min_gpus=_min_gpu_count):
-        print(
-            f"Unable to locate sufficient {_min_gpu_count} gpus to run this example. Exiting."
-        )
+        print(f"Unable to locate sufficient {_min_gpu_count} gpus to run this example. Exiting.")
         exit()
     rank = int(os.environ["LOCAL_RANK"])
     if torch.accelerator.is_available():
@@ -90,7 +86,7 @@ def main(args):
         model.reset_parameters()
     else:
         checkpointer.load_model(model)
-
+    
     if args.mixed_precision:
         inspect_mixed_precision(model)
 
@@ -118,5 +114,5 @@ if __name__ == "__main__":
     parser.add_argument("--mixed-precision", action="store_true", default=False)
     parser.add_argument("--dcp-api", action="store_true", default=False)
     args = parser.parse_args()
-
+    
     main(args)

@@ -11,13 +11,11 @@ import torch.optim as optim
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-
 def verify_min_gpu_count(min_gpus: int = 2) -> bool:
-    """verification that we have at least 2 gpus to run dist examples"""
+    """ verification that we have at least 2 gpus to run dist examples """
     has_gpu = torch.accelerator.is_available()
     gpu_count = torch.accelerator.device_count()
     return has_gpu and gpu_count >= min_gpus
-
 
 class ToyModel(nn.Module):
     def __init__(self):
@@ -35,7 +33,7 @@ def demo_basic(rank):
     print(
         f"[{os.getpid()}] rank = {dist.get_rank()}, "
         + f"world_size = {dist.get_world_size()}"
-    )
+        )
 
     model = ToyModel().to(rank)
     ddp_model = DDP(model, device_ids=[rank])
@@ -56,19 +54,12 @@ def main():
     # These are the parameters used to initialize the process group
     env_dict = {
         key: os.environ[key]
-        for key in (
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "RANK",
-            "LOCAL_RANK",
-            "WORLD_SIZE",
-            "LOCAL_WORLD_SIZE",
-        )
+        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
     }
-    rank = int(env_dict["RANK"])
-    local_rank = int(env_dict["LOCAL_RANK"])
-    local_world_size = int(env_dict["LOCAL_WORLD_SIZE"])
-
+    rank = int(env_dict['RANK'])
+    local_rank = int(env_dict['LOCAL_RANK'])
+    local_world_size = int(env_dict['LOCAL_WORLD_SIZE'])
+    
     if sys.platform == "win32":
         # Distributed package only covers collective communications with Gloo
         # backend and FileStore on Windows platform. Set init_method parameter
@@ -84,14 +75,9 @@ def main():
             # It is a example application, For convience, we create a file in temp dir.
             temp_dir = tempfile.gettempdir()
             init_method = f"file:///{os.path.join(temp_dir, 'ddp_example')}"
-        dist.init_process_group(
-            backend="gloo",
-            init_method=init_method,
-            rank=int(env_dict["RANK"]),
-            world_size=int(env_dict["WORLD_SIZE"]),
-        )
+        dist.init_process_group(backend="gloo", init_method=init_method, rank=int(env_dict["RANK"]), world_size=int(env_dict["WORLD_SIZE"]))
     else:
-        print(f"[{os.getpid()}] Initializing process group with: {env_dict}")
+        print(f"[{os.getpid()}] Initializing process group with: {env_dict}")  
         acc = torch.accelerator.current_accelerator()
         backend = torch.distributed.get_default_backend_for_device(acc)
         torch.accelerator.set_device_index(rank)
@@ -99,8 +85,7 @@ def main():
 
     print(
         f"[{os.getpid()}]: world_size = {dist.get_world_size()}, "
-        + f"rank = {dist.get_rank()}, backend={dist.get_backend()} \n",
-        end="",
+        + f"rank = {dist.get_rank()}, backend={dist.get_backend()} \n", end=''
     )
 
     demo_basic(rank)
@@ -108,12 +93,9 @@ def main():
     # Tear down the process group
     dist.destroy_process_group()
 
-
 if __name__ == "__main__":
     _min_gpu_count = 2
     if not verify_min_gpu_count(min_gpus=_min_gpu_count):
-        print(
-            f"Unable to locate sufficient {_min_gpu_count} gpus to run this example. Exiting."
-        )
+        print(f"Unable to locate sufficient {_min_gpu_count} gpus to run this example. Exiting.")
         sys.exit()
     main()

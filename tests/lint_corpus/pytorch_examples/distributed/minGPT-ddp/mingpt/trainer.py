@@ -18,7 +18,6 @@ from urllib.parse import urlparse
 import fsspec
 import io
 
-
 @dataclass
 class TrainerConfig:
     max_epochs: int = None
@@ -29,35 +28,26 @@ class TrainerConfig:
     save_every: int = None
     use_amp: bool = None
 
-
 @dataclass
 class Snapshot:
-    model_state: "OrderedDict[str, torch.Tensor]"
+    model_state: 'OrderedDict[str, torch.Tensor]'
     optimizer_state: Dict[str, Any]
     finished_epoch: int
-
 
 def upload_to_s3(obj, dst):
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     buffer.seek(0)
     dst = urlparse(dst, allow_fragments=False)
-    boto3.client("s3").upload_fileobj(buffer, dst.netloc, dst.path.lstrip("/"))
-
+    boto3.client('s3').upload_fileobj(buffer, dst.netloc, dst.path.lstrip('/'))
 
 class Trainer:
-    def __init__(
-        self,
-        trainer_config: TrainerConfig,
-        model,
-        optimizer,
-        train_dataset,
-        test_dataset=None,
-    ):
+
+    def __init__(self, trainer_config: TrainerConfig, model, optimizer, train_dataset, test_dataset=None):
         self.config = trainer_config
         # set torchrun variables
         self.local_rank = int(os.environ["LOCAL_RANK"])
-        self.global_rank = int(os.environ["RANK"])
+        self.global_rank = int(os.environ["RANK"])  
         # set device
         self.acc = torch.accelerator.current_accelerator()
         self.device: torch.device = torch.device(f"{self.acc}:{self.local_rank}")
@@ -65,13 +55,11 @@ class Trainer:
         # data stuff
         self.train_dataset = train_dataset
         self.train_loader = self._prepare_dataloader(train_dataset)
-        self.test_loader = (
-            self._prepare_dataloader(test_dataset) if test_dataset else None
-        )
+        self.test_loader = self._prepare_dataloader(test_dataset) if test_dataset else None
         # initialize train states
         self.epochs_run = 0
         self.model = model.to(self.local_rank)
-        self.optimizer = optimizer
+        self.optimizer = optimizer        
         self.save_every = self.config.save_every
         if self.config.use_amp:
             self.scaler = torch.amp.GradScaler(self.device_type)
@@ -81,7 +69,7 @@ class Trainer:
         self._load_snapshot()
         # wrap with DDP. this step will synch model across all the processes.
         self.model = DDP(self.model, device_ids=[self.local_rank])
-
+        
     def _prepare_dataloader(self, dataset: Dataset):
         return DataLoader(
             dataset,
@@ -89,7 +77,7 @@ class Trainer:
             pin_memory=True,
             shuffle=False,
             num_workers=self.config.data_loader_workers,
-            sampler=DistributedSampler(dataset),
+            sampler=DistributedSampler(dataset)
         )
 
     def _load_snapshot(self):
@@ -99,7 +87,7 @@ class Trainer:
                 snapshot_data = torch.load(f, map_location="cpu")
         except FileNotFoundError:
             print("Snapshot not found. Training model from scratch")
-            return
+            return 
 
         snapshot = Snapshot(**snapshot_data)
         self.model.load_state_dict(snapshot.model_state)
@@ -107,33 +95,23 @@ class Trainer:
         self.epochs_run = snapshot.finished_epoch
         print(f"Resuming training from snapshot at Epoch {self.epochs_run}")
 
-    def _run_batch(self, source, targets, train: bool = True) -> float:
-        with (
-            torch.set_grad_enabled(train),
-            torch.amp.autocast(
-                device_type=self.device_type,
-                dtype=torch.float16,
-                enabled=(self.config.use_amp),
-            ),
-        ):
-            _, loss = self.model(source, targets)
 
+    def _run_batch(self, source, targets, train: bool = True) -> float:
+        with torch.set_grad_enabled(train), torch.amp.autocast(device_type=self.device_type, dtype=torch.float16, enabled=(self.config.use_amp)):
+            _, loss = self.model(source, targets)
+        
         if train:
             self.optimizer.zero_grad(set_to_none=True)
-            if self.config.use_amp:
+            if self.config.use_amp: 
                 self.scaler.scale(loss).backward()
-                torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), self.config.grad_norm_clip
-                )
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_norm_clip)
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
             else:
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), self.config.grad_norm_clip
-                )
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_norm_clip)
                 self.optimizer.step()
-
+        
         return loss.item()
 
     def _run_epoch(self, epoch: int, dataloader: DataLoader, train: bool = True):
@@ -145,9 +123,7 @@ class Trainer:
             targets = targets.to(self.local_rank)
             batch_loss = self._run_batch(source, targets, train)
             if iter % 100 == 0:
-                print(
-                    f"[RANK{self.global_rank}] Epoch {epoch} | Iter {iter} | {step_type} Loss {batch_loss:.5f}"
-                )
+                print(f"[RANK{self.global_rank}] Epoch {epoch} | Iter {iter} | {step_type} Loss {batch_loss:.5f}")
 
     def _save_snapshot(self, epoch):
         # capture snapshot
@@ -156,7 +132,7 @@ class Trainer:
         snapshot = Snapshot(
             model_state=raw_model.state_dict(),
             optimizer_state=self.optimizer.state_dict(),
-            finished_epoch=epoch,
+            finished_epoch=epoch
         )
         # save snapshot
         snapshot = asdict(snapshot)
@@ -164,7 +140,7 @@ class Trainer:
             upload_to_s3(snapshot, self.config.snapshot_path)
         else:
             torch.save(snapshot, self.config.snapshot_path)
-
+            
         print(f"Snapshot saved at epoch {epoch}")
 
     def train(self):

@@ -15,13 +15,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16
 
-
 def verify_min_gpu_count(min_gpus: int = 2) -> bool:
-    """verification that we have at least 2 gpus to run dist examples"""
+    """ verification that we have at least 2 gpus to run dist examples """
     has_gpu = torch.accelerator.is_available()
     gpu_count = torch.accelerator.device_count()
     return has_gpu and gpu_count >= min_gpus
-
 
 class HybridModel(torch.nn.Module):
     r"""
@@ -158,10 +156,7 @@ def run_worker(rank, world_size):
         torch.accelerator.device_index(rank)
         # Initialize process group for Distributed DataParallel on trainers.
         dist.init_process_group(
-            backend=backend,
-            rank=rank,
-            world_size=2,
-            init_method="tcp://localhost:29500",
+            backend=backend, rank=rank, world_size=2, init_method="tcp://localhost:29500"
         )
 
         # Initialize RPC.
@@ -186,7 +181,7 @@ def run_worker(rank, world_size):
 
     # block until all rpcs finish
     rpc.shutdown()
-
+    
     # Clean up process group for trainers to avoid resource leaks
     if rank <= 1:
         dist.destroy_process_group()
@@ -197,9 +192,7 @@ if __name__ == "__main__":
     world_size = 4
     _min_gpu_count = 2
     if not verify_min_gpu_count(min_gpus=_min_gpu_count):
-        print(
-            f"Unable to locate sufficient {_min_gpu_count} gpus to run this example. Exiting."
-        )
+        print(f"Unable to locate sufficient {_min_gpu_count} gpus to run this example. Exiting.")
         exit()
     mp.spawn(run_worker, args=(world_size,), nprocs=world_size, join=True)
     print("Distributed RPC example completed successfully.")
