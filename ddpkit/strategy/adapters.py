@@ -41,6 +41,7 @@ about each place where that matters, and why there:
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -254,10 +255,10 @@ def export_merged(module: nn.Module, path: str | Path, *, main: bool) -> Path:
         twin = peft.get_peft_model(type(base)(base.config), config)
     twin.load_state_dict(dict(state), strict=False, assign=True)
     merged = twin.merge_and_unload()
-    for name, b in list(merged.named_buffers()):
-        if b.is_meta:  # a non-persistent buffer (rotary inv_freq): never saved; copy the trained model's
-            merged.get_buffer(name).data = base.get_buffer(name).detach().cpu().clone()
-    still = [n for n, p in merged.named_parameters() if p.is_meta]
+    _copy_unsaved_buffers(merged, base)
+    if getattr(base, "generation_config", None) is not None:  # the user's, not the defaults of the config
+        merged.generation_config = copy.deepcopy(base.generation_config)
+    still = [n for n, t in [*merged.named_parameters(), *merged.named_buffers()] if t.is_meta]
     if still:
         raise problem(
             f"the merged model has {len(still)} tensors the saved state lacks ({still[0]!r})",
@@ -267,6 +268,17 @@ def export_merged(module: nn.Module, path: str | Path, *, main: bool) -> Path:
     merged.save_pretrained(str(target))
     _wait()
     return target
+
+
+def _copy_unsaved_buffers(merged: nn.Module, base: nn.Module) -> None:
+    """Give the merged twin the trained model's buffers that no state dict holds (non-persistent: Llama's
+    rotary `inv_freq`), left on `meta` by the build. A meta tensor cannot take real data in place
+    (`.data =` raises), so the owner module's buffer is replaced (`setattr` keeps it non-persistent)."""
+    trained = {plain_name(n): b for n, b in base.named_buffers()}
+    for name, b in list(merged.named_buffers()):
+        if b.is_meta and name in trained:
+            owner, _, leaf = name.rpartition(".")
+            setattr(merged.get_submodule(owner), leaf, trained[name].detach().cpu().clone())
 
 
 def _wait() -> None:

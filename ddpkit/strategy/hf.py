@@ -25,6 +25,7 @@ Three things such a model does that a plain `nn.Module` does not, and what ddpki
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import sys
 from collections.abc import Callable, Iterator
@@ -170,7 +171,17 @@ def export(
         return write(path if "://" in str(path) else target, model)  # a URL: Path() would fold its //
     written = write(target / "model.safetensors", model)  # every rank (a collective under FSDP)
     if main:
-        inner.config.save_pretrained(target)
+        saved_config(inner).save_pretrained(target)
         if getattr(inner, "generation_config", None) is not None and inner.can_generate():
             inner.generation_config.save_pretrained(target)
     return target if written is not None else None
+
+
+def saved_config(model: Any) -> Any:
+    """The model's config as `save_pretrained` writes it: with `architectures` (the class that tools
+    reading config.json build: pipelines, vLLM) and `dtype` (the weights' dtype). A copy: the model's own
+    config is left as it is."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard's class: FSDP<name>
+    config.dtype = str(model.dtype).removeprefix("torch.")
+    return config
