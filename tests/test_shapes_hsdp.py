@@ -148,7 +148,7 @@ def test_degrees_over_every_shape(case: tuple, want: tuple) -> None:
         assert "within_node=False" in message, message
         fix = re.search(r"e\.g\. shard=(\d+)", message)
     else:
-        assert f"does not cover the {world} ranks of this job: {want[1]}" in message, message
+        assert f"do not cover the {world} ranks of this job: {want[1]}" in message, message
         assert f"product is {world}" in message, message
         fix = re.search(r"e\.g\. HSDPOptions\(replicate=(\d+), shard=(\d+)\)", message)
     assert message.count("\n") == 0 and "Traceback" not in message  # one paragraph
@@ -165,7 +165,7 @@ def test_replicate_alone_names_no_shard_the_user_never_gave() -> None:
     with pytest.raises(DdpkitError) as err:
         HSDPOptions(replicate=2).degrees(_shape(3, 3))
     message = str(err.value)
-    assert message.startswith("HSDPOptions(replicate=2) does not cover the 3 ranks"), message
+    assert message.startswith("the degrees of HSDPOptions(replicate=2) do not cover the 3 ranks"), message
     assert "shard=1" not in message and "x shard 1" not in message, message
     assert "e.g. HSDPOptions(replicate=1, shard=3)" in message, message
 
@@ -313,7 +313,7 @@ def test_degrees_that_do_not_fit_three_ranks_end_ddpkit_run_with_one_paragraph(t
     done = run_cli("run", "--nproc", "3", str(script), timeout=120)
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
-    paragraph = "HSDPOptions(replicate=2, shard=2) does not cover the 3 ranks of this job"
+    paragraph = "the degrees of HSDPOptions(replicate=2, shard=2) do not cover the 3 ranks of this job"
     assert out.count(paragraph) == 1, out  # once for the job, not once per rank
     assert f"ddpkit run: {paragraph}: replicate 2 x shard 2 = 4 ranks." in done.stderr, done.stderr
     assert "e.g. HSDPOptions(replicate=1, shard=3)" in done.stderr, done.stderr

@@ -40,7 +40,7 @@ class HSDPOptions(FSDPOptions):
         replicate, shard = self._cover(world, local)
         if self.within_node and local % shard:
             raise problem(
-                f"{self._given()} makes shard groups of {shard} ranks, which would span nodes of {local} "
+                f"{self._given()} make shard groups of {shard} ranks, which would span nodes of {local} "
                 "ranks: their all-gathers and reduce-scatters would cross the slow link every step",
                 f"Pass a shard degree that divides {local} (e.g. shard={math.gcd(world, local)}), or "
                 "HSDPOptions(within_node=False) to shard across nodes on purpose",
@@ -48,9 +48,10 @@ class HSDPOptions(FSDPOptions):
         return replicate, shard
 
     def _given(self) -> str:
-        """The degrees as the user wrote them: "HSDPOptions(replicate=2)" (None: not written)."""
+        """The degrees as the user wrote them: "the degrees of HSDPOptions(replicate=2)" (a None is
+        left out: the user did not write it)."""
         given = [f"{n}={v}" for n, v in (("replicate", self.replicate), ("shard", self.shard)) if v]
-        return f"HSDPOptions({', '.join(given)})" if given else "HSDP's default shard degree"
+        return f"the degrees of HSDPOptions({', '.join(given)})" if given else "HSDP's default degrees"
 
     def _cover(self, world: int, local: int) -> tuple[int, int]:
         """(replicate, shard) whose product is `world`: the degree not given follows from the one given
@@ -72,7 +73,7 @@ class HSDPOptions(FSDPOptions):
         example = math.gcd(world, local)  # divides the world and a node: a shape that is always accepted
         rest = ", or leave both None" if self.replicate or self.shard else ""
         raise problem(
-            f"{self._given()} does not cover the {world} ranks of this job: {what}",
+            f"{self._given()} do not cover the {world} ranks of this job: {what}",
             f"Give degrees whose product is {world} (e.g. HSDPOptions(replicate={world // example}, "
             f"shard={example}): shard inside each node, replicate across nodes){rest}",
         )
