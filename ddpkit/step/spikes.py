@@ -14,7 +14,11 @@ are identical after the backward's all-reduce, so the norm needs no collective; 
 step: the one all-reduce of the clip), and, under `ddpkit.fit`, the mean loss that `fit`'s one
 all-reduce before the step already agrees (the stop flags and non-finite check travel in the same
 tensor). No collective is added per step. In a plain `s.step` loop the loss is each rank's own, so the
-guard judges the gradient norm alone there. Without `max_norm` the guard computes the norm itself
+guard judges the gradient norm alone there. A loss that is not finite is no spike to skip: `fit` stops at
+it, and so does an `s.step` loop whose step has a norm that is not finite and a loss that is not finite on
+any rank (one all-reduce of a flag per rank, on that path only; `Stepper._stop_if_loss_not_finite`):
+skipped, a loss nan from the first step would skip every step and the run would end untrained.
+Without `max_norm` the guard computes the norm itself
 (`grad_norm`: the clip's norm without the clip, read under DDP from its flat buckets, one kernel per run
 of gradients lying end to end there, torch's value but for float rounding; under FSDP or the sharded
 optimizer step the one scalar all-reduce a clip costs).
@@ -69,7 +73,9 @@ class SpikeGuard:
     `window`: accepted steps the median is taken over. `warmup`: accepted steps before any judgement.
     `threshold`: robust standard deviations above the median. `floor`: the least rise judged a spike, as
     a fraction of the median. `count_skipped`: a skipped step still counts (the session's step counter
-    and `fit`'s scheduler advance, so the schedule follows the data); False: neither advances.
+    and `fit`'s scheduler advance, so the schedule follows the data); False: neither advances, nor
+    `fit`'s `max_steps`, and `fit` reports no loss, log row or evaluation for it (its samples and time go
+    into the next counted step's throughput).
     `remedy`: "skip" (drop the step) or "rollback" (under `ddpkit.fit`: every rank loads the last
     checkpoint and leaves the step's samples out from then on, by global position; see `ddpkit.fit`).
     """
