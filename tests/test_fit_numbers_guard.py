@@ -18,8 +18,6 @@ import ddpkit
 from ddpkit.errors import DdpkitError
 from ddpkit.step.spikes import Judge
 
-pytestmark = pytest.mark.numerics
-
 PLANT = 5  # the planted spike's batch (1-based)
 
 
