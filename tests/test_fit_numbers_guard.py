@@ -18,6 +18,8 @@ import ddpkit
 from ddpkit.errors import DdpkitError
 from ddpkit.step.spikes import Judge
 
+pytestmark = pytest.mark.numerics  # .ci/run runs these again under ATEN_CPU_CAPABILITY=default
+
 PLANT = 5  # the planted spike's batch (1-based)
 
 
