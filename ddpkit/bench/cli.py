@@ -34,11 +34,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from ddpkit.cluster.spawn import SpawnError
+
     ns = build_parser().parse_args(argv)
     try:
         return ns.run(ns)
     except DdpkitError as err:
         print(f"ddpkit bench {ns.bench}: error: {err}", file=sys.stderr)
+        return 2
+    except SpawnError as err:
+        if "did not finish within" not in str(err):  # a rank raised: its traceback is the report
+            raise
+        longer = "pass a longer --timeout (seconds), or " if hasattr(ns, "timeout") else ""
+        print(
+            f"ddpkit bench {ns.bench}: error: {str(err).strip()}. The ranks were stopped at the time limit; "
+            f"{longer}measure less (fewer --rounds, a smaller workload or size)",
+            file=sys.stderr,
+        )
         return 2
 
 

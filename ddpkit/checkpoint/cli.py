@@ -24,7 +24,8 @@ from ddpkit.errors import DdpkitError
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """`inspect` and `convert` with their options; tests/options/cli.toml names a test for each."""
     parser = argparse.ArgumentParser(prog="ddpkit checkpoint", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="action", required=True)
     look = sub.add_parser("inspect", help="what a checkpoint holds, and whether every checksum holds")
@@ -51,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    ns = _parser().parse_args(argv)
+    ns = build_parser().parse_args(argv)
     try:
         if ns.action == "inspect":
             text, ok = inspect.report(ns.path, all_tensors=ns.all)

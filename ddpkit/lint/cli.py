@@ -21,12 +21,18 @@ def _codes(value: str) -> list[str]:
     return [c.strip().upper() for c in value.split(",") if c.strip()]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's options; tests/options/cli.toml names a test for each."""
     p = argparse.ArgumentParser(prog="ddpkit lint", description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="*", help="scripts or folders to check")
     p.add_argument("--select", type=_codes, default=[], help="only these codes (prefixes), comma-separated")
     p.add_argument("--ignore", type=_codes, default=[], help="skip these codes (prefixes), comma-separated")
     p.add_argument("--list-rules", action="store_true", help="describe every rule and exit")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
     ns = p.parse_args(argv)
     try:
         rules = select_rules(ns.select, ns.ignore)

@@ -130,6 +130,7 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
         if ns.contention == "measured":
             beside = {int(n): profile.Profile.from_dict(d) for n, d in saved.get("beside", {}).items()}
     else:
+        _check_device(ns.device)
         wanted = planner.batches_to_profile(list(batches.values()))
         profiles = profile.measure(
             spec, wanted, threads=threads, device=ns.device, steps=ns.steps, repeats=ns.repeats
@@ -204,6 +205,19 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
     )
     plan["assumptions"] = _assumptions(link, profiles, ns, bool(beside))
     return plan
+
+
+def _check_device(device: str) -> None:
+    """Refuse --device cuda on a machine without a GPU before any rank starts: the profile's ranks would
+    each fail with a traceback, and the plan would end with a spawn error instead of this paragraph."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise problem(
+            "--device cuda was asked for, but this machine has no visible GPU to profile on",
+            "Profile on this CPU (--device cpu) and say how much faster the target is (--compute-scale), "
+            "or run the plan on a machine with the GPU (check CUDA_VISIBLE_DEVICES and the driver)",
+        )
 
 
 def _profiled_on(profiles: dict[int, Any], scale: float) -> str:
