@@ -11,7 +11,8 @@ offline:
   BERT and ViT), `from_pretrained` loads the weights bit for bit, its forward is the in-memory model's
   and, for the causal LMs, `generate()` gives the in-memory model's greedy tokens.
 - `ddpkit checkpoint convert CKPT DIR --config EXPORT`: every family, from a DDP(2) checkpoint (whole
-  file) and from an FSDP(2) one (DCP shards), the same checks on the folder it writes.
+  file) and from an FSDP(2) one (DCP shards), the same checks on the folder it writes; and back
+  (`convert EXPORT CKPT`): the checkpoint resumes strictly into a fresh model with the trained forward.
 - `s.export(dir, peft_model)` and `merged=True`: GPT-2 and Llama (the LoRA families; BERT and ViT are
   named for no adapter feature), in one process, DDP(2) and FSDP(2) for Llama (its rotary `inv_freq` is a
   buffer no state dict holds: the merged twin built on `meta` must get it), DDP(2) for GPT-2.
@@ -229,6 +230,21 @@ def test_converted_checkpoint_of_every_family_loads_and_generates(
     convert.to_hf(root / f"ckpt-{kind}", out, config=root / kind)
     _beside_the_weights(kind, out, tmp_path_factory.getbasetemp())
     _loads_and_runs(kind, out, trained[kind])
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_an_export_converted_back_resumes_as_the_trained_model(ddp_families, tmp_path, kind) -> None:
+    """`ddpkit checkpoint convert EXPORT CKPT` (the way back, in this process): the checkpoint it writes
+    loads strictly into a fresh model in one process, whose forward is the trained one."""
+    root, trained = ddp_families
+    back = convert.from_weights(root / kind, tmp_path / "back", step=5)
+    with ddpkit.session(env={}, seed=1, verbose=False) as s:
+        fresh = s.model(hf_ranks.factory(kind))
+        assert s.load(back.parent, model=fresh, step=0) == {"step": 5}
+        fresh.eval()
+        with torch.no_grad():
+            dev = deviation(trained[kind]["logits"], _output(fresh(**inputs(kind))))
+    assert dev.rel_norm < FLOOR, f"{kind}: the resumed forward is {dev} from the trained one"
 
 
 # -- LoRA -----------------------------------------------------------------------------------------------
