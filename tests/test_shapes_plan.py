@@ -134,17 +134,43 @@ def _plan(capsys, *args: str) -> tuple[int, dict | str]:
     return code, json.loads(out.out) if code == 0 else out.err
 
 
+# (strategy, world, shard degree) as given on the command line, and how the plan's step line names it
+COMMAND_LINE = [
+    ("hsdp", 4, 2, "HSDP (2 x 2)"),
+    ("hsdp", 8, 4, "HSDP (2 x 4)"),
+    ("hsdp", 8, 2, "HSDP (4 x 2)"),
+    ("hsdp", 6, 3, "HSDP (2 x 3)"),
+    ("fsdp", 8, None, "FSDP2"),
+    ("fsdp", 3, None, "FSDP2"),
+    ("ddp", 8, None, "DDP"),
+    ("zero1", 8, None, "DDP + sharded optimizer step (ZeRO-1)"),
+]
+
+
 @pytest.mark.parametrize(
-    ("world", "shard"), [(4, 2), (8, 4), (8, 2), (6, 3)], ids=["2x2", "2x4", "4x2", "2x3"]
+    ("strategy", "world", "shard", "named"),
+    COMMAND_LINE,
+    ids=[f"{s}-{w}" + (f"-{d}" if d else "") for s, w, d, _ in COMMAND_LINE],
 )
-def test_plan_memory_hsdp_names_its_shape_and_the_bytes_per_rank(capsys, world: int, shard: int) -> None:
-    args = ["--world", str(world), "--global-batch", str(8 * world), "--micro-batch", "8", "--json", "-"]
-    code, plan = _plan(capsys, "--strategy", "hsdp", "--shard-degree", str(shard), *args)
+def test_plan_memory_names_its_shape_and_the_bytes_per_rank(
+    capsys, strategy: str, world: int, shard: int | None, named: str
+) -> None:
+    """`ddpkit plan --memory --strategy S --world W [--shard-degree K] --json -`: the step line names the
+    shape (HSDP as replicate x shard), the breakdown holds the bytes computed by hand."""
+    args = ["--strategy", strategy, "--world", str(world), *(["--shard-degree", str(shard)] if shard else [])]
+    code, plan = _plan(capsys, *args, "--global-batch", str(8 * world), "--micro-batch", "8", "--json", "-")
     assert code == 0 and isinstance(plan, dict), plan
     assert plan["parameters"] == COUNT
-    assert plan["job"].startswith(f"HSDP ({world // shard} x {shard}) over {world} rank(s)"), plan["job"]
-    assert plan["breakdown"]["parameters"] == held(shard)
-    assert plan["breakdown"]["optimizer_state"] == adamw(held(shard))
+    assert plan["job"].startswith(f"{named} over {world} rank(s), micro-batch 8"), plan["job"]
+    b = plan["breakdown"]
+    if strategy in ("fsdp", "hsdp"):
+        mine = held(shard or world)
+        assert (b["parameters"], b["optimizer_state"]) == (mine, adamw(mine)), b
+        assert b["gradients"] in (0, mine), b
+    else:  # whole replicas; the sharded step keeps the largest tensor's state only (see above)
+        largest = max(rows * cols for rows, cols in TENSORS)
+        state = adamw(4 * COUNT) if strategy == "ddp" else adamw(4 * largest, tensors=1)
+        assert (b["parameters"], b["gradients"], b["optimizer_state"]) == (4 * COUNT, 4 * COUNT, state), b
 
 
 @pytest.mark.parametrize(
