@@ -342,7 +342,7 @@ def test_the_tools_parsers_and_their_modes_are_walked() -> None:
     options = cli_options()
     wheres = {o.where for o in options}
     assert {"ddpkit run", "ddpkit demo", "ddpkit plan", "ddpkit plan --memory", "ddpkit bench tune"} <= wheres
-    assert {"ddpkit checkpoint inspect", "ddpkit checkpoint convert", "ddpkit verify"} <= wheres
+    assert {"ddpkit checkpoint inspect", "ddpkit checkpoint convert", "ddpkit doctor"} <= wheres
     assert Option("ddpkit run", "--nproc") in options and Option("ddpkit run", "target") in options
     assert Option("ddpkit plan --memory", "--shard-degree") in options
     assert not [

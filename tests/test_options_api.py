@@ -9,13 +9,16 @@ FSDP, HSDP): tests/test_options_api_strategies.py.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import run_marked
 from recording import Recorder
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -48,6 +51,7 @@ def _torchrun(rank: int, world: int, port: int) -> dict[str, str]:
 # -- ddpkit.session -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 def test_seed_decides_the_initial_weights() -> None:
     """Every rank builds its model after `session(seed=)` seeded the generators: the same seed gives the same
     weights, another seed other weights."""
@@ -91,19 +95,24 @@ def test_placement_options_reach_the_plan(kwargs: dict, env: dict, says: str) ->
         pass
 
 
-@pytest.mark.timeout(90)
-def test_rendezvous_timeout_bounds_the_wait_for_a_missing_rank(monkeypatch) -> None:
-    """Rank 0 of 2 alone: the start-up meeting gives up after rendezvous_timeout, not the default 600 s."""
-    env = _torchrun(0, 2, _free_port())
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)  # torchrun's env:// rendezvous reads the process's environment
-    start = time.monotonic()
-    with (
-        pytest.raises(RuntimeError, match=r"waiting for clients. 1/2 clients joined"),
-        ddpkit.session(rendezvous_timeout=2, device="cpu", env=env, verbose=False),
-    ):
-        pass
-    assert time.monotonic() - start < 60  # a bound on a hang, far above the 2 s asked for
+ALONE = """
+import ddpkit
+try:
+    with ddpkit.session(rendezvous_timeout=2, device="cpu", verbose=False):
+        print("met")
+except RuntimeError as exc:
+    print(f"gave up: {exc}")
+"""
+
+
+def test_rendezvous_timeout_bounds_the_wait_for_a_missing_rank() -> None:
+    """Rank 0 of 2 alone: the start-up meeting gives up after rendezvous_timeout, not the default 600 s (a
+    process of its own: a wait in the store's native code is not interrupted by pytest's timeout)."""
+    env = {**os.environ, **_torchrun(0, 2, _free_port())}
+    done = run_marked([sys.executable, "-c", ALONE], timeout=40, env=env)  # a bound on a hang only
+    assert "gave up: " in done.stdout and "1/2 clients joined" in done.stdout, (
+        done.stdout + done.stderr[-2000:]
+    )
 
 
 def slow_save(root: str, save_timeout: float) -> str:
@@ -207,6 +216,7 @@ class _Wider(nn.Module):
         self.extra = nn.Linear(2, 2)  # not in the checkpoint
 
 
+@pytest.mark.numerics
 def test_load_strict_false_loads_a_model_with_keys_the_checkpoint_lacks(tmp_path: Path) -> None:
     saved = nn.Sequential()
     saved.lin = nn.Linear(2, 2)
@@ -267,7 +277,7 @@ def _fit(tmp_path: Path, **options: Any) -> dict[str, Any]:
 
 def test_fit_scheduler_interval_epoch_steps_the_schedule_once_an_epoch(tmp_path: Path) -> None:
     assert _fit(tmp_path, scheduler_interval="epoch")["lr"] == [0.1] * 4 + [0.05] * 4
-    assert _fit(tmp_path / "step")["lr"] == pytest.approx([0.1 * 0.5**i for i in range(1, 9)])
+    assert _fit(tmp_path / "step")["lr"] == [0.1 * 0.5**i for i in range(1, 9)]  # halving is exact
 
 
 def test_fit_log_every_writes_a_row_every_n_steps(tmp_path: Path) -> None:
