@@ -148,26 +148,6 @@ def test_a_launcher_detector_of_ones_own_is_asked_first(capsys) -> None:
     assert "world size 1 (mine)" in first
 
 
-def test_moved_paths_still_import_with_a_deprecation_warning() -> None:
-    from conftest import fresh_python
-
-    code = (
-        "import warnings\n"
-        "warnings.simplefilter('error', DeprecationWarning)\n"
-        "for path in ('ddpkit.step.precision', 'ddpkit.step.comm_hooks', 'ddpkit.step.collectives'):\n"
-        "    try:\n"
-        "        __import__(path)\n"
-        "    except DeprecationWarning as w:\n"
-        "        print('warned', 'ddpkit.parallel' in str(w))\n"
-        "warnings.simplefilter('ignore', DeprecationWarning)\n"
-        "import ddpkit.parallel.precision as new, ddpkit.step.precision as old\n"
-        "from ddpkit.step.wrap import DDPOptions, unwrap\n"
-        "import ddpkit\n"
-        "print(old is new, DDPOptions is ddpkit.DDPOptions, unwrap is ddpkit.unwrap)\n"
-    )
-    assert fresh_python(code).splitlines() == ["warned True"] * 3 + ["True True True"]
-
-
 def test_the_shape_carries_nodes_and_a_mesh_that_must_cover_the_ranks() -> None:
     shape = Shape(torch.device("cpu"), rank=5, world_size=8, local_rank=1, local_world_size=4)
     assert (shape.nodes, shape.distributed, shape.mesh) == (2, True, (("shard", 8),))

@@ -8,8 +8,6 @@
     spikes          spike_guard=: a loss or gradient-norm spike skipped by every rank in the same step
     invariant       reproducible="any-world": results bitwise independent of the world size
     chunktree       the fixed summation tree any-world reduces with
-    precision, comm_hooks, collectives, wrap   moved (to `ddpkit.parallel` and `ddpkit.strategy`); these
-                    paths keep working for one release with a DeprecationWarning
 
 Owns: the accumulation state machine and the optimizer step. May import errors, names, the parallel
 wing (`ddpkit.parallel`) and the `strategy` package (`stepping` drives the strategy); never the facade

@@ -22,9 +22,9 @@
 `make` turns what a user passed to `ddpkit.session(strategy=)` (a name, a registered strategy's options
 such as `DDPOptions` / `FSDPOptions`, or a `Strategy` instance) and the cluster's `Shape` into the one
 strategy object the session, the stepper and checkpoints ask; the session builds it once. "auto" is "ddp"
-with more than one process; any name is "single" with one process (said once). `NAMES` is the list of
-built-in names; tools that compare or simulate N ranks offer `DISTRIBUTED`. A new strategy is a module
-with a `Builder` and one `register` call (`ddpkit.strategy.registry`).
+with more than one process; any name is "single" with one process (said once). `registry.names()` lists
+every name a session accepts. A new strategy is a module with a `Builder` and one `register` call
+(`ddpkit.strategy.registry`).
 
 `FSDP` is imported when first asked for (`make` with "fsdp", or `ddpkit.strategy.FSDP`): a DDP session
 does not load FSDP2's machinery before its first step.
@@ -39,7 +39,6 @@ from __future__ import annotations
 from typing import Any, Union
 
 from ddpkit.errors import problem
-from ddpkit.names import DISTRIBUTED, STRATEGIES
 from ddpkit.parallel.collectives import Ranks
 from ddpkit.parallel.precision import FP32, PrecisionPlan
 from ddpkit.parallel.shape import Shape
@@ -50,15 +49,11 @@ from ddpkit.strategy.fsdp_options import FSDPOptions
 from ddpkit.strategy.registry import Builder, Chosen, register, resolve
 from ddpkit.strategy.single import Single
 
-NAMES = STRATEGIES  # the built-in names (`ddpkit.names`)
-
 Choice = Union[str, DDPOptions, FSDPOptions, Strategy]  # noqa: UP007 (a runtime alias on Python 3.10)
 
 __all__ = [
     "DDP",
-    "DISTRIBUTED",
     "FSDP",
-    "NAMES",
     "Builder",
     "Choice",
     "Chosen",
@@ -67,18 +62,12 @@ __all__ = [
     "Shape",
     "Single",
     "Strategy",
-    "check_name",
     "kind",
     "make",
     "options_of",
     "register",
     "resolve",
 ]
-
-
-def check_name(strategy: object) -> str:
-    """The strategy's name ("auto", "single", "ddp", "fsdp", a registered one), or a clear error."""
-    return resolve(strategy).name
 
 
 def kind(strategy: Choice | Chosen, ranks: Ranks) -> str:

@@ -12,7 +12,7 @@ the stepper, checkpoints, verify and trace ask the strategy instead of testing f
 that belong to a kind (`check_compile`: may it wrap a compiled module; `check_loadable`: what a
 checkpoint saved by another strategy may restore into it). A strategy carries its own options
 (`DDPOptions`, `FSDPOptions`). Strategies are named by plain strings ("single", "ddp", "fsdp"; the
-built-in list is `ddpkit.strategy.NAMES`, which is also what `plan` and `doctor` speak); a strategy of
+built-in list is `ddpkit.names.STRATEGIES`, which is also what `plan` and `doctor` speak); a strategy of
 your own is a subclass, registered by name (`ddpkit.strategy.register`) or passed as an instance.
 """
 
