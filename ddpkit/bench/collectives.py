@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from ddpkit.bench import report
+from ddpkit.tools.plotting import pyplot
 
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_reduce[shm]")
 FACTORS = {
@@ -185,7 +186,7 @@ def _human(size: int) -> str:
 
 
 def plot(results: dict[str, Any], ops: list[str], path: str) -> str:
-    plt = report.pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     sizes = results["sizes"]
     for n, rows in results["worlds"].items():

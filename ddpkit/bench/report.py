@@ -98,15 +98,5 @@ def write_json(path: str, data: dict[str, Any]) -> str:
     return path
 
 
-def pyplot() -> Any:
-    """matplotlib's pyplot on the non-interactive backend (benchmarks run on headless machines)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3

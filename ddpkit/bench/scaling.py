@@ -22,6 +22,7 @@ from ddpkit.bench.runner import LOSSY_HOOKS, Config, Stats, measure
 from ddpkit.data import plan_batch
 from ddpkit.errors import DdpkitError
 from ddpkit.tools import workloads
+from ddpkit.tools.plotting import pyplot
 
 
 def plan(
@@ -246,7 +247,7 @@ def print_tables(data: dict[str, Any]) -> None:
 
 
 def plot(data: dict[str, Any], path: str) -> str:
-    plt = report.pyplot()
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
     n = [r["nproc"] for r in data["scaling"]]
     thr = [r["samples_per_s"] for r in data["scaling"]]

@@ -20,6 +20,7 @@
     convert      `ddpkit checkpoint convert`: to safetensors, a Hugging Face folder, torch.save; and back
     cli          the `ddpkit checkpoint` command (reached from `ddpkit.cli` as a tool)
 
-Owns: the bytes on disk and their meaning. May import the step, cluster and data wings, errors and
-names; never the training facade (contract "facade"): the session passes its values in.
+Owns: the bytes on disk and their meaning. May import the cluster, parallel and data wings, errors and
+names; never the step (it sits above the strategies, which export through this wing), nor the training
+facade (contract "facade"): the session passes its values in.
 """

@@ -1,7 +1,7 @@
 """The optimizer state of a sharded step, one route for every save: this rank's share, then gathered.
 
     share = local_share(optimizer, fresh, to_cpu, copy=background)   # `capture`, every rank
-    full = sharding.gather_state(share, rank, world, job.group)      # `write`: whole on rank 0
+    full = collectives.gather_state(share, rank, world, job.group)   # `write`: whole on rank 0
 
 A sharded step (`ddpkit.step.sharding`) keeps each parameter's optimizer state on its owner only, and a
 checkpoint holds the whole state. Every save takes this rank's share in `capture` and gathers it in

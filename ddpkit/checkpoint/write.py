@@ -9,7 +9,7 @@ in memory (`copy=True` clones every tensor, so training may go on and change the
 weights of sharded models (a collective), each sharded step's optimizer share (`checkpoint.gather`),
 FSDP's DCP state assembled once (`checkpoint.dcp.assemble`; staged, i.e. copied, in the background).
 `write` needs no collective on training's group: the two collectives left in a save, the optimizer
-shares gathered to rank 0 (`sharding.gather_state`) and DCP's save, run over `job.group`, which is the
+shares gathered to rank 0 (`collectives.gather_state`) and DCP's save, run over `job.group`, which is the
 one route of the writer's group: None (training's group) in a synchronous save, the checkpoints' own
 gloo group in a background one, where `write` runs behind training (`ddpkit.checkpoint.background`).
 Ranks meet through the store. The snapshot is never changed after `capture`.
@@ -38,8 +38,8 @@ from ddpkit.checkpoint.gather import local_share
 from ddpkit.checkpoint.remote import Remote
 from ddpkit.checkpoint.retention import Retention, prune
 from ddpkit.checkpoint.sync import CheckpointContext, Sync
+from ddpkit.parallel.collectives import gather_state
 from ddpkit.parallel.modules import unwrap
-from ddpkit.step.sharding import gather_state
 
 
 @dataclass(frozen=True)

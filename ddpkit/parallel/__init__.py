@@ -2,6 +2,7 @@
 
     shape          `Shape`: the cluster's shape a strategy is built with (nodes, local ranks, world, mesh)
     collectives    reductions, gathers and stop flags over the ranks of a session (`Ranks`)
+    partition      which rank owns which tensor in a sharded optimizer step (ZeRO-1), pure
     precision      `PrecisionPlan`: the forward's autocast, the loss scaler, FSDP's mixed precision
     compiling      `torch.compile` in the right order with DDP/FSDP
     modules        `unwrap` (the user's module inside DDP / compile wrappers) and `ddp_of`

@@ -3,10 +3,12 @@
     total = reduce_sum(s, correct)                  # the sum over ranks (float64 for Python numbers)
     mean = reduce_mean(s, loss, weight=n_samples)   # the mean over samples, not a mean of rank means
     stop = stop_flag(s, diverged, "any")            # the same answer on every rank: nobody hangs
+    full = gather_state(share, rank, world, group)  # a sharded step's optimizer state, whole on rank 0
 
 Every function is a collective: call it on every rank, the same number of times. They take anything
 with `device`, `distributed` and `world_size` (a `Session`), so that `session` and `metrics` both build
-on this module without importing each other.
+on this module without importing each other. `gather_state` takes a group instead: the sharded step and
+the checkpoint writer (which may run on a group of its own) both gather with it, from below both wings.
 """
 
 from __future__ import annotations
@@ -137,6 +139,50 @@ def stop_flag(s: Ranks, flag: bool, mode: str = "any") -> bool:
     if mode not in ("any", "all"):
         raise problem(f"mode={mode!r} is not 'any' or 'all'", "Pass mode='any' or mode='all'")
     return bool(all_reduce(s, int(bool(flag)), op="max" if mode == "any" else "min").item())
+
+
+def gather_state(own: dict[str, Any], rank: int, world: int, group: Any) -> dict[str, Any] | None:
+    """Every rank's share of a sharded step's `state_dict()` merged on the group's rank 0 (None
+    elsewhere); every rank of `group` calls it (a synchronous save on training's group, the background
+    writer on its own). Only the layout travels pickled; the tensors go as raw bytes, point to point:
+    `gather_object` of the tensors themselves was 0.56 s of a 0.63 s background save of the 37.8M
+    MLP's AdamW state (session 5, cProfile). `group` None: the default group (training's)."""
+    group = group if group is not None else dist.group.WORLD
+    layouts: list[Any] | None = [None] * world if rank == 0 else None
+    root = dist.get_global_rank(group, 0)
+    dist.gather_object(_layout(own["state"]), layouts, dst=root, group=group)  # small: no tensors
+    if rank != 0:
+        for i in sorted(own["state"]):
+            for value in own["state"][i].values():
+                if isinstance(value, torch.Tensor):
+                    dist.send(value.contiguous(), dst=root, group=group)
+        return None
+    assert layouts is not None
+    merged: dict[int, Any] = dict(own["state"])
+    for source in range(1, world):
+        src = dist.get_global_rank(group, source)
+        for i in sorted(layouts[source]):
+            entries = {}
+            for key, (kind, *rest) in layouts[source][i].items():
+                if kind == "tensor":
+                    shape, dtype = rest
+                    entries[key] = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+                    dist.recv(entries[key], src=src, group=group)
+                else:
+                    entries[key] = rest[0]
+            merged[i] = entries
+    return {"state": dict(sorted(merged.items())), "param_groups": own["param_groups"]}
+
+
+def _layout(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """What rank 0 needs to receive a share: each tensor's shape and dtype, the other values as is."""
+    return {
+        i: {
+            k: ("tensor", list(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("value", v)
+            for k, v in entries.items()
+        }
+        for i, entries in state.items()
+    }
 
 
 def _as_tensor(s: Ranks, value: float | torch.Tensor) -> torch.Tensor:

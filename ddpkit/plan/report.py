@@ -6,7 +6,8 @@ import json
 import math
 from typing import Any
 
-from ddpkit.bench.report import pyplot, table
+from ddpkit.bench.report import table
+from ddpkit.tools.plotting import pyplot
 
 
 def efficiency_cell(eff: float, band: tuple[float, float] | None = None) -> str:

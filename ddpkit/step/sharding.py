@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.errors import problem
+from ddpkit.parallel.collectives import gather_state
+from ddpkit.parallel.partition import partition
 from ddpkit.step import shard_exchange
 
 PER_PARAMETER = {
@@ -66,17 +68,6 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The parameters the step may change: a frozen one (a PEFT model's base passed to the optimizer with
     `model.parameters()`) has no gradient and no state, so it is neither owned nor published."""
     return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-
-
-def partition(sizes: list[int], world: int) -> list[int]:
-    """Owner rank of each tensor: largest first, to the least-loaded rank (ties: lower index, rank)."""
-    load = [0] * world
-    owner = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += sizes[i]
-    return owner
 
 
 class ShardedStep:
@@ -171,50 +162,6 @@ class ShardedStep:
     def full_state_dict(self) -> dict[str, Any] | None:
         """The unsharded `optimizer.state_dict()` on rank 0 (None elsewhere). Collective."""
         return gather_state(self.optimizer.state_dict(), self.rank, self.world, self.group)
-
-
-def gather_state(own: dict[str, Any], rank: int, world: int, group: Any) -> dict[str, Any] | None:
-    """Every rank's share of a sharded step's `state_dict()` merged on the group's rank 0 (None
-    elsewhere); every rank of `group` calls it (a synchronous save on training's group, the background
-    writer on its own). Only the layout travels pickled; the tensors go as raw bytes, point to point:
-    `gather_object` of the tensors themselves was 0.56 s of a 0.63 s background save of the 37.8M
-    MLP's AdamW state (session 5, cProfile). `group` None: the default group (training's)."""
-    group = group if group is not None else dist.group.WORLD
-    layouts: list[Any] | None = [None] * world if rank == 0 else None
-    root = dist.get_global_rank(group, 0)
-    dist.gather_object(_layout(own["state"]), layouts, dst=root, group=group)  # small: no tensors
-    if rank != 0:
-        for i in sorted(own["state"]):
-            for value in own["state"][i].values():
-                if isinstance(value, torch.Tensor):
-                    dist.send(value.contiguous(), dst=root, group=group)
-        return None
-    assert layouts is not None
-    merged: dict[int, Any] = dict(own["state"])
-    for source in range(1, world):
-        src = dist.get_global_rank(group, source)
-        for i in sorted(layouts[source]):
-            entries = {}
-            for key, (kind, *rest) in layouts[source][i].items():
-                if kind == "tensor":
-                    shape, dtype = rest
-                    entries[key] = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
-                    dist.recv(entries[key], src=src, group=group)
-                else:
-                    entries[key] = rest[0]
-            merged[i] = entries
-    return {"state": dict(sorted(merged.items())), "param_groups": own["param_groups"]}
-
-
-def _layout(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """What rank 0 needs to receive a share: each tensor's shape and dtype, the other values as is."""
-    return {
-        i: {
-            k: ("tensor", list(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("value", v)
-            for k, v in entries.items()
-        }
-        for i, entries in state.items()
-    }
 
 
 def choose(

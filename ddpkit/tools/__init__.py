@@ -9,6 +9,7 @@ paths).
     gpucheck         `python -m ddpkit.tools.gpucheck`: prove the CUDA paths on the GPU(s) at hand
     gpucheck_checks  the checks it runs
     workloads        the named benchmark workloads (cnn, mlp, gpt, ...) and `Workload`
+    plotting         matplotlib on a headless backend, for every command that draws (trace, bench, plan)
 
 Owns: the commands' behaviour and output, and the named workloads.
 May import `ddpkit` (the public namespace) and the public modules (strategy, precision, topology,

@@ -248,7 +248,7 @@ _BUCKET_COLORS = ("#7b68ee", "#8b4513", "#708090", "#c71585", "#20b2aa", "#b8860
 
 
 def plot(ranks: list[dict[str, Any]], path: str, title: str) -> str:
-    from ddpkit.bench.report import pyplot
+    from ddpkit.tools.plotting import pyplot
 
     plt = pyplot()
     colors = {"forward": "#3366cc", "backward": "#ff9933", "optimizer step": "#33aa55"}
