@@ -18,10 +18,10 @@ guard judges the gradient norm alone there. A loss that is not finite is no spik
 it, and so does an `s.step` loop whose step has a norm that is not finite and a loss that is not finite on
 any rank (one all-reduce of a flag per rank, on that path only; `Stepper._stop_if_loss_not_finite`):
 skipped, a loss nan from the first step would skip every step and the run would end untrained.
-Without `max_norm` the guard computes the norm itself
-(`grad_norm`: the clip's norm without the clip, read under DDP from its flat buckets, one kernel per run
-of gradients lying end to end there, torch's value but for float rounding; under FSDP or the sharded
-optimizer step the one scalar all-reduce a clip costs).
+Without `max_norm` the guard computes the norm itself (`ddpkit.step.spike_norm.grad_norm`: the clip's
+norm without the clip, read under DDP from its flat buckets, one kernel per run of gradients lying end to
+end there, torch's value but for float rounding; under FSDP or the sharded optimizer step the one scalar
+all-reduce a clip costs).
 
 The test is robust to the window's own noise: a value is a spike when it exceeds the window's median by
 more than `threshold` robust standard deviations (1.4826 x the median absolute deviation) and by more
@@ -49,21 +49,17 @@ from __future__ import annotations
 
 import bisect
 import math
-import operator
 import statistics
-import weakref
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
-from torch import nn
-
 from ddpkit.errors import problem
+from ddpkit.step.spike_norm import grad_norm as grad_norm  # the guard's own norm, read here too
 
 MAD_TO_STD = 1.4826  # the median absolute deviation of a normal sample x this = its standard deviation
 REMEDIES = ("skip", "rollback")
-_GRAD = operator.attrgetter("grad")
 
 
 @dataclass(frozen=True)
@@ -150,7 +146,7 @@ class Judge:
         self.ordered: dict[str, list[float]] = {}  # the same values sorted (the median without a sort)
         self.skipped = 0  # spikes skipped in the run (saved with the stepper's state)
         self.events: list[Spike] = []  # this session's, in order (`s.stepper.spikes.events`)
-        self.rolls_back = False  # `ddpkit.fit` is running with remedy="rollback": it acts on the spike
+        self.rolls_back = False  # `ddpkit.fit` acts on the spike (remedy="rollback"): set by `acting`
         self.noted = False  # remedy="rollback" outside fit said once that the step is skipped instead
 
     def judge(self, step: int, values: Mapping[str, float]) -> Spike | None:
@@ -214,6 +210,21 @@ class Judge:
             )
         return spike
 
+    @contextmanager
+    def acting(self, *, rolls_back: bool) -> Iterator[None]:
+        """While a loop that acts on the spikes runs (`ddpkit.fit` with remedy="rollback": its spikes are
+        marked `Spike.rollback`); outside it a rollback spike is skipped, said once."""
+        self.rolls_back = rolls_back
+        try:
+            yield
+        finally:
+            self.rolls_back = False
+
+    def rolled_back(self) -> None:
+        """The loop loaded the last checkpoint for a spike: the window and count are the checkpoint's, so
+        this spike is counted again on top of them (the checkpoint's count, and this spike)."""
+        self.skipped += 1
+
     def state_dict(self) -> dict:
         return {"windows": {k: list(v) for k, v in self.windows.items()}, "skipped": self.skipped}
 
@@ -225,114 +236,6 @@ class Judge:
             for v in values:
                 self._join(name, float(v))
         self.skipped = int(state.get("skipped", 0))
-
-
-def grad_norm(params: list[nn.Parameter], _bound: float = math.inf) -> torch.Tensor:
-    """The total gradient norm for the guard without `max_norm`, the clip's norm without the clip (its
-    multiply of every gradient by 1 cost more than the norm). Under DDP the gradients are views into a few
-    flat all-reduce buckets (ddpkit sets `gradient_as_bucket_view=True`): the norm is taken over each run of
-    gradients lying end to end in one bucket as one flat tensor (`_Runs`), one kernel per bucket instead of
-    one per parameter plus `get_total_norm`'s own overhead; the same value as torch's `get_total_norm` but
-    for float rounding (the squares summed in another order), and the same bits on every rank (the
-    buckets' layout and contents are). Otherwise (one process, FSDP's DTensor shards,
-    `gradient_as_bucket_view=False`): torch's `get_total_norm`, the clip's bits; under FSDP its shards'
-    norms combined by `full_tensor`, the one all-reduce a clip costs."""
-    parts = _RUNS.views(params)
-    if parts is None:
-        norm = nn.utils.get_total_norm([g for g in map(_GRAD, params) if g is not None])
-        full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP: the shards' norms combined
-        return full() if full is not None else norm
-    # no torch.no_grad() (a context costs as much as the kernel here): plain gradients record no graph;
-    # a create_graph=True backward's do, so they take torch's path
-    if len(parts) == 1 and not parts[0].requires_grad:
-        return torch.linalg.vector_norm(parts[0])
-    return nn.utils.get_total_norm(parts)
-
-
-class _Runs:
-    """The flat views of the runs of gradients lying end to end in one storage (DDP's bucket views),
-    remembered from step to step.
-
-    Finding the runs costs a few microseconds per gradient (its storage, offset and neighbours) and making
-    a view about as much as the norm itself; DDP keeps the same gradient tensors at the same places from
-    one step to the next once its buckets are rebuilt (after the first step), so the runs are found again
-    only when a parameter's `.grad` is another tensor than the one they were found in (checked in C:
-    `map`, no Python loop per parameter) or a run's first gradient moved. The gradients and views are
-    held until then, or until one of the parameters is freed (a weak reference's callback): a model
-    dropped by the user takes its buckets with it, as without the guard."""
-
-    def __init__(self) -> None:
-        self.slots: list[torch.Tensor | None] = []  # each parameter's `.grad` when the runs were found
-        self.anchors: list[torch.Tensor] = []  # each run's first gradient
-        self.at: list[int] = []  # and its address
-        self.parts: list[torch.Tensor] | None = None
-        self.watch: list[weakref.ref[nn.Parameter]] = []  # the parameters: one freed, all is let go
-
-    def views(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
-        """Tensors covering exactly the elements of the parameters' gradients, a run as one flat view (a
-        gradient alone where it has no neighbour); None where no two of them share a run (nothing to
-        gain) or any is not a plain contiguous tensor (FSDP's DTensors, sparse gradients)."""
-        parts, slots = self.parts, self.slots
-        same = len(params) == len(slots) and all(map(operator.is_, map(_GRAD, params), slots))
-        if parts is not None and same and list(map(torch.Tensor.data_ptr, self.anchors)) == self.at:
-            return parts
-        self.forget()
-        slots = list(map(_GRAD, params))
-        grads = [g for g in slots if g is not None]
-        runs = _find_runs(grads)
-        if runs is None:
-            return None
-        self.parts = [_flat(grads[first], n) for first, n in runs]
-        self.slots, self.anchors = slots, [grads[first] for first, _ in runs]
-        self.at = [g.data_ptr() for g in self.anchors]
-        self.watch = [weakref.ref(p, self.forget) for p in params]
-        return self.parts
-
-    def forget(self, _gone: object = None) -> None:
-        self.slots, self.anchors, self.at, self.parts, self.watch = [], [], [], None, []
-
-
-def _find_runs(grads: list[torch.Tensor]) -> list[tuple[int, int]] | None:
-    """The maximal runs of `grads` lying end to end in one storage, in address order, as (index of the
-    run's first gradient, elements); None if there is no run of two or more, a gradient is not a plain
-    contiguous tensor, or none is a view (gradients autograd allocated one by one: nothing to find, and
-    the walk below would cost a microsecond or two per gradient and step)."""
-    if not any(type(g) is torch.Tensor and g._is_view() for g in grads):
-        return None
-    if any(type(g) is not torch.Tensor or g.is_sparse or not g.is_contiguous() for g in grads):
-        return None
-    order = sorted(range(len(grads)), key=lambda i: grads[i].data_ptr())
-    runs: list[tuple[int, int]] = []
-    end, prev = -1, grads[0]
-    for i in order:
-        g = grads[i]
-        if runs and g.data_ptr() == end and _same_buffer(prev, g):
-            runs[-1] = (runs[-1][0], runs[-1][1] + g.numel())
-        else:
-            runs.append((i, g.numel()))
-        end, prev = g.data_ptr() + g.numel() * g.element_size(), g
-    return runs if len(runs) < len(grads) else None
-
-
-def _flat(first: torch.Tensor, n: int) -> torch.Tensor:
-    """The `n` elements from `first`'s on, in its storage, as one flat tensor (`first` itself if alone);
-    a run out of the storage's bounds raises here (`set_` checks), it never reads memory it does not own."""
-    if first.numel() == n:
-        return first
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (n,), (1,))
-
-
-def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """`a` and `b` can be read as one flat tensor: one storage (not two allocations that happen to touch),
-    one dtype, one device."""
-    return (
-        a.dtype == b.dtype
-        and a.device == b.device
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    )
-
-
-_RUNS = _Runs()  # the process's one training step at a time (`Stepper.step` calls `grad_norm`)
 
 
 def _median(ordered: list[float]) -> float:

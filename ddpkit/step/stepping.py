@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import problem
 from ddpkit.parallel.precision import LossScale, PrecisionPlan
-from ddpkit.step import invariant, oom, shard_exchange, sharding, spikes
+from ddpkit.step import invariant, oom, shard_exchange, sharding, spike_norm, spikes
 from ddpkit.step.tokens import Count, TokenWeighting
 from ddpkit.strategy import Strategy, adapters
 
@@ -241,7 +241,9 @@ class Stepper:
         norm = None
         if max_norm is not None or self.spikes is not None:  # the guard's norm: without one, the norm alone
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip, bound = (spikes.grad_norm, math.inf) if max_norm is None else (self.strategy.clip, max_norm)
+            clip, bound = (
+                (spike_norm.grad_norm, math.inf) if max_norm is None else (self.strategy.clip, max_norm)
+            )
             norm = clip(params, bound) if sharder is None else sharder.clip(params, bound, clip)
         spike = self._judge(norm)
         if spike is not None:  # the same decision on every rank: no update, the gradients dropped

@@ -6,6 +6,7 @@
                    then the stepper that drives it
     fit.py         `ddpkit.fit(...)`: the optional loop (callbacks, non-finite losses, progress)
     fit_plan.py    what fit was asked to do, checked once (budget, evaluation, intervals)
+    rollback.py    SpikeGuard(remedy="rollback") in fit: the last checkpoint loaded, the spike's data left out
     oom_retry.py   micro_batch='auto' in fit: a step out of memory re-run with its micro-batches split
     oom_ahead.py   micro_batch='auto' under FSDP: the split chosen before the first step, from an estimate
     callbacks.py   what fit's callbacks see and what it returns (`FitState`, `Callback`, `FitResult`)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -53,9 +54,8 @@ from ddpkit.training.callbacks import Callback, FitResult, FitState
 from ddpkit.training.evaluation import EvalStep, evaluate
 from ddpkit.training.fit_plan import FitPlan, TrainStep, batch_len, check, total_steps
 from ddpkit.training.oom_retry import SplitBlocks
+from ddpkit.training.rollback import Rollback
 from ddpkit.training.session import Session
-
-MAX_REPEATS = 3  # rollbacks in a row that spike at the same step before the run stops (not the data)
 
 __all__ = ["Callback", "FitResult", "FitState", "TrainStep", "evaluate", "fit"]  # the loop and its types
 
@@ -155,10 +155,8 @@ class _Loop:
         )
         judge = s.stepper.spikes
         self.rollback = judge is not None and judge.guard.remedy == "rollback"
-        self.loader: ShardedLoader | None = None  # the training loader, when the rollback reads its position
-        self.step_samples: list[tuple[int, int, int]] = []  # (epoch, start, stop) of the step's micro-batches
+        self.undo: Rollback | None = None  # remedy="rollback": the step's samples, the way back
         self.rolled_back = False  # the pass in progress was abandoned for a checkpoint's position
-        self.repeats = (0, 0)  # (optimizer step, rollbacks in a row that spiked at it)
         self.skipped = 0  # optimizer steps of this call that applied no update (FitResult.skipped_steps)
 
     def emit(self, name: str) -> None:
@@ -181,24 +179,21 @@ class _Loop:
                     f"loader knows (got a {type(train_loader).__name__})",
                     "Build the loader with s.loader(dataset, batch_size=...), or use remedy='skip'",
                 )
-            self.loader = train_loader
+            self.undo = Rollback(s, train_loader)
         self.emit("fit_start")
         state.model.train()
-        if judge is not None:
-            judge.rolls_back = self.rollback
         try:
-            while not self.done() and (self.plan.epochs is None or state.epoch < self.plan.epochs):
-                self.epoch(train_loader)
-            last_eval = state.evals[-1]["step"] if state.evals else None
-            if (
-                self.plan.eval_loader is not None
-                and self.plan.eval_every is not None
-                and last_eval != state.step
-            ):
-                self.evaluate()
+            with judge.acting(rolls_back=self.rollback) if judge is not None else nullcontext():
+                while not self.done() and (self.plan.epochs is None or state.epoch < self.plan.epochs):
+                    self.epoch(train_loader)
+                last_eval = state.evals[-1]["step"] if state.evals else None
+                if (
+                    self.plan.eval_loader is not None
+                    and self.plan.eval_every is not None
+                    and last_eval != state.step
+                ):
+                    self.evaluate()
         finally:
-            if judge is not None:
-                judge.rolls_back = False
             if self.bar is not None:
                 self.bar.close()
         self.emit("fit_end")
@@ -229,12 +224,12 @@ class _Loop:
             if self.micro_batches % s.accumulation == 0:
                 self.emit("step_start")
             self.micro_batches += 1
-            if self.loader is not None:  # remedy="rollback": where this micro-batch's samples lie
-                epoch, end = self.loader.position
-                self.step_samples.append((epoch, end - self.loader.batch.per_rank * s.world_size, end))
+            if self.undo is not None:  # remedy="rollback": where this micro-batch's samples lie
+                self.undo.mark()
             if self.micro_batch(batch, local_loss):
                 local_loss.zero_()
-                self.step_samples = []
+                if self.undo is not None:
+                    self.undo.clear()
                 if self.rolled_back or self.done():
                     break
             self.mark("other")  # the loop's own work; next: the wait for the next batch
@@ -299,68 +294,30 @@ class _Loop:
         return True
 
     def roll_back(self, spike: Spike) -> bool:
-        """Every rank (the spike is agreed): leave this step's samples out of the loader's passes, load the
-        session's last checkpoint and restart the pass at its position. False: there is none (the step
-        stays skipped). The samples are positions in the epoch's global order, so the skip holds at
-        another world size and in every later checkpoint (the loader's `skipped`); the replay from the
-        checkpoint is the same computation as before, so a relaunch decides the same."""
-        s, state, loader = self.s, self.state, self.loader
-        assert loader is not None  # set by run() whenever self.rollback
-        ranges = _merged(self.step_samples)
-        said = ", ".join(f"[{a}, {b}) of epoch {e}" for e, a, b in ranges)
-        target = s.last_checkpoint
-        if target is None:
-            for r in ranges:
-                loader.skip_samples(*r)
-            s.print(
-                f"ddpkit: no checkpoint saved or loaded yet in this session, so nothing to roll back "
-                f"to: the step was skipped instead; global samples {said} are listed as left out"
-            )
-            return False
-        root, objects = target
-        needed = {"model": state.model, "optimizer": state.optimizer, "stepper": s.stepper, "loader": loader}
+        """Every rank (the spike is agreed): back to the session's last checkpoint, the step's samples
+        left out (`ddpkit.training.rollback`); this call's counters, losses and evaluations follow it and
+        the pass restarts at the checkpoint's position. False: there is none (the step stays skipped)."""
+        state, undo = self.state, self.undo
+        assert undo is not None  # set by run() whenever self.rollback
+        needed = {
+            "model": state.model,
+            "optimizer": state.optimizer,
+            "stepper": self.s.stepper,
+            "loader": undo.loader,
+        }
         if self.plan.scheduler is not None:
             needed["scheduler"] = self.plan.scheduler
-        missing = [n for n, o in needed.items() if not any(v is o for v in objects.values())]
-        if missing:
-            raise problem(
-                f"SpikeGuard(remedy='rollback') cannot roll back to the last checkpoint in {root}: it was "
-                f"given no {', '.join(missing)} (the objects ddpkit.fit trains with), so loading it would "
-                "leave them where the spike put them",
-                f"Pass {', '.join(f'{n}=...' for n in missing)} to s.save (stepper=s.stepper, loader=the "
-                "training loader), or use remedy='skip'",
-            )
-        step, times = self.repeats
-        self.repeats = (spike.step, times + 1 if step == spike.step else 1)
-        if self.repeats[1] > MAX_REPEATS:
-            raise problem(
-                f"optimizer step {spike.step} spiked again after {MAX_REPEATS} rollbacks, each leaving out "
-                "the samples of the step that spiked: the cause is not in the data (every rank stopped here)",
-                "Lower the learning rate or clip gradients (max_norm=...), raise SpikeGuard(threshold=...), "
-                "or use SpikeGuard(remedy='skip')",
-            )
-        judge = s.stepper.spikes
-        assert judge is not None
-        done, pass_epoch = s.stepper.steps - spike.counted, loader.position[0]  # before this step
-        s.load(root, **objects)
-        for r in ranges:
-            loader.skip_samples(*r)
-        judge.skipped += 1  # the checkpoint's count, and this spike
-        undone = max(0, done - s.stepper.steps)
+        back = undo.to_checkpoint(spike, needed)
+        if back is None:
+            return False
+        undone = back.steps
         state.step = max(0, state.step - undone)
         del state.losses[max(0, len(state.losses) - undone) :]
         state.evals[:] = [e for e in state.evals if e["step"] <= state.step]  # its later evaluations too
-        back = max(0, pass_epoch - loader.epoch)  # the checkpoint lies `back` passes before this one
-        state.epoch = max(0, state.epoch - back)
-        self.started_epochs -= back + 1  # the restarted pass counts once
+        state.epoch = max(0, state.epoch - back.passes)
+        self.started_epochs -= back.passes + 1  # the restarted pass counts once
         self.micro_batches = self.samples = 0
         self.rolled_back = True
-        s.print(
-            f"ddpkit: rolled back every rank to the last checkpoint in {root} (optimizer step "
-            f"{s.stepper.steps}, {undone} step(s) undone); global samples {said} are left out from "
-            "now on (listed as the loader's `skipped` in later checkpoints)"
-        )
-        s.log({"spike/rolled_back": float(undone)}, step=spike.step)
         return True
 
     def counted(self, batch: object, weight: float) -> torch.Tensor:  # FLOPs counted at the first call
@@ -424,17 +381,6 @@ class _Loop:
             state._agree_stop()
         self.last_step_end = time.perf_counter()  # step time and throughput leave evaluation out
         self.monitor.anatomy.skip()  # and so do the phases
-
-
-def _merged(parts: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """Adjacent (epoch, start, stop) ranges joined: one step's micro-batches, one range per epoch."""
-    out: list[tuple[int, int, int]] = []
-    for e, a, b in parts:
-        if out and out[-1][0] == e and out[-1][2] == a:
-            out[-1] = (e, out[-1][1], b)
-        else:
-            out.append((e, a, b))
-    return out
 
 
 def _agree(s: Session, state: FitState, local: torch.Tensor) -> float:
