@@ -1,5 +1,7 @@
 """The parallel wing: what strategies are built from, below them (torchtitan's `distributed/`).
 
+    layout         `Layout`: every degree of parallelism (replicate, shard, context, tensor) and `build`,
+                   its one rule per degree; torch-free, so the tools build it as the session does
     shape          `Shape`: the cluster's shape a strategy is built with (nodes, local ranks, world, mesh)
     collectives    reductions, gathers and stop flags over the ranks of a session (`Ranks`)
     partition      which rank owns which tensor in a sharded optimizer step (ZeRO-1), pure
