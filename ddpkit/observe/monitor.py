@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ddpkit.errors import problem
 from ddpkit.observe.anatomy import StepAnatomy
@@ -37,6 +37,27 @@ from ddpkit.observe.slowrank import RankView, SlowRankDetector
 from ddpkit.parallel.collectives import Ranks
 
 T = TypeVar("T")
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class Monitored(Ranks, Protocol):
+    """What `StepMonitor.of` reads of a session (a `ddpkit.Session` is one): its ranks, the precision's
+    name, the loader micro-batches per optimizer step, whether it is rank 0, the anatomy `s.backward` and
+    `s.step` mark, and its output. A protocol, so the observe wing never imports the facade."""
+
+    @property
+    def precision(self) -> _Named: ...
+    @property
+    def accumulation(self) -> int: ...
+    @property
+    def is_main(self) -> bool: ...
+    @property
+    def anatomy(self) -> StepAnatomy: ...
+    def print(self, *args: Any) -> None: ...
 
 
 class StepMonitor:
@@ -73,7 +94,7 @@ class StepMonitor:
         self._pending: dict[str, float] = {}
 
     @classmethod
-    def of(cls, s: Any, *, flops: float | str | None = "count", every: int = 10) -> StepMonitor:
+    def of(cls, s: Monitored, *, flops: float | str | None = "count", every: int = 10) -> StepMonitor:
         """The monitor of a session `s` (its ranks, precision, accumulation, output and the anatomy its
         `s.backward`/`s.step` mark), for a loop written by hand; `fit` builds the same."""
         return cls(

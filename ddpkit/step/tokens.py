@@ -35,12 +35,15 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ddpkit.errors import problem
+
+if TYPE_CHECKING:
+    from ddpkit.parallel.collectives import Ranks
 
 Count = int | torch.Tensor
 
@@ -169,7 +172,7 @@ def _plain(grads: list[torch.Tensor]) -> bool:
     return all(type(g) is torch.Tensor for g in grads) and len({g.device for g in grads}) == 1
 
 
-def global_mean(s: Any, loss_sum: torch.Tensor, tokens: Count) -> torch.Tensor:
+def global_mean(s: Ranks, loss_sum: torch.Tensor, tokens: Count) -> torch.Tensor:
     """For a loop without `s.backward`: the loss whose DDP-averaged gradient is the global token mean.
 
     `loss_sum * world / N_total`, N_total all-reduced here (one collective, before backward, on every
