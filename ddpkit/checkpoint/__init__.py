@@ -1,6 +1,7 @@
 """The checkpoint wing: save and resume the whole training state (`s.save` / `s.load`).
 
-    checkpoints  the facade the session holds (`Checkpoints`): who writes, who waits, load's choice
+    checkpoints  the facade the session holds (`Checkpoints`): who writes, who waits, preemption's save
+    resuming     a load: which checkpoint (rank 0 chooses, verifying), and its state restored on every rank
     write        a save's two phases: `capture` (every rank, in step) and `write` (files, manifest)
     background   the writer thread for `background=True`
     writer_process  the writer process for `background="process"` (out of training's interpreter)
@@ -9,6 +10,7 @@
     retention    which checkpoints a save keeps: the newest K, every Nth, the best by a metric
     remote       an fsspec root (s3://...): the local commit uploaded, the manifest last; pulled to load
     sync         `CheckpointContext` (the typed values a save needs) and the ranks' agreement
+    owners       what the wing needs from a strategy and the stepper, as protocols (`StateOwner`)
     divergence   which "shared" objects differ between ranks at a save (kept per rank then)
     state        what each keyword becomes (weights, loaders, RNGs, values)
     dcp          sharded (FSDP) state through torch.distributed.checkpoint

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ddpkit.checkpoint.files import CheckpointError, Found, describe_file
+from ddpkit.checkpoint.owners import StateOwner
 from ddpkit.errors import problem
 
 DIRECTORY = "dcp"
@@ -256,7 +257,7 @@ def pair_optimizers(model: Any, optimizers: Mapping[str, torch.optim.Optimizer])
     }
 
 
-def split(strategy: Any, parts: dict[str, dict[str, Any]]) -> tuple[tuple[str, Any], dict] | None:
+def split(strategy: StateOwner, parts: dict[str, dict[str, Any]]) -> tuple[tuple[str, Any], dict] | None:
     """Under a strategy that shards state (FSDP): take its model and that model's optimizers out of
     `parts`; they go through torch.distributed.checkpoint. None otherwise."""
     if not strategy.shards_state:
@@ -278,7 +279,7 @@ def split(strategy: Any, parts: dict[str, dict[str, Any]]) -> tuple[tuple[str, A
     return (name, model), paired
 
 
-def assemble(strategy: Any, sharded: tuple[tuple[str, Any], dict]) -> dict[str, Any]:
+def assemble(strategy: StateOwner, sharded: tuple[tuple[str, Any], dict]) -> dict[str, Any]:
     """The state DCP saves and loads for `split`'s (name, model), optimizers: the model's under its name,
     each optimizer's under its own (the strategy's `sharded_state`, one place for saves and loads)."""
     (name, model), optimizers = sharded
@@ -286,7 +287,9 @@ def assemble(strategy: Any, sharded: tuple[tuple[str, Any], dict]) -> dict[str, 
     return {name: state_dicts.pop("model"), **state_dicts}
 
 
-def load_into(strategy: Any, found: Found, sharded: tuple[tuple[str, Any], dict], *, strict: bool) -> None:
+def load_into(
+    strategy: StateOwner, found: Found, sharded: tuple[tuple[str, Any], dict], *, strict: bool
+) -> None:
     """Model and optimizer shards through DCP, at any world size and mesh; or full weights saved
     without shards (DDP, one process).
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from ddpkit.checkpoint import dcp as checkpoint_dcp
 from ddpkit.checkpoint.files import Found
+from ddpkit.checkpoint.owners import StateOwner
 from ddpkit.parallel.modules import unwrap
 
 
@@ -35,10 +36,12 @@ class Taken:
     name: str
     model: nn.Module
     optimizers: Mapping[str, torch.optim.Optimizer]
-    strategy: Any  # sets the weights (`load_full_state`: a PEFT checkpoint has no frozen base)
+    strategy: StateOwner  # sets the weights (`load_full_state`: a PEFT checkpoint has no frozen base)
 
 
-def take(strategy: Any, parts: dict[str, dict[str, Any]], saved: Mapping[str, list[str]]) -> Taken | None:
+def take(
+    strategy: StateOwner, parts: dict[str, dict[str, Any]], saved: Mapping[str, list[str]]
+) -> Taken | None:
     """When the checkpoint holds sharded state and this strategy keeps whole state: take the model and
     optimizers it saved through DCP out of `parts` (they are loaded by `load_whole`). None otherwise."""
     names = saved.get("sharded", [])

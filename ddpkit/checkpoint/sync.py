@@ -5,53 +5,29 @@
 
 The checkpoint layer receives exactly this value (built once by the session at the first save, load
 or export, after the session built its strategy), never the session itself nor a call back into it:
-the strategy for what the model's state is, the stepper for optimizers whose step is sharded, the
-group's store for waiting without a collective. `Sync` is one save's or load's keys in that store,
+the strategy for what the model's state is (a `StateOwner`, `ddpkit.checkpoint.owners`), the stepper
+for optimizers whose step is sharded, the layout the manifest records, the group's store for waiting
+without a collective. `Sync` is one save's or load's keys in that store,
 polled with the save limit (no collective), so a slow rank-0 write never trips the collective timeout
 of the others.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
+from ddpkit.checkpoint.owners import OptimizerStates, StateOwner
 from ddpkit.cluster.lifecycle import Membership
 from ddpkit.errors import problem
 
+if TYPE_CHECKING:
+    from ddpkit.parallel.layout import Layout
 
-class StateOwner(Protocol):
-    """What a strategy says about a model's state (`ddpkit.strategy.base.Strategy` is one)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def shards_state(self) -> bool: ...  # read-only: a strategy's kind says it (a class variable)
-
-    def owns(self, model: nn.Module) -> bool: ...
-    def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]: ...
-    def load_full_state(
-        self, model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool
-    ) -> None: ...
-    def write_full_state(self, model: nn.Module, path: Path, rank: int) -> int: ...
-    def check_loadable(self, saved: str, optimizers: Collection[str], path: Any) -> None: ...
-    def sharded_state(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> dict: ...
-    def load_sharded_state(
-        self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer], state: dict
-    ) -> None: ...
-
-
-class OptimizerStates(Protocol):
-    """Which optimizers take sharded steps (`ddpkit.step.stepping.Stepper` is one): a save takes their
-    share and gathers it (`ddpkit.checkpoint.gather`), a load keeps only this rank's share."""
-
-    def sharded_step(self, optimizer: Any) -> Any: ...  # not None: `capture` takes its share
-    def loaded_optimizer_state(self, optimizer: Any) -> None: ...
+__all__ = ["CheckpointContext", "OptimizerStates", "StateOwner", "Sync"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +43,7 @@ class CheckpointContext:
     save_timeout: float
     say: Callable[[str], None]  # prints on global rank 0
     barrier: Callable[[], None]
+    layout: Layout | None = None  # how the ranks divide (the manifest records it); None: not placed
 
     @property
     def is_main(self) -> bool:
