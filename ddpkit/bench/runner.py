@@ -20,12 +20,15 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ddpkit.data import plan_batch
 from ddpkit.names import CPU_ALLOCATOR_ENV
+
+if TYPE_CHECKING:
+    from ddpkit import Session
 
 CPU_ALLOCATOR_OPT_OUT = CPU_ALLOCATOR_ENV  # the documented switch (README), as a user sets it
 
@@ -77,7 +80,7 @@ class Config:
         return ", ".join(parts)
 
 
-def _build(workload: Any, cfg: Config, s: Any) -> tuple[torch.nn.Module, Any]:
+def _build(workload: Any, cfg: Config, s: Session) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(0)
     model = s.model(
         workload.build(),
@@ -105,7 +108,7 @@ class _Sharded:
     """An optimizer stepped as a user's loop steps it, through `s.backward` and `s.step` (the session's
     default shard_optimizer="auto" decides whether the step is sharded)."""
 
-    def __init__(self, s: Any, opt: torch.optim.Optimizer) -> None:
+    def __init__(self, s: Session, opt: torch.optim.Optimizer) -> None:
         self.s, self.opt = s, opt
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -157,7 +160,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _calibrate(s: Any, seconds: float, min_steps: int, target_s: float) -> int:
+def _calibrate(s: Session, seconds: float, min_steps: int, target_s: float) -> int:
     """Steps for a block of about `target_s` seconds (at least `min_steps`), agreed by all ranks."""
     wanted = max(min_steps, min(500, int(target_s / max(seconds, 1e-6)) + 1))
     return int(s.all_reduce(wanted, op="max").item())

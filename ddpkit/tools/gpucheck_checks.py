@@ -116,7 +116,9 @@ def check_demo(ctx: Context) -> str:
     return f"{accuracy:.2f}% held-out accuracy in {float(match.group(2)):.1f} s ({mode})"
 
 
-def _train_steps(s: Any, model: nn.Module, opt: torch.optim.Optimizer, steps: int, plant: int = -1) -> list:
+def _train_steps(
+    s: ddpkit.Session, model: nn.Module, opt: torch.optim.Optimizer, steps: int, plant: int = -1
+) -> list:
     """`steps` optimizer steps on fixed data; on step `plant` the loss is multiplied by inf."""
     g = torch.Generator().manual_seed(1 + s.rank)
     x, y = torch.randn(64, 8, generator=g).to(s.device), torch.randint(0, 3, (64,), generator=g).to(s.device)

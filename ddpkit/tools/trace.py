@@ -26,13 +26,16 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ddpkit.data import plan_batch
 from ddpkit.names import DISTRIBUTED
+
+if TYPE_CHECKING:
+    from ddpkit import Session
 
 _now = time.perf_counter  # CLOCK_MONOTONIC on Linux: comparable across processes of one machine
 
@@ -145,7 +148,7 @@ _FSDP_KINDS = {"all_gather": "all-gather", "post_backward_reduce": "reduce-scatt
 _FSDP_LABEL = re.compile(r"^FSDP::(all_gather|post_backward_reduce)(?: \((.*?)\))?(?: \[pg=\d+\])?$")
 
 
-def _fsdp_steps(s: Any, wl: Any, model: Any, rec: Recorder, warmup: int, steps: int) -> dict[str, Any]:
+def _fsdp_steps(s: "Session", wl: Any, model: Any, rec: Recorder, warmup: int, steps: int) -> dict[str, Any]:
     """FSDP: the phases by the clock, and each block's all-gather and reduce-scatter from the labels FSDP2
     gives them in torch's profiler, moved onto the same clock through the first traced forward."""
     from torch.profiler import ProfilerActivity, profile, record_function

@@ -112,7 +112,7 @@ def bitwise_rank(spec: VerifySpec, chunk: int) -> bytes:
         return pickle.dumps(trace)
 
 
-def _batches(spec: VerifySpec, s: Any, mode: invariant.AnyWorld) -> Any:
+def _batches(spec: VerifySpec, s: ddpkit.Session, mode: invariant.AnyWorld) -> Any:
     if spec.data is not None:
         data = build_data(spec)
         options: dict[str, Any] = {}

@@ -269,14 +269,14 @@ def _rank(rs: ResumeSpec, root: str, phase: str, part: Part) -> bytes:
         return pickle.dumps(snaps if s.is_main else [])
 
 
-def _default(s: Any, model: nn.Module, optimizer: Any, loader: Any) -> Resumable:
+def _default(s: ddpkit.Session, model: nn.Module, optimizer: Any, loader: Any) -> Resumable:
     saved = {"model": model, "optimizer": optimizer, "stepper": s.stepper}
     if loader is not None:
         saved["loader"] = loader
     return Resumable(saved=saved)
 
 
-def _batches(spec: VerifySpec, s: Any, loader: Any, start: int) -> Any:
+def _batches(spec: VerifySpec, s: ddpkit.Session, loader: Any, start: int) -> Any:
     if loader is not None:
         while True:
             yield from loader
@@ -293,7 +293,9 @@ def _precision(spec: VerifySpec, batch: Any) -> Any:
     return map_rows(batch, lambda t: t.double() if t.is_floating_point() else t)
 
 
-def _snapshot(s: Any, model: nn.Module, optimizer: Any, state: Resumable, step: int, trained: Any) -> dict:
+def _snapshot(
+    s: ddpkit.Session, model: nn.Module, optimizer: Any, state: Resumable, step: int, trained: Any
+) -> dict:
     """Every value the two runs must agree on, flattened to `key -> tensor or plain value`."""
     everything = {**state.saved, **state.others}
     out: dict[str, Any] = {
@@ -324,7 +326,7 @@ def _snapshot(s: Any, model: nn.Module, optimizer: Any, state: Resumable, step: 
     return out
 
 
-def _optimizer_state(s: Any, model: nn.Module, optimizer: Any) -> Any:
+def _optimizer_state(s: ddpkit.Session, model: nn.Module, optimizer: Any) -> Any:
     """The whole optimizer state, keyed by position as `optimizer.state_dict()` keys it: a sharded
     strategy's is gathered (torch's full optimizer state dict, keyed by parameter name, renamed by the
     order of the optimizer's parameters), so that any two shapes compare value for value."""

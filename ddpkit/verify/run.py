@@ -132,7 +132,7 @@ def _modules_of_note(net: nn.Module) -> tuple[list[str], list[str]]:
     return norms, drops
 
 
-def _stream(spec: VerifySpec, s: Any, world: int) -> Iterator[tuple[Any, list[str]]]:
+def _stream(spec: VerifySpec, s: ddpkit.Session, world: int) -> Iterator[tuple[Any, list[str]]]:
     """(the batch this process trains on, the hashes of every rank's shard of the global batch)."""
     if spec.data is not None:
         loader = s.loader(build_data(spec), batch_size=spec.batch_size, shuffle=spec.shuffle, drop_last=True)
@@ -221,7 +221,7 @@ def _precision_batch(spec: VerifySpec, batch: Any) -> Any:
     return map_rows(batch, lambda t: t.double() if t.is_floating_point() else t)
 
 
-def _replica_diff(s: Any, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+def _replica_diff(s: ddpkit.Session, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
     """Names of the tensors whose bits differ between ranks, with their largest spread (max - min)."""
     flat = torch.cat([bits(t) for t in tensors.values()]).to(s.device)
     hi, lo = flat.clone(), flat
@@ -246,7 +246,7 @@ def _replica_diff(s: Any, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
     return out
 
 
-def train(spec: VerifySpec, s: Any, *, permuted: bool = False, chunks: int = 0) -> Trajectory:
+def train(spec: VerifySpec, s: ddpkit.Session, *, permuted: bool = False, chunks: int = 0) -> Trajectory:
     """Train `spec.steps` steps in session `s` (world size 1: the global batch; else this rank's shard).
 
     `permuted` and `chunks` select a noise-floor variant of the single run (see `run_single`).

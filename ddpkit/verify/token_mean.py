@@ -1,5 +1,8 @@
 """The `token_mean` diagnosis: a loss averaged over a count that each rank takes of its own shard.
 
+if TYPE_CHECKING:
+    from ddpkit import Session
+
 A language model's loss is a mean over the valid (non-padding) tokens. On one process that is the mean
 over the global batch's N tokens; DDP averages the ranks' means over their own n_r tokens, which weighs
 every shard 1/W instead of n_r/N. The fingerprint, tested here in this process at the initial weights
@@ -81,7 +84,7 @@ def _diagnose(spec: VerifySpec, single: Trajectory) -> list[Diagnosis]:
     ]
 
 
-def _first_batch(spec: VerifySpec, s: Any) -> tuple[Any, list[Any]]:
+def _first_batch(spec: VerifySpec, s: ddpkit.Session) -> tuple[Any, list[Any]]:
     """The first global batch of the single run, and each rank's shard of it (as the ranks read it)."""
     if spec.data is not None:
         loader = s.loader(build_data(spec), batch_size=spec.batch_size, shuffle=spec.shuffle, drop_last=True)
