@@ -1,8 +1,5 @@
 """The `token_mean` diagnosis: a loss averaged over a count that each rank takes of its own shard.
 
-if TYPE_CHECKING:
-    from ddpkit import Session
-
 A language model's loss is a mean over the valid (non-padding) tokens. On one process that is the mean
 over the global batch's N tokens; DDP averages the ranks' means over their own n_r tokens, which weighs
 every shard 1/W instead of n_r/N. The fingerprint, tested here in this process at the initial weights
