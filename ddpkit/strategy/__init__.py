@@ -7,6 +7,8 @@
     ddp_options    `DDPOptions`
     fsdp           FSDP2 (`fully_shard`) over the shape's mesh
     fsdp_options   `FSDPOptions`
+    fsdp_units     FSDP's unit rule (which submodules shard on their own) and its fully_shard loop, for
+                   the strategy and `plan --memory`
     fsdp_init      a model factory built shard by shard on the meta device
     fsdp_export    FSDP's full weights streamed to one safetensors file
     hsdp           HSDP: FSDP2 on a 2-D mesh (shard inside a node, replicate across nodes)

@@ -48,7 +48,7 @@ from ddpkit.parallel.compiling import CompileBlock
 from ddpkit.parallel.modules import unwrap
 from ddpkit.parallel.precision import FP32, PrecisionPlan, resolve_precision
 from ddpkit.parallel.shape import Shape
-from ddpkit.strategy import adapters, checkpointing, fsdp_export, fsdp_init, hf
+from ddpkit.strategy import adapters, fsdp_export, fsdp_init, fsdp_units
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.fsdp_options import FSDPOptions
 
@@ -138,7 +138,7 @@ class FSDP(Strategy):
     def wrap_compiling(
         self, module: nn.Module, device: torch.device, options: object, compile_block: CompileBlock
     ) -> tuple[nn.Module, list[str]]:
-        """`wrap` with torch.compile the torchtitan way: each FSDP unit (the blocks `_choose_units`
+        """`wrap` with torch.compile the torchtitan way: each FSDP unit (the blocks `fsdp_units.choose_units`
         picks) compiled in place BEFORE `fully_shard`, so that FSDP2's all-gather and reduce-scatter
         hooks stay eager around the compiled blocks (they are `torch._dynamo.disable`d). A model with no
         unit of its own (every parameter in the root) is compiled whole, in place. Returns the model
@@ -148,7 +148,7 @@ class FSDP(Strategy):
     def _shard(
         self, module: nn.Module, device: torch.device, options: object, compile_block: CompileBlock | None
     ) -> tuple[nn.Module, list[str]]:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
         if options is not None and not isinstance(options, FSDPOptions):
             raise problem(
@@ -188,7 +188,7 @@ class FSDP(Strategy):
         kwargs = dict(
             mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=opts.reshard_after_forward
         )
-        units = self._choose_units(module, opts)
+        units = fsdp_units.choose_units(module, opts)
         if self.keep_blueprints:
             self.blueprints[module] = Blueprint(step_memory.skeleton(module), tuple(units), kwargs)
         compiled: list[str] = []
@@ -196,9 +196,7 @@ class FSDP(Strategy):
             compiled = units or [""]
             for name in compiled:
                 compile_block(module.get_submodule(name))
-        for name in units:
-            fully_shard(module.get_submodule(name), **kwargs)
-        fully_shard(module, **kwargs)
+        fsdp_units.shard(module, units, **kwargs)
         note = self._collectives([module.get_submodule(n) for n in units] + [module], device, opts)
         self.notes.extend([note] if note else [])
         fsdp_init.fill(module, shards, device)  # only this rank's shards are ever allocated on the device
@@ -224,41 +222,6 @@ class FSDP(Strategy):
         """Unmap the shared-memory segment (the session's end)."""
         if self.shm_comms is not None:
             self.shm_comms.close()
-
-    def _choose_units(self, module: nn.Module, opts: FSDPOptions) -> list[str]:
-        """Names of the submodules that become FSDP units, children before parents."""
-        chosen: list[str] = []
-        if opts.blocks is not None:
-            found = [n for n, m in module.named_modules() if n and isinstance(m, opts.blocks)]
-            chosen = list(dict.fromkeys(checkpointing.unit_name(n) for n in found))  # a wrapper shards whole
-            if not chosen:
-                names = ", ".join(b.__name__ for b in opts.blocks)
-                raise problem(
-                    f"blocks=({names}) matches no module of the {type(module).__name__}",
-                    "Name the class of the repeated blocks, or leave blocks=None to shard by size",
-                )
-        else:
-            taken: set[int] = set()
-
-            def visit(name: str, m: nn.Module) -> None:
-                for child_name, child in m.named_children():
-                    visit(f"{name}.{child_name}" if name else child_name, child)
-                if not name or type(m).forward is nn.Module.forward:  # ModuleList: fully_shard refuses
-                    return
-                if checkpointing.unit_name(name) != name:  # inside a checkpoint wrapper: the wrapper's unit
-                    return
-                free = [p for p in m.parameters() if id(p) not in taken]
-                outside = not all(_inside(tied.get(id(p)), name) for p in free)  # it would split a tie
-                if not outside and sum(p.numel() for p in free) >= opts.min_block_params:
-                    chosen.append(name)
-                    taken.update(id(p) for p in free)
-
-            tied = {k: [m for m, _ in v] for k, v in hf.tied_owners(module).items()}
-            visit("", module)
-        nested = [n for n in chosen if any(n.startswith(f"{o}.") for o in chosen)]  # children first
-        units = nested + [n for n in chosen if n not in nested]
-        check_tied_in_one_unit(module, units)
-        return units
 
     def owns(self, model: nn.Module) -> bool:
         return is_fsdp(model)
@@ -353,30 +316,3 @@ def check_identical(shards: fsdp_init.Shards, ranks: Ranks) -> None:
         "Build the model on every rank from the same seed (ddpkit.session(seed=...) seeds all ranks alike; "
         "do not draw per-rank random numbers before s.model), or load the same weights everywhere",
     )
-
-
-def _inside(owners: list[str] | None, unit: str) -> bool:
-    """True unless a tied parameter is also held by a module outside `unit`: such a module cannot be a
-    unit (a larger one, holding all the owners, takes the parameter; FSDP2 refuses one in two units)."""
-    return owners is None or all(o == unit or o.startswith(f"{unit}.") for o in owners)
-
-
-def _unit_of(name: str, units: list[str]) -> str:
-    inner = [u for u in units if name == u or name.startswith(f"{u}.")]
-    return max(inner, key=len) if inner else ""  # "": the root unit
-
-
-def check_tied_in_one_unit(module: nn.Module, units: list[str]) -> None:
-    """A clear error before sharding when tied modules (an embedding and an output head sharing one
-    weight) would land in two FSDP units; FSDP2 would stop only at the first forward."""
-    for owners in hf.tied_owners(module).values():
-        where = {_unit_of(m, units) for m, _ in owners}
-        if len(where) > 1:
-            names = ", ".join(f"{m}.{a}" for m, a in owners)
-            raise problem(
-                f"the tied parameters {names} would be sharded in different FSDP units "
-                f"({', '.join(repr(u or '<root>') for u in sorted(where))}); FSDP2 refuses a parameter "
-                "shared between two units",
-                "Leave blocks=None (ddpkit keeps tied modules in one unit), or name blocks that hold "
-                "both tied modules or neither",
-            )
