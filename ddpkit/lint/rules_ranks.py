@@ -240,7 +240,8 @@ RULES = (
         "torch.save on every rank",
         "Every rank writes the same file at the same time: torn or corrupt checkpoints, N times the I/O. "
         "ddpkit's s.save is not reported (one writer per file, atomic).",
-        "save on global rank 0 only (`if dist.get_rank() == 0:`), or s.save(...) with ddpkit",
+        "torch.save on global rank 0 only (`if dist.get_rank() == 0:`); with ddpkit, s.save(...) on every "
+        "rank (it writes each file once)",
         save_every_rank,
     ),
     Rule(
