@@ -24,7 +24,7 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit.errors import DdpkitError
-from ddpkit.step import oom
+from ddpkit.step import micro_batches, oom
 
 FLOOR = 1e-5  # k micro-batches of b against one batch of k*b (tests/test_accumulate.py)
 
@@ -82,7 +82,7 @@ def train(per_rank: int, k: int, steps: int, planted: _Planted | None = None, au
             "steps": result.steps,
             "parts": s.stepper.oom.parts if s.stepper.oom else None,
             "splits": s.stepper.oom.splits if s.stepper.oom else None,
-            "accumulation": s.stepper.accumulation,
+            "accumulation": s.stepper.blocks,
             "fired": planted.fired if planted else 0,
             "last_oom": s.stepper.oom.last_oom if s.stepper.oom else None,
         }
@@ -283,7 +283,7 @@ def test_the_split_is_said_logged_saved_and_a_resume_starts_there(tmp_path: Path
         ddpkit.fit(
             s, model, opt, loader, lambda m, b: planted(s, m, b), max_steps=2, progress=False, flops=None
         )
-        assert s.stepper.oom.parts == 2 and s.stepper.accumulation == 2
+        assert s.stepper.oom.parts == 2 and s.stepper.blocks == 2
         s.save(ckpt, model=model, optimizer=opt, stepper=s.stepper)
     capsys_out = capsys.readouterr().out.splitlines()
     said = [line for line in capsys_out if "out of memory" in line]
@@ -305,18 +305,18 @@ def test_the_split_is_said_logged_saved_and_a_resume_starts_there(tmp_path: Path
         model = s.model(_mlp())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         s.load(ckpt, model=model, optimizer=opt, stepper=s.stepper)
-        assert s.stepper.oom.parts == 2 and s.stepper.accumulation == 2, "resumed at the size that worked"
+        assert s.stepper.oom.parts == 2 and s.stepper.blocks == 2, "resumed at the size that worked"
 
 
 @pytest.mark.numerics
 def test_split_pieces_and_weights() -> None:
     x, y = torch.arange(10).reshape(5, 2), torch.arange(5)
-    pieces = oom.split({"x": x, "y": y, "n": 3}, 2)
+    pieces = micro_batches.split({"x": x, "y": y, "n": 3}, 2)
     assert [p["x"].shape[0] for p, _ in pieces] == [2, 3] and pieces[0][0]["n"] == 3
     assert [w for _, w in pieces] == pytest.approx([0.8, 1.2])  # n_part x parts / n: the mean kept
-    assert [w for _, w in oom.split((torch.zeros(8, 3), torch.zeros(8)), 2)] == [1.0, 1.0]
+    assert [w for _, w in micro_batches.split((torch.zeros(8, 3), torch.zeros(8)), 2)] == [1.0, 1.0]
     with pytest.raises(DdpkitError, match=r"cannot be split into 2 parts.*FSDP"):
-        oom.split(torch.zeros(1, 3), 2)
+        micro_batches.split(torch.zeros(1, 3), 2)
 
 
 def test_what_counts_as_out_of_memory() -> None:

@@ -102,7 +102,7 @@ def train_fsdp(
                 "params": [p.full_tensor().detach().clone() for p in ddpkit.unwrap(model).parameters()],
                 "steps": result.steps,
                 "parts": auto_state.parts if auto_state else None,
-                "accumulation": s.stepper.accumulation,
+                "accumulation": s.stepper.blocks,
                 "estimate": dict(auto_state.estimate) if auto_state else None,
                 "splits": list(auto_state.splits) if auto_state else None,
                 "logged": [v for _, v in rec.seen if "micro_batch/parts" in v],
@@ -125,7 +125,7 @@ def resume_fsdp(ckpt: str, budget_mib: float) -> dict:
             model = s.model(_mlp)
             opt = torch.optim.AdamW(model.parameters(), lr=0.01)
             s.load(ckpt, model=model, optimizer=opt, stepper=s.stepper)
-            loaded = (s.stepper.oom.parts, s.stepper.accumulation)
+            loaded = (s.stepper.oom.parts, s.stepper.blocks)
             loader = s.loader(_dataset(), batch_size=PER_RANK * s.world_size)
             ddpkit.fit(s, model, opt, loader, _loss, max_steps=STEPS + 1, progress=False, flops=None)
             return {"loaded": loaded, "parts": s.stepper.oom.parts, "estimate": dict(s.stepper.oom.estimate)}
@@ -236,7 +236,7 @@ def test_a_real_oom_under_fsdp_says_the_estimate_it_split_by() -> None:
     from ddpkit.step import oom
     from ddpkit.training import oom_ahead
 
-    auto = oom.AutoMicroBatch(1, rank=0, world=2, distributed=False, device=torch.device("cpu"))
+    auto = oom.AutoMicroBatch(rank=0, world=2, distributed=False, device=torch.device("cpu"))
     auto.ahead = True
     auto.parts = 2
     auto.estimate = {"micro_batch": 64.0, "peak": 300.0 * 2**20, "budget": 400.0 * 2**20, "parts": 2.0}

@@ -5,6 +5,7 @@
     shard_exchange  ZeRO-2: gradients reduce-scattered into each rank's share
     tokens          the global token mean for variable-length batches
     oom             a step out of memory: agreed by every rank; micro_batch='auto' re-runs it split
+    micro_batches   batch arithmetic: a micro-batch's sample count, and its cut into equal parts
     spikes          spike_guard=: a loss or gradient-norm spike skipped by every rank in the same step
     spike_norm      the guard's own gradient norm without max_norm (DDP's bucket runs read as one tensor)
     invariant       reproducible="any-world": results bitwise independent of the world size

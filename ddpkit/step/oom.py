@@ -13,9 +13,10 @@ same block who ran out), and the step's gradients are all-reduced by `reduce` ju
 step. The price: the gradient all-reduce no longer overlaps the backward, plus one 8-byte-per-rank
 all-reduce per micro-batch. On an agreed out-of-memory error every rank raises `StepOutOfMemory`;
 `ddpkit.fit` catches it, drops the step's gradients (none was applied: the optimizer steps only after
-the last block), halves the micro-batch (`split`) and doubles the accumulation, so the global batch and
-the update stay those of the step that failed, and re-runs the step's batches. The split is saved with
-the stepper's state, so a resumed run starts at the size that worked.
+the last block), doubles the parts each loader micro-batch runs as (`AutoMicroBatch.parts`, cut by
+`ddpkit.step.micro_batches.split`), so the stepper's blocks per step (`Stepper.blocks`) double, the
+global batch and the update stay those of the step that failed, and re-runs the step's batches. The
+split is saved with the stepper's state, so a resumed run starts at the size that worked.
 
 Where the memory went: the rank that ran out counts, before its failed step's frames are freed, its
 model state from the live tensors (parameters, gradients, optimizer state: the categories of `ddpkit
@@ -39,7 +40,6 @@ a rank the kernel's OOM killer ends (nothing to catch: the launcher reports the 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import re
 import traceback
@@ -176,9 +176,8 @@ class AutoMicroBatch:
     """The opt-in's state on one rank: how many parts each loader micro-batch is split into (`parts`),
     the agreement after every block, and the deferred gradient all-reduce."""
 
-    def __init__(self, accumulation: int, *, rank: int, world: int, distributed: bool, device: torch.device):
-        self.base = accumulation  # the session's accumulation: loader micro-batches per optimizer step
-        self.parts = 1  # each loader micro-batch runs as this many (a power of two)
+    def __init__(self, *, rank: int, world: int, distributed: bool, device: torch.device):
+        self.parts = 1  # each loader micro-batch runs as this many (a power of two); `Stepper.blocks`
         self.rank, self.world, self.distributed, self.device = rank, world, distributed, device
         self.splits: list[dict[str, int]] = []  # every split so far: {"step": n, "parts": p}
         self.model: nn.Module | None = None  # what `watch` names: counted in the breakdown at a failure
@@ -211,11 +210,6 @@ class AutoMicroBatch:
         else:
             step = max(0, _resident() - self._block_start) if self._block_start else 0
         return {**state, "micro_batch": step, "failed": _asked_bytes(failed)}
-
-    @property
-    def accumulation(self) -> int:
-        """Blocks per optimizer step: the session's accumulation times the parts of each micro-batch."""
-        return self.base * self.parts
 
     def _where_row(self, failed: BaseException) -> list[float]:
         """`where` in `WHERE`'s order; zeros when counting itself fails (the agreement must go on)."""
@@ -268,6 +262,16 @@ class AutoMicroBatch:
         self.parts *= 2
         self.splits.append({"step": step, "parts": self.parts})
 
+    def chose_ahead(self, parts: int, estimate: Mapping[str, float], *, step: int, note: str) -> None:
+        """FSDP/HSDP (`ddpkit.training.oom_ahead`): the split agreed before the first step, the estimate
+        it was chosen by (saved with the state: a resumed run does not estimate again) and the clause an
+        out-of-memory error then adds (`note`); `step`: the optimizer step the split starts at."""
+        self.parts = parts
+        self.estimate = dict(estimate)
+        if parts > 1:
+            self.splits.append({"step": step, "parts": parts})
+        self.ahead_note = note
+
     def reduce(self, model: nn.Module | None) -> None:
         """The step's gradients averaged over the ranks, as DDP would have in the last backward: flat
         buckets of up to 25 MiB, summed, divided by the world size. A gradient that is None on this rank
@@ -311,7 +315,7 @@ class AutoMicroBatch:
             self.estimate = dict(state.get("estimate", self.estimate))
 
 
-def auto_for(micro_batch: str | None, accumulation: int, **where: Any) -> AutoMicroBatch | None:
+def auto_for(micro_batch: str | None, **where: Any) -> AutoMicroBatch | None:
     """The session's `micro_batch=` option: None (off) or "auto" (an `AutoMicroBatch`; `where`: rank,
     world, distributed, device); anything else is refused."""
     if micro_batch is None:
@@ -323,52 +327,7 @@ def auto_for(micro_batch: str | None, accumulation: int, **where: Any) -> AutoMi
             "micro-batches (same global batch), or leave it out; the loader's batch_size "
             "sets the micro-batch",
         )
-    return AutoMicroBatch(accumulation, **where)
-
-
-def batch_len(batch: Any) -> int:
-    """The first dimension of the batch's first tensor (0 when it holds none)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 0
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            n = batch_len(item)
-            if n:
-                return n
-    return 0
-
-
-def _take(batch: Any, start: int, stop: int, n: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop] if batch.dim() and batch.shape[0] == n else batch
-    if isinstance(batch, Mapping):
-        return type(batch)({k: _take(v, start, stop, n) for k, v in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
-        return type(batch)(*(_take(v, start, stop, n) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_take(v, start, stop, n) for v in batch)
-    return batch
-
-
-def split(batch: Any, parts: int) -> list[tuple[Any, float]]:
-    """`batch` as `parts` consecutive pieces along the first dimension (every tensor whose first
-    dimension is the batch's), each with the weight that keeps a mean loss that of the whole batch:
-    n_part x parts / n (1.0 exactly for equal pieces). Refused when a piece would be empty."""
-    if parts == 1:
-        return [(batch, 1.0)]
-    n = batch_len(batch)
-    if n < parts:
-        raise problem(
-            f"a micro-batch of {n} sample(s) cannot be split into {parts} parts after running out of memory"
-            " again",
-            "Even one sample per micro-batch does not fit: use FSDP (strategy='fsdp'), activation "
-            "checkpointing (s.model(..., activation_checkpointing='auto')) or bf16; `ddpkit plan --memory` "
-            "estimates each",
-        )
-    bounds = [round(i * n / parts) for i in range(parts + 1)]
-    return [(_take(batch, a, b, n), (b - a) * parts / n) for a, b in itertools.pairwise(bounds)]
+    return AutoMicroBatch(**where)
 
 
 def check(strategy: Any, shard: bool | str, invariant: bool, auto: AutoMicroBatch | None = None) -> None:

@@ -120,6 +120,12 @@ class Stepper:
         self.tokens = TokenWeighting(distributed=distributed, device=self.device, report=report)
 
     @property
+    def blocks(self) -> int:
+        """`s.accumulate` blocks per optimizer step: the loader micro-batches per step (`accumulation`,
+        the session's, never changed) times the parts each runs as under micro_batch="auto"."""
+        return self.accumulation * (self.oom.parts if self.oom is not None else 1)
+
+    @property
     def pending(self) -> int:
         """Micro-batches accumulated since the last optimizer step (0..k-1 between steps)."""
         return self._micro
@@ -140,7 +146,7 @@ class Stepper:
             )
         if self.distributed:
             self.strategy.expect(model, "s.accumulate")
-        block = MicroBatch(self._micro, self.accumulation)
+        block = MicroBatch(self._micro, self.blocks)
         self._model = model  # not its parameters: listing them each block cost ~4% of a 5 ms GPU step
         deferred = not block.sync or (self.oom is not None and not self.oom.ahead)  # auto: reduced in s.step
         defer = self.strategy.skip_sync(model) if deferred else contextlib.nullcontext()
@@ -174,7 +180,7 @@ class Stepper:
 
     def backward(self, loss: torch.Tensor, tokens: Count | None = None) -> None:
         self._refuse_in_invariant_mode("s.backward(loss)")
-        k = self.accumulation
+        k = self.blocks
         if self._block is None and k > 1:
             raise problem(
                 f"s.backward(loss) ran outside `with s.accumulate(model):` with accumulation={k}",
@@ -208,7 +214,7 @@ class Stepper:
         if isinstance(optimizer, torch.optim.Optimizer) and optimizer not in self._checked:  # frozen only?
             adapters.check_optimizer(optimizer)
             self._checked.add(optimizer)
-        k = self.accumulation
+        k = self.blocks
         if not self._awaiting_step:
             if k > 1 or self._backwards == 0:
                 raise problem(
@@ -359,7 +365,7 @@ class Stepper:
 
     def drop_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Abandon the optimizer step in progress (after `oom.StepOutOfMemory`, on every rank): its
-        gradients dropped, the group restarted, the accumulation the split asks for."""
+        gradients dropped, the group restarted (its blocks per step are the split's: `blocks`)."""
         optimizer.zero_grad(set_to_none=True)
         if self._model is not None:
             self._model.zero_grad(set_to_none=True)
@@ -367,8 +373,6 @@ class Stepper:
         self._block, self._awaiting_step = None, False
         self._agreed_loss, self._losses = None, []
         self.tokens.drop()
-        if self.oom is not None:
-            self.accumulation = self.oom.accumulation
 
     def state_dict(self) -> dict:
         """The loss scale (fp16) and step counts, for checkpoints; save between optimizer steps, since
@@ -388,7 +392,6 @@ class Stepper:
     def load_state_dict(self, state: dict) -> None:
         if self.oom is not None:
             self.oom.load_state_dict(state.get("micro_batch"))
-            self.accumulation = self.oom.accumulation
         self.loss_scale.load_state_dict(state.get("scaler"))
         self.steps = int(state.get("steps", self.steps))
         self.skipped = int(state.get("skipped", self.skipped))

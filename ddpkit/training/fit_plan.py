@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import problem
-from ddpkit.step import oom
+from ddpkit.step import micro_batches
 from ddpkit.training.callbacks import Callback
 from ddpkit.training.evaluation import EvalStep
 
@@ -66,8 +66,8 @@ def total_steps(loader: Iterable, epochs: int | None, max_steps: int | None, k: 
 
 
 def batch_len(batch: object) -> int:
-    """Samples in a micro-batch, for the throughput counters: `ddpkit.step.oom.batch_len` (the first
+    """Samples in a micro-batch, for the throughput counters: `ddpkit.step.micro_batches.batch_len` (the first
     dimension of its first tensor, 0 when there is none), except that a lone 0-dim tensor is one sample."""
     if isinstance(batch, torch.Tensor) and not batch.dim():
         return 1
-    return oom.batch_len(batch)
+    return micro_batches.batch_len(batch)

@@ -50,7 +50,7 @@ from torch import nn
 from ddpkit import names
 from ddpkit.observe import step_memory
 from ddpkit.observe.memory_breakdown import Breakdown
-from ddpkit.step import oom
+from ddpkit.step import micro_batches, oom
 from ddpkit.strategy import rank_memory
 
 MIB = 1 << 20
@@ -163,7 +163,7 @@ def choose(
     if auto is None or not auto.ahead or auto.estimate:
         return
     start = time.perf_counter()
-    n = oom.batch_len(batch)
+    n = micro_batches.batch_len(batch)
     limit, allowance, source = budget(s.device, os.environ)
     strategy = s.strategy
     inner = getattr(model, "_orig_mod", model)
@@ -176,7 +176,7 @@ def choose(
     if limit is not None and blueprint is not None and n > 0 and s.distributed:
 
         def largest_piece(parts: int) -> Any:
-            return max((p for p, _ in oom.split(batch, parts)), key=oom.batch_len)
+            return max((p for p, _ in micro_batches.split(batch, parts)), key=micro_batches.batch_len)
 
         def fits(b: Breakdown) -> bool:
             return b.with_device(allowance, 0).total <= limit
@@ -217,8 +217,7 @@ def choose(
     unestimated = [r for r in range(s.world_size) if row[2 + r] > 0]
     seconds = time.perf_counter() - start
     peak = found[min(found, key=lambda p: abs(p - parts))].total if found else 0
-    auto.parts = parts
-    auto.estimate = {
+    estimate = {
         "micro_batch": n / parts,
         "peak": float(peak),
         "budget": float(limit or 0),
@@ -227,17 +226,14 @@ def choose(
         "seconds": seconds,
         "failed": float(len(unestimated)),
     }
-    if parts > 1:
-        auto.splits.append({"step": s.stepper.steps + 1, "parts": parts})
-    s.stepper.accumulation = auto.accumulation
-    auto.ahead_note = note(auto.estimate, failed)
+    auto.chose_ahead(parts, estimate, step=s.stepper.steps + 1, note=note(estimate, failed))
     if unestimated and len(unestimated) == s.world_size:
-        _say_failed(s, auto, n, unestimated, failed)
+        _say_failed(s, n, unestimated, failed)
         return
     if unestimated:  # some ranks estimated: theirs is the split (FSDP's ranks hold alike)
         lost = f"rank(s) {unestimated} could not estimate{f' ({failed})' if failed else ''}"
         why = f"{why}; {lost}" if why else lost
-    _say(s, auto, n, parts, limit, source, row[1].item(), seconds, why)
+    _say(s, n, parts, limit, source, row[1].item(), seconds, why)
 
 
 # What a fake tensor cannot do, in the user's terms (torch._subclasses.fake_tensor's exceptions).
@@ -257,15 +253,15 @@ def failure(exc: BaseException) -> str:
     return f"{name}: {first}" + (f"; {_CANNOT[name]}" if name in _CANNOT else "")
 
 
-def _say_failed(s: Any, auto: oom.AutoMicroBatch, n: int, ranks: list[int], failed: str) -> None:
+def _say_failed(s: Any, n: int, ranks: list[int], failed: str) -> None:
     """The one line of an estimate that could not be made on any rank: 1 part, why, and the hand split."""
     what = f"{s.strategy.describe()}, micro_batch='auto'"
     why = failed or f"rank {ranks[0]}'s fake step failed"
     s.print(
         f"ddpkit: {what}: the first step could not be estimated on fake tensors ({why}): no split, "
         f"micro-batches of {n} as the loader gives them; to split by hand, run the session with "
-        f"accumulation={2 * auto.base} (micro-batches of {max(1, n // 2)} for the same global batch "
-        f"{n * auto.base * s.world_size})"
+        f"accumulation={2 * s.accumulation} (micro-batches of {max(1, n // 2)} for the same global batch "
+        f"{n * s.accumulation * s.world_size})"
     )
     s.log({"micro_batch/size": n, "micro_batch/parts": 1}, step=s.stepper.steps)
 
@@ -292,7 +288,6 @@ def note(e: Mapping[str, float], failed: str = "") -> str:
 
 def _say(
     s: Any,
-    auto: oom.AutoMicroBatch,
     n: int,
     parts: int,
     limit: int | None,
@@ -317,8 +312,8 @@ def _say(
     else:
         s.print(
             f"ddpkit: {what}: {est}: each loader micro-batch of {n} runs as {parts} parts of "
-            f"{n / parts:g} (accumulation {auto.base} -> {auto.accumulation}; global batch "
-            f"{n * auto.base * s.world_size} unchanged){f' ({why})' if why else ''}"
+            f"{n / parts:g} (accumulation {s.stepper.accumulation} -> {s.stepper.blocks}; global batch "
+            f"{n * s.accumulation * s.world_size} unchanged){f' ({why})' if why else ''}"
         )
     s.log(
         {

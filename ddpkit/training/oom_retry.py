@@ -14,7 +14,7 @@ state, the micro-batch's own share, the failed allocation: `ddpkit.step.oom.desc
 trackers get the new micro-batch and those figures (`oom/*_mib`), on CUDA each rank that ran out writes
 torch's memory snapshot next to the run's logs (`log_dir`), and the step's batches run again, split.
 A micro-batch of n samples in P parts: pieces of n/P, each loss weighted by its share (1.0 for equal
-pieces), so a mean loss's gradient is the whole micro-batch's (`ddpkit.step.oom.split`).
+pieces), so a mean loss's gradient is the whole micro-batch's (`ddpkit.step.micro_batches.split`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from ddpkit import names
 from ddpkit.observe import tracking
-from ddpkit.step import oom
+from ddpkit.step import micro_batches, oom
 from ddpkit.step.stepping import MicroBatch
 from ddpkit.training import oom_ahead
 
@@ -108,9 +108,12 @@ class SplitBlocks:
         parts = 1 if self.auto is None else self.auto.parts
         total: torch.Tensor | None = None
         last: MicroBatch | None = None
-        pieces = oom.split(batch, parts)
+        pieces = micro_batches.split(batch, parts)
         for i, (piece, weight) in enumerate(pieces):
-            with s.accumulate(self.model) as micro, oom.naming(oom.batch_len(batch), s.rank, self.auto):
+            with (
+                s.accumulate(self.model) as micro,
+                oom.naming(micro_batches.batch_len(batch), s.rank, self.auto),
+            ):
                 loss = self.forward_backward(piece, weight)
             last = micro
             part = loss.detach() * (weight / parts) if parts > 1 else loss
@@ -123,7 +126,7 @@ class SplitBlocks:
     def _split(self, ranks: list[int], where: dict[int, dict[str, int]]) -> None:
         s, auto = self.s, self.auto
         assert auto is not None
-        n = oom.batch_len(self.group[0])
+        n = micro_batches.batch_len(self.group[0])
         snapshot = None
         if self.history and s.rank in ranks:  # before the cache is emptied: the OOM's own picture
             root = s.tracking.log_dir or tracking.default_dir(os.environ)
@@ -136,7 +139,7 @@ class SplitBlocks:
             f"ddpkit: out of memory on rank(s) {ranks} in optimizer step {s.stepper.steps + 1} at "
             f"micro-batch {n * 2 / auto.parts:g} per rank: the step was dropped on every rank (no update "
             f"applied) and runs again as micro-batches of {n / auto.parts:g} (accumulation "
-            f"{auto.accumulation // 2} -> {auto.accumulation}; global batch "
+            f"{s.stepper.blocks // 2} -> {s.stepper.blocks}; global batch "
             f"{n * s.accumulation * s.world_size} unchanged)"
         )
         for r in ranks:  # where the memory went on each rank that ran out, in the plan's categories

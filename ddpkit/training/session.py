@@ -136,7 +136,6 @@ class Session(RankContext):
             invariant_mode=self.invariant,
             auto_micro_batch=oom.auto_for(
                 micro_batch,
-                accumulation,
                 rank=self.rank,
                 world=self.world_size,
                 distributed=self.distributed,
