@@ -194,7 +194,7 @@ def test_lint_select_keeps_only_the_codes_asked_for(tmp_path: Path, capsys) -> N
 def test_doctor_no_smoke_starts_no_ranks_and_timeout_bounds_the_smoke_test(capsys) -> None:
     doctor.main(["--no-smoke"])
     assert "smoke test" not in capsys.readouterr().out
-    assert doctor.main(["--timeout", "0.01"]) == 1  # the 2-rank all-reduce cannot start that fast
+    assert doctor.main(["--timeout", "0.5"]) == 1  # 2 new interpreters cannot import torch that fast
     out = capsys.readouterr().out
     assert "FAIL  smoke test (gloo, CPU): SpawnError" in out and "did not finish within" in out, out
 
