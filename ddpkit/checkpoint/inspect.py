@@ -22,6 +22,7 @@ from typing import Any
 
 from ddpkit.checkpoint import files, reading
 from ddpkit.checkpoint.reading import TensorInfo
+from ddpkit.parallel.layout import Layout
 
 SHOWN = 12  # tensors listed per model without --all
 
@@ -72,6 +73,9 @@ def _header(manifest: Mapping[str, Any]) -> str:
     head = f"step {step}, " if step is not None else ""
     strategy = manifest.get("strategy", "ddp")
     who = "one process" if strategy == "single" else strategy
+    layout = Layout.from_dict(manifest["layout"]) if isinstance(manifest.get("layout"), Mapping) else None
+    if layout is not None and layout.meshed:  # a mesh of two dimensions or more: say its shape
+        who = f"{who} ({layout.describe()})"
     world, torch_version = manifest.get("world_size"), manifest.get("torch", "?")
     return f"{head}written by {who} at world size {world} (torch {torch_version}), {when}"
 

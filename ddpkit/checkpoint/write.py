@@ -265,6 +265,7 @@ def _write_shared_and_commit(
                 "created": time.time(),
                 "torch": torch.__version__,
                 "world_size": ctx.world_size,
+                **({"layout": ctx.layout.as_dict()} if ctx.layout is not None else {}),  # how ranks divided
                 "step": snap.step,
                 "strategy": snap.strategy,
                 "objects": snap.objects,
