@@ -266,7 +266,7 @@ def train(spec: VerifySpec, s: ddpkit.Session, *, permuted: bool = False, chunks
     compiled = spec.compile and world > 1  # DDP/FSDP + compile against one eager process
     if compiled:
         torch._dynamo.reset()  # graphs cached from an earlier run in this process would not be counted
-    options = ddp_options if spec.strategy == "ddp" else {}
+    options: dict[str, Any] = ddp_options if spec.strategy == "ddp" else {}  # DDP's keywords only
     model = s.model(module, strategy=spec.session_strategy(), compile=compiled, **options)
     net = ddpkit.unwrap(model)
     out.strategy = s.strategy.describe()
