@@ -80,6 +80,7 @@ class ShardedLoader:
         kind: str = "map",
         make_pass: Callable[[int, int], DataLoader] | None = None,
         equalise: bool = False,
+        boundary: Callable[[bool], None] | None = None,
     ) -> None:
         self.loader = loader
         self.device = device
@@ -94,7 +95,7 @@ class ShardedLoader:
         self._pass: dict[str, Any] | None = None  # the pass in progress: epoch, position, generator
         self._skips: list[tuple[int, int, int]] = []  # (epoch, start, stop): global samples left out
         # the session's, called before each batch is read: True when a batch's body ran since the last call
-        self.boundary: Callable[[bool], None] | None = None
+        self.boundary = boundary
 
     @property
     def sampler(self) -> Sampler | None:
@@ -278,9 +279,11 @@ def make_loader(
     evaluation: bool = False,
     presplit: bool = False,
     shuffle_buffer: int = 10_000,
+    boundary: Callable[[bool], None] | None = None,
     **dataloader_kwargs: Any,
 ) -> ShardedLoader:
-    """Build the sharded loader; see the module docstring for the sampling rules."""
+    """Build the sharded loader; see the module docstring for the sampling rules. `boundary`: called
+    before each batch is read (the session's: where a preemption's stop is agreed and saved)."""
     world = batch.world_size
     kind = kind_of(dataset, presplit=presplit)
     generator = torch.Generator().manual_seed(seed + 7919 * (rank + 1))
@@ -311,7 +314,9 @@ def make_loader(
             )
             return DataLoader(split, batch_size=None, collate_fn=as_is, **options)
 
-        return ShardedLoader(make_pass(0, 0), device=device, batch=batch, kind=kind, make_pass=make_pass)
+        return ShardedLoader(
+            make_pass(0, 0), device=device, batch=batch, kind=kind, make_pass=make_pass, boundary=boundary
+        )
     hf = is_hf_iterable(dataset)
     if hf and shuffle:  # HF's own buffer, reseeded by set_epoch
         dataset = dataset.shuffle(seed=seed, buffer_size=shuffle_buffer)
@@ -332,6 +337,7 @@ def make_loader(
             drop_last=drop_last,
             evaluation=evaluation,
             options=options,
+            boundary=boundary,
         )
     user_sampler, user_batches = options.pop("sampler", None), options.pop("batch_sampler", None)
     if (user_sampler is not None or user_batches is not None) and evaluation:
@@ -342,13 +348,13 @@ def make_loader(
     if user_batches is not None:  # its batches are global micro-batches; each rank its part
         batches = SharedBatchSampler(user_batches, rank=rank, world=world, seed=seed)
         loader = DataLoader(dataset, batch_sampler=batches, **options)
-        return ShardedLoader(loader, device=device, batch=batch, kind="sampler")
+        return ShardedLoader(loader, device=device, batch=batch, kind="sampler", boundary=boundary)
     if user_sampler is not None:
         order = SharedOrderSampler(
             user_sampler, rank=rank, world=world, per_rank=batch.per_rank, seed=seed, drop_last=drop_last
         )
         loader = DataLoader(dataset, batch_size=batch.per_rank, sampler=order, **options)
-        return ShardedLoader(loader, device=device, batch=batch, kind="sampler")
+        return ShardedLoader(loader, device=device, batch=batch, kind="sampler", boundary=boundary)
     size = len(dataset)
     if size < world:
         raise problem(
@@ -368,7 +374,7 @@ def make_loader(
     loader = DataLoader(
         dataset, batch_size=batch.per_rank, sampler=sampler, drop_last=drop_last and not evaluation, **options
     )
-    return ShardedLoader(loader, device=device, batch=batch)
+    return ShardedLoader(loader, device=device, batch=batch, boundary=boundary)
 
 
 def _own_part(
@@ -382,6 +388,7 @@ def _own_part(
     drop_last: bool,
     evaluation: bool,
     options: dict[str, Any],
+    boundary: Callable[[bool], None] | None,
 ) -> ShardedLoader:
     """A rank's own part (pre-split): read whole, never split again; training passes end together."""
     sampler = None
@@ -395,5 +402,10 @@ def _own_part(
         )
     loader = DataLoader(dataset, batch_size=batch.per_rank, sampler=sampler, drop_last=drop_last, **options)
     return ShardedLoader(
-        loader, device=device, batch=batch, kind="presplit", equalise=sampler is None and not evaluation
+        loader,
+        device=device,
+        batch=batch,
+        kind="presplit",
+        equalise=sampler is None and not evaluation,
+        boundary=boundary,
     )

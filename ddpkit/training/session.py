@@ -405,11 +405,11 @@ class Session(RankContext):
             drop_last=drop_last,
             evaluation=evaluation,
             presplit=presplit,
+            boundary=None if evaluation else self._boundary,  # before each batch: where a stop saves
             **dataloader_kwargs,
         )
         if not evaluation:
             self.print(f"ddpkit: {batch.describe()}")
-            built.boundary = self._boundary  # before each batch: where a preemption's stop saves
         return built
 
 
