@@ -41,7 +41,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,12 @@ from ddpkit.observe import step_memory
 from ddpkit.observe.memory_breakdown import Breakdown
 from ddpkit.step import micro_batches, oom
 from ddpkit.strategy import rank_memory
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ddpkit.strategy.fsdp import Blueprint
+    from ddpkit.training.session import Session
 
 MIB = 1 << 20
 STEP_MEMORY_ENV = names.STEP_MEMORY_ENV
@@ -105,8 +111,8 @@ def _fake_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]
 
 
 def estimates(
-    blueprint: Any,
-    mesh: Any,
+    blueprint: Blueprint,
+    mesh: DeviceMesh,
     optimizer: torch.optim.Optimizer,
     train_step: Callable[[nn.Module, Any], torch.Tensor],
     pieces: Callable[[int], Any],
@@ -148,7 +154,7 @@ def estimates(
 
 
 def choose(
-    s: Any,
+    s: Session,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     train_step: Callable[[nn.Module, Any], torch.Tensor],
@@ -253,7 +259,7 @@ def failure(exc: BaseException) -> str:
     return f"{name}: {first}" + (f"; {_CANNOT[name]}" if name in _CANNOT else "")
 
 
-def _say_failed(s: Any, n: int, ranks: list[int], failed: str) -> None:
+def _say_failed(s: Session, n: int, ranks: list[int], failed: str) -> None:
     """The one line of an estimate that could not be made on any rank: 1 part, why, and the hand split."""
     what = f"{s.strategy.describe()}, micro_batch='auto'"
     why = failed or f"rank {ranks[0]}'s fake step failed"
@@ -287,7 +293,7 @@ def note(e: Mapping[str, float], failed: str = "") -> str:
 
 
 def _say(
-    s: Any,
+    s: Session,
     n: int,
     parts: int,
     limit: int | None,

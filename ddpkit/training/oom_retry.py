@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from ddpkit.observe import tracking
 from ddpkit.step import micro_batches, oom
 from ddpkit.step.stepping import MicroBatch
 from ddpkit.training import oom_ahead
+
+if TYPE_CHECKING:
+    from ddpkit.training.session import Session
 
 ForwardBackward = Callable[[Any, float], torch.Tensor]  # (batch, loss weight) -> the unweighted loss
 TrainStep = Callable[[torch.nn.Module, Any], torch.Tensor]  # fit's train_step(model, batch) -> loss
@@ -64,7 +67,7 @@ class SplitBlocks:
 
     def __init__(
         self,
-        s: Any,
+        s: Session,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         max_norm: float | None,
