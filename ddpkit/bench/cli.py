@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ddpkit.cluster.spawn import SpawnError
+    from ddpkit import SpawnError  # the public name: the tools use the public API only
 
     ns = build_parser().parse_args(argv)
     try:
