@@ -42,6 +42,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpkit.cluster import rank_output
 from ddpkit.cluster.run_report import report, restart_reports
 from ddpkit.cluster.signals import PreemptionOptions, signal_of
 from ddpkit.cluster.topology import Hardware, threads_per_process
@@ -298,7 +300,10 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
             print(note, file=sys.stderr, flush=True)
     warm = warm_client(os.environ[WARM_START_ENV]) if os.environ.get(WARM_START_ENV) else None
     if warm is not None and "PYTHON_EXEC" not in os.environ:  # torchrun's variable for the interpreter
-        os.environ["PYTHON_EXEC"] = str(warm)
+        os.environ["PYTHON_EXEC"] = str(warm)  # the forked rank makes its own output line-buffered
+    else:  # each new interpreter's output line-buffered (rank_output): ranks' lines never tear
+        site = str(rank_output.write_site(record.parent))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))
     try:
         with restart_reports(cfg.max_restarts), marking_signals(record.with_name(SIGNALLED_FILE)) as ends:
             run(parse_args(argv))
@@ -325,6 +330,7 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         )
         return 128 + int(sig)
     finally:
+        shutil.rmtree(record.parent / "site", ignore_errors=True)
         with contextlib.suppress(OSError):
             record.unlink(missing_ok=True)
             record.parent.rmdir()

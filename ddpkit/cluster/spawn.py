@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
 from ddpkit.cluster.failures import raised_at
+from ddpkit.cluster.rank_output import line_buffered
 from ddpkit.cluster.topology import Hardware, threads_per_process
 from ddpkit.cluster.warmstart import PRELOAD, load_time_env
 from ddpkit.errors import problem
@@ -56,6 +57,7 @@ def _rank_main(
     os.environ.clear()  # a rank forked from the server has the server's: this call's replaces it
     os.environ.update(env)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+    line_buffered()  # the ranks share the parent's stdout: one write a line (rank_output)
     import torch
 
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))

@@ -49,6 +49,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ddpkit.cluster import rank_output
 from ddpkit.cluster.warm_client import place
 
 # Read once, as torch, the C libraries or the interpreter load (or at the first tensor): a forked
@@ -257,9 +258,8 @@ def _become(request: dict[str, Any], fds: list[int], server: _Server) -> bool:
         sys.modules["numpy"].random.seed()  # a fresh interpreter's numpy seeds from the OS
     args = request["args"]
     unbuffered = args[:1] == ["-u"] or bool(os.environ.get("PYTHONUNBUFFERED"))
-    if unbuffered:
-        for stream in (sys.stdout, sys.stderr):
-            stream.reconfigure(write_through=True)  # type: ignore[union-attr]
+    if unbuffered:  # torchrun's workers: line-buffered, not written through (rank_output says why)
+        rank_output.line_buffered()
     return unbuffered
 
 
