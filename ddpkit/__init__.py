@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ddpkit.parallel.modules import unwrap
     from ddpkit.parallel.shm_allreduce import ShmAllReduce
     from ddpkit.step.stepping import StepInfo
-    from ddpkit.strategy import DDPOptions, FSDPOptions
+    from ddpkit.strategy import DDPOptions, FSDPOptions, HSDPOptions
     from ddpkit.training.fit import Callback, FitResult, FitState, evaluate, fit
     from ddpkit.training.seeding import seed_everything
     from ddpkit.training.session import Session, session
@@ -53,6 +53,7 @@ _HOME = {
     "StepInfo": "step.stepping",
     "DDPOptions": "strategy",
     "FSDPOptions": "strategy",
+    "HSDPOptions": "strategy",
     "ShmAllReduce": "parallel.shm_allreduce",
     "to_device": "data",
     "Hardware": "cluster.topology",
@@ -85,6 +86,7 @@ __all__ = [
     "FSDPOptions",
     "FitResult",
     "FitState",
+    "HSDPOptions",
     "Hardware",
     "Mean",
     "MetricSet",

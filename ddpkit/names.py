@@ -1,12 +1,21 @@
-"""The names users pass for a strategy, in one list, and every `DDPKIT_*` environment variable and exit
-code ddpkit reads or writes, each with this one owner (torch-free, so that the tools' argument parsers,
-`plan` and the launcher import them without loading torch). `ddpkit.strategy` re-exports the strategy
-names. No other module spells a `DDPKIT_*` variable as a literal (`tests/test_architecture.py` checks)."""
+"""The names users pass for a strategy, in one list (with the layout degrees each spans), and every
+`DDPKIT_*` environment variable and exit code ddpkit reads or writes, each with this one owner
+(torch-free, so that the tools' argument parsers, `plan` and the launcher import them without loading
+torch). `ddpkit.strategy.registry` builds its built-in entries from the strategy table. No other
+module spells a `DDPKIT_*` variable as a literal (`tests/test_architecture.py` checks)."""
 
 from __future__ import annotations
 
-STRATEGIES = ("auto", "single", "ddp", "fsdp", "hsdp")  # what `strategy=` accepts as a string
-DISTRIBUTED = ("ddp", "fsdp")  # the kinds that run over several ranks (verify, trace, plan offer these)
+# Every built-in strategy: the name `strategy=` takes -> the layout degrees it spans, outermost first
+# (`ddpkit.parallel.layout.DEGREES`). Its builder is `ddpkit.strategy.<name>:build`, its options
+# `ddpkit.strategy.<name>_options.<NAME>Options` (`ddpkit.strategy.registry` imports them when first used).
+BUILT_IN_STRATEGIES: dict[str, tuple[str, ...]] = {
+    "ddp": ("replicate",),
+    "fsdp": ("shard",),
+    "hsdp": ("replicate", "shard"),
+}
+STRATEGIES = ("auto", "single", *BUILT_IN_STRATEGIES)  # what `strategy=` accepts as a string
+DISTRIBUTED = ("ddp", "fsdp")  # going: the tools ask `ddpkit.strategy.distributed()` (every registered one)
 
 # What `ddpkit run --nnodes MIN:MAX` tells every rank (`ddpkit.data.elastic_accumulation` reads them).
 ELASTIC_WORLD_ENV = "DDPKIT_ELASTIC_WORLD"  # the world size at the most nodes

@@ -167,15 +167,20 @@ def test_impossible_degrees_are_refused_with_the_fix(pool4, replicate, shard, wi
 
 def test_shard_group_across_nodes_is_refused_unless_asked() -> None:
     from ddpkit.parallel.shape import Shape
+    from ddpkit.strategy import Chosen, layout_of
     from ddpkit.strategy.hsdp_options import HSDPOptions
 
+    def degrees(options: HSDPOptions, shape: Shape) -> tuple[int, int]:
+        layout = layout_of(Chosen("hsdp", options), shape)
+        return layout.replicate, layout.shard
+
     two_nodes = Shape(torch.device("cpu"), rank=0, world_size=8, local_rank=0, local_world_size=4)
-    assert HSDPOptions().degrees(two_nodes) == (2, 4)  # default: shard the node, replicate across nodes
-    assert HSDPOptions(shard=2).degrees(two_nodes) == (4, 2)
+    assert degrees(HSDPOptions(), two_nodes) == (2, 4)  # default: shard the node, replicate across nodes
+    assert degrees(HSDPOptions(shard=2), two_nodes) == (4, 2)
     with pytest.raises(Exception, match="span nodes") as err:
-        HSDPOptions(replicate=1).degrees(two_nodes)
+        degrees(HSDPOptions(replicate=1), two_nodes)
     assert "within_node=False" in str(err.value)
-    assert HSDPOptions(replicate=1, within_node=False).degrees(two_nodes) == (1, 8)
+    assert degrees(HSDPOptions(replicate=1, within_node=False), two_nodes) == (1, 8)
 
 
 def test_hsdp_options_name_the_hsdp_strategy() -> None:

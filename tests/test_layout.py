@@ -178,3 +178,20 @@ def test_the_layout_imports_without_torch() -> None:
 
 def test_every_degree_is_a_field() -> None:
     assert all(hasattr(Layout(), d) for d in DEGREES)
+
+
+def test_hsdp_options_carry_every_fsdp_option_with_its_default() -> None:
+    """HSDPOptions is flat (no FSDPOptions base class): its FSDP part must not drift from FSDPOptions."""
+    import dataclasses
+
+    from ddpkit import FSDPOptions, HSDPOptions
+
+    fsdp = {f.name: f.default for f in dataclasses.fields(FSDPOptions)}
+    hsdp = {f.name: f.default for f in dataclasses.fields(HSDPOptions)}
+    assert {n: hsdp.get(n, "missing") for n in fsdp} == fsdp
+    assert HSDPOptions(blocks=None, min_block_params=7, shm=False).fsdp() == FSDPOptions(
+        min_block_params=7, shm=False
+    )
+    assert not isinstance(HSDPOptions(), FSDPOptions)
+    with pytest.raises(DdpkitError, match="min_block_params=0 is below 1"):
+        HSDPOptions(min_block_params=0)  # FSDPOptions' own validation

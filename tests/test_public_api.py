@@ -17,6 +17,7 @@ def test_public_names() -> None:
             "FSDPOptions",
             "FitResult",
             "FitState",
+            "HSDPOptions",
             "Hardware",
             "Mean",
             "MetricSet",

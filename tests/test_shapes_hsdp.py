@@ -2,7 +2,7 @@
 user's `HSDPOptions` and the shape (nodes x local ranks), the within-node rule, the mesh built, what the
 start-up line says, and the refusals, each naming the degrees the user gave and a shape that works.
 
-Where the ranks are more than this machine has (8 and 12), the pure rule (`HSDPOptions.degrees`) and
+Where the ranks are more than this machine has (8 and 12), the pure rule (`ddpkit.parallel.layout.build`, via `ddpkit.strategy.layout_of`) and
 torch's fake process group (its collectives return at once, nothing is sent) with a real `DeviceMesh`
 on it; 4 real gloo ranks from the shared pool for 1 x 4 and 4 x 1; a real `ddpkit run --nproc 3` for a
 refusal as the user sees it. Every expected value is computed here from the shape (contiguous shard
@@ -26,6 +26,7 @@ from conftest import run_cli
 from ddpkit.errors import DdpkitError
 from ddpkit.parallel.precision import FP32
 from ddpkit.parallel.shape import Shape
+from ddpkit.strategy import Chosen, layout_of
 from ddpkit.strategy.hsdp import HSDP
 from ddpkit.strategy.hsdp_options import HSDPOptions
 
@@ -95,6 +96,12 @@ DEGREES = [
 ]
 
 
+def degrees(options: HSDPOptions, shape: Shape) -> tuple[int, int]:
+    """(replicate, shard) of the layout the session places for these options on this shape."""
+    layout = layout_of(Chosen("hsdp", options), shape)
+    return layout.replicate, layout.shard
+
+
 def _id(case: tuple) -> str:
     world, local, replicate, shard, within = case
     nodes = -(-world // local)
@@ -132,12 +139,12 @@ def test_degrees_over_every_shape(case: tuple, want: tuple) -> None:
     if want[0] not in (SPAN, COVER):
         r, s = want
         assert r * s == world
-        assert options.degrees(shape) == want
+        assert degrees(options, shape) == want
         if within:  # the rule's reason: no shard group crosses a node boundary
             assert _inside_nodes(world, local, s), (case, want)
         return
     with pytest.raises(DdpkitError) as err:
-        options.degrees(shape)
+        degrees(options, shape)
     message = str(err.value)
     if replicate or shard:
         assert _given(replicate, shard) in message, message  # the degrees the user gave, as given
@@ -155,7 +162,7 @@ def test_degrees_over_every_shape(case: tuple, want: tuple) -> None:
     assert fix is not None, message
     names = ("shard",) if want[0] == SPAN else ("replicate", "shard")
     example = HSDPOptions(**dict(zip(names, map(int, fix.groups()), strict=True)))
-    got = example.degrees(shape)  # the example the message offers is accepted on this very shape
+    got = degrees(example, shape)  # the example the message offers is accepted on this very shape
     assert got[0] * got[1] == world and _inside_nodes(world, local, got[1]), (message, got)
 
 
@@ -163,7 +170,7 @@ def test_replicate_alone_names_no_shard_the_user_never_gave() -> None:
     """HSDPOptions(replicate=2) on 3 ranks: 3 / 2 is no whole shard degree, and the message says so,
     instead of the rounded-down shard=1 the degrees were once reported with."""
     with pytest.raises(DdpkitError) as err:
-        HSDPOptions(replicate=2).degrees(_shape(3, 3))
+        degrees(HSDPOptions(replicate=2), _shape(3, 3))
     message = str(err.value)
     assert message.startswith("the degrees of HSDPOptions(replicate=2) do not cover the 3 ranks"), message
     assert "shard=1" not in message and "x shard 1" not in message, message

@@ -3,50 +3,51 @@ launcher's answer, handed to the strategy when it is built.
 
     shape = Shape(device, rank=3, world_size=8, local_rank=3, local_world_size=4)  # 2 nodes x 4
     shape.nodes, shape.local_world_size     # 2, 4
-    shape.mesh                              # (("shard", 8),): the 1-D mesh FSDP shards over
-    shape.with_mesh(replicate=2, shard=4)   # a 2-D description (HSDP: replicas across nodes)
-    shape.device_mesh()                     # torch's DeviceMesh for that description
+    shape.mesh                              # (("shard", 8),): the 1-D mesh FSDP shards over (not placed yet)
+    shape.with_layout(layout)               # placed: how the ranks divide (`ddpkit.parallel.layout`)
+    shape.with_mesh(replicate=2, shard=4)   # the same, from mesh sizes (a plug-in's description)
+    shape.device_mesh()                     # torch's DeviceMesh for that layout
 
-A strategy asks this value, not `torch.distributed`, for its ranks (rank, world, local ranks, nodes),
-and builds its `DeviceMesh` from `mesh`, so a 2-D strategy is a different description of the same
-ranks, not a different code path. It is also a `ddpkit.parallel.collectives.Ranks` (device,
-distributed, world_size), so the collectives take it as they take a session.
+Shape is where this rank stands (device, rank, world, local ranks, nodes); its `layout` is how the ranks
+divide (`ddpkit.strategy.place` sets it once, from the strategy's dimensions and the user's degrees). A
+strategy asks this value, not `torch.distributed`, for its ranks, and builds its `DeviceMesh` from the
+layout, so a 2-D strategy is a different description of the same ranks, not a different code path. It is
+also a `ddpkit.parallel.collectives.Ranks` (device, distributed, world_size), so the collectives take it
+as they take a session.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from ddpkit.errors import problem
+from ddpkit.parallel.layout import Layout, Mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-Mesh = tuple[tuple[str, int], ...]  # (dimension name, size), outermost first; sizes multiply to the world
+__all__ = ["Mesh", "Shape"]
 
 
 @dataclass(frozen=True)
 class Shape:
-    """Where this rank stands among the others: device, rank, world, local ranks, nodes, mesh."""
+    """Where this rank stands among the others: device, rank, world, local ranks, nodes, and (once
+    placed) the layout of the ranks."""
 
     device: torch.device
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
-    mesh: Mesh = ()  # () -> (("shard", world_size),)
+    layout: Layout | None = None  # None: the cluster only, not placed yet (`ddpkit.strategy.place` sets it)
 
     def __post_init__(self) -> None:
-        if not self.mesh:
-            object.__setattr__(self, "mesh", (("shard", self.world_size),))
-        sizes = [size for _, size in self.mesh]
-        if math.prod(sizes) != self.world_size or min(sizes) < 1:
+        if self.layout is not None and self.layout.world != self.world_size:
             raise problem(
-                f"the mesh {dict(self.mesh)} does not cover the {self.world_size} ranks",
+                f"the mesh {dict(self.layout.mesh)} does not cover the {self.world_size} ranks",
                 "Give dimension sizes whose product is the world size",
             )
 
@@ -59,19 +60,28 @@ class Shape:
         """Machines taking part (a launcher may start unequal numbers per node: rounded up)."""
         return -(-self.world_size // max(1, min(self.local_world_size, self.world_size)))
 
+    @property
+    def mesh(self) -> Mesh:
+        """The layout's mesh, outermost first; (("shard", world_size),) for a shape not placed yet."""
+        return self._layout().mesh
+
+    def with_layout(self, layout: Layout) -> Shape:
+        """The same ranks, placed: divided as `layout` says."""
+        return replace(self, layout=layout)
+
     def with_mesh(self, **dims: int) -> Shape:
-        """The same ranks with another mesh description, e.g. `replicate=shape.nodes,
-        shard=shape.local_world_size` (outermost first)."""
-        return replace(self, mesh=tuple(dims.items()))
+        """The same ranks with a mesh given by sizes, e.g. `replicate=shape.nodes,
+        shard=shape.local_world_size` (`Layout.from_mesh`)."""
+        return self.with_layout(Layout.from_mesh(dims))
 
     def describe(self) -> str:
         where = f"{self.nodes} node(s) x {self.local_world_size}" if self.nodes > 1 else f"{self.world_size}"
-        mesh = " x ".join(f"{name} {size}" for name, size in self.mesh)
-        return f"{where} rank(s), mesh {mesh}" if len(self.mesh) > 1 else f"{where} rank(s)"
+        layout = self._layout()
+        return f"{where} rank(s), mesh {layout.describe()}" if layout.meshed else f"{where} rank(s)"
 
     def device_mesh(self) -> DeviceMesh:
-        """torch's `DeviceMesh` for `mesh` (a collective: every rank calls it)."""
-        from torch.distributed.device_mesh import init_device_mesh
+        """torch's `DeviceMesh` for the layout (a collective: every rank calls it)."""
+        return self._layout().device_mesh(self.device.type)
 
-        names = tuple(name for name, _ in self.mesh)
-        return init_device_mesh(self.device.type, tuple(size for _, size in self.mesh), mesh_dim_names=names)
+    def _layout(self) -> Layout:
+        return self.layout or Layout(shard=self.world_size, dims=("shard",))

@@ -12,7 +12,7 @@
     fsdp_init      a model factory built shard by shard on the meta device
     fsdp_export    FSDP's full weights streamed to one safetensors file
     hsdp           HSDP: FSDP2 on a 2-D mesh (shard inside a node, replicate across nodes)
-    hsdp_options   `HSDPOptions`: `FSDPOptions` plus the replicate and shard degrees
+    hsdp_options   `HSDPOptions`: the replicate and shard degrees plus FSDP's fields (`fsdp()`)
     building       what `s.model` does around `wrap`, in order (factory, recompute, memory, weights)
     checkpointing  activation checkpointing (`s.model(activation_checkpointing=...)`)
     rank_memory    whether a replicated model fits a rank (before it is wrapped)
@@ -48,10 +48,22 @@ from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.ddp import DDP
 from ddpkit.strategy.ddp_options import DDPOptions
 from ddpkit.strategy.fsdp_options import FSDPOptions
-from ddpkit.strategy.registry import Builder, Chosen, register, resolve
+from ddpkit.strategy.hsdp_options import HSDPOptions
+from ddpkit.strategy.registry import (
+    Builder,
+    Chosen,
+    distributed,
+    entry,
+    layout_of,
+    options_for,
+    place,
+    register,
+    resolve,
+    sharded,
+)
 from ddpkit.strategy.single import Single
 
-Choice = Union[str, DDPOptions, FSDPOptions, Strategy]  # noqa: UP007 (a runtime alias on Python 3.10)
+Choice = Union[str, DDPOptions, FSDPOptions, HSDPOptions, Strategy]  # noqa: UP007 (a runtime alias on Python 3.10)
 
 __all__ = [
     "DDP",
@@ -61,14 +73,21 @@ __all__ = [
     "Chosen",
     "DDPOptions",
     "FSDPOptions",
+    "HSDPOptions",
     "Shape",
     "Single",
     "Strategy",
+    "distributed",
+    "entry",
     "kind",
+    "layout_of",
     "make",
+    "options_for",
     "options_of",
+    "place",
     "register",
     "resolve",
+    "sharded",
 ]
 
 
@@ -97,8 +116,9 @@ def options_of(strategy: Choice | None, sugar: DDPOptions) -> object:
 
 
 def make(strategy: Choice | Chosen, shape: Shape, *, precision: PrecisionPlan | None = None) -> Strategy:
-    """The strategy object for `strategy` on the ranks `shape` describes, carrying its options and, for
-    FSDP, the precision checked against what FSDP can apply. An instance is used as it is."""
+    """The strategy object for `strategy` on the ranks `shape` describes (placed here when it is not
+    yet: `place`), carrying its options and, for FSDP, the precision checked against what FSDP can
+    apply. An instance is used as it is."""
     chosen = resolve(strategy)
     if chosen.instance is not None:
         return chosen.instance
@@ -113,7 +133,8 @@ def make(strategy: Choice | Chosen, shape: Shape, *, precision: PrecisionPlan | 
     from ddpkit.strategy.registry import registered
 
     name = "ddp" if chosen.name == "auto" else chosen.name
-    return registered[name].builder()(chosen.options, shape, precision or FP32)
+    placed = place(chosen, shape)  # every strategy is built on a placed shape (its layout)
+    return registered[name].builder()(chosen.options, placed, precision or FP32)
 
 
 def __getattr__(name: str) -> Any:

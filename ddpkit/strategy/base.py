@@ -60,6 +60,14 @@ class Strategy:
     def close(self) -> None:
         """Release what `wrap` set up for the session (FSDP: its shared-memory segment); safe twice."""
 
+    def keep_blueprints(self) -> None:
+        """Keep how each model is wrapped, without its data, for an estimate of its first step on fake
+        tensors (`micro_batch="auto"`); a strategy with nothing to rebuild keeps nothing."""
+
+    def blueprint(self, model: nn.Module) -> object | None:
+        """What `keep_blueprints` kept for `model` (FSDP: its `Blueprint`), or None."""
+        return None
+
     def check_compile(self) -> None:
         """Raise a clear error when this strategy cannot wrap a torch.compile'd module."""
 

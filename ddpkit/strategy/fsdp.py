@@ -48,12 +48,9 @@ from ddpkit.parallel.compiling import CompileBlock
 from ddpkit.parallel.modules import unwrap
 from ddpkit.parallel.precision import FP32, PrecisionPlan, resolve_precision
 from ddpkit.parallel.shape import Shape
-from ddpkit.strategy import adapters, fsdp_export, fsdp_init, fsdp_units
+from ddpkit.strategy import adapters, fsdp_export, fsdp_init, fsdp_units, registry
 from ddpkit.strategy.base import Strategy
 from ddpkit.strategy.fsdp_options import FSDPOptions
-
-# The kinds whose checkpoints hold model and optimizer as DCP shards: any of them loads into the others.
-SHARDED_KINDS = ("fsdp", "hsdp")
 
 
 def build(options: FSDPOptions | None, shape: Shape, precision: PrecisionPlan) -> FSDP:
@@ -88,14 +85,15 @@ class FSDP(Strategy):
     ) -> None:
         super().__init__()
         self.options = options or FSDPOptions()
-        self.shape = shape  # its ranks and the 1-D mesh it shards over (`ddpkit.parallel.shape`)
+        # its ranks and the layout it shards over (`ddpkit.parallel.layout`): placed here when not yet
+        self.shape = registry.place(registry.Chosen(self.name, self.options), shape)
         self.precision = precision or FP32  # the one default plan; fp16: refused by `make`
         self._built: dict[int, fsdp_init.Shards] = {}  # modules `build` made, until `wrap` takes them
         self.shm_comms: fsdp_shm.ShmComms | None = None  # the shared-memory collectives, once opened
         # each wrapped model's meta skeleton, units and policy: what `micro_batch="auto"` rebuilds on fake
         # tensors to estimate its first step (`ddpkit.training.oom_ahead`); no tensor data is kept. Taken
-        # only when that option asked for it (`ddpkit.step.oom.check`): a copy per `s.model` otherwise.
-        self.keep_blueprints = False
+        # only when that option asked for it (`keep_blueprints`): a copy per `s.model` otherwise.
+        self._keep_blueprints = False
         self.blueprints: weakref.WeakKeyDictionary[nn.Module, Blueprint] = weakref.WeakKeyDictionary()
 
     def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
@@ -111,16 +109,22 @@ class FSDP(Strategy):
         return module
 
     def shard_index(self) -> tuple[int, int]:
-        """This rank's place on the mesh's shard dimension (its last, contiguous ranks): which dim-0 chunk
-        it holds, of how many. 1-D: (rank, world); a 2-D (replicate, shard) mesh: (rank % shard, shard)."""
-        size = self.shape.mesh[-1][1]
-        return self.shape.rank % size, size
+        """This rank's place on the layout's shard dimension: which dim-0 chunk it holds, of how many.
+        1-D: (rank, world); a 2-D (replicate, shard) mesh: (rank % shard, shard)."""
+        layout = self.shape.layout or registry.layout_of(registry.Chosen(self.name), self.shape)
+        return layout.coordinate(self.shape.rank, "shard"), layout.shard
+
+    def keep_blueprints(self) -> None:
+        self._keep_blueprints = True
+
+    def blueprint(self, model: nn.Module) -> Blueprint | None:
+        return self.blueprints.get(model)
 
     def check_compile(self) -> None:
         """FSDP compiles per block (`wrap_compiling`): torch.compile is never applied to the whole model."""
 
     def check_loadable(self, saved: str, optimizers: Collection[str], path: object) -> None:
-        if saved not in SHARDED_KINDS and optimizers:
+        if saved not in registry.sharded() and optimizers:
             raise problem(
                 f"{path} was saved with strategy={saved!r}; its optimizer state ({', '.join(optimizers)}) "
                 "cannot be loaded into FSDP's sharded optimizer",
@@ -189,7 +193,7 @@ class FSDP(Strategy):
             mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=opts.reshard_after_forward
         )
         units = fsdp_units.choose_units(module, opts)
-        if self.keep_blueprints:
+        if self._keep_blueprints:
             self.blueprints[module] = Blueprint(step_memory.skeleton(module), tuple(units), kwargs)
         compiled: list[str] = []
         if compile_block is not None:  # before fully_shard: the torchtitan order (hooks outside the graphs)

@@ -4,18 +4,19 @@ node's shard per step over the slow link). torchtitan's replicate x shard degree
     ddpkit.session(strategy="hsdp")                              # shard = a node's ranks, replicate = nodes
     ddpkit.session(strategy=HSDPOptions(replicate=2, shard=2))   # forced, e.g. 2 x 2 on 4 local ranks
 
-The strategy is `ddpkit.strategy.fsdp.FSDP` given another description of the same ranks: the mesh
-`(("replicate", R), ("shard", S))` (`Shape.with_mesh`), which `fully_shard` takes for HSDP. Ranks
+The strategy is `ddpkit.strategy.fsdp.FSDP` given another layout of the same ranks: the mesh
+`(("replicate", R), ("shard", S))` (`ddpkit.parallel.layout`, placed on the `Shape` once), which
+`fully_shard` takes for HSDP. Ranks
 `[k*S, (k+1)*S)` form shard group k (contiguous: with `S` dividing the local world size, inside a node);
 rank r holds chunk `r % S` of every parameter (`FSDP.shard_index`), identical on the R replicas. Per step
 FSDP2 reduce-scatters gradients inside the shard group, then all-reduces the shard across the replica
 group; the optimizer state is sharded S ways.
 
 Degrees: by default `shard` is the local world size and `replicate` the number of nodes (read from the
-launcher by the session's `Shape`); either may be given, the other follows from the world size. A shape
-whose degrees do not multiply to the world, or whose shard groups would span nodes (unless
-`within_node=False`), is refused before any collective. The shape is fixed for the session: options a
-single `s.model` passes must ask for the same one.
+launcher by the session's `Shape`); either may be given, the other follows from the world size
+(`ddpkit.parallel.layout.build`, the one rule). A shape whose degrees do not multiply to the world, or
+whose shard groups would span nodes (unless `within_node=False`), is refused before any collective. The
+shape is fixed for the session: options a single `s.model` passes must ask for the same one.
 
 Checkpoints: DCP shards, as FSDP's (`ddpkit.checkpoint.dcp`; each replica group's pieces are written
 once): an HSDP checkpoint resumes under FSDP at any world size, under HSDP at another shape, and under
@@ -33,29 +34,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.cluster import failures
-from ddpkit.errors import DdpkitError, problem
+from ddpkit.errors import problem
 from ddpkit.parallel.compiling import CompileBlock
 from ddpkit.parallel.precision import PrecisionPlan, resolve_precision
 from ddpkit.parallel.shape import Shape
+from ddpkit.strategy import registry
 from ddpkit.strategy.fsdp import FSDP
 from ddpkit.strategy.fsdp_options import FSDPOptions
 from ddpkit.strategy.hsdp_options import HSDPOptions
 
 
 def build(options: HSDPOptions | None, shape: Shape, precision: PrecisionPlan) -> HSDP:
-    """The registered builder (`ddpkit.strategy.registry`): the 2-D mesh from the degrees; fp16 refused.
-
-    A session that names HSDP builds it while the session itself is being built, before the session
-    reports its failures to `ddpkit run`: a refused shape is recorded here as a mistake the user can
-    fix (`ddpkit.cluster.failures`), so the launcher prints its one paragraph once for the job instead
-    of every rank printing a traceback that buries it."""
-    try:
-        return HSDP(options, shape, resolve_precision(precision, "", loss_scale=False))
-    except DdpkitError as err:
-        failures.record_failure(err, shape.rank, user_error=True)
-        failures.hush(err)
-        raise
+    """The registered builder (`ddpkit.strategy.registry`): the 2-D mesh from the degrees; fp16 refused."""
+    return HSDP(options, shape, resolve_precision(precision, "", loss_scale=False))
 
 
 class HSDP(FSDP):
@@ -65,35 +56,36 @@ class HSDP(FSDP):
         self, options: HSDPOptions | None, shape: Shape, precision: PrecisionPlan | None = None
     ) -> None:
         opts = options or HSDPOptions()
-        super().__init__(opts, shape, precision)
-        self.degrees = (0, 0)
-        self._use(opts.degrees(shape))
-        self._sharded = False  # a model was sharded: the mesh is fixed from here on
+        placed = registry.place(registry.Chosen(self.name, opts), shape)  # the degrees, before FSDP's part
+        super().__init__(opts.fsdp(), placed, precision)
+        self.hsdp_options = opts
 
-    def _use(self, degrees: tuple[int, int]) -> None:
-        replicate, shard = degrees
-        self.shape = self.shape.with_mesh(replicate=replicate, shard=shard)
-        self.degrees = degrees
+    @property
+    def degrees(self) -> tuple[int, int]:
+        """(replicate, shard): the layout's data-parallel degrees."""
+        layout = self.shape.layout
+        assert layout is not None  # placed in __init__
+        return layout.replicate, layout.shard
 
     def describe(self) -> str:
-        replicate, shard = self.degrees
-        return f"HSDP (fully_shard, replicate {replicate} x shard {shard})"
+        assert self.shape.layout is not None
+        return f"HSDP (fully_shard, {self.shape.layout.describe()})"
 
     def _shard(
         self, module: nn.Module, device: torch.device, options: object, compile_block: CompileBlock | None
     ) -> tuple[nn.Module, list[str]]:
-        """`FSDP._shard` on the 2-D mesh. The first model's own `HSDPOptions` may set the degrees (an
-        "auto" session builds the strategy before it sees them); later ones must ask for the same."""
-        if isinstance(options, HSDPOptions) and (asked := options.degrees(self.shape)) != self.degrees:
-            if self._sharded or id(module) in self._built:
+        """`FSDP._shard` on the 2-D mesh. A model's own `HSDPOptions` must ask for this session's degrees
+        (an "auto" session took them from the first model's options); the mesh is never re-made."""
+        if isinstance(options, HSDPOptions):
+            asked = registry.layout_of(registry.Chosen(self.name, options), self.shape)
+            if (asked.replicate, asked.shard) != self.degrees:
                 raise problem(
-                    f"s.model asked for HSDP replicate {asked[0]} x shard {asked[1]}, but this session's "
-                    f"mesh is already replicate {self.degrees[0]} x shard {self.degrees[1]}",
+                    f"s.model asked for HSDP replicate {asked.replicate} x shard {asked.shard}, but this "
+                    f"session's mesh is already replicate {self.degrees[0]} x shard {self.degrees[1]}",
                     "Pass the degrees once, to ddpkit.session(strategy=HSDPOptions(replicate=..., "
                     "shard=...)), and leave them out of s.model's options",
                 )
-            self._use(asked)
-        self._sharded = True
+            options = options.fsdp()
         replicate, shard = self.degrees
         self.notes.append(f"HSDP: {replicate} replica(s) x {shard} shard(s) ({self.shape.describe()})")
         return super()._shard(module, device, options, compile_block)

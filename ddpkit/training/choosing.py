@@ -9,8 +9,11 @@
 
 `strategy=` is read once (`ddpkit.strategy.resolve`: a name, a strategy's options, or an instance). A
 session that names its strategy builds it at its start (fp16 under FSDP is refused there); an "auto"
-session builds it at the first `s.model`, which may name the kind, or when it is first needed. The
-strategy gets values (`ddpkit.parallel.shape.Shape`, the `PrecisionPlan`), never the session.
+session builds it at the first `s.model`, which may name the kind (its options may give the degrees),
+or when it is first needed. The shape is placed once (`ddpkit.strategy.place`: the layout of the ranks,
+`placed`), then the strategy built on it; it gets values (`ddpkit.parallel.shape.Shape`, the
+`PrecisionPlan`), never the session. A layout or build refused here is recorded for `ddpkit run`
+(`ddpkit.cluster.failures`), so the launcher prints its one paragraph once for the job.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ddpkit import strategy as strategies
-from ddpkit.errors import problem
+from ddpkit.cluster import failures
+from ddpkit.errors import DdpkitError, problem
 from ddpkit.parallel.precision import PrecisionPlan
 from ddpkit.parallel.shape import Shape
 from ddpkit.step.stepping import Stepper
@@ -35,6 +39,7 @@ class Choosing:
         self.shape, self.precision = shape, precision
         self._new_stepper = stepper  # `Stepper` with the session's values, given `strategy=`
         self.strategy: Strategy | None = None
+        self.placed: Shape | None = None  # the shape with its layout, once the strategy is built
         self._stepper: Stepper | None = None
         if self.chosen.name != "auto":
             self._build(self.chosen)
@@ -50,20 +55,23 @@ class Choosing:
         if strategy is None:
             return self.stepper(), options
         chosen = strategies.resolve(strategy)  # its options are the model's: the kind builds the strategy
-        return self._build(chosen if chosen.instance is not None else Chosen(chosen.name)), options
+        kind = chosen if chosen.instance is not None else Chosen(chosen.name)
+        return self._build(kind, degrees_from=chosen), options
 
     def describe(self) -> str:
         """What was chosen and over which ranks; "auto" says what it becomes unless s.model names another."""
         built = self.strategy
         name = built.name if built is not None else f"{strategies.kind('auto', self.shape)} (auto)"
-        shape = getattr(built, "shape", self.shape)  # HSDP's names its mesh: "mesh replicate 2 x shard 2"
-        if sum(size > 1 for _, size in getattr(shape, "mesh", ())) < 2:  # not 2-D in fact: the ranks only
-            shape = self.shape
-        return f"strategy {name} over {shape.describe()}"
+        shape = getattr(built, "shape", None)  # a plug-in may describe its own mesh (`Shape.with_mesh`)
+        if not isinstance(shape, Shape):
+            shape = self.placed or self.shape
+        return f"strategy {name} over {shape.describe()}"  # a 2-D mesh in fact is named (`Layout.meshed`)
 
-    def _build(self, choice: Chosen) -> Stepper:
+    def _build(self, choice: Chosen, *, degrees_from: Chosen | None = None) -> Stepper:
+        """Build the strategy once: the shape placed by `degrees_from` (a model's own options, which may
+        give the degrees) or the choice itself, then the strategy on it."""
         if self.strategy is None:
-            self.strategy = strategies.make(choice, self.shape, precision=self.precision)
+            self.strategy = self._make(choice, degrees_from or choice)
         elif (asked := strategies.kind(choice, self.shape)) != self.strategy.name:
             raise problem(
                 f"this session's strategy is already {self.strategy.name!r} (set by ddpkit.session or the "
@@ -73,3 +81,13 @@ class Choosing:
         if self._stepper is None:
             self._stepper = self._new_stepper(strategy=self.strategy)
         return self._stepper
+
+    def _make(self, choice: Chosen, degrees_from: Chosen) -> Strategy:
+        try:
+            if choice.instance is None and self.shape.distributed and choice.name != "single":
+                self.placed = strategies.place(degrees_from, self.shape)
+            return strategies.make(choice, self.placed or self.shape, precision=self.precision)
+        except DdpkitError as err:  # a mistake the user can fix: one paragraph under `ddpkit run`
+            failures.record_failure(err, self.shape.rank, user_error=True)
+            failures.hush(err)
+            raise
