@@ -11,16 +11,18 @@ object, and the per-rank files (RNG streams, loader position), read in one place
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from ddpkit.checkpoint import files
+from ddpkit.checkpoint.divergence import checked, digest
 from ddpkit.checkpoint.files import Found, Tensors
 from ddpkit.data import ShardedLoader
 from ddpkit.errors import problem
@@ -100,12 +102,78 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def per_rank_tree(per_rank: Mapping[str, Any], tensors: Tensors) -> dict[str, Any]:
-    """This rank's RNG streams and per-rank objects as JSON (tensors into `tensors`), taken now."""
-    return {
+def differing(
+    shared: Mapping[str, Any], values: Mapping[str, Any], device: torch.device
+) -> tuple[list[str], list[str]]:
+    """Every rank, at the same point of a save: the shared objects (among `divergence.checked`) and the
+    plain values (tensors, arrays, numbers, strings, containers of them) whose digest differs between
+    the ranks, the same answer on every rank. One all-gather over the default group, 32 bytes a name
+    (a value the same on every rank costs its digest, nothing more); none with one process. The names
+    are the same on every rank: every rank passed the same keywords."""
+    names = [*checked(shared), *values]
+    if not names or not dist.is_initialized() or dist.get_world_size() == 1:
+        return [], []
+    states = [shared[n].state_dict() if n in shared else values[n] for n in names]
+    words = [
+        int.from_bytes(d[i : i + 8], "little", signed=True)
+        for d in map(digest, states)
+        for i in (0, 8, 16, 24)
+    ]
+    local = torch.tensor(words, dtype=torch.int64, device=device).reshape(len(names), 4)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    every = torch.stack(gathered).cpu()  # world x names x 4
+    same = (every == every[0]).all(dim=2).all(dim=0).tolist()
+    differ = [n for n, ok in zip(names, same, strict=True) if not ok]
+    return [n for n in differ if n in shared], [n for n in differ if n not in shared]
+
+
+def values_note(names: Collection[str]) -> str:
+    """The one line a save prints (rank 0) when plain values differ between the ranks."""
+    listed = ", ".join(f"{n}=" for n in sorted(names))
+    return (
+        f"ddpkit: {listed} kept per rank: the value differs between the ranks, so each rank's own is saved "
+        "and each rank gets its own back from s.load (at the same world size; another refuses them)"
+    )
+
+
+def per_rank_tree(
+    per_rank: Mapping[str, Any], tensors: Tensors, values: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """This rank's RNG streams, per-rank objects and the values that differ between the ranks (`values`,
+    also saved once from rank 0 with the others) as JSON (tensors into `tensors`), taken now."""
+    tree = {
         "rng": files.encode(rng_state(), tensors, "rng"),
         "objects": {n: files.encode(_per_rank_state(o), tensors, n) for n, o in per_rank.items()},
     }
+    if values:
+        tree["values"] = {n: files.encode(v, tensors, f"values/{n}") for n, v in values.items()}
+    return tree
+
+
+def own_values(
+    rank: int, world_size: int, found: Found, values: Mapping[str, Any], asked: Collection[str]
+) -> dict[str, Any]:
+    """The values `s.load` returns: `values` (the defaults, then what rank 0 saved) with those saved per
+    rank replaced by this rank's own. At another world size no rank's own is known for every rank: a
+    value asked for (`asked`: passed to s.load) is refused, one not asked for is left out."""
+    saved_world = int(found.manifest["world_size"])
+    json_name, tensor_name = rank_files(rank if rank < saved_world else 0)
+    kept = found.read_json(json_name).get("values") or {}
+    if not kept:
+        return dict(values)
+    if saved_world != world_size:
+        if wanted := sorted(set(kept) & set(asked)):
+            listed = ", ".join(f"{n}=" for n in wanted)
+            raise problem(
+                f"{listed} differed between the ranks when the checkpoint was saved at world size "
+                f"{saved_world}, so each rank's own was kept; at world size {world_size} no saved value "
+                "is known to belong to each rank (rank 0's on every rank would be silently wrong)",
+                f"Resume at world size {saved_world}, or leave {listed} out of s.load and compute it "
+                "again after loading",
+            )
+        return {n: v for n, v in values.items() if n not in kept}
+    return {**values, **files.decode(kept, found.read_tensors(tensor_name))}
 
 
 def write_rank(tmp: Path, rank: int, tree: Any, tensors: Tensors) -> dict[str, Any]:

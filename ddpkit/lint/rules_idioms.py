@@ -101,7 +101,7 @@ def _guard_here(script: Script, call: ast.Call, method: str) -> Guard | None:
             isinstance(a, ast.BoolOp)
             and isinstance(a.op, ast.And)
             and child in a.values
-            and any(_partitions(v) for v in a.values[: a.values.index(child)])  # type: ignore[arg-type]
+            and any(_partitions(v) for v in a.values[: a.values.index(child)])
         ):
             return a
         for name in ("body", "orelse", "finalbody"):
