@@ -76,7 +76,8 @@ def restore(
         obj.load_state_dict(files.decode(shared["objects"][name], shared_tensors))
         ctx.optimizers.loaded_optimizer_state(obj)  # a sharded step keeps only this rank's share
     notes = checkpoint_state.restore_per_rank(ctx.rank, ctx.world_size, found, parts["per_rank"])
-    values = {**parts["values"], **files.decode(shared["values"], shared_tensors)}
+    given = {**parts["values"], **files.decode(shared["values"], shared_tensors)}
+    values = checkpoint_state.own_values(ctx.rank, ctx.world_size, found, given, asked=parts["values"])
     step = values.get("step")
     head = f"ddpkit: resumed from {found.path}" + (f" (step {step})" if step is not None else "")
     ctx.say("; ".join([head, *notes]))

@@ -32,7 +32,7 @@ import torch
 from ddpkit.checkpoint import dcp as checkpoint_dcp
 from ddpkit.checkpoint import files
 from ddpkit.checkpoint import state as checkpoint_state
-from ddpkit.checkpoint.divergence import differing, note
+from ddpkit.checkpoint.divergence import note
 from ddpkit.checkpoint.files import Tensors
 from ddpkit.checkpoint.gather import local_share
 from ddpkit.checkpoint.remote import Remote
@@ -94,7 +94,11 @@ def capture(
     """Every rank, at the same point: the state encoded in memory (copied when `copy`), a frozen value.
     `stage` makes the copies (default: a clone; the writer process: into its shared memory)."""
     parts = checkpoint_state.split(state)
-    diverged = differing(parts["shared"], ctx.device) if ctx.distributed else []  # one all-gather, or none
+    diverged, own = (  # one all-gather, or none
+        checkpoint_state.differing(parts["shared"], parts["values"], ctx.device)
+        if ctx.distributed
+        else ([], [])
+    )
     for name in diverged:
         parts["per_rank"][name] = parts["shared"].pop(name)
     sharded = checkpoint_dcp.split(ctx.strategy, parts)
@@ -111,7 +115,8 @@ def capture(
         objects["sharded"] = sorted([sharded[0][0], *sharded[1]])
     step = parts["values"].get("step")
     rank_tensors, shared_tensors = Tensors(), Tensors()
-    rank_tree = checkpoint_state.per_rank_tree(parts["per_rank"], rank_tensors)
+    own_values = {n: parts["values"][n] for n in own}  # each rank's; rank 0's also with the other values
+    rank_tree = checkpoint_state.per_rank_tree(parts["per_rank"], rank_tensors, own_values)
     kept: dict[str, Tensors] = {}
     shared_tree = None
     if ctx.is_main:
@@ -135,6 +140,8 @@ def capture(
                 if value.untyped_storage().data_ptr() not in fresh:
                     group[key] = stage(value) if stage is not None else value.clone()
     notes = {n: note(n, parts["per_rank"][n]) for n in diverged}
+    if own:
+        notes[", ".join(own)] = checkpoint_state.values_note(own)  # one line (once a session)
     values = parts["values"].items()
     metrics = {n: v for n, v in values if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return Snapshot(
