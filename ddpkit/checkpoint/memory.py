@@ -1,0 +1,326 @@
+"""Memory snapshots: every rank's whole training state, every N optimizer steps, in memory its host's
+keeper holds (`ddpkit.cluster.keeper`), so a killed rank costs one step, not a checkpoint interval.
+
+    snaps = MemorySnapshots.attach(keeper_name, rank, world)   # this rank's two slots, if the keeper has any
+    target = snaps.agree(distributed=True, device=device)      # collective: newest step every rank holds
+    if target is not None:
+        values = snaps.restore(target, strategy, state)        # state: what s.load takes, as keywords
+    ...
+    snaps.save(step, strategy, state)                           # at a step boundary, every N steps
+
+A rank's snapshot lives in two slots (memfd segments; double buffering), each laid out as
+    [header 64 B: magic, step, seq, tree offset, tree length, tree crc32][tensor bytes][tree JSON]
+A save writes the slot that does not hold the newest complete step: its step := -1 first, then the
+tensors, then the JSON tree (the objects' structure, each tensor's offset, dtype and shape, the small
+values) and its crc32, then the step, last, as one aligned 8-byte store. A rank killed anywhere in
+between leaves that slot marked incomplete and the other one whole; a torn tree fails its crc. No
+fsync, no rename, no digest of the bytes on the training thread: the copy is the whole cost.
+
+Every slot carries its own step, and `agree` restores only a step every rank holds whole (`choose`:
+the newest in every rank's set), so a recovery never mixes two steps. `restore` compares the layout
+(every tensor's path, dtype and shape) with the live objects' first: a snapshot of another model or
+script is never loaded (`SnapshotMismatch`, then the disk path). What a snapshot holds is what a disk
+checkpoint holds (`ddpkit.checkpoint.state.split`): the modules (under FSDP and HSDP the strategy's
+sharded state, each rank its DTensor shards), the stateful objects (optimizer, scheduler), the
+per-rank ones (loader position, generators), every RNG stream of the rank and the plain values.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.checkpoint import dcp as checkpoint_dcp
+from ddpkit.checkpoint import files
+from ddpkit.checkpoint import state as checkpoint_state
+from ddpkit.checkpoint.owners import StateOwner
+from ddpkit.cluster.keeper import HEAD, MAGIC, STEP_AT, KeeperClient, fetch
+from ddpkit.errors import DdpkitError
+from ddpkit.parallel.modules import unwrap
+
+HEADER = 64  # bytes before the first tensor (the header itself is HEAD.size)
+ALIGN = 64
+__all__ = ["MemorySnapshots", "SnapshotMismatch", "choose"]
+
+
+class SnapshotMismatch(DdpkitError):
+    """The snapshot in memory was taken of other objects (another model, optimizer or layout)."""
+
+
+def choose(held: Sequence[Collection[int]]) -> int | None:
+    """The newest step every rank holds a complete snapshot of, or None (recover from disk).
+
+    `held[r]` is rank r's complete steps. One rank killed in the middle of a snapshot holds the step
+    before while the others hold it and the one before: the newest common step is the one before."""
+    if not held:
+        return None
+    common = set(held[0]).intersection(*held[1:])
+    return max(common) if common else None
+
+
+class Slot:
+    """One memfd segment, mapped: a header and one snapshot."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+        self.map = mmap.mmap(fd, self.size)
+        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    @classmethod
+    def new(cls, size: int, name: str) -> Slot:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        os.ftruncate(fd, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+        return cls(fd)
+
+    def header(self) -> tuple[int, int, int, int, int]:
+        """(step, seq, tree offset, tree length, tree crc); step -1: no complete snapshot."""
+        if self.size < HEADER:
+            return -1, 0, 0, 0, 0
+        magic, step, seq, off, n, crc = HEAD.unpack_from(self.map, 0)
+        return (step, seq, off, n, crc) if magic == MAGIC else (-1, 0, 0, 0, 0)
+
+    def complete_step(self) -> int:
+        step, _, off, n, crc = self.header()
+        if step < 0 or off + n > self.size or zlib.crc32(self.map[off : off + n]) != crc:
+            return -1
+        return step
+
+    def begin(self, seq: int) -> None:
+        """From here until `commit` this slot holds no snapshot."""
+        HEAD.pack_into(self.map, 0, MAGIC, -1, seq, 0, 0, 0)
+
+    def commit(self, step: int, seq: int, body: bytes, at: int) -> None:
+        self.map[at : at + len(body)] = body
+        HEAD.pack_into(self.map, 0, MAGIC, -1, seq, at, len(body), zlib.crc32(body))
+        struct.pack_into("<q", self.map, STEP_AT, step)  # the commit: one aligned 8-byte store, last
+
+    def view(self, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        return self.bytes[offset : offset + n].view(dtype).view(tuple(shape))
+
+    def close(self) -> None:
+        del self.bytes
+        self.map.close()
+        os.close(self.fd)
+
+
+# -- the state of one rank, as references to the live tensors -----------------------------------------
+def capture(strategy: StateOwner, state: Mapping[str, Any]) -> dict[str, Any]:
+    """The whole state of this rank now: references (no copy) to the live tensors (`_locals` turns its
+    DTensors into their local shards). The same parts as a disk checkpoint (`checkpoint.state.split`)."""
+    parts = checkpoint_state.split(state)
+    sharded = checkpoint_dcp.split(strategy, parts)
+    out: dict[str, Any] = {
+        "rng": checkpoint_state.rng_state(),
+        "values": dict(parts["values"]),
+        "modules": {n: unwrap(m).state_dict() for n, m in parts["modules"].items()},
+        "shared": {n: o.state_dict() for n, o in parts["shared"].items()},
+        "per_rank": {
+            n: o.get_state() if isinstance(o, torch.Generator) else o.state_dict()
+            for n, o in parts["per_rank"].items()
+        },
+    }
+    if sharded is not None:
+        out["sharded"] = checkpoint_dcp.assemble(strategy, sharded)
+    return out
+
+
+def _locals(obj: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, Mapping):
+        return {k: _locals(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_locals(v) for v in obj)
+    return obj
+
+
+def _as_template(live: Any, saved: Any) -> Any:
+    """`saved` (local shards) as DTensors wherever the live state holds one (its mesh and placements)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(live, DTensor) and isinstance(saved, torch.Tensor):
+        return DTensor.from_local(
+            saved, live.device_mesh, live.placements, shape=live.shape, stride=live.stride(), run_check=False
+        )
+    if isinstance(live, Mapping) and isinstance(saved, Mapping):
+        return {k: _as_template(live.get(k), v) for k, v in saved.items()}
+    return saved
+
+
+def layout_of(tree_tensors: Mapping[str, torch.Tensor]) -> dict[str, list[Any]]:
+    return {p: [str(t.dtype).removeprefix("torch."), list(t.shape)] for p, t in tree_tensors.items()}
+
+
+# -- this rank's slots ---------------------------------------------------------------------------------
+class MemorySnapshots:
+    """This rank's two slots, held by its host's keeper (None: local only, e.g. in a unit test)."""
+
+    def __init__(self, client: KeeperClient | None, key: str, fds: Sequence[int] = ()) -> None:
+        self.client, self.key = client, key
+        self.slots = [Slot(fd) for fd in fds]
+        self.seq = max([s.header()[1] for s in self.slots] + [0])
+        self.last_bytes = 0
+
+    @classmethod
+    def attach(cls, keeper: str | None, rank: int, world: int, peers: Sequence[str] = ()) -> MemorySnapshots:
+        """This rank's slots from the keeper named `keeper` (none yet: a fresh start). A rank whose
+        keeper lacks them (a replacement host) fetches them from another host's keeper (`peers`,
+        TCP HOST:PORT) into new slots, which its own keeper holds from then on."""
+        key = f"w{world}/r{rank}"
+        client = KeeperClient.connect(keeper) if keeper else None
+        self = cls(client, key, client.get(key) if client else ())
+        for peer in peers if not self.slots else ():
+            if blobs := fetch(peer, key):
+                self._adopt(blobs)
+                break
+        return self
+
+    def _adopt(self, blobs: Sequence[bytes]) -> None:
+        size = max(len(b) for b in blobs)
+        self.slots = [Slot.new(size, f"ddpkit-snapshot-{self.key}-{i}") for i in range(2)]
+        for slot, blob in zip(self.slots, blobs, strict=False):
+            slot.map[: len(blob)] = blob
+        self.seq = max(s.header()[1] for s in self.slots)
+        self._hold()
+
+    def _hold(self) -> None:
+        if self.client is not None:
+            self.client.hold(self.key, [s.fd for s in self.slots])
+
+    def held(self) -> dict[int, int]:
+        """step -> slot index, for the slots holding a complete snapshot."""
+        return {step: i for i, s in enumerate(self.slots) if (step := s.complete_step()) >= 0}
+
+    def agree(self, *, distributed: bool, device: torch.device | str = "cpu") -> int | None:
+        """Collective (every rank): the newest step every rank holds whole (`choose`), or None."""
+        steps = sorted(self.held(), reverse=True)[:2]
+        mine = torch.tensor(steps + [-1] * (2 - len(steps)), dtype=torch.int64, device=device)
+        if not distributed:
+            return choose([{s for s in mine.tolist() if s >= 0}])
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        return choose([{s for s in t.tolist() if s >= 0} for t in every])
+
+    # -- save -------------------------------------------------------------------------------------
+    def save(self, step: int, strategy: StateOwner, state: Mapping[str, Any]) -> None:
+        """Snapshot `state` as step `step` into the slot not holding the newest complete one."""
+        tensors: dict[str, torch.Tensor] = {}
+        tree = files.encode(_locals(capture(strategy, state)), tensors, "")
+        offsets, end = {}, HEADER
+        for path, t in tensors.items():
+            offsets[path] = end
+            end = -(-(end + t.numel() * t.element_size()) // ALIGN) * ALIGN
+        body = json.dumps({"tree": tree, "offsets": offsets, "layout": layout_of(tensors)}).encode()
+        slot = self._slot_for(end + len(body))
+        self.seq += 1
+        slot.begin(self.seq)
+        for path, t in tensors.items():
+            self.write_tensor(slot, offsets[path], t)
+        slot.commit(step, self.seq, body, end)
+        self.last_bytes = end + len(body)
+        if self.client is not None:
+            self.client.committed(self.key, self.slots.index(slot))
+
+    def write_tensor(self, slot: Slot, offset: int, t: torch.Tensor) -> None:
+        """One tensor's bytes into the slot (a test replaces this to fault in the middle of a save)."""
+        slot.view(offset, t.dtype, t.shape).copy_(t.detach())
+
+    def _slot_for(self, need: int) -> Slot:
+        """The slot to write: not the newest complete one; grown (a new segment) when too small."""
+        while len(self.slots) < 2:  # the first save: both slots at once, so the keeper holds a pair
+            self.slots.append(self._new_slot(need, len(self.slots)))
+            if len(self.slots) == 2:
+                self._hold()
+        held = self.held()
+        index = 1 - held[max(held)] if held else 0
+        if self.slots[index].size < need:
+            self.slots[index].close()
+            self.slots[index] = self._new_slot(need, index)
+            self._hold()
+        return self.slots[index]
+
+    def _new_slot(self, need: int, index: int) -> Slot:
+        return Slot.new(int(need * 1.1) + (1 << 20), f"ddpkit-snapshot-{self.key}-{index}")
+
+    # -- restore ----------------------------------------------------------------------------------
+    def read(self, step: int) -> tuple[Any, dict[str, torch.Tensor], dict[str, list[Any]]]:
+        """The tree, the tensors (copies out of the slot: the next save overwrites it) and the layout."""
+        held = self.held()
+        if step not in held:
+            raise SnapshotMismatch(f"{self.key}: step {step} is not held in memory (held: {sorted(held)})")
+        slot = self.slots[held[step]]
+        _, _, off, n, _ = slot.header()
+        body = json.loads(bytes(slot.map[off : off + n]))
+        tensors = {}
+        for path, (dtype, shape) in body["layout"].items():
+            tensors[path] = slot.view(body["offsets"][path], getattr(torch, dtype), shape).clone()
+        if slot.complete_step() != step:  # rewritten while read (not in the protocol: a second writer)
+            raise SnapshotMismatch(f"{self.key}: the snapshot of step {step} changed while it was read")
+        return body["tree"], tensors, body["layout"]
+
+    def restore(self, step: int, strategy: StateOwner, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Load step `step` into the objects of `state`; return its values (the defaults, then saved)."""
+        tree, tensors, layout = self.read(step)
+        live = capture(strategy, state)
+        parts = checkpoint_state.split(state)
+        sharded = checkpoint_dcp.split(strategy, parts)
+        whole = {f"/modules/{n}/" for n in parts["modules"]} | (
+            {f"/sharded/{sharded[0][0]}/"} if sharded else set()
+        )
+        if differ := mismatch(live, layout, whole):
+            raise SnapshotMismatch(
+                f"the snapshot in memory does not fit these objects ({differ}): it was taken of another "
+                "model, optimizer or layout"
+            )
+        saved = files.decode(tree, tensors)
+        if sharded is not None:
+            (name, model), optimizers = sharded
+            whole = _as_template(live["sharded"], saved["sharded"])
+            strategy.load_sharded_state(model, optimizers, {"model": whole.pop(name), **whole})
+        for name, module in parts["modules"].items():
+            unwrap(module).load_state_dict(saved["modules"][name])
+        for name, obj in parts["shared"].items():
+            obj.load_state_dict(saved["shared"][name])
+        for name, obj in parts["per_rank"].items():
+            if isinstance(obj, torch.Generator):
+                obj.set_state(saved["per_rank"][name])
+            else:
+                obj.load_state_dict(saved["per_rank"][name])
+        checkpoint_state.set_rng_state(saved["rng"])
+        return {**parts["values"], **saved["values"]}
+
+    def drop(self) -> None:
+        """At a clean end: the keeper frees this rank's memory now."""
+        if self.client is not None:
+            self.client.drop(self.key)
+
+    def close(self) -> None:
+        for slot in self.slots:
+            slot.close()
+        self.slots = []
+        if self.client is not None:
+            self.client.close()
+
+
+def mismatch(live: Any, saved: Mapping[str, list[Any]], whole: Collection[str]) -> str:
+    """What keeps the snapshot (`saved`: its layout) from these live objects, or "" when it fits: every
+    live tensor must be saved with its dtype and shape, and the modules' tensors (paths under `whole`)
+    must be the same set (a fresh optimizer has no state yet: what it lacks is loaded)."""
+    tensors: dict[str, torch.Tensor] = {}
+    files.encode(_locals(live), tensors, "")
+    now = layout_of(tensors)
+    keys = [k for k in now if now[k] != saved.get(k)]
+    keys += [k for k in saved if k not in now and k.startswith(tuple(whole))]
+    return "; ".join(f"{k}: {saved.get(k)} saved, {now.get(k)} now" for k in sorted(keys)[:3])

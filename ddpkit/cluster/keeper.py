@@ -1,0 +1,367 @@
+"""The per-host snapshot keeper: a process beside the ranks that holds their memory snapshots.
+
+    keeper = Keeper.start()                    # `ddpkit run` on each host, before the ranks start
+    keeper.name                                # what every rank is told (`ddpkit.names.KEEPER_ENV`)
+    client = KeeperClient.connect(name)        # a rank: hold / get / committed / drop its slots
+    keeper.stop()                              # the launch's end (its death ends the keeper too)
+
+    python keeper.py NAME [--tcp HOST:PORT] [--buddy HOST:PORT]    # the keeper itself (run by path)
+
+Why a process of its own: a rank's snapshot must outlive the rank (a kill -9, the OOM killer, a CUDA
+error, the agent stopping the group to restart it), and nothing a rank starts does (torchrun's agent
+stops each worker's whole process group). The ranks create memfd segments (two slots each,
+`ddpkit.checkpoint.memory`), fill them, and hand their file descriptors here (SCM_RIGHTS); the kernel
+keeps a memfd while any descriptor of it is open, so the keeper's keep the bytes through any death of a
+rank, and the keeper's own end frees them: it dies with its parent (PR_SET_PDEATHSIG, and a poll of its
+parent pid), so no exit path of the launcher leaves memory behind (nothing in /dev/shm, nothing to
+sweep). It never maps a slot except to send or receive it, so its own memory stays small.
+
+The lost host: with `--buddy`, each slot a rank reports committed is pushed (on a thread of the keeper,
+never a rank's; superseded commits dropped) to the buddy host's keeper over TCP, which writes it into
+slots of its own with the same step-last protocol; a rank whose keeper lacks its key (a replacement
+host) fetches its slots from there. A push whose slot was rewritten while it was sent (its seq changed)
+is dropped by the receiver.
+
+Unix socket "\\0NAME" (abstract: one per network namespace, i.e. per host; only this user's processes
+are answered, SO_PEERCRED), requests as a 4-byte length + JSON, descriptors on the length bytes:
+    {"op": "hold", "key": K} + fds     keep these slots for K (replacing what it held)
+    {"op": "get", "key": K}            -> {"n": N} + the descriptors held for K
+    {"op": "committed", "key": K, "slot": i}   slot i of K is complete: push it to the buddy
+    {"op": "drop", "key": K}, {"op": "keys"}
+TCP (`--tcp`): a JSON line {"op": "push", "key": K, "n": N, "seq": S}, N bytes, a JSON line {"ok": b};
+or {"op": "fetch", "key": K} -> a JSON line {"sizes": [...]} and the bytes of each complete slot.
+
+Standard library only (it runs by path, like `ddpkit/checkpoint/writer_child.py`): starting it costs
+no torch import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import mmap
+import os
+import queue
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+HEAD = struct.Struct("<8sqqqqq")  # a slot's header: magic, step (-1 while written), seq, tree off, len, crc
+MAGIC = b"DDPKSNP1"
+STEP_AT = 8  # the byte offset of the step in the header: the commit is one aligned 8-byte store there
+_LENGTH = struct.Struct("<I")
+_MAX_FDS = 16
+
+
+# -- the client (a rank, or a test) --------------------------------------------------------------------
+class KeeperClient:
+    """One connection to this host's keeper; requests are answered in order."""
+
+    def __init__(self, sock: socket.socket, name: str) -> None:
+        self.sock, self.name = sock, name
+
+    @classmethod
+    def connect(cls, name: str) -> KeeperClient:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect("\0" + name)
+        return cls(sock, name)
+
+    def ask(self, body: dict[str, Any], fds: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
+        """Send one request (with `fds`), return the answer and the descriptors that came with it."""
+        data = json.dumps(body).encode()
+        socket.send_fds(self.sock, [_LENGTH.pack(len(data))], list(fds or []))
+        self.sock.sendall(data)
+        head, got, _, _ = socket.recv_fds(self.sock, _LENGTH.size, _MAX_FDS)
+        if not head:
+            raise EOFError(f"the snapshot keeper {self.name} closed the connection")
+        head += _recv_exact(self.sock, _LENGTH.size - len(head))
+        (n,) = _LENGTH.unpack(head)
+        return json.loads(_recv_exact(self.sock, n)), got
+
+    def hold(self, key: str, fds: list[int]) -> None:
+        self.ask({"op": "hold", "key": key}, fds)
+
+    def get(self, key: str) -> list[int]:
+        return self.ask({"op": "get", "key": key})[1]
+
+    def committed(self, key: str, slot: int) -> None:
+        self.ask({"op": "committed", "key": key, "slot": slot})
+
+    def drop(self, key: str) -> None:
+        self.ask({"op": "drop", "key": key})
+
+    def keys(self) -> dict[str, Any]:
+        return self.ask({"op": "keys"})[0]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def fetch(address: str, key: str, timeout: float = 30.0) -> list[bytes]:
+    """The complete slots another host's keeper holds for `key` (newest first), over TCP; [] if none
+    or if it cannot be reached."""
+    host, _, port = address.rpartition(":")
+    try:
+        conn = socket.create_connection((host, int(port)), timeout=timeout)
+    except OSError:
+        return []
+    with conn, conn.makefile("rb") as f:
+        conn.sendall(json.dumps({"op": "fetch", "key": key}).encode() + b"\n")
+        sizes = _line(f)["sizes"]
+        return [f.read(n) for n in sizes]
+
+
+# -- the launcher's side --------------------------------------------------------------------------------
+@dataclass
+class Keeper:
+    """A running keeper, started by `ddpkit run` on its host (one per launch)."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    tcp: str | None = None
+    stopped: bool = field(default=False)
+
+    @classmethod
+    def start(cls, *, tcp: str | None = None, buddy: str | None = None) -> Keeper:
+        """Start the keeper and wait until it listens. Call it from the main thread: PR_SET_PDEATHSIG
+        fires when the thread that started the child ends."""
+        name = f"ddpkit-keeper-{uuid.uuid4().hex[:16]}"
+        extra = [*(["--tcp", tcp] if tcp else []), *(["--buddy", buddy] if buddy else [])]
+        process = subprocess.Popen(
+            [sys.executable, str(Path(__file__)), name, *extra],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+        )
+        assert process.stdout is not None
+        if not process.stdout.readline():  # "listening": the socket exists from here on
+            process.wait()
+            raise RuntimeError(f"the snapshot keeper did not start (exit code {process.returncode})")
+        process.stdout.close()
+        return cls(name, process, tcp)
+
+    def stop(self) -> None:
+        """End the keeper: the memory of every snapshot it held is freed."""
+        if not self.stopped:
+            self.stopped = True
+            self.process.kill()
+            self.process.wait()
+
+
+# -- the keeper process ------------------------------------------------------------------------------
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise EOFError
+        got += k
+    return bytes(buf)
+
+
+def _line(f: BinaryIO) -> dict[str, Any]:
+    raw = f.readline()
+    if not raw:
+        raise EOFError
+    return json.loads(raw)
+
+
+def header(m: mmap.mmap) -> tuple[int, int, int]:
+    """(step, seq, bytes used) of a slot: step -1 when it holds no complete snapshot."""
+    magic, step, seq, off, n, _ = HEAD.unpack_from(m, 0)
+    return (step, seq, off + n) if magic == MAGIC else (-1, 0, 0)
+
+
+class Held:
+    """The slots this keeper holds, by key, and the pushes waiting for the buddy."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, list[int]] = {}
+        self.lock = threading.Lock()
+        self.pushes: queue.Queue[tuple[str, int]] = queue.Queue()
+        self.stats = {"pushed": 0, "dropped": 0, "received": 0}
+
+    def replace(self, key: str, fds: list[int]) -> None:
+        with self.lock:
+            for fd in self.fds.pop(key, []):
+                os.close(fd)
+            if fds:
+                self.fds[key] = fds
+
+    def maps(self, key: str) -> list[mmap.mmap]:
+        with self.lock:
+            return [mmap.mmap(fd, 0) for fd in self.fds.get(key, [])]
+
+    def slots_for(self, key: str, size: int) -> list[mmap.mmap]:
+        """Two slots of at least `size` bytes for a copy received from another host."""
+        with self.lock:
+            fds = self.fds.get(key, [])
+            if len(fds) != 2 or any(os.fstat(fd).st_size < size for fd in fds):
+                new = []
+                for i in range(2):
+                    fd = os.memfd_create(f"ddpkit-snapshot-{key}-{i}", os.MFD_CLOEXEC)
+                    os.ftruncate(fd, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+                    new.append(fd)
+                for fd in fds:
+                    os.close(fd)
+                self.fds[key] = fds = new
+            return [mmap.mmap(fd, 0) for fd in fds]
+
+
+def store(held: Held, key: str, data: bytes) -> None:
+    """A copy from another host into the slot not holding the newest step: step -1, the bytes, the step."""
+    slots = held.slots_for(key, len(data))
+    steps = [header(m)[0] for m in slots]
+    target = slots[1 - steps.index(max(steps))] if max(steps) >= 0 else slots[0]
+    struct.pack_into("<q", target, STEP_AT, -1)
+    target[STEP_AT + 8 : len(data)] = data[STEP_AT + 8 :]
+    target[0:STEP_AT] = data[0:STEP_AT]
+    target[STEP_AT : STEP_AT + 8] = data[STEP_AT : STEP_AT + 8]  # the step, last
+    for m in slots:
+        m.close()
+    held.stats["received"] += 1
+
+
+def push(held: Held, conn: socket.socket, key: str, slot: int) -> None:
+    """Send one committed slot to the buddy; marked not ok when it was rewritten during the send."""
+    maps = held.maps(key)
+    if slot >= len(maps):
+        return
+    m = maps[slot]
+    step, seq, n = header(m)
+    if step >= 0:
+        conn.sendall(json.dumps({"op": "push", "key": key, "n": n, "seq": seq}).encode() + b"\n")
+        conn.sendall(memoryview(m)[:n])
+        ok = header(m)[:2] == (step, seq)
+        conn.sendall(json.dumps({"ok": ok}).encode() + b"\n")
+        held.stats["pushed" if ok else "dropped"] += 1
+    for each in maps:
+        each.close()
+
+
+def sender(held: Held, buddy: str) -> None:
+    host, _, port = buddy.rpartition(":")
+    conn: socket.socket | None = None
+    while True:
+        latest = dict([held.pushes.get()])
+        while not held.pushes.empty():  # newer commits of a key supersede older ones
+            key, slot = held.pushes.get()
+            latest[key] = slot
+        for key, slot in latest.items():
+            try:
+                if conn is None:
+                    conn = socket.create_connection((host, int(port)), timeout=30)
+                push(held, conn, key, slot)
+            except (OSError, EOFError):
+                conn = None  # the buddy is gone or restarting: the next commit tries again
+
+
+def serve_tcp(held: Held, conn: socket.socket) -> None:
+    with contextlib.suppress(EOFError, OSError, ValueError), conn, conn.makefile("rb") as f:
+        while True:
+            req = _line(f)
+            if req["op"] == "push":
+                data = f.read(req["n"])
+                if _line(f).get("ok") and len(data) == req["n"]:
+                    store(held, req["key"], data)
+            elif req["op"] == "fetch":
+                maps = held.maps(req["key"])
+                complete = sorted((m for m in maps if header(m)[0] >= 0), key=lambda m: -header(m)[0])
+                sizes = [header(m)[2] for m in complete]
+                conn.sendall(json.dumps({"sizes": sizes}).encode() + b"\n")
+                for m, n in zip(complete, sizes, strict=True):
+                    conn.sendall(memoryview(m)[:n])
+                for m in maps:
+                    m.close()
+
+
+def tcp_server(held: Held, address: str) -> None:
+    host, _, port = address.rpartition(":")
+    srv = socket.create_server((host, int(port)))
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=serve_tcp, args=(held, conn), daemon=True).start()
+
+
+def _same_user(conn: socket.socket) -> bool:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _, uid, _ = struct.unpack("3i", creds)
+    return uid == os.getuid()
+
+
+def answer(held: Held, req: dict[str, Any], fds: list[int], buddy: bool) -> tuple[dict[str, Any], list[int]]:
+    """One request of a rank on the Unix socket."""
+    op, key = req.get("op"), str(req.get("key"))
+    if op == "hold":
+        held.replace(key, fds)
+    elif op == "get":
+        with held.lock:
+            out = list(held.fds.get(key, []))
+        return {"n": len(out)}, out
+    elif op == "committed" and buddy:
+        held.pushes.put((key, int(req["slot"])))
+    elif op == "drop":
+        held.replace(key, [])
+    elif op == "keys":
+        with held.lock:
+            return {"keys": {k: len(v) for k, v in held.fds.items()}, **held.stats}, []
+    return {"ok": True}, []
+
+
+def _request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    head, fds, _, _ = socket.recv_fds(conn, _LENGTH.size, _MAX_FDS)
+    if not head:
+        raise EOFError
+    head += _recv_exact(conn, _LENGTH.size - len(head))
+    (n,) = _LENGTH.unpack(head)
+    return json.loads(_recv_exact(conn, n)), fds
+
+
+def main(argv: list[str]) -> None:
+    name, opts = argv[0], dict(zip(argv[1::2], argv[2::2], strict=False))
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: end with the launcher
+    held = Held()
+    if "--tcp" in opts:
+        threading.Thread(target=tcp_server, args=(held, opts["--tcp"]), daemon=True).start()
+    if "--buddy" in opts:
+        threading.Thread(target=sender, args=(held, opts["--buddy"]), daemon=True).start()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind("\0" + name)
+    server.listen(64)
+    sel = selectors.DefaultSelector()
+    sel.register(server, selectors.EVENT_READ)
+    print("listening", flush=True)
+    while os.getppid() == parent:
+        for k, _ in sel.select(timeout=0.5):
+            if k.fileobj is server:
+                conn, _ = server.accept()
+                if _same_user(conn):
+                    sel.register(conn, selectors.EVENT_READ)
+                else:
+                    conn.close()
+                continue
+            conn = k.fileobj  # type: ignore[assignment]
+            try:
+                req, fds = _request(conn)
+                body, out = answer(held, req, fds, "--buddy" in opts)
+                data = json.dumps(body).encode()
+                socket.send_fds(conn, [_LENGTH.pack(len(data))], out)
+                conn.sendall(data)
+            except (EOFError, OSError, ValueError):
+                sel.unregister(conn)
+                conn.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

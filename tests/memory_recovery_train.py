@@ -1,0 +1,148 @@
+"""One small run recovered from memory snapshots, for tests/test_memory_recovery*.py: in the rank pools
+(the uninterrupted reference) and as a script under `ddpkit run` (the faults).
+
+    ddpkit run --nproc 4 --max-restarts 1 tests/memory_recovery_train.py OUT --strategy fsdp --kill-at 7
+
+State: weights and AdamW moments (FSDP: each rank's shards), an LR schedule, the loader's position,
+every rank's torch (dropout), numpy and Python RNG streams. 96 samples, global batch 16: 6 steps an
+epoch, 2 epochs, 12 steps. A snapshot after every optimizer step, held by the keeper named by
+--keeper (or `ddpkit run`'s, DDPKIT_KEEPER). The faults: --kill-at K SIGKILLs --kill-rank in step K
+(after its backward: step K is lost); --kill-mid-snapshot K SIGKILLs it halfway through copying the
+snapshot of step K. Each rank writes OUT/rank{r}.pt at the end; global rank 0 OUT/resumed.txt (the
+step restored) after a restart, and the killed rank OUT/killed.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+from ddpkit.checkpoint.memory import MemorySnapshots, Slot
+
+EPOCHS, SAMPLES, GLOBAL_BATCH = 2, 96, 16
+MID = 10  # of the snapshot's tensors: RNG, loader, the model's 6, then the optimizer's
+
+
+def make_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(42)
+    x = torch.randn(SAMPLES, 8, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+def net() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3)
+    )
+
+
+def _restarted() -> bool:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+
+
+def kill_mid_copy(snaps: MemorySnapshots, step: int, out: str | None) -> None:
+    """The fault inside a snapshot: this process SIGKILLs itself in the middle of copying `step`'s (its
+    model shards written, its optimizer state not: MID tensors in)."""
+    write, count = snaps.write_tensor, [0]
+    current = {"step": -1}
+    save = snaps.save
+
+    def saving(at: int, *args: Any) -> None:
+        current["step"], count[0] = at, 0
+        save(at, *args)
+
+    def writing(slot: Slot, offset: int, t: torch.Tensor) -> None:
+        count[0] += 1
+        if current["step"] == step and count[0] == MID:
+            Path(out or ".", "killed.txt").write_text(f"{time.time()} {step} mid-snapshot")
+            os.kill(os.getpid(), signal.SIGKILL)
+        write(slot, offset, t)
+
+    snaps.save, snaps.write_tensor = saving, writing  # type: ignore[method-assign]
+
+
+def train(
+    keeper: str | None,
+    out: str | None,
+    strategy: str = "fsdp",
+    kill_at: int | None = None,
+    kill_rank: int = 1,
+    kill_mid: int | None = None,
+) -> dict[str, Any]:
+    """Train 12 steps; with `keeper`, restore the newest snapshot all ranks hold first. Returns this
+    rank's final state (full weights, its optimizer state, RNG, step, LR)."""
+    torch.set_num_threads(1)
+    with ddpkit.session(seed=0, verbose=out is not None) as s:
+        model = s.model(net(), strategy=strategy)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+        loader = s.loader(make_data(), batch_size=GLOBAL_BATCH, shuffle=True)
+        state: dict[str, Any] = {"model": model, "optimizer": opt, "scheduler": sched, "loader": loader}
+        owner = s.checkpoints._ctx.strategy
+        values: dict[str, Any] = {"step": 0}
+        snaps = MemorySnapshots.attach(keeper, s.rank, s.world_size) if keeper else None
+        if snaps is not None:
+            target = snaps.agree(distributed=s.world_size > 1, device=s.device)
+            if target is not None:
+                values = snaps.restore(target, owner, {**state, **values})
+            if out and _restarted() and s.rank == 0:
+                Path(out, "resumed.txt").write_text(f"{time.time()} {values['step']}")
+            if kill_mid is not None and s.rank == kill_rank and not _restarted():
+                kill_mid_copy(snaps, kill_mid, out)
+        step = values["step"]
+        for _ in range(loader.epoch, EPOCHS):
+            for x, y in loader:
+                x = x + 0.05 * torch.from_numpy(np.random.randn(*x.shape).astype(np.float32))
+                if random.random() < 0.5:
+                    x = x * 1.01
+                loss = F.cross_entropy(model(x), y)
+                s.backward(loss)
+                if kill_at == step + 1 and s.rank == kill_rank and not _restarted():
+                    Path(out or ".", "killed.txt").write_text(f"{time.time()} {step + 1}")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                s.step(opt)
+                sched.step()
+                step += 1
+                if snaps is not None:
+                    snaps.save(step, owner, {**state, "step": step})
+        full = {}
+        for name, p in ddpkit.unwrap(model).named_parameters():
+            t = p.detach()
+            full[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+        moments = {
+            f"{i}/{k}": (v.to_local() if hasattr(v, "to_local") else v).clone()
+            for i, st in enumerate(opt.state.values())
+            for k, v in st.items()
+        }
+        result = {"weights": full, "opt": moments, "rng": torch.get_rng_state(), "step": step}
+        result["lr"] = sched.get_last_lr()
+        if snaps is not None:
+            s.barrier()
+            snaps.drop()
+            snaps.close()
+        if out:
+            torch.save(result, Path(out, f"rank{s.rank}.pt"))
+        return result
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--keeper", default=None)
+    p.add_argument("--strategy", default="fsdp")
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--kill-mid-snapshot", type=int, default=None)
+    a = p.parse_args()
+    train(a.keeper, a.out, a.strategy, a.kill_at, a.kill_rank, a.kill_mid_snapshot)
