@@ -58,8 +58,20 @@ def _add_launch_options(p: argparse.ArgumentParser, *, default_nproc: str | None
     p.add_argument("--share-gpu", action="store_true", help="ranks share GPUs (gloo; debugging)")
 
 
+def _version() -> str:
+    """The installed distribution's version (a wheel's or an editable install's metadata), read without
+    importing torch, so `ddpkit --version` answers at once."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ddpkit")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddpkit", description="Data-parallel PyTorch, correct and fast.")
+    parser.add_argument("--version", action="version", version=f"ddpkit {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="launch a script on N processes (torchrun-compatible)")

@@ -23,7 +23,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
+from ddpkit.errors import problem
 from ddpkit.observe.metrics import Accuracy, MetricSet
+from ddpkit.tools.plotting import pyplot
 from ddpkit.training.fit import Callback, FitState, fit
 
 
@@ -43,8 +45,28 @@ class DigitsCNN(nn.Module):
         return self.head(self.features(x))
 
 
+DEMO_PACKAGES = {"sklearn": "scikit-learn", "matplotlib": "matplotlib"}  # module -> the package to install
+
+
+def require_demo_packages() -> None:
+    """Stop with one paragraph when the demo's own packages are absent: training needs neither, so the core
+    install leaves them to the `demo` extra, and a missing one should say so before any rank starts."""
+    import importlib.util
+
+    missing = [pkg for module, pkg in DEMO_PACKAGES.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise problem(
+            f"the demo needs {' and '.join(missing)}, which is not installed: its data set is scikit-learn's "
+            "bundled digits and it draws its loss curve with matplotlib; ddpkit's training itself needs "
+            "neither, so a plain `pip install ddpkit` leaves them out",
+            'install them with `pip install "ddpkit[demo]"` (this repository\'s scripts/setup.sh does), '
+            "then run `ddpkit demo` again",
+        )
+
+
 def digits_split(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """The 1,797 digits as (image, label) tensors, split into a train and a held-out test set."""
+    require_demo_packages()
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -116,11 +138,7 @@ def train(
 
 
 def plot_losses(losses: list[float], steps_per_epoch: int, out: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     os.makedirs(out, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     ax.plot(range(1, len(losses) + 1), losses, lw=1.5, color="#3366cc")
@@ -140,6 +158,7 @@ def launch_demo(ns: argparse.Namespace, make_config: Callable[..., Any]) -> int:
     from ddpkit.cluster.launch import launch
     from ddpkit.cluster.topology import Hardware
 
+    require_demo_packages()  # before any rank starts, in the launching process
     if ns.nproc is None:
         gpus = Hardware.detect().gpus if ns.device != "cpu" else 0
         ns.nproc = gpus or 2

@@ -11,8 +11,21 @@ from typing import Any
 
 
 def pyplot() -> Any:
-    """matplotlib's pyplot on the non-interactive backend (benchmarks run on headless machines)."""
-    import matplotlib
+    """matplotlib's pyplot on the non-interactive backend (benchmarks run on headless machines).
+
+    matplotlib is no dependency of training, so the core install leaves it to the `plots` extra; a command
+    asked to draw without it stops with one paragraph that names the install instead of an ImportError."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        from ddpkit.errors import problem
+
+        raise problem(
+            "drawing a figure needs matplotlib, which is not installed: ddpkit's training needs no plotting "
+            "library, so a plain `pip install ddpkit` leaves it out",
+            'install it with `pip install "ddpkit[plots]"` (or leave out the option that asks for a picture, '
+            "such as --plot)",
+        ) from err
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
