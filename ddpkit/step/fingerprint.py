@@ -1,0 +1,185 @@
+"""Replica fingerprints: every N steps, do the replicas still hold bitwise the same weights?
+
+Under DDP (and across HSDP's replicas) every replica must hold the same bits after every step. A
+rank-dependent operation, a non-deterministic kernel or a device that computes wrongly makes one replica
+part from the others without an error. So, every `every` optimizer steps:
+
+    h[i]  = the sum of tensor i's bit patterns, as integers (a one-bit flip moves it by 2^k, never 0)
+    f     = sum_i h[i] * (2i + 1)                 (int64, wrapping: one number per replica)
+    max(f), max(~f) over the replicas             (one all-reduce of two int64: max(~f) = ~min(f))
+    min == max: they agree; else every rank sees it at the same step, gathers the h of every replica
+    (a second, rare collective) and stops with the ranks that differ, the first tensor, and the last
+    step at which they agreed.
+
+The tensors are the model's parameters and buffers and the optimizer's state, as each rank holds them:
+under HSDP a rank's local shards, compared over the replicate dimension only (the ranks holding the
+same shard); FSDP alone holds one replica (each rank a different shard), so there is nothing to
+compare; under DDP every rank is a replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.errors import DdpkitError, problem
+
+_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+class ReplicaDrift(DdpkitError):
+    """The replicas no longer hold the same weights; raised on every rank at the same step."""
+
+
+def tensor_hash(t: torch.Tensor) -> torch.Tensor:
+    """The sum of the tensor's bit patterns as int64 (a 0-dim tensor on its device)."""
+    t = t.detach()
+    if hasattr(t, "to_local"):  # a DTensor: this rank's shard
+        t = t.to_local()
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        t = t.contiguous().view(_INT[t.element_size()])
+    return t.sum(dtype=torch.int64)
+
+
+def named_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors a replica must agree on: parameters, buffers, then the optimizer's state by name."""
+    names = {}
+    for name, p in model.named_parameters():
+        names[id(p)] = name
+        yield name, p
+    yield from model.named_buffers()
+    if optimizer is None:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in sorted(optimizer.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
+                if isinstance(value, torch.Tensor):
+                    yield f"optimizer state {names.get(id(p), '?')}.{key}", value
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """Which ranks hold copies of this rank's tensors: a process group (None: the default group) and
+    its global ranks; `count` 1 when there is nothing to compare, `why` says what the layout is."""
+
+    group: dist.ProcessGroup | None
+    ranks: tuple[int, ...]
+    why: str
+
+    @property
+    def count(self) -> int:
+        return len(self.ranks)
+
+
+def replicas_of(model: nn.Module) -> Replicas:
+    """The replicas of this rank's copy of `model`, read from its parameters: DTensors on a 2-D mesh
+    (HSDP: replicate x shard) compare over mesh dimension 0; on a 1-D mesh (FSDP) there is one replica;
+    plain tensors in a job of several ranks (DDP) compare over every rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return Replicas(None, (0,), "one process: one replica")
+    mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
+    if mesh is None:
+        return Replicas(None, tuple(range(dist.get_world_size())), "every rank a replica (DDP)")
+    if mesh.ndim == 1:
+        return Replicas(None, (dist.get_rank(),), "FSDP holds one replica (each rank a different shard)")
+    group = mesh.get_group(0)
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return Replicas(group, ranks, f"HSDP: {len(ranks)} replicas of this rank's shard (ranks {list(ranks)})")
+
+
+class ReplicaFingerprints:
+    """Compare the replicas' fingerprints every `every` optimizer steps (0: never)."""
+
+    def __init__(self, every: int) -> None:
+        if every < 0:
+            raise problem(
+                f"fingerprint_every={every} is negative", "Pass 0 (off) or a number of steps, e.g. 100"
+            )
+        self.every = every
+        self.last_agreed: int | None = None  # the last step checked at which the replicas agreed
+        self.checks = 0
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def after_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Check when `step` is due; True when a check ran (and agreed: a mismatch raises on every rank)."""
+        if not self.due(step):
+            return False
+        self.check(step, model, optimizer)
+        return True
+
+    def check(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Compare now (every replica calls it at the same step); raise `ReplicaDrift` on a mismatch."""
+        replicas = replicas_of(model)
+        if replicas.count < 2:
+            self.last_agreed = step
+            return
+        named = list(named_state(_inner(model), optimizer))
+        hashes = torch.stack([tensor_hash(t).to(_device(named)) for _, t in named])
+        weights = torch.arange(1, 2 * len(named), 2, dtype=torch.int64, device=hashes.device)
+        f = (hashes * weights).sum()
+        both = torch.stack([f, ~f])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=replicas.group)
+        self.checks += 1
+        if int(both[0]) == ~int(both[1]):
+            self.last_agreed = step
+            return
+        gathered = [torch.empty_like(hashes) for _ in range(replicas.count)]
+        dist.all_gather(gathered, hashes, group=replicas.group)
+        raise ReplicaDrift(
+            self.explain(step, [n for n, _ in named], replicas.ranks, [g.cpu() for g in gathered])
+        )
+
+    def explain(self, step: int, names: list[str], ranks: tuple[int, ...], hashes: list[torch.Tensor]) -> str:
+        """One paragraph: the ranks that differ, the first tensor, and the last step they agreed."""
+        groups = _groups(ranks, hashes)
+        differ = [i for i in range(len(names)) if len({int(h[i]) for h in hashes}) > 1]
+        first = names[differ[0]] if differ else "(none: the hashes of every tensor agree)"
+        if len(groups) > 1 and len(groups[0]) > len(groups[1]):
+            odd = sorted(r for g in groups[1:] for r in g)
+            who = f"rank(s) {', '.join(map(str, odd))} differ from the {len(groups[0])} others"
+        else:
+            who = (
+                "the replicas split into "
+                + " and ".join("ranks {" + ", ".join(map(str, g)) + "}" for g in groups)
+                + " (no majority names one)"
+            )
+        agreed = f"step {self.last_agreed}" if self.last_agreed is not None else "no check before this one"
+        return (
+            f"the replicas hold different weights at step {step}: {who}; the first tensor that differs is "
+            f"{first} ({len(differ)} of {len(names)} tensors differ); they last agreed at {agreed}. A "
+            "rank-dependent operation, a non-deterministic kernel or a faulty device changed one replica: "
+            "every rank stops here. Resume from a checkpoint written at or before the last agreement, and "
+            "run `ddpkit verify --locate` on the model to find the operation"
+        )
+
+
+def _groups(ranks: tuple[int, ...], hashes: list[torch.Tensor]) -> list[list[int]]:
+    """The ranks grouped by identical hash vectors, the largest group first (ties: by lowest rank)."""
+    by: dict[tuple[int, ...], list[int]] = {}
+    for rank, h in zip(ranks, hashes, strict=True):
+        by.setdefault(tuple(h.tolist()), []).append(rank)
+    return sorted(by.values(), key=lambda g: (-len(g), g[0]))
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP and torch.compile's wrappers, so names read as in the user's model."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    while isinstance(model, (DistributedDataParallel, OptimizedModule)):
+        model = model.module if isinstance(model, DistributedDataParallel) else model._orig_mod
+    return model
+
+
+def _device(named: list[tuple[str, torch.Tensor]]) -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
