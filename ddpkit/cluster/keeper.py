@@ -50,6 +50,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -326,11 +327,24 @@ def _request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     return json.loads(_recv_exact(conn, n)), fds
 
 
-def main(argv: list[str]) -> None:
-    name, opts = argv[0], dict(zip(argv[1::2], argv[2::2], strict=False))
+def end_with_parent() -> None:
+    """This process ends when its parent does, however it ends: PR_SET_PDEATHSIG, and a poll of the
+    parent's pid (the signal is lost if the parent died before the prctl)."""
     parent = os.getppid()
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: end with the launcher
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(argv: list[str]) -> None:
+    name, opts = argv[0], dict(zip(argv[1::2], argv[2::2], strict=False))
+    end_with_parent()
     held = Held()
     if "--tcp" in opts:
         threading.Thread(target=tcp_server, args=(held, opts["--tcp"]), daemon=True).start()
@@ -342,8 +356,8 @@ def main(argv: list[str]) -> None:
     sel = selectors.DefaultSelector()
     sel.register(server, selectors.EVENT_READ)
     print("listening", flush=True)
-    while os.getppid() == parent:
-        for k, _ in sel.select(timeout=0.5):
+    while True:
+        for k, _ in sel.select():
             if k.fileobj is server:
                 conn, _ = server.accept()
                 if _same_user(conn):
