@@ -27,8 +27,9 @@ if TYPE_CHECKING:
     from ddpkit.step.stepping import StepInfo
     from ddpkit.strategy import DDPOptions, FSDPOptions, HSDPOptions
     from ddpkit.training.fit import Callback, FitResult, FitState, evaluate, fit
+    from ddpkit.training.opening import session
     from ddpkit.training.seeding import seed_everything
-    from ddpkit.training.session import Session, session
+    from ddpkit.training.session import Session
 
 # Imported on first use (PEP 562): `ddpkit run` and the tools then load only what they need, and the
 # launcher process does not import the training modules it never runs.
@@ -47,7 +48,7 @@ _HOME = {
     "StepMonitor": "observe.monitor",
     "Session": "training.session",
     "seed_everything": "training.seeding",
-    "session": "training.session",
+    "session": "training.opening",
     "SpawnError": "cluster.spawn",
     "spawn": "cluster.spawn",
     "StepInfo": "step.stepping",

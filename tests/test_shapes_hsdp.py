@@ -232,7 +232,7 @@ def test_the_mesh_and_the_start_up_line_of_every_shape(case: tuple, want: tuple[
         assert mesh["replicate"].mesh.tolist() == replicas
         assert dist.get_process_group_ranks(mesh.get_group("shard")) == group
         assert dist.get_process_group_ranks(mesh.get_group("replicate")) == replicas
-    line = Choosing(options, shape, FP32, stepper=lambda **_: None).describe()
+    line = Choosing(options, shape, FP32).describe()
     nodes = -(-world // local)
     where = f"{nodes} node(s) x {local} rank(s)" if nodes > 1 else f"{world} rank(s)"
     if r > 1 and s > 1:

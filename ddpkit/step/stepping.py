@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import problem
+from ddpkit.parallel.collectives import Ranks
 from ddpkit.parallel.precision import LossScale, PrecisionPlan
 from ddpkit.step import invariant, oom, shard_exchange, sharding, spike_norm, spikes
 from ddpkit.step.tokens import Count, TokenWeighting
@@ -69,47 +70,49 @@ class StepInfo:
     spike: spikes.Spike | None = None  # the spike guard skipped this step (`ddpkit.step.spikes`)
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepParts:
+    """What a session's stepper is made of besides its strategy, built once by the session: values and
+    the step wing's own objects, never the session (so each option's walk ends in a named field)."""
+
+    accumulation: int  # loader micro-batches per optimizer step (the session's `accumulation=`)
+    precision: PrecisionPlan
+    ranks: Ranks  # the cluster's Shape: device, distributed, world size
+    report: Callable[[str], None]
+    shard: bool | str = False  # shard_optimizer=
+    timeout: float = 1800.0  # a publishing rank of the sharded step waits this long for its peers
+    invariant: invariant.AnyWorld | None = None  # reproducible="any-world"
+    micro_batch: oom.AutoMicroBatch | None = None  # micro_batch="auto"
+    spikes: spikes.Judge | None = None  # spike_guard=
+
+
 class Stepper:
     """The accumulation state machine behind `Session.accumulate/backward/step` (one per session)."""
 
-    def __init__(
-        self,
-        accumulation: int,
-        precision: PrecisionPlan,
-        *,
-        distributed: bool,
-        report: Callable[[str], None],
-        shard: bool | str = False,
-        device: torch.device | None = None,
-        timeout: float = 1800.0,
-        strategy: Strategy | None = None,
-        invariant_mode: invariant.AnyWorld | None = None,
-        auto_micro_batch: oom.AutoMicroBatch | None = None,
-        spike_judge: spikes.Judge | None = None,
-    ) -> None:
-        self.spikes = spike_judge  # spike_guard=: a step far above its window is skipped (`step.spikes`)
+    def __init__(self, strategy: Strategy, parts: StepParts) -> None:
+        self.spikes = parts.spikes  # spike_guard=: a step far above its window is skipped (`step.spikes`)
         self._agreed_loss: float | None = None  # fit's all-reduced loss for the next step, for the guard
         self._losses: list[torch.Tensor] = []  # the guard's: this rank's losses of the step in progress
-        self.accumulation = accumulation
-        self.oom = auto_micro_batch  # micro_batch="auto": deferred sync, agreed OOM (`ddpkit.step.oom`)
-        if auto_micro_batch is not None:
-            oom.check(strategy or Strategy(), shard, invariant_mode is not None, auto_micro_batch)
-        self.invariant = invariant_mode  # reproducible="any-world": s.invariant.step is the only step
-        self.strategy = strategy or Strategy()  # the session's, built once before this stepper
-        self.shard = shard  # ddpkit.step.sharding: each rank steps its share of the parameters
+        self.accumulation = parts.accumulation  # loader micro-batches per step: never reassigned
+        self.oom = parts.micro_batch  # micro_batch="auto": deferred sync, agreed OOM (`ddpkit.step.oom`)
+        if self.oom is not None:
+            oom.check(strategy, parts.shard, parts.invariant is not None, self.oom)
+        self.invariant = parts.invariant  # reproducible="any-world": s.invariant.step is the only step
+        self.strategy = strategy  # the session's, built once before this stepper
+        self.shard = parts.shard  # ddpkit.step.sharding: each rank steps its share of the parameters
         # shard="gradients": this session's DDP models whose gradients a sharded step may reduce-scatter
         self.exchange_candidates = shard_exchange.Candidates()
         self._sharded: weakref.WeakKeyDictionary[torch.optim.Optimizer, sharding.ShardedStep | None] = (
             weakref.WeakKeyDictionary()
         )  # the decision for each optimizer, made at its first step
         self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # adapters.check_optimizer
-        self.device = device or torch.device("cpu")
+        self.device = parts.ranks.device
         self._in_join = False
-        self.timeout = timeout  # a publishing rank waits this long for its peers, like a collective
-        self.precision = precision
-        self.distributed = distributed
-        self.report = report
-        self.loss_scale = precision.loss_scale()  # fp16's scaler (its owner drives it), or a pass-through
+        self.timeout = parts.timeout  # a publishing rank waits this long for its peers, like a collective
+        self.precision = parts.precision
+        self.distributed = parts.ranks.distributed
+        self.report = parts.report
+        self.loss_scale = parts.precision.loss_scale()  # fp16's scaler (its owner drives it), or none
         self.steps = 0  # optimizer steps taken (skipped fp16 steps included)
         self.skipped = 0  # fp16 steps skipped for inf/nan gradients
         self._micro = 0  # accumulate blocks finished since the last optimizer step
@@ -117,7 +120,7 @@ class Stepper:
         self._block: MicroBatch | None = None  # the block being run
         self._awaiting_step = False  # a block finished; s.step must come next
         self._model: nn.Module | None = None  # the block's model: its gradients are read only if cleared
-        self.tokens = TokenWeighting(distributed=distributed, device=self.device, report=report)
+        self.tokens = TokenWeighting(distributed=self.distributed, device=self.device, report=self.report)
 
     @property
     def blocks(self) -> int:

@@ -1,9 +1,9 @@
 """The training wing: the facade a script holds and the optional loop on top of it.
 
-    session.py     `ddpkit.session(...)` / `Session`: seeds, output, the precision plan, the strategy
-                   (built once), the stepper, `s.model`, `s.loader`, `s.save`/`s.load`, `s.log`
-    choosing.py    the strategy, chosen once from `strategy=` and built once from the cluster's `Shape`,
-                   then the stepper that drives it
+    opening.py     `ddpkit.session(...)`: the placement, limits and elastic accumulation, then a `Session`
+    session.py     `Session`: seeds, output, the precision plan, the strategy (built once), the stepper
+                   (made from named `StepParts`), `s.model`, `s.loader`, `s.save`/`s.load`, `s.log`
+    choosing.py    the strategy, chosen once from `strategy=` and built once from the cluster's `Shape`
     fit.py         `ddpkit.fit(...)`: the optional loop (callbacks, non-finite losses, progress)
     fit_plan.py    what fit was asked to do, checked once (budget, evaluation, intervals)
     rollback.py    SpikeGuard(remedy="rollback") in fit: the last checkpoint loaded, the spike's data left out

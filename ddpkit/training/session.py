@@ -12,9 +12,11 @@ for mixed precision (`precision=`), gradient accumulation (`accumulation=`) and 
 One owner per concept: `precision=` is resolved once against the device (`ddpkit.parallel.precision`);
 the cluster's shape is one `ddpkit.parallel.shape.Shape` value; the strategy (`ddpkit.strategy`: a name,
 its options, or an instance) is chosen and built once from them (`ddpkit.training.choosing`: at the start,
-or, for "auto", at the first `s.model`), then the `Stepper` that holds it; neither is replaced. The
-strategy and the stepper get typed values (the shape, the plan, `Limits`), not the session; rank and
-output live in `RankContext`.
+or, for "auto", at the first `s.model`), then the `Stepper` that holds it, made from the strategy and
+named parts (`ddpkit.step.stepping.StepParts`: accumulation, precision, ranks, the options' objects);
+neither is replaced. The strategy and the stepper get typed values (the shape, the plan, `Limits`), not
+the session; rank and output live in `RankContext`. `ddpkit.session(...)` opens one from the
+environment (`ddpkit.training.opening`).
 
 Seeding: every rank starts from the same `seed`, so models are initialised identically; once the model
 is prepared, each rank's global generators move to a stream of its own (`rank_seed`), so dropout and
@@ -24,8 +26,6 @@ augmentation differ across ranks while the sampler's shuffle stays shared.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -35,11 +35,10 @@ import torch
 from torch import nn
 
 from ddpkit.cluster import lifecycle, topology
-from ddpkit.cluster.environments import Detector
 from ddpkit.cluster.lifecycle import Limits
 from ddpkit.cluster.preemption import NOTHING_TO_SAVE, Preemption, PreemptionOptions
 from ddpkit.cluster.ranks import RankContext
-from ddpkit.data import ShardedLoader, elastic_accumulation, make_loader, plan_batch
+from ddpkit.data import ShardedLoader, make_loader, plan_batch
 from ddpkit.errors import problem
 from ddpkit.names import WRITER_NICE_ENV
 from ddpkit.observe.anatomy import StepAnatomy
@@ -48,13 +47,14 @@ from ddpkit.parallel import compiling, cpu_allocator, modules
 from ddpkit.parallel.precision import PrecisionPlan, device_supports_bf16, resolve_precision
 from ddpkit.parallel.shape import Shape
 from ddpkit.step import invariant, oom, spikes
-from ddpkit.step.stepping import MicroBatch, StepInfo, Stepper
+from ddpkit.step.stepping import MicroBatch, StepInfo, StepParts, Stepper
 from ddpkit.strategy import Choice, DDPOptions, Strategy, building, hf
 from ddpkit.training.choosing import Choosing
 from ddpkit.training.seeding import seed_everything
 
 if TYPE_CHECKING:  # imported at the first save or load: a run that never saves never loads safetensors
     from ddpkit.checkpoint.checkpoints import Checkpoints
+    from ddpkit.parallel.layout import Layout
 
 
 class Session(RankContext):
@@ -124,26 +124,25 @@ class Session(RankContext):
             report=self.print,
             track=lambda values, step: self.log(values, step=step),
         )
-        stepper = functools.partial(
-            Stepper,
-            accumulation,
-            self.precision,
-            distributed=self.distributed,
+        self._parts = StepParts(  # what the stepper is made of besides the strategy (`step.stepping`)
+            accumulation=accumulation,
+            precision=self.precision,
+            ranks=self.shape,
             report=self.print,
             shard=shard_optimizer,
-            device=self.device,
             timeout=self.limits.collective,
-            invariant_mode=self.invariant,
-            auto_micro_batch=oom.auto_for(
+            invariant=self.invariant,
+            micro_batch=oom.auto_for(
                 micro_batch,
                 rank=self.rank,
                 world=self.world_size,
                 distributed=self.distributed,
                 device=self.device,
             ),
-            spike_judge=judge,
+            spikes=judge,
         )
-        self._choosing = Choosing(strategy, self.shape, self.precision, stepper=stepper)  # built once
+        self._choosing = Choosing(strategy, self.shape, self.precision)  # the strategy, built once
+        self._stepper: Stepper | None = None  # made once, on the built strategy (`stepper`)
 
     @property
     def rank_seed(self) -> int:
@@ -188,8 +187,11 @@ class Session(RankContext):
     # -- training steps (ddpkit.step.stepping) ------------------------------------------------------
     @property
     def stepper(self) -> Stepper:
-        """The step state (fp16 loss scale, optimizer steps); `s.save(..., stepper=s.stepper)` keeps it."""
-        return self._choosing.stepper()
+        """The step state (fp16 loss scale, optimizer steps); `s.save(..., stepper=s.stepper)` keeps it.
+        Made once, on the session's strategy (built now if "auto" waited for an `s.model`)."""
+        if self._stepper is None:
+            self._stepper = Stepper(self._choosing.built(), self._parts)
+        return self._stepper
 
     @property
     def skipped_steps(self) -> int:
@@ -290,6 +292,7 @@ class Session(RankContext):
                 device=self.device,
                 strategy=stepper.strategy,
                 optimizers=stepper,
+                layout=self.layout,  # the manifest records it
                 group=self._group,
                 save_timeout=self.limits.save,
                 say=self.print,
@@ -344,9 +347,10 @@ class Session(RankContext):
             comm_hook=comm_hook,
             comm_hook_options=comm_hook_options,
         )
-        stepper, options = self._choosing.for_model(strategy, sugar)  # the session's strategy; these options
+        built, options = self._choosing.for_model(strategy, sugar)  # the session's strategy; these options
+        stepper = self.stepper  # made on it before the model is prepared (micro_batch="auto" asks FSDP)
         model = building.prepare(
-            stepper.strategy,
+            built,
             module,
             options,
             compiling.CompileOptions.parse(compile),
@@ -368,6 +372,14 @@ class Session(RankContext):
     def strategy(self) -> Strategy:
         """The session's strategy (built by the first `s.model`, or here from the session's choice)."""
         return self.stepper.strategy
+
+    @property
+    def layout(self) -> Layout | None:
+        """How the ranks divide among the kinds of parallelism (`ddpkit.parallel.layout`), as placed for
+        the session's strategy (built here if "auto" still waits, as `s.strategy` is); None for one
+        process or a strategy given as an instance (not placed by ddpkit)."""
+        self._choosing.built()
+        return self._choosing.layout
 
     def loader(
         self,
@@ -411,92 +423,3 @@ class Session(RankContext):
         if not evaluation:
             self.print(f"ddpkit: {batch.describe()}")
         return built
-
-
-@contextmanager
-def session(
-    *,
-    seed: int = 0,
-    device: str = "auto",
-    backend: str = "auto",
-    accumulation: int = 1,
-    precision: str | PrecisionPlan = "32",
-    timeout: float = 1800.0,
-    rendezvous_timeout: float = 600.0,
-    save_timeout: float = 3600.0,
-    verbose: bool = True,
-    shard_optimizer: bool | str = "auto",
-    share_gpu: bool = False,
-    strategy: Choice = "auto",
-    log_to: LogTo = "auto",
-    log_dir: str | None = None,
-    env: Mapping[str, str] | None = None,
-    hardware: topology.Hardware | None = None,
-    reproducible: str | None = None,
-    chunk: int | None = None,
-    launcher: Detector | None = None,
-    micro_batch: str | None = None,
-    spike_guard: spikes.SpikeGuard | None = None,
-) -> Iterator[Session]:
-    """Open a `Session` for this process; the process group is torn down on exit, also on errors.
-
-    `device` ("auto", "cpu", "cuda") and `backend` ("auto", "gloo", "nccl") override the automatic
-    choice; `timeout` bounds every collective, `rendezvous_timeout` the start-up meeting of the ranks
-    and `save_timeout` a checkpoint save (seconds; see `ddpkit.cluster.lifecycle.Limits`). `precision` is
-    "32", "bf16" or "16" (see `ddpkit.parallel.precision`); `accumulation` is the number of micro-batches per
-    optimizer step. `shard_optimizer` lets each rank update only its share of the parameters in
-    `s.step` ("auto": torch's per-parameter optimizers on CPU ranks of one machine; see
-    `ddpkit.step.sharding`; not under FSDP, which shards the optimizer state itself); "gradients" also
-    reduce-scatters the gradients into each share (ZeRO-2, `ddpkit.step.shard_exchange`). `strategy` is what
-    `s.model` does with the model: "auto" (DDP with more than one process), "ddp" or "fsdp" (FSDP2,
-    `ddpkit.strategy.fsdp`), their options, a registered strategy or a `Strategy` instance
-    (`ddpkit.strategy.registry`); chosen and built once, from the cluster's shape. `share_gpu=True`
-    lets more local ranks than GPUs share them round-robin over gloo, for debugging multi-GPU code on
-    one card (`ddpkit.cluster.topology`). `log_to` chooses where `s.log` writes ("auto": TensorBoard
-    when installed; names, tracker objects of your own, or a list; None) and `log_dir` the run's
-    directory (see `ddpkit.observe.tracking`). `env` and `hardware` default to this process's environment
-    and machine. `reproducible="any-world"` with `chunk=`: bitwise any world size (`ddpkit.step.invariant`).
-    `launcher`: a detector of your own for a launcher ddpkit does not know (`ddpkit.cluster.environments`).
-    `micro_batch="auto"`: under `ddpkit.fit`, a step out of memory on any rank is re-run on every rank with
-    the micro-batch halved, accumulation doubled (`step.oom`); FSDP: chosen ahead (`training.oom_ahead`).
-    `spike_guard=ddpkit.SpikeGuard()`: a step whose loss (under `fit`) or gradient norm stands far above
-    its running window is skipped on every rank, decided from values the step already agrees on
-    (`ddpkit.step.spikes`).
-    """
-    limits = Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)  # validated here
-    env = os.environ if env is None else env
-    plan = topology.resolve(
-        env,
-        hardware or topology.Hardware.detect(),
-        device=device,
-        backend=backend,
-        share_gpu=share_gpu,
-        launcher=launcher,
-    )
-    accumulation, note = elastic_accumulation(accumulation, plan.ranks.world_size, env)  # ddpkit run --nnodes
-    plan = dataclasses.replace(plan, notes=(*plan.notes, note)) if note else plan
-    s = Session(
-        plan,
-        seed=seed,
-        accumulation=accumulation,
-        precision=precision,
-        limits=limits,
-        verbose=verbose,
-        shard_optimizer=shard_optimizer,
-        strategy=strategy,
-        log_to=log_to,
-        log_dir=log_dir,
-        env=env,
-        reproducible=reproducible,
-        chunk=chunk,
-        micro_batch=micro_batch,
-        spike_guard=spike_guard,
-    )
-    try:
-        yield s.start()
-    except BaseException as exc:
-        # for `ddpkit run`: who failed first; a stalled collective, explained
-        lifecycle.on_failure(exc, s.rank, s._group)
-        raise
-    finally:
-        s.close()
