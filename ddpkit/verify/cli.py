@@ -21,9 +21,28 @@ import os
 import sys
 from pathlib import Path
 
+from ddpkit import strategy as strategies
 from ddpkit.errors import problem
+from ddpkit.parallel.layout import TOOL_DEGREES
 from ddpkit.verify.checker import verify
-from ddpkit.verify.spec import LOSSES, OPTIMIZERS, PRECISIONS, STRATEGIES, Tolerance, VerifySpec
+from ddpkit.verify.shapes import given_degrees
+from ddpkit.verify.spec import LOSSES, OPTIMIZERS, PRECISIONS, Tolerance, VerifySpec
+
+# The help of each layout degree's flags (`--<degree>-degree`, `--resume-<degree>-degree`); a degree
+# added to `TOOL_DEGREES` gets its flags with the generic help.
+DEGREE_HELP = {"shard": "--strategy hsdp: ranks per shard group (default nproc / 2: 2 replicas)"}
+RESUME_DEGREE_HELP = {"shard": "--resume-strategy hsdp: ranks per shard group after the restart"}
+
+
+def add_degree_flags(p: argparse.ArgumentParser, prefix: str, helps: dict[str, str]) -> None:
+    """`--<prefix><degree>-degree` for every degree the tools take (`parallel.layout.TOOL_DEGREES`)."""
+    for degree in TOOL_DEGREES:
+        p.add_argument(
+            f"--{prefix}{degree}-degree",
+            type=int,
+            default=None,
+            help=helps.get(degree, f"ranks per {degree} group (default: the strategy's own rule)"),
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,13 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
-    p.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="the N-rank side (default ddp)")
     p.add_argument(
-        "--shard-degree",
-        type=int,
-        default=None,
-        help="--strategy hsdp: ranks per shard group (default nproc / 2: 2 replicas)",
+        "--strategy", choices=strategies.distributed(), default="ddp", help="the N-rank side (default ddp)"
     )
+    add_degree_flags(p, "", DEGREE_HELP)
     p.add_argument("--sync-batchnorm", action="store_true", help="s.model(..., sync_batchnorm=True)")
     p.add_argument("--find-unused-parameters", action="store_true")
     p.add_argument("--static-graph", action="store_true")
@@ -84,16 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-nproc", type=int, default=None, help="--resume: ranks after the restart")
     p.add_argument(
         "--resume-strategy",
-        choices=STRATEGIES,
+        choices=strategies.distributed(),
         default=None,
         help="--resume: the strategy after the restart (default --strategy's)",
     )
-    p.add_argument(
-        "--resume-shard-degree",
-        type=int,
-        default=None,
-        help="--resume-strategy hsdp: ranks per shard group after the restart",
-    )
+    add_degree_flags(p, "resume-", RESUME_DEGREE_HELP)
     p.add_argument("--save-at", type=int, default=None, help="--resume: the step saved (default steps // 2)")
     p.add_argument(
         "--setup", default=None, help="--resume: module:function(s, model, opt, loader) -> Resumable"
@@ -132,6 +143,7 @@ def spec_from_args(ns: argparse.Namespace) -> VerifySpec:
         static_graph=ns.static_graph,
         strategy=ns.strategy,
         shard=ns.shard_degree,
+        other_degrees=tuple((d, v) for d, v in given_degrees(ns).items() if d != "shard" and v is not None),
         compile=ns.compile,
         shard_optimizer={"true": True, None: None}.get(ns.shard_optimizer, ns.shard_optimizer),
         after_wrap=ns.after_wrap,

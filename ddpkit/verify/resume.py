@@ -19,37 +19,34 @@ copy, a generator of your own, the loader's position, the fp16 loss scale. The a
     the first, as in `ddpkit verify`)
     the first value that differs names the state that was most likely not saved.
 
-A shape is a world size and a strategy (`Part`): DDP(W), FSDP(W), HSDP(R x S), or one process (W = 1).
-Each part may have its own, so a checkpoint written under HSDP(2x2) is checked resumed under FSDP(2)
-and the other way round (the checkpoint is resharded on load, `ddpkit.checkpoint.dcp`). Sharded
-strategies are compared on their gathered state: the whole weights and the whole optimizer state,
-keyed as an unsharded optimizer keys it (by position), so any two shapes compare value for value.
+A shape is a world size and a strategy (`ddpkit.verify.shapes.Part`): DDP(W), FSDP(W), HSDP(R x S),
+or one process (W = 1). Each part may have its own, so a checkpoint written under HSDP(2x2) is checked
+resumed under FSDP(2) and the other way round (the checkpoint is resharded on load,
+`ddpkit.checkpoint.dcp`). Sharded strategies are compared on their gathered state
+(`ddpkit.verify.resume_snapshot`), so any two shapes compare value for value.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
 import pickle
-import random
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
 from torch import nn
 
 import ddpkit
 from ddpkit.errors import problem
 from ddpkit.verify import calibrate
-from ddpkit.verify.resume_compare import compare, culprit, kind, tensors
-from ddpkit.verify.run import digest, map_rows, shard
+from ddpkit.verify.resume_compare import compare, culprit, tensors
+from ddpkit.verify.resume_snapshot import snapshot
+from ddpkit.verify.run import map_rows, shard
+from ddpkit.verify.shapes import Part, foreign, given_degrees
 from ddpkit.verify.spec import (
-    STRATEGIES,
     VerifySpec,
     build_data,
     build_loss,
@@ -59,52 +56,6 @@ from ddpkit.verify.spec import (
 )
 
 SESSION_PRECISION = {"fp32": "32", "fp64": "32", "bf16": "bf16", "fp16": "16"}
-
-
-@dataclass(frozen=True)
-class Part:
-    """The shape one part of the check runs at: `world` ranks under `strategy`; `shard`, HSDP's shard
-    degree (replicas = world // shard). One rank is one process, whatever the strategy's name."""
-
-    world: int
-    strategy: str = "ddp"
-    shard: int | None = None
-
-    @classmethod
-    def of(cls, world: int, strategy: str, shard: int | None) -> Part:
-        """The part, or a paragraph naming the fix for a strategy or degree that cannot run on `world`."""
-        if strategy not in STRATEGIES:
-            names = ", ".join(STRATEGIES)
-            raise problem(f"strategy {strategy!r} is not one verify runs", f"Pass one of {names}")
-        if strategy != "hsdp" or world == 1:
-            return cls(world, "single" if world == 1 else strategy)
-        odd = shard is None and world % 2  # the default, half the ranks, is no degree on an odd world
-        shard = shard or world // 2
-        if odd or shard < 1 or world % shard:
-            raise problem(
-                f"HSDP over {world} ranks cannot have shard groups of {shard} ranks: the shard degree must "
-                "divide the world size (replicas x shard = ranks)",
-                f"Pass a shard degree dividing {world} (e.g. 4 ranks, shard degree 2: HSDP(2x2))",
-            )
-        return cls(world, strategy, shard)
-
-    def describe(self) -> str:
-        """As the report names it: DDP(2), FSDP(4), HSDP(2x2) (replicas x shards), one process."""
-        if self.strategy == "single":
-            return "one process"
-        if self.strategy == "hsdp" and self.shard:
-            return f"HSDP({self.world // self.shard}x{self.shard})"
-        return f"{self.strategy.upper()}({self.world})"
-
-    def session_strategy(self) -> Any:
-        """What `ddpkit.session(strategy=...)` gets: the name, HSDP's options with the degrees."""
-        if self.strategy == "single":
-            return "auto"
-        if self.strategy != "hsdp" or not self.shard:
-            return self.strategy
-        from ddpkit.strategy.hsdp_options import HSDPOptions
-
-        return HSDPOptions(replicate=self.world // self.shard, shard=self.shard)
 
 
 @dataclass
@@ -135,6 +86,7 @@ class ResumeSpec:
     resume_world: int | None = None
     resume_strategy: str | None = None
     resume_shard: int | None = None
+    resume_other_degrees: tuple[tuple[str, int], ...] = ()  # `--resume-<degree>-degree` of other degrees
     save_at: int | None = None
     setup: Callable[..., Resumable] | str | None = None
     timeout: float = 300.0
@@ -150,16 +102,25 @@ class ResumeSpec:
         w, w2 = self.worlds
         spec = self.spec
         again = self.resume_strategy in (None, spec.strategy)
-        shard = self.resume_shard if self.resume_shard is not None else spec.shard if again else None
-        if shard is not None and (self.resume_strategy or spec.strategy) != "hsdp":
+        given = self.resume_given()
+        kept = spec.given() if again else {}
+        then = {d: v if v is not None else kept.get(d) for d, v in given.items()}
+        wrong = foreign(self.resume_strategy or spec.strategy, then)
+        if wrong is not None:
+            degree, value, owners = wrong
             raise problem(
-                f"resume_shard={shard} (--resume-shard-degree) is HSDP's",
-                "Pass --resume-strategy hsdp with it, or leave it out",
+                f"resume_{degree}={value} (--resume-{degree}-degree) is {owners.upper()}'s",
+                f"Pass --resume-strategy {owners.split(' or ')[0]} with it, or leave it out",
             )
         return (
-            Part.of(w, spec.strategy, spec.shard),
-            Part.of(w2, self.resume_strategy or spec.strategy, shard),
+            Part.of(w, spec.strategy, spec.given()),
+            Part.of(w2, self.resume_strategy or spec.strategy, then),
         )
+
+    def resume_given(self) -> dict[str, int | None]:
+        """The layout degrees given for the resumed part (None: the first part's, when its strategy is
+        the same, else the builder's rule)."""
+        return {"shard": self.resume_shard, **dict(self.resume_other_degrees)}
 
     @property
     def k(self) -> int:
@@ -252,7 +213,7 @@ def _rank(rs: ResumeSpec, root: str, phase: str, part: Part) -> bytes:
         start, snaps = 0, []
         if phase == "resume":
             start = int(s.load(root, **state.saved, step=0)["step"])
-            snaps.append(_snapshot(s, model, optimizer, state, start, None))
+            snaps.append(snapshot(s, model, optimizer, state, start, None))
         stream = _batches(spec, s, loader, start)
         for step in range(start + 1, spec.steps + 1):
             batch = next(stream)
@@ -263,7 +224,7 @@ def _rank(rs: ResumeSpec, root: str, phase: str, part: Part) -> bytes:
             if state.after_step is not None:
                 state.after_step()
             if step >= k:
-                snaps.append(_snapshot(s, model, optimizer, state, step, (batch, loss)))
+                snaps.append(snapshot(s, model, optimizer, state, step, (batch, loss)))
             if phase == "full" and step == k:
                 s.save(root, **state.saved, step=k)
         return pickle.dumps(snaps if s.is_main else [])
@@ -291,90 +252,6 @@ def _precision(spec: VerifySpec, batch: Any) -> Any:
     if spec.precision != "fp64":
         return batch
     return map_rows(batch, lambda t: t.double() if t.is_floating_point() else t)
-
-
-def _snapshot(
-    s: ddpkit.Session, model: nn.Module, optimizer: Any, state: Resumable, step: int, trained: Any
-) -> dict:
-    """Every value the two runs must agree on, flattened to `key -> tensor or plain value`."""
-    everything = {**state.saved, **state.others}
-    out: dict[str, Any] = {
-        "step": step,
-        "_kinds": {n: kind(o) for n, o in everything.items()},
-        "_saved": sorted(state.saved),
-        "_strategy": s.strategy.describe(),
-    }
-    if trained is not None:
-        batch, loss = trained
-        rows = [digest(map_rows(batch, lambda t, i=i: t[i : i + 1])) for i in range(_rows(batch))]  # type: ignore[misc]
-        everyone = s.gather_object(rows) if s.distributed else [rows]
-        out["data.global_batch"] = hashlib.sha1(
-            "".join(sorted(row for rank in everyone for row in rank)).encode()
-        ).hexdigest()[:16]
-        out["loss"] = float(s.all_reduce(loss.detach().float(), op="mean"))
-    full = s.strategy.full_state(model) if s.strategy.shards_state else ddpkit.unwrap(model).state_dict()
-    _flatten(out, "model", dict(full))
-    _flatten(out, "optimizer", _optimizer_state(s, model, optimizer))
-    _flatten(out, "stepper", s.stepper.state_dict())
-    for name, obj in everything.items():
-        if obj is model or obj is optimizer or obj is s.stepper:
-            continue
-        _flatten(out, name, _state_of(obj))
-    out["rng.torch"] = torch.get_rng_state()
-    out["rng.numpy"] = digest(torch.from_numpy(np.random.get_state()[1].astype(np.int64)))  # type: ignore[index]
-    out["rng.python"] = hashlib.sha1(repr(random.getstate()).encode()).hexdigest()[:16]
-    return out
-
-
-def _optimizer_state(s: ddpkit.Session, model: nn.Module, optimizer: Any) -> Any:
-    """The whole optimizer state, keyed by position as `optimizer.state_dict()` keys it: a sharded
-    strategy's is gathered (torch's full optimizer state dict, keyed by parameter name, renamed by the
-    order of the optimizer's parameters), so that any two shapes compare value for value."""
-    if not s.strategy.shards_state:
-        return s.stepper.optimizer_state(optimizer)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=options))  # whole: rank 0
-    groups = full.get("param_groups", [])
-    order = {name: i for i, name in enumerate(n for group in groups for n in group["params"])}
-    return {
-        "state": {order[name]: value for name, value in full.get("state", {}).items()},
-        "param_groups": [{**group, "params": [order[n] for n in group["params"]]} for group in groups],
-    }
-
-
-def _rows(batch: Any) -> int:
-    found: list[int] = []
-
-    def note(t: torch.Tensor) -> torch.Tensor:
-        found.append(t.shape[0])
-        return t
-
-    map_rows(batch, note)
-    return found[0] if found else 0
-
-
-def _state_of(obj: Any) -> Any:
-    if isinstance(obj, torch.Generator):
-        return obj.get_state()
-    if hasattr(obj, "state_dict"):
-        return obj.state_dict()
-    return obj
-
-
-def _flatten(out: dict[str, Any], prefix: str, value: Any) -> None:
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            _flatten(out, f"{prefix}.{key}", item)
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _flatten(out, f"{prefix}.{i}", item)
-    elif isinstance(value, torch.Tensor):
-        out[prefix] = value.detach().clone().cpu()
-    elif value is None or isinstance(value, (bool, int, float, str)):
-        out[prefix] = value
-    # functions (a LambdaLR's lambdas are not in its state_dict anyway) and other objects: not compared
 
 
 # -- the check --------------------------------------------------------------------------------------------
@@ -430,6 +307,9 @@ def resume_spec(ns: argparse.Namespace, spec: VerifySpec) -> ResumeSpec:
         resume_world=ns.resume_nproc,
         resume_strategy=ns.resume_strategy,
         resume_shard=ns.resume_shard_degree,
+        resume_other_degrees=tuple(
+            (d, v) for d, v in given_degrees(ns, "resume_").items() if d != "shard" and v is not None
+        ),
         save_at=ns.save_at,
         setup=ns.setup,
         timeout=ns.timeout,

@@ -17,13 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from ddpkit import strategy as strategies
 from ddpkit.errors import problem
-from ddpkit.names import DISTRIBUTED
 from ddpkit.parallel.precision import ALIASES, PrecisionPlan, canonical
+from ddpkit.verify import shapes
 
 FLOOR_VARIANTS = ("permuted", "chunked", "threads")
-# The N-rank side verify can run: the distributed kinds, plus HSDP (FSDP2 on a replicate x shard mesh).
-STRATEGIES: tuple[str, ...] = (*DISTRIBUTED, "hsdp")
 # The library's precision names (`ddpkit.parallel.precision`: "32", "bf16", "16" and their spellings), plus
 # "fp64", verify's own: the whole comparison in float64, to tell rounding from a real difference.
 PRECISIONS: tuple[str, ...] = ("fp64", *ALIASES)
@@ -103,10 +102,15 @@ class VerifySpec:
     sync_batchnorm: bool = False
     find_unused_parameters: bool = False
     static_graph: bool = False
-    strategy: str = "ddp"  # or "fsdp": FSDP2 over nproc ranks against the same single process; "hsdp"
+    # or "fsdp": FSDP2 over nproc ranks against the same single process; "hsdp"; any registered strategy
+    # (`ddpkit.strategy.distributed()`)
+    strategy: str = "ddp"
     # hsdp: ranks per shard group (None: nproc // 2, i.e. 2 replicas); the replicas are nproc // shard.
-    # Forced on the one machine verify starts its ranks on, as HSDPOptions(replicate=..., shard=...).
+    # Forced on the one machine verify starts its ranks on, as HSDPOptions(replicate=..., shard=...)
+    # (`ddpkit.verify.shapes`: verify's choice of shape, laid out by the library's builder).
     shard: int | None = None
+    # Other layout degrees by name (`--<degree>-degree` of `ddpkit.parallel.layout.TOOL_DEGREES`).
+    other_degrees: tuple[tuple[str, int], ...] = ()
     compile: bool = False  # the DDP/FSDP side runs s.model(..., compile=True); the reference eager
     # None: every rank runs optimizer.step() on every parameter (plain DDP). Else both sides step with
     # s.step(opt) in ddpkit.session(shard_optimizer=...): True/"auto" the sharded step, "gradients" its
@@ -129,8 +133,8 @@ class VerifySpec:
                 f"nproc={self.nproc}: DDP with fewer than 2 ranks has nothing to compare",
                 "Pass nproc=2 or more",
             )
-        if self.strategy not in STRATEGIES:
-            names = " or ".join(map(repr, STRATEGIES))
+        if self.strategy not in strategies.distributed():
+            names = " or ".join(map(repr, strategies.distributed()))
             raise problem(f"strategy={self.strategy!r} is not {names}", f"Pass strategy={names}")
         if self.strategy != "ddp" and (
             self.sync_batchnorm or self.find_unused_parameters or self.static_graph
@@ -180,13 +184,20 @@ class VerifySpec:
         for name in ("model", "data", "batches", "loss", "optimizer", "after_wrap"):
             _check_sendable(name, getattr(self, name))
 
+    def given(self) -> dict[str, int | None]:
+        """The layout degrees given (`shard` and `other_degrees`; None: not given, the builder's rule)."""
+        return {"shard": self.shard, **dict(self.other_degrees)}
+
     def _check_shard(self) -> None:
-        if self.strategy != "hsdp":
-            if self.shard is not None:
-                raise problem(
-                    f"shard={self.shard} (--shard-degree) is HSDP's, not {self.strategy}'s",
-                    "Pass --strategy hsdp with it, or leave it out",
-                )
+        wrong = shapes.foreign(self.strategy, self.given())
+        if wrong is not None:
+            degree, value, owners = wrong
+            flag = f"--{degree}-degree"
+            raise problem(
+                f"{degree}={value} ({flag}) is {owners.upper()}'s, not {self.strategy}'s",
+                f"Pass --strategy {owners.split(' or ')[0]} with it, or leave it out",
+            )
+        if not shapes.spans_data_mesh(self.strategy):
             return
         asked = "nproc // 2" if self.shard is None else self.shard
         shard = self.nproc // 2 if self.shard is None else self.shard
@@ -200,21 +211,19 @@ class VerifySpec:
             )
 
     @property
+    def part(self) -> shapes.Part:
+        """The N-rank side's shape: `nproc` ranks under `strategy`, laid out by the library's builder
+        on verify's choice of cluster (`ddpkit.verify.shapes`)."""
+        return shapes.Part.of(self.nproc, self.strategy, self.given())
+
+    @property
     def degrees(self) -> tuple[int, int]:
         """HSDP's (replicate, shard) for the ranks verify starts; (1, nproc) for FSDP, (nproc, 1) for DDP."""
-        if self.strategy == "hsdp":
-            shard = self.shard or self.nproc // 2
-            return self.nproc // shard, shard
-        return (1, self.nproc) if self.strategy == "fsdp" else (self.nproc, 1)
+        return self.part.degrees
 
     def session_strategy(self) -> Any:
         """What the N-rank side passes as `strategy=`: the name, or HSDP's options with the degrees."""
-        if self.strategy != "hsdp":
-            return self.strategy
-        from ddpkit.strategy.hsdp_options import HSDPOptions
-
-        replicate, shard = self.degrees
-        return HSDPOptions(replicate=replicate, shard=shard)
+        return self.part.session_strategy()
 
     @property
     def dtype(self) -> torch.dtype:
