@@ -5,7 +5,8 @@
         print(finding.render())       # train.py:12:5: DDP006 torch.save runs on every rank ... (fix: ...)
 
 Rules are in `rules_model` (building and wrapping the model), `rules_ranks` (what each rank does) and
-`rules_loop` (loss and sampler); `ddpkit lint --list-rules` and docs/lint.md describe each. Precision
+`rules_loop` (loss and sampler), `rules_idioms` (what a ported script brings), over `script` (a parsed
+script), `models` (which expression is the model) and `optimizers` (which optimizer trains it); `ddpkit lint --list-rules` and docs/lint.md describe each. Precision
 comes first: a rule stays silent when the script does not show enough to be sure.
 
 Owns: the rules and their findings; it runs nothing of the script.

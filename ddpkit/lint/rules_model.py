@@ -5,15 +5,13 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from ddpkit.lint.models import (
+from ddpkit.lint.models import contains_layer, origin, static_module
+from ddpkit.lint.optimizers import (
     binding,
-    contains_layer,
     helper_optimizers,
     model_texts,
     optimizer_params,
     optimizers_by_model,
-    origin,
-    static_module,
     translate,
 )
 from ddpkit.lint.rule import Rule
