@@ -44,7 +44,7 @@ import os
 import re
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -330,11 +330,21 @@ def auto_for(micro_batch: str | None, **where: Any) -> AutoMicroBatch | None:
     return AutoMicroBatch(**where)
 
 
-def check(strategy: Any, shard: bool | str, invariant: bool, auto: AutoMicroBatch | None = None) -> None:
+class Wrapping(Protocol):
+    """What `check` asks of the session's strategy (`ddpkit.strategy.Strategy` is one): whether its
+    forward is a collective (FSDP, HSDP), and to keep how it wraps each model for the estimate ahead."""
+
+    @property
+    def collective_forward(self) -> bool: ...
+    def keep_blueprints(self) -> None: ...
+
+
+def check(strategy: Wrapping, shard: bool | str, invariant: bool, auto: AutoMicroBatch | None = None) -> None:
     """Refuse what `micro_batch="auto"` cannot make safe, with the fix; FSDP gets the split ahead."""
     if auto is not None:
-        auto.ahead = bool(getattr(strategy, "collective_forward", False))
-        strategy.keep_blueprints = auto.ahead  # FSDP keeps the meta skeleton the estimate rebuilds
+        auto.ahead = strategy.collective_forward
+        if auto.ahead:
+            strategy.keep_blueprints()  # FSDP keeps the meta skeleton the estimate rebuilds
     if shard == "gradients" or invariant:
         what = "shard_optimizer='gradients'" if shard == "gradients" else "reproducible='any-world'"
         raise problem(

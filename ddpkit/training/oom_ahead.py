@@ -41,7 +41,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ from ddpkit.strategy import rank_memory
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from ddpkit.parallel.layout import Layout
     from ddpkit.strategy.fsdp import Blueprint
     from ddpkit.training.session import Session
 
@@ -87,17 +88,17 @@ def budget(device: torch.device, env: Mapping[str, str]) -> tuple[int | None, fl
 
 
 @contextlib.contextmanager
-def fake_group(strategy: Any, world: int) -> Iterator[Any]:
-    """This rank's shard group as a fake process group (torch's `fake` backend) and its 1-D mesh; made by
-    every rank (creating groups is collective), destroyed after."""
+def fake_group(layout: Layout, device_type: str) -> Iterator[DeviceMesh]:
+    """This rank's shard group (`layout.groups("shard")`: the world under FSDP, HSDP's shard degree) as a
+    fake process group (torch's `fake` backend) and its 1-D mesh; made by every rank (creating groups is
+    collective), destroyed after."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     from torch.distributed.device_mesh import DeviceMesh
 
-    size = strategy.shape.mesh[-1][1]  # the shard dimension's size: the world, or HSDP's shard degree
-    groups = [list(range(i, i + size)) for i in range(0, world, size)]
+    groups = layout.groups("shard")
     mine, made = dist.new_subgroups_by_enumeration(groups, backend="fake")
     try:
-        yield DeviceMesh.from_group(mine, strategy.shape.device.type)
+        yield DeviceMesh.from_group(mine, device_type)
     finally:
         for group in made:
             dist.destroy_process_group(group)
@@ -124,16 +125,14 @@ def estimates(
     """The tracked peak of one step per number of parts in `sizes`, smallest first, until one `fits`: the
     model built and sharded once on fake tensors, its optimizer state made, then one tracked step each."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.fsdp import fully_shard
     from torch.utils._pytree import tree_map_only
+
+    from ddpkit.strategy import fsdp_units  # FSDP's own loop: units, then the root (imported when used)
 
     out: dict[int, Breakdown] = {}
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = step_memory.materialize(blueprint.skeleton, device)
-        kwargs = {**blueprint.kwargs, "mesh": mesh}
-        for name in blueprint.units:
-            fully_shard(model.get_submodule(name), **kwargs)
-        fully_shard(model, **kwargs)
+        fsdp_units.shard(model, list(blueprint.units), **{**blueprint.kwargs, "mesh": mesh})
         params = [p for p in model.parameters() if p.requires_grad]
         opt = _fake_optimizer(optimizer, params)
         step_memory.warm_optimizer(params, opt, None, False)
@@ -173,7 +172,7 @@ def choose(
     limit, allowance, source = budget(s.device, os.environ)
     strategy = s.strategy
     inner = getattr(model, "_orig_mod", model)
-    blueprint = getattr(strategy, "blueprints", {}).get(inner)
+    blueprint = cast("Blueprint | None", strategy.blueprint(inner))  # kept at s.model (`keep_blueprints`)
     sizes = [1 << i for i in range(max(1, n).bit_length()) if (1 << i) <= max(1, n)]
     found: dict[int, Breakdown] = {}
     why = ""
@@ -188,7 +187,9 @@ def choose(
             return b.with_device(allowance, 0).total <= limit
 
         try:
-            with fake_group(strategy, s.world_size) as mesh:
+            layout = s.layout  # FSDP's shape is placed when it is built (`ddpkit.strategy.place`)
+            assert layout is not None
+            with fake_group(layout, s.device.type) as mesh:
                 found = estimates(
                     blueprint,
                     mesh,
