@@ -79,9 +79,12 @@ def train(
     kill_at: int | None = None,
     kill_rank: int = 1,
     kill_mid: int | None = None,
+    ckpt: str | None = None,
+    disk_every: int = 0,
 ) -> dict[str, Any]:
-    """Train 12 steps; with `keeper`, restore the newest snapshot all ranks hold first. Returns this
-    rank's final state (full weights, its optimizer state, RNG, step, LR)."""
+    """Train 12 steps; with `keeper`, restore the newest snapshot all ranks hold first; with `ckpt`
+    (today's disk path, for the benchmark), `s.load` it first and `s.save` every `disk_every` steps.
+    Returns this rank's final state (full weights, its optimizer state, RNG, step, LR)."""
     torch.set_num_threads(1)
     with ddpkit.session(seed=0, verbose=out is not None) as s:
         model = s.model(net(), strategy=strategy)
@@ -96,10 +99,12 @@ def train(
             target = snaps.agree(distributed=s.world_size > 1, device=s.device)
             if target is not None:
                 values = snaps.restore(target, owner, {**state, **values})
-            if out and _restarted() and s.rank == 0:
-                Path(out, "resumed.txt").write_text(f"{time.time()} {values['step']}")
             if kill_mid is not None and s.rank == kill_rank and not _restarted():
                 kill_mid_copy(snaps, kill_mid, out)
+        if ckpt:
+            values = s.load(ckpt, **state, **values)
+        if out and _restarted() and s.rank == 0:
+            Path(out, "resumed.txt").write_text(f"{time.time()} {values['step']}")
         step = values["step"]
         for _ in range(loader.epoch, EPOCHS):
             for x, y in loader:
@@ -116,6 +121,11 @@ def train(
                 step += 1
                 if snaps is not None:
                     snaps.save(step, owner, {**state, "step": step})
+                if ckpt:
+                    s.save(ckpt, **state, step=step, every=disk_every)
+                if out and s.rank == 0:
+                    with open(Path(out, "steps.txt"), "a") as f:
+                        f.write(f"{time.time()} {step} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n")
         full = {}
         for name, p in ddpkit.unwrap(model).named_parameters():
             t = p.detach()
@@ -144,5 +154,7 @@ if __name__ == "__main__":
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--kill-mid-snapshot", type=int, default=None)
+    p.add_argument("--ckpt", default=None)
+    p.add_argument("--disk-every", type=int, default=0)
     a = p.parse_args()
-    train(a.keeper, a.out, a.strategy, a.kill_at, a.kill_rank, a.kill_mid_snapshot)
+    train(a.keeper, a.out, a.strategy, a.kill_at, a.kill_rank, a.kill_mid_snapshot, a.ckpt, a.disk_every)
