@@ -35,7 +35,8 @@ from torch import nn
 from ddpkit.bench import floor, report
 from ddpkit.bench.runner import LOSSY_HOOKS, Config, Stats, measure
 from ddpkit.errors import problem
-from ddpkit.strategy import choice
+from ddpkit.parallel.layout import ClusterShape
+from ddpkit.strategy import Chosen, choice, layout_of
 from ddpkit.tools import workloads
 
 
@@ -202,11 +203,12 @@ def memory_line(memory: choice.MemoryVerdict, nodes: int, per_node: int) -> tupl
     ranks = nodes * per_node
     if nodes <= 1:
         return f"fsdp {per_node}", memory.text
-    share = memory.state_bytes / per_node
+    hsdp = layout_of(Chosen("hsdp"), ClusterShape(ranks, per_node))  # the session's degrees on this job
+    share = memory.state_bytes / hsdp.shard
     if share <= choice.FITS_SHARE * memory.device_bytes:
-        return f"hsdp {nodes}x{per_node}", (
-            f"{memory.text}; on {nodes} nodes x {per_node} ranks use strategy='hsdp' instead: replicate "
-            f"{nodes} x shard {per_node}, {share / gb:.2f} GB per rank, sharded inside each node (one "
+        return f"hsdp {hsdp.describe(short=True)}", (
+            f"{memory.text}; on {nodes} nodes x {per_node} ranks use strategy='hsdp' instead: "
+            f"{hsdp.describe()}, {share / gb:.2f} GB per rank, sharded inside each node (one "
             "all-reduce of the shards between nodes per step, where FSDP over all ranks sends every "
             "all-gather and reduce-scatter between them)"
         )

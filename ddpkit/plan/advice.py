@@ -122,20 +122,20 @@ def _hsdp(
     """On several nodes, where FSDP is needed: HSDP (shard inside a node, replicate across nodes), with
     the bytes each node sends over the inter-node link per step against FSDP's, when the node's share of
     the model state fits (`add` appends that item); else a note that it does not fit."""
-    cluster = planner.cluster(n)
-    shard = min(cluster.per_node, n)
-    if cluster.nodes <= 1 or shard >= n:
+    layout = planner.cluster(n).layout(replace(opts, strategy="hsdp"))  # the builder's HSDP degrees
+    if layout.replicate <= 1:  # one node: HSDP is FSDP
         return []
+    shard = layout.shard
     per_device = state / shard
     if per_device > 0.8 * cap:
         what = (
-            f"HSDP (replicate {cluster.nodes} x shard {shard}) would hold {per_device / 1e9:.2f} GB of "
+            f"HSDP ({layout.describe()}) would hold {per_device / 1e9:.2f} GB of "
             "model state per device, over 80% of it: FSDP over all ranks"
         )
         return [{"what": what, "gain": "", "cost": ""}]
     hsdp = planner.predict(n, replace(opts, strategy="hsdp"))
     add(
-        f"HSDP: shard inside each node ({shard} ranks), replicate across the {cluster.nodes} nodes: "
+        f"HSDP: shard inside each node ({shard} ranks), replicate across the {layout.replicate} nodes: "
         f"{per_device / 1e9:.2f} GB of model state per device; {hsdp.slow_link_bytes / 1e9:.2f} GB per "
         f"node over the inter-node link per step against FSDP's {fsdp.slow_link_bytes / 1e9:.2f} GB "
         f"(FSDP: {fsdp.step_s * 1e3:.1f} ms/step)",

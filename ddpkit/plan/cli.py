@@ -28,8 +28,9 @@ from ddpkit.errors import DdpkitError, problem
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ddpkit import strategy as strategies
     from ddpkit.plan.links import LEVELS
-    from ddpkit.plan.simulate import ALGORITHMS, HOOKS, STRATEGIES
+    from ddpkit.plan.simulate import ALGORITHMS, HOOKS
 
     p = argparse.ArgumentParser(prog="ddpkit plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="gpt", help="cnn, mlp, gpt, or package.module:function (a Workload)")
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--hook", choices=HOOKS, default="none")
     p.add_argument("--powersgd-rank", type=int, default=1)
-    p.add_argument("--strategy", choices=STRATEGIES, default="ddp")
+    p.add_argument("--strategy", choices=strategies.distributed(), default="ddp")  # every registered one
     p.add_argument("--accumulation", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=None, help="per-rank batch (weak scaling)")
     p.add_argument("--global-batch", type=int, default=None, help="split over N (strong scaling)")
@@ -103,6 +104,7 @@ def list_links() -> str:
 
 
 def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
+    from ddpkit import strategy as strategies
     from ddpkit.bench.report import machine
     from ddpkit.plan import advice, links, planner, profile
     from ddpkit.plan.simulate import Options
@@ -152,6 +154,7 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
         strategy=ns.strategy,
         accumulation=ns.accumulation,
         sharded_step=sharded,
+        dims=strategies.entry(ns.strategy).dims,  # its layout's degrees (a registered one's too)
     )
     pl = planner.Planner(
         profiles=profiles,
@@ -187,7 +190,7 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
         "counts": counts,
         "repeats": ns.repeats,
         "curve": rows,
-        "options": opts.__dict__.copy(),
+        "options": opts.as_dict(),
         "machine": machine(),
         "profiles": {str(b): p.as_dict() for b, p in profiles.items()},
         "beside": {str(n): p.as_dict() for n, p in beside.items()},

@@ -20,11 +20,17 @@ Each strategy is rank 0 of a world of `world` ranks, as ddpkit sets it up:
   tensors split greedily by size over the ranks, optimizer state only for this rank's; rank 0 gets the
   largest tensor, so it is the heaviest rank when one tensor dominates;
 - "fsdp": FSDP2's `fully_shard` over a fake process group of `world` ranks (torch's `fake` backend: its
-  collectives return at once), units chosen as ddpkit chooses them (the activation-checkpointed blocks,
-  else every module of 1M parameters or more, children first, never splitting tied weights), bf16 as
-  ddpkit's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`;
+  collectives return at once), units chosen by the session's own rule (`ddpkit.strategy.fsdp_units`
+  with `FSDPOptions()`: the activation-checkpointed blocks, else every module of 1M parameters or more,
+  children first, never splitting tied weights), mixed precision as the session's
+  (`PrecisionPlan.fsdp_policy`: bf16 compute, fp32 reduction);
 - "hsdp": the same on a (replicate, shard) mesh: `shard_degree` ranks share one copy of the model
-  state (torch's HSDP; ddpkit sessions do not offer it yet).
+  state (ddpkit's HSDP, `strategy="hsdp"`).
+
+Every strategy is laid out by the library's builder (`ddpkit.strategy.layout_of`, the session's call):
+plan states its cluster as nodes of the shard group it was given (`MemoryJob.layout`), and the fake
+mesh is that layout's (`Layout.device_mesh`). A registered strategy is offered by its name: one whose
+layout spans "shard" is estimated as FSDP2 on its mesh, any other as DDP.
 
 Precision: "bf16" and "fp16" run the forward under CPU autocast (ddpkit's DDP precision: fp32 weights,
 low-precision compute); fp16's loss scaler is left out (its inf check reads values, which fake tensors
@@ -44,16 +50,42 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit import strategy as strategies
 from ddpkit.errors import problem
 from ddpkit.observe.memory_breakdown import Breakdown
 from ddpkit.observe.step_memory import fold, owned_update, peak_tracker, warm_optimizer
+from ddpkit.parallel.layout import ClusterShape, Layout
+from ddpkit.parallel.partition import partition
+from ddpkit.parallel.precision import PrecisionPlan, canonical
 from ddpkit.plan import memory_models
 from ddpkit.plan.memory_models import ModelSpec
 
-STRATEGIES = ("ddp", "zero1", "fsdp", "hsdp")
 PRECISIONS = {"fp32": None, "32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "16": torch.float16}
 OPTIMIZERS = ("adamw", "adam", "sgd")
-FSDP_MIN_BLOCK_PARAMS = 1_000_000  # ddpkit.FSDPOptions().min_block_params: ddpkit's unit rule by size
+ZERO1 = "zero1"  # plan's own name: DDP plus ddpkit's sharded optimizer step (not a strategy of its own)
+
+
+def offered() -> tuple[str, ...]:
+    """The strategies plan --memory estimates: every registered one (`ddpkit.strategy.distributed()`,
+    one registered from outside too) and zero1."""
+    names = strategies.distributed()
+    return ("ddp", ZERO1, *(n for n in names if n != "ddp"))
+
+
+def _registered(strategy: str) -> str:
+    """The registered strategy a plan's name lays out as (zero1: DDP's layout)."""
+    return "ddp" if strategy == ZERO1 else strategy
+
+
+def takes(strategy: str, degree: str) -> bool:
+    """Whether the strategy's options take `degree` (HSDPOptions' shard): a flag for it applies."""
+    options = strategies.entry(_registered(strategy)).options
+    return options is not None and degree in getattr(options, "__dataclass_fields__", {})
+
+
+def spans_shard(strategy: str) -> bool:
+    """Whether the strategy's layout shards the model state (FSDP, HSDP): estimated as FSDP2."""
+    return "shard" in strategies.entry(_registered(strategy)).dims
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +106,8 @@ class MemoryJob:
     strategy: str = "ddp"
     world: int = 1
     shard_degree: int | None = None  # hsdp: ranks per shard group (None: all of them, i.e. fsdp)
+    # Other layout degrees by name (`--<degree>-degree` of `ddpkit.parallel.layout.TOOL_DEGREES`).
+    other_degrees: tuple[tuple[str, int], ...] = ()
     activation_checkpointing: str | None = None  # "auto" or a block class's name
     optimizer: str = "adamw"
     sample: str | Callable[[torch.Generator, int], Any] | None = None
@@ -84,11 +118,11 @@ class MemoryJob:
             raise problem(f"micro-batch {self.micro_batch} is below 1", "Pass a micro-batch of 1 or more")
         if self.world < 1:
             raise problem(f"world size {self.world} is below 1", "Pass --world 1 or more")
-        if self.strategy not in STRATEGIES:
-            raise problem(f"strategy {self.strategy!r} is not known", f"Use one of {', '.join(STRATEGIES)}")
+        if self.strategy not in offered():
+            raise problem(f"strategy {self.strategy!r} is not known", f"Use one of {', '.join(offered())}")
         if self.precision not in PRECISIONS:
             raise problem(f"precision {self.precision!r} is not known", "Use fp32, bf16 or fp16")
-        if self.strategy in ("fsdp", "hsdp") and PRECISIONS[self.precision] is torch.float16:
+        if spans_shard(self.strategy) and PRECISIONS[self.precision] is torch.float16:
             raise problem(
                 "fp16 with FSDP: ddpkit refuses it (the loss scaler's inf check would be per shard)",
                 "Use bf16 with FSDP, or fp16 with DDP",
@@ -98,31 +132,56 @@ class MemoryJob:
                 f"optimizer {self.optimizer!r} is not known",
                 f"Use one of {', '.join(OPTIMIZERS)} or package.module:function (params -> optimizer)",
             )
-        if self.strategy != "hsdp" and self.shard_degree is not None:
-            raise problem(  # fsdp would otherwise be estimated on HSDP's 2-D mesh and called FSDP
-                f"--shard-degree {self.shard_degree} is HSDP's, not {self.strategy}'s",
-                f"Pass --strategy hsdp with it, or leave it out with --strategy {self.strategy}",
-            )
-        if self.strategy == "hsdp":
+        self._check_degrees()
+
+    def given(self) -> dict[str, int | None]:
+        """The layout degrees given (`shard_degree` and `other_degrees`; None: not given)."""
+        return {"shard": self.shard_degree, **dict(self.other_degrees)}
+
+    def _check_degrees(self) -> None:
+        """Refused before any estimate, each in one line naming the flag: a degree the strategy does
+        not take, and a shard degree a 2-D strategy needs but was not given or does not divide."""
+        for degree, value in self.given().items():
+            if value is not None and not takes(self.strategy, degree):
+                whose = " or ".join(n.upper() for n in offered() if n != ZERO1 and takes(n, degree))
+                raise problem(  # fsdp would otherwise be estimated on HSDP's 2-D mesh and called FSDP
+                    f"--{degree}-degree {value} is {whose}'s, not {self.strategy}'s",
+                    f"Pass --strategy {whose.split(' or ')[0].lower()} with it, or leave it out with "
+                    f"--strategy {self.strategy}",
+                )
+        if takes(self.strategy, "shard"):
             shard = self.shard_degree
             if shard is None:
                 raise problem(
-                    "hsdp needs its shard degree: the ranks that share one copy of the model state",
+                    f"{self.strategy} needs its shard degree: the ranks that share one copy of the "
+                    "model state",
                     f"Pass --shard-degree K with {self.world} = replicas x K, e.g. the ranks of one node",
                 )
             if shard < 1 or self.world % shard:
                 raise problem(
-                    f"hsdp needs a shard degree that divides the world size {self.world} (got {shard})",
+                    f"{self.strategy} needs a shard degree that divides the world size {self.world} "
+                    f"(got {shard})",
                     f"Pass --shard-degree K with {self.world} = replicas x K, e.g. the ranks of one node",
                 )
 
+    @property
+    def layout(self) -> Layout:
+        """The job's layout, by the session's one call (`ddpkit.strategy.layout_of`): plan states its
+        cluster as nodes of the shard group it was given (`--shard-degree`), else of the whole world."""
+        name = _registered(self.strategy)
+        options = strategies.entry(name).options
+        degrees = {d: v for d, v in self.given().items() if v is not None}
+        chosen = strategies.Chosen(name, options(**degrees) if options is not None and degrees else None)
+        return strategies.layout_of(chosen, ClusterShape(self.world, self.shard_degree or self.world))
+
     def describe(self) -> str:
-        strat = {
-            "ddp": "DDP",
-            "zero1": "DDP + sharded optimizer step (ZeRO-1)",
-            "fsdp": "FSDP2",
-            "hsdp": f"HSDP ({self.world // (self.shard_degree or 1)} x {self.shard_degree})",
-        }[self.strategy]
+        layout = self.layout
+        if self.strategy == ZERO1:
+            strat = "DDP + sharded optimizer step (ZeRO-1)"
+        elif layout.meshed or len(layout.dims) > 1:  # a 2-D mesh, as replicate x shard: "HSDP (2 x 4)"
+            strat = f"{self.strategy.upper()} ({' x '.join(str(size) for _, size in layout.mesh)})"
+        else:
+            strat = {"ddp": "DDP", "fsdp": "FSDP2"}.get(self.strategy, self.strategy.upper())
         seq = f", sequence {self.seq_len}" if self.seq_len else ""
         ac = (
             f", activation checkpointing ({self.activation_checkpointing})"
@@ -158,51 +217,6 @@ def _checkpointing(model: nn.Module, choice: str | None) -> None:
     checkpointing.apply(model, wanted)
 
 
-def _fsdp_units(module: nn.Module) -> list[str]:
-    """ddpkit's FSDP units (`FSDPOptions(blocks=None)`): every module that is not a container and holds
-    FSDP_MIN_BLOCK_PARAMS parameters not yet in a unit, children first, a checkpointed block as its
-    wrapper, never a module that holds only one of two tied places of a weight."""
-    from ddpkit.strategy import checkpointing, hf
-
-    tied = {k: [m for m, _ in v] for k, v in hf.tied_owners(module).items()}
-    chosen: list[str] = []
-    taken: set[int] = set()
-
-    def inside(owners: list[str] | None, unit: str) -> bool:
-        return owners is None or all(o == unit or o.startswith(f"{unit}.") for o in owners)
-
-    def visit(name: str, m: nn.Module) -> None:
-        for child_name, child in m.named_children():
-            visit(f"{name}.{child_name}" if name else child_name, child)
-        if not name or type(m).forward is nn.Module.forward or checkpointing.unit_name(name) != name:
-            return
-        free = [p for p in m.parameters() if id(p) not in taken]
-        if (
-            all(inside(tied.get(id(p)), name) for p in free)
-            and sum(p.numel() for p in free) >= FSDP_MIN_BLOCK_PARAMS
-        ):
-            chosen.append(name)
-            taken.update(id(p) for p in free)
-
-    visit("", module)
-    nested = [n for n in chosen if any(n.startswith(f"{o}.") for o in chosen)]
-    return nested + [n for n in chosen if n not in nested]
-
-
-def _zero1_owned(model: nn.Module, world: int) -> set[int]:
-    """The parameters rank 0 owns under the sharded step: whole tensors, largest first, each to the
-    least-loaded rank (ties to the lowest rank), as `ddpkit.step.sharding` splits them."""
-    loads = [0] * world
-    owned: set[int] = set()
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in sorted(params, key=lambda q: -q.numel()):
-        r = min(range(world), key=lambda i: (loads[i], i))
-        loads[r] += p.numel()
-        if r == 0:
-            owned.add(id(p))
-    return owned
-
-
 def _optimizer(name: str, params: Any, device_kind: str) -> torch.optim.Optimizer:
     """The optimizer as torch builds it on the target device: on CUDA tensors its default is the
     foreach implementation (one kernel per op over all tensors, with temporaries the size of the whole
@@ -219,11 +233,11 @@ def _optimizer(name: str, params: Any, device_kind: str) -> torch.optim.Optimize
 
 
 @contextlib.contextmanager
-def fake_world(world: int, shard: int | None = None) -> Iterator[Any]:
-    """A fake process group of `world` ranks in this process (torch's `fake` backend: collectives return
-    at once, nothing is sent), as rank 0, and its device mesh; torn down after."""
+def fake_world(layout: Layout) -> Iterator[Any]:
+    """A fake process group of the layout's ranks in this process (torch's `fake` backend: collectives
+    return at once, nothing is sent), as rank 0, and the layout's device mesh, the session's
+    (`Layout.device_mesh`: the same dimensions and names); torn down after."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -231,14 +245,18 @@ def fake_world(world: int, shard: int | None = None) -> Iterator[Any]:
             "the memory plan runs in a process that already has a process group",
             "Run `ddpkit plan --memory` (or estimate()) outside a ddpkit session",
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world)
     try:
-        if shard is None or shard == world:
-            yield init_device_mesh("cpu", (world,))
-        else:
-            yield init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        yield layout.device_mesh("cpu")
     finally:
         dist.destroy_process_group()
+
+
+def _zero1_owned(model: nn.Module, world: int) -> set[int]:
+    """The parameters rank 0 owns under the sharded step: the step's own rule (`parallel.partition`)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    owners = partition([p.numel() for p in params], world)
+    return {id(p) for p, r in zip(params, owners, strict=True) if r == 0}
 
 
 def estimate(job: MemoryJob) -> Breakdown:
@@ -246,24 +264,20 @@ def estimate(job: MemoryJob) -> Breakdown:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     spec = resolve_model(job)
-    sharded = job.strategy in ("fsdp", "hsdp")
+    sharded = spans_shard(job.strategy)
     with contextlib.ExitStack() as stack:
-        mesh = stack.enter_context(fake_world(job.world, job.shard_degree)) if sharded else None
+        mesh = stack.enter_context(fake_world(job.layout)) if sharded else None
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
         model = spec.build()
         _checkpointing(model, job.activation_checkpointing)
         if sharded:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            from ddpkit.strategy.fsdp_units import choose_units, shard
 
-            mp = MixedPrecisionPolicy()
-            if job.precision == "bf16":
-                mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            for name in _fsdp_units(model):
-                fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=mp)
-            fully_shard(model, mesh=mesh, mp_policy=mp)
+            policy = PrecisionPlan(canonical(job.precision) or "32", "cpu").fsdp_policy()
+            shard(model, choose_units(model, strategies.FSDPOptions()), mesh=mesh, mp_policy=policy)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = _optimizer(job.optimizer, params, job.device_kind)
-        owned = _zero1_owned(model, job.world) if job.strategy == "zero1" else None
+        owned = _zero1_owned(model, job.world) if job.strategy == ZERO1 else None
         keep_grads = not sharded  # DDP's buckets hold the gradients from the wrap on
         warm_optimizer(params, opt, owned, keep_grads)
         return _tracked_step(model, opt, spec, job, owned, keep_grads)
@@ -285,7 +299,7 @@ def _run_step(
     batch = spec.batch(micro_batch)  # the micro-batch itself is live through the step
     cast = (
         torch.autocast("cpu", dtype=dtype)
-        if dtype is not None and job.strategy in ("ddp", "zero1")
+        if dtype is not None and not spans_shard(job.strategy)
         else contextlib.nullcontext()
     )
     with cast:
@@ -304,7 +318,7 @@ def _tracked_step(
     owned: set[int] | None,
     keep_grads: bool,
 ) -> Breakdown:
-    tracker = peak_tracker(model, opt, sharded=job.strategy in ("fsdp", "hsdp"))
+    tracker = peak_tracker(model, opt, sharded=spans_shard(job.strategy))
     with tracker:
         _run_step(model, opt, spec, job, owned, keep_grads, job.micro_batch)
     return fold(tracker, opt)

@@ -23,6 +23,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ddpkit.errors import DdpkitError, problem
+from ddpkit.parallel.layout import TOOL_DEGREES
+
+# The help of each layout degree's flag (`--<degree>-degree`); a degree added to `TOOL_DEGREES` gets
+# its flag with the generic help.
+DEGREE_HELP = {"shard": "hsdp: ranks that share one model state"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,11 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument(
         "--strategy",
-        choices=memory.STRATEGIES,
+        choices=memory.offered(),
         default="ddp",
         help="ddp, zero1 (DDP + ddpkit's sharded optimizer step), fsdp, hsdp (needs --shard-degree)",
     )
-    p.add_argument("--shard-degree", type=int, default=None, help="hsdp: ranks that share one model state")
+    for degree in TOOL_DEGREES:  # --shard-degree, and every degree the layout adds for the tools
+        text = DEGREE_HELP.get(degree, f"ranks per {degree} group (default: the strategy's own rule)")
+        p.add_argument(f"--{degree}-degree", type=int, default=None, help=text)
     p.add_argument("--world", type=int, default=8, help="ranks in all")
     p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step over all ranks")
     p.add_argument(
@@ -109,6 +116,9 @@ def make(ns: argparse.Namespace) -> dict[str, Any]:
         strategy=ns.strategy,
         world=ns.world,
         shard_degree=ns.shard_degree,
+        other_degrees=tuple(
+            (d, v) for d in TOOL_DEGREES if d != "shard" and (v := getattr(ns, f"{d}_degree")) is not None
+        ),
         activation_checkpointing=ns.activation_checkpointing,
         optimizer=ns.optimizer,
         sample=ns.sample,

@@ -37,13 +37,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ddpkit.names import DISTRIBUTED
+from ddpkit.names import BUILT_IN_STRATEGIES
+from ddpkit.parallel.layout import ClusterShape, Layout, build
 from ddpkit.plan.links import Link, log2_ceil
 from ddpkit.plan.profile import Bucket, Profile
 
 ALGORITHMS = ("auto", "ring", "tree")
 HOOKS = ("none", "fp16", "bf16", "powersgd")
-STRATEGIES = (*DISTRIBUTED, "hsdp")  # ddpkit.names' list, plus HSDP (FSDP in a node, replicas across)
 TREE_BANDWIDTH = 0.9  # NCCL's tuner rates a tree's bus bandwidth at 0.9 of the ring's (src/graph/tuning.cc)
 
 
@@ -80,6 +80,18 @@ class Cluster:
     @property
     def nodes(self) -> int:
         return math.ceil(self.n / self.per_node)
+
+    def layout(self, opts: Options) -> Layout:
+        """The strategy's layout on these ranks, by the library's builder (`parallel.layout.build`): plan
+        states its cluster as `n` ranks in nodes of `min(per_node, n)`; for a strategy spanning both
+        replicate and shard (HSDP) as whole nodes, so the builder's default rule gives shard = a node's
+        ranks and replicate = the nodes (a last node not full is modelled as a full one: the layout's
+        world is then the padded one)."""
+        dims = BUILT_IN_STRATEGIES.get(opts.strategy, opts.dims or ("replicate",))
+        local = min(self.per_node, self.n)
+        if "replicate" in dims and "shard" in dims:
+            return build(dims, ClusterShape(self.nodes * local, local))
+        return build(dims, ClusterShape(self.n, local))
 
     def _levels(self) -> tuple[float, float, float]:
         """(α inside a node, α between nodes, bottleneck β per rank)."""
@@ -152,6 +164,14 @@ class Options:
     strategy: str = "ddp"
     accumulation: int = 1
     sharded_step: bool = False  # ddpkit's sharded optimizer step (CPU ranks): each rank steps 1/n
+    # a registered strategy's layout degrees (`ddpkit.strategy.entry(name).dims`, which the command line
+    # passes; () a replicating one's); a built-in's come from `ddpkit.names.BUILT_IN_STRATEGIES` (so a
+    # `replace(opts, strategy="fsdp")` is FSDP's), and this module stays torch-free
+    dims: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options a plan reports (the dims are the strategy's, named by it)."""
+        return {k: v for k, v in self.__dict__.items() if k != "dims"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,15 +255,17 @@ def step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
     buckets = p.buckets(opts.bucket_cap_mb)
     algos: set[str] = set()
     forward_comm = 0.0
-    if opts.strategy in ("fsdp", "hsdp"):
+    layout = cluster.layout(opts)
+    sharded = "shard" in layout.dims
+    if sharded:
         # All-gather each unit's parameters before use (forward and again in backward, prefetched one
         # unit ahead), reduce-scatter its gradients when ready: 3 x (n-1)/n x S against DDP's 2 (on
         # gloo the reduce-scatter is an all-reduce: 4 x (n-1)/n x S).
         # HSDP: the same inside each node (the shard group, on the node's links), then one all-reduce of
         # each unit's gradient shard across the nodes: a node's shards together are S bytes, sent
         # through the node's NICs (modelled as one all-reduce of S between the nodes).
-        shard = cluster if opts.strategy == "fsdp" else replace(cluster, n=min(cluster.per_node, n))
-        across = replace(cluster, n=cluster.nodes, per_node=1) if opts.strategy == "hsdp" else None
+        shard = replace(cluster, n=layout.shard)  # FSDP: the whole cluster; HSDP: one node's ranks
+        across = replace(cluster, n=layout.replicate, per_node=1) if "replicate" in layout.dims else None
         gathers = [shard.allgather(b.bytes) for b in buckets]
         costs = [g + shard.reduce_scatter(b.bytes) for g, b in zip(gathers, buckets, strict=True)]
         if across is not None:
@@ -273,7 +295,7 @@ def step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
         comm_end, comm, forward_end = 0.0, 0.0, p.forward_s
     elif cluster.overlaps(profile.threads):
         comm_end = _stream(ready, costs)
-    elif opts.strategy == "ddp" and cluster.nodes > 1:
+    elif not sharded and cluster.nodes > 1:
         comm_end = _stream_on_busy_cores(p, cluster, buckets, costs, opts)
     else:  # no core left for communication: it runs instead of compute, not beside it
         comm_end = p.backward_s + sum(costs)
@@ -298,12 +320,12 @@ def step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
         buckets=len(buckets),
         algorithm="/".join(sorted(algos - {"-"})) or "-",
         samples_per_s=samples / total,
-        options=opts.__dict__.copy(),
-        slow_link_bytes=slow_link_bytes(cluster, opts.strategy, sum(b.bytes for b in buckets)),
+        options=opts.as_dict(),
+        slow_link_bytes=slow_link_bytes(cluster, layout, sum(b.bytes for b in buckets)),
     )
 
 
-def slow_link_bytes(cluster: Cluster, strategy: str, nbytes: float) -> float:
+def slow_link_bytes(cluster: Cluster, layout: Layout, nbytes: float) -> float:
     """Bytes each node sends between nodes per step for `nbytes` of gradients (parameters alike), on
     rings: a ring over all n ranks crosses out of each node once, carrying (n-1)/n of the data per
     all-gather or reduce-scatter (DDP's all-reduce is both: 2; FSDP's step is 3: two all-gathers and a
@@ -312,9 +334,9 @@ def slow_link_bytes(cluster: Cluster, strategy: str, nbytes: float) -> float:
     m, n = cluster.nodes, cluster.n
     if m <= 1:
         return 0.0
-    if strategy == "hsdp":
+    if "shard" in layout.dims and "replicate" in layout.dims:
         return 2 * (m - 1) / m * nbytes
-    if strategy == "fsdp":
+    if "shard" in layout.dims:
         return (4 if cluster.link.backend == "gloo" else 3) * (n - 1) / n * nbytes
     return 2 * (n - 1) / n * nbytes
 

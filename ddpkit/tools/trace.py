@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ddpkit import strategy as strategies
 from ddpkit.data import plan_batch
-from ddpkit.names import DISTRIBUTED
 
 if TYPE_CHECKING:
     from ddpkit import Session
@@ -106,7 +106,7 @@ def _rank(
         torch.manual_seed(0)
         module = wl.build()
         names = {id(p): n for n, p in module.named_parameters()}
-        if strategy == "fsdp":
+        if s.strategy.shards_state:  # FSDP, HSDP, a registered sharded strategy: traced by its blocks
             model = s.model(module)
             return _fsdp_steps(s, wl, model, rec, warmup, steps)
         model = s.model(module, bucket_cap_mb=bucket_cap_mb)
@@ -312,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bucket-cap-mb", type=float, default=None)
     p.add_argument(
         "--strategy",
-        choices=DISTRIBUTED,
+        choices=strategies.distributed(),
         default="ddp",
         help="fsdp: each block's all-gather and reduce-scatter, not buckets",
     )
