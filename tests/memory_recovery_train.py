@@ -81,9 +81,13 @@ def train(
     kill_mid: int | None = None,
     ckpt: str | None = None,
     disk_every: int = 0,
+    peers: tuple[str, ...] = (),
+    step_sleep: float = 0.0,
 ) -> dict[str, Any]:
     """Train 12 steps; with `keeper`, restore the newest snapshot all ranks hold first; with `ckpt`
     (today's disk path, for the benchmark), `s.load` it first and `s.save` every `disk_every` steps.
+    `peers`: other hosts' keepers (TCP), asked when this host's keeper lacks this rank's snapshots (a
+    replacement host); `step_sleep`: seconds added to every step (a fault from outside lands mid-run).
     Returns this rank's final state (full weights, its optimizer state, RNG, step, LR)."""
     torch.set_num_threads(1)
     with ddpkit.session(seed=0, verbose=out is not None) as s:
@@ -94,7 +98,7 @@ def train(
         state: dict[str, Any] = {"model": model, "optimizer": opt, "scheduler": sched, "loader": loader}
         owner = s.checkpoints._ctx.strategy
         values: dict[str, Any] = {"step": 0}
-        snaps = MemorySnapshots.attach(keeper, s.rank, s.world_size) if keeper else None
+        snaps = MemorySnapshots.attach(keeper, s.rank, s.world_size, peers) if keeper else None
         if snaps is not None:
             target = snaps.agree(distributed=s.world_size > 1, device=s.device)
             if target is not None:
@@ -103,7 +107,7 @@ def train(
                 kill_mid_copy(snaps, kill_mid, out)
         if ckpt:
             values = s.load(ckpt, **state, **values)
-        if out and _restarted() and s.rank == 0:
+        if out and (values["step"] or _restarted()) and s.rank == 0:  # a restart, or a new host restored
             Path(out, "resumed.txt").write_text(f"{time.time()} {values['step']}")
         step = values["step"]
         for _ in range(loader.epoch, EPOCHS):
@@ -123,6 +127,7 @@ def train(
                     snaps.save(step, owner, {**state, "step": step})
                 if ckpt:
                     s.save(ckpt, **state, step=step, every=disk_every)
+                time.sleep(step_sleep)
                 if out and s.rank == 0:
                     with open(Path(out, "steps.txt"), "a") as f:
                         f.write(f"{time.time()} {step} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n")
@@ -156,5 +161,9 @@ if __name__ == "__main__":
     p.add_argument("--kill-mid-snapshot", type=int, default=None)
     p.add_argument("--ckpt", default=None)
     p.add_argument("--disk-every", type=int, default=0)
+    p.add_argument("--peers", default="")
+    p.add_argument("--step-sleep", type=float, default=0.0)
     a = p.parse_args()
-    train(a.keeper, a.out, a.strategy, a.kill_at, a.kill_rank, a.kill_mid_snapshot, a.ckpt, a.disk_every)
+    peers = tuple(filter(None, a.peers.split(",")))
+    fault = (a.kill_at, a.kill_rank, a.kill_mid_snapshot)
+    train(a.keeper, a.out, a.strategy, *fault, a.ckpt, a.disk_every, peers, a.step_sleep)

@@ -186,3 +186,14 @@ def _agree_over_gloo(held: list[list[int]]) -> int | None:
 def test_the_ranks_agree_on_the_newest_step_all_hold_over_a_real_group(pool2) -> None:
     assert pool2.run(_agree_over_gloo, [[2, 3], [2]]) == [2, 2]
     assert pool2.run(_agree_over_gloo, [[3, 4], [1, 2]]) == [None, None]
+
+
+def test_training_goes_on_when_the_keeper_is_gone() -> None:
+    keeper = Keeper.start()
+    snaps = MemorySnapshots.attach(keeper.name, 0, 1)
+    state = _objects()
+    _train(state, snaps, range(1, 2))
+    keeper.stop()  # killed, or the launch ending while a rank still trains
+    _train(state, snaps, range(2, 4))
+    assert snaps.lost_keeper and sorted(snaps.held()) == [2, 3]
+    snaps.close()

@@ -32,7 +32,7 @@ import mmap
 import os
 import struct
 import zlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -172,6 +172,7 @@ class MemorySnapshots:
         self.slots = [Slot(fd) for fd in fds]
         self.seq = max([s.header()[1] for s in self.slots] + [0])
         self.last_bytes = 0
+        self.lost_keeper = False  # the keeper went away: these slots no longer outlive this process
 
     @classmethod
     def attach(cls, keeper: str | None, rank: int, world: int, peers: Sequence[str] = ()) -> MemorySnapshots:
@@ -196,8 +197,19 @@ class MemorySnapshots:
         self._hold()
 
     def _hold(self) -> None:
-        if self.client is not None:
-            self.client.hold(self.key, [s.fd for s in self.slots])
+        self._tell(lambda client: client.hold(self.key, [s.fd for s in self.slots]))
+
+    def _tell(self, request: Callable[[KeeperClient], Any]) -> None:
+        """A request to the keeper; if it is gone (killed, or the launch is ending), the slots stay this
+        process's own (they die with it) and nothing more is asked: training goes on, disk remains."""
+        if self.client is None:
+            return
+        try:
+            request(self.client)
+        except (OSError, EOFError):
+            self.client.close()
+            self.client = None
+            self.lost_keeper = True
 
     def held(self) -> dict[int, int]:
         """step -> slot index, for the slots holding a complete snapshot."""
@@ -230,8 +242,8 @@ class MemorySnapshots:
             self.write_tensor(slot, offsets[path], t)
         slot.commit(step, self.seq, body, end)
         self.last_bytes = end + len(body)
-        if self.client is not None:
-            self.client.committed(self.key, self.slots.index(slot))
+        index = self.slots.index(slot)
+        self._tell(lambda client: client.committed(self.key, index))
 
     def write_tensor(self, slot: Slot, offset: int, t: torch.Tensor) -> None:
         """One tensor's bytes into the slot (a test replaces this to fault in the middle of a save)."""
@@ -303,8 +315,7 @@ class MemorySnapshots:
 
     def drop(self) -> None:
         """At a clean end: the keeper frees this rank's memory now."""
-        if self.client is not None:
-            self.client.drop(self.key)
+        self._tell(lambda client: client.drop(self.key))
 
     def close(self) -> None:
         for slot in self.slots:
