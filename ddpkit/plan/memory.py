@@ -143,11 +143,12 @@ class MemoryJob:
         not take, and a shard degree a 2-D strategy needs but was not given or does not divide."""
         for degree, value in self.given().items():
             if value is not None and not takes(self.strategy, degree):
-                whose = " or ".join(n.upper() for n in offered() if n != ZERO1 and takes(n, degree))
+                owners = [n for n in offered() if n != ZERO1 and takes(n, degree)]
+                whose = owners[0].upper() if owners else "no strategy"  # the first registered (HSDP)
+                fix = f"Pass --strategy {owners[0]} with it, or leave" if owners else "Leave"
                 raise problem(  # fsdp would otherwise be estimated on HSDP's 2-D mesh and called FSDP
                     f"--{degree}-degree {value} is {whose}'s, not {self.strategy}'s",
-                    f"Pass --strategy {whose.split(' or ')[0].lower()} with it, or leave it out with "
-                    f"--strategy {self.strategy}",
+                    f"{fix} it out with --strategy {self.strategy}",
                 )
         if takes(self.strategy, "shard"):
             shard = self.shard_degree

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ddpkit.errors import DdpkitError, problem
-from ddpkit.parallel.layout import TOOL_DEGREES
+from ddpkit.parallel import layout as layouts
 
 # The help of each layout degree's flag (`--<degree>-degree`); a degree added to `TOOL_DEGREES` gets
 # its flag with the generic help.
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="ddp",
         help="ddp, zero1 (DDP + ddpkit's sharded optimizer step), fsdp, hsdp (needs --shard-degree)",
     )
-    for degree in TOOL_DEGREES:  # --shard-degree, and every degree the layout adds for the tools
+    for degree in layouts.TOOL_DEGREES:  # --shard-degree, and every degree the layout adds for the tools
         text = DEGREE_HELP.get(degree, f"ranks per {degree} group (default: the strategy's own rule)")
         p.add_argument(f"--{degree}-degree", type=int, default=None, help=text)
     p.add_argument("--world", type=int, default=8, help="ranks in all")
@@ -117,7 +117,9 @@ def make(ns: argparse.Namespace) -> dict[str, Any]:
         world=ns.world,
         shard_degree=ns.shard_degree,
         other_degrees=tuple(
-            (d, v) for d in TOOL_DEGREES if d != "shard" and (v := getattr(ns, f"{d}_degree")) is not None
+            (d, v)
+            for d in layouts.TOOL_DEGREES
+            if d != "shard" and (v := getattr(ns, f"{d}_degree")) is not None
         ),
         activation_checkpointing=ns.activation_checkpointing,
         optimizer=ns.optimizer,

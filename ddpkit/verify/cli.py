@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ddpkit import strategy as strategies
 from ddpkit.errors import problem
-from ddpkit.parallel.layout import TOOL_DEGREES
+from ddpkit.parallel import layout as layouts
 from ddpkit.verify.checker import verify
 from ddpkit.verify.shapes import given_degrees
 from ddpkit.verify.spec import LOSSES, OPTIMIZERS, PRECISIONS, Tolerance, VerifySpec
@@ -36,7 +36,7 @@ RESUME_DEGREE_HELP = {"shard": "--resume-strategy hsdp: ranks per shard group af
 
 def add_degree_flags(p: argparse.ArgumentParser, prefix: str, helps: dict[str, str]) -> None:
     """`--<prefix><degree>-degree` for every degree the tools take (`parallel.layout.TOOL_DEGREES`)."""
-    for degree in TOOL_DEGREES:
+    for degree in layouts.TOOL_DEGREES:
         p.add_argument(
             f"--{prefix}{degree}-degree",
             type=int,

@@ -45,7 +45,7 @@ from ddpkit.verify import calibrate
 from ddpkit.verify.resume_compare import compare, culprit, tensors
 from ddpkit.verify.resume_snapshot import snapshot
 from ddpkit.verify.run import map_rows, shard
-from ddpkit.verify.shapes import Part, foreign, given_degrees
+from ddpkit.verify.shapes import Part, foreign, given_degrees, whose
 from ddpkit.verify.spec import (
     VerifySpec,
     build_data,
@@ -108,10 +108,8 @@ class ResumeSpec:
         wrong = foreign(self.resume_strategy or spec.strategy, then)
         if wrong is not None:
             degree, value, owners = wrong
-            raise problem(
-                f"resume_{degree}={value} (--resume-{degree}-degree) is {owners.upper()}'s",
-                f"Pass --resume-strategy {owners.split(' or ')[0]} with it, or leave it out",
-            )
+            owner, fix = whose(owners, "--resume-strategy")
+            raise problem(f"resume_{degree}={value} (--resume-{degree}-degree) is {owner}", fix)
         return (
             Part.of(w, spec.strategy, spec.given()),
             Part.of(w2, self.resume_strategy or spec.strategy, then),

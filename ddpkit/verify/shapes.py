@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 
 from ddpkit import strategy as strategies
 from ddpkit.errors import problem
-from ddpkit.parallel.layout import TOOL_DEGREES, ClusterShape, Layout
+from ddpkit.parallel import layout as layouts
+from ddpkit.parallel.layout import ClusterShape, Layout
 
 
 def given_degrees(ns: argparse.Namespace, prefix: str = "") -> dict[str, int | None]:
     """The layout degrees given by `ddpkit verify`'s `--<prefix><degree>-degree` flags (None: not
     given), by degree name: every degree of `TOOL_DEGREES`."""
-    return {d: getattr(ns, f"{prefix}{d}_degree", None) for d in TOOL_DEGREES}
+    return {d: getattr(ns, f"{prefix}{d}_degree", None) for d in layouts.TOOL_DEGREES}
 
 
 def spans_data_mesh(name: str) -> bool:
@@ -45,14 +46,23 @@ def takers(degree: str) -> list[str]:
     return found
 
 
-def foreign(strategy: str, given: Mapping[str, int | None]) -> tuple[str, int, str] | None:
+def foreign(strategy: str, given: Mapping[str, int | None]) -> tuple[str, int, list[str]] | None:
     """The first degree given that `strategy`'s options do not take, its value, and the strategies
-    whose options do ("hsdp" for shard); None when every degree given is the strategy's."""
+    whose options do (["hsdp"] for shard); None when every degree given is the strategy's."""
     for degree, value in given.items():
         owners = takers(degree)
         if value is not None and strategy not in owners:
-            return degree, value, " or ".join(owners) or "no strategy"
+            return degree, value, owners
     return None
+
+
+def whose(owners: list[str], flag: str) -> tuple[str, str]:
+    """("HSDP's", "Pass --strategy hsdp with it, or leave it out") for a refused degree's message, named
+    by the first strategy registered that takes it (the built-in one before a plug-in); ("no
+    strategy's", "Leave it out") when none does. `flag` is "--strategy" or "--resume-strategy"."""
+    if not owners:
+        return "no strategy's", "Leave it out"
+    return f"{owners[0].upper()}'s", f"Pass {flag} {owners[0]} with it, or leave it out"
 
 
 def cluster(world: int, strategy: str, given: Mapping[str, int | None]) -> ClusterShape:

@@ -192,11 +192,8 @@ class VerifySpec:
         wrong = shapes.foreign(self.strategy, self.given())
         if wrong is not None:
             degree, value, owners = wrong
-            flag = f"--{degree}-degree"
-            raise problem(
-                f"{degree}={value} ({flag}) is {owners.upper()}'s, not {self.strategy}'s",
-                f"Pass --strategy {owners.split(' or ')[0]} with it, or leave it out",
-            )
+            owner, fix = shapes.whose(owners, "--strategy")
+            raise problem(f"{degree}={value} (--{degree}-degree) is {owner}, not {self.strategy}'s", fix)
         if not shapes.spans_data_mesh(self.strategy):
             return
         asked = "nproc // 2" if self.shard is None else self.shard
