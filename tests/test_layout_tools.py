@@ -1,4 +1,7 @@
-"""One choice, three readers, one layout: the session (`ddpkit.strategy.place` on its `Shape`), verify
+"""The tools read the one layout. Checkpoints record it and `ddpkit checkpoint inspect` names it (the
+manifest's record is the layout's own `as_dict`, the header composed from `Layout.describe`).
+
+One choice, three readers, one layout: the session (`ddpkit.strategy.place` on its `Shape`), verify
 (`VerifySpec.part`), `plan --memory` (`MemoryJob.layout`) and `plan`'s step (`Cluster.layout`) build
 the layout of one HSDP choice through the one builder, so they agree on its degrees at every shape by
 construction: 2 x 2, 2 x 4, 4 x 2 and 2 x 3 (at 2 x 2 a reader that swaps replicate and shard still
@@ -15,9 +18,10 @@ import pytest
 import torch
 
 from ddpkit import strategy as strategies
+from ddpkit.checkpoint import inspect
 from ddpkit.errors import DdpkitError
 from ddpkit.parallel import layout as layouts
-from ddpkit.parallel.layout import Layout
+from ddpkit.parallel.layout import ClusterShape, Layout, build
 from ddpkit.parallel.shape import Shape
 from ddpkit.plan import links, memory
 from ddpkit.plan.memory import MemoryJob
@@ -158,3 +162,18 @@ def test_the_tools_degree_flags_come_from_the_layouts_tool_degrees(monkeypatch: 
     )
     with pytest.raises(DdpkitError, match=r"--context-degree 2 is no strategy's, not fsdp's"):
         memory_cli.make(job)
+
+
+def test_inspect_names_the_mesh_a_checkpoint_was_written_on() -> None:
+    hsdp = build(("replicate", "shard"), ClusterShape(4, 2))
+    manifest = {"step": 3, "strategy": "hsdp", "world_size": 4, "layout": hsdp.as_dict()}
+    assert "step 3, written by hsdp (replicate 2 x shard 2) at world size 4" in inspect._header(manifest)
+
+
+def test_inspect_of_a_one_dimensional_layout_or_an_older_checkpoint_reads_as_before() -> None:
+    fsdp = build(("shard",), ClusterShape(2, 2))
+    assert "written by fsdp at world size 2" in inspect._header(
+        {"strategy": "fsdp", "world_size": 2, "layout": fsdp.as_dict()}
+    )
+    assert "written by ddp at world size 2" in inspect._header({"strategy": "ddp", "world_size": 2})
+    assert Layout.from_dict(fsdp.as_dict()) == fsdp  # what the manifest records reads back the same
