@@ -13,6 +13,7 @@ BUILT_IN_STRATEGIES: dict[str, tuple[str, ...]] = {
     "ddp": ("replicate",),
     "fsdp": ("shard",),
     "hsdp": ("replicate", "shard"),
+    "tp": ("replicate", "shard", "tensor"),  # tensor parallelism, FSDP2 over the data dimensions
 }
 STRATEGIES = ("auto", "single", *BUILT_IN_STRATEGIES)  # what `strategy=` accepts as a string
 DISTRIBUTED = ("ddp", "fsdp")  # going: the tools ask `ddpkit.strategy.distributed()` (every registered one)

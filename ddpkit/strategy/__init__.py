@@ -13,6 +13,11 @@
     fsdp_export    FSDP's full weights streamed to one safetensors file
     hsdp           HSDP: FSDP2 on a 2-D mesh (shard inside a node, replicate across nodes)
     hsdp_options   `HSDPOptions`: the replicate and shard degrees plus FSDP's fields (`fsdp()`)
+    tp             tensor parallelism (torch's parallelize_module) x FSDP2 over the data dimensions
+    tp_options     `TPOptions`: the tensor degree, the plan, sequence parallel, random draws, FSDP's fields
+    tp_plan        a plan read (HF's own, a short mapping, torch styles), checked and applied, ties kept
+    tp_init        one process's initial weights, built piece by piece under TP
+    tp_random      one process's dropout under TP (or a refusal naming the layer)
     building       what `s.model` does around `wrap`, in order (factory, recompute, memory, weights)
     checkpointing  activation checkpointing (`s.model(activation_checkpointing=...)`)
     rank_memory    whether a replicated model fits a rank (before it is wrapped)
@@ -62,8 +67,9 @@ from ddpkit.strategy.registry import (
     sharded,
 )
 from ddpkit.strategy.single import Single
+from ddpkit.strategy.tp_options import TPOptions
 
-Choice = Union[str, DDPOptions, FSDPOptions, HSDPOptions, Strategy]  # noqa: UP007 (a runtime alias on Python 3.10)
+Choice = Union[str, DDPOptions, FSDPOptions, HSDPOptions, TPOptions, Strategy]  # noqa: UP007 (a runtime alias on Python 3.10)
 
 __all__ = [
     "DDP",
@@ -77,6 +83,7 @@ __all__ = [
     "Shape",
     "Single",
     "Strategy",
+    "TPOptions",
     "distributed",
     "entry",
     "kind",

@@ -245,14 +245,14 @@ class FSDP(Strategy):
             inner.set_requires_gradient_sync(True)
 
     def clip(self, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        params = list(params)
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = nn.utils.get_total_norm(grads)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()  # the shards' norms combined: one all-reduce, the same everywhere
-        nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        """The total norm over gradients grouped by mesh (torch's foreach ops take one mesh at a time:
+        under FSDP x TP the split weights live on the 2-D mesh, the whole ones on the data mesh), each
+        group's norm combined over its ranks (`full_tensor`: replicated dimensions counted once)."""
+        params = [p for p in params if p.grad is not None]
+        groups = by_mesh(params)
+        norm = total_norm([[p.grad for p in group] for group in groups])
+        for group in groups:
+            nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return norm
 
     def join(self, model: nn.Module, joinables: tuple[object, ...]) -> contextlib.AbstractContextManager:
@@ -303,6 +303,32 @@ class FSDP(Strategy):
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
         for name, opt in optimizers.items():
             set_optimizer_state_dict(model, opt, state[name])
+
+
+def by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters grouped by their gradient's DeviceMesh (plain tensors: one group), in first-seen order."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    return list(groups.values())
+
+
+def total_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
+    """The 2-norm over every group: each group's norm made whole over its mesh, then combined as
+    sqrt(sum of squares) (one group: its norm as it is)."""
+    from torch.distributed.tensor import DTensor
+
+    norms = []
+    for grads in groups:
+        norm = nn.utils.get_total_norm(grads)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        return norms[0]
+    if not norms:
+        return torch.zeros(())
+    return torch.stack([n.double() for n in norms]).pow(2).sum().sqrt().to(norms[0].dtype)
 
 
 def check_identical(shards: fsdp_init.Shards, ranks: Ranks) -> None:

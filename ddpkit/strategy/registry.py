@@ -147,7 +147,14 @@ def layout_of(chosen: Chosen, cluster: Cluster) -> Layout:
     options = chosen.options if chosen.options is not None else _defaults(found)
     degrees = {d: getattr(options, d) for d in DEGREES if hasattr(options, d)}
     kind = type(options).__name__ if options is not None else name
-    return build(dims, cluster, **degrees, within_node=getattr(options, "within_node", False), asked_as=kind)
+    return build(
+        dims,
+        cluster,
+        **degrees,
+        within_node=getattr(options, "within_node", False),
+        tensor_across_nodes=getattr(options, "tensor_across_nodes", False),
+        asked_as=kind,
+    )
 
 
 def place(chosen: Chosen, shape: Shape) -> Shape:

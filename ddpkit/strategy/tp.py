@@ -1,0 +1,187 @@
+"""Tensor parallelism: each layer the plan names split over the `tensor` ranks of a node (torch's
+`parallelize_module`), FSDP2 over the data dimensions (replicate x shard) of the same mesh.
+
+    ddpkit.session(strategy="tp")                                        # a node's ranks split each layer
+    ddpkit.session(strategy=TPOptions(tensor=2))                         # FSDP(N/2) x TP(2)
+    s.model(lambda: AutoModelForCausalLM.from_config(cfg), strategy=TPOptions(tensor=2))   # HF's own plan
+    s.model(Net, strategy=TPOptions(tensor=2, plan={"blocks.*.attn.q": "colwise", ...}))
+
+The layout (`ddpkit.parallel.layout`, dims replicate x shard x tensor, tensor innermost so that a tensor
+group is consecutive ranks of a node) gives the 3-D mesh; the tensor submesh splits the layers, the data
+submesh (replicate, shard) shards them with FSDP2: shard 1 is replicated data parallelism, DDP's arithmetic
+(torch's DDP cannot hold tensor-parallel parameters: its only route, `_pre_dp_module_transform`, leaves
+the split weights out of the module's parameters after one forward). Every rank of a tensor group reads
+the same batch: the data is split by the data-parallel rank (`Layout.coordinate`), never the global rank.
+
+What ddpkit adds to torch's styles: the plan read in three forms and refused before any collective where
+it cannot work (`ddpkit.strategy.tp_plan`); tied weights tied again after the split; one process's initial
+weights, bitwise, built piece by piece (`ddpkit.strategy.tp_init`); one process's dropout, or a refusal
+(`ddpkit.strategy.tp_random`); the gradient norm over gradients of several meshes (`FSDP.clip`, grouped by
+mesh; torch's `clip_grad_norm_` refuses them). Checkpoints are FSDP's: DCP shards of DTensors, which load
+into any layout (TP, FSDP, HSDP, DDP, one process) and convert to one safetensors file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.errors import problem
+from ddpkit.parallel.compiling import CompileBlock
+from ddpkit.parallel.layout import Layout
+from ddpkit.parallel.precision import PrecisionPlan, resolve_precision
+from ddpkit.parallel.shape import Shape
+from ddpkit.strategy import fsdp_init, fsdp_units, registry, tp_init, tp_plan, tp_random
+from ddpkit.strategy.fsdp import FSDP, check_identical
+from ddpkit.strategy.fsdp_options import FSDPOptions
+from ddpkit.strategy.tp_options import TPOptions
+
+
+def build(options: TPOptions | None, shape: Shape, precision: PrecisionPlan) -> TP:
+    """The registered builder (`ddpkit.strategy.registry`): the 3-D mesh from the degrees; fp16 refused."""
+    return TP(options, shape, resolve_precision(precision, "", loss_scale=False))
+
+
+class TP(FSDP):
+    name = "tp"
+
+    def __init__(
+        self, options: TPOptions | None, shape: Shape, precision: PrecisionPlan | None = None
+    ) -> None:
+        opts = options or TPOptions()
+        if opts.loss_parallel:
+            raise problem(
+                "TPOptions(loss_parallel=True): ddpkit does not compute the loss on vocabulary-sharded "
+                "logits yet (the loss and its backward would have to run inside torch's loss_parallel())",
+                "Leave loss_parallel=False: the head gathers its logits (colwise_gather_output)",
+            )
+        placed = registry.place(registry.Chosen(self.name, opts), shape)
+        super().__init__(opts.fsdp(), placed, precision)
+        self.tp_options = opts
+        self._mesh: Any = None
+        self.draws: list[tp_random.OneProcessDraws] = []  # each wrapped model's mode (tests count its draws)
+
+    # -- the layout ---------------------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        assert self.shape.layout is not None  # placed in __init__
+        return self.shape.layout
+
+    def mesh(self) -> Any:
+        """The 3-D DeviceMesh (replicate, shard, tensor), made once (a collective: every rank's s.model)."""
+        if self._mesh is None:
+            self._mesh = self.shape.device_mesh()
+        return self._mesh
+
+    def data_mesh(self) -> Any:
+        """The data submesh FSDP2 shards over: (replicate, shard), HSDP's form (replicate 1: FSDP's)."""
+        return self.mesh()["replicate", "shard"]
+
+    def piece(self) -> tp_init.Piece:
+        rank, layout = self.shape.rank, self.layout
+        return tp_init.Piece(
+            layout.coordinate(rank, "tensor"), layout.tensor, layout.coordinate(rank, "shard"), layout.shard
+        )
+
+    def describe(self) -> str:
+        return f"TP {self.layout.tensor} x FSDP2 ({self.layout.describe()})"
+
+    # -- the model ----------------------------------------------------------------------------------
+    def plan(self, module: nn.Module, options: TPOptions | None = None) -> tp_plan.Plan:
+        """The model's plan as torch styles, checked (one paragraph naming the layer and the fix)."""
+        opts = options or self.tp_options
+        return tp_plan.read(
+            module, opts.plan, degree=self.layout.tensor, sequence_parallel=opts.sequence_parallel
+        )
+
+    def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
+        """The factory on the meta device, keeping this rank's pieces of one process's initial weights
+        (`ddpkit.strategy.tp_init`); `wrap` splits, shards and fills the meta module."""
+
+        def dims_of(probe: nn.Module) -> dict[str, int | None]:
+            return tp_plan.tp_dims(probe, self.plan(probe))
+
+        module, shards, peak = tp_init.build(factory, dims_of, self.piece())
+        self._built[id(module)] = shards
+        self.notes.append(
+            f"TP: built {type(module).__name__} piece by piece (at most {peak / 2**20:.0f} MiB of full "
+            "tensors at once)"
+        )
+        return module
+
+    def _shard(
+        self, module: nn.Module, device: torch.device, options: object, compile_block: CompileBlock | None
+    ) -> tuple[nn.Module, list[str]]:
+        opts = self._options(options)
+        plan = self.plan(module, opts)  # every refusal before any collective
+        shards = self._built.pop(id(module), None)
+        if shards is None:
+            if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+                raise problem(
+                    f"the {type(module).__name__} was built on the meta device: its initial weights were "
+                    "never drawn, so ddpkit cannot give the tensor-parallel pieces the values one process "
+                    "would have",
+                    "Pass the class or a function that builds it, e.g. s.model(Net, "
+                    "strategy=TPOptions(...)); ddpkit builds it piece by piece",
+                )
+            shards = tp_init.cut(module, tp_plan.tp_dims(module, plan), self.piece())
+        check_identical(shards, self.shape)
+        named = tp_plan.describe(module, opts.plan)  # before fully_shard renames the class
+        split = len(tp_plan.matches(module, plan))
+        tp_plan.apply(module, self.mesh()["tensor"], plan)
+        fsdp = opts.fsdp()
+        units = fsdp_units.choose_units(module, fsdp)
+        compiled: list[str] = []
+        if compile_block is not None:  # after the split, before fully_shard: torchtitan's order
+            compiled = units or [""]
+            for name in compiled:
+                compile_block(module.get_submodule(name))
+        fsdp_units.shard(
+            module,
+            units,
+            mesh=self.data_mesh(),
+            mp_policy=self.precision.fsdp_policy(),
+            reshard_after_forward=fsdp.reshard_after_forward,
+        )
+        fsdp_init.fill(module, shards, device)
+        columns, rows = tp_plan.column_layers(module, plan)
+        self.draws.append(tp_random.install(module, columns, rows, opts.random))
+        layout = self.layout
+        self.notes.append(
+            f"TP: plan {named} ({split} modules split over tensor {layout.tensor}"
+            + (", sequence parallel" if opts.sequence_parallel else "")
+            + f"); FSDP2 over replicate {layout.replicate} x shard {layout.shard}, {len(units)} block(s) + "
+            "the root; dropout as one process draws it"
+            + (" (per-shard: in distribution only)" if opts.random == "per-shard" else "")
+        )
+        return module, compiled
+
+    def _options(self, options: object) -> TPOptions:
+        """This model's TP options: its own (the degrees must be the session's), else the session's."""
+        if options is None:
+            return self.tp_options
+        if isinstance(options, FSDPOptions):
+            raise problem(
+                "s.model got FSDPOptions in a tensor-parallel session",
+                "Pass TPOptions (its blocks, min_block_params, ... are FSDP's for the data dimensions)",
+            )
+        if not isinstance(options, TPOptions):
+            raise problem(
+                "DDP options (find_unused_parameters, static_graph, ...) were passed with strategy='tp'",
+                "Leave them out with tensor parallelism, or pass strategy='ddp'",
+            )
+        asked = registry.layout_of(registry.Chosen(self.name, options), self.shape)
+        if asked != self.layout:
+            raise problem(
+                f"s.model asked for the layout {asked.describe()}, but this session's mesh is already "
+                f"{self.layout.describe()}",
+                "Pass the degrees once, to ddpkit.session(strategy=TPOptions(tensor=...)), and leave them "
+                "out of s.model's options",
+            )
+        return options
+
+    def _collectives(self, modules: list[nn.Module], device: torch.device, opts: FSDPOptions) -> str:
+        return ""
