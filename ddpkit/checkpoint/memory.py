@@ -33,6 +33,7 @@ import os
 import struct
 import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,13 +43,15 @@ from ddpkit.checkpoint import dcp as checkpoint_dcp
 from ddpkit.checkpoint import files
 from ddpkit.checkpoint import state as checkpoint_state
 from ddpkit.checkpoint.owners import StateOwner
+from ddpkit.checkpoint.staging import Arena
+from ddpkit.checkpoint.sync import CheckpointContext
 from ddpkit.cluster.keeper import HEAD, MAGIC, STEP_AT, KeeperClient, fetch
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import DdpkitError, problem
 from ddpkit.parallel.modules import unwrap
 
 HEADER = 64  # bytes before the first tensor (the header itself is HEAD.size)
 ALIGN = 64
-__all__ = ["MemorySnapshots", "SnapshotMismatch", "choose"]
+__all__ = ["MemoryRecovery", "MemorySnapshots", "SnapshotMismatch", "choose"]
 
 
 class SnapshotMismatch(DdpkitError):
@@ -217,13 +220,21 @@ class MemorySnapshots:
 
     def agree(self, *, distributed: bool, device: torch.device | str = "cpu") -> int | None:
         """Collective (every rank): the newest step every rank holds whole (`choose`), or None."""
+        return self.agree_with(-1, distributed=distributed, device=device)[0]
+
+    def agree_with(
+        self, disk: int, *, distributed: bool, device: torch.device | str = "cpu"
+    ) -> tuple[int | None, int]:
+        """`agree`, and the largest `disk` any rank passed (global rank 0 reads the disk's step), in the
+        same all-gather: one collective."""
         steps = sorted(self.held(), reverse=True)[:2]
-        mine = torch.tensor(steps + [-1] * (2 - len(steps)), dtype=torch.int64, device=device)
-        if not distributed:
-            return choose([{s for s in mine.tolist() if s >= 0}])
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
-        return choose([{s for s in t.tolist() if s >= 0} for t in every])
+        mine = torch.tensor([*steps, *[-1] * (2 - len(steps)), disk], dtype=torch.int64, device=device)
+        every = [mine]
+        if distributed:
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, mine)
+        rows = [t.tolist() for t in every]
+        return choose([{s for s in row[:2] if s >= 0} for row in rows]), max(row[2] for row in rows)
 
     # -- save -------------------------------------------------------------------------------------
     def save(self, step: int, strategy: StateOwner, state: Mapping[str, Any]) -> None:
@@ -335,3 +346,76 @@ def mismatch(live: Any, saved: Mapping[str, list[Any]], whole: Collection[str]) 
     keys = [k for k in now if now[k] != saved.get(k)]
     keys += [k for k in saved if k not in now and k.startswith(tuple(whole))]
     return "; ".join(f"{k}: {saved.get(k)} saved, {now.get(k)} now" for k in sorted(keys)[:3])
+
+
+def disk_step(root: Path) -> int:
+    """The step of the newest checkpoint under `root` (its manifest, not verified: only to compare with
+    memory; the load that takes it verifies it), or -1."""
+    for path in files.candidates(root):
+        try:
+            step = json.loads((path / files.MANIFEST).read_text()).get("step")
+        except (OSError, ValueError):
+            continue
+        return step if isinstance(step, int) else -1
+    return -1
+
+
+class MemoryRecovery:
+    """What `s.load(root, ..., memory=N)` arms: at the load, the newest snapshot every rank holds in its
+    host's keeper, when it is newer than the newest checkpoint on disk; then a snapshot every N optimizer
+    steps, taken at the loader's next batch (`Checkpoints.stop_at_boundary`), where the optimizer, the
+    LR scheduler, the user's counters, the RNG streams and the loader position all stand after the same
+    step (inside the optimizer step the scheduler would be one step behind)."""
+
+    def __init__(self, snaps: MemorySnapshots, every: int) -> None:
+        self.snaps, self.every = snaps, every
+        self.last_step: int | None = None
+
+    @classmethod
+    def attach(cls, keeper: str | None, every: int, ctx: CheckpointContext) -> MemoryRecovery | None:
+        """None (said once) where no keeper runs: memory snapshots need `ddpkit run`'s."""
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise problem(
+                f"memory={every!r} is not a number of optimizer steps",
+                "Pass memory=N (N >= 1: a snapshot every N steps) or memory=True (every step)",
+            )
+        if not keeper or not Arena.available():
+            ctx.say(
+                "ddpkit: memory snapshots need the keeper `ddpkit run` starts on each host (Linux): none "
+                "here, so recovery is from disk only"
+            )
+            return None
+        return cls(MemorySnapshots.attach(keeper, ctx.rank, ctx.world_size), every)
+
+    def restore(self, ctx: CheckpointContext, root: Path | None, state: Mapping[str, Any]) -> dict | None:
+        """Collective: the values of the snapshot restored, or None (disk decides, as without memory)."""
+        disk = disk_step(root) if ctx.is_main and root is not None else -1
+        target, newest_disk = self.snaps.agree_with(disk, distributed=ctx.distributed, device=ctx.device)
+        if target is None or target < newest_disk:
+            return None
+        try:
+            values = self.snaps.restore(target, ctx.strategy, state)
+        except SnapshotMismatch as err:
+            raise problem(
+                f"{err}; the snapshot is not loaded",
+                "Resume with the script and objects that took it, or start the job anew (a new `ddpkit "
+                "run` starts with an empty keeper)",
+            ) from None
+        disk_note = f"; newest on disk: step {newest_disk}" if newest_disk >= 0 else ""
+        ctx.say(f"ddpkit: resumed from memory at step {target} (every rank's snapshot of it){disk_note}")
+        self.last_step = target
+        return values
+
+    def at_boundary(self, step: Any, strategy: StateOwner, state: Mapping[str, Any]) -> None:
+        """At the loader's next batch: a snapshot when `step` is new and a multiple of `every`."""
+        if not isinstance(step, int) or isinstance(step, bool) or step == self.last_step:
+            return
+        if step % self.every == 0:
+            self.snaps.save(step, strategy, {**state, "step": step})
+            self.last_step = step
+
+    def close(self, *, drop: bool) -> None:
+        """At the session's end; `drop` (a clean end): the keeper frees this rank's memory now."""
+        if drop:
+            self.snaps.drop()
+        self.snaps.close()
