@@ -13,7 +13,10 @@ newest snapshot every rank holds from a keeper (a snapshot after every step), "d
 steps redone = the killed step - the step restored, and whether the final state (weights, optimizer,
 RNG, LR, step) is bitwise the uninterrupted run's. Medians [min..max]; the load average is printed.
 DDPKIT_WARM_START in the environment forks the ranks from a warm server (the restart then costs no
-torch import): say which.
+torch import): it says which. A run whose fault did not happen (the job failed first) is reported and
+left out of the medians. Run it from a copy of a commit when others edit the tree (`git archive HEAD |
+tar -x -C DIR`, then PYTHONPATH=DIR python DIR/benchmarks/memory_recovery.py ...): every restarted rank
+imports ddpkit anew.
 
 torchft: the side-by-side run of torchft's own recovery (its README's set-up: two replica groups,
 kill -9 of one) from the prototype in TORCHFT_BENCH (default /tmp/mem-proto: ft_recovery.py, and
@@ -83,6 +86,8 @@ def _one(kind: str, root: Path, nproc: int, strategy: str, kill_at: int, rank: i
     finally:
         if keeper is not None:
             keeper.stop()
+    if not (out / "killed.txt").exists() or not (out / "resumed.txt").exists():
+        return {"rc": rc, "failed": f"no fault or no restart (exit code {rc}): see {out / 'log'}", "out": out}
     killed = float((out / "killed.txt").read_text().split()[0])
     steps = [line.split() for line in (out / "steps.txt").read_text().splitlines()]
     back = min(float(t) for t, _, restart in steps if restart != "0")
@@ -101,6 +106,9 @@ def recovery(nproc: int, strategy: str, reps: int, seed: int | None) -> None:
         kill_at, rank = draw.randint(2, 12), draw.randrange(nproc)
         for kind in ("memory", "disk") if i % 2 == 0 else ("disk", "memory"):
             row = _one(kind, root, nproc, strategy, kill_at, rank)
+            if "failed" in row:
+                print(f"  {kind:6s} kill -9 rank {rank} in step {kill_at}: {row['failed']}", flush=True)
+                continue
             row["bitwise"] = row["rc"] == 0 and _bitwise(_final(row["out"], nproc), reference)
             rows[kind].append(row)
             print(
@@ -114,6 +122,9 @@ def recovery(nproc: int, strategy: str, reps: int, seed: int | None) -> None:
         f"load {os.getloadavg()[0]:.1f}"
     )
     for kind, done in rows.items():
+        if not done:
+            print(f"  {kind:6s}: every run failed")
+            continue
         print(
             f"  {kind:6s}: recovery {_spread([r['recover_s'] for r in done])} s, steps redone "
             f"{_spread([r['redone'] for r in done], 0)}, "
