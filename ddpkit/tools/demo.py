@@ -55,11 +55,12 @@ def require_demo_packages() -> None:
 
     missing = [pkg for module, pkg in DEMO_PACKAGES.items() if importlib.util.find_spec(module) is None]
     if missing:
+        verb = "are" if len(missing) > 1 else "is"
         raise problem(
-            f"the demo needs {' and '.join(missing)}, which is not installed: its data set is scikit-learn's "
-            "bundled digits and it draws its loss curve with matplotlib; ddpkit's training itself needs "
-            "neither, so a plain `pip install ddpkit` leaves them out",
-            'install them with `pip install "ddpkit[demo]"` (this repository\'s scripts/setup.sh does), '
+            f"the demo needs {' and '.join(missing)}, which {verb} not installed: its data set is "
+            "scikit-learn's bundled digits and it draws its loss curve with matplotlib; ddpkit's training "
+            "itself needs neither, so a plain `pip install ddpkit` leaves them out",
+            'Install them with `pip install "ddpkit[demo]"` (this repository\'s scripts/setup.sh does), '
             "then run `ddpkit demo` again",
         )
 

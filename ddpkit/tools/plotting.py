@@ -23,7 +23,7 @@ def pyplot() -> Any:
         raise problem(
             "drawing a figure needs matplotlib, which is not installed: ddpkit's training needs no plotting "
             "library, so a plain `pip install ddpkit` leaves it out",
-            'install it with `pip install "ddpkit[plots]"` (or leave out the option that asks for a picture, '
+            'Install it with `pip install "ddpkit[plots]"` (or leave out the option that asks for a picture, '
             "such as --plot)",
         ) from err
 
