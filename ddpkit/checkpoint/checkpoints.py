@@ -141,6 +141,8 @@ class Checkpoints:
                 )
             due = step % every == 0
         retention = keeping.of(keep, keep_every, keep_best, state)
+        if due:
+            self.agree("s.save")  # before any collective: a rank that is elsewhere is named, not met
         self._remember(path, retention, state)
         self._saved = True  # this call agrees: the loader's next batch need not
         ctx = self._ctx
@@ -249,6 +251,12 @@ class Checkpoints:
             state = {**state, "step": step + self._steps_since}
         raise self._preempted(self._write(path, keep, False, state), state.get("step"))
 
+    def agree(self, call: str) -> None:
+        """Every rank tags `call` in the store before its first collective (`Membership.agree`): a rank
+        that reached it alone is refused by name, with where the others stand, in seconds."""
+        if self._ctx.group is not None:
+            self._ctx.group.agree(call, patient=True, limit=self._ctx.save_timeout)
+
     def _preempted(self, final: Path, step: Any) -> Preempted:
         self._remembered = None  # saved once: a boundary reached while `Preempted` unwinds saves nothing
         ctx = self._ctx
@@ -319,6 +327,7 @@ class Checkpoints:
         fresh start. `strict` applies to module weights (missing or unexpected keys are errors). The
         objects and the values returned are what a preemption saves until the next `save` or `load`.
         """
+        self.agree("s.load")
         before, values = self.last, self._load(path, strict, state)
         self.found = (str(path), state) if self.last is not None and self.last != before else self.found
         self._remember(path, keeping.Retention(), {**state, **{n: values[n] for n in state if n in values}})

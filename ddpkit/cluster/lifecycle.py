@@ -7,14 +7,21 @@ Kept apart from `Session` so that the failure-handling policy lives in one place
   where every rank stands;
 - keys in the c10d store for ddpkit's own coordination (checkpoint saves, stall reports), polled
   with deadlines so that a slow rank-0 save never trips the collective timeout of the others;
-- an exit that cannot turn a finished run into a failure (`ddpkit.cluster.exit_guard`, armed by `leave`).
+- an exit that cannot turn a finished run into a failure (`ddpkit.cluster.exit_guard`, armed by `leave`);
+- a tag per call of the session's own collectives (`Membership.agree`: s.save, s.load, s.export, a
+  script's s.all_reduce), numbered the same on every rank, so ranks that part are named by their calls
+  (one at `s.save`, the other in `s.backward`) in seconds, before a collective of the wrong size aborts
+  or the collective limit runs out. The training step itself carries no tag (nothing added per step).
 
 All of it hangs off one `Membership` per session (`join` returns it); nothing here is module state.
 """
 
 from __future__ import annotations
 
+import json
+import linecache
 import os
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,7 +33,7 @@ import torch.distributed as dist
 from ddpkit.cluster import exit_guard, failures
 from ddpkit.cluster.exit_guard import finished_with_zero
 from ddpkit.cluster.topology import Placement
-from ddpkit.cluster.watchdog import Watchdog, exception_position
+from ddpkit.cluster.watchdog import _DDPKIT_DIR, _TORCH_DIR, Watchdog, exception_position
 from ddpkit.errors import DdpkitError, problem
 
 __all__ = ["Limits", "Membership", "finished_with_zero", "join", "on_failure", "wait_for_keys"]
@@ -78,6 +85,8 @@ class Membership:
         self.store, self.prefix, self.rank, self.limits = store, prefix, rank, limits
         self.owns, self.watchdog = owns, watchdog
         self._counts: dict[str, int] = {}
+        self._calls = 0  # the session's tagged calls so far (`agree`)
+        self.world_size = int(dist.get_world_size()) if dist.is_initialized() else 1
 
     def keys(self, what: str) -> str:
         """A fresh key prefix for one coordinated operation ("save", "load"): every rank calls it at
@@ -90,6 +99,97 @@ class Membership:
         process or its node died: in a multi-node or elastic job nothing else would notice for `timeout`)."""
         beats = {r: self.watchdog.heartbeat_key(r) for r in ranks} if self.watchdog is not None else {}
         return wait_for_keys(self.store, keys, timeout, what, heartbeats=beats)
+
+    def agree(self, call: str, *, patient: bool, limit: float | None = None) -> None:
+        """Tag this rank's next call of the session's collectives (`call`: "s.save") in the store and
+        wait until every rank has tagged the same number; refuse, naming both calls, when they differ.
+
+        A rank that never tags it (it went on, past an `if s.is_main:`, into the next step's backward) is
+        found by the watchdog's positions: in a collective at the same place twice, a second apart, it
+        cannot come (its collective waits for this rank). Then this rank refuses and leaves the verdict in
+        the store, which that rank's watchdog prints and its failure repeats. `patient` (a save, load or
+        export) waits for a rank that is only running until `limit` (the save limit); otherwise (a
+        script's s.all_reduce) such a rank lets the call go on into its collective after a second or
+        two, where the collective limit and its stall report apply as before."""
+        self._calls += 1
+        n, where = self._calls, _user_line()
+        base = f"{self.prefix}/call/{n}"
+        self.store.set(f"{base}/{self.rank}", json.dumps([call, where]))
+        waiting = {r: f"{base}/{r}" for r in range(self.world_size) if r != self.rank}
+        start, delay, seen = time.monotonic(), 0.0002, {}
+        end = start + (limit if limit is not None else self.limits.save)
+        last: dict[int, str] = {}  # a missing rank -> its position at the previous look
+        looked = start
+        while waiting:
+            for r, key in list(waiting.items()):
+                if self.store.check([key]):
+                    seen[r] = json.loads(self.store.get(key))
+                    del waiting[r]
+                    if seen[r][0] != call:
+                        self._refuse(call, where, n, f"rank {r} called {seen[r][0]} at {seen[r][1]}", [r])
+            if not waiting:
+                return
+            now = time.monotonic()
+            if now > end:
+                raise problem(
+                    f"gave up after {now - start:.0f} s waiting for {_ranks(waiting)} to reach {call} "
+                    f"(rank {self.rank} called it at {where})",
+                    f"Call {call} on every rank at the same point; if they were only slow, raise "
+                    "save_timeout= in ddpkit.session(...)",
+                )
+            if self.watchdog is not None and now - start > GRACE and now - looked >= 1.0:
+                looked = now
+                stuck, running = self._positions(call, where, waiting, last)
+                if stuck:
+                    self._refuse(call, where, n, "; ".join(stuck.values()), list(stuck))
+                if running and not patient:
+                    return  # only slow: the collective's own limit and its stall report take over
+            elif self.watchdog is None and not patient and now - start > GRACE:
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _positions(
+        self, call: str, where: str, waiting: dict[int, str], last: dict[int, str]
+    ) -> tuple[dict[int, str], bool]:
+        """Where each rank that has not tagged the call stands: those in a collective at the same place
+        as at the previous look (they cannot come), and whether any is still running."""
+        assert self.watchdog is not None
+        at = where.split(" in ")[0].rsplit("/", 1)[-1]
+        mine = {"state": f"in {call}", "collective": False, "where": where, "at": at}
+        answers = self.watchdog.gather_answers(mine, deadline=3 * self.watchdog.poll + 2)
+        stuck, running = {}, False
+        for r in waiting:
+            a = answers.get(r)
+            if a is None:
+                continue
+            spot = f"{a['state']} at {a['where']}"
+            if a.get("collective") and last.get(r) == spot:
+                stuck[r] = f"rank {r} is {spot}"
+            running = running or not a.get("collective")
+            last[r] = spot
+        return stuck, running
+
+    def _refuse(self, call: str, where: str, n: int, others: str, ranks: list[int]) -> None:
+        """One paragraph on this rank; the same left in the store for the ranks named (their watchdog
+        prints it, their failure repeats it), waited for briefly so it is seen before this rank ends."""
+        err = problem(
+            f"rank {self.rank} called {call} at {where}, but {others}: the ranks parted at the session's "
+            f"collective call {n} (s.save, s.load, s.export and s.all_reduce are called by every rank, "
+            "in the same order)",
+            f"Call {call} on every rank at the same point, outside `if s.is_main:` or `if rank == 0:` "
+            "(rank 0 writes the shared files itself; s.print prints once)",
+        )
+        if isinstance(self.watchdog, CallWatchdog):
+            self.watchdog.verdict = str(err)  # said here: this rank's own watchdog need not print it
+        if self.store.add(f"{self.prefix}/call/verdicts", 1) == 1:
+            self.store.set(f"{self.prefix}/call/verdict", str(err))
+            beats = [f"{self.prefix}/call/verdict/seen/{r}" for r in ranks]
+            if self.watchdog is not None:
+                end = time.monotonic() + 2 * self.watchdog.poll + 1
+                while time.monotonic() < end and not self.store.check(beats):
+                    time.sleep(0.05)
+        raise err
 
     def leave(self) -> None:
         """Stop the watchdog and, if this session created it, destroy the group; after a success,
@@ -121,7 +221,7 @@ def join(plan: Placement, limits: Limits) -> Membership | None:
     watchdog = None
     if owns:
         warn_after = max(limits.collective * 0.8, limits.collective - 60)
-        watchdog = Watchdog(store, prefix, plan.ranks.rank, plan.ranks.world_size, warn_after=warn_after)
+        watchdog = CallWatchdog(store, prefix, plan.ranks.rank, plan.ranks.world_size, warn_after=warn_after)
         watchdog.start()
     return Membership(store, prefix, plan.ranks.rank, limits, owns=owns, watchdog=watchdog)
 
@@ -159,6 +259,60 @@ def _attempt() -> str:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return "0"  # a store of this round's own
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+# Seconds a tagged call waits for the others' tags before it asks where they stand: a step's worth.
+GRACE = 1.0
+
+
+def _user_line() -> str:
+    """The script's line that made the call: the innermost frame outside ddpkit and torch (cheap: a
+    walk of frame objects, no source read but the one line)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith((_DDPKIT_DIR, _TORCH_DIR)):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "?"
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    return f"{os.path.basename(path)}:{line}: {linecache.getline(path, line).strip()}"
+
+
+def called_from_ddpkit(depth: int = 2) -> bool:
+    """True when the caller's caller is ddpkit's own code (fit's per-step agreement): not tagged."""
+    return sys._getframe(depth).f_code.co_filename.startswith(_DDPKIT_DIR)
+
+
+class CallWatchdog(Watchdog):
+    """The watchdog, also reading a verdict another rank left at a tagged call (`Membership.agree`):
+    printed once on this rank, which may wait in a collective that can no longer complete, and kept
+    for its failure (`on_failure`) to raise instead of the backend's error."""
+
+    verdict: str | None = None
+
+    def _answer_requests(self) -> None:
+        super()._answer_requests()
+        key = f"{self.prefix}/call/verdict"
+        if self.verdict is None and self.store.check([key]):
+            self.verdict = self.store.get(key).decode()
+            self.store.set(f"{key}/seen/{self.rank}", "1")
+            print(f"ddpkit: rank {self.rank}: {self.verdict}", file=sys.stderr, flush=True)
+
+    def gather_answers(self, mine: dict[str, Any], deadline: float) -> dict[int, dict[str, Any]]:
+        """Every rank's position (as `gather`, unformatted)."""
+        n = int(self.store.add(f"{self.prefix}/where/count", 1))
+        self.store.set(f"{self.prefix}/where/request", str(n))
+        self._publish(n, mine)
+        answers: dict[int, dict[str, Any]] = {}
+        end = time.monotonic() + deadline
+        while len(answers) < self.world_size and time.monotonic() < end:
+            for r in range(self.world_size):
+                key = f"{self.prefix}/where/{r}"
+                if r not in answers and self.store.check([key]):
+                    answer = json.loads(self.store.get(key).decode())
+                    if answer["n"] >= n:
+                        answers[r] = answer
+            time.sleep(0.05)
+        return answers
 
 
 # Seconds without a heartbeat from a rank that is waited for: it is gone. Generous, because a
@@ -213,6 +367,12 @@ def wait_for_keys(
 
 def on_failure(exc: BaseException, rank: int, group: Membership | None) -> None:
     """Record a failure for `ddpkit run`; when a collective failed, raise a report of every rank."""
+    verdict = getattr(group.watchdog, "verdict", None) if group is not None else None
+    if verdict is not None and not isinstance(exc, DdpkitError):  # a peer named the calls that parted
+        err = DdpkitError(f"rank {rank}: {verdict}")
+        failures.record_failure(err, rank, user_error=True)
+        failures.hush(err)
+        raise err from exc
     mistake = isinstance(exc, DdpkitError)  # the user's to fix: one paragraph, no traceback per rank
     failures.record_failure(exc, rank, user_error=mistake)
     if mistake:
@@ -235,6 +395,11 @@ def on_failure(exc: BaseException, rank: int, group: Membership | None) -> None:
     err._ddpkit_time = failures.raised_at(exc)  # type: ignore[attr-defined]
     failures.record_failure(err, rank, when=failures.raised_at(exc), stalled=report.headline)
     raise err from exc
+
+
+def _ranks(ranks: Any) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
 
 
 def _collective_failed(exc: BaseException) -> bool:

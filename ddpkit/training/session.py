@@ -251,6 +251,16 @@ class Session(RankContext):
         with self.strategy.join(model, joinables), self.stepper.joining():
             yield
 
+    def all_reduce(self, value: float | torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce a number or tensor over all ranks ("sum", "mean", "max", "min"); a new tensor.
+
+        Called from a script, it is tagged first (one store round trip, `lifecycle.Membership.agree`):
+        a rank that calls it alone (under `if s.is_main:`) is named with where the others are, instead
+        of meeting their gradient all-reduce. ddpkit's own per-step calls (fit's) are not tagged."""
+        if self._group is not None and not lifecycle.called_from_ddpkit():
+            self._group.agree("s.all_reduce", patient=False, limit=self.limits.collective)
+        return super().all_reduce(value, op)
+
     # -- checkpoints (ddpkit.checkpoint.checkpoints) -------------------------------------------------------
     def save(self, path: str, **state: Any) -> Any:
         """Save the training state atomically; see `ddpkit.checkpoint.checkpoints.Checkpoints.save`."""
@@ -272,6 +282,7 @@ class Session(RankContext):
         A PEFT model: its adapter directory, or with `merged=True` the adapters folded into the base. `path`
         may be an fsspec URL (`s3://bucket/run/hf`): written locally, then uploaded."""
         ckpt = self.checkpoints  # a URL (s3://...): written in a local cache, then uploaded by rank 0
+        ckpt.agree("s.export")  # every rank, before the export's first collective
         return ckpt.export_to(
             path, lambda local: hf.export(ckpt.export, local, model, main=self.is_main, merged=merged)
         )
