@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ddpkit
+from ddpkit.strategy import hf
 from ddpkit.strategy.tp_options import TPOptions
 
 VOCAB = 64
@@ -121,7 +122,7 @@ GPT_PLAN = {
     "blocks.*.mlp.up": "colwise",
     "blocks.*.mlp.down": "rowwise",
 }
-GPT_SP_PLAN = {**GPT_PLAN, "tok": "embedding_rowwise", "lm_head": "colwise_gather_output"}
+GPT_VOCAB_PLAN = {**GPT_PLAN, "tok": "embedding_rowwise", "lm_head": "colwise_gather_output"}
 MLP_PLAN = {"up": "colwise", "down": "rowwise"}
 
 
@@ -191,15 +192,21 @@ def train(
     max_norm: float | None = 0.5,
     model_kw: dict | None = None,
     rows: int = 8,
+    save: str | None = None,
+    variant: str = "",
 ) -> dict:
     """`steps` AdamW steps of the README loop; `options` None: one process (this rank alone, no group).
     The global batch of `rows` is split by the data-parallel rank (the tensor ranks of a group read the
-    same rows). Returns the weights after each step, the norms, the layout and the printed lines."""
+    same rows). Returns the weights after each step, the norms, the layout and the printed lines. `save`:
+    a checkpoint root the model and AdamW are saved to at the end. `variant` (one process): a noise-floor
+    run, "permuted" (the rows of each batch) or "features" (every Linear's input features summed in 3
+    pieces: the order TP changes)."""
     printed = io.StringIO()
     session: dict[str, Any] = dict(seed=0, accumulation=accumulation)
     if options is not None:
         session["strategy"] = options
-    with contextlib.redirect_stdout(printed), ddpkit.session(**session) as s:
+    mode = FeatureSplit() if variant == "features" else contextlib.nullcontext()
+    with contextlib.redirect_stdout(printed), ddpkit.session(**session) as s, mode:
         model = s.model(lambda: make(kind, **(model_kw or {})), strategy=options)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         layout = s.layout
@@ -208,12 +215,23 @@ def train(
         for x in batches(kind, steps * accumulation, rows):
             per = rows // dp
             mine = x[dp_rank * per : (dp_rank + 1) * per]
+            if variant == "permuted":
+                mine = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(3))]
             s.backward(loss_of(kind, model, mine))
             info = s.step(opt, max_norm=max_norm)
             if info.grad_norm is not None and info.stepped:
                 norms.append(float(info.grad_norm))
             states.append(weights(model))
+        if save is not None:
+            s.save(save, model=model, optimizer=opt, step=steps)
         described = s.strategy.describe()
+        inner = ddpkit.unwrap(model)
+        placements = {
+            n: [type(p).__name__ for p in t.placements]
+            for n, t in inner.named_parameters()
+            if hasattr(t, "placements")
+        }
+        tied = len(hf.tied_owners(inner))
         draws = [m.full_draws for m in getattr(s.strategy, "draws", [])]
     return {
         "states": states[::accumulation],
@@ -221,8 +239,62 @@ def train(
         "printed": printed.getvalue(),
         "describe": described,
         "draws": draws,
+        "placements": placements,
+        "tied": tied,
         "layout": None if layout is None else layout.as_dict(),
     }
+
+
+def resumed(kind: str, strategy: object, root: str, *, rows: int = 8) -> dict:
+    """Load `root` (model and AdamW) under `strategy` (None: one process), then one more step on the
+    next batch: the weights loaded and after that step, whole."""
+    session: dict[str, Any] = dict(seed=0, verbose=False)
+    if strategy is not None:
+        session["strategy"] = strategy
+    with ddpkit.session(**session) as s:
+        model = s.model(lambda: make(kind), strategy=strategy)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        step = int(s.load(root, model=model, optimizer=opt, step=0)["step"])
+        loaded = weights(model)
+        layout = s.layout
+        dp, dp_rank = (layout.data, dp_rank_of(layout, s.rank)) if layout is not None else (1, 0)
+        x = batches(kind, step + 1, rows)[step]
+        per = rows // dp
+        s.backward(loss_of(kind, model, x[dp_rank * per : (dp_rank + 1) * per]))
+        s.step(opt, max_norm=0.5)
+        return {"loaded": loaded, "after": weights(model), "describe": s.strategy.describe()}
+
+
+class FeatureSplit(torch.overrides.TorchFunctionMode):
+    """A noise-floor variant for tensor parallelism: every F.linear's reduction over its input features
+    summed in 3 pieces, an order TP(2) does not use (the rows-permuted floor never reorders those sums)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w = args[0], args[1]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            parts = [F.linear(xc, wc) for xc, wc in zip(x.chunk(3, -1), w.chunk(3, -1), strict=True)]
+            y = parts[0] + parts[1] + parts[2]
+            return y + b if b is not None else y
+        return func(*args, **kwargs)
+
+
+def excess(reference: list[dict], got: list[dict], variants: list[list[dict]]) -> tuple[float, str]:
+    """The largest share of verify's tolerance (`ddpkit.verify.calibrate`: 10 x the floor the variants
+    measured) any tensor at any step uses (<= 1 passes), and where."""
+    from ddpkit.verify.calibrate import deviation, floors, limit
+    from ddpkit.verify.spec import Tolerance
+
+    tol, worst, where = Tolerance(), 0.0, ""
+    floor = floors(reference, variants)
+    for step, (ref, mine) in enumerate(zip(reference, got, strict=True)):
+        for name, a in ref.items():
+            update = deviation(reference[step - 1][name], a) if step else None
+            used = limit(tol, a, floor[step][name], update).excess(deviation(a, mine[name]))
+            if used > worst:
+                worst, where = used, f"{name} at step {step}"
+    return worst, where
 
 
 def dp_rank_of(layout: Any, rank: int) -> int:

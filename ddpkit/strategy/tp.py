@@ -147,6 +147,7 @@ class TP(FSDP):
             reshard_after_forward=fsdp.reshard_after_forward,
         )
         fsdp_init.fill(module, shards, device)
+        tp_plan.guard_shapes(module, plan)  # a wrong plan's shape error names the layer
         columns, rows = tp_plan.column_layers(module, plan)
         self.draws.append(tp_random.install(module, columns, rows, opts.random))
         layout = self.layout

@@ -352,3 +352,40 @@ def _kind(style: Any) -> str:
 
 def _dim_text(dim: int | None) -> str:
     return "whole" if dim is None else f"split on dim {dim}"
+
+
+def guard_shapes(model: nn.Module, plan: Plan) -> None:
+    """A shape error inside a linear or embedding layer of a TP model re-raised as one paragraph naming
+    the layer and how the plan splits it: torch's own message names neither (a row-wise layer given
+    column-wise fails inside its matmul with "a and b must have same reduction dim")."""
+    found = matches(model, plan)
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            style = plan.get(found[name]) if name in found else None
+            module.forward = _guarded(module.forward, name, style)  # type: ignore[method-assign]
+
+
+def _guarded(forward: Callable[..., Any], name: str, style: Any) -> Callable[..., Any]:
+    how = "left whole" if style is None else f"split {type(style).__name__}"
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        except RuntimeError as err:
+            if not _shape_error(err):
+                raise
+            raise problem(
+                f"the forward of {name!r} ({how} by the tensor-parallel plan) failed: {str(err).strip()}. "
+                "Its input is not what its style expects: a layer between a column-wise and a row-wise one "
+                "is split the wrong way, or missing from the plan (each column-wise layer's output must "
+                "reach a row-wise layer)",
+                "Compare the plan with the model's forward: q/k/v and gate/up column-wise, the projection "
+                "after them (o, down) row-wise",
+            ) from err
+
+    return run
+
+
+def _shape_error(err: RuntimeError) -> bool:
+    text = str(err)
+    return any(k in text for k in ("shape", "size", "reduction dim", "mat1 and mat2", "must match"))
