@@ -217,11 +217,13 @@ def train(
             mine = x[dp_rank * per : (dp_rank + 1) * per]
             if variant == "permuted":
                 mine = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(3))]
-            s.backward(loss_of(kind, model, mine))
+            with s.accumulate(model):
+                s.backward(loss_of(kind, model, mine))
             info = s.step(opt, max_norm=max_norm)
-            if info.grad_norm is not None and info.stepped:
-                norms.append(float(info.grad_norm))
-            states.append(weights(model))
+            if info.stepped:
+                states.append(weights(model))
+                if info.grad_norm is not None:
+                    norms.append(float(info.grad_norm))
         if save is not None:
             s.save(save, model=model, optimizer=opt, step=steps)
         described = s.strategy.describe()
@@ -234,7 +236,7 @@ def train(
         tied = len(hf.tied_owners(inner))
         draws = [m.full_draws for m in getattr(s.strategy, "draws", [])]
     return {
-        "states": states[::accumulation],
+        "states": states,
         "norms": norms,
         "printed": printed.getvalue(),
         "describe": described,
