@@ -148,7 +148,7 @@ def check(snippet: Snippet) -> list[str]:
 SOURCES = sorted(
     [
         ROOT / "README.md",
-        *(ROOT / "docs").glob("*.md"),
+        *(ROOT / "docs").rglob("*.md"),  # the site's pages, guides included
         *(ROOT / "examples").glob("*.py"),
         *(ROOT / "examples").glob("notebooks/*.ipynb"),
     ]
@@ -166,8 +166,9 @@ def test_no_finding_on_what_the_docs_recommend(path: Path) -> None:
 
 
 def test_the_snippets_are_really_read() -> None:
-    """Guards the extraction itself: the README's blocks and spans, and the marks, are all seen."""
-    readme = markdown_snippets(ROOT / "README.md")
+    """Guards the extraction itself: the README's blocks and spans (with the feature tour it links to),
+    and the marks, are all seen."""
+    readme = markdown_snippets(ROOT / "README.md") + markdown_snippets(ROOT / "docs" / "features.md")
     assert sum("\n" in s.code for s in readme) >= 5  # fenced blocks
     assert sum("\n" not in s.code for s in readme) >= 30  # inline examples
     assert any("s.model(" in s.code for s in readme)
