@@ -51,25 +51,24 @@ def _restarted() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
 
 
-def kill_mid_copy(snaps: MemorySnapshots, step: int, out: str | None) -> None:
+def kill_mid_copy(step: int, out: str | None) -> None:
     """The fault inside a snapshot: this process SIGKILLs itself in the middle of copying `step`'s (its
-    model shards written, its optimizer state not: MID tensors in)."""
-    write, count = snaps.write_tensor, [0]
-    current = {"step": -1}
-    save = snaps.save
+    model shards written, its optimizer state not: MID tensors in). A seam of this script: it wraps the
+    class's save and tensor copy, whoever takes the snapshot (this script, or `s.load(..., memory=)`)."""
+    write, save, count, current = MemorySnapshots.write_tensor, MemorySnapshots.save, [0], [-1]
 
-    def saving(at: int, *args: Any) -> None:
-        current["step"], count[0] = at, 0
-        save(at, *args)
+    def saving(self: MemorySnapshots, at: int, *args: Any) -> None:
+        current[0], count[0] = at, 0
+        save(self, at, *args)
 
-    def writing(slot: Slot, offset: int, t: torch.Tensor) -> None:
+    def writing(self: MemorySnapshots, slot: Slot, offset: int, t: torch.Tensor) -> None:
         count[0] += 1
-        if current["step"] == step and count[0] == MID:
+        if current[0] == step and count[0] == MID:
             Path(out or ".", "killed.txt").write_text(f"{time.time()} {step} mid-snapshot")
             os.kill(os.getpid(), signal.SIGKILL)
-        write(slot, offset, t)
+        write(self, slot, offset, t)
 
-    snaps.save, snaps.write_tensor = saving, writing  # type: ignore[method-assign]
+    MemorySnapshots.save, MemorySnapshots.write_tensor = saving, writing  # type: ignore[method-assign]
 
 
 def train(
@@ -83,11 +82,13 @@ def train(
     disk_every: int = 0,
     peers: tuple[str, ...] = (),
     step_sleep: float = 0.0,
+    memory: int = 0,
 ) -> dict[str, Any]:
     """Train 12 steps; with `keeper`, restore the newest snapshot all ranks hold first; with `ckpt`
     (today's disk path, for the benchmark), `s.load` it first and `s.save` every `disk_every` steps.
     `peers`: other hosts' keepers (TCP), asked when this host's keeper lacks this rank's snapshots (a
-    replacement host); `step_sleep`: seconds added to every step (a fault from outside lands mid-run).
+    replacement host); `step_sleep`: seconds added to every step (a fault from outside lands mid-run);
+    `memory`: the product's way instead, `s.load(ckpt, ..., memory=N)` under `ddpkit run` (its keeper).
     Returns this rank's final state (full weights, its optimizer state, RNG, step, LR)."""
     torch.set_num_threads(1)
     with ddpkit.session(seed=0, verbose=out is not None) as s:
@@ -103,9 +104,11 @@ def train(
             target = snaps.agree(distributed=s.world_size > 1, device=s.device)
             if target is not None:
                 values = snaps.restore(target, owner, {**state, **values})
-            if kill_mid is not None and s.rank == kill_rank and not _restarted():
-                kill_mid_copy(snaps, kill_mid, out)
-        if ckpt:
+        if kill_mid is not None and s.rank == kill_rank and not _restarted():
+            kill_mid_copy(kill_mid, out)
+        if memory:
+            values = s.load(ckpt or str(Path(out or ".", "ckpt")), **state, **values, memory=memory)
+        elif ckpt:
             values = s.load(ckpt, **state, **values)
         if out and (values["step"] or _restarted()) and s.rank == 0:  # a restart, or a new host restored
             Path(out, "resumed.txt").write_text(f"{time.time()} {values['step']}")
@@ -163,7 +166,8 @@ if __name__ == "__main__":
     p.add_argument("--disk-every", type=int, default=0)
     p.add_argument("--peers", default="")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--memory", type=int, default=0)
     a = p.parse_args()
     peers = tuple(filter(None, a.peers.split(",")))
     fault = (a.kill_at, a.kill_rank, a.kill_mid_snapshot)
-    train(a.keeper, a.out, a.strategy, *fault, a.ckpt, a.disk_every, peers, a.step_sleep)
+    train(a.keeper, a.out, a.strategy, *fault, a.ckpt, a.disk_every, peers, a.step_sleep, a.memory)
