@@ -5,8 +5,9 @@
 
 What it decides before the `Session` exists: the placement (`ddpkit.cluster.topology.resolve`: the
 launcher, the device, the backend, GPUs shared or not), the limits every wait is bounded by
-(`ddpkit.cluster.lifecycle.Limits`), and the accumulation an elastic relaunch on fewer ranks needs to keep
-the global batch (`ddpkit.data.elastic_accumulation`, said at the start). It then starts the session and,
+(`ddpkit.cluster.lifecycle.Limits`), and the accumulation per rank (a `Global` count divided by the
+world size; the one an elastic relaunch on fewer ranks needs to keep the global batch:
+`ddpkit.data.batching`, said at the start). It then starts the session and,
 whatever happens inside the block, closes it; a failure is reported for `ddpkit run` first
 (`ddpkit.cluster.lifecycle.on_failure`: who failed first, a stalled collective explained).
 """
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from ddpkit.cluster import lifecycle, topology
 from ddpkit.cluster.environments import Detector
 from ddpkit.cluster.lifecycle import Limits
-from ddpkit.data import elastic_accumulation
+from ddpkit.data.batching import Global, resolve_accumulation
 from ddpkit.observe.tracking import LogTo
 from ddpkit.parallel.precision import PrecisionPlan
 from ddpkit.step import spikes
@@ -35,7 +36,7 @@ def session(
     seed: int = 0,
     device: str = "auto",
     backend: str = "auto",
-    accumulation: int = 1,
+    accumulation: int | Global = 1,
     precision: str | PrecisionPlan = "32",
     timeout: float = 1800.0,
     rendezvous_timeout: float = 600.0,
@@ -60,8 +61,10 @@ def session(
     choice; `timeout` bounds every collective, `rendezvous_timeout` the start-up meeting of the ranks
     and `save_timeout` a checkpoint save (seconds; see `ddpkit.cluster.lifecycle.Limits`). `precision` is
     "32", "bf16" or "16" (see `ddpkit.parallel.precision`); `accumulation` is the number of micro-batches per
-    optimizer step. `shard_optimizer` lets each rank update only its share of the parameters in
-    `s.step` ("auto": torch's per-parameter optimizers on CPU ranks of one machine; see
+    optimizer step on each rank, or `Global(n)`: n over all ranks, divided by the world size once it is known
+    (`Global(batch=B, micro_batch=m)`: B / m of them, and `s.loader(data)` takes B as its global batch;
+    `ddpkit.data.batching.Global`). `shard_optimizer` lets each rank update only its share of the
+    parameters in `s.step` ("auto": torch's per-parameter optimizers on CPU ranks of one machine; see
     `ddpkit.step.sharding`; not under FSDP, which shards the optimizer state itself); "gradients" also
     reduce-scatters the gradients into each share (ZeRO-2, `ddpkit.step.shard_exchange`). `strategy` is what
     `s.model` does with the model: "auto" (DDP with more than one process), "ddp" or "fsdp" (FSDP2,
@@ -89,7 +92,10 @@ def session(
         share_gpu=share_gpu,
         launcher=launcher,
     )
-    accumulation, note = elastic_accumulation(accumulation, plan.ranks.world_size, env)  # ddpkit run --nnodes
+    given = accumulation
+    accumulation, note = resolve_accumulation(
+        given, plan.ranks.world_size, env
+    )  # Global; ddpkit run --nnodes
     plan = dataclasses.replace(plan, notes=(*plan.notes, note)) if note else plan
     s = Session(
         plan,
@@ -107,6 +113,7 @@ def session(
         chunk=chunk,
         micro_batch=micro_batch,
         spike_guard=spike_guard,
+        global_batch=given.batch if isinstance(given, Global) else None,
     )
     try:
         yield s.start()

@@ -78,6 +78,7 @@ class Session(RankContext):
         chunk: int | None = None,  # any-world: ddpkit.step.invariant
         micro_batch: str | None = None,  # "auto": a step out of memory is re-run split (ddpkit.step.oom)
         spike_guard: spikes.SpikeGuard | None = None,  # a spiking step skipped on every rank (step.spikes)
+        global_batch: int | None = None,  # accumulation=Global(batch=...): the loaders' default batch
     ) -> None:
         if shard_optimizer not in (True, False, "auto", "gradients"):
             raise problem(
@@ -88,6 +89,7 @@ class Session(RankContext):
             raise problem(f"accumulation={accumulation} is below 1", "Pass 1 (no accumulation) or more")
         super().__init__(plan, verbose=verbose)
         self.seed, self.accumulation = seed, accumulation
+        self.global_batch = global_batch
         self.limits = limits or Limits()  # built once (ddpkit.session), passed down explicitly
         self._group: lifecycle.Membership | None = None  # this session's place in the process group
         self._checkpoints: Checkpoints | None = None  # made at the first save/load/export
@@ -143,6 +145,25 @@ class Session(RankContext):
         )
         self._choosing = Choosing(strategy, self.shape, self.precision)  # the strategy, built once
         self._stepper: Stepper | None = None  # made once, on the built strategy (`stepper`)
+
+    def _global_batch(self, batch_size: int | None, per_rank: int | None, evaluation: bool) -> int | None:
+        """The loader's global batch: the one given, or `Global(batch=...)`'s; a different one refused."""
+        if self.global_batch is None or evaluation or per_rank is not None:
+            return batch_size
+        if batch_size is not None and batch_size != self.global_batch:
+            raise problem(
+                f"s.loader(batch_size={batch_size}) differs from the session's global batch "
+                f"{self.global_batch} (accumulation=Global(batch=...))",
+                f"Leave batch_size out (the loader takes {self.global_batch}), or pass the same",
+            )
+        return self.global_batch
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0: the rank whose `s.print` prints and whose tracker logs. Not a guard for
+        `s.save`, `s.load` or `s.export`: every rank calls those (rank 0 writes the shared files itself,
+        every rank its own part), and one called under `if s.is_main:` is refused by name."""
+        return self.rank == 0
 
     @property
     def rank_seed(self) -> int:
@@ -411,6 +432,7 @@ class Session(RankContext):
         Iterable sources, Hugging Face data sets, the tail rule: see `ddpkit.data`.
         """
         accumulation = 1 if evaluation else self.accumulation
+        batch_size = self._global_batch(batch_size, per_rank_batch_size, evaluation)
         if self.invariant is not None and not evaluation:  # any-world: the global order, contiguous shares
             shuffle, drop_last = self.invariant.loader_options(
                 dataset, batch_size, shuffle, dataloader_kwargs
