@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     look.add_argument(
         "--all", action="store_true", help="list every tensor (default: the first 12 per model)"
     )
+    look.add_argument(
+        "--values",
+        action="store_true",
+        help="show each saved value whole, one a line (default: cut to one line)",
+    )
     conv = sub.add_parser("convert", help="to safetensors, a Hugging Face folder or torch.save; and back")
     conv.add_argument("source", help="a ddpkit checkpoint; or a safetensors file / save_pretrained folder")
     conv.add_argument("out", help="the file or folder to write (or, converting back, a checkpoint root)")
@@ -55,7 +60,7 @@ def main(argv: list[str]) -> int:
     ns = build_parser().parse_args(argv)
     try:
         if ns.action == "inspect":
-            text, ok = inspect.report(ns.path, all_tensors=ns.all)
+            text, ok = inspect.report(ns.path, all_tensors=ns.all, whole_values=ns.values)
             print(text)
             return 0 if ok else 1
         return _convert(ns)

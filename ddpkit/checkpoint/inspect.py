@@ -27,8 +27,9 @@ from ddpkit.parallel.layout import Layout
 SHOWN = 12  # tensors listed per model without --all
 
 
-def report(path: str | Path, *, all_tensors: bool = False) -> tuple[str, bool]:
-    """The text `inspect` prints, and whether every checksum holds."""
+def report(path: str | Path, *, all_tensors: bool = False, whole_values: bool = False) -> tuple[str, bool]:
+    """The text `inspect` prints, and whether every checksum holds; `whole_values`: each value on a line of
+    its own, whole (its JSON), instead of cut to one line."""
     chosen, older = reading.resolve(path)
     manifest, problems, size = reading.check_files(chosen)
     where = f" (newest of {len(older) + 1} in {chosen.parent})" if Path(path) != chosen else ""
@@ -57,7 +58,7 @@ def report(path: str | Path, *, all_tensors: bool = False) -> tuple[str, bool]:
             lines.append(f"  {name} (sharded optimizer: dcp/): {_moments(infos)}")
         else:
             lines += _tensors(f"{name} (sharded: dcp/)", infos, all_tensors)
-    lines += _shared(found, objects)
+    lines += _shared(found, objects, whole_values)
     lines += _per_rank(found, objects, int(manifest.get("world_size", 1)))
     return "\n".join(lines), not problems
 
@@ -102,7 +103,7 @@ def _moments(infos: list[TensorInfo]) -> str:
     return f"{len(infos)} tensors ({', '.join(kinds) or 'no state yet'}), {files.human_size(total)}"
 
 
-def _shared(found: files.Found, objects: Mapping[str, Any]) -> list[str]:
+def _shared(found: files.Found, objects: Mapping[str, Any], whole: bool = False) -> list[str]:
     """Optimizers, schedulers and other shared objects (state.json), and the plain values."""
     if "state.json" not in found.manifest.get("files", {}):
         return []
@@ -117,7 +118,10 @@ def _shared(found: files.Found, objects: Mapping[str, Any]) -> list[str]:
         size = f", {len(own)} tensors, {files.human_size(sum(i.nbytes for i in own))}" if own else ""
         lines.append(f"  {name} (one copy, rank 0's): {_summary(value)}{size}")
     values = tree.get("values", {})
-    if values:
+    if values and whole:
+        lines.append("  values:")
+        lines += [f"    {k} = {json.dumps(v, sort_keys=True)}" for k, v in values.items()]
+    elif values:
         shown = ", ".join(f"{k}={_short(v)}" for k, v in values.items())
         lines.append(f"  values: {shown}")
     return lines

@@ -1,5 +1,6 @@
 """A checkpoint read offline, one tensor at a time: no process group, no torch.distributed set up.
 
+    ckpt = reading.read("runs/ckpt")                   # values, weights, objects, every rank's part: whole
     found = reading.open_checked("runs/ckpt")          # the newest checkpoint; refused if a checksum fails
     for key, tensor in reading.weights(found, "model"):  # whole-model file or FSDP's DCP shards alike
         ...                                              # only this one tensor is in memory
@@ -226,3 +227,56 @@ def weights(found: Found, name: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from read_safetensors(found.file(f"{name}.safetensors"))
     else:
         yield from read_dcp(found.path, name, weight_infos(found, name))
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What one checkpoint holds, read offline (`read`): no session, no process group.
+
+    `values`: the plain values given to `s.save` (step, the model's shape arguments, a tracker's run id),
+    whole, with those kept per rank (they differed between the ranks) as `rank`'s own; `weights`: each
+    model's full tensors by its keyword in `s.save`; `objects`: each shared object's `state_dict()`
+    (an optimizer, a scheduler); `ranks`: every rank's own part (its RNG states under "rng", its per-rank
+    objects under "objects", its own values under "values")."""
+
+    path: Path
+    world_size: int
+    values: dict[str, Any]
+    weights: dict[str, dict[str, torch.Tensor]]
+    objects: dict[str, Any]
+    ranks: list[dict[str, Any]]
+
+
+def read(path: str | Path, *, rank: int = 0) -> Contents:
+    """The checkpoint at `path` (the newest valid one under a root), every checksum verified, read whole:
+
+        ckpt = ddpkit.checkpoint.reading.read("runs/ckpt")
+        model = GPT(**ckpt.values["model_args"])          # the values a save was given, whole
+        model.load_state_dict(ckpt.weights["model"])      # whole-model file or FSDP's shards alike
+
+    `rank`: whose own values stand in `values` where they differed between the ranks (rank 0's
+    otherwise are in the shared part too). Everything is read into memory: `weights` streams one model's
+    tensors one at a time instead."""
+    found = open_checked(path)
+    manifest = found.manifest
+    listed = manifest.get("files", {})
+    shared = found.read_json("state.json") if "state.json" in listed else {}
+    tensors = found.read_tensors("state.safetensors") if "state.safetensors" in listed else {}
+    world = int(manifest.get("world_size", 1))
+    ranks = []
+    for r in range(world):
+        name = f"rank-{r:05d}"  # ddpkit.checkpoint.state.rank_files
+        tree = found.read_json(f"{name}.json") if f"{name}.json" in listed else {}
+        own = found.read_tensors(f"{name}.safetensors") if f"{name}.safetensors" in listed else {}
+        ranks.append(files.decode(tree, own))
+    values = files.decode(shared.get("values", {}), tensors)
+    if 0 <= rank < len(ranks):
+        values.update(ranks[rank].get("values") or {})
+    return Contents(
+        path=found.path,
+        world_size=world,
+        values=values,
+        weights={name: dict(weights(found, name)) for name in model_names(found)},
+        objects=files.decode(shared.get("objects", {}), tensors),
+        ranks=ranks,
+    )
