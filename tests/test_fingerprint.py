@@ -81,3 +81,34 @@ def test_off_and_fsdp_alone_compare_nothing() -> None:
     prints = ReplicaFingerprints(1)
     prints.check(3, nn.Linear(2, 2))  # one process: one replica, nothing to compare
     assert prints.checks == 0 and prints.last_agreed == 3
+
+
+def _sharded(strategy: str, flip: bool) -> dict:
+    """FSDP (one replica) or HSDP as 2 replicas x 1 shard: what the fingerprints compare, and a flip."""
+    from ddpkit.step.fingerprint import replicas_of
+    from ddpkit.strategy.hsdp_options import HSDPOptions
+
+    with ddpkit.session(seed=0, verbose=False) as s:
+        chosen = HSDPOptions(replicate=2, shard=1) if strategy == "hsdp" else strategy
+        model = s.model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)), strategy=chosen)
+        replicas = replicas_of(model)
+        prints = ReplicaFingerprints(1)
+        if flip and s.rank == 1:
+            local = ddpkit.unwrap(model)[0].weight.to_local()
+            local.view(-1).view(torch.int32)[0] ^= 1
+        try:
+            prints.check(1, model)
+            message = ""
+        except ReplicaDrift as drift:
+            message = str(drift)
+        return {"count": replicas.count, "why": replicas.why, "checks": prints.checks, "message": message}
+
+
+def test_fsdp_alone_has_one_replica_and_hsdp_compares_its_replicate_dimension(pool2) -> None:
+    fsdp = pool2.run(_sharded, "fsdp", True, timeout=120)
+    assert [r["count"] for r in fsdp] == [1, 1] and "FSDP holds one replica" in fsdp[0]["why"]
+    assert [r["checks"] for r in fsdp] == [0, 0] and fsdp[0]["message"] == ""
+    hsdp = pool2.run(_sharded, "hsdp", True, timeout=120)
+    assert [r["count"] for r in hsdp] == [2, 2] and "HSDP: 2 replicas" in hsdp[0]["why"], hsdp
+    assert "first tensor that differs is 0.weight" in hsdp[0]["message"], hsdp
+    assert hsdp[0]["message"] == hsdp[1]["message"]

@@ -186,3 +186,9 @@ def test_a_custom_backward_1_percent_off_is_located_in_the_backward(pool2) -> No
     assert found.op == "aten.mul.Tensor", text
     assert "test_verify_locate.py" in found.op_source, text
     assert found.difference is not None and found.difference.rel_norm == pytest.approx(0.01, rel=0.2), text
+
+
+def test_no_finding_under_fsdp_whose_weights_are_compared_whole(pool2) -> None:
+    found = run(pool2, steps=2, strategy="fsdp")
+    assert not found.found, found.render()
+    assert "fsdp on 2 ranks" in found.config
