@@ -194,13 +194,15 @@ def train(
     rows: int = 8,
     save: str | None = None,
     variant: str = "",
+    reseed: int | None = None,
 ) -> dict:
     """`steps` AdamW steps of the README loop; `options` None: one process (this rank alone, no group).
     The global batch of `rows` is split by the data-parallel rank (the tensor ranks of a group read the
     same rows). Returns the weights after each step, the norms, the layout and the printed lines. `save`:
     a checkpoint root the model and AdamW are saved to at the end. `variant` (one process): a noise-floor
     run, "permuted" (the rows of each batch) or "features" (every Linear's input features summed in 3
-    pieces: the order TP changes)."""
+    pieces: the order TP changes). `reseed`: every rank's generator seeded alike after s.model (the
+    random draws of one tensor group from one stream, whatever the session's per-rank seeds)."""
     printed = io.StringIO()
     session: dict[str, Any] = dict(seed=0, accumulation=accumulation)
     if options is not None:
@@ -209,6 +211,8 @@ def train(
     with contextlib.redirect_stdout(printed), ddpkit.session(**session) as s, mode:
         model = s.model(lambda: make(kind, **(model_kw or {})), strategy=options)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        if reseed is not None:
+            torch.manual_seed(reseed)
         layout = s.layout
         dp, dp_rank = (layout.data, dp_rank_of(layout, s.rank)) if layout is not None else (1, 0)
         states, norms = [weights(model)], []
