@@ -6,6 +6,8 @@
     spawn         `ddpkit.spawn`: N local rank processes from a function (notebooks, tests, tools)
     warmstart     a server that imported torch once forks the processes of short runs (a warm start)
     warm_client   its client: `python SCRIPT ...` forked from the server (standard library only)
+    rank_output   every rank's stdout and stderr line-buffered: lines of ranks sharing a stream never tear
+    keeper        the per-host process that holds the ranks' memory snapshots (they outlive a rank)
     failures      which rank failed first, and why (the error file torchrun's agent reads)
     run_report    what `ddpkit run` says when workers fail: at every restart, and when the job ends
     lifecycle     `Membership`: the only calls to init/destroy_process_group (group, store, watchdog)

@@ -9,6 +9,7 @@
     monitor    the pieces above, as `fit` drives them
     memory_breakdown  where a step's peak memory went (`Breakdown`: parameters, gradients, ..., activations)
     step_memory       torch's memory tracker on one step (real or fake tensors), folded into a `Breakdown`
+    profiling         session(profile=...): torch.profiler on chosen ranks and steps, a trace file per rank
 
 Owns: numbers leaving the run. May import errors and `parallel.collectives`; never the facade.
 """
