@@ -391,6 +391,15 @@ _SAME_BY_CONSTRUCTION = "a resumed run repeats the uninterrupted run's own opera
 # is marked `numerics` as a whole. tests/test_ci_selection.py checks that every other test showing a float
 # comparison is marked `numerics`, and that every entry names a test.
 NOT_KERNEL_DEPENDENT = {
+    "test_options_cli.py::test_checkpoint_convert_to_model_and_back_with_name_and_step": (
+        "a conversion round trip: the converted tensors are the saved bytes"
+    ),
+    "test_options_cli_plan.py": "the planner's arithmetic on a given profile and on parameter counts",
+    "test_options_cli_verify.py": "the flags' effect on the spec verify runs (the comparison is not run)",
+    "test_shapes_hsdp.py::test_real_ranks_as_one_shard_group_and_as_four_replicas": (
+        "replicas of one step hold the same bits by construction (one all-reduce's result on every rank)"
+    ),
+    "test_shapes_plan.py": "the memory plan's and the step plan's byte arithmetic",
     "test_anatomy.py": "timings and their arithmetic; no trained values compared",
     "test_bench.py": "benchmark arithmetic (floors, spreads) on measured or given numbers",
     "test_checkpoint.py": "save/load round trips: the same bytes come back",
