@@ -76,3 +76,32 @@ def test_a_kill_in_the_middle_of_a_snapshot_restores_the_step_before_on_every_ra
     restored = _recover(pool4, tmp_path / "out", "--kill-mid-snapshot", "7", "--kill-rank", "3")
     assert "mid-snapshot" in (tmp_path / "out" / "killed.txt").read_text()
     assert restored == 6, f"restored step {restored}: rank 3's torn snapshot 7 was taken, or an older one"
+
+
+@pytest.mark.timeout(300)
+def test_s_load_with_memory_under_ddpkit_run_recovers_a_killed_rank_from_the_keeper(
+    pool4, tmp_path: Path
+) -> None:
+    # The product's way: `ddpkit run` starts the keeper, `s.load(root, ..., memory=1)` restores from it
+    # and snapshots at the loader's next batch (after the scheduler's step: it must not be one behind).
+    out = tmp_path / "out"
+    out.mkdir()
+    done = run_cli(
+        "run",
+        "--nproc",
+        "4",
+        "--max-restarts",
+        "1",
+        TRAIN,
+        str(out),
+        "--memory",
+        "1",
+        "--kill-at",
+        "8",
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ddpkit: resumed from memory at step 7" in done.stdout, done.stdout[-3000:]
+    for rank, want in enumerate(_fsdp_reference(pool4)):
+        got = torch.load(out / f"rank{rank}.pt", weights_only=True)
+        assert same(got, want) == [], f"rank {rank} differs from the uninterrupted run at {same(got, want)}"

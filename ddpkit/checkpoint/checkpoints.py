@@ -44,6 +44,7 @@ from ddpkit.checkpoint import files, resuming
 from ddpkit.checkpoint import retention as keeping
 from ddpkit.checkpoint.background import NICE, Background, writer_group
 from ddpkit.checkpoint.files import CheckpointError, Tensors
+from ddpkit.checkpoint.memory import MemoryRecovery
 from ddpkit.checkpoint.remote import Remote, export_target, export_via
 from ddpkit.checkpoint.resuming import latest, local_path, not_a_root
 from ddpkit.checkpoint.sync import CheckpointContext
@@ -91,6 +92,7 @@ class Checkpoints:
         self.last: Path | None = None  # the newest checkpoint this session committed or started
         self.found: tuple[str, dict[str, Any]] | None = None  # last save that wrote, or load that found
         self._noted: set[str] = set()  # objects a save kept per rank (their state differed), said once
+        self._memory: MemoryRecovery | None = None  # s.load(..., memory=N): snapshots in the keeper
 
     def register(self, name: str, obj: Any) -> None:
         """Save and load `obj` under `name` with every checkpoint of this session."""
@@ -243,6 +245,8 @@ class Checkpoints:
                 if not self._preemption.agreed:
                     self._preemption.agree(self._ctx.distributed, self._ctx.device)
             self._saved = False
+        if body and self._memory is not None and self._remembered is not None:
+            self._snapshot()  # the optimizer, scheduler, counters, RNG and loader all after one step
         if not self._preemption.agreed or self._remembered is None:
             return
         path, keep, state = self._remembered
@@ -256,6 +260,15 @@ class Checkpoints:
         that reached it alone is refused by name, with where the others stand, in seconds."""
         if self._ctx.group is not None:
             self._ctx.group.agree(call, patient=True, limit=self._ctx.save_timeout)
+
+    def _snapshot(self) -> None:
+        """A memory snapshot of the remembered state, its `step` advanced by the optimizer steps since."""
+        assert self._memory is not None and self._remembered is not None
+        state = self._remembered[2]
+        step = state.get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            step += self._steps_since
+        self._memory.at_boundary(step, self._ctx.strategy, {**self._extras(), **state})
 
     def _preempted(self, final: Path, step: Any) -> Preempted:
         self._remembered = None  # saved once: a boundary reached while `Preempted` unwinds saves nothing
@@ -277,6 +290,9 @@ class Checkpoints:
             if self._writer_group is not None and dist.is_initialized():
                 dist.destroy_process_group(self._writer_group)
             self._writer_group = None
+            if self._memory is not None:  # the keeper keeps the snapshots until `ddpkit run` ends
+                self._memory.close(drop=False)
+                self._memory = None
 
     def _extras(self) -> dict[str, Any]:
         return {
@@ -320,23 +336,50 @@ class Checkpoints:
         return len(weights)
 
     # -- load -----------------------------------------------------------------------------------
-    def load(self, path: str | Path, *, strict: bool = True, **state: Any) -> dict[str, Any]:
+    def load(
+        self, path: str | Path, *, strict: bool = True, memory: int | bool = False, **state: Any
+    ) -> dict[str, Any]:
         """Restore the objects passed as keywords from the newest valid checkpoint; return the values.
 
         Plain keywords (step=0) are defaults for values the checkpoint lacks, and the whole answer on a
         fresh start. `strict` applies to module weights (missing or unexpected keys are errors). The
         objects and the values returned are what a preemption saves until the next `save` or `load`.
+
+        `memory=N` (under `ddpkit run`, whose keeper holds them on each host; `memory=True` is 1): a
+        snapshot of the whole state every N optimizer steps, in memory that outlives a killed rank
+        (`ddpkit.checkpoint.memory`), taken at the loader's next batch. After a restart the newest step
+        every rank holds is restored, unless the newest checkpoint under `path` is newer: a fault costs
+        the step in flight, not the steps since the last save. Keep saving to disk (less often) for what
+        memory cannot survive: the whole job lost.
         """
         self.agree("s.load")
-        before, values = self.last, self._load(path, strict, state)
+        before, values = self.last, self._load(path, strict, state, memory)
         self.found = (str(path), state) if self.last is not None and self.last != before else self.found
         self._remember(path, keeping.Retention(), {**state, **{n: values[n] for n in state if n in values}})
         return values
 
-    def _load(self, path: str | Path, strict: bool, state: dict[str, Any]) -> dict[str, Any]:
+    def _from_memory(
+        self, path: str | Path, memory: int | bool, state: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """`load(..., memory=N)`: the newest snapshot every rank holds, when newer than the disk's; None:
+        the disk decides (every rank agrees which, in one collective)."""
+        if self._memory is None:
+            self._memory = MemoryRecovery.attach(1 if memory is True else int(memory), self._ctx)
+        if self._memory is None:
+            return None
+        remote = Remote.parse(path)
+        return self._memory.restore(
+            self._ctx, remote.local if remote is not None else local_path(path), state
+        )
+
+    def _load(
+        self, path: str | Path, strict: bool, state: dict[str, Any], memory: int | bool = False
+    ) -> dict[str, Any]:
         _require_safe_torch()
         self._background.wait()
         registered = {n: o for n, o in self._registered.items() if hasattr(o, "state_dict")}
+        if memory and (restored := self._from_memory(path, memory, {**registered, **state})) is not None:
+            return restored
         found, values = resuming.restore(self._ctx, path, strict, {**registered, **state})
         self.last = found if found is not None else self.last
         return values

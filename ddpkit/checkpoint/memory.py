@@ -47,6 +47,7 @@ from ddpkit.checkpoint.staging import Arena
 from ddpkit.checkpoint.sync import CheckpointContext
 from ddpkit.cluster.keeper import HEAD, MAGIC, STEP_AT, KeeperClient, fetch
 from ddpkit.errors import DdpkitError, problem
+from ddpkit.names import KEEPER_ENV
 from ddpkit.parallel.modules import unwrap
 
 HEADER = 64  # bytes before the first tensor (the header itself is HEAD.size)
@@ -372,8 +373,10 @@ class MemoryRecovery:
         self.last_step: int | None = None
 
     @classmethod
-    def attach(cls, keeper: str | None, every: int, ctx: CheckpointContext) -> MemoryRecovery | None:
-        """None (said once) where no keeper runs: memory snapshots need `ddpkit run`'s."""
+    def attach(cls, every: int, ctx: CheckpointContext) -> MemoryRecovery | None:
+        """This rank's slots in the keeper `ddpkit run` started on this host (KEEPER_ENV names it); None,
+        said, where none runs (plain torchrun, one process, not Linux): recovery is from disk."""
+        keeper = os.environ.get(KEEPER_ENV)
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise problem(
                 f"memory={every!r} is not a number of optimizer steps",

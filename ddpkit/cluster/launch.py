@@ -27,6 +27,13 @@ SIGTERM stops every worker (the agent signals them, then kills what is left afte
 30 by default) and returns 128 + the signal number; 0 when every rank had finished and exited 0 (a
 signal too late to be agreed on: the work was done, nothing is to be resumed).
 
+Memory snapshots (`ddpkit.cluster.keeper`, `ddpkit.checkpoint.memory`): on each host a keeper process,
+started here and ended with this command however it ends, holds the snapshots a script asks for with
+`s.load(root, ..., memory=N)` (the whole state every N optimizer steps, in shared memory that outlives a
+killed rank); after a restart the ranks resume from the newest step all of them hold, so a killed rank
+costs the step in flight, not the steps since the last checkpoint. It costs a script that does not ask
+nothing but the keeper's start (a small standard-library process).
+
 Preemption (`ddpkit.cluster.preemption`): SIGTERM or the preemption signal (--preemption-signal, USR1 by
 default) reaching this process is passed on to every worker (torchrun's --signals-to-handle), which
 agree on one step (at `s.step`, `s.save` or the loader's next batch), save the state last given to
@@ -53,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.cluster import rank_output
+from ddpkit.cluster.keeper import Keeper
 from ddpkit.cluster.run_report import report, restart_reports
 from ddpkit.cluster.signals import PreemptionOptions, signal_of
 from ddpkit.cluster.topology import Hardware, threads_per_process
@@ -64,6 +72,7 @@ from ddpkit.names import (
     ELASTIC_BATCH_CHOICES,
     ELASTIC_BATCH_ENV,
     ELASTIC_WORLD_ENV,
+    KEEPER_ENV,
     PREEMPTED_EXIT_CODE,
     PREEMPTION_RECORD_ENV,
     RUN_ENV,
@@ -304,6 +313,9 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
     else:  # each new interpreter's output line-buffered (rank_output): ranks' lines never tear
         site = str(rank_output.write_site(record.parent))
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))
+    keeper = Keeper.start() if hasattr(os, "memfd_create") else None  # from the main thread (its lifetime)
+    if keeper is not None:
+        os.environ[KEEPER_ENV] = keeper.name
     try:
         with restart_reports(cfg.max_restarts), marking_signals(record.with_name(SIGNALLED_FILE)) as ends:
             run(parse_args(argv))
@@ -311,6 +323,8 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         return _preempted(record) or report(err, cfg.max_restarts)
     except SignalException as err:
         sig = signal.Signals(err.sigval)
+        if keeper is not None:
+            keeper.stop()  # not a worker: `_drain` waits for every child of this process
         _drain(cfg.grace)  # a second signal cuts the agent's own wait short: the ranks may still be saving
         if code := _preempted(record):
             return code
@@ -330,6 +344,8 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
         )
         return 128 + int(sig)
     finally:
+        if keeper is not None:
+            keeper.stop()  # the snapshots' memory is freed with it
         shutil.rmtree(record.parent / "site", ignore_errors=True)
         with contextlib.suppress(OSError):
             record.unlink(missing_ok=True)
