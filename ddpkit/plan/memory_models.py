@@ -88,27 +88,47 @@ def _hf(spec: str, seq_len: int | None) -> ModelSpec:
             f"cannot read the transformers config {head!r}: {err}",
             "Pass a model type (hf:gpt2, hf:llama,...) or a local config.json / directory",
         ) from err
-    positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-    seq = seq_len or positions
-    if seq is None:
-        raise problem(f"the {head} config states no maximum sequence length", "Pass --seq-len")
-    if positions and seq > positions:
-        raise problem(
-            f"sequence {seq} is longer than the model's {positions} positions", f"Pass --seq-len {positions}"
-        )
-    vocab = cfg.vocab_size
+    seq = _sequence(cfg, head, seq_len)
 
     def build() -> nn.Module:
         return transformers.AutoModelForCausalLM.from_config(cfg)
 
+    return ModelSpec(
+        f"{head} (transformers, from its config; sequence {seq})", build, _token_batch(cfg, seq), _lm_loss
+    )
+
+
+def _sequence(cfg: Any, name: str, seq_len: int | None) -> int:
+    """The sequence length a transformers model is planned at: asked, else its positions."""
+    positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    seq = seq_len or positions
+    if seq is None:
+        raise problem(f"the {name} config states no maximum sequence length", "Pass --seq-len")
+    if positions and seq > positions:
+        raise problem(
+            f"sequence {seq} is longer than the model's {positions} positions", f"Pass --seq-len {positions}"
+        )
+    return seq
+
+
+def _token_batch(cfg: Any, seq: int) -> Callable[[int], Any]:
+    """input_ids of the sequence length over the config's vocabulary (labels = the same ids)."""
+
     def batch(n: int) -> Any:
-        ids = torch.randint(0, vocab, (n, seq))
-        return ids
+        return torch.randint(0, cfg.vocab_size, (n, seq))
 
-    def loss(model: nn.Module, ids: Any) -> torch.Tensor:
-        return model(input_ids=ids, labels=ids).loss
+    return batch
 
-    return ModelSpec(f"{head} (transformers, from its config; sequence {seq})", build, batch, loss)
+
+def _lm_loss(model: nn.Module, ids: Any) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _hf_config(made: nn.Module) -> Any:
+    """The config of a transformers language model (it states its vocabulary), else None."""
+    cfg = getattr(made, "config", None)
+    is_pretrained = any(c.__name__ == "PreTrainedModel" for c in type(made).__mro__)
+    return cfg if is_pretrained and getattr(cfg, "vocab_size", None) else None
 
 
 def _workload(wl: Any, seq_len: int | None) -> ModelSpec:
@@ -167,11 +187,16 @@ def resolve(spec: Any, *, seq_len: int | None = None, sample: Any = None) -> Mod
             return made.build()
         if not isinstance(made, nn.Module):
             raise problem(f"{spec} returned {type(made).__name__}", "Return an nn.Module or a Workload")
+        cfg = _hf_config(made)
+        if cfg is not None:  # a transformers model: its config says its inputs, as hf:TYPE's does
+            holder["batch"] = _token_batch(cfg, _sequence(cfg, spec, seq_len))
         return made
 
-    if sample is None:  # maybe a Workload: its own sample and loss
+    if sample is None:  # maybe a Workload or a transformers model: its own inputs and loss
 
         def batch(n: int) -> Any:
+            if "batch" in holder:
+                return holder["batch"](n)
             if "workload" not in holder:
                 raise problem(
                     f"{spec} returns a plain nn.Module: ddpkit cannot know its inputs",
@@ -180,6 +205,8 @@ def resolve(spec: Any, *, seq_len: int | None = None, sample: Any = None) -> Mod
             return holder["workload"].sample(torch.Generator().manual_seed(0), n)
 
         def loss(model: nn.Module, b: Any) -> torch.Tensor:
+            if "batch" in holder:
+                return _lm_loss(model, b)
             return holder["workload"].step_loss(model, b)
 
         return ModelSpec(spec, build, batch, loss)
