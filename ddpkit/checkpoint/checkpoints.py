@@ -32,6 +32,12 @@ rename by rank 0), in `ddpkit.checkpoint.write`; `background=True` runs the seco
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import random
+import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,6 +60,10 @@ from ddpkit.cluster.preemption import Preempted, Preemption
 from ddpkit.errors import problem
 
 __all__ = ["CheckpointContext", "CheckpointError", "Checkpoints", "Preempted", "latest"]
+
+# Set by `ddpkit verify --resume-script` in the ranks it launches (ddpkit.verify.script_resume), nowhere else:
+RECORD_ENV = "DDPKIT_VERIFY_RECORD"  # a folder: each rank appends what every save, load and step saw
+STOP_ENV = "DDPKIT_VERIFY_STOP"  # "kill:K" or "signal:K": stop this process at its K-th optimizer step
 
 
 def _require_safe_torch() -> None:
@@ -93,6 +103,7 @@ class Checkpoints:
         self.found: tuple[str, dict[str, Any]] | None = None  # last save that wrote, or load that found
         self._noted: set[str] = set()  # objects a save kept per rank (their state differed), said once
         self._memory: MemoryRecovery | None = None  # s.load(..., memory=N): snapshots in the keeper
+        self._record = _Recorder.from_env(context.rank)  # None unless verify --resume-script runs the script
 
     def register(self, name: str, obj: Any) -> None:
         """Save and load `obj` under `name` with every checkpoint of this session."""
@@ -177,6 +188,8 @@ class Checkpoints:
             if name not in self._noted:  # once a session: each save keeps it per rank all the same
                 self._noted.add(name)
                 ctx.say(line)
+        if self._record is not None:
+            self._record.save(snapshot, step=state.get("step"))
         out = writer.write_file if writer is not None else None
         job = start(
             ctx,
@@ -226,6 +239,8 @@ class Checkpoints:
         self._stepping = True  # this loop calls s.step: the loader's next batch leaves the agreement to it
         if not applied:
             return
+        if self._record is not None:
+            self._record.step(self._remembered, self._preemption)
         self._steps_since += 1
         if self._remembered is not None and not self._preemption.agreed:
             self._preemption.agree(self._ctx.distributed, self._ctx.device)
@@ -247,6 +262,8 @@ class Checkpoints:
             self._saved = False
         if body and self._memory is not None and self._remembered is not None:
             self._snapshot()  # the optimizer, scheduler, counters, RNG and loader all after one step
+        if self._record is not None:
+            self._record.boundary()
         if not self._preemption.agreed or self._remembered is None:
             return
         path, keep, state = self._remembered
@@ -382,4 +399,103 @@ class Checkpoints:
             return restored
         found, values = resuming.restore(self._ctx, path, strict, {**registered, **state})
         self.last = found if found is not None else self.last
+        if self._record is not None:
+            self._record.write({"event": "load", "checkpoint": found.name if found is not None else None})
         return values
+
+
+class _Recorder:
+    """What one rank saw, for `ddpkit verify --resume-script`: a line per save (digests of everything it
+    wrote), per load (the checkpoint taken) and per optimizer step (the generators' digest at the step's
+    first boundary, the weights' after it). Only made when the verify tool asks (RECORD_ENV); a run
+    without it pays one `is None` test per step. STOP_ENV stops this process at its K-th step, as a
+    kill -9 or as a preemption signal would."""
+
+    def __init__(self, path: Path, stop: tuple[str, int] | None) -> None:
+        self.path, self.stop = path, stop
+        self.steps, self.fresh = 0, True  # optimizer steps taken here; the next boundary starts one
+        self.rng = ""
+
+    @classmethod
+    def from_env(cls, rank: int) -> _Recorder | None:
+        folder = os.environ.get(RECORD_ENV)
+        if not folder:
+            return None
+        how, _, at = os.environ.get(STOP_ENV, "").partition(":")
+        stop = (how, int(at)) if how in ("kill", "signal") and at.isdigit() else None
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return cls(Path(folder) / f"rank-{rank}.jsonl", stop)
+
+    def write(self, line: dict[str, Any]) -> None:
+        with self.path.open("a") as out:
+            out.write(json.dumps(line, sort_keys=True) + "\n")
+
+    def boundary(self) -> None:
+        if self.fresh:
+            self.fresh, self.rng = False, _rng_digest()
+
+    def step(self, remembered: Any, preemption: Preemption) -> None:
+        self.steps += 1
+        state = remembered[2] if remembered is not None else {}
+        modules = {n: m for n, m in state.items() if isinstance(m, nn.Module)}
+        weights = {n: _digest(dict(m.state_dict())) for n, m in sorted(modules.items())}
+        self.write({"event": "step", "rng": self.rng, "weights": weights})
+        self.fresh = True
+        if self.stop is not None and self.steps == self.stop[1]:
+            if self.stop[0] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)  # as kill -9: nothing after this step is saved
+            preemption.asked = preemption.asked or "SIGTERM"  # as the scheduler's signal: agreed, then saved
+
+    def save(self, snapshot: Any, *, step: Any) -> None:
+        """The digests of what this save writes: every rank its own part, rank 0 the shared ones."""
+        trees = {"rank": snapshot.rank_tree, "shared": snapshot.shared_tree}
+        parts = {
+            "rank": _digest(snapshot.rank_tree, snapshot.rank_tensors),
+            "rng": _digest(snapshot.rank_tree.get("rng")),
+            "values": {
+                n: _digest(v, snapshot.rank_tensors) for n, v in (trees["rank"].get("values") or {}).items()
+            },
+        }
+        if snapshot.shared_tree is not None:
+            parts["weights"] = {n: _digest(dict(t)) for n, t in snapshot.weights.items()}
+            shared = snapshot.shared_tree
+            parts["objects"] = {n: _digest(v, snapshot.shared_tensors) for n, v in shared["objects"].items()}
+            parts["values"].update(
+                {n: _digest(v, snapshot.shared_tensors) for n, v in shared["values"].items()}
+            )
+        self.write({"event": "save", "step": step if isinstance(step, int) else None, "digests": parts})
+        self.fresh = True
+
+
+def _digest(tree: Any, tensors: Any = None) -> str:
+    """One hash of a JSON tree and the tensors it names (or of a name -> tensor mapping)."""
+    h = hashlib.sha256()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                h.update(str(key).encode())
+                walk(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        elif isinstance(value, str) and tensors is not None and value in tensors:
+            walk(tensors[value])
+        else:
+            h.update(repr(value).encode())
+
+    walk(tree)
+    return h.hexdigest()[:16]
+
+
+def _rng_digest() -> str:
+    """The global generators' state now: torch's (and CUDA's), Python's, numpy's if it is loaded."""
+    parts: list[Any] = [torch.get_rng_state(), repr(random.getstate())]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        parts += torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        parts.append(repr(numpy.random.get_state()))
+    return _digest(parts)
