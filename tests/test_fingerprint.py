@@ -112,3 +112,43 @@ def test_fsdp_alone_has_one_replica_and_hsdp_compares_its_replicate_dimension(po
     assert [r["count"] for r in hsdp] == [2, 2] and "HSDP: 2 replicas" in hsdp[0]["why"], hsdp
     assert "first tensor that differs is 0.weight" in hsdp[0]["message"], hsdp
     assert hsdp[0]["message"] == hsdp[1]["message"]
+
+
+def _session_loop(root: str, every: int, saves: bool) -> dict:
+    """`ddpkit.session(fingerprint_every=)` in a hand loop: rank 1 flips a bit after step 5; with `saves`,
+    saves at 4 and 6 (the save compares first, so nothing drifted is written)."""
+    from pathlib import Path
+
+    with ddpkit.session(seed=0, verbose=False, log_to=None, fingerprint_every=every) as s:
+        torch.manual_seed(0)
+        model = s.model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(s.rank)
+        out: dict = {"stopped": None, "message": ""}
+        try:
+            for step in range(1, STEPS + 1):
+                x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+                with s.accumulate(model):
+                    s.backward(nn.functional.mse_loss(model(x), y))
+                s.step(opt)
+                if step == FLIP_STEP and s.rank == 1:
+                    ddpkit.unwrap(model)[0].weight.data.view(-1).view(torch.int32)[0] ^= 1 << 20
+                if saves and step in (4, 6):
+                    s.save(str(Path(root) / f"at{step}"), model=model, optimizer=opt, step=step)
+        except ReplicaDrift as drift:
+            out["stopped"], out["message"] = step, str(drift)
+        out["saved"] = sorted(p.name for p in Path(root).iterdir()) if Path(root).exists() else []
+        return out
+
+
+def test_the_session_option_stops_every_rank_and_saves_nothing_after_the_drift(pool2, tmp_path) -> None:
+    results = pool2.run(_session_loop, str(tmp_path), 100, True, timeout=120)
+    assert [r["stopped"] for r in results] == [6, 6], results  # at the save of step 6, before writing
+    assert "last agreed at step 4" in results[0]["message"] and "0.weight" in results[0]["message"]
+    assert results[0]["saved"] == ["at4"], results
+
+
+def test_the_stepper_compares_every_n_steps_after_the_optimizer_step(pool2, tmp_path) -> None:
+    results = pool2.run(_session_loop, str(tmp_path), 3, False, timeout=120)
+    assert [r["stopped"] for r in results] == [6, 6], results  # checks at 3 (agreed) and 6
+    assert "last agreed at step 3" in results[0]["message"], results

@@ -84,3 +84,22 @@ def test_off_is_no_profiler_and_the_options_are_checked() -> None:
         ProfileOptions.of({"rank": 0})
     with pytest.raises(ddpkit.DdpkitError, match="active=0"):
         ProfileOptions(active=0)
+
+
+def _session_profiled(directory: str) -> list[str]:
+    profile = {"ranks": "all", "wait": 0, "warmup": 1, "active": 1, "directory": directory}
+    with ddpkit.session(seed=0, verbose=False, log_to=None, profile=profile) as s:
+        model = s.model(nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            with s.accumulate(model):
+                s.backward(model(torch.randn(8, 4)).square().mean())
+            s.step(opt)  # the stepper advances the profiler's schedule
+        return [p.name for p in s.profiler.traces]
+
+
+def test_the_session_option_profiles_through_the_stepper(pool2, tmp_path: Path) -> None:
+    assert pool2.run(_session_profiled, str(tmp_path), timeout=120) == [
+        ["rank0-step2.trace.json"],
+        ["rank1-step2.trace.json"],
+    ]

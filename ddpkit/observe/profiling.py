@@ -194,7 +194,7 @@ class OomSnapshot:
         self.dumped = False
         if self.installed:
             torch.cuda.memory._record_memory_history(max_entries=max_entries)
-            torch._C._cuda_attach_out_of_memory_observer(self.observer())
+            torch._C._cuda_attach_out_of_memory_observer(self.observer())  # type: ignore[attr-defined]
 
     def observer(self) -> Callable[[int, int, int, int], None]:
         def dump(device: int, alloc: int, device_alloc: int, device_free: int) -> None:

@@ -24,7 +24,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.errors import problem
 from ddpkit.parallel.collectives import Ranks
 from ddpkit.parallel.precision import LossScale, PrecisionPlan
-from ddpkit.step import invariant, oom, shard_exchange, sharding, spike_norm, spikes
+from ddpkit.step import fingerprint, invariant, oom, shard_exchange, sharding, spike_norm, spikes
 from ddpkit.step.tokens import Count, TokenWeighting
 from ddpkit.strategy import Strategy, adapters
 
@@ -84,6 +84,14 @@ class StepParts:
     invariant: invariant.AnyWorld | None = None  # reproducible="any-world"
     micro_batch: oom.AutoMicroBatch | None = None  # micro_batch="auto"
     spikes: spikes.Judge | None = None  # spike_guard=
+    fingerprints: fingerprint.ReplicaFingerprints | None = None  # fingerprint_every= (`step.fingerprint`)
+    profiler: Profiled | None = None  # profile= (`observe.profiling`): advanced after every optimizer step
+
+
+class Profiled(Protocol):
+    """What the stepper calls of the session's profiler (`ddpkit.observe.profiling.StepProfiler`)."""
+
+    def step(self) -> None: ...
 
 
 class Stepper:
@@ -91,6 +99,8 @@ class Stepper:
 
     def __init__(self, strategy: Strategy, parts: StepParts) -> None:
         self.spikes = parts.spikes  # spike_guard=: a step far above its window is skipped (`step.spikes`)
+        self.fingerprints = parts.fingerprints  # fingerprint_every=: replicas compared (`step.fingerprint`)
+        self.profiler = parts.profiler  # profile=: torch.profiler's schedule, one step per optimizer step
         self._agreed_loss: float | None = None  # fit's all-reduced loss for the next step, for the guard
         self._losses: list[torch.Tensor] = []  # the guard's: this rank's losses of the step in progress
         self.accumulation = parts.accumulation  # loader micro-batches per step: never reassigned
@@ -264,6 +274,7 @@ class Stepper:
         skipped = self.loss_scale.step(optimizer, sharder.step if sharder is not None else _run)
         optimizer.zero_grad(set_to_none=True)
         self.steps += 1
+        self._after_update(optimizer)
         if skipped:
             self.skipped += 1
             self.report(
@@ -271,6 +282,23 @@ class Stepper:
                 f"lowered to {self.loss_scale.get_scale():g} ({self.skipped} skipped so far)"
             )
         return StepInfo(stepped=True, skipped=skipped, grad_norm=norm, step=self.steps)
+
+    def _after_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """After an applied step: compare the replicas when due (every rank reaches the same step; the
+        optimizer's state only when every rank holds all of it, not under the sharded step), then
+        advance the profiler's schedule."""
+        if self.fingerprints is not None and self.distributed and not self._in_join:
+            replicated = optimizer if self.sharded_step(optimizer) is None else None
+            self.fingerprints.after_step(self.steps, self._model, replicated)
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def check_replicas(self) -> None:
+        """Before a save: compare the replicas now unless this step was just compared (nothing drifted
+        is written; one all-reduce of two int64 per save)."""
+        f = self.fingerprints
+        if f is not None and self.distributed and f.every > 0 and f.last_agreed != self.steps:
+            f.check(self.steps, self._model)
 
     def agree_loss(self, loss: float) -> None:
         """The loss of the step about to be taken, for the spike guard: a value identical on every rank
@@ -365,6 +393,9 @@ class Stepper:
             yield
         finally:
             self._in_join = False
+            # the ranks that ran out of batches took fewer steps: their counts differ from here on, so
+            # a check due "at step N" would no longer meet on every rank
+            self.fingerprints = None
 
     def drop_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Abandon the optimizer step in progress (after `oom.StepOutOfMemory`, on every rank): its

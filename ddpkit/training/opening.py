@@ -18,14 +18,17 @@ import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 from ddpkit.cluster import lifecycle, topology
 from ddpkit.cluster.environments import Detector
 from ddpkit.cluster.lifecycle import Limits
 from ddpkit.data.batching import Global, resolve_accumulation
+from ddpkit.observe.profiling import ProfileOptions
 from ddpkit.observe.tracking import LogTo
 from ddpkit.parallel.precision import PrecisionPlan
 from ddpkit.step import spikes
+from ddpkit.step.fingerprint import FINGERPRINT_EVERY
 from ddpkit.strategy import Choice
 from ddpkit.training.session import Session
 
@@ -54,6 +57,8 @@ def session(
     launcher: Detector | None = None,
     micro_batch: str | None = None,
     spike_guard: spikes.SpikeGuard | None = None,
+    fingerprint_every: int = FINGERPRINT_EVERY,
+    profile: ProfileOptions | Mapping[str, Any] | bool | None = None,
 ) -> Iterator[Session]:
     """Open a `Session` for this process; the process group is torn down on exit, also on errors.
 
@@ -80,7 +85,12 @@ def session(
     the micro-batch halved, accumulation doubled (`step.oom`); FSDP: chosen ahead (`training.oom_ahead`).
     `spike_guard=ddpkit.SpikeGuard()`: a step whose loss (under `fit`) or gradient norm stands far above
     its running window is skipped on every rank, decided from values the step already agrees on
-    (`ddpkit.step.spikes`).
+    (`ddpkit.step.spikes`). `fingerprint_every=N` (default 100; 0: off): every N optimizer steps the
+    replicas (DDP's ranks, HSDP's replicate dimension) compare a hash of their weights and optimizer
+    state in one all-reduce of two int64, and a replica that drifted stops every rank at the same step
+    (`ddpkit.step.fingerprint`). `profile=True`, a dict or `ProfileOptions(ranks=..., wait=, warmup=,
+    active=, stacks=, memory=)`: torch.profiler on those ranks and steps, one trace per rank
+    (`ddpkit.observe.profiling`).
     """
     limits = Limits(rendezvous=rendezvous_timeout, collective=timeout, save=save_timeout)  # validated here
     env = os.environ if env is None else env
@@ -113,6 +123,8 @@ def session(
         chunk=chunk,
         micro_batch=micro_batch,
         spike_guard=spike_guard,
+        fingerprint_every=fingerprint_every,
+        profile=profile,
         global_batch=given.batch if isinstance(given, Global) else None,
     )
     try:

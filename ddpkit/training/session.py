@@ -42,11 +42,13 @@ from ddpkit.data import ShardedLoader, make_loader, plan_batch
 from ddpkit.errors import problem
 from ddpkit.names import WRITER_NICE_ENV
 from ddpkit.observe.anatomy import StepAnatomy
+from ddpkit.observe.profiling import ProfileOptions, StepProfiler
 from ddpkit.observe.tracking import LogTo, Tracking
 from ddpkit.parallel import compiling, cpu_allocator, modules
 from ddpkit.parallel.precision import PrecisionPlan, device_supports_bf16, resolve_precision
 from ddpkit.parallel.shape import Shape
 from ddpkit.step import invariant, oom, spikes
+from ddpkit.step.fingerprint import FINGERPRINT_EVERY, ReplicaFingerprints
 from ddpkit.step.stepping import MicroBatch, StepInfo, StepParts, Stepper
 from ddpkit.strategy import Choice, DDPOptions, Strategy, building, hf
 from ddpkit.training.choosing import Choosing
@@ -78,6 +80,9 @@ class Session(RankContext):
         chunk: int | None = None,  # any-world: ddpkit.step.invariant
         micro_batch: str | None = None,  # "auto": a step out of memory is re-run split (ddpkit.step.oom)
         spike_guard: spikes.SpikeGuard | None = None,  # a spiking step skipped on every rank (step.spikes)
+        fingerprint_every: int = FINGERPRINT_EVERY,  # replicas compared every N steps (step.fingerprint)
+        # torch.profiler on chosen ranks and steps (observe.profiling): True, a dict or ProfileOptions
+        profile: ProfileOptions | Mapping[str, Any] | bool | None = None,
         global_batch: int | None = None,  # accumulation=Global(batch=...): the loaders' default batch
     ) -> None:
         if shard_optimizer not in (True, False, "auto", "gradients"):
@@ -97,6 +102,7 @@ class Session(RankContext):
         self.preemption = Preemption(PreemptionOptions.from_env(self._env), self._env)  # stop policy
         self.tracking = Tracking(log_to, log_dir, enabled=self.is_main)  # observe.tracking; opens lazily
         self.anatomy = StepAnatomy()  # where this rank's step time goes (observe.anatomy; fit reports it)
+        self.profiler = StepProfiler.build(profile, self.rank, self.device)  # None when off
         self._on_close = contextlib.ExitStack()  # process-wide settings put back by close()
         self.precision = resolve_precision(
             precision, self.device.type, bf16_supported=device_supports_bf16(self.device)
@@ -142,6 +148,8 @@ class Session(RankContext):
                 device=self.device,
             ),
             spikes=judge,
+            fingerprints=ReplicaFingerprints(fingerprint_every) if fingerprint_every else None,
+            profiler=self.profiler,
         )
         self._choosing = Choosing(strategy, self.shape, self.precision)  # the strategy, built once
         self._stepper: Stepper | None = None  # made once, on the built strategy (`stepper`)
@@ -191,6 +199,8 @@ class Session(RankContext):
     def close(self) -> None:
         """Finish a background save, leave the process group (if this session created it). Safe twice."""
         try:
+            if self.profiler is not None:
+                self.profiler.stop()  # an active window cut short is written as it is
             self.tracking.close()
             if self._checkpoints is not None:
                 self._checkpoints.close()
@@ -284,7 +294,9 @@ class Session(RankContext):
 
     # -- checkpoints (ddpkit.checkpoint.checkpoints) -------------------------------------------------------
     def save(self, path: str, **state: Any) -> Any:
-        """Save the training state atomically; see `ddpkit.checkpoint.checkpoints.Checkpoints.save`."""
+        """Save the training state atomically; see `ddpkit.checkpoint.checkpoints.Checkpoints.save`.
+        With fingerprints on, the replicas are compared first: drifted weights are never written."""
+        self.stepper.check_replicas()
         return self.checkpoints.save(path, **state)
 
     def load(self, path: str, **state: Any) -> Any:

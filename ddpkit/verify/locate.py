@@ -499,11 +499,19 @@ def _judge_scaled(
 
 
 def _floors(reference: Recording, variants: Sequence[Recording]) -> list[dict[Key, float]]:
-    states = [dict(s) for s in reference.steps]
-    return [
-        {k: v[0] for k, v in step.items()}
-        for step in calibrate.floors(states, [[dict(s) for s in v.steps] for v in variants])
-    ]
+    """Per step and record: the running maximum of the variants' relative spread (calibrate's rule)."""
+    out: list[dict[Key, float]] = []
+    running: dict[Key, float] = {}
+    for step, records in enumerate(reference.steps):
+        theirs = [dict(v.steps[step]) if step < len(v.steps) else {} for v in variants]
+        for key, a in records:
+            worst = running.get(key, 0.0)
+            for t in theirs:
+                if key in t and t[key].shape == a.shape:
+                    worst = max(worst, calibrate.deviation(a, t[key]).rel_norm)
+            running[key] = worst
+        out.append(dict(running))
+    return out
 
 
 Runner = Callable[..., Sequence[Any]]  # runner(fn, *args) -> one result per rank, in rank order
@@ -617,7 +625,8 @@ def _locate_op(plan: _Plan, loc: Location, window: Window, floor: float) -> None
 
 
 def _by_occurrence(ops: list[tuple[str, torch.Tensor, str]]) -> dict[tuple[str, int], torch.Tensor]:
-    out, seen = {}, {}
+    out: dict[tuple[str, int], torch.Tensor] = {}
+    seen: dict[str, int] = {}
     for op, t, _ in ops:
         n = seen.get(op, 0)
         seen[op] = n + 1
