@@ -5,13 +5,16 @@
     ddpkit plan --workload mlp --counts 1,2,3,4 --global-batch 48 --link measured   # this machine's ranks
     ddpkit plan --list-links
     ddpkit plan --memory --model hf:gpt2 --device h100 --world 8 --global-batch 512   # will it fit?
+    ddpkit plan --workload gpt --max-gpus 16384 --fault-rate 2e-5 --restart-s 600    # faults at scale
 
 The model is profiled on one device (this machine's CPU unless --device cuda): forward, backward, the
 time each DDP bucket's gradients are ready, the optimizer step. The step on N devices is then
-simulated over the link (ddpkit/plan/simulate.py states the cost model). Weak scaling by default: each
-device keeps the per-rank batch (--batch-size, default the workload's batch); --global-batch G splits
-G over the devices instead. A CPU profile says nothing about a GPU's speed: plan for GPUs by profiling
-on one (--device cuda), or say how much faster the target is (--compute-scale).
+simulated over the link (ddpkit/plan/simulate.py states the cost model), and the expected training time
+lost to faults at each N, with disk checkpoints only and with memory snapshots (ddpkit/plan/faults.py).
+Weak scaling by default: each device keeps the per-rank batch (--batch-size, default the workload's
+batch); --global-batch G splits G over the devices instead. A CPU profile says nothing about a GPU's
+speed: plan for GPUs by profiling on one (--device cuda), or say how much faster the target is
+(--compute-scale).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ddpkit.errors import DdpkitError, problem
 
 def build_parser() -> argparse.ArgumentParser:
     from ddpkit import strategy as strategies
+    from ddpkit.plan import faults
     from ddpkit.plan.links import LEVELS
     from ddpkit.plan.simulate import ALGORITHMS, HOOKS
 
@@ -87,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the peak memory per rank of one step, and the largest micro-batch that fits: "
         "`ddpkit plan --memory --help` (ddpkit.plan.memory_cli)",
     )
+    faults.add_arguments(p)
     return p
 
 
@@ -106,7 +111,7 @@ def list_links() -> str:
 def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
     from ddpkit import strategy as strategies
     from ddpkit.bench.report import machine
-    from ddpkit.plan import advice, links, planner, profile
+    from ddpkit.plan import advice, faults, links, planner, profile
     from ddpkit.plan.simulate import Options
     from ddpkit.tools import workloads
 
@@ -206,6 +211,9 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
     plan["advice"] = advice.advise(
         pl, top.n, opts, top, strong=strong, device_memory_gb=None if measured else ns.device_memory
     )
+    param_bytes = next(iter(profiles.values())).param_bytes  # the fp32 weights
+    plan["faults"] = faults.section(rows, param_bytes, ns, per_node)
+    plan["fault_options"] = {k: getattr(ns, k) for k in faults.OPTIONS}
     plan["assumptions"] = _assumptions(link, profiles, ns, bool(beside))
     return plan
 

@@ -90,6 +90,11 @@ def text(plan: dict[str, Any]) -> str:
         out.append("")
         out.append(sweep_table(f"hook at N={n}", plan["hooks"], _hook_label))
         out.append(f"  {plan['hook_verdict']}")
+    if plan.get("faults"):
+        from ddpkit.plan import faults
+
+        out.append("")
+        out += faults.table(plan["faults"], plan["fault_options"])
     out.append("")
     out.append("advice:")
     for item in plan["advice"]:
