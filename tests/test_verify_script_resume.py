@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_cli
 
 from ddpkit.verify.script_resume import ScriptRun, check_script
 
@@ -46,9 +46,22 @@ def test_a_prefetched_batch_is_named_at_the_first_step_after_the_resume(tmp_path
 
 @pytest.mark.timeout(900)
 def test_draws_of_an_evaluation_after_the_save_point_are_named(tmp_path: Path) -> None:
-    report = _check(tmp_path, "eval")
-    text = report.render()
-    assert not report.passed, text
+    done = run_cli(
+        "verify",
+        "--resume-script",
+        PORT,
+        "--save-at",
+        "3",
+        "--workdir",
+        str(tmp_path),
+        "--",
+        "--shape",
+        "eval",
+        timeout=800,
+    )
+    text = done.stdout
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    assert "idioms_port.py: 2 rank(s), stopped (kill) at step 3: FAILED" in text, text
     assert (
         "rank 0: step 3 (the first after the checkpoint resumed from) starts with other generator states"
         in text

@@ -9,6 +9,7 @@
     ddpkit verify ... --resume --setup train:setup --save-at 5    # save, restart, load: all state saved?
     ddpkit verify ... --resume --strategy hsdp --nproc 4 --resume-strategy fsdp --resume-nproc 2  # reshaped
     ddpkit verify ... --bitwise --chunk 4         # reproducible="any-world": 1 rank = N ranks, bit for bit
+    ddpkit verify --resume-script train.py --save-at 5 -- --out ckpt   # your own script, killed and resumed
 
 `module:function` references are imported from the current folder (or PYTHONPATH) in every process.
 Exit status: 0 when DDP matches, 1 when it does not (the report says why), 2 for a usage error.
@@ -157,6 +158,8 @@ def main(argv: list[str]) -> int:
     """Entry point of `ddpkit verify`; returns 0 (same weights), 1 (they differ) or raises DdpkitError."""
     if argv[:1] == ["--"]:  # `ddpkit verify -- --model ...`: the separator the top-level parser needs
         argv = argv[1:]
+    if "--resume-script" in argv:  # the user's own script: none of the model/data flags apply
+        return script_main(argv)
     ns = build_parser().parse_args(argv)
     if os.getcwd() not in sys.path:  # `module:function` from the current folder, as `python -m` finds it
         sys.path.insert(0, os.getcwd())
@@ -183,6 +186,52 @@ def main(argv: list[str]) -> int:
         print(report.render(), flush=True)
         if ns.json:
             Path(ns.json).write_text(report.to_json() + "\n")
+    return 0 if report.passed else 1
+
+
+def script_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ddpkit verify --resume-script",
+        description="Run your training script uninterrupted and stopped at a step then resumed (each under "
+        "ddpkit run, in a folder of its own), compare its last checkpoints bitwise and name what was not "
+        "restored (ddpkit.verify.script_resume).",
+    )
+    p.add_argument("--resume-script", required=True, metavar="SCRIPT", help="the training script")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of every run (default 2)")
+    p.add_argument("--save-at", type=int, default=2, help="the optimizer step to stop at (default 2)")
+    p.add_argument(
+        "--stop",
+        choices=("kill", "signal"),
+        default="kill",
+        help="kill: as kill -9 (resume from the script's own newest checkpoint); signal: ddpkit's "
+        "preemption (saved at the next step boundary, exit 75)",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for each run of the script")
+    p.add_argument(
+        "--workdir", default=None, help="where the runs' folders go (default: a new temporary one)"
+    )
+    p.add_argument(
+        "args", nargs=argparse.REMAINDER, help="-- then the script's own arguments ({run}: its folder)"
+    )
+    return p
+
+
+def script_main(argv: list[str]) -> int:
+    from ddpkit.verify.script_resume import ScriptRun, check_script
+
+    ns = script_parser().parse_args(argv)
+    args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+    run = ScriptRun(
+        script=ns.resume_script,
+        args=args,
+        nproc=ns.nproc,
+        stop_at=ns.save_at,
+        how=ns.stop,
+        timeout=ns.timeout,
+        workdir=ns.workdir,
+    )
+    report = check_script(run)
+    print(report.render(), flush=True)
     return 0 if report.passed else 1
 
 
