@@ -192,3 +192,35 @@ def test_no_finding_under_fsdp_whose_weights_are_compared_whole(pool2) -> None:
     found = run(pool2, steps=2, strategy="fsdp")
     assert not found.found, found.render()
     assert "fsdp on 2 ranks" in found.config
+
+
+def test_ddpkit_verify_locate_prints_the_place_and_a_failed_verify_suggests_it(
+    pool2, monkeypatch, capsys
+) -> None:
+    from ddpkit.verify import checker, cli
+    from ddpkit.verify import locate as locating
+
+    runner = lambda fn, *args: pool2.run(fn, *args, timeout=120)  # noqa: E731 (the shared ranks)
+    monkeypatch.setattr(locating, "locate", lambda spec: locate(spec, runner=runner))
+    argv = [
+        "--model",
+        "test_verify_locate:tiny_lm_rank_scale",
+        "--batches",
+        "test_verify_locate:token_batches",
+    ]
+    argv += [
+        "--loss",
+        "test_verify_locate:lm_loss",
+        "--optimizer",
+        "adamw",
+        "--steps",
+        "1",
+        "--batch-size",
+        "8",
+    ]
+    assert cli.main([*argv, "--locate"]) == 1
+    text = capsys.readouterr().out
+    assert "forward of blocks.1.mlp (Mlp)" in text and "aten.mul.Tensor" in text, text
+    monkeypatch.setattr(cli, "verify", lambda spec: checker.verify(spec, runner=pool2.run))
+    assert cli.main(argv) == 1
+    assert "run the same command with --locate" in capsys.readouterr().out

@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for the DDP run")
     p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-': stdout only)")
     p.add_argument(
+        "--locate",
+        action="store_true",
+        help="find the first step, module and operation (forward or backward) at which the ranks part "
+        "from one process (ddpkit.verify.locate)",
+    )
+    p.add_argument(
         "--resume", action="store_true", help="check save -> restart -> load (ddpkit.verify.resume)"
     )
     p.add_argument("--resume-nproc", type=int, default=None, help="--resume: ranks after the restart")
@@ -179,6 +185,12 @@ def main(argv: list[str]) -> int:
         checked = bitwise.check(spec_from_args(ns), chunk=ns.chunk)
         print(checked.render(), flush=True)
         return 0 if checked.passed else 1
+    if ns.locate:
+        from ddpkit.verify import locate
+
+        found = locate.locate(spec_from_args(ns))
+        print(found.render(), flush=True)
+        return 1 if found.found or found.error else 0
     report = verify(spec_from_args(ns))
     if ns.json == "-":
         print(report.to_json())
@@ -186,7 +198,14 @@ def main(argv: list[str]) -> int:
         print(report.render(), flush=True)
         if ns.json:
             Path(ns.json).write_text(report.to_json() + "\n")
+        if not report.passed:
+            print(LOCATE_HINT, flush=True)
     return 0 if report.passed else 1
+
+
+LOCATE_HINT = (
+    "ddpkit: to find the first step, module and operation where they part, run the same command with --locate"
+)
 
 
 def script_parser() -> argparse.ArgumentParser:
