@@ -149,8 +149,19 @@ def llama(**overrides: Any) -> nn.Module:
     return LlamaForCausalLM(llama_config(**overrides))
 
 
+def lora_llama(**overrides: Any) -> nn.Module:
+    """The Llama with LoRA adapters (peft) on q, v, o and down: its plan retargets their base layers."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
+    config = LoraConfig(r=4, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    return get_peft_model(llama(**overrides), config)
+
+
 def make(kind: str, **kw: Any) -> nn.Module:
-    """The model `kind` names ("mlp", "gpt", "llama"), built from the current generator state."""
+    """The model `kind` names ("mlp", "gpt", "llama", "lora"), built from the current generator state."""
+    if kind == "lora":
+        return lora_llama(**kw)
     if kind == "mlp":
         return MLP(**kw)
     if kind == "gpt":
@@ -168,7 +179,7 @@ def batches(kind: str, steps: int, rows: int = 8, seq: int = 8) -> list[torch.Te
 def loss_of(kind: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if kind == "mlp":
         return model(x).square().mean()
-    if kind == "llama":
+    if kind in ("llama", "lora"):
         return model(input_ids=x, labels=x).loss
     logits = model(x)
     return F.cross_entropy(logits.flatten(0, 1), torch.roll(x, -1, 1).flatten())
@@ -210,7 +221,7 @@ def train(
     mode = FeatureSplit() if variant == "features" else contextlib.nullcontext()
     with contextlib.redirect_stdout(printed), ddpkit.session(**session) as s, mode:
         model = s.model(lambda: make(kind, **(model_kw or {})), strategy=options)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
         if reseed is not None:
             torch.manual_seed(reseed)
         layout = s.layout
@@ -281,7 +292,9 @@ class FeatureSplit(torch.overrides.TorchFunctionMode):
             x, w = args[0], args[1]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             parts = [F.linear(xc, wc) for xc, wc in zip(x.chunk(3, -1), w.chunk(3, -1), strict=True)]
-            y = parts[0] + parts[1] + parts[2]
+            y = parts[0]
+            for part in parts[1:]:  # in order, as one sum of 3 pieces (fewer when there are fewer features)
+                y = y + part
             return y + b if b is not None else y
         return func(*args, **kwargs)
 
@@ -322,3 +335,14 @@ def refused(kind: str, options: TPOptions, model_kw: dict | None = None) -> str:
         return "no error"
     except ddpkit.DdpkitError as err:
         return str(err)
+
+
+def loader_split(options: TPOptions) -> dict:
+    """What the session's loader hands this rank (the first two batches' sample ids), its per-rank seed
+    and the loader's line, under `options`."""
+    printed = io.StringIO()
+    data = torch.utils.data.TensorDataset(torch.arange(32))
+    with contextlib.redirect_stdout(printed), ddpkit.session(seed=0, strategy=options) as s:
+        batches = s.loader(data, batch_size=8, shuffle=True)
+        ids = [b[0].tolist() for b, _ in zip(batches, range(2), strict=False)]
+        return {"ids": ids, "rank_seed": s.rank_seed, "printed": printed.getvalue()}

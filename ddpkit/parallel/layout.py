@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 DEGREES = ("replicate", "shard", "context", "tensor")  # the mesh's order, outermost first
 DATA = ("replicate", "shard")  # the data-parallel degrees: ranks of different batches
 RESERVED = ("pipeline",)  # named, not offered yet
-TOOL_DEGREES = ("shard",)  # degrees the tools take by flag (`--shard-degree`)
+TOOL_DEGREES = ("shard", "tensor")  # degrees the tools take by flag (`--shard-degree`, `--tensor-degree`)
 
 Mesh = tuple[tuple[str, int], ...]  # (dimension name, size), outermost first
 
@@ -130,6 +130,11 @@ class Layout:
             return 0
         inner = math.prod(size for name, size in self.mesh[self.dims.index(dim) + 1 :])
         return (rank // inner) % getattr(self, dim)
+
+    def data_rank(self, rank: int) -> int:
+        """`rank`'s place among the ranks that read different batches (replicate x shard, row-major): the
+        ranks of one tensor (and context) group, innermost, share it and read the same batch."""
+        return rank // (self.context * self.tensor)
 
     def groups(self, dim: str) -> list[list[int]]:
         """The groups of ranks that differ only along `dim` (HSDP 2 x 2: shard [[0, 1], [2, 3]], replicate

@@ -83,15 +83,54 @@ def _style(name: str, sequence_parallel: bool) -> Any:
 
 
 def hf_plan(model: nn.Module) -> dict[str, str]:
-    """A Hugging Face model's whole plan with its real prefixes ({} when it has none)."""
-    plan = dict(getattr(model, "tp_plan", None) or {})
+    """A Hugging Face model's whole plan with its real prefixes ({} when it has none); inside a PEFT
+    model, the wrapped model's plan under its module path ("base_model.model.")."""
+    where, hf_model = _hf_model(model)
+    plan = dict(getattr(hf_model, "tp_plan", None) or {})
     if not plan:
-        config = getattr(model, "config", None)
+        config = getattr(hf_model, "config", None)
         base = dict(getattr(config, "base_model_tp_plan", None) or {})
-        prefix = getattr(model, "base_model_prefix", "")
-        inside = bool(prefix) and hasattr(model, prefix)
+        prefix = getattr(hf_model, "base_model_prefix", "")
+        inside = bool(prefix) and hasattr(hf_model, prefix)
         plan = {f"{prefix}.{k}" if inside else k: v for k, v in base.items()}
-    return plan
+    return {f"{where}.{k}" if where else k: v for k, v in plan.items()}
+
+
+def _hf_model(model: nn.Module) -> tuple[str, nn.Module]:
+    """(its module path, the Hugging Face model) inside `model`: the model itself unless it wraps one
+    (a PEFT model holds it at base_model.model)."""
+    import sys
+
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return "", model
+    for name, module in model.named_modules():
+        if isinstance(module, transformers.PreTrainedModel):
+            return name, module
+    return "", model
+
+
+def retarget_adapters(model: nn.Module, plan: Plan) -> Plan:
+    """A plan written for a base model applied to its PEFT (LoRA) version: an entry that lands on a LoRA
+    layer splits its `base_layer` the same way, and the adapters so that their product is split as the
+    base's output is: a column-wise base splits lora_B column-wise (lora_A stays whole), a row-wise base
+    splits lora_A row-wise (lora_B whole: its input, lora_A's partial output, is reduced first)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    found = matches(model, plan)
+    lora = {n for n in found if hasattr(model.get_submodule(n), "base_layer")}
+    if not lora:
+        return plan
+    out: Plan = {p: s for p, s in plan.items() if any(found[n] == p for n in found if n not in lora)}
+    for name in sorted(lora):
+        style, layer = plan[found[name]], model.get_submodule(name)
+        out[f"{name}.base_layer"] = style
+        for adapter in getattr(layer, "lora_A", {}):
+            if isinstance(style, ColwiseParallel):
+                out[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
+            elif isinstance(style, RowwiseParallel):
+                out[f"{name}.lora_A.{adapter}"] = RowwiseParallel()
+    return out
 
 
 def read(
@@ -137,6 +176,7 @@ def read(
             out[pattern] = made
     if sequence_parallel and names:
         out.update(_sequence_extras(model, names))
+    out = retarget_adapters(model, out)
     check(model, out, degree)
     return out
 

@@ -175,8 +175,19 @@ class Session(RankContext):
 
     @property
     def rank_seed(self) -> int:
-        """A seed distinct per rank, derived from `seed`, for per-rank randomness."""
-        return self.seed + 1_000_003 * (self.rank + 1)
+        """A seed distinct per data-parallel rank, derived from `seed`, for per-rank randomness: the
+        ranks of one tensor-parallel group share it (they compute one batch together, and a dropout on
+        a tensor they all hold whole must draw one mask)."""
+        return self.seed + 1_000_003 * (self._data()[0] + 1)
+
+    def _data(self) -> tuple[int, int]:
+        """(this rank's data-parallel rank, the data-parallel ranks): how the batches split. Under tensor
+        parallelism a tensor group reads one batch (`Layout.data_rank`); otherwise, and before an "auto"
+        session's strategy is built, the global rank and world."""
+        layout = self._choosing.layout if self._choosing.strategy is not None else None
+        if layout is None or not self.distributed:
+            return self.rank, self.world_size
+        return layout.data_rank(self.rank), layout.data
 
     # -- life cycle -----------------------------------------------------------------------------
     def start(self) -> Session:
@@ -449,13 +460,12 @@ class Session(RankContext):
             shuffle, drop_last = self.invariant.loader_options(
                 dataset, batch_size, shuffle, dataloader_kwargs
             )
-        batch = plan_batch(
-            batch_size, per_rank_batch_size, world_size=self.world_size, accumulation=accumulation
-        )
+        data_rank, data_ranks = self._data()  # tensor-parallel ranks of a group read one batch
+        batch = plan_batch(batch_size, per_rank_batch_size, world_size=data_ranks, accumulation=accumulation)
         built = make_loader(
             dataset,
             batch,
-            rank=self.rank,
+            rank=data_rank,
             device=self.device,
             seed=self.seed,
             shuffle=shuffle,
@@ -466,5 +476,9 @@ class Session(RankContext):
             **dataloader_kwargs,
         )
         if not evaluation:
-            self.print(f"ddpkit: {batch.describe()}")
+            group = self.world_size // data_ranks
+            shared = (
+                f"; the {group} tensor-parallel ranks of a group read the same batch" if group > 1 else ""
+            )
+            self.print(f"ddpkit: {batch.describe()}{shared}")
         return built
