@@ -144,18 +144,8 @@ class Checkpoints:
         (`stop_at_boundary`: the loader's next batch, `s.accumulate`, `s.backward`), saves and raises
         `Preempted` (exit code 75).
         """
-        due = True
-        if every is not None:
-            step = state.get("step")
-            if not isinstance(every, int) or every < 1 or not isinstance(step, int):
-                raise problem(
-                    f"every={every!r} needs a whole number of steps, and step= an int (got {step!r})",
-                    "Pass every=N (N >= 1) together with step=<your optimizer step count>",
-                )
-            due = step % every == 0
+        due = self.due(every, state.get("step"))
         retention = keeping.of(keep, keep_every, keep_best, state)
-        if due:
-            self.agree("s.save")  # before any collective: a rank that is elsewhere is named, not met
         self._remember(path, retention, state)
         self._saved = True  # this call agrees: the loader's next batch need not
         ctx = self._ctx
@@ -271,6 +261,18 @@ class Checkpoints:
         if isinstance(step, int) and not isinstance(step, bool):
             state = {**state, "step": step + self._steps_since}
         raise self._preempted(self._write(path, keep, False, state), state.get("step"))
+
+    @staticmethod
+    def due(every: Any, step: Any) -> bool:
+        """Whether a save with `every=` writes at `step` (always without `every`)."""
+        if every is None:
+            return True
+        if not isinstance(every, int) or every < 1 or not isinstance(step, int):
+            raise problem(
+                f"every={every!r} needs a whole number of steps, and step= an int (got {step!r})",
+                "Pass every=N (N >= 1) together with step=<your optimizer step count>",
+            )
+        return step % every == 0
 
     def agree(self, call: str) -> None:
         """Every rank tags `call` in the store before its first collective (`Membership.agree`): a rank
@@ -449,20 +451,18 @@ class _Recorder:
     def save(self, snapshot: Any, *, step: Any) -> None:
         """The digests of what this save writes: every rank its own part, rank 0 the shared ones."""
         trees = {"rank": snapshot.rank_tree, "shared": snapshot.shared_tree}
-        parts = {
+        own = trees["rank"].get("values") or {}
+        values = {n: _digest(v, snapshot.rank_tensors) for n, v in own.items()}
+        parts: dict[str, Any] = {
             "rank": _digest(snapshot.rank_tree, snapshot.rank_tensors),
             "rng": _digest(snapshot.rank_tree.get("rng")),
-            "values": {
-                n: _digest(v, snapshot.rank_tensors) for n, v in (trees["rank"].get("values") or {}).items()
-            },
+            "values": values,
         }
         if snapshot.shared_tree is not None:
             parts["weights"] = {n: _digest(dict(t)) for n, t in snapshot.weights.items()}
             shared = snapshot.shared_tree
             parts["objects"] = {n: _digest(v, snapshot.shared_tensors) for n, v in shared["objects"].items()}
-            parts["values"].update(
-                {n: _digest(v, snapshot.shared_tensors) for n, v in shared["values"].items()}
-            )
+            values.update({n: _digest(v, snapshot.shared_tensors) for n, v in shared["values"].items()})
         self.write({"event": "save", "step": step if isinstance(step, int) else None, "digests": parts})
         self.fresh = True
 

@@ -137,7 +137,7 @@ class Membership:
                     f"Call {call} on every rank at the same point; if they were only slow, raise "
                     "save_timeout= in ddpkit.session(...)",
                 )
-            if self.watchdog is not None and now - start > GRACE and now - looked >= 1.0:
+            if isinstance(self.watchdog, CallWatchdog) and now - start > GRACE and now - looked >= 1.0:
                 looked = now
                 stuck, running = self._positions(call, where, waiting, last)
                 if stuck:
@@ -154,7 +154,7 @@ class Membership:
     ) -> tuple[dict[int, str], bool]:
         """Where each rank that has not tagged the call stands: those in a collective at the same place
         as at the previous look (they cannot come), and whether any is still running."""
-        assert self.watchdog is not None
+        assert isinstance(self.watchdog, CallWatchdog)  # `join` makes this one
         at = where.split(" in ")[0].rsplit("/", 1)[-1]
         mine = {"state": f"in {call}", "collective": False, "where": where, "at": at}
         answers = self.watchdog.gather_answers(mine, deadline=3 * self.watchdog.poll + 2)

@@ -306,9 +306,14 @@ class Session(RankContext):
     # -- checkpoints (ddpkit.checkpoint.checkpoints) -------------------------------------------------------
     def save(self, path: str, **state: Any) -> Any:
         """Save the training state atomically; see `ddpkit.checkpoint.checkpoints.Checkpoints.save`.
-        With fingerprints on, the replicas are compared first: drifted weights are never written."""
+        With fingerprints on, the replicas are compared first: drifted weights are never written. Before
+        either, a save that writes is tagged (`Checkpoints.agree`), so a rank that reached it alone is
+        refused by name instead of meeting the others' collectives."""
+        ckpt = self.checkpoints
+        if ckpt.due(state.get("every"), state.get("step")):
+            ckpt.agree("s.save")  # before any collective: a rank that is elsewhere is named, not met
         self.stepper.check_replicas()
-        return self.checkpoints.save(path, **state)
+        return ckpt.save(path, **state)
 
     def load(self, path: str, **state: Any) -> Any:
         """Restore state saved by `save` into the given objects; see `ddpkit.checkpoint.checkpoints`."""

@@ -139,7 +139,7 @@ def compare(
     differ = [
         f"rank {r}: {part}"
         for r, (a, b) in enumerate(zip(last_full, last_resumed, strict=True))
-        for part in _differences(a["digests"] if a else {}, b["digests"])
+        for part in _differences(a["digests"] if a else {}, b["digests"] if b else {})
     ]
     if not differ:
         return ScriptReport(True, [f"{head}: PASSED, the last checkpoint is bitwise the uninterrupted run's"])
