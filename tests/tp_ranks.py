@@ -346,3 +346,25 @@ def loader_split(options: TPOptions) -> dict:
         batches = s.loader(data, batch_size=8, shuffle=True)
         ids = [b[0].tolist() for b, _ in zip(batches, range(2), strict=False)]
         return {"ids": ids, "rank_seed": s.rank_seed, "printed": printed.getvalue()}
+
+
+def token_data(n: int = 64) -> torch.utils.data.TensorDataset:
+    """Sequences of token ids for `ddpkit verify --data` (the Llama's own next-token loss: `lm_loss`)."""
+    g = torch.Generator().manual_seed(11)
+    return torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (n, 8), generator=g))
+
+
+def lm_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    ids = batch[0]
+    logits = model(input_ids=ids).logits  # from the outputs: verify's chunked variant joins them
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def wrong_llama() -> nn.Module:
+    """The Llama with a planted wrong plan in its config: the attention's output projection (row-wise)
+    given column-wise."""
+    from transformers import LlamaForCausalLM
+
+    config = llama_config()
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.self_attn.o_proj": "colwise"}
+    return LlamaForCausalLM(config)

@@ -140,7 +140,16 @@ class MemoryJob:
 
     def _check_degrees(self) -> None:
         """Refused before any estimate, each in one line naming the flag: a degree the strategy does
-        not take, and a shard degree a 2-D strategy needs but was not given or does not divide."""
+        not take, and a shard degree a 2-D strategy needs but was not given or does not divide; a
+        tensor-parallel strategy (not estimated yet)."""
+        if "tensor" in strategies.entry(_registered(self.strategy)).dims:
+            raise problem(
+                f"plan --memory does not estimate tensor parallelism yet (--strategy {self.strategy}: "
+                "its fake-tensor step does not split the layers, so every figure would be FSDP's alone)",
+                "Estimate the data-parallel part with --strategy fsdp --world <world / tensor degree> "
+                "(the split layers' weights, gradients and optimizer state then divide by the tensor "
+                "degree), or measure one step of ddpkit.session(strategy=TPOptions(...))",
+            )
         for degree, value in self.given().items():
             if value is not None and not takes(self.strategy, degree):
                 owners = [n for n in offered() if n != ZERO1 and takes(n, degree)]

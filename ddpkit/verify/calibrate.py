@@ -12,8 +12,10 @@ step t (deviations accumulate; a variant that happens to dip at one step says no
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ddpkit.verify.spec import Tolerance
 
@@ -114,3 +116,22 @@ def floor_summary(floor_by_step: list[dict[str, tuple[float, float]]]) -> dict[s
         "max_rel_norm": max((v[0] for v in last.values()), default=0.0),
         "max_abs": max((v[1] for v in last.values()), default=0.0),
     }
+
+
+class FeatureSplit(torch.overrides.TorchFunctionMode):
+    """The "features" floor variant: every `F.linear`'s sum over its input features done in 3 pieces,
+    then added in order. Tensor parallelism splits exactly those sums (a row-wise layer's halves, then an
+    all-reduce); permuting rows or chunking the batch never reorders them, so under TP only this variant
+    measures the noise TP itself adds."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.linear:
+            return func(*args, **kwargs)
+        x, w = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        parts = [F.linear(xc, wc) for xc, wc in zip(x.chunk(3, -1), w.chunk(3, -1), strict=True)]
+        y = parts[0]
+        for part in parts[1:]:
+            y = y + part
+        return y + bias if bias is not None else y

@@ -9,6 +9,7 @@ the first step, a hash of every batch, and (DDP) which tensors differ between th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pickle
 import traceback
@@ -24,6 +25,7 @@ import ddpkit
 from ddpkit.data import plan_batch
 from ddpkit.errors import problem
 from ddpkit.step import tokens
+from ddpkit.verify.calibrate import FeatureSplit
 from ddpkit.verify.spec import VerifySpec, build_data, build_loss, build_model, build_optimizer, resolve
 
 
@@ -361,14 +363,16 @@ def run_single(
     """The single-process run on the global batch, in this process; a `variant` changes only sum orders.
 
     "permuted": each global batch with its rows in another order; "chunked": forward in `pieces`
-    pieces (default nproc + 1, never DDP's shards); "threads": another CPU thread count.
+    pieces (default nproc + 1, never DDP's shards); "threads": another CPU thread count; "features":
+    every linear layer's sum over its input features in 3 pieces (the order tensor parallelism changes).
     """
     saved = torch.get_num_threads()
     if variant == "threads":
         threads = threads * 2 if threads == 1 else threads // 2
     torch.set_num_threads(threads)
     try:
-        with ddpkit.session(seed=spec.seed, device=spec.device, env={}, verbose=False) as s:
+        split = FeatureSplit() if variant == "features" else contextlib.nullcontext()
+        with ddpkit.session(seed=spec.seed, device=spec.device, env={}, verbose=False) as s, split:
             chunks = (pieces or spec.nproc + 1) if variant == "chunked" else 0
             return train(spec, s, permuted=variant == "permuted", chunks=chunks)
     finally:

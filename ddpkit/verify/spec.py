@@ -22,7 +22,7 @@ from ddpkit.errors import problem
 from ddpkit.parallel.precision import ALIASES, PrecisionPlan, canonical
 from ddpkit.verify import shapes
 
-FLOOR_VARIANTS = ("permuted", "chunked", "threads")
+FLOOR_VARIANTS = ("permuted", "chunked", "threads", "features")  # features: tensor parallelism's
 # The library's precision names (`ddpkit.parallel.precision`: "32", "bf16", "16" and their spellings), plus
 # "fp64", verify's own: the whole comparison in float64, to tell rounding from a real difference.
 PRECISIONS: tuple[str, ...] = ("fp64", *ALIASES)
