@@ -71,6 +71,41 @@ def kill_mid_copy(step: int, out: str | None) -> None:
     MemorySnapshots.save, MemorySnapshots.write_tensor = saving, writing  # type: ignore[method-assign]
 
 
+def _augment(x: torch.Tensor) -> torch.Tensor:
+    x = x + 0.05 * torch.from_numpy(np.random.randn(*x.shape).astype(np.float32))
+    return x * 1.01 if random.random() < 0.5 else x
+
+
+def _fit(
+    s: Any, model: Any, opt: Any, sched: Any, loader: Any, step: int, kill_at: Any, rank: int, out: Any
+) -> int:
+    """The rest of the run under `ddpkit.fit` (its own loop: the scheduler after each step); the step."""
+    done = [step]
+
+    def train_step(module: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        if kill_at == done[0] + 1 and s.rank == rank and not _restarted():
+            Path(out or ".", "killed.txt").write_text(f"{time.time()} {done[0] + 1}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        done[0] += 1
+        return F.cross_entropy(module(_augment(x)), y)
+
+    total = EPOCHS * SAMPLES // GLOBAL_BATCH
+    if total > step:
+        ddpkit.fit(
+            s,
+            model,
+            opt,
+            loader,
+            train_step,
+            max_steps=total - step,
+            scheduler=sched,
+            progress=False,
+            flops=None,
+        )
+    return total
+
+
 def train(
     keeper: str | None,
     out: str | None,
@@ -83,12 +118,14 @@ def train(
     peers: tuple[str, ...] = (),
     step_sleep: float = 0.0,
     memory: int = 0,
+    fit_loop: bool = False,
 ) -> dict[str, Any]:
     """Train 12 steps; with `keeper`, restore the newest snapshot all ranks hold first; with `ckpt`
     (today's disk path, for the benchmark), `s.load` it first and `s.save` every `disk_every` steps.
     `peers`: other hosts' keepers (TCP), asked when this host's keeper lacks this rank's snapshots (a
     replacement host); `step_sleep`: seconds added to every step (a fault from outside lands mid-run);
-    `memory`: the product's way instead, `s.load(ckpt, ..., memory=N)` under `ddpkit run` (its keeper).
+    `memory`: the product's way instead, `s.load(ckpt, ..., memory=N)` under `ddpkit run` (its keeper);
+    `fit_loop`: the same steps under `ddpkit.fit` instead of the plain loop.
     Returns this rank's final state (full weights, its optimizer state, RNG, step, LR)."""
     torch.set_num_threads(1)
     with ddpkit.session(seed=0, verbose=out is not None) as s:
@@ -113,6 +150,8 @@ def train(
         if out and (values["step"] or _restarted()) and s.rank == 0:  # a restart, or a new host restored
             Path(out, "resumed.txt").write_text(f"{time.time()} {values['step']}")
         step = values["step"]
+        if fit_loop:
+            step = _fit(s, model, opt, sched, loader, step, kill_at, kill_rank, out)
         for _ in range(loader.epoch, EPOCHS):
             for x, y in loader:
                 x = x + 0.05 * torch.from_numpy(np.random.randn(*x.shape).astype(np.float32))
@@ -167,7 +206,8 @@ if __name__ == "__main__":
     p.add_argument("--peers", default="")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--memory", type=int, default=0)
+    p.add_argument("--fit", action="store_true")
     a = p.parse_args()
     peers = tuple(filter(None, a.peers.split(",")))
     fault = (a.kill_at, a.kill_rank, a.kill_mid_snapshot)
-    train(a.keeper, a.out, a.strategy, *fault, a.ckpt, a.disk_every, peers, a.step_sleep, a.memory)
+    train(a.keeper, a.out, a.strategy, *fault, a.ckpt, a.disk_every, peers, a.step_sleep, a.memory, a.fit)

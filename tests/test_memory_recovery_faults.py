@@ -105,3 +105,31 @@ def test_s_load_with_memory_under_ddpkit_run_recovers_a_killed_rank_from_the_kee
     for rank, want in enumerate(_fsdp_reference(pool4)):
         got = torch.load(out / f"rank{rank}.pt", weights_only=True)
         assert same(got, want) == [], f"rank {rank} differs from the uninterrupted run at {same(got, want)}"
+
+
+@pytest.mark.timeout(300)
+def test_under_ddpkit_fit_a_killed_rank_recovers_from_memory_bitwise(pool2, tmp_path: Path) -> None:
+    # ddpkit.fit's own loop (the scheduler stepped after each optimizer step, before the next batch) under
+    # DDP at 2 ranks: the snapshot at the loader's next batch holds the scheduler after the same step.
+    out = tmp_path / "out"
+    out.mkdir()
+    args = [
+        TRAIN,
+        str(out),
+        "--strategy",
+        "ddp",
+        "--memory",
+        "1",
+        "--fit",
+        "--kill-at",
+        "9",
+        "--kill-rank",
+        "0",
+    ]
+    done = run_cli("run", "--nproc", "2", "--max-restarts", "1", *args, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ddpkit: resumed from memory at step 8" in done.stdout, done.stdout[-3000:]
+    reference = pool2.run(train, None, None, "ddp", None, 1, None, None, 0, (), 0.0, 0, True, timeout=120)
+    for rank, want in enumerate(reference):
+        got = torch.load(out / f"rank{rank}.pt", weights_only=True)
+        assert same(got, want) == [], f"rank {rank} differs from the uninterrupted fit at {same(got, want)}"
