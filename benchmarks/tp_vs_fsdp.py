@@ -91,6 +91,10 @@ def timed(name: str, batch: int, steps: int) -> list[float]:
 
 
 def rank_main(batches: list[int], rounds: int, steps: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # one group for every session of the rank (each leaves it alone)
+        dist.init_process_group("gloo")
     names = ["tp", "fsdp", "ddp"]
     medians: dict[str, dict[str, list[float]]] = {str(b): {n: [] for n in names} for b in batches}
     for r in range(rounds):
