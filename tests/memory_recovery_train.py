@@ -30,6 +30,7 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit.checkpoint.memory import MemorySnapshots, Slot
+from ddpkit.strategy import HSDPOptions
 
 EPOCHS, SAMPLES, GLOBAL_BATCH = 2, 96, 16
 MID = 10  # of the snapshot's tensors: RNG, loader, the model's 6, then the optimizer's
@@ -129,7 +130,8 @@ def train(
     Returns this rank's final state (full weights, its optimizer state, RNG, step, LR)."""
     torch.set_num_threads(1)
     with ddpkit.session(seed=0, verbose=out is not None) as s:
-        model = s.model(net(), strategy=strategy)
+        layout = HSDPOptions(replicate=2, shard=2) if strategy == "hsdp-2x2" else strategy
+        model = s.model(net(), strategy=layout)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
         loader = s.loader(make_data(), batch_size=GLOBAL_BATCH, shuffle=True)

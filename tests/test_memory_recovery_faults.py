@@ -21,13 +21,14 @@ from resume_train import same
 from ddpkit.cluster.keeper import Keeper
 
 TRAIN = str(REPO / "tests" / "memory_recovery_train.py")
-_reference: list[dict] = []
+_references: dict[str, list[dict]] = {}
 
 
-def _fsdp_reference(pool4) -> list[dict]:
-    if not _reference:
-        _reference.extend(pool4.run(train, None, None, "fsdp", timeout=120))
-    return _reference
+def _fsdp_reference(pool4, strategy: str = "fsdp") -> list[dict]:
+    """The uninterrupted 4-rank run in the pool, once per strategy and test session."""
+    if strategy not in _references:
+        _references[strategy] = pool4.run(train, None, None, strategy, timeout=120)
+    return _references[strategy]
 
 
 def _recover(pool4, out: Path, *fault: str) -> int:
@@ -79,30 +80,19 @@ def test_a_kill_in_the_middle_of_a_snapshot_restores_the_step_before_on_every_ra
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp-2x2"])
 def test_s_load_with_memory_under_ddpkit_run_recovers_a_killed_rank_from_the_keeper(
-    pool4, tmp_path: Path
+    pool4, tmp_path: Path, strategy: str
 ) -> None:
     # The product's way: `ddpkit run` starts the keeper, `s.load(root, ..., memory=1)` restores from it
     # and snapshots at the loader's next batch (after the scheduler's step: it must not be one behind).
     out = tmp_path / "out"
     out.mkdir()
-    done = run_cli(
-        "run",
-        "--nproc",
-        "4",
-        "--max-restarts",
-        "1",
-        TRAIN,
-        str(out),
-        "--memory",
-        "1",
-        "--kill-at",
-        "8",
-        timeout=240,
-    )
+    args = [TRAIN, str(out), "--strategy", strategy, "--memory", "1", "--kill-at", "8"]
+    done = run_cli("run", "--nproc", "4", "--max-restarts", "1", *args, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ddpkit: resumed from memory at step 7" in done.stdout, done.stdout[-3000:]
-    for rank, want in enumerate(_fsdp_reference(pool4)):
+    for rank, want in enumerate(_fsdp_reference(pool4, strategy)):
         got = torch.load(out / f"rank{rank}.pt", weights_only=True)
         assert same(got, want) == [], f"rank {rank} differs from the uninterrupted run at {same(got, want)}"
 
