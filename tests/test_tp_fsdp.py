@@ -56,3 +56,23 @@ def test_llama_under_fsdp2_x_tp2_trains_resumes_elsewhere_and_converts(pool4, po
     ids = batches("llama", 1)[0]
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_hsdp_2x2_x_tp2_on_8_ranks_trains_the_gpt_of_one_process() -> None:
+    """The 3-D mesh: replicate 2 x shard 2 x tensor 2 on 8 gloo ranks (a pool of its own, closed here)."""
+    from rankpool import RankPool
+    from tp_ranks import GPT_PLAN
+
+    options = TPOptions(tensor=2, replicate=2, plan=GPT_PLAN, min_block_params=1)
+    pool = RankPool(8)
+    try:
+        ranks = pool.run(functools.partial(train, steps=2), "gpt", options, timeout=110)
+    finally:
+        pool.close()
+    got = ranks[0]
+    assert (got["layout"]["replicate"], got["layout"]["shard"], got["layout"]["tensor"]) == (2, 2, 2)
+    ref = one_process("gpt", steps=2)
+    variants = [one_process("gpt", steps=2, variant=v)["states"] for v in ("permuted", "features")]
+    used, where = excess(ref["states"], got["states"], variants)
+    assert used <= 1.0, f"{used:.2f} x verify's tolerance at {where}"
+    assert all(torch.equal(ranks[7]["states"][-1][n], t) for n, t in got["states"][-1].items())
