@@ -250,7 +250,7 @@ class FSDP(Strategy):
         group's norm combined over its ranks (`full_tensor`: replicated dimensions counted once)."""
         params = [p for p in params if p.grad is not None]
         groups = by_mesh(params)
-        norm = total_norm([[p.grad for p in group] for group in groups])
+        norm = total_norm([[p.grad for p in group if p.grad is not None] for group in groups])
         for group in groups:
             nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return norm

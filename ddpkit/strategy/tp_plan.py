@@ -277,8 +277,8 @@ def check(model: nn.Module, plan: Plan, degree: int) -> None:
 def check_heads(model: nn.Module, degree: int) -> None:
     """Attention heads are split whole (a Hugging Face config says how many): each rank needs a whole
     number of query and key/value heads."""
-    config = getattr(model, "config", None)
-    if hasattr(config, "get_text_config"):
+    config: Any = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int):
