@@ -19,13 +19,14 @@ if TYPE_CHECKING:
     from ddpkit.cluster.spawn import SpawnError, spawn
     from ddpkit.cluster.topology import Hardware, Placement
     from ddpkit.data import to_device
+    from ddpkit.data.batching import Global
     from ddpkit.errors import DdpkitError
     from ddpkit.observe.metrics import Accuracy, Mean, MetricSet, Sum
     from ddpkit.observe.monitor import StepMonitor
     from ddpkit.parallel.modules import unwrap
     from ddpkit.parallel.shm_allreduce import ShmAllReduce
     from ddpkit.step.stepping import StepInfo
-    from ddpkit.strategy import DDPOptions, FSDPOptions, HSDPOptions
+    from ddpkit.strategy import DDPOptions, FSDPOptions, HSDPOptions, TPOptions
     from ddpkit.training.fit import Callback, FitResult, FitState, evaluate, fit
     from ddpkit.training.opening import session
     from ddpkit.training.seeding import seed_everything
@@ -55,8 +56,10 @@ _HOME = {
     "DDPOptions": "strategy",
     "FSDPOptions": "strategy",
     "HSDPOptions": "strategy",
+    "TPOptions": "strategy",
     "ShmAllReduce": "parallel.shm_allreduce",
     "to_device": "data",
+    "Global": "data.batching",
     "Hardware": "cluster.topology",
     "Placement": "cluster.topology",
     "unwrap": "parallel.modules",
@@ -87,6 +90,7 @@ __all__ = [
     "FSDPOptions",
     "FitResult",
     "FitState",
+    "Global",
     "HSDPOptions",
     "Hardware",
     "Mean",
@@ -99,6 +103,7 @@ __all__ = [
     "StepInfo",
     "StepMonitor",
     "Sum",
+    "TPOptions",
     "__version__",
     "evaluate",
     "fit",
