@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit import names
 from ddpkit.checkpoint import files, resuming
 from ddpkit.checkpoint import retention as keeping
 from ddpkit.checkpoint.background import NICE, Background, writer_group
@@ -62,8 +63,8 @@ from ddpkit.errors import problem
 __all__ = ["CheckpointContext", "CheckpointError", "Checkpoints", "Preempted", "latest"]
 
 # Set by `ddpkit verify --resume-script` in the ranks it launches (ddpkit.verify.script_resume), nowhere else:
-RECORD_ENV = "DDPKIT_VERIFY_RECORD"  # a folder: each rank appends what every save, load and step saw
-STOP_ENV = "DDPKIT_VERIFY_STOP"  # "kill:K" or "signal:K": stop this process at its K-th optimizer step
+RECORD_ENV = names.VERIFY_RECORD_ENV  # a folder: each rank appends what every save, load and step saw
+STOP_ENV = names.VERIFY_STOP_ENV  # "kill:K" or "signal:K": stop this process at its K-th optimizer step
 
 
 def _require_safe_torch() -> None:

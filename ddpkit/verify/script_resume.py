@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpkit import names
 from ddpkit.errors import problem
 
-RECORD_ENV = "DDPKIT_VERIFY_RECORD"  # as ddpkit.checkpoint.checkpoints reads them in the ranks
-STOP_ENV = "DDPKIT_VERIFY_STOP"
+RECORD_ENV = names.VERIFY_RECORD_ENV  # as ddpkit.checkpoint.checkpoints reads them in the ranks
+STOP_ENV = names.VERIFY_STOP_ENV
 
 
 @dataclass(frozen=True, kw_only=True)
