@@ -391,6 +391,15 @@ _SAME_BY_CONSTRUCTION = "a resumed run repeats the uninterrupted run's own opera
 # is marked `numerics` as a whole. tests/test_ci_selection.py checks that every other test showing a float
 # comparison is marked `numerics`, and that every entry names a test.
 NOT_KERNEL_DEPENDENT = {
+    "test_memory_recovery.py": "a snapshot's round trip: the restored tensors are the bytes the slot holds",
+    "test_memory_recovery_faults.py": _SAME_BY_CONSTRUCTION,
+    "test_memory_recovery_hosts.py": _SAME_BY_CONSTRUCTION,
+    "test_memory_recovery_plan.py": "the fault plan's arithmetic on given rates and times",
+    "test_verify_script_resume.py": _SAME_BY_CONSTRUCTION,
+    "test_idioms_reading.py": "an offline read returns the saved bytes",
+    "test_tp_verify.py::test_the_tensor_flags_set_the_shapes_verify_and_plan_run": (
+        "the flags' effect on the spec verify runs (the comparison is not run)"
+    ),
     "test_options_cli.py::test_checkpoint_convert_to_model_and_back_with_name_and_step": (
         "a conversion round trip: the converted tensors are the saved bytes"
     ),

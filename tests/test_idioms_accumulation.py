@@ -12,6 +12,8 @@ from ddpkit.data.batching import Global, resolve_accumulation
 from ddpkit.errors import DdpkitError
 from ddpkit.names import ELASTIC_WORLD_ENV
 
+pytestmark = pytest.mark.numerics  # compared with one process: the default-kernel leg runs it too
+
 HW = ddpkit.Hardware(gpus=0, cpu_cores=2)
 ROWS = 16
 

@@ -13,6 +13,8 @@ from tp_ranks import GPT_PLAN, GPT_VOCAB_PLAN, MLP_PLAN, excess, one_process, re
 
 from ddpkit.strategy.tp_options import TPOptions
 
+pytestmark = pytest.mark.numerics  # compared with one process: the default-kernel leg runs it too
+
 
 def _reference(kind: str, **kw) -> tuple[dict, list[list[dict]]]:
     """One process, and its noise-floor variants (rows permuted; features summed in 3 pieces)."""

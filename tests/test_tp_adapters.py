@@ -5,9 +5,12 @@ adapters equals one process within verify's floor. Rank functions: tests/tp_rank
 
 from __future__ import annotations
 
+import pytest
 from tp_ranks import excess, one_process, train
 
 from ddpkit.strategy.tp_options import TPOptions
+
+pytestmark = pytest.mark.numerics  # compared with one process: the default-kernel leg runs it too
 
 
 def test_lora_adapters_train_on_a_tp_llama_as_in_one_process(pool2) -> None:

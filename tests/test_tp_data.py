@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 from tp_ranks import GPT_PLAN, excess, loader_split, one_process, train
 
 from ddpkit.strategy.tp_options import TPOptions
+
+pytestmark = pytest.mark.numerics  # compared with one process: the default-kernel leg runs it too
 
 
 def test_a_tensor_group_reads_one_batch_and_shares_one_seed(pool4) -> None:

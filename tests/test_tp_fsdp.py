@@ -14,6 +14,8 @@ from tp_ranks import batches, excess, llama_config, one_process, resumed, train
 from ddpkit.checkpoint import convert
 from ddpkit.strategy.tp_options import TPOptions
 
+pytestmark = pytest.mark.numerics  # compared with one process: the default-kernel leg runs it too
+
 STEPS, ACCUMULATION = 3, 2
 
 

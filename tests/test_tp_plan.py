@@ -16,6 +16,8 @@ from ddpkit.strategy import registry, tp_plan
 from ddpkit.strategy.tp_init import Piece
 from ddpkit.strategy.tp_options import TPOptions
 
+pytestmark = pytest.mark.numerics  # compared with one process: the default-kernel leg runs it too
+
 
 def _meta(factory):
     with torch.device("meta"):

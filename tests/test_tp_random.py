@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 from tp_ranks import GPT_VOCAB_PLAN, excess, one_process, train
 
 from ddpkit.strategy.tp_options import TPOptions
+
+pytestmark = pytest.mark.numerics  # compared with one process: the default-kernel leg runs it too
 
 
 def test_dropout_on_the_sequence_parallel_stream_is_one_processs(pool2) -> None:

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
+
+pytestmark = pytest.mark.numerics  # compared with one process: the default-kernel leg runs it too
+
 ARGS = ["--data", "tp_ranks:token_data", "--loss", "tp_ranks:lm_loss", "--optimizer", "adamw", "--nproc", "4"]
 ARGS += ["--strategy", "tp", "--tensor-degree", "2", "--steps", "3", "--batch-size", "8"]
 
