@@ -16,7 +16,6 @@ from torch import nn
 import ddpkit
 from ddpkit.errors import DdpkitError
 
-
 # The port of a script whose checkpoint block ran on rank 0 only: `s.save` put where `torch.save` was.
 # The collective limit (600 s) is far above the test's own: a refusal that waited for it would fail here.
 PORT = """

@@ -55,3 +55,19 @@ def test_the_plans_fault_flags_reach_the_section() -> None:
         faults.table(base, {k: getattr(build_parser().parse_args([]), k) for k in faults.OPTIONS})
     )
     assert "16384" in text and "memory snapshots: lost" in text and "Dubey et al. 2024" in text
+
+
+def test_the_storage_interval_snapshot_cost_and_optimizer_flags_reach_the_section() -> None:
+    """Each of the other fault flags moves the figure it feeds: slower storage and more optimizer state
+    make a disk checkpoint dearer (a longer interval: more lost), a dearer snapshot is taken less often,
+    and a disk interval given is the one used."""
+    base = _rows()
+    slower = _rows("--storage-gbps", "1")
+    assert all(s["disk_share"] > b["disk_share"] for s, b in zip(slower, base, strict=True))
+    more_state = _rows("--optimizer-states", "6")
+    assert all(m["disk_share"] > b["disk_share"] for m, b in zip(more_state, base, strict=True))
+    dear = _rows("--snapshot-cost", "0.5")
+    assert all(d["memory_every"] >= b["memory_every"] for d, b in zip(dear, base, strict=True))
+    assert any(d["memory_every"] > b["memory_every"] for d, b in zip(dear, base, strict=True))
+    fixed = _rows("--disk-interval-s", "7200")
+    assert [f["disk_interval_s"] for f in fixed] == [7200.0] * 3
