@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 from ddpkit import strategy as strategies
 from ddpkit.errors import problem
@@ -115,12 +116,14 @@ class Part:
             return "one process"
         return f"{self.strategy.upper()}({self.layout.describe(short=True)})"
 
-    def session_strategy(self) -> object:
+    def session_strategy(self) -> strategies.Choice:
         """What `ddpkit.session(strategy=...)` gets: the strategy's options asking for exactly this
-        layout's degrees (HSDPOptions(replicate=2, shard=2)), or its name when they take none."""
+        layout's degrees (HSDPOptions(replicate=2, shard=2)), or its name when they take none. A
+        registered strategy's options are outside `Choice`'s union, yet the session reads them through
+        the registry: hence the cast."""
         if self.strategy == "single":
             return "auto"
-        return strategies.options_for(self.strategy, self.layout)
+        return cast("strategies.Choice", strategies.options_for(self.strategy, self.layout))
 
 
 def _options(strategy: str, degrees: Mapping[str, int]) -> object:
