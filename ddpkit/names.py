@@ -47,9 +47,5 @@ STEP_MEMORY_ENV = "DDPKIT_STEP_MEMORY_MIB"  # MiB a rank's step may hold (`train
 GPUCHECK_DEVICE_ENV = "DDPKIT_GPUCHECK_DEVICE"  # "cpu": `ddpkit gpucheck` rehearses on CPU
 CUDA_MEMORY_HISTORY_ENV = "DDPKIT_CUDA_MEMORY_HISTORY"  # "0": no CUDA allocation history (micro_batch="auto")
 CACHE_DIR_ENV = "DDPKIT_CACHE_DIR"  # where measured facts of this machine are kept (`observe.flops` CPU peak)
-VERIFY_RECORD_ENV = (
-    "DDPKIT_VERIFY_RECORD"  # verify --resume-script: each rank records its saves, steps
-)
-VERIFY_STOP_ENV = (
-    "DDPKIT_VERIFY_STOP"  # verify --resume-script: "kill:K" or "signal:K" (step K)
-)
+VERIFY_RECORD_ENV = "DDPKIT_VERIFY_RECORD"  # verify --resume-script: each rank records its saves, steps
+VERIFY_STOP_ENV = "DDPKIT_VERIFY_STOP"  # verify --resume-script: "kill:K" or "signal:K" (step K)

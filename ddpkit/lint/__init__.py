@@ -6,8 +6,9 @@
 
 Rules are in `rules_model` (building and wrapping the model), `rules_ranks` (what each rank does) and
 `rules_loop` (loss and sampler), `rules_idioms` (what a ported script brings), over `script` (a parsed
-script), `models` (which expression is the model) and `optimizers` (which optimizer trains it); `ddpkit lint --list-rules` and docs/lint.md describe each. Precision
-comes first: a rule stays silent when the script does not show enough to be sure.
+script), `models` (which expression is the model) and `optimizers` (which optimizer trains it);
+`ddpkit lint --list-rules` and docs/lint.md describe each. Precision comes first: a rule stays silent
+when the script does not show enough to be sure.
 
 Owns: the rules and their findings; it runs nothing of the script.
 May import `ddpkit` and its public modules only (the `tools` contract in `.importlinter`): never

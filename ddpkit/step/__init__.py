@@ -8,7 +8,7 @@
     micro_batches   batch arithmetic: a micro-batch's sample count, and its cut into equal parts
     spikes          spike_guard=: a loss or gradient-norm spike skipped by every rank in the same step
     spike_norm      the guard's own gradient norm without max_norm (DDP's bucket runs read as one tensor)
-    fingerprint     replica fingerprints: every N steps, one small collective checks replicas hold the same bits
+    fingerprint     replica fingerprints: every N steps one small collective checks the replicas' bits
     invariant       reproducible="any-world": results bitwise independent of the world size
     chunktree       the fixed summation tree any-world reduces with
 
