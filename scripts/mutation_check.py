@@ -438,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
         f"in {time.monotonic() - began:.0f} s"
     )
     if ns.due:
-        print(f"{len(MUTANTS) - len(chosen)} of {len(MUTANTS)} mutants not run (the record covers them)")
+        print(
+            f"{len(MUTANTS) - len(chosen)} of {len(MUTANTS)} mutants not run (the record covers them, or the due budget left them)"
+        )
     if ns.record:
         print(write_record([m for m in chosen if results[m.name][0] == 1]))
     return 0 if ok else 1
