@@ -439,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if ns.due:
         print(
-            f"{len(MUTANTS) - len(chosen)} of {len(MUTANTS)} mutants not run (the record covers them, or the due budget left them)"
+            f"{len(MUTANTS) - len(chosen)} of {len(MUTANTS)} mutants not run "
+            "(the record covers them, or the due budget left them)"
         )
     if ns.record:
         print(write_record([m for m in chosen if results[m.name][0] == 1]))
