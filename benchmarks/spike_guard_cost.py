@@ -5,7 +5,7 @@
 2 gloo ranks (1 thread each) train one of ddpkit's named workloads (ddpkit/tools/workloads.py) with
 `s.accumulate` / `s.backward` / `s.step`. Four modes: "clip" (max_norm=1.0, no guard), "clip+guard" (the
 same with the guard judging the norm and an agreed loss, as under `ddpkit.fit`), "plain" (no max_norm, no
-guard) and "plain+guard" (the guard computes the norm itself: `spikes.grad_norm`, no clip; under DDP
+guard) and "plain+guard" (the guard computes the norm itself: `spike_norm.grad_norm`, no clip; under DDP
 one norm per run of gradients in its flat buckets). The guard is
 switched per step by swapping the stepper's judge (`Stepper.spikes`), a benchmark's shortcut; its
 thresholds never skip, so every step is judged and applied, against a full window once it has filled.
@@ -16,7 +16,7 @@ position in the round and every predecessor (a fixed rotation always ran "clip+g
 Rank 0 prints one row per mode: the median of the repeats' median step times (wall clock, and the main
 thread's CPU time) with their range, and the median (and range) of the repeats' ratios to the
 guard-less twin; then what the step-time noise cannot resolve: the time spent inside the guard's own
-calls in the real step (`Stepper._judge`, and `spikes.grad_norm` without max_norm; wrapped with a
+calls in the real step (`Stepper._judge`, and `spike_norm.grad_norm` without max_norm; wrapped with a
 timer, another shortcut) as a share of the twin's step; and the collectives per step of each mode,
 counted with torch.profiler (the gloo collectives' `gloo:*` events over `--profiled` steps): the guard
 must add none (under FSDP or the sharded step, "plain+guard" adds the one scalar all-reduce a clip
@@ -64,7 +64,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import ddpkit
-from ddpkit.step import spikes
+from ddpkit.step import spike_norm, spikes
 from ddpkit.tools import workloads
 
 MODES = ("clip", "clip+guard", "plain", "plain+guard")
@@ -131,9 +131,9 @@ def _rank(name: str, repeats: int, rounds: int, profiled: int) -> dict:
         batch = w.sample(torch.Generator().manual_seed(s.rank), w.global_batch // s.world_size)
         judge = spikes.Judge(spikes.SpikeGuard(threshold=1e9), world=s.world_size, report=s.print)
         # the guard's whole per-step work inside the real step: `Stepper._judge` (the norm to the host and
-        # the judgement) and, without max_norm, the norm it computes (`spikes.grad_norm`); a shortcut
-        judged, normed = _Timed(s.stepper._judge), _Timed(spikes.grad_norm)
-        s.stepper._judge, spikes.grad_norm = judged, normed  # type: ignore[method-assign,assignment]
+        # the judgement) and, without max_norm, the norm it computes (`spike_norm.grad_norm`); a shortcut
+        judged, normed = _Timed(s.stepper._judge), _Timed(spike_norm.grad_norm)
+        s.stepper._judge, spike_norm.grad_norm = judged, normed  # type: ignore[method-assign,assignment]
         for _ in range(110):  # warm up, and fill the guard's window (100) before anything is timed
             _step(s, net, opt, w, batch, "clip+guard", judge)
         medians: dict[str, list[float]] = {m: [] for m in MODES}

@@ -193,8 +193,7 @@ class FSDP(Strategy):
             mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=opts.reshard_after_forward
         )
         units = fsdp_units.choose_units(module, opts)
-        # `vars(self)`: `step.oom.check` still assigns the flag; goes when it calls `keep_blueprints()`
-        if self._keep_blueprints or vars(self).get("keep_blueprints") is True:
+        if self._keep_blueprints:
             self.blueprints[module] = Blueprint(step_memory.skeleton(module), tuple(units), kwargs)
         compiled: list[str] = []
         if compile_block is not None:  # before fully_shard: the torchtitan order (hooks outside the graphs)
