@@ -11,6 +11,7 @@
     failures      which rank failed first, and why (the error file torchrun's agent reads)
     run_report    what `ddpkit run` says when workers fail: at every restart, and when the job ends
     lifecycle     `Membership`: the only calls to init/destroy_process_group (group, store, watchdog)
+    rendezvous_report  a start-up meeting that ran out of time: who never arrived, where, the fix
     watchdog      where every rank stands: Python stacks through the c10d store, for stall reports
     exit_guard    an exit that cannot turn a finished run into a failure
     preemption    a signal asks the job to stop: every rank stops at the same step, saves, exits 75

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.cluster import exit_guard, failures
+from ddpkit.cluster import exit_guard, failures, rendezvous_report
 from ddpkit.cluster.exit_guard import finished_with_zero
 from ddpkit.cluster.topology import Placement
 from ddpkit.cluster.watchdog import _DDPKIT_DIR, _TORCH_DIR, Watchdog, exception_position
@@ -214,7 +214,14 @@ def join(plan: Placement, limits: Limits) -> Membership | None:
         return None
     owns = not dist.is_initialized()
     if owns:
-        _init_group(plan, limits)
+        try:
+            _init_group(plan, limits)
+        except dist.DistError as err:  # the meeting ran out of time: who never came, where, the fix
+            r = plan.ranks
+            where = f"{r.master_addr}:{r.master_port}"
+            raise rendezvous_report.explain(
+                err, rank=r.rank, world_size=r.world_size, address=where, timeout=limits.rendezvous
+            ) from None
     store = dist.distributed_c10d._get_default_store()
     joined = int(store.add("ddpkit/groups", 1))
     prefix = f"ddpkit/{(joined - 1) // dist.get_world_size()}"
