@@ -116,16 +116,17 @@ def train(
     kill_mid: int | None = None,
     ckpt: str | None = None,
     disk_every: int = 0,
-    peers: tuple[str, ...] = (),
+    peers: tuple[tuple[str, str], ...] = (),
     step_sleep: float = 0.0,
-    memory: int = 0,
+    memory: int | str = 0,
     fit_loop: bool = False,
 ) -> dict[str, Any]:
     """Train 12 steps; with `keeper`, restore the newest snapshot all ranks hold first; with `ckpt`
     (today's disk path, for the benchmark), `s.load` it first and `s.save` every `disk_every` steps.
-    `peers`: other hosts' keepers (TCP), asked when this host's keeper lacks this rank's snapshots (a
+    `peers`: other hosts' keepers ((TCP HOST:PORT, job token)), asked when this host's keeper lacks this rank's snapshots (a
     replacement host); `step_sleep`: seconds added to every step (a fault from outside lands mid-run);
-    `memory`: the product's way instead, `s.load(ckpt, ..., memory=N)` under `ddpkit run` (its keeper);
+    `memory`: the product's way instead, `s.load(ckpt, ..., memory=N)` under `ddpkit run` (its keeper;
+    across hosts its buddy wiring; "auto" too);
     `fit_loop`: the same steps under `ddpkit.fit` instead of the plain loop.
     Returns this rank's final state (full weights, its optimizer state, RNG, step, LR)."""
     torch.set_num_threads(1)
@@ -207,9 +208,9 @@ if __name__ == "__main__":
     p.add_argument("--disk-every", type=int, default=0)
     p.add_argument("--peers", default="")
     p.add_argument("--step-sleep", type=float, default=0.0)
-    p.add_argument("--memory", type=int, default=0)
+    p.add_argument("--memory", type=lambda v: v if v == "auto" else int(v), default=0)
     p.add_argument("--fit", action="store_true")
     a = p.parse_args()
-    peers = tuple(filter(None, a.peers.split(",")))
+    peers = tuple(tuple(p.split("@")[::-1]) for p in filter(None, a.peers.split(",")))  # TOKEN@HOST:PORT
     fault = (a.kill_at, a.kill_rank, a.kill_mid_snapshot)
     train(a.keeper, a.out, a.strategy, *fault, a.ckpt, a.disk_every, peers, a.step_sleep, a.memory, a.fit)

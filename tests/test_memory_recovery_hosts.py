@@ -1,10 +1,11 @@
-"""A lost host recovered from its buddy's memory: two hosts (network namespaces, tests/test_elastic.py's
-`_Hosts`), one FSDP rank each, each host with its own keeper that pushes every committed snapshot to the
-other's (`ddpkit.cluster.keeper`, --buddy). Host 1 is SIGKILLed whole at a random step: its agent, its
-rank and its keeper (its memory gone). A replacement host 1 starts with an empty keeper; its rank
-fetches its shards, optimizer state, RNG and loader position from host 0's keeper over TCP; the run
-redoes at most the step in flight and ends bitwise like the uninterrupted run at world size 2 (the
-2-rank pool, same code).
+"""A lost host recovered from its buddy's memory, through `ddpkit run` itself: two hosts (network
+namespaces, tests/test_elastic.py's `_Hosts`), one FSDP rank each, `s.load(..., memory=1)`. Each host's
+`ddpkit run` starts its keeper with a TCP port and a job token; the ranks meet through the job's store
+and wire each keeper to the other host's (`ddpkit.checkpoint.memory_hosts`), which copies every
+committed snapshot. Host 1 is SIGKILLed whole at a random step: its agent, its rank and its keeper (its
+memory gone). A replacement host 1 starts with an empty keeper; its rank fetches its shards, optimizer
+state, RNG and loader position from host 0's keeper over TCP; the run redoes at most the step in flight
+and ends bitwise like the uninterrupted run at world size 2 (the 2-rank pool, same code).
 """
 
 from __future__ import annotations
@@ -23,16 +24,6 @@ from resume_train import same
 from test_elastic import _Hosts, pytestmark  # noqa: F401 (root and iproute2, or skipped)
 
 TRAIN = str(REPO / "tests" / "memory_recovery_train.py")
-KEEPER_PORT = 29700
-# The launcher of one host: its keeper (buddy: the other host's), then `ddpkit run` with its name.
-HOST = """
-import subprocess, sys
-from ddpkit.cluster.keeper import Keeper
-keeper = Keeper.start(tcp=sys.argv[1], buddy=sys.argv[2])
-argv = sys.argv[3:]
-argv[argv.index("--keeper") + 1] = keeper.name
-sys.exit(subprocess.call([sys.executable, "-m", "ddpkit.cli", *argv]))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +46,14 @@ def test_a_lost_host_recovers_from_its_buddys_memory_with_one_step_redone_bitwis
     net, port = namespaces, next(namespaces.ports)
     out = tmp_path / "out"
     out.mkdir()
-    keepers = [f"10.77.0.{i + 1}:{KEEPER_PORT + port % 100}" for i in range(2)]
     procs: list[subprocess.Popen] = []
 
     def start(i: int, log: str) -> subprocess.Popen:
         run = ["run", "--nnodes", "2", "--nproc", "1", "--max-restarts", "3"]
         run += ["--rdzv-endpoint", f"10.77.0.1:{port}", "--local-addr", f"10.77.0.{i + 1}"]
         run += ["--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5"]
-        script = [TRAIN, str(out), "--strategy", "fsdp", "--keeper", "-", "--peers", ",".join(keepers)]
-        script += ["--step-sleep", "0.3"]
-        cmd = [*net.enter(i), sys.executable, "-c", HOST, keepers[i], keepers[1 - i], *run, *script]
+        script = [TRAIN, str(out), "--strategy", "fsdp", "--memory", "1", "--step-sleep", "0.3"]
+        cmd = [*net.enter(i), sys.executable, "-m", "ddpkit.cli", *run, *script]
         with open(out / log, "w") as file:
             proc = subprocess.Popen(
                 cmd, env=net.env(i), stdout=file, stderr=subprocess.STDOUT, start_new_session=True
@@ -95,6 +84,8 @@ def test_a_lost_host_recovers_from_its_buddys_memory_with_one_step_redone_bitwis
         for proc in procs:
             proc.kill()
             proc.wait(timeout=20)
+    logs = "".join(p.read_text() for p in sorted(out.glob("host*.log")))
+    assert "ddpkit: resumed from memory at step" in logs, logs[-3000:]
     restored = int((out / "resumed.txt").read_text().split()[1])
     assert restored >= done_before, (
         f"restored step {restored}; step {done_before} had finished before the loss"

@@ -31,6 +31,8 @@ import json
 import mmap
 import os
 import struct
+import sys
+import time
 import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
@@ -42,16 +44,24 @@ import torch.distributed as dist
 from ddpkit.checkpoint import dcp as checkpoint_dcp
 from ddpkit.checkpoint import files
 from ddpkit.checkpoint import state as checkpoint_state
+from ddpkit.checkpoint.memory_cadence import Cadence
+from ddpkit.checkpoint.memory_hosts import meet, why_disk
 from ddpkit.checkpoint.owners import StateOwner
 from ddpkit.checkpoint.staging import Arena
 from ddpkit.checkpoint.sync import CheckpointContext
-from ddpkit.cluster.keeper import HEAD, MAGIC, STEP_AT, KeeperClient, fetch
+from ddpkit.cluster.keeper import HEAD, MAGIC, STEP_AT, KeeperClient, KeeperRefused, fetch
 from ddpkit.errors import DdpkitError, problem
 from ddpkit.names import KEEPER_ENV
 from ddpkit.parallel.modules import unwrap
 
 HEADER = 64  # bytes before the first tensor (the header itself is HEAD.size)
 ALIGN = 64
+# The buddy copy's lag bound: how many of a rank's snapshots may be committed here and not yet held by the
+# buddy host's keeper. A commit beyond it waits for the buddy (training waits) for at most BUDDY_WAIT
+# seconds; past that, one line says so, training goes on and a host lost before the copy catches up
+# recovers from disk (the recovery names it: no step every rank holds).
+BUDDY_LAG = 1
+BUDDY_WAIT = 30.0
 __all__ = ["MemoryRecovery", "MemorySnapshots", "SnapshotMismatch", "choose"]
 
 
@@ -177,20 +187,43 @@ class MemorySnapshots:
         self.seq = max([s.header()[1] for s in self.slots] + [0])
         self.last_bytes = 0
         self.lost_keeper = False  # the keeper went away: these slots no longer outlive this process
+        self.fetched = False  # these slots came from another host's keeper (a replacement host)
+        self.other_world = -1  # the largest other world size this host's keeper holds snapshots of
+        self.lag, self.lag_wait = BUDDY_LAG, BUDDY_WAIT
+        self.commits: list[int] = []  # steps committed here the buddy has not acknowledged yet
+        self.buddy_behind = False  # the lag bound was passed and said: waiting stops until it catches up
+        self.waited_s = 0.0  # time the training thread waited for the buddy copy
 
     @classmethod
-    def attach(cls, keeper: str | None, rank: int, world: int, peers: Sequence[str] = ()) -> MemorySnapshots:
+    def attach(
+        cls, keeper: str | None, rank: int, world: int, peers: Sequence[tuple[str, str]] = ()
+    ) -> MemorySnapshots:
         """This rank's slots from the keeper named `keeper` (none yet: a fresh start). A rank whose
         keeper lacks them (a replacement host) fetches them from another host's keeper (`peers`,
-        TCP HOST:PORT) into new slots, which its own keeper holds from then on."""
+        (TCP HOST:PORT, its job token)) into new slots, which its own keeper holds from then on."""
         key = f"w{world}/r{rank}"
         client = KeeperClient.connect(keeper) if keeper else None
         self = cls(client, key, client.get(key) if client else ())
-        for peer in peers if not self.slots else ():
-            if blobs := fetch(peer, key):
-                self._adopt(blobs)
-                break
+        if client is not None and not self.slots:
+            worlds = [
+                int(k.split("/")[0][1:]) for k in client.keys()["keys"] if k.split("/")[0] != f"w{world}"
+            ]
+            self.other_world = max(worlds, default=-1)
+        self.fetch_from(peers)
         return self
+
+    def fetch_from(self, peers: Sequence[tuple[str, str]]) -> None:
+        """Without slots of its own: the first of `peers` that holds this rank's adopts them here.
+        `KeeperRefused` (the token is not that keeper's job's) is raised, with its one line."""
+        for address, token in peers if not self.slots else ():
+            if blobs := fetch(address, self.key, token):
+                self._adopt(blobs)
+                self.fetched = True
+                break
+
+    def wire(self, address: str, token: str) -> None:
+        """This host's keeper copies every committed snapshot to the keeper at `address` from now on."""
+        self._tell(lambda client: client.buddy(address, token))
 
     def _adopt(self, blobs: Sequence[bytes]) -> None:
         size = max(len(b) for b in blobs)
@@ -203,17 +236,19 @@ class MemorySnapshots:
     def _hold(self) -> None:
         self._tell(lambda client: client.hold(self.key, [s.fd for s in self.slots]))
 
-    def _tell(self, request: Callable[[KeeperClient], Any]) -> None:
-        """A request to the keeper; if it is gone (killed, or the launch is ending), the slots stay this
-        process's own (they die with it) and nothing more is asked: training goes on, disk remains."""
+    def _tell(self, request: Callable[[KeeperClient], Any]) -> Any:
+        """A request to the keeper, its answer; if it is gone (killed, or the launch is ending), the slots
+        stay this process's own (they die with it), nothing more is asked (None): training goes on, disk
+        remains."""
         if self.client is None:
-            return
+            return None
         try:
-            request(self.client)
+            return request(self.client)
         except (OSError, EOFError):
             self.client.close()
             self.client = None
             self.lost_keeper = True
+            return None
 
     def held(self) -> dict[int, int]:
         """step -> slot index, for the slots holding a complete snapshot."""
@@ -227,15 +262,17 @@ class MemorySnapshots:
         self, disk: int, *, distributed: bool, device: torch.device | str = "cpu"
     ) -> tuple[int | None, int]:
         """`agree`, and the largest `disk` any rank passed (global rank 0 reads the disk's step), in the
-        same all-gather: one collective."""
+        same all-gather: one collective. Each rank's row (`self.rows` after it, for `why_disk`): its two
+        steps, `disk`, whether its slots came from another host, the other world size its keeper holds."""
         steps = sorted(self.held(), reverse=True)[:2]
-        mine = torch.tensor([*steps, *[-1] * (2 - len(steps)), disk], dtype=torch.int64, device=device)
+        row = [*steps, *[-1] * (2 - len(steps)), disk, int(self.fetched), self.other_world]
+        mine = torch.tensor(row, dtype=torch.int64, device=device)
         every = [mine]
         if distributed:
             every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(every, mine)
-        rows = [t.tolist() for t in every]
-        return choose([{s for s in row[:2] if s >= 0} for row in rows]), max(row[2] for row in rows)
+        self.rows = [t.tolist() for t in every]
+        return choose([{s for s in r[:2] if s >= 0} for r in self.rows]), max(r[2] for r in self.rows)
 
     # -- save -------------------------------------------------------------------------------------
     def save(self, step: int, strategy: StateOwner, state: Mapping[str, Any]) -> None:
@@ -255,7 +292,36 @@ class MemorySnapshots:
         slot.commit(step, self.seq, body, end)
         self.last_bytes = end + len(body)
         index = self.slots.index(slot)
-        self._tell(lambda client: client.committed(self.key, index))
+        reply = self._tell(lambda client: client.committed(self.key, index))
+        if reply and reply.get("buddy"):
+            self.commits.append(step)
+            self._bound_lag(int(reply["buddy_step"]))
+
+    def _bound_lag(self, acked: int) -> None:
+        """At most `lag` snapshots committed here that the buddy does not hold (`BUDDY_LAG`): beyond it
+        the training thread waits for the buddy's acknowledgement, at most `lag_wait` seconds; then one
+        line says the copy is behind and training goes on without waiting until it catches up."""
+        self.commits = [s for s in self.commits if s > acked]
+        if len(self.commits) <= self.lag:
+            self.buddy_behind = False
+            return
+        if self.buddy_behind:
+            return
+        start = time.monotonic()
+        while len(self.commits) > self.lag and time.monotonic() - start < self.lag_wait:
+            time.sleep(0.001)
+            acked = self._tell(lambda client: client.acked(self.key))
+            self.commits = [s for s in self.commits if acked is not None and s > acked]
+        self.waited_s += time.monotonic() - start
+        if len(self.commits) > self.lag:
+            self.buddy_behind = True
+            print(
+                f"ddpkit: {self.key}: the buddy host's keeper holds no copy of this rank's snapshots of "
+                f"steps {self.commits} after {self.lag_wait:g} s ({len(self.commits)} behind, {self.lag} "
+                "allowed): training goes on; a host lost before the copy catches up recovers from disk",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def write_tensor(self, slot: Slot, offset: int, t: torch.Tensor) -> None:
         """One tensor's bytes into the slot (a test replaces this to fault in the middle of a save)."""
@@ -366,34 +432,41 @@ class MemoryRecovery:
     host's keeper, when it is newer than the newest checkpoint on disk; then a snapshot every N optimizer
     steps, taken at the loader's next batch (`Checkpoints.stop_at_boundary`), where the optimizer, the
     LR scheduler, the user's counters, the RNG streams and the loader position all stand after the same
-    step (inside the optimizer step the scheduler would be one step behind)."""
+    step (inside the optimizer step the scheduler would be one step behind). `memory="auto"`: N from
+    the measured cost of the first snapshots (`memory_cadence.Cadence`)."""
 
-    def __init__(self, snaps: MemorySnapshots, every: int) -> None:
-        self.snaps, self.every = snaps, every
+    def __init__(self, snaps: MemorySnapshots, cadence: Cadence) -> None:
+        self.snaps, self.cadence = snaps, cadence
         self.last_step: int | None = None
 
     @classmethod
-    def attach(cls, every: int, ctx: CheckpointContext) -> MemoryRecovery | None:
+    def attach(cls, every: int | bool | str, ctx: CheckpointContext) -> MemoryRecovery | None:
         """This rank's slots in the keeper `ddpkit run` started on this host (KEEPER_ENV names it); None,
-        said, where none runs (plain torchrun, one process, not Linux): recovery is from disk."""
+        said, where none runs (plain torchrun, one process, not Linux): recovery is from disk. Across
+        hosts the ranks meet through the job's store (`memory_hosts.meet`, a collective): this host's
+        keeper is wired to its buddy's, and a rank whose keeper lacks its slots fetches them."""
+        cadence = Cadence.of(every, say=ctx.say, distributed=ctx.distributed, device=ctx.device)
         keeper = os.environ.get(KEEPER_ENV)
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise problem(
-                f"memory={every!r} is not a number of optimizer steps",
-                "Pass memory=N (N >= 1: a snapshot every N steps) or memory=True (every step)",
-            )
         if not keeper or not Arena.available():
             ctx.say(
                 "ddpkit: memory snapshots need the keeper `ddpkit run` starts on each host (Linux): none "
                 "here, so recovery is from disk only"
             )
             return None
-        return cls(MemorySnapshots.attach(keeper, ctx.rank, ctx.world_size), every)
+        snaps = MemorySnapshots.attach(keeper, ctx.rank, ctx.world_size)
+        peers = meet(ctx, snaps.wire)
+        try:
+            snaps.fetch_from(peers)
+        except KeeperRefused as err:
+            print(f"ddpkit: rank {ctx.rank}: {err}; recovery is from disk", file=sys.stderr, flush=True)
+        return cls(snaps, cadence)
 
     def restore(self, ctx: CheckpointContext, root: Path | None, state: Mapping[str, Any]) -> dict | None:
         """Collective: the values of the snapshot restored, or None (disk decides, as without memory)."""
         disk = disk_step(root) if ctx.is_main and root is not None else -1
         target, newest_disk = self.snaps.agree_with(disk, distributed=ctx.distributed, device=ctx.device)
+        if target is None and (note := why_disk(self.snaps.rows, ctx.world_size)):
+            ctx.say(note)
         if target is None or target < newest_disk:
             return None
         try:
@@ -410,11 +483,13 @@ class MemoryRecovery:
         return values
 
     def at_boundary(self, step: Any, strategy: StateOwner, state: Mapping[str, Any]) -> None:
-        """At the loader's next batch: a snapshot when `step` is new and a multiple of `every`."""
+        """At the loader's next batch: a snapshot when `step` is new and due (a multiple of N)."""
         if not isinstance(step, int) or isinstance(step, bool) or step == self.last_step:
             return
-        if step % self.every == 0:
+        if self.cadence.due(step, time.perf_counter()):
+            start = time.perf_counter()
             self.snaps.save(step, strategy, {**state, "step": step})
+            self.cadence.took(time.perf_counter() - start, self.snaps.last_bytes, time.perf_counter())
             self.last_step = step
 
     def close(self, *, drop: bool) -> None:

@@ -32,7 +32,11 @@ started here and ended with this command however it ends, holds the snapshots a 
 `s.load(root, ..., memory=N)` (the whole state every N optimizer steps, in shared memory that outlives a
 killed rank); after a restart the ranks resume from the newest step all of them hold, so a killed rank
 costs the step in flight, not the steps since the last checkpoint. It costs a script that does not ask
-nothing but the keeper's start (a small standard-library process).
+nothing but the keeper's start (a small standard-library process). Across hosts (--nnodes N or MIN:MAX)
+each keeper also listens on a TCP port the OS picks, with a job token made here (in the ranks' and the
+keeper's environment, never on a command line); the ranks meet through the job's store and wire each
+host's keeper to the next host's, which holds a copy of its snapshots: a lost host's replacement takes
+its ranks' state from there.
 
 Preemption (`ddpkit.cluster.preemption`): SIGTERM or the preemption signal (--preemption-signal, USR1 by
 default) reaching this process is passed on to every worker (torchrun's --signals-to-handle), which
@@ -60,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.cluster import rank_output
-from ddpkit.cluster.keeper import Keeper
+from ddpkit.cluster.keeper import ADDRESS_ENV, TOKEN_ENV, Keeper
 from ddpkit.cluster.run_report import report, restart_reports
 from ddpkit.cluster.signals import PreemptionOptions, signal_of
 from ddpkit.cluster.topology import Hardware, threads_per_process
@@ -313,9 +317,7 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
     else:  # each new interpreter's output line-buffered (rank_output): ranks' lines never tear
         site = str(rank_output.write_site(record.parent))
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))
-    keeper = Keeper.start() if hasattr(os, "memfd_create") else None  # from the main thread (its lifetime)
-    if keeper is not None:
-        os.environ[KEEPER_ENV] = keeper.name
+    keeper = start_keeper(cfg) if hasattr(os, "memfd_create") else None  # the main thread: its lifetime
     try:
         with restart_reports(cfg.max_restarts), marking_signals(record.with_name(SIGNALLED_FILE)) as ends:
             run(parse_args(argv))
@@ -351,6 +353,29 @@ def launch(cfg: LaunchConfig, hardware: Hardware | None = None) -> int:
             record.unlink(missing_ok=True)
             record.parent.rmdir()
     return 0
+
+
+def start_keeper(cfg: LaunchConfig) -> Keeper:
+    """This host's snapshot keeper, named to the ranks by environment (with its TCP address and job
+    token across hosts, where the ranks wire it to the next host's: `ddpkit.checkpoint.memory_hosts`)."""
+    across = cfg.nnodes > 1 or cfg.min_nodes is not None
+    keeper = Keeper.start(tcp="0.0.0.0:0" if across else None)  # port 0: the OS picks
+    os.environ.update({KEEPER_ENV: keeper.name, TOKEN_ENV: keeper.token})
+    if keeper.tcp is not None:
+        os.environ[ADDRESS_ENV] = f"{_reachable_address(cfg)}:{keeper.tcp.rpartition(':')[2]}"
+    return keeper
+
+
+def _reachable_address(cfg: LaunchConfig) -> str:
+    """This host's address as the other hosts reach it: --local-addr, else the one this host would send
+    from towards the rendezvous endpoint (no packet is sent), else its name."""
+    if cfg.local_addr:
+        return cfg.local_addr
+    host = (cfg.rdzv_endpoint or "").rpartition(":")[0] or "127.0.0.1"
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return str(probe.getsockname()[0])
+    return socket.getfqdn()
 
 
 @dataclass
