@@ -18,6 +18,7 @@
     tp_plan        a plan read (HF's own, a short mapping, torch styles), checked and applied, ties kept
     tp_init        one process's initial weights, built piece by piece under TP
     tp_random      one process's dropout under TP (or a refusal naming the layer)
+    tp_loss        loss parallel: a vocabulary-sharded head's logits kept sharded for torch's loss_parallel()
     building       what `s.model` does around `wrap`, in order (factory, recompute, memory, weights)
     checkpointing  activation checkpointing (`s.model(activation_checkpointing=...)`)
     rank_memory    whether a replicated model fits a rank (before it is wrapped)
