@@ -7,6 +7,9 @@
     writer_process  the writer process for `background="process"` (out of training's interpreter)
     writer_child the writer process's own program (standard library only, run by path)
     staging      shared memory a process save's copy lands in, reused from save to save
+    memory       memory snapshots in the host's keeper (`s.load(..., memory=N)`): save, agree, restore
+    memory_hosts the keepers across hosts: buddy wiring through the store, why a recovery takes disk
+    memory_cadence  how often a snapshot is taken (memory="auto": from the measured cost)
     retention    which checkpoints a save keeps: the newest K, every Nth, the best by a metric
     remote       an fsspec root (s3://...): the local commit uploaded, the manifest last; pulled to load
     sync         `CheckpointContext` (the typed values a save needs) and the ranks' agreement
