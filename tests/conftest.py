@@ -424,6 +424,7 @@ NOT_KERNEL_DEPENDENT = {
     "test_fit.py": "logged values read back as written",
     "test_gpucheck.py": "names of checks; nothing computed",
     "test_hf_weights.py": "weights loaded from a checkpoint equal its bytes",
+    "test_fixes_weights.py": "weights loaded from a transformers checkpoint equal its bytes",
     "test_plan.py": "the planner's cost model in Python floats; no torch kernel",
     "test_plugins.py::test_a_strategy_registered_from_outside_trains_with_its_shape": "replicas compared with each other: every rank applies the same all-reduced gradient",
     "test_architecture.py::test_every_wing_index_lists_all_its_modules": "module names in docstrings; nothing computed",
