@@ -8,8 +8,12 @@ part from the others without an error. So, every `every` optimizer steps:
     f     = sum_i h[i] * (2i + 1)                 (int64, wrapping: one number per replica)
     max(f), max(~f) over the replicas             (one all-reduce of two int64: max(~f) = ~min(f))
     min == max: they agree; else every rank sees it at the same step, gathers the h of every replica
-    (a second, rare collective) and stops with the ranks that differ, the first tensor, and the last
-    step at which they agreed.
+    (a second, rare collective) and stops with the ranks that differ, the first tensor by its name in
+    the user's model, and the last step at which they agreed.
+
+Under HSDP each shard has its own replica group; the all-reduce runs over every rank with one pair of
+slots per group (keyed by the group's lowest rank), so a drift in one group stops every rank at the
+same step, not only that group's (the others would wait in their next collective).
 
 The tensors are the model's parameters and buffers and the optimizer's state, as each rank holds them:
 under HSDP a rank's local shards, compared over the replicate dimension only (the ranks holding the
@@ -19,6 +23,7 @@ compare; under DDP every rank is a replica.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -33,11 +38,21 @@ from ddpkit.errors import DdpkitError, problem
 # 0.007% to 0.09%, and a drift is caught within 100 steps.
 FINGERPRINT_EVERY = 100
 
+_UNUSED = -(2**63)  # a verdict slot no replica group wrote (a group's pair is never both this: ~f != f)
 _INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 class ReplicaDrift(DdpkitError):
-    """The replicas no longer hold the same weights; raised on every rank at the same step."""
+    """The replicas no longer hold the same weights; raised on every rank at the same step.
+
+    `step`: the optimizer step of the check that saw it; `last_agreed`: the last step checked at which
+    the replicas agreed (None: no check before); `ranks`: the ranks that differ from the majority."""
+
+    def __init__(
+        self, message: str, *, step: int = 0, last_agreed: int | None = None, ranks: tuple[int, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.step, self.last_agreed, self.ranks = step, last_agreed, ranks
 
 
 def tensor_hash(t: torch.Tensor) -> torch.Tensor:
@@ -61,12 +76,13 @@ def tensor_hash(t: torch.Tensor) -> torch.Tensor:
 
 
 def named_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, names: dict[int, str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors a replica must agree on: parameters, buffers, then the optimizer's state by name."""
-    names = {}
+    """The tensors a replica must agree on: parameters, buffers, then the optimizer's state by name.
+    `names` (by the parameter's id) overrides the module's own names (`parameter_names`)."""
+    names = dict(names or {})
     for name, p in model.named_parameters():
-        names[id(p)] = name
+        name = names.setdefault(id(p), name)
         yield name, p
     yield from model.named_buffers()
     if optimizer is None:
@@ -90,6 +106,16 @@ class Replicas:
     @property
     def count(self) -> int:
         return len(self.ranks)
+
+    @property
+    def slots(self) -> int:
+        """Verdict slots in the all-reduce over every rank: one per possible replica group (HSDP: keyed
+        by the group's lowest rank), one for DDP's single group."""
+        return 1 if self.group is None else dist.get_world_size()
+
+    @property
+    def key(self) -> int:
+        return 0 if self.group is None else min(self.ranks)
 
 
 def replicas_of(model: nn.Module) -> Replicas:
@@ -140,10 +166,11 @@ class ReplicaFingerprints:
     ) -> None:
         """Compare now (every replica calls it at the same step); raise `ReplicaDrift` on a mismatch.
         Without a model (a loop that never ran `s.accumulate`), the optimizer's parameters are compared."""
+        holder = None
         if model is None:
             if optimizer is None:
                 return
-            model = _holder(optimizer)
+            model = holder = _holder(optimizer)
         replicas = replicas_of(model)
         if replicas.count < 2:
             self.last_agreed = step
@@ -152,18 +179,46 @@ class ReplicaFingerprints:
         hashes = torch.stack([tensor_hash(t).to(_device(named)) for _, t in named])
         weights = torch.arange(1, 2 * len(named), 2, dtype=torch.int64, device=hashes.device)
         f = (hashes * weights).sum()
-        both = torch.stack([f, ~f])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=replicas.group)
+        verdicts = torch.full((2 * replicas.slots,), _UNUSED, dtype=torch.int64, device=hashes.device)
+        verdicts[2 * replicas.key], verdicts[2 * replicas.key + 1] = f, ~f
+        dist.all_reduce(verdicts, op=dist.ReduceOp.MAX)  # every rank learns every replica group's verdict
         self.checks += 1
-        if int(both[0]) == ~int(both[1]):
+        pairs = verdicts.view(-1, 2).tolist()
+        if all(a == ~b for a, b in pairs if (a, b) != (_UNUSED, _UNUSED)):
             self.last_agreed = step
             return
-        raise ReplicaDrift(
-            self.explain(step, [n for n, _ in named], replicas.ranks, _gather(hashes, replicas))
-        )
+        if holder is not None and optimizer is not None:  # the names of the model holding the parameters
+            named = list(named_state(holder, optimizer, parameter_names(optimizer)))
+        rows = _gather(torch.cat([torch.tensor([replicas.key], device=hashes.device), hashes]))
+        raise self.drift(step, [n for n, _ in named], rows)
 
-    def explain(self, step: int, names: list[str], ranks: tuple[int, ...], hashes: list[torch.Tensor]) -> str:
-        """One paragraph: the ranks that differ, the first tensor, and the last step they agreed."""
+    def drift(self, step: int, names: list[str], rows: list[torch.Tensor]) -> ReplicaDrift:
+        """The `ReplicaDrift` every rank raises: `rows[r]` is rank r's [group key, hashes...]; the first
+        replica group (by lowest rank) whose replicas differ is explained, the others counted."""
+        by_key: dict[int, list[int]] = {}
+        for rank, row in enumerate(rows):
+            by_key.setdefault(int(row[0]), []).append(rank)
+        differ = [
+            ranks
+            for _, ranks in sorted(by_key.items())
+            if len({tuple(rows[r][1:].tolist()) for r in ranks}) > 1
+        ]
+        ranks = differ[0]
+        scope = (
+            f" ({len(differ)} of {len(by_key)} replica groups differ; the first is that of ranks {ranks})"
+            if len(by_key) > 1
+            else ""
+        )
+        text = self.explain(step, names, tuple(ranks), [rows[r][1:] for r in ranks], scope)
+        groups = _groups(tuple(ranks), [rows[r][1:] for r in ranks])
+        odd = tuple(sorted(r for g in groups[1:] for r in g)) if len(groups[0]) > len(groups[1]) else ()
+        return ReplicaDrift(text, step=step, last_agreed=self.last_agreed, ranks=odd)
+
+    def explain(
+        self, step: int, names: list[str], ranks: tuple[int, ...], hashes: list[torch.Tensor], scope: str = ""
+    ) -> str:
+        """One paragraph: the ranks that differ, the first tensor, and the last step they agreed; `scope`
+        says which of several replica groups (HSDP) it is."""
         groups = _groups(ranks, hashes)
         sizes = {h.numel() for h in hashes}
         if len(sizes) > 1:  # e.g. an optimizer whose state is sharded passed as if replicated
@@ -185,22 +240,24 @@ class ReplicaFingerprints:
         return (
             f"the replicas hold different weights at step {step}: {who}; the first tensor that differs is "
             f"{first} ({len(differ)} of {len(names)} tensors differ); they last agreed at {agreed}. A "
-            "rank-dependent operation, a non-deterministic kernel or a faulty device changed one replica: "
-            "every rank stops here. Resume from a checkpoint written at or before the last agreement, and "
-            "run `ddpkit verify --locate` on the model to find the operation"
+            "rank-dependent operation, a non-deterministic kernel or a faulty device changed one "
+            f"replica{scope}: every rank stops here. Resume from a checkpoint written at or before the "
+            "last agreement (ddpkit.fit rolls back to it by itself: on_drift='rollback'), and run "
+            "`ddpkit verify --locate` on the model to find the operation"
         )
 
 
-def _gather(hashes: torch.Tensor, replicas: Replicas) -> list[torch.Tensor]:
-    """Every replica's hash vector (padded to the longest: the replicas may hold different sets)."""
-    size = torch.tensor([hashes.numel()], dtype=torch.int64, device=hashes.device)
-    sizes = [torch.empty_like(size) for _ in range(replicas.count)]
-    dist.all_gather(sizes, size, group=replicas.group)
-    longest = int(max(sizes))
-    padded = torch.zeros(longest, dtype=torch.int64, device=hashes.device)
-    padded[: hashes.numel()] = hashes
-    gathered = [torch.empty_like(padded) for _ in range(replicas.count)]
-    dist.all_gather(gathered, padded, group=replicas.group)
+def _gather(row: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's row (padded to the longest: the replicas may hold different sets), over every rank:
+    only after a mismatch, so one extra collective on a rare path."""
+    world = dist.get_world_size()
+    size = torch.tensor([row.numel()], dtype=torch.int64, device=row.device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    padded = torch.zeros(int(max(sizes)), dtype=torch.int64, device=row.device)
+    padded[: row.numel()] = row
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
     return [g[: int(n)].cpu() for g, n in zip(gathered, sizes, strict=True)]
 
 
@@ -212,11 +269,47 @@ def _groups(ranks: tuple[int, ...], hashes: list[torch.Tensor]) -> list[list[int
     return sorted(by.values(), key=lambda g: (-len(g), g[0]))
 
 
+def parameter_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """The optimizer's parameters' names (by id) in the user's model, for a report when the stepper saw
+    no model (a loop without `s.accumulate`): the names the optimizer was built with
+    (`AdamW(model.named_parameters())`), else those of the live module that holds the most of them, the
+    innermost such module (so no wrapper's prefix). Only after a mismatch: the search walks the
+    interpreter's objects once."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    named = {
+        id(p): n
+        for g in optimizer.param_groups
+        for p, n in zip(g["params"], g.get("param_names", ()), strict=False)
+    }
+    if len(named) == len(params):
+        return named
+    wanted = {id(p) for p in params}
+    best: tuple[int, int, dict[int, str]] | None = None
+    seen: set[int] = set()
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), nn.Module) or isinstance(obj, _Holder):  # type(): no lazy __class__
+            continue
+        module = _inner(obj)
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found = {id(p): n for n, p in module.named_parameters() if id(p) in wanted}
+        score = (len(found), -sum(map(len, found.values())))
+        if found and (best is None or score > best[:2]):
+            best = (*score, found)
+    return {**(best[2] if best is not None else {}), **named}
+
+
+class _Holder(nn.Module):
+    """The modules `_holder` builds (never taken for the user's model by `parameter_names`)."""
+
+
 def _holder(optimizer: torch.optim.Optimizer) -> nn.Module:
-    """A module holding the optimizer's parameters as `group<g>.<i>`, for their names in a report."""
-    holder = nn.Module()
+    """A module holding the optimizer's parameters as `group<g>.<i>`: their order and layout for a check
+    when no model was seen (their names in a report: `parameter_names`)."""
+    holder = _Holder()
     for g, group in enumerate(optimizer.param_groups):
-        part = nn.Module()
+        part = _Holder()
         for i, p in enumerate(group["params"]):
             part.register_parameter(str(i), p)
         holder.add_module(f"group{g}", part)
