@@ -149,15 +149,23 @@ def capture(strategy: StateOwner, state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _locals(obj: Any) -> Any:
+    """`obj` with every DTensor its local shard. Leaves are returned as they are, and a list or tuple of
+    plain values (Python's RNG state: 625 ints) is not walked: this runs at every snapshot."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(obj, DTensor):
-        return obj.to_local()
-    if isinstance(obj, Mapping):
-        return {k: _locals(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_locals(v) for v in obj)
-    return obj
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, DTensor):
+            return obj.to_local()
+        if isinstance(obj, Mapping):
+            return {k: walk(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)) and not all(isinstance(v, _PLAIN) for v in obj):
+            return type(obj)(walk(v) for v in obj)
+        return obj
+
+    return walk(obj)
+
+
+_PLAIN = (int, float, str, bool, type(None))
 
 
 def _as_template(live: Any, saved: Any) -> Any:
