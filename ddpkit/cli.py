@@ -10,8 +10,10 @@ ddpkit checkpoint inspect DIR | convert DIR OUT   (offline: no process group)
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 from ddpkit.errors import DdpkitError
 from ddpkit.names import DEFAULT_PREEMPTION_SIGNAL, ELASTIC_BATCH_CHOICES, REQUEUE_CHOICES
@@ -104,6 +106,88 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Command(NamedTuple):
+    """One command of the tree `commands` walks: "ddpkit run", "ddpkit bench tune", "ddpkit plan --memory"."""
+
+    where: str
+    summary: str  # its line in the parent's --help ("" for a tool's mode)
+    depth: int  # 0: a subcommand of `ddpkit`; one more per subcommand or mode below
+    parser: argparse.ArgumentParser
+
+
+def commands(build: Callable[[], argparse.ArgumentParser] | None = None) -> Iterator[Command]:
+    """Every command's parser, in the order `ddpkit --help` lists them, each followed by its subcommands
+    and its modes: a tool's own parser in place of its placeholder here (taken at its `parse_args`, before
+    anything of the tool runs), and each flag of the tool that hands the arguments to a parser of another
+    shape (`ddpkit plan --memory`). The one walk the command-line reference (scripts/docs_cli.py) and the
+    option inventory (tests/test_option_inventory.py) read."""
+    top = (build or build_parser)()
+    summaries = _summaries(top)
+    for name, sub in _subcommands(top).items():
+        where = f"ddpkit {name}"
+        if name not in TOOLS:
+            yield from _tree(where, summaries.get(name, ""), 0, sub)
+            continue
+        main = importlib.import_module(TOOLS[name][0]).main
+        parser = captured_parser(main, [])
+        parser.prog = where
+        yield from _tree(where, summaries.get(name, ""), 0, parser)
+        for action in parser._actions:
+            if isinstance(action, argparse._StoreTrueAction) and action.option_strings:
+                flag = next(
+                    (s for s in action.option_strings if s.startswith("--")), action.option_strings[0]
+                )
+                mode = captured_parser(main, [flag])
+                if _shape(mode) != _shape(parser):
+                    mode.prog = f"{where} {flag}"
+                    yield from _tree(f"{where} {flag}", "", 1, mode)
+
+
+def _tree(where: str, summary: str, depth: int, parser: argparse.ArgumentParser) -> Iterator[Command]:
+    yield Command(where, summary, depth, parser)
+    summaries = _summaries(parser)
+    for name, sub in _subcommands(parser).items():
+        yield from _tree(f"{where} {name}", summaries.get(name, ""), depth + 1, sub)
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {name: p for a in subs for name, p in a.choices.items()}
+
+
+def _summaries(parser: argparse.ArgumentParser) -> dict[str, str]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {c.dest: c.help or "" for a in subs for c in a._choices_actions}
+
+
+def _shape(parser: argparse.ArgumentParser) -> tuple:
+    return tuple(sorted((a.dest, *a.option_strings) for a in parser._actions))
+
+
+class _Parsed(BaseException):  # not an Exception: a tool's `except Exception` must not swallow it
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+def captured_parser(main: Callable[[list[str]], Any], argv: list[str]) -> argparse.ArgumentParser:
+    """The parser `main(argv)` parses its arguments with, stopped at `parse_args`: the tools build theirs
+    inside `main`, and nothing of the tool runs before its arguments are parsed."""
+    from unittest import mock
+
+    def stop(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        raise _Parsed(self)
+
+    with (
+        mock.patch.object(argparse.ArgumentParser, "parse_args", stop),
+        mock.patch.object(argparse.ArgumentParser, "parse_known_args", stop),
+    ):
+        try:
+            main(argv)
+        except _Parsed as parsed:
+            return parsed.parser
+    raise RuntimeError(f"{main.__module__}.main({argv}) returned without parsing its arguments")
+
+
 def _launch_config(ns: argparse.Namespace, target: str, args: Sequence[str], module: bool):
     from ddpkit.cluster.launch import LaunchConfig
 
@@ -138,8 +222,6 @@ def _launch_config(ns: argparse.Namespace, target: str, args: Sequence[str], mod
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in TOOLS:  # before argparse, which would claim the tool's own options
-        import importlib
-
         try:
             return importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:])
         except DdpkitError as err:

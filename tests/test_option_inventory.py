@@ -26,7 +26,6 @@ import argparse
 import ast
 import contextlib
 import dataclasses
-import importlib
 import inspect
 import re
 import sys
@@ -34,7 +33,6 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
-from unittest import mock
 
 import tomllib
 
@@ -100,34 +98,6 @@ def api_options() -> set[Option]:
 # -- the command line -------------------------------------------------------------------------------------
 
 
-class _Parsed(BaseException):  # not an Exception: a tool's `except Exception` must not swallow it
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        self.parser = parser
-
-
-def captured_parser(main: Callable[[list[str]], Any], argv: list[str]) -> argparse.ArgumentParser:
-    """The parser `main(argv)` parses its arguments with, taken at `parse_args`: the tools build theirs inside
-    `main`, and nothing of the tool runs before its arguments are parsed."""
-
-    def stop(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
-        raise _Parsed(self)
-
-    with (
-        mock.patch.object(argparse.ArgumentParser, "parse_args", stop),
-        mock.patch.object(argparse.ArgumentParser, "parse_known_args", stop),
-    ):
-        try:
-            main(argv)
-        except _Parsed as parsed:
-            return parsed.parser
-    raise AssertionError(f"{main.__module__}.main({argv}) returned without parsing its arguments")
-
-
-def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return {name: p for a in subs for name, p in a.choices.items()}
-
-
 def _public(action: argparse.Action) -> bool:
     return not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) and (
         action.help != argparse.SUPPRESS
@@ -140,44 +110,16 @@ def _name(action: argparse.Action) -> str:
 
 
 def parser_options(where: str, parser: argparse.ArgumentParser) -> set[Option]:
-    """Every public argument of `parser` and of its subcommands, each at "where sub subsub"."""
-    found = {Option(where, _name(a)) for a in parser._actions if _public(a)}
-    for name, sub in _subcommands(parser).items():
-        found |= parser_options(f"{where} {name}", sub)
-    return found
-
-
-def _shape(parser: argparse.ArgumentParser) -> tuple:
-    return tuple(sorted((a.dest, *a.option_strings) for a in parser._actions))
-
-
-def tool_parsers(where: str, main: Callable[[list[str]], Any]) -> dict[str, argparse.ArgumentParser]:
-    """A tool's parser, and the parser of each of its modes: a flag (`plan --memory`) that hands the
-    arguments to a parser of another shape."""
-    parser = captured_parser(main, [])
-    found = {where: parser}
-    for action in parser._actions:
-        if isinstance(action, argparse._StoreTrueAction) and action.option_strings:
-            flag = _name(action)
-            mode = captured_parser(main, [flag])
-            if _shape(mode) != _shape(parser):
-                found[f"{where} {flag}"] = mode
-    return found
+    """Every public argument of `parser` itself, at `where` (its subcommands are commands of their own)."""
+    return {Option(where, _name(a)) for a in parser._actions if _public(a)}
 
 
 def cli_options(build: Callable[[], argparse.ArgumentParser] | None = None) -> set[Option]:
-    """The options of `ddpkit <sub> ...`, with each tool's own parser in place of its placeholder."""
+    """The options of `ddpkit <sub> ...`, with each tool's own parser in place of its placeholder: every
+    command `ddpkit.cli.commands` walks (the walk the command-line reference renders too)."""
     from ddpkit import cli
 
-    found: set[Option] = set()
-    for name, sub in _subcommands((build or cli.build_parser)()).items():
-        if name in cli.TOOLS:
-            tool = importlib.import_module(cli.TOOLS[name][0])
-            for where, parser in tool_parsers(f"ddpkit {name}", tool.main).items():
-                found |= parser_options(where, parser)
-        else:
-            found |= parser_options(f"ddpkit {name}", sub)
-    return found
+    return set().union(*(parser_options(c.where, c.parser) for c in cli.commands(build)))
 
 
 # -- the inventory ----------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from ddpkit.bench import report
+from ddpkit.errors import problem
 from ddpkit.tools.plotting import pyplot
 
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_reduce[shm]")
@@ -99,6 +100,23 @@ def _time_ops(ops: list[str], sizes: list[int], rounds: int) -> dict[str, Any]:
     return {"times": times, "shm": reason}
 
 
+def world_sizes(text: str) -> list[int]:
+    """`--nproc 2,4` -> [2, 4]. One rank is refused: every operation here moves bytes between ranks, and
+    alone a rank has none to move (torch's collectives on a world of one return at once, and the shm
+    all-reduce maps nothing), so its figures would time Python, not the process group."""
+    try:
+        counts = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 2:
+        raise problem(
+            f"--nproc {text}: a collective moves bytes between ranks, and one rank has none to move",
+            "Pass 2 or more ranks (e.g. --nproc 2, or --nproc 2,4); the memcpy ceiling of one process "
+            "is printed beside every world size",
+        )
+    return counts
+
+
 def memcpy_seconds(size: int, threads: int, rounds: int = 3) -> float:
     import torch
 
@@ -123,7 +141,7 @@ def run(ns: argparse.Namespace) -> int:
     if unknown:
         print(f"ddpkit bench collectives: error: unknown op(s) {sorted(unknown)}; choose from {OPS}")
         return 2
-    counts = [int(n) for n in ns.nproc.split(",")]
+    counts = world_sizes(ns.nproc)
     cores = report.machine()["cores"]
     before, steal0 = report.machine()["load_average"], report.cpu_steal()
     results: dict[str, Any] = {"machine": report.machine(), "sizes": sizes, "worlds": {}}

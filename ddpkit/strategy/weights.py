@@ -14,17 +14,21 @@ verl#4644), which is what FSDP exists to avoid.
   rank 0's weights to the others anyway (one read, no extra collective). One process: read as is.
 
 Names: a parameter may be found under any of its names (a tied head is saved once, under either name:
-`save_pretrained` drops `lm_head.weight`). A parameter or buffer the file lacks, or a shape that differs,
-is a clear error naming it; keys of the file the model does not have are reported (e.g. a checkpoint
-of the bare `GPT2Model` loaded into `GPT2LMHeadModel`: its names lack the `transformer.` prefix).
+`save_pretrained` drops `lm_head.weight`). A transformers model's file is read under the names
+`from_pretrained` would give its keys (`hf_names`): transformers' own conversion mapping, which
+`save_pretrained` reverses when it writes (a ViT's file holds `vit.encoder.layer.0.attention.attention.query`
+for the model's `vit.layers.0.attention.q_proj`), and the base model's prefix added or dropped (the bare
+`GPT2Model`'s file loads into `GPT2LMHeadModel`). A parameter or buffer the file lacks, or a shape that
+differs, is a clear error naming it and the file's names.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +49,8 @@ class Source:
     """Where each tensor of a checkpoint lives: name -> file."""
 
     where: dict[str, Path] = field(default_factory=dict)
+    renamed: dict[str, str] = field(default_factory=dict)  # a model's name -> the file's key (`hf_names`)
+    converted: list[str] = field(default_factory=list)  # keys transformers converts, not renames
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> Source:
@@ -68,7 +74,74 @@ class Source:
             return cls(dict.fromkeys(f.keys(), root))
 
     def name_for(self, names: list[str]) -> str | None:
-        return next((n for n in names if n in self.where), None)
+        """The file's key holding the tensor of these names: one of them, else one renamed to them."""
+        return next((n for n in names if n in self.where), None) or next(
+            (self.renamed[n] for n in names if n in self.renamed), None
+        )
+
+    def for_model(self, module: nn.Module, names: set[str]) -> Source:
+        """This source with the names transformers gives its keys when `module` is its model."""
+        renamed, converted = hf_names(module, list(self.where), names)
+        return Source(self.where, {new: key for key, new in renamed.items() if new != key}, converted)
+
+
+def hf_names(module: nn.Module, keys: list[str], names: set[str]) -> tuple[dict[str, str], list[str]]:
+    """For a transformers model: the name `from_pretrained` loads each file key into (its conversion
+    mapping, then the base model's prefix added or dropped against the model's `names`), and the keys
+    it would convert (split, merge, transpose: `WeightConverter`) rather than rename, which are not the
+    file's rows. ({}, []) for any other model, and without importing transformers."""
+    tf = sys.modules.get("transformers")
+    if tf is None or not isinstance(module, tf.PreTrainedModel):
+        return {}, []
+    known = dict.fromkeys(names, True)
+    prefix = getattr(module, "base_model_prefix", "") or None
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        with _own_classes(module):
+            transforms = get_model_conversion_mapping(module)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        out: dict[str, str] = {}
+        converted = []
+        for key in keys:
+            new, pattern = rename_source_key(key, renamings, converters, prefix, known)
+            if pattern is not None:
+                converted.append(key)
+            else:
+                out[key] = new
+        return out, converted
+    except (ImportError, TypeError):  # a transformers without this mapping: the prefix only
+        if prefix is None:
+            return {}, []
+        return {k: _with_prefix(k, prefix, names) for k in keys}, []
+
+
+@contextmanager
+def _own_classes(module: nn.Module) -> Iterator[None]:
+    """The model's modules under their own classes while transformers looks its mapping up by class name:
+    `fully_shard` gives each unit a class of its own (`FSDPViTModel`), which no mapping names."""
+    from torch.distributed.fsdp import FSDPModule
+
+    swapped: list[tuple[nn.Module, type]] = []
+    for sub in module.modules():
+        sharded = type(sub)
+        if isinstance(sub, FSDPModule) and FSDPModule in sharded.__bases__:
+            swapped.append((sub, sharded))
+            sub.__class__ = next(b for b in sharded.__bases__ if b is not FSDPModule)
+    try:
+        yield
+    finally:
+        for sub, sharded in swapped:
+            sub.__class__ = sharded
+
+
+def _with_prefix(key: str, prefix: str, names: set[str]) -> str:
+    """The key with the base model's prefix added or dropped, where that makes it one of `names`."""
+    if key.startswith(f"{prefix}.") and key[len(prefix) + 1 :] in names:
+        return key[len(prefix) + 1 :]
+    return f"{prefix}.{key}" if f"{prefix}.{key}" in names else key
 
 
 def _aliases(module: nn.Module) -> dict[str, list[str]]:
@@ -86,6 +159,7 @@ def _aliases(module: nn.Module) -> dict[str, list[str]]:
 def _plan(module: nn.Module, source: Source) -> dict[str, str]:
     """Module name -> file name, for every parameter and persistent buffer; a clear error if any lacks."""
     persistent = set(module.state_dict().keys())  # checkpoint wrappers' segment stripped, as in files
+    source = source.for_model(module, persistent)
     plan, missing = {}, []
     for first, names in _aliases(module).items():
         if not any(n in persistent for n in names):
@@ -100,11 +174,18 @@ def _plan(module: nn.Module, source: Source) -> dict[str, str]:
     if missing:
         shown = ", ".join(missing[:6]) + (", ..." if len(missing) > 6 else "")
         some = ", ".join(sorted(source.where)[:3])
+        converted = (
+            f"; transformers converts {len(source.converted)} of its keys "
+            f"({', '.join(source.converted[:3])}) "
+            "rather than renaming them, which a rank cannot read by rows"
+            if source.converted
+            else ""
+        )
         raise problem(
             f"the weights lack {len(missing)} of the {type(module).__name__}'s tensors ({shown}); the file's "
-            f"names start {some}",
-            "Pass a checkpoint of this model class (save_pretrained of the same architecture), or rename the "
-            "keys (e.g. add the `transformer.` prefix of a bare GPT2Model's checkpoint)",
+            f"names start {some}{converted}",
+            "Pass a checkpoint of this model class (save_pretrained of the same architecture), or load it "
+            "with from_pretrained and pass that model to s.model",
         )
     return plan
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ddpkit import strategy as strategies
 from ddpkit.data import plan_batch
+from ddpkit.errors import problem
 
 if TYPE_CHECKING:
     from ddpkit import Session
@@ -302,6 +303,18 @@ def explain(rank0: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _check_hook(hook: str) -> None:
+    """Refuse an unknown --hook once, here, before any rank starts: in the ranks each would fail alone."""
+    from ddpkit.parallel import comm_hooks
+
+    known = ["allreduce", *sorted(comm_hooks.HOOKS)]
+    if hook not in known:
+        raise problem(
+            f"--hook {hook!r} is not a known communication hook",
+            f"Use one of {', '.join(known)} (allreduce: DDP's default)",
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import ddpkit
 
@@ -326,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.nproc < 2:
         print("ddpkit trace: --nproc must be 2 or more: with one process there is no all-reduce to trace")
         return 2
+    _check_hook(ns.hook)
     if ns.ranks:
         from ddpkit.tools import trace_ranks
 

@@ -1,0 +1,82 @@
+"""Commands and options that refused with a traceback, or not at all: `ddpkit bench collectives --nproc 1`,
+`ddpkit trace --hook NAME` of a hook that does not exist (both refused in one line before any rank starts),
+`HSDPOptions(shm=True)` (which HSDP ignored); and the command-line reference and the option inventory
+reading the parsers through one walk (`ddpkit.cli.commands`)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+import ddpkit
+from ddpkit import cli
+from ddpkit.strategy import FSDPOptions, HSDPOptions
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _no_ranks(*args, **kwargs):
+    raise AssertionError("a rank was started: the refusal comes before any")
+
+
+def test_bench_collectives_on_one_rank_is_refused_in_one_line(capsys, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(ddpkit, "spawn", _no_ranks)
+    for nproc in ("1", "2,1"):
+        argv = ["bench", "collectives", "--nproc", nproc, "--max-size", "16KB", "--out", str(tmp_path)]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("ddpkit bench collectives: error: --nproc"), err
+        assert "one rank has none to move" in err and "Pass 2 or more ranks" in err, err
+
+
+def test_trace_refuses_an_unknown_hook_once_naming_the_known_ones(capsys, monkeypatch, tmp_path) -> None:
+    from ddpkit.tools import trace
+
+    monkeypatch.setattr(ddpkit, "spawn", _no_ranks)
+    assert cli.main(["trace", "--hook", "fp17", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("ddpkit trace: error: --hook 'fp17'"), err
+    assert "allreduce, bf16, fp16, powersgd, shm" in err, err
+    for known in ("allreduce", "fp16", "bf16", "powersgd", "shm"):
+        trace._check_hook(known)
+
+
+def test_hsdp_refuses_the_shared_memory_it_would_ignore() -> None:
+    with pytest.raises(
+        ddpkit.DdpkitError, match=r"HSDPOptions\(shm=True\) .* 1-D mesh .*FSDPOptions\(shm=True\)"
+    ):
+        HSDPOptions(replicate=2, shard=2, shm=True)
+    assert HSDPOptions(shm=False).fsdp().shm is False and HSDPOptions().shm == "auto"
+    assert FSDPOptions(shm=True).shm is True  # FSDP's 1-D mesh takes it
+
+
+def test_the_reference_and_the_inventory_read_the_parsers_through_one_walk(monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "100")  # the reference sets it; restored after the test
+    own_walk = {
+        "captured_parser",
+        "_Parsed",
+        "_subcommands",
+        "_summaries",
+        "_shape",
+        "_modes",
+        "tool_parsers",
+    }
+    for path in (REPO / "scripts" / "docs_cli.py", REPO / "tests" / "test_option_inventory.py"):
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        assert not defined & own_walk, f"{path.name} walks the parsers itself: {sorted(defined & own_walk)}"
+        assert "cli.commands(" in path.read_text(), path.name
+    spec = importlib.util.spec_from_file_location("docs_cli", REPO / "scripts" / "docs_cli.py")
+    docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(docs)  # type: ignore[union-attr]
+    import test_option_inventory as inventory
+
+    walked = [c.where for c in cli.commands()]
+    titles = re.findall(r"^#+ `(ddpkit [^`]+)`$", docs.render(), re.M)
+    assert titles == walked and len(set(walked)) == len(walked)
+    assert {"ddpkit bench tune", "ddpkit plan --memory", "ddpkit checkpoint convert"} <= set(walked)
+    assert {o.where for o in inventory.cli_options()} <= set(walked)
