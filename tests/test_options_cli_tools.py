@@ -321,5 +321,5 @@ def test_trace_ranks_buckets_steps_and_warmup(tmp_path: Path, capsys, monkeypatc
 
 
 def test_trace_hook_is_the_hook_run(tmp_path: Path, on_pools) -> None:
-    with pytest.raises(AssertionError, match="comm_hook='no-such-hook' is not a known"):  # from the ranks
+    with pytest.raises(ddpkit.DdpkitError, match="--hook 'no-such-hook' is not a known"):  # before the ranks
         trace.main(["--workload", SPEC, "--hook", "no-such-hook", "--steps", "1", "--out", str(tmp_path)])
