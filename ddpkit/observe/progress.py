@@ -106,9 +106,13 @@ class Progress:
 
 
 class RunLog:
-    """Rows to a JSON-lines or CSV file, written by global rank 0 only."""
+    """Rows to a JSON-lines or CSV file, written by global rank 0 only.
 
-    def __init__(self, path: str | os.PathLike | None, enabled: bool) -> None:
+    A fresh run empties the file; a resumed one (`resumed`: the session loaded a checkpoint, or has
+    stepped before) appends to it, so the rows of the run it continues stay above its own (a CSV file's
+    columns are read back, and a new column rewrites the file with every row)."""
+
+    def __init__(self, path: str | os.PathLike | None, enabled: bool, *, resumed: bool = False) -> None:
         self.path = None if path is None or not enabled else os.fspath(path)
         self.rows: list[dict[str, Any]] = []
         self.columns: list[str] = []
@@ -117,7 +121,13 @@ class RunLog:
         if not self.path.endswith((".jsonl", ".json", ".csv")):
             raise problem(f"log={self.path!r} has no .jsonl or .csv suffix", "Name it e.g. run/log.jsonl")
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        open(self.path, "w").close()
+        if not (resumed and os.path.exists(self.path)):
+            open(self.path, "w").close()
+        elif self.path.endswith(".csv"):
+            with open(self.path, newline="") as f:
+                reader = csv.DictReader(f)
+                self.rows = list(reader)
+                self.columns = list(reader.fieldnames or [])
 
     def write(self, row: dict[str, Any]) -> None:
         if self.path is None:
