@@ -8,16 +8,18 @@ Kept apart from `Session` so that the failure-handling policy lives in one place
 - keys in the c10d store for ddpkit's own coordination (checkpoint saves, stall reports), polled
   with deadlines so that a slow rank-0 save never trips the collective timeout of the others;
 - an exit that cannot turn a finished run into a failure (`ddpkit.cluster.exit_guard`, armed by `leave`);
-- a tag per call of the session's own collectives (`Membership.agree`: s.save, s.load, s.export, a
-  script's s.all_reduce), numbered the same on every rank, so ranks that part are named by their calls
-  (one at `s.save`, the other in `s.backward`) in seconds, before a collective of the wrong size aborts
-  or the collective limit runs out. The training step itself carries no tag (nothing added per step).
+- a tag per call of the session's own collectives (`Membership.agree`: s.save, s.load, s.export, and a
+  script's s.all_reduce, s.gather, s.any_rank, ...), numbered the same on every rank, so ranks that part
+  are named by their calls (one at `s.save`, the other in `s.backward`, or past the end of its session)
+  in seconds, before a collective of the wrong size aborts or the collective limit runs out. The training
+  step itself carries no tag (nothing added per step).
 
 All of it hangs off one `Membership` per session (`join` returns it); nothing here is module state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import linecache
 import os
@@ -109,12 +111,16 @@ class Membership:
         cannot come (its collective waits for this rank). Then this rank refuses and leaves the verdict in
         the store, which that rank's watchdog prints and its failure repeats. `patient` (a save, load or
         export) waits for a rank that is only running until `limit` (the save limit); otherwise (a
-        script's s.all_reduce) such a rank lets the call go on into its collective after a second or
-        two, where the collective limit and its stall report apply as before."""
+        script's s.all_reduce, s.gather, s.any_rank, ...) such a rank lets the call go on into its
+        collective after a second or two, where the collective limit and its stall report apply as before.
+        A rank that has left its session (`leave`) cannot come either: refused at once, naming the line its
+        session ended at."""
         self._calls += 1
         n, where = self._calls, _user_line()
         base = f"{self.prefix}/call/{n}"
         self.store.set(f"{base}/{self.rank}", json.dumps([call, where]))
+        if n > 2:  # every rank has passed call n-1's collective, so none reads call n-2's tag again
+            self.store.delete_key(f"{self.prefix}/call/{n - 2}/{self.rank}")  # per-step tags do not pile up
         waiting = {r: f"{base}/{r}" for r in range(self.world_size) if r != self.rank}
         start, delay, seen = time.monotonic(), 0.0002, {}
         end = start + (limit if limit is not None else self.limits.save)
@@ -137,7 +143,10 @@ class Membership:
                     f"Call {call} on every rank at the same point; if they were only slow, raise "
                     "save_timeout= in ddpkit.session(...)",
                 )
-            if isinstance(self.watchdog, CallWatchdog) and now - start > GRACE and now - looked >= 1.0:
+            look = now - start > GRACE and now - looked >= 1.0
+            if look and (gone := self._left(waiting)):
+                self._refuse(call, where, n, "; ".join(gone.values()), list(gone))
+            if isinstance(self.watchdog, CallWatchdog) and look:
                 looked = now
                 stuck, running = self._positions(call, where, waiting, last)
                 if stuck:
@@ -146,8 +155,19 @@ class Membership:
                     return  # only slow: the collective's own limit and its stall report take over
             elif self.watchdog is None and not patient and now - start > GRACE:
                 return
+            elif look:
+                looked = now
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+    def _left(self, waiting: dict[int, str]) -> dict[int, str]:
+        """The ranks waited for that have ended their session (`leave` says where): they cannot come."""
+        keys = {r: f"{self.prefix}/left/{r}" for r in waiting}
+        ended = {r: self.store.get(key).decode() for r, key in keys.items() if self.store.check([key])}
+        return {
+            r: f"rank {r} had left its session (its `with ddpkit.session(...)` ended at {line})"
+            for r, line in ended.items()
+        }
 
     def _positions(
         self, call: str, where: str, waiting: dict[int, str], last: dict[int, str]
@@ -175,8 +195,8 @@ class Membership:
         prints it, their failure repeats it), waited for briefly so it is seen before this rank ends."""
         err = problem(
             f"rank {self.rank} called {call} at {where}, but {others}: the ranks parted at the session's "
-            f"collective call {n} (s.save, s.load, s.export and s.all_reduce are called by every rank, "
-            "in the same order)",
+            f"collective call {n} (s.save, s.load, s.export and the collectives s.all_reduce, s.gather, "
+            "s.any_rank, s.barrier, ... are called by every rank, in the same order)",
             f"Call {call} on every rank at the same point, outside `if s.is_main:` or `if rank == 0:` "
             "(rank 0 writes the shared files itself; s.print prints once)",
         )
@@ -184,7 +204,10 @@ class Membership:
             self.watchdog.verdict = str(err)  # said here: this rank's own watchdog need not print it
         if self.store.add(f"{self.prefix}/call/verdicts", 1) == 1:
             self.store.set(f"{self.prefix}/call/verdict", str(err))
-            beats = [f"{self.prefix}/call/verdict/seen/{r}" for r in ranks]
+            peers = dict.fromkeys((r for r in range(self.world_size) if r != self.rank), "")
+            gone = self._left(peers)  # named or not, every rank still here reads it before this one ends:
+            beats = [f"{self.prefix}/call/verdict/seen/{r}" for r in peers if r not in gone]  # else the
+            # backend's error (this rank's end breaks their collective) would speak first
             if self.watchdog is not None:
                 end = time.monotonic() + 2 * self.watchdog.poll + 1
                 while time.monotonic() < end and not self.store.check(beats):
@@ -193,7 +216,11 @@ class Membership:
 
     def leave(self) -> None:
         """Stop the watchdog and, if this session created it, destroy the group; after a success,
-        guard the exit (`ddpkit.cluster.exit_guard`)."""
+        guard the exit (`ddpkit.cluster.exit_guard`). First it leaves word in the store, with the line the
+        session ended at: a rank still waiting at a tagged call (`agree`) for this one is refused by name at
+        once, instead of waiting out the save limit."""
+        with contextlib.suppress(Exception):  # the store may be gone with the job: nothing to tell then
+            self.store.set(f"{self.prefix}/left/{self.rank}", _user_line())
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
@@ -272,11 +299,16 @@ def _attempt() -> str:
 GRACE = 1.0
 
 
+_CONTEXTLIB = (
+    contextlib.__file__
+)  # `with ddpkit.session(...)` ends inside its generator: not the script's line
+
+
 def _user_line() -> str:
-    """The script's line that made the call: the innermost frame outside ddpkit and torch (cheap: a
-    walk of frame objects, no source read but the one line)."""
+    """The script's line that made the call: the innermost frame outside ddpkit, torch and contextlib
+    (cheap: a walk of frame objects, no source read but the one line)."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith((_DDPKIT_DIR, _TORCH_DIR)):
+    while frame is not None and frame.f_code.co_filename.startswith((_DDPKIT_DIR, _TORCH_DIR, _CONTEXTLIB)):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
         return "?"

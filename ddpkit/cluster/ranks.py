@@ -40,7 +40,10 @@ class RankContext:
 
     @property
     def is_main(self) -> bool:
-        """True on global rank 0, the one rank that prints and saves."""
+        """True on global rank 0: the rank whose `print` prints (once for the job), for a script's own
+        once-only work (a log line, a plot, a file of its own). Not a guard for the collectives: every rank
+        calls `s.save`, `s.load`, `s.export`, `all_reduce`, `gather`, ... (rank 0 writes a checkpoint's
+        shared files itself, every rank its own part)."""
         return self.rank == 0
 
     @property

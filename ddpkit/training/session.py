@@ -293,15 +293,47 @@ class Session(RankContext):
         with self.strategy.join(model, joinables), self.stepper.joining():
             yield
 
+    # -- a script's collectives: each tagged first (`_tagged`), so ranks that part are named --------------
     def all_reduce(self, value: float | torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce a number or tensor over all ranks ("sum", "mean", "max", "min"); a new tensor.
 
         Called from a script, it is tagged first (one store round trip, `lifecycle.Membership.agree`):
         a rank that calls it alone (under `if s.is_main:`) is named with where the others are, instead
-        of meeting their gradient all-reduce. ddpkit's own per-step calls (fit's) are not tagged."""
-        if self._group is not None and not lifecycle.called_from_ddpkit():
-            self._group.agree("s.all_reduce", patient=False, limit=self.limits.collective)
+        of meeting their gradient all-reduce. ddpkit's own per-step calls (fit's) are not tagged. So are
+        `any_rank`, `all_ranks`, `gather`, `gather_object` and `barrier`."""
+        self._tagged("s.all_reduce")
         return super().all_reduce(value, op)
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if `flag` is true on any rank; tagged first, as `all_reduce` is."""
+        self._tagged("s.any_rank")
+        return super().any_rank(flag)
+
+    def all_ranks(self, flag: bool) -> bool:
+        """True on every rank if `flag` is true on all ranks; tagged first, as `all_reduce` is."""
+        self._tagged("s.all_ranks")
+        return super().all_ranks(flag)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's tensor concatenated along dim 0 in rank order; tagged first, as `all_reduce` is."""
+        self._tagged("s.gather")
+        return super().gather(tensor)
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable object, in rank order; tagged first, as `all_reduce` is."""
+        self._tagged("s.gather_object")
+        return super().gather_object(obj)
+
+    def barrier(self) -> None:
+        """Wait for every rank; tagged first, as `all_reduce` is."""
+        self._tagged("s.barrier")
+        super().barrier()
+
+    def _tagged(self, call: str) -> None:
+        """Tag a collective the script called (its caller is the script, not ddpkit: `called_from_ddpkit`
+        looks past this frame and the method's)."""
+        if self._group is not None and not lifecycle.called_from_ddpkit(3):
+            self._group.agree(call, patient=False, limit=self.limits.collective)
 
     # -- checkpoints (ddpkit.checkpoint.checkpoints) -------------------------------------------------------
     def save(self, path: str, **state: Any) -> Any:
