@@ -7,9 +7,11 @@
 
 recovery: tests/memory_recovery_train.py (12 steps; weights, AdamW, LR schedule, loader position, RNG)
 under `ddpkit run --max-restarts 1`, one rank SIGKILLed in a random step (the same step and rank for
-both kinds in a repetition; the kinds interleaved, the order alternating): "memory" restores the
-newest snapshot every rank holds from a keeper (a snapshot after every step), "disk" is today's
-`s.load` with `s.save(every=4)`. Per run: recovery = the kill to the next finished step (rank 0),
+every kind in a repetition; the kinds interleaved, the order rotated): "memory" restores the
+newest snapshot every rank holds from a keeper (a snapshot after every step, taken by the script),
+"s.load" is the product's way (`s.load(..., memory=1)`, the keeper `ddpkit run` starts, the ranks'
+meeting in the store, the snapshot at the loader's next batch), "disk" is today's `s.load` with
+`s.save(every=4)`. Per run: recovery = the kill to the next finished step (rank 0),
 steps redone = the killed step - the step restored, and whether the final state (weights, optimizer,
 RNG, LR, step) is bitwise the uninterrupted run's. Medians [min..max]; the load average is printed.
 DDPKIT_WARM_START in the environment forks the ranks from a warm server (the restart then costs no
@@ -79,6 +81,8 @@ def _one(kind: str, root: Path, nproc: int, strategy: str, kill_at: int, rank: i
     try:
         if keeper is not None:
             rc = _launch(out, nproc, strategy, *fault, "--keeper", keeper.name)
+        elif kind == "s.load":
+            rc = _launch(out, nproc, strategy, *fault, "--memory", "1")
         else:
             rc = _launch(
                 out, nproc, strategy, *fault, "--ckpt", str(out / "ckpt"), "--disk-every", str(DISK_EVERY)
@@ -101,10 +105,11 @@ def recovery(nproc: int, strategy: str, reps: int, seed: int | None) -> None:
     root = Path(tempfile.mkdtemp(prefix="ddpkit-memory-recovery-"))
     assert _launch(root / "reference", nproc, strategy) == 0, "the uninterrupted run failed"
     reference = _final(root / "reference", nproc)
-    rows: dict[str, list[dict]] = {"disk": [], "memory": []}
+    kinds = ("memory", "s.load", "disk")
+    rows: dict[str, list[dict]] = {kind: [] for kind in kinds}
     for i in range(reps):
         kill_at, rank = draw.randint(2, 12), draw.randrange(nproc)
-        for kind in ("memory", "disk") if i % 2 == 0 else ("disk", "memory"):
+        for kind in kinds[i % 3 :] + kinds[: i % 3]:
             row = _one(kind, root, nproc, strategy, kill_at, rank)
             if "failed" in row:
                 print(f"  {kind:6s} kill -9 rank {rank} in step {kill_at}: {row['failed']}", flush=True)
