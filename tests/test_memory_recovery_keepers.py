@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import socket
 import threading
 import time
@@ -181,8 +182,6 @@ def test_memory_auto_takes_n_above_one_for_a_heavy_state_and_one_for_a_light_one
 def _load_with_memory(root: str, keeper: str) -> tuple[str, Any]:
     """In the pool: a keeper holding another world size's snapshots, then s.load(..., memory="auto")
     and a few short steps; what rank 0 printed, and the N chosen."""
-    import os
-
     import ddpkit
 
     os.environ[KEEPER_ENV] = keeper
@@ -223,3 +222,25 @@ def test_an_elastic_resize_recovers_from_disk_and_says_why_and_auto_says_its_n(p
     assert (
         every == 1 and results[1][1] == 1 and 'memory="auto": a snapshot every 1 optimizer step (' in said
     ), said
+
+
+def test_ddpkit_run_across_hosts_gives_its_ranks_the_keepers_address_and_token(monkeypatch) -> None:
+    from ddpkit.cluster.keeper import ADDRESS_ENV, TOKEN_ENV
+    from ddpkit.cluster.launch import LaunchConfig, start_keeper
+
+    for name in (KEEPER_ENV, ADDRESS_ENV, TOKEN_ENV):
+        monkeypatch.delenv(name, raising=False)
+    script = str(Path(__file__))
+    across = LaunchConfig(target=script, nnodes=2, rdzv_endpoint="127.0.0.1:29400", local_addr="127.0.0.1")
+    keeper = start_keeper(across)
+    try:
+        address, token = os.environ[ADDRESS_ENV], os.environ[TOKEN_ENV]
+        assert address.startswith("127.0.0.1:") and token == keeper.token and len(token) == 32
+        assert fetch(address, "w2/r0", token) == []  # reachable there, and its token admitted
+    finally:
+        keeper.stop()
+    single = start_keeper(LaunchConfig(target=script))  # one host: no TCP, no address from the last launch
+    try:
+        assert single.tcp is None and ADDRESS_ENV not in os.environ and os.environ[TOKEN_ENV] != token
+    finally:
+        single.stop()

@@ -361,6 +361,7 @@ def start_keeper(cfg: LaunchConfig) -> Keeper:
     across = cfg.nnodes > 1 or cfg.min_nodes is not None
     keeper = Keeper.start(tcp="0.0.0.0:0" if across else None)  # port 0: the OS picks
     os.environ.update({KEEPER_ENV: keeper.name, TOKEN_ENV: keeper.token})
+    os.environ.pop(ADDRESS_ENV, None)  # one host: nothing to meet (and no address of an earlier launch)
     if keeper.tcp is not None:
         os.environ[ADDRESS_ENV] = f"{_reachable_address(cfg)}:{keeper.tcp.rpartition(':')[2]}"
     return keeper
