@@ -6,6 +6,8 @@
     ddpkit plan --list-links
     ddpkit plan --memory --model hf:gpt2 --device h100 --world 8 --global-batch 512   # will it fit?
     ddpkit plan --workload gpt --max-gpus 16384 --fault-rate 2e-5 --restart-s 600    # faults at scale
+    ddpkit plan --workload mypkg.models:gpt --strategy tp --tensor-degree 8 --tp-plan mypkg.models:TP_PLAN \\
+        --max-gpus 64 --link ib-ndr                                                   # TP x FSDP
 
 The model is profiled on one device (this machine's CPU unless --device cuda): forward, backward, the
 time each DDP bucket's gradients are ready, the optimizer step. The step on N devices is then
@@ -32,7 +34,7 @@ from ddpkit.errors import DdpkitError, problem
 
 def build_parser() -> argparse.ArgumentParser:
     from ddpkit import strategy as strategies
-    from ddpkit.plan import faults
+    from ddpkit.plan import faults, tp_time
     from ddpkit.plan.links import LEVELS
     from ddpkit.plan.simulate import ALGORITHMS, HOOKS
 
@@ -92,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`ddpkit plan --memory --help` (ddpkit.plan.memory_cli)",
     )
     faults.add_arguments(p)
+    tp_time.add_arguments(p)
     return p
 
 
@@ -111,7 +114,7 @@ def list_links() -> str:
 def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
     from ddpkit import strategy as strategies
     from ddpkit.bench.report import machine
-    from ddpkit.plan import advice, faults, links, planner, profile
+    from ddpkit.plan import advice, faults, links, planner, profile, tp_time
     from ddpkit.plan.simulate import Options
     from ddpkit.tools import workloads
 
@@ -120,13 +123,17 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
     if not counts or min(counts) < 1:
         raise problem(f"device counts {counts} are not all 1 or more", "Pass --max-gpus N or --counts 1,2,4")
     counts = sorted(set([1, *counts]))
+    tensor, counts = tp_time.options(ns, spec, counts, ns.gpus_per_node)
     measured = ns.link.startswith("measured")
     cores = machine()["cores"]
     threads = ns.threads or (1 if measured else cores)
     strong = ns.global_batch is not None
     wl = workloads.load(spec)
     batches = planner.per_rank_batches(
-        counts, batch=ns.batch_size or wl.global_batch, global_batch=ns.global_batch
+        counts,
+        batch=ns.batch_size or wl.global_batch,
+        global_batch=ns.global_batch,
+        tensor=tensor.get("tensor", 1),
     )
     link = links.load(ns.link, counts=counts, threads=threads, intra=ns.intra, nics_per_node=ns.nics_per_node)
     beside: dict[int, profile.Profile] = {}
@@ -160,6 +167,7 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
         accumulation=ns.accumulation,
         sharded_step=sharded,
         dims=strategies.entry(ns.strategy).dims,  # its layout's degrees (a registered one's too)
+        **tensor,
     )
     pl = planner.Planner(
         profiles=profiles,
@@ -196,6 +204,7 @@ def make_plan(ns: argparse.Namespace) -> dict[str, Any]:
         "repeats": ns.repeats,
         "curve": rows,
         "options": opts.as_dict(),
+        **({"tensor": tp_time.section(opts)} if tensor else {}),
         "machine": machine(),
         "profiles": {str(b): p.as_dict() for b, p in profiles.items()},
         "beside": {str(n): p.as_dict() for n, p in beside.items()},

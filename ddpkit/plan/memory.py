@@ -83,6 +83,12 @@ def takes(strategy: str, degree: str) -> bool:
     return options is not None and degree in getattr(options, "__dataclass_fields__", {})
 
 
+def spans_tensor(strategy: str) -> bool:
+    """Whether the strategy's layout splits layers (TP): estimated as the plan splits them, FSDP2 over
+    the data dimensions (`ddpkit.plan.memory_tp`)."""
+    return "tensor" in strategies.entry(_registered(strategy)).dims
+
+
 def spans_shard(strategy: str) -> bool:
     """Whether the strategy's layout shards the model state (FSDP, HSDP): estimated as FSDP2."""
     return "shard" in strategies.entry(_registered(strategy)).dims
@@ -109,6 +115,10 @@ class MemoryJob:
     # Other layout degrees by name (`--<degree>-degree` of `ddpkit.parallel.layout.TOOL_DEGREES`).
     other_degrees: tuple[tuple[str, int], ...] = ()
     activation_checkpointing: str | None = None  # "auto" or a block class's name
+    # Tensor parallelism (a strategy spanning "tensor"): the plan as `--tp-plan` gives it ("auto", a
+    # JSON object, package.module:NAME; `ddpkit.plan.memory_tp.plan_of`) and sequence parallelism.
+    tp_plan: str = "auto"
+    sequence_parallel: bool = False
     optimizer: str = "adamw"
     sample: str | Callable[[torch.Generator, int], Any] | None = None
     device_kind: str = "cuda"  # the optimizer's implementation torch picks there: foreach on CUDA
@@ -141,15 +151,7 @@ class MemoryJob:
     def _check_degrees(self) -> None:
         """Refused before any estimate, each in one line naming the flag: a degree the strategy does
         not take, and a shard degree a 2-D strategy needs but was not given or does not divide; a
-        tensor-parallel strategy (not estimated yet)."""
-        if "tensor" in strategies.entry(_registered(self.strategy)).dims:
-            raise problem(
-                f"plan --memory does not estimate tensor parallelism yet (--strategy {self.strategy}: "
-                "its fake-tensor step does not split the layers, so every figure would be FSDP's alone)",
-                "Estimate the data-parallel part with --strategy fsdp --world <world / tensor degree> "
-                "(the split layers' weights, gradients and optimizer state then divide by the tensor "
-                "degree), or measure one step of ddpkit.session(strategy=TPOptions(...))",
-            )
+        a tensor degree that does not divide the world."""
         for degree, value in self.given().items():
             if value is not None and not takes(self.strategy, degree):
                 owners = [n for n in offered() if n != ZERO1 and takes(n, degree)]
@@ -159,7 +161,16 @@ class MemoryJob:
                     f"--{degree}-degree {value} is {whose}'s, not {self.strategy}'s",
                     f"{fix} it out with --strategy {self.strategy}",
                 )
-        if takes(self.strategy, "shard"):
+        if not spans_tensor(self.strategy) and (self.tp_plan != "auto" or self.sequence_parallel):
+            flag = "--sequence-parallel" if self.sequence_parallel else f"--tp-plan {self.tp_plan}"
+            raise problem(
+                f"{flag} is tensor parallelism's, not {self.strategy}'s",
+                f"Pass --strategy tp --tensor-degree T with it, or leave it out with "
+                f"--strategy {self.strategy}",
+            )
+        if spans_tensor(self.strategy):
+            self._check_tensor()
+        elif takes(self.strategy, "shard"):
             shard = self.shard_degree
             if shard is None:
                 raise problem(
@@ -174,6 +185,18 @@ class MemoryJob:
                     f"Pass --shard-degree K with {self.world} = replicas x K, e.g. the ranks of one node",
                 )
 
+    def _check_tensor(self) -> None:
+        """A tensor-parallel job: degrees that divide the world (the shard degree is optional: the
+        data ranks left, as the session's)."""
+        tensor = self.given().get("tensor") or self.world
+        shard = self.shard_degree or 1
+        if tensor < 1 or self.world % (tensor * shard):
+            raise problem(
+                f"{self.strategy} needs tensor x shard degrees that divide the world size {self.world} "
+                f"(got tensor {tensor}, shard {self.shard_degree or 'the rest'})",
+                f"Pass --tensor-degree T (and --shard-degree K) with {self.world} = replicas x K x T",
+            )
+
     @property
     def layout(self) -> Layout:
         """The job's layout, by the session's one call (`ddpkit.strategy.layout_of`): plan states its
@@ -182,12 +205,22 @@ class MemoryJob:
         options = strategies.entry(name).options
         degrees = {d: v for d, v in self.given().items() if v is not None}
         chosen = strategies.Chosen(name, options(**degrees) if options is not None and degrees else None)
-        return strategies.layout_of(chosen, ClusterShape(self.world, self.shard_degree or self.world))
+        node = self.world if spans_tensor(self.strategy) else self.shard_degree or self.world
+        return strategies.layout_of(chosen, ClusterShape(self.world, node))
+
+    @property
+    def readers(self) -> int:
+        """The ranks that read different batches (`Layout.data`): every rank, except that the ranks of
+        one tensor group read the same batch; the global batch splits over these."""
+        return self.layout.data
 
     def describe(self) -> str:
         layout = self.layout
         if self.strategy == ZERO1:
             strat = "DDP + sharded optimizer step (ZeRO-1)"
+        elif spans_tensor(self.strategy):  # "TP 2 x FSDP2 (replicate 1 x shard 2)", the session's line
+            sp = ", sequence parallel" if self.sequence_parallel else ""
+            strat = f"TP {layout.tensor}{sp} x FSDP2 (replicate {layout.replicate} x shard {layout.shard})"
         elif layout.meshed or len(layout.dims) > 1:  # a 2-D mesh, as replicate x shard: "HSDP (2 x 4)"
             strat = f"{self.strategy.upper()} ({' x '.join(str(size) for _, size in layout.mesh)})"
         else:
@@ -284,12 +317,20 @@ def estimate(job: MemoryJob) -> Breakdown:
             from ddpkit.strategy.fsdp_units import choose_units, shard
 
             policy = PrecisionPlan(canonical(job.precision) or "32", "cpu").fsdp_policy()
-            shard(model, choose_units(model, strategies.FSDPOptions()), mesh=mesh, mp_policy=policy)
+            if spans_tensor(job.strategy):
+                from ddpkit.plan import memory_tp
+
+                plan = memory_tp.plan_of(job.tp_plan)
+                memory_tp.prepare(model, job.layout, mesh, plan, job.sequence_parallel, policy)
+            else:
+                shard(model, choose_units(model, strategies.FSDPOptions()), mesh=mesh, mp_policy=policy)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = _optimizer(job.optimizer, params, job.device_kind)
         owned = _zero1_owned(model, job.world) if job.strategy == ZERO1 else None
         keep_grads = not sharded  # DDP's buckets hold the gradients from the wrap on
         warm_optimizer(params, opt, owned, keep_grads)
+        if spans_tensor(job.strategy):  # a whole untracked step first: see ddpkit.plan.memory_tp.WARM
+            _run_step(model, opt, spec, job, owned, keep_grads, job.micro_batch)
         return _tracked_step(model, opt, spec, job, owned, keep_grads)
     raise AssertionError("unreachable")
 

@@ -5,6 +5,8 @@ what is the largest micro-batch that does?
     ddpkit plan --memory --model mypkg.models:make_net --sample mypkg.data:sample --strategy fsdp --world 4 \\
         --global-batch 64 --device cpu --activation-checkpointing auto
     ddpkit plan --memory --model gpt --device-memory 0.2 --device cpu --world 2 --global-batch 64 --json -
+    ddpkit plan --memory --model hf:llama --strategy tp --tensor-degree 8 --world 64 --global-batch 256 \\
+        --precision bf16 --seq-len 4096 --device h100
 
 One steady-state training step of rank 0 runs on fake tensors on this CPU (`ddpkit.plan.memory`):
 the peak per rank, by category, for the asked micro-batch (default: the whole per-rank batch, no
@@ -20,6 +22,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from ddpkit.errors import DdpkitError, problem
@@ -61,6 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     for degree in layouts.TOOL_DEGREES:  # --shard-degree, and every degree the layout adds for the tools
         text = DEGREE_HELP.get(degree, f"ranks per {degree} group (default: the strategy's own rule)")
         p.add_argument(f"--{degree}-degree", type=int, default=None, help=text)
+    p.add_argument(
+        "--tp-plan",
+        default="auto",
+        metavar="auto|JSON|MODULE:NAME",
+        help="tp: which layers split how: auto (a Hugging Face model's own plan), a JSON object "
+        '{"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}, or package.module:NAME of such a dict',
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="tp: norms and dropout split along the sequence (TPOptions(sequence_parallel=True))",
+    )
     p.add_argument("--world", type=int, default=8, help="ranks in all")
     p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step over all ranks")
     p.add_argument(
@@ -99,18 +114,9 @@ def make(ns: argparse.Namespace) -> dict[str, Any]:
 
     start = time.perf_counter()
     device = _device(ns)
-    global_batch = ns.global_batch or ns.world * (ns.micro_batch or 1)
-    options = memory_fit.splits(global_batch, ns.world)
-    micro = ns.micro_batch or options[0][0]
-    if (global_batch // ns.world) % micro:
-        fits = ", ".join(str(m) for m, _ in options)
-        raise problem(
-            f"micro-batch {micro} does not divide the per-rank batch {global_batch // ns.world}",
-            f"Pass one of {fits}, or another --global-batch",
-        )
     job = memory.MemoryJob(
         model=ns.model,
-        micro_batch=micro,
+        micro_batch=ns.micro_batch or 1,
         seq_len=ns.seq_len,
         precision=ns.precision,
         strategy=ns.strategy,
@@ -122,10 +128,23 @@ def make(ns: argparse.Namespace) -> dict[str, Any]:
             if d != "shard" and (v := getattr(ns, f"{d}_degree")) is not None
         ),
         activation_checkpointing=ns.activation_checkpointing,
+        tp_plan=ns.tp_plan,
+        sequence_parallel=ns.sequence_parallel,
         optimizer=ns.optimizer,
         sample=ns.sample,
         device_kind=device.kind,
     )
+    readers = job.readers  # the ranks that read different batches: a tensor group reads one
+    global_batch = ns.global_batch or readers * (ns.micro_batch or 1)
+    options = memory_fit.splits(global_batch, readers)
+    micro = ns.micro_batch or options[0][0]
+    if (global_batch // readers) % micro:
+        fits = ", ".join(str(m) for m, _ in options)
+        raise problem(
+            f"micro-batch {micro} does not divide the per-rank batch {global_batch // readers}",
+            f"Pass one of {fits}, or another --global-batch",
+        )
+    job = replace(job, micro_batch=micro)
     capacity = device.memory
     asked = memory.estimate(job)
     fit, seen = memory_fit.largest_fit(
@@ -159,7 +178,8 @@ def make(ns: argparse.Namespace) -> dict[str, Any]:
         },
         "global_batch": global_batch,
         "micro_batch": micro,
-        "accumulation": global_batch // ns.world // micro,
+        "accumulation": global_batch // readers // micro,
+        "data_ranks": readers,
         "breakdown": shown.as_dict(),
         "estimates": {
             str(m): b.with_device(device.allowance, device.reserved).total for m, b in sorted(seen.items())
@@ -207,7 +227,7 @@ def text(plan: dict[str, Any]) -> str:
             dev["memory"],
             title=f"peak per rank at micro-batch {plan['micro_batch']} (global batch "
             f"{plan['global_batch']} = {plan['micro_batch']} x {plan['accumulation']} accumulation x "
-            f"{plan['global_batch'] // plan['micro_batch'] // plan['accumulation']} ranks)",
+            f"{plan['global_batch'] // plan['micro_batch'] // plan['accumulation']} data-parallel ranks)",
         ),
         "",
     ]

@@ -21,7 +21,8 @@ class Fit:
 
 
 def splits(global_batch: int, world: int) -> list[tuple[int, int]]:
-    """(micro-batch, accumulation) pairs with micro x accumulation x world == global, largest first."""
+    """(micro-batch, accumulation) pairs with micro x accumulation x world == global, largest first
+    (`world`: the ranks that read different batches, `MemoryJob.readers`)."""
     if global_batch < world or global_batch % world:
         raise problem(
             f"global batch {global_batch} does not split evenly over {world} ranks",
@@ -53,7 +54,7 @@ def largest_fit(
             seen[m] = estimate(replace(job, micro_batch=m))
         return seen[m].with_device(allowance, reserved).total
 
-    options = splits(global_batch, job.world)
+    options = splits(global_batch, job.readers)
     sizes = [m for m, _ in options]
     if total(sizes[0]) <= capacity:
         return Fit(options[0][0], options[0][1], seen[sizes[0]].with_device(allowance, reserved)), seen

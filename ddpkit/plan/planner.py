@@ -24,17 +24,21 @@ def counts_up_to(max_n: int) -> list[int]:
     return [*out, max_n]
 
 
-def per_rank_batches(counts: Sequence[int], *, batch: int | None, global_batch: int | None) -> dict[int, int]:
-    """Per-rank batch at each n: fixed (weak scaling) or the global batch split (strong scaling)."""
+def per_rank_batches(
+    counts: Sequence[int], *, batch: int | None, global_batch: int | None, tensor: int = 1
+) -> dict[int, int]:
+    """Per-rank batch at each n: fixed (weak scaling) or the global batch split (strong scaling) over
+    the ranks that read different batches (with a tensor degree T, n / T: a tensor group reads one)."""
     if global_batch is None:
         return dict.fromkeys(counts, batch or 1)
-    bad = [n for n in counts if global_batch % n]
+    readers = {n: n // tensor if n >= tensor else n for n in counts}
+    bad = [n for n in counts if global_batch % readers[n]]
     if bad:
         raise problem(
             f"global batch {global_batch} is not divisible by {bad}",
             "Pick counts that divide it (--counts), or plan with a per-rank batch (--batch-size)",
         )
-    return {n: plan_batch(global_batch, None, world_size=n).per_rank for n in counts}  # the loader's split
+    return {n: plan_batch(global_batch, None, world_size=readers[n]).per_rank for n in counts}  # the loader's
 
 
 def batches_to_profile(wanted: Sequence[int], limit: int = 3) -> list[int]:

@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ddpkit.errors import problem
 from ddpkit.names import BUILT_IN_STRATEGIES
 from ddpkit.parallel.layout import ClusterShape, Layout, build
 from ddpkit.plan.links import Link, log2_ceil
@@ -168,10 +169,20 @@ class Options:
     # passes; () a replicating one's); a built-in's come from `ddpkit.names.BUILT_IN_STRATEGIES` (so a
     # `replace(opts, strategy="fsdp")` is FSDP's), and this module stays torch-free
     dims: tuple[str, ...] = ()
+    # tensor parallelism: the tensor degree and each split layer's activation collectives per sample,
+    # forward and backward ((kind, bytes), ...: `ddpkit.plan.tp_time.collectives`)
+    tensor: int = 1
+    tp_forward: tuple[tuple[str, float], ...] = ()
+    tp_backward: tuple[tuple[str, float], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        """The options a plan reports (the dims are the strategy's, named by it)."""
-        return {k: v for k, v in self.__dict__.items() if k != "dims"}
+        """The options a plan reports (the dims are the strategy's, named by it; the collectives by
+        their count and bytes per sample)."""
+        out = {k: v for k, v in self.__dict__.items() if k not in ("dims", "tp_forward", "tp_backward")}
+        if self.tensor > 1:
+            every = (*self.tp_forward, *self.tp_backward)
+            out["tp_collectives"] = {"count": len(every), "bytes_per_sample": sum(b for _, b in every)}
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,7 +255,10 @@ def _stream_on_busy_cores(
 
 
 def step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
-    """Predict one optimizer step on `cluster.n` ranks of `profile.batch` samples each."""
+    """Predict one optimizer step on `cluster.n` ranks of `profile.batch` samples each (with a tensor
+    degree: `profile.batch` samples per tensor group, `tensor_step`)."""
+    if opts.tensor > 1 and cluster.n > 1:
+        return tensor_step(profile, cluster, opts)
     n = cluster.n
     measured_beside = n > 1 and profile.ranks == n  # profiled with n ranks computing at once
     slow = 1.0 if measured_beside else cluster.compute_slowdown(profile.threads)
@@ -322,6 +336,66 @@ def step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
         samples_per_s=samples / total,
         options=opts.as_dict(),
         slow_link_bytes=slow_link_bytes(cluster, layout, sum(b.bytes for b in buckets)),
+    )
+
+
+def _tp_cost(group: Cluster, kind: str, nbytes: float) -> float:
+    if kind == "allgather":
+        return group.allgather(nbytes)
+    if kind == "reduce_scatter":
+        return group.reduce_scatter(nbytes)
+    return group.allreduce(nbytes)[0]
+
+
+def tensor_step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
+    """One step under tensor parallelism: `opts.tensor` ranks split each planned layer, the data
+    dimensions (replicate x shard, FSDP2's; shard 1: an all-reduce, DDP's arithmetic) over the rest.
+
+    Each rank computes 1/T of the profiled step (the split layers carry the step's matmuls: an upper
+    bound on the gain, since norms, attention's softmax and the loss are not divided by every plan) and
+    steps the optimizer over 1/T of the parameters; the split layers' activation collectives run on the
+    tensor group's link (a node's, unless T exceeds a node) in line with the compute that needs them, so
+    nothing hides them (torch's async TP overlaps them on CUDA; not modelled); the data dimensions
+    then move 1/T of the gradients (and, sharded, the parameters) on their own ranks."""
+    t, n = opts.tensor, cluster.n
+    if n % t:
+        raise problem(
+            f"{n} devices do not split into tensor groups of {t}",
+            f"Plan device counts that are multiples of {t} (--counts), or another --tensor-degree",
+        )
+    local = min(cluster.per_node, n)
+    layout = build(
+        ("replicate", "shard", "tensor"),
+        ClusterShape(cluster.nodes * local, local),
+        tensor=t,
+        tensor_across_nodes=True,
+    )
+    group = replace(cluster, n=t)  # consecutive ranks: inside a node while t <= per_node
+    k = max(1, opts.accumulation)
+    fwd = sum(_tp_cost(group, kind, b * profile.batch) for kind, b in opts.tp_forward)
+    bwd = sum(_tp_cost(group, kind, b * profile.batch) for kind, b in opts.tp_backward)
+    p = profile.scaled(1 / t)
+    stretch = (p.backward_s + bwd) / p.backward_s if p.backward_s > 0 else 1.0
+    p = replace(
+        p,
+        forward_s=p.forward_s + fwd,
+        backward_s=p.backward_s + bwd,
+        params=tuple(replace(q, bytes=q.bytes // t, ready_s=q.ready_s * stretch) for q in p.params),
+        state_bytes=p.state_bytes // t,
+    )
+    data = replace(cluster, n=n // t, per_node=max(1, local // t))
+    # shard 1: FSDP2's replicate mesh, one all-reduce of the gradients (DDP's arithmetic)
+    inner = ("hsdp" if layout.replicate > 1 else "fsdp") if layout.shard > 1 else "ddp"
+    got = step(p, data, replace(opts, tensor=1, strategy=inner, dims=(), tp_forward=(), tp_backward=()))
+    tp_comm = k * (fwd + bwd)
+    return replace(
+        got,
+        n=n,
+        comm_s=got.comm_s + tp_comm,
+        exposed_s=got.exposed_s + tp_comm,
+        forward_s=got.forward_s - k * fwd,
+        backward_s=got.backward_s - k * bwd,
+        options=opts.as_dict(),
     )
 
 
