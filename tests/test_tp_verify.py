@@ -47,7 +47,8 @@ def test_verify_fails_a_planted_wrong_plan(pool4, monkeypatch, capsys) -> None:
 
 def test_the_tensor_flags_set_the_shapes_verify_and_plan_run(monkeypatch, capsys) -> None:
     """`--tensor-degree` and `--resume-tensor-degree` lay out "tp" by the library's one builder;
-    `plan --memory --tensor-degree` is refused in one paragraph (tensor parallelism not estimated)."""
+    `plan --memory --tensor-degree` reaches the tensor-parallel plan (a model without one: refused in one
+    paragraph; the estimate itself: tests/test_plan_tp_shapes.py)."""
     from test_options_cli_verify import BASE, _handed
 
     from ddpkit.plan import cli as plan_cli
@@ -61,4 +62,4 @@ def test_the_tensor_flags_set_the_shapes_verify_and_plan_run(monkeypatch, capsys
     args = ["--memory", "--model", "mlp", "--world", "4", "--strategy", "tp", "--tensor-degree", "2"]
     code = plan_cli.main([*args, "--global-batch", "8"])
     err = capsys.readouterr().err
-    assert code != 0 and "plan --memory does not estimate tensor parallelism yet" in err, err
+    assert code != 0 and "has no tensor-parallel plan of its own" in err, err
