@@ -2,7 +2,8 @@
 `ddpkit.checkpoint.memory_hosts`, `ddpkit.checkpoint.memory_cadence`), on loopback in this process and in
 the 2-rank pool: a keeper's TCP serves only its job's token; the buddy copy is at most one snapshot
 behind (a commit beyond it waits, then says it goes on); a recovery that cannot come from memory names
-why in one line (a lost host whose copy was behind, an elastic resize); `memory="auto"` takes N > 1 for a
+why in one line (a lost host whose copy was behind, an elastic growth, a sharded state at another world
+size); an elastic shrink of a DDP run recovers from memory as from disk; `memory="auto"` takes N > 1 for a
 heavy state and a short step, N = 1 for a light one, and says N. The recovery across two hosts under
 `ddpkit run` is in tests/test_memory_recovery_hosts.py.
 """
@@ -180,7 +181,7 @@ def test_memory_auto_takes_n_above_one_for_a_heavy_state_and_one_for_a_light_one
 
 
 def _load_with_memory(root: str, keeper: str) -> tuple[str, Any]:
-    """In the pool: a keeper holding another world size's snapshots, then s.load(..., memory="auto")
+    """In the pool: a keeper holding a smaller world size's snapshots, then s.load(..., memory="auto")
     and a few short steps; what rank 0 printed, and the N chosen."""
     import ddpkit
 
@@ -207,16 +208,15 @@ def _load_with_memory(root: str, keeper: str) -> tuple[str, Any]:
 def test_an_elastic_resize_recovers_from_disk_and_says_why_and_auto_says_its_n(pool2, tmp_path: Path) -> None:
     keeper = Keeper.start()
     try:
-        for rank in range(4):  # what a 4-rank run left in this host's keeper
-            old = MemorySnapshots.attach(keeper.name, rank, 4)
-            _snapshot(old, range(1, 3))
-            old.close()
+        old = MemorySnapshots.attach(keeper.name, 0, 1)  # what a 1-rank run left in this host's keeper
+        _snapshot(old, range(1, 3))
+        old.close()
         results = pool2.run(_load_with_memory, str(tmp_path / "ckpt"), keeper.name, timeout=120)
     finally:
         keeper.stop()
     said, every = results[0]
-    assert (
-        "ddpkit: the memory snapshots on this job's hosts are of world size 4 and this run has 2 ranks (an "
+    assert (  # a growth: rank 1 has no snapshot of its own (a shrink is restored: the test below)
+        "ddpkit: the memory snapshots on this job's hosts are of world size 1 and this run has 2 ranks (an "
         "elastic resize): a snapshot restores only at the world size that took it" in said
     ), said
     assert (
@@ -244,3 +244,82 @@ def test_ddpkit_run_across_hosts_gives_its_ranks_the_keepers_address_and_token(m
         assert single.tcp is None and ADDRESS_ENV not in os.environ and os.environ[TOKEN_ENV] != token
     finally:
         single.stop()
+
+
+def _shrink_run(keeper: str | None, root: str, disk: str | None, stop_at: int | None) -> tuple[str, dict]:
+    """In a pool: a DDP run of 12 steps (dropout, AdamW, a shuffled loader), `s.load(root, ...)` first
+    (`memory=1` with `keeper`), `s.save(disk)` at step 4, stopped after step `stop_at`; what rank 0
+    printed and this rank's final state."""
+    import torch.nn.functional as F
+
+    import ddpkit
+
+    if keeper:
+        os.environ[KEEPER_ENV] = keeper
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), ddpkit.session(seed=0) as s:
+            torch.manual_seed(0)
+            model = s.model(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3)))
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+            g = torch.Generator().manual_seed(7)
+            data = TensorDataset(torch.randn(96, 8, generator=g), torch.randint(0, 3, (96,), generator=g))
+            loader = s.loader(data, batch_size=16, shuffle=True)
+            state = {"model": model, "optimizer": opt, "loader": loader}
+            step = s.load(root, **state, step=0, memory=1 if keeper else False)["step"]
+            for _ in range(loader.epoch, 2):
+                for x, y in loader:
+                    s.backward(F.cross_entropy(model(x), y))
+                    s.step(opt)
+                    step += 1
+                    if disk and step == 4:
+                        s.save(disk, **state, step=step)
+                    if step == stop_at:
+                        break
+                if step == stop_at:
+                    break
+            weights = {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()}
+            moments = {
+                f"{i}/{k}": v.clone() for i, st in enumerate(opt.state.values()) for k, v in st.items()
+            }
+    finally:
+        os.environ.pop(KEEPER_ENV, None)
+    return out.getvalue(), {"weights": weights, "opt": moments, "rng": torch.get_rng_state(), "step": step}
+
+
+def test_an_elastic_shrink_of_a_ddp_run_recovers_from_memory_as_from_disk(
+    pool4, pool2, tmp_path: Path
+) -> None:
+    # 4 ranks snapshot every step and save to disk at step 4, then stop after step 5 (memory holds 3 and
+    # 4). At 2 ranks, new rank r takes old rank r's snapshot of step 4 (DDP: the whole model and
+    # optimizer) and ends bitwise like the same 2 ranks resumed from the disk checkpoint of step 4.
+    keeper = Keeper.start()
+    try:
+        pool4.run(_shrink_run, keeper.name, str(tmp_path / "mem4"), str(tmp_path / "disk"), 5, timeout=120)
+        from_memory = pool2.run(_shrink_run, keeper.name, str(tmp_path / "mem2"), None, None, timeout=120)
+        assert KeeperClient.connect(keeper.name).keys()["keys"].keys() == {"w4/r2", "w4/r3", "w2/r0", "w2/r1"}
+    finally:
+        keeper.stop()
+    from_disk = pool2.run(_shrink_run, None, str(tmp_path / "disk"), None, None, timeout=120)
+    said = from_memory[0][0]
+    assert "ddpkit: resumed from memory at step 4 (every rank's snapshot of it); world size 4 -> 2" in said, (
+        said
+    )
+    for rank in range(2):
+        got, want = from_memory[rank][1], from_disk[rank][1]
+        assert got["step"] == want["step"] == 12 and torch.equal(got["rng"], want["rng"])
+        for part in ("weights", "opt"):
+            assert got[part].keys() == want[part].keys()
+            assert all(torch.equal(got[part][k], want[part][k]) for k in got[part]), (rank, part)
+
+
+def test_a_sharded_state_at_another_world_size_is_refused_by_name() -> None:
+    from ddpkit.checkpoint.memory_hosts import resize_refusal
+
+    class Sharded:
+        shards_state = True
+
+    assert resize_refusal(Sharded(), {"model": nn.Linear(2, 2)}) == (
+        "under FSDP and HSDP each rank's snapshot holds its shards at that world size"
+    )
+    assert resize_refusal(_Single(), {"model": nn.Linear(2, 2), "g": torch.Generator()}) == ""

@@ -45,7 +45,7 @@ from ddpkit.checkpoint import dcp as checkpoint_dcp
 from ddpkit.checkpoint import files
 from ddpkit.checkpoint import state as checkpoint_state
 from ddpkit.checkpoint.memory_cadence import Cadence
-from ddpkit.checkpoint.memory_hosts import meet, why_disk
+from ddpkit.checkpoint.memory_hosts import meet, resize_refusal, why_disk
 from ddpkit.checkpoint.owners import StateOwner
 from ddpkit.checkpoint.staging import Arena
 from ddpkit.checkpoint.sync import CheckpointContext
@@ -196,6 +196,8 @@ class MemorySnapshots:
         self.last_bytes = 0
         self.lost_keeper = False  # the keeper went away: these slots no longer outlive this process
         self.fetched = False  # these slots came from another host's keeper (a replacement host)
+        self.resized_from = -1  # these slots were taken at this larger world size (an elastic shrink)
+        self.rows: list[list[int]] = []  # every rank's row of the last agreement (`agree_with`)
         self.other_world = -1  # the largest other world size this host's keeper holds snapshots of
         self.lag, self.lag_wait = BUDDY_LAG, BUDDY_WAIT
         self.commits: list[int] = []  # steps committed here the buddy has not acknowledged yet
@@ -217,8 +219,25 @@ class MemorySnapshots:
                 int(k.split("/")[0][1:]) for k in client.keys()["keys"] if k.split("/")[0] != f"w{world}"
             ]
             self.other_world = max(worlds, default=-1)
+            if rank < self.other_world and world < self.other_world:  # a shrink: rank r takes old rank r's
+                self._take_resized(f"w{self.other_world}/r{rank}")
         self.fetch_from(peers)
         return self
+
+    def _take_resized(self, old: str) -> None:
+        """Old rank r's slots (a larger world size) copied into this key's, the old ones freed: what
+        `MemoryRecovery.restore` loads after an elastic shrink, where the state allows it."""
+        assert self.client is not None
+        fds = self.client.get(old)
+        maps = [mmap.mmap(fd, 0) for fd in fds]
+        blobs = [bytes(m[: header_end(m)]) for m in maps if header_end(m) > 0]
+        for m, fd in zip(maps, fds, strict=True):
+            m.close()
+            os.close(fd)
+        if blobs:
+            self._adopt(blobs)
+            self.resized_from = self.other_world
+            self._tell(lambda client: client.drop(old))
 
     def fetch_from(self, peers: Sequence[tuple[str, str]]) -> None:
         """Without slots of its own: the first of `peers` that holds this rank's adopts them here.
@@ -271,9 +290,10 @@ class MemorySnapshots:
     ) -> tuple[int | None, int]:
         """`agree`, and the largest `disk` any rank passed (global rank 0 reads the disk's step), in the
         same all-gather: one collective. Each rank's row (`self.rows` after it, for `why_disk`): its two
-        steps, `disk`, whether its slots came from another host, the other world size its keeper holds."""
+        steps, `disk`, whether its slots came from another host, the other world size its keeper holds,
+        the world size its slots were taken at when that is another (an elastic shrink)."""
         steps = sorted(self.held(), reverse=True)[:2]
-        row = [*steps, *[-1] * (2 - len(steps)), disk, int(self.fetched), self.other_world]
+        row = [*steps, *[-1] * (2 - len(steps)), disk, int(self.fetched), self.other_world, self.resized_from]
         mine = torch.tensor(row, dtype=torch.int64, device=device)
         every = [mine]
         if distributed:
@@ -423,6 +443,14 @@ def mismatch(live: Any, saved: Mapping[str, list[Any]], whole: Collection[str]) 
     return "; ".join(f"{k}: {saved.get(k)} saved, {now.get(k)} now" for k in sorted(keys)[:3])
 
 
+def header_end(m: mmap.mmap) -> int:
+    """The bytes a slot's complete snapshot uses (its tree's end), 0 when it holds none."""
+    if len(m) < HEADER:
+        return 0
+    magic, step, _, off, n, _ = HEAD.unpack_from(m, 0)
+    return off + n if magic == MAGIC and step >= 0 else 0
+
+
 def disk_step(root: Path) -> int:
     """The step of the newest checkpoint under `root` (its manifest, not verified: only to compare with
     memory; the load that takes it verifies it), or -1."""
@@ -477,6 +505,13 @@ class MemoryRecovery:
             ctx.say(note)
         if target is None or target < newest_disk:
             return None
+        resized = max(row[5] for row in self.snaps.rows)
+        if resized > 0 and (refusal := resize_refusal(ctx.strategy, state)):
+            ctx.say(
+                f"ddpkit: the memory snapshots of step {target} are of world size {resized} and this run has "
+                f"{ctx.world_size} ranks: {refusal}, so recovery is from disk"
+            )
+            return None
         try:
             values = self.snaps.restore(target, ctx.strategy, state)
         except SnapshotMismatch as err:
@@ -486,6 +521,11 @@ class MemoryRecovery:
                 "run` starts with an empty keeper)",
             ) from None
         disk_note = f"; newest on disk: step {newest_disk}" if newest_disk >= 0 else ""
+        if resized > 0:
+            disk_note += (
+                f"; world size {resized} -> {ctx.world_size}: the RNG streams of ranks "
+                f"{ctx.world_size}..{resized - 1} are dropped, the loader re-split"
+            )
         ctx.say(f"ddpkit: resumed from memory at step {target} (every rank's snapshot of it){disk_note}")
         self.last_step = target
         return values

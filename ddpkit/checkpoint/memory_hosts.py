@@ -23,12 +23,17 @@ job's own store.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+import torch
+
+from ddpkit.checkpoint import state as checkpoint_state
 from ddpkit.checkpoint.sync import CheckpointContext, Sync
 from ddpkit.cluster.keeper import ADDRESS_ENV, TOKEN_ENV
+from ddpkit.data import ShardedLoader
 
-__all__ = ["meet", "ring", "why_disk"]
+__all__ = ["meet", "resize_refusal", "ring", "why_disk"]
 
 
 def ring(seen: Sequence[tuple[str, str]], mine: tuple[str, str]) -> list[tuple[str, str]]:
@@ -84,3 +89,18 @@ def why_disk(rows: Sequence[Sequence[int]], world: int) -> str:
         else "a rank lacks the others' steps (a host lost, or a snapshot in flight)"
     )
     return f"ddpkit: no step is held in memory by every rank ({shown}): {cause}, so recovery is from disk"
+
+
+def resize_refusal(strategy: Any, state: Mapping[str, Any]) -> str:
+    """Why snapshots taken at a larger world size cannot be restored into `state` here ("" when they
+    can). After an elastic shrink, new rank r takes old rank r's snapshot, as a disk checkpoint's own
+    rank files are taken: under DDP (or one process) every rank's snapshot holds the whole model and
+    optimizer, the loader re-splits its position and the surviving ranks' RNG streams are their own.
+    Under FSDP and HSDP a snapshot holds one rank's shards at the old world size; an object kept per
+    rank (other than ddpkit's loader and a generator) has no state known to belong to each new rank."""
+    if getattr(strategy, "shards_state", False):
+        return "under FSDP and HSDP each rank's snapshot holds its shards at that world size"
+    for name, obj in checkpoint_state.split(state)["per_rank"].items():
+        if not isinstance(obj, (ShardedLoader, torch.Generator)):
+            return f"{name}= ({type(obj).__name__}) is kept per rank and no rank's state belongs to each rank"
+    return ""
