@@ -46,13 +46,20 @@ class ReplicaDrift(DdpkitError):
     """The replicas no longer hold the same weights; raised on every rank at the same step.
 
     `step`: the optimizer step of the check that saw it; `last_agreed`: the last step checked at which
-    the replicas agreed (None: no check before); `ranks`: the ranks that differ from the majority."""
+    the replicas agreed (None: no check before); `ranks`: the ranks that differ from the majority (empty
+    when none is a majority); `tensor`: the first tensor that differs, by its name in the user's model."""
 
     def __init__(
-        self, message: str, *, step: int = 0, last_agreed: int | None = None, ranks: tuple[int, ...] = ()
+        self,
+        message: str,
+        *,
+        step: int = 0,
+        last_agreed: int | None = None,
+        ranks: tuple[int, ...] = (),
+        tensor: str = "",
     ) -> None:
         super().__init__(message)
-        self.step, self.last_agreed, self.ranks = step, last_agreed, ranks
+        self.step, self.last_agreed, self.ranks, self.tensor = step, last_agreed, ranks, tensor
 
 
 def tensor_hash(t: torch.Tensor) -> torch.Tensor:
@@ -210,9 +217,12 @@ class ReplicaFingerprints:
             else ""
         )
         text = self.explain(step, names, tuple(ranks), [rows[r][1:] for r in ranks], scope)
-        groups = _groups(tuple(ranks), [rows[r][1:] for r in ranks])
+        hashes = [rows[r][1:] for r in ranks]
+        groups = _groups(tuple(ranks), hashes)
         odd = tuple(sorted(r for g in groups[1:] for r in g)) if len(groups[0]) > len(groups[1]) else ()
-        return ReplicaDrift(text, step=step, last_agreed=self.last_agreed, ranks=odd)
+        first = _differing(hashes)
+        tensor = names[first[0]] if first else ""
+        return ReplicaDrift(text, step=step, last_agreed=self.last_agreed, ranks=odd, tensor=tensor)
 
     def explain(
         self, step: int, names: list[str], ranks: tuple[int, ...], hashes: list[torch.Tensor], scope: str = ""
@@ -221,9 +231,7 @@ class ReplicaFingerprints:
         says which of several replica groups (HSDP) it is."""
         groups = _groups(ranks, hashes)
         sizes = {h.numel() for h in hashes}
-        if len(sizes) > 1:  # e.g. an optimizer whose state is sharded passed as if replicated
-            hashes = [h[: min(sizes)] for h in hashes]
-        differ = [i for i in range(len(hashes[0])) if len({int(h[i]) for h in hashes}) > 1]
+        differ = _differing(hashes)
         first = names[differ[0]] if differ else "(none of the first ones)"
         if len(sizes) > 1:
             first += f"; the replicas hold different numbers of tensors ({sorted(sizes)})"
@@ -259,6 +267,13 @@ def _gather(row: torch.Tensor) -> list[torch.Tensor]:
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded)
     return [g[: int(n)].cpu() for g, n in zip(gathered, sizes, strict=True)]
+
+
+def _differing(hashes: list[torch.Tensor]) -> list[int]:
+    """The indices of the tensors whose hashes differ between the replicas (over the tensors all hold:
+    an optimizer whose state is sharded, passed as if replicated, gives the replicas different counts)."""
+    common = min(h.numel() for h in hashes)
+    return [i for i in range(common) if len({int(h[i]) for h in hashes}) > 1]
 
 
 def _groups(ranks: tuple[int, ...], hashes: list[torch.Tensor]) -> list[list[int]]:

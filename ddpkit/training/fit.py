@@ -13,6 +13,10 @@
             s.step(opt, max_norm) -> scheduler.step() -> on_step_end -> log row, s.log, progress
                 (SpikeGuard(remedy="rollback") and a spike: every rank loads the last checkpoint, the
                 step's samples are left out, the pass restarts there; later losses and evals dropped)
+                (a replica drift, `ReplicaDrift` from the fingerprints in s.step or before a save, with
+                on_drift="rollback": every rank loads the last checkpoint, written while the replicas
+                agreed, compares them again and the pass restarts there; the same step drifting again,
+                or a fourth drift, stops the run)
             every `eval_every` steps: on_eval_start -> evaluate -> on_eval_end
             a stop request (any rank, from a callback) ends the run after this step
         eval_every=None: on_eval_start -> evaluate -> on_eval_end at the end of the epoch
@@ -48,13 +52,14 @@ from ddpkit.errors import problem
 from ddpkit.observe.metrics import Metric, MetricSet
 from ddpkit.observe.monitor import StepMonitor, Window
 from ddpkit.observe.progress import Progress, RunLog
+from ddpkit.step.fingerprint import ReplicaDrift
 from ddpkit.step.spikes import Spike
 from ddpkit.step.stepping import StepInfo
 from ddpkit.training.callbacks import Callback, FitResult, FitState
 from ddpkit.training.evaluation import EvalStep, evaluate
 from ddpkit.training.fit_plan import FitPlan, TrainStep, batch_len, check, total_steps
 from ddpkit.training.oom_retry import SplitBlocks
-from ddpkit.training.rollback import Rollback
+from ddpkit.training.rollback import Rollback, Undone
 from ddpkit.training.session import Session
 
 __all__ = ["Callback", "FitResult", "FitState", "TrainStep", "evaluate", "fit"]  # the loop and its types
@@ -83,6 +88,7 @@ def fit(
     progress: bool = True,
     flops: float | str | None = "count",
     anatomy_every: int = 10,
+    on_drift: str = "rollback",
 ) -> FitResult:
     """Train `model` (from `s.model`) with `train_step(model, batch) -> loss`; see the module docstring.
 
@@ -95,10 +101,23 @@ def fit(
     `s.stepper.steps`, which a checkpoint restores; a TensorBoard write costs ~0.5 ms on rank 0).
     `flops`: "count" (the first micro-batch under torch's FLOP counter), the model FLOPs of one optimizer
     step on one device, or None (no FLOP/s, no MFU). `anatomy_every`: steps between the ranks' gathers.
+    `on_drift`: what a replica drift (`session(fingerprint_every=)`) does: "rollback" (the default) loads
+    the last checkpoint, written while the replicas agreed, and trains on; "stop" raises `ReplicaDrift`.
+    Rollback is the default because it is what the drift's message tells one to do by hand, and the
+    replay is the same computation: after a transient fault the run ends bitwise where it would have
+    ended. It stops anyway (raising the drift, with why) where it cannot help: no checkpoint of every
+    object fit trains with (model, optimizer, stepper, loader, scheduler), the replay drifting again at
+    the same step (a cause in the computation), or a fourth drift in one call (a failing device).
     """
     check(epochs, max_steps, eval_loader, eval_step, metrics, eval_every, scheduler_interval, log_every)
     if track_every < 1:
         raise problem(f"track_every={track_every} is below 1", "Pass 1 or more")
+    if on_drift not in ("rollback", "stop"):
+        raise problem(
+            f"on_drift={on_drift!r} is not a choice",
+            "Pass on_drift='rollback' (back to the last checkpoint written while the replicas agreed) or "
+            "on_drift='stop' (raise ReplicaDrift on every rank)",
+        )
     plan = FitPlan(
         train_step,
         epochs,
@@ -127,7 +146,8 @@ def fit(
         anatomy=s.anatomy,
     )
     monitor.anatomy.watch(model)
-    loop = _Loop(s, FitState(s, model, optimizer), plan, metric_set, RunLog(log, s.is_main), bar, monitor)
+    logger = RunLog(log, s.is_main)
+    loop = _Loop(s, FitState(s, model, optimizer), plan, metric_set, logger, bar, monitor, on_drift)
     return loop.run(train_loader)
 
 
@@ -143,6 +163,7 @@ class _Loop:
         logger: RunLog,
         bar: Progress | None,
         monitor: StepMonitor,
+        on_drift: str = "rollback",
     ) -> None:
         self.s, self.state, self.plan = s, state, plan
         self.metric_set, self.logger, self.bar, self.monitor = metric_set, logger, bar, monitor
@@ -158,6 +179,9 @@ class _Loop:
         self.undo: Rollback | None = None  # remedy="rollback": the step's samples, the way back
         self.rolled_back = False  # the pass in progress was abandoned for a checkpoint's position
         self.skipped = 0  # optimizer steps of this call that applied no update (FitResult.skipped_steps)
+        self.on_drift = on_drift  # fit(on_drift=): a replica drift rolls back ("stop": raised)
+        self.drift_undo: Rollback | None = None  # the way back after a drift (self.undo when it exists)
+        self.offset = s.stepper.steps  # the session's optimizer steps before this call (a resume's)
 
     def emit(self, name: str) -> None:
         for cb in self.plan.callbacks:
@@ -185,7 +209,10 @@ class _Loop:
         try:
             with judge.acting(rolls_back=self.rollback) if judge is not None else nullcontext():
                 while not self.done() and (self.plan.epochs is None or state.epoch < self.plan.epochs):
-                    self.epoch(train_loader)
+                    try:
+                        self.epoch(train_loader)
+                    except ReplicaDrift as drift:  # on every rank at the same step (an agreed verdict)
+                        self.drifted(drift, train_loader)
                 last_eval = state.evals[-1]["step"] if state.evals else None
                 if (
                     self.plan.eval_loader is not None
@@ -297,19 +324,59 @@ class _Loop:
         """Every rank (the spike is agreed): back to the session's last checkpoint, the step's samples
         left out (`ddpkit.training.rollback`); this call's counters, losses and evaluations follow it and
         the pass restarts at the checkpoint's position. False: there is none (the step stays skipped)."""
-        state, undo = self.state, self.undo
+        undo = self.undo
         assert undo is not None  # set by run() whenever self.rollback
-        needed = {
-            "model": state.model,
-            "optimizer": state.optimizer,
-            "stepper": self.s.stepper,
-            "loader": undo.loader,
-        }
-        if self.plan.scheduler is not None:
-            needed["scheduler"] = self.plan.scheduler
+        needed = self.needed(undo.loader)
         back = undo.to_checkpoint(spike, needed)
         if back is None:
             return False
+        self.take_back(back)
+        self.rolled_back = True
+        return True
+
+    def needed(self, loader: ShardedLoader) -> dict[str, object]:
+        """The objects a rollback's checkpoint must hold: those this call trains with."""
+        state = self.state
+        needed: dict[str, object] = {
+            "model": state.model,
+            "optimizer": state.optimizer,
+            "stepper": self.s.stepper,
+            "loader": loader,
+        }
+        if self.plan.scheduler is not None:
+            needed["scheduler"] = self.plan.scheduler
+        return needed
+
+    def drifted(self, drift: ReplicaDrift, train_loader: Iterable) -> None:
+        """Every rank, the same step: the replicas drifted (`ddpkit.step.fingerprint`). on_drift="rollback":
+        back to the last checkpoint written while they agreed (`Rollback.to_agreed`), this call's counters
+        following it; the caller's next pass restarts at the checkpoint's position."""
+        if self.on_drift == "stop":
+            raise drift
+        if not isinstance(train_loader, ShardedLoader):
+            raise ReplicaDrift(
+                f"{str(drift).rstrip('.')}. ddpkit.fit did not roll back: the training loader is a "
+                f"{type(train_loader).__name__}, whose position a checkpoint cannot restore. Build it with "
+                "s.loader(dataset, batch_size=...)",
+                step=drift.step,
+                last_agreed=drift.last_agreed,
+                ranks=drift.ranks,
+            )
+        if self.drift_undo is None:
+            self.drift_undo = self.undo if self.undo is not None else Rollback(self.s, train_loader)
+        # a drift seen inside s.step comes before this call's counters took that step (one in a callback's
+        # save, after): the session's count, which the checkpoint restores, says how far they lag
+        pending = self.s.stepper.steps - self.offset - self.state.step
+        back = self.drift_undo.to_agreed(drift, self.needed(train_loader))
+        back = Undone(back.steps - pending, back.passes)
+        if self.undo is not None:
+            self.undo.clear()  # the abandoned step's samples
+        self.take_back(back)
+        self.monitor.anatomy.skip()  # the phases of the abandoned step
+
+    def take_back(self, back: Undone) -> None:
+        """This call's counters, losses and evaluations as at the checkpoint a rollback loaded."""
+        state = self.state
         undone = back.steps
         state.step = max(0, state.step - undone)
         del state.losses[max(0, len(state.losses) - undone) :]
@@ -317,8 +384,6 @@ class _Loop:
         state.epoch = max(0, state.epoch - back.passes)
         self.started_epochs -= back.passes + 1  # the restarted pass counts once
         self.micro_batches = self.samples = 0
-        self.rolled_back = True
-        return True
 
     def counted(self, batch: object, weight: float) -> torch.Tensor:  # FLOPs counted at the first call
         return self.monitor.counting(lambda b: self.forward_backward(b, weight), batch)
