@@ -1,7 +1,6 @@
-"""Commands and options that refused with a traceback, or not at all: `ddpkit bench collectives --nproc 1`,
-`ddpkit trace --hook NAME` of a hook that does not exist (both refused in one line before any rank starts),
-`HSDPOptions(shm=True)` (which HSDP ignored); and the command-line reference and the option inventory
-reading the parsers through one walk (`ddpkit.cli.commands`)."""
+"""Commands that failed with a traceback per rank: `ddpkit bench collectives --nproc 1` and `ddpkit trace
+--hook NAME` of a hook that does not exist, both refused in one line before any rank starts; and the
+command-line reference and the option inventory reading the parsers through one walk (`cli.commands`)."""
 
 from __future__ import annotations
 
@@ -10,11 +9,8 @@ import importlib.util
 import re
 from pathlib import Path
 
-import pytest
-
 import ddpkit
 from ddpkit import cli
-from ddpkit.strategy import FSDPOptions, HSDPOptions
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,15 +39,6 @@ def test_trace_refuses_an_unknown_hook_once_naming_the_known_ones(capsys, monkey
     assert "allreduce, bf16, fp16, powersgd, shm" in err, err
     for known in ("allreduce", "fp16", "bf16", "powersgd", "shm"):
         trace._check_hook(known)
-
-
-def test_hsdp_refuses_the_shared_memory_it_would_ignore() -> None:
-    with pytest.raises(
-        ddpkit.DdpkitError, match=r"HSDPOptions\(shm=True\) .* 1-D mesh .*FSDPOptions\(shm=True\)"
-    ):
-        HSDPOptions(replicate=2, shard=2, shm=True)
-    assert HSDPOptions(shm=False).fsdp().shm is False and HSDPOptions().shm == "auto"
-    assert FSDPOptions(shm=True).shm is True  # FSDP's 1-D mesh takes it
 
 
 def test_the_reference_and_the_inventory_read_the_parsers_through_one_walk(monkeypatch) -> None:

@@ -165,5 +165,7 @@ def test_fsdp_and_hsdp_options_change_the_units_the_reshard_and_what_is_said(kin
     assert "cpu_offload=True changes nothing on CPU ranks" in said, said
     if kind == "fsdp":
         assert "FSDP2 collectives over gloo (FSDPOptions(shm=False))" in said, said
-    else:  # under HSDP the collectives are gloo's whatever shm says: shared memory serves a 1-D mesh only
-        assert said.count("HSDP collectives over gloo (shared memory serves a 1-D mesh only)") == 3, said
+    else:  # under HSDP the collectives are gloo's unless shm=True (tests/test_fixes_hsdp_shm.py)
+        assert said.count("HSDP collectives over gloo (HSDPOptions(shm=True): shard groups through") == 3, (
+            said
+        )

@@ -24,8 +24,11 @@ DDP or in one process (read whole, optimizer included: a job that lost nodes res
 FSDP's and DDP's checkpoints load under HSDP as under FSDP (DDP's optimizer state refused, its weights
 resharded).
 
-Collectives go over the process group (gloo / NCCL): the shared-memory path (`ddpkit.parallel.fsdp_shm`)
-serves a 1-D mesh over the whole machine only.
+Collectives go over the process group (gloo / NCCL), unless `HSDPOptions(shm=True)` on CPU ranks: then each
+shard group's all-gathers and reduce-scatters go through a shared-memory segment of its own
+(`ddpkit.parallel.fsdp_shm` over the group's ranks, which must share a machine, as `within_node` keeps
+them), and only the replicas' all-reduce stays on the process group. "auto", the default, keeps the
+process group under HSDP (FSDP's 1-D mesh takes shared memory by default; HSDP's way is asked for).
 """
 
 from __future__ import annotations
@@ -33,11 +36,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ddpkit.errors import problem
+from ddpkit.parallel import fsdp_shm
 from ddpkit.parallel.compiling import CompileBlock
 from ddpkit.parallel.precision import PrecisionPlan, resolve_precision
 from ddpkit.parallel.shape import Shape
+from ddpkit.parallel.shm_allreduce import ShmAllReduce
 from ddpkit.strategy import registry
 from ddpkit.strategy.fsdp import FSDP
 from ddpkit.strategy.fsdp_options import FSDPOptions
@@ -91,6 +98,29 @@ class HSDP(FSDP):
         return super()._shard(module, device, options, compile_block)
 
     def _collectives(self, modules: list[nn.Module], device: torch.device, opts: FSDPOptions) -> str:
+        """The shard groups' all-gather and reduce-scatter through shared memory when `shm=True` on CPU
+        ranks (a segment per shard group, mapped once: collective over the group); else the process
+        group's. The note that says which."""
         if not dist.is_initialized():
             return ""
-        return f"HSDP collectives over {dist.get_backend()} (shared memory serves a 1-D mesh only)"
+        backend = dist.get_backend()
+        if opts.shm is not True:
+            return (
+                f"HSDP collectives over {backend} (HSDPOptions(shm=True): shard groups through shared memory)"
+            )
+        if device.type != "cpu":
+            return "HSDPOptions(shm=True) changes nothing on GPU ranks (NCCL)"
+        if self.shm_comms is None:
+            group = _mesh(modules).get_group("shard")
+            self.shm_comms = fsdp_shm.ShmComms(ShmAllReduce(group, chunk_mb=fsdp_shm.CHUNK_MB))
+        note = fsdp_shm.attach(modules, self.shm_comms)
+        return f"HSDP, in each shard group: {note}; the replicas' all-reduce over {backend}"
+
+
+def _mesh(modules: list[nn.Module]) -> DeviceMesh:
+    """The 2-D mesh `fully_shard` placed the parameters on (the one FSDP2's collectives use)."""
+    for module in modules:
+        for p in module.parameters():
+            if isinstance(p, DTensor):
+                return p.device_mesh
+    raise problem("no sharded parameter to read HSDP's mesh from", "Pass a model with parameters")

@@ -19,8 +19,9 @@ class HSDPOptions:
     `shard`: ranks that shard one replica (None: the local world size, i.e. one node). `replicate`:
     replicas (None: world / shard, i.e. the nodes). `within_node`: refuse a shard group that would
     span nodes (its all-gathers and reduce-scatters would cross the slow link, which HSDP avoids).
-    `shm`: FSDPOptions' field, but HSDP's collectives always go over the process group (the shared-memory
-    path serves a 1-D mesh only), so "auto" and False keep it and True is refused rather than ignored.
+    `shm`: True takes each shard group's all-gathers and reduce-scatters through shared memory on CPU
+    ranks (the replicas' all-reduce stays on the process group); "auto" (the default) and False keep the
+    process group for all of them (`ddpkit.strategy.hsdp`).
     The degrees become the session's layout (`ddpkit.parallel.layout.build`); `fsdp()` is the FSDP part.
     """
 
@@ -35,13 +36,6 @@ class HSDPOptions:
 
     def __post_init__(self) -> None:
         self.fsdp()  # FSDP's fields, validated by FSDPOptions (the one validation)
-        if self.shm is True:  # asked for explicitly: it would be ignored (module doc of strategy.hsdp)
-            raise problem(
-                "HSDPOptions(shm=True) asks for the shared-memory collectives, which serve FSDP's 1-D mesh "
-                "over one machine only: HSDP's go over the process group (gloo or NCCL) whatever shm says",
-                "Leave shm at 'auto' or pass False under HSDP, or use strategy=FSDPOptions(shm=True) for "
-                "ranks of one machine",
-            )
         for name, value in (("replicate", self.replicate), ("shard", self.shard)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise problem(
