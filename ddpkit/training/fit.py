@@ -146,7 +146,7 @@ def fit(
         anatomy=s.anatomy,
     )
     monitor.anatomy.watch(model)
-    logger = RunLog(log, s.is_main)
+    logger = RunLog(log, s.is_main, resumed=s.last_checkpoint is not None or s.stepper.steps > 0)
     loop = _Loop(s, FitState(s, model, optimizer), plan, metric_set, logger, bar, monitor, on_drift)
     return loop.run(train_loader)
 
