@@ -39,6 +39,7 @@ MANIFEST = "manifest.json"
 _NAME = re.compile(r"^ckpt-(\d{6,})$")
 _TMP = re.compile(r"^\.ckpt-(\d{6,})\.tmp$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$|^dcp/(\.metadata|__\d+_\d+\.distcp)$")
+_SHARD = re.compile(r"^dcp/__(\d+)_\d+\.distcp$")  # one rank's FSDP/HSDP shards (DCP's name: __<rank>_0)
 
 
 SAFETENSORS_DTYPES = {
@@ -278,9 +279,38 @@ def verify(path: Path) -> Found:
         raise CheckpointError(f"{manifest_path} is not valid JSON ({err}): the file is damaged") from None
     verify_manifest(path, manifest)
     for name, entry in manifest["files"].items():
-        check_file(path / name, entry)
+        try:
+            check_file(path / name, entry)
+        except CheckpointError as err:
+            if shard_rank(name) is None:
+                raise
+            raise shard_refused(path, manifest, name, err) from None
         _check_format(path / name)
     return Found(path, manifest)
+
+
+def shard_rank(name: str) -> int | None:
+    """The rank whose shards a checkpoint file holds (`dcp/__<rank>_0.distcp`), or None."""
+    m = _SHARD.match(name)
+    return int(m.group(1)) if m else None
+
+
+def shard_refused(
+    path: Path, manifest: Mapping[str, Any], name: str, err: CheckpointError
+) -> CheckpointError:
+    """The refusal of a checkpoint whose shard file does not match the digest its rank recorded at the
+    save: which rank's, why nothing of the checkpoint loads, and what to do."""
+    rank, entry = shard_rank(name), manifest["files"][name]
+    step = manifest.get("step")
+    at = f" at step {step}" if step is not None else ""
+    return CheckpointError(
+        f"{str(err).rstrip('.')}: it holds the model and optimizer shards that rank {rank} of "
+        f"{manifest.get('world_size', '?')} wrote{at}, without which the other ranks' shards cannot "
+        f"be loaded, so no rank loads {path.name}. A load of the folder {path.parent} resumes from the "
+        f"checkpoint before it by itself; to use this one, restore {path.name}/{name} from a backup (its "
+        f"SHA-256 at the save: {entry['sha256'][:16]}...), and if it recurs, check the disk or the copy "
+        f"that holds rank {rank}'s files"
+    )
 
 
 def verify_manifest(path: Path, manifest: Any) -> None:

@@ -7,6 +7,8 @@
       model (sharded: dcp/): 10 tensors, 4.6 KiB, float32
         0.weight  [16, 8]  float32
         ...
+      shards (each rank's file, SHA-256 at the save):
+        rank 0  dcp/__0_0.distcp  3.1 KiB  5f1c09e2a7b4d3e8  ok
 
 Read from the manifest, the safetensors headers, the JSON files and DCP's metadata: no tensor's bytes
 are loaded (the checksums read every file once, in 1 MiB pieces), so it answers for a model of any size.
@@ -58,9 +60,28 @@ def report(path: str | Path, *, all_tensors: bool = False, whole_values: bool = 
             lines.append(f"  {name} (sharded optimizer: dcp/): {_moments(infos)}")
         else:
             lines += _tensors(f"{name} (sharded: dcp/)", infos, all_tensors)
+    lines += _shards(chosen, manifest, problems)
     lines += _shared(found, objects, whole_values)
     lines += _per_rank(found, objects, int(manifest.get("world_size", 1)))
     return "\n".join(lines), not problems
+
+
+def _shards(path: Path, manifest: Mapping[str, Any], problems: list[str]) -> list[str]:
+    """Each rank's shard file (FSDP, HSDP) with its size and the SHA-256 recorded as it was written, and
+    whether the file still holds it (FAIL: the load refuses the checkpoint, naming that rank)."""
+    shards = sorted(
+        (rank, name, entry)
+        for name, entry in manifest.get("files", {}).items()
+        if (rank := files.shard_rank(name)) is not None
+    )
+    if not shards:
+        return []
+    lines = ["  shards (each rank's file, SHA-256 at the save):"]
+    for rank, name, entry in shards:
+        failed = any(str(path / name) in p for p in problems)
+        size, digest = files.human_size(int(entry.get("bytes", 0))), str(entry.get("sha256", "?"))[:16]
+        lines.append(f"    rank {rank}  {name}  {size}  {digest}  {'FAIL' if failed else 'ok'}")
+    return lines
 
 
 def _header(manifest: Mapping[str, Any]) -> str:
