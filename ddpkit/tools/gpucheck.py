@@ -6,7 +6,10 @@
 
 Without a CUDA device it prints "skipped: no CUDA device" and exits 0 (a CPU machine cannot fail it).
 One GPU is enough: the multi-rank checks run two ranks on it with `share_gpu` (gloo for the CUDA
-tensors; NCCL refuses two ranks on one device); with two or more GPUs NCCL is checked as well.
+tensors; NCCL refuses two ranks on one device); with two or more GPUs NCCL is checked as well, and
+tensor parallelism (TP(2) over NCCL, async TP; FSDP(2) x TP(2) with four): on one GPU those say they
+skip and why (`ddpkit.tools.gpucheck_tp`, with the memory plan against `torch.cuda.max_memory_allocated`,
+a real CUDA out-of-memory error, the profiler's CUDA trace).
 Every check that needs a fresh process (deterministic cuBLAS, two ranks, the CLI) gets one through
 `ddpkit.spawn` or a subprocess, so a failing check cannot poison the next. Budget: a few minutes.
 
@@ -29,7 +32,10 @@ import torch
 
 import ddpkit
 from ddpkit.cluster import environments
-from ddpkit.tools.gpucheck_checks import CHECKS, Context, Skip, device
+from ddpkit.tools import gpucheck_checks, gpucheck_tp
+from ddpkit.tools.gpucheck_checks import Context, Skip, device
+
+CHECKS = {**gpucheck_checks.CHECKS, **gpucheck_tp.CHECKS}  # tensor parallelism's and the CUDA step's last
 
 __all__ = ["CHECKS", "Context", "Skip", "header", "main", "run"]
 
