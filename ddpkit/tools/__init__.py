@@ -8,6 +8,7 @@ paths).
     trace_ranks      `ddpkit trace --ranks`: every rank's step anatomy side by side over many steps
     gpucheck         `python -m ddpkit.tools.gpucheck`: prove the CUDA paths on the GPU(s) at hand
     gpucheck_checks  the checks it runs
+    gpucheck_tp      its checks of tensor parallelism (NCCL, async TP) and the CUDA step (plan, OOM, trace)
     workloads        the named benchmark workloads (cnn, mlp, gpt, ...) and `Workload`
     plotting         matplotlib on a headless backend, for every command that draws (trace, bench, plan)
 
