@@ -394,6 +394,7 @@ NOT_KERNEL_DEPENDENT = {
     "test_memory_recovery.py": "a snapshot's round trip: the restored tensors are the bytes the slot holds",
     "test_memory_recovery_faults.py": _SAME_BY_CONSTRUCTION,
     "test_memory_recovery_hosts.py": _SAME_BY_CONSTRUCTION,
+    "test_memory_recovery_keepers.py": _SAME_BY_CONSTRUCTION,
     "test_memory_recovery_plan.py": "the fault plan's arithmetic on given rates and times",
     "test_verify_script_resume.py": _SAME_BY_CONSTRUCTION,
     "test_idioms_reading.py": "an offline read returns the saved bytes",
