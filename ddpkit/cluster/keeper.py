@@ -457,7 +457,7 @@ def main(argv: list[str]) -> None:
     name, opts = argv[0], dict(zip(argv[1::2], argv[2::2], strict=False))
     end_with_parent()
     held = Held()
-    held.token = os.environ.pop(TOKEN_ENV, "")
+    held.token = os.environ.get(TOKEN_ENV, "")
     said = "listening"
     if "--tcp" in opts:
         if not held.token:
