@@ -29,17 +29,37 @@ def grad_norm(params: list[nn.Parameter], _bound: float = math.inf) -> torch.Ten
     for float rounding (the squares summed in another order), and the same bits on every rank (the
     buckets' layout and contents are). Otherwise (one process, FSDP's DTensor shards,
     `gradient_as_bucket_view=False`): torch's `get_total_norm`, the clip's bits; under FSDP its shards'
-    norms combined by `full_tensor`, the one all-reduce a clip costs."""
+    norms combined by `full_tensor`, the one all-reduce a clip costs. Gradients on several meshes (tensor
+    parallelism: the split weights on the data x tensor mesh, the whole ones on the data mesh, which
+    torch's foreach norm cannot mix): the clip's grouped norm (`by_mesh`)."""
     parts = _RUNS.views(params)
     if parts is None:
-        norm = nn.utils.get_total_norm([g for g in map(_GRAD, params) if g is not None])
-        full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP: the shards' norms combined
-        return full() if full is not None else norm
+        return by_mesh([g for g in map(_GRAD, params) if g is not None])
     # no torch.no_grad() (a context costs as much as the kernel here): plain gradients record no graph;
     # a create_graph=True backward's do, so they take torch's path
     if len(parts) == 1 and not parts[0].requires_grad:
         return torch.linalg.vector_norm(parts[0])
     return nn.utils.get_total_norm(parts)
+
+
+def by_mesh(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of gradients grouped by their DTensor mesh (plain tensors: one group), as the clip of
+    FSDP and TP computes it (`ddpkit.strategy.fsdp.total_norm`, the same ops in the same order: the same
+    bits): each group's norm made whole over its mesh (`full_tensor`: replicated dimensions counted
+    once), then sqrt of the sum of their squares in float64."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    norms = []
+    for group in groups.values():
+        norm = nn.utils.get_total_norm(group)
+        full = getattr(norm, "full_tensor", None)  # a DTensor: the shards' norms combined
+        norms.append(full() if full is not None else norm)
+    if len(norms) == 1:
+        return norms[0]
+    if not norms:
+        return torch.zeros(())
+    return torch.stack([n.double() for n in norms]).pow(2).sum().sqrt().to(norms[0].dtype)
 
 
 class _Runs:

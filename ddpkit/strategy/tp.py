@@ -23,6 +23,7 @@ into any layout (TP, FSDP, HSDP, DDP, one process) and convert to one safetensor
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -34,10 +35,23 @@ from ddpkit.parallel.compiling import CompileBlock
 from ddpkit.parallel.layout import Layout
 from ddpkit.parallel.precision import PrecisionPlan, resolve_precision
 from ddpkit.parallel.shape import Shape
-from ddpkit.strategy import fsdp_init, fsdp_units, registry, tp_init, tp_plan, tp_random
+from ddpkit.strategy import fsdp_init, fsdp_units, registry, tp_init, tp_loss, tp_plan, tp_random
 from ddpkit.strategy.fsdp import FSDP, check_identical
 from ddpkit.strategy.fsdp_options import FSDPOptions
 from ddpkit.strategy.tp_options import TPOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshNamed(Shape):
+    """The placed shape of a tensor-parallel session: the start-up line names its mesh even when only the
+    tensor degree is above 1 ("2 rank(s), mesh replicate 1 x shard 1 x tensor 2"), as it does for
+    FSDP x TP: ranks that split layers read one batch, which the user must see."""
+
+    def describe(self) -> str:
+        base = super().describe()
+        if self.layout is None or self.layout.meshed or self.layout.tensor == 1:
+            return base
+        return f"{base}, mesh {self.layout.describe()}"
 
 
 def build(options: TPOptions | None, shape: Shape, precision: PrecisionPlan) -> TP:
@@ -52,14 +66,9 @@ class TP(FSDP):
         self, options: TPOptions | None, shape: Shape, precision: PrecisionPlan | None = None
     ) -> None:
         opts = options or TPOptions()
-        if opts.loss_parallel:
-            raise problem(
-                "TPOptions(loss_parallel=True): ddpkit does not compute the loss on vocabulary-sharded "
-                "logits yet (the loss and its backward would have to run inside torch's loss_parallel())",
-                "Leave loss_parallel=False: the head gathers its logits (colwise_gather_output)",
-            )
         placed = registry.place(registry.Chosen(self.name, opts), shape)
         super().__init__(opts.fsdp(), placed, precision)
+        self.shape = MeshNamed(**{f.name: getattr(self.shape, f.name) for f in dataclasses.fields(Shape)})
         self.tp_options = opts
         self._mesh: Any = None
         self.draws: list[tp_random.OneProcessDraws] = []  # each wrapped model's mode (tests count its draws)
@@ -94,7 +103,11 @@ class TP(FSDP):
         """The model's plan as torch styles, checked (one paragraph naming the layer and the fix)."""
         opts = options or self.tp_options
         return tp_plan.read(
-            module, opts.plan, degree=self.layout.tensor, sequence_parallel=opts.sequence_parallel
+            module,
+            opts.plan,
+            degree=self.layout.tensor,
+            sequence_parallel=opts.sequence_parallel,
+            loss_parallel=opts.loss_parallel,
         )
 
     def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
@@ -117,6 +130,8 @@ class TP(FSDP):
     ) -> tuple[nn.Module, list[str]]:
         opts = self._options(options)
         plan = self.plan(module, opts)  # every refusal before any collective
+        if compile_block is not None:  # no one-process draws inside compiled code: a dropout refused
+            tp_random.refuse_compiled_draws(module, opts.random)
         shards = self._built.pop(id(module), None)
         if shards is None:
             if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
@@ -148,14 +163,18 @@ class TP(FSDP):
         )
         fsdp_init.fill(module, shards, device)
         tp_plan.guard_shapes(module, plan)  # a wrong plan's shape error names the layer
+        heads = tp_loss.heads(module, tp_plan.matches(module, plan), plan) if opts.loss_parallel else []
+        tp_loss.guard(module, heads)  # a backward outside loss_parallel() refused
         columns, rows = tp_plan.column_layers(module, plan)
-        self.draws.append(tp_random.install(module, columns, rows, opts.random))
+        if compile_block is None:  # compiled code would run eagerly under its dispatch mode
+            self.draws.append(tp_random.install(module, columns, rows, opts.random))
         layout = self.layout
         self.notes.append(
             f"TP: plan {named} ({split} modules split over tensor {layout.tensor}"
             + (", sequence parallel" if opts.sequence_parallel else "")
+            + (f", loss parallel: the logits of {', '.join(heads)} stay sharded" if heads else "")
             + f"); FSDP2 over replicate {layout.replicate} x shard {layout.shard}, {len(units)} block(s) + "
-            "the root; dropout as one process draws it"
+            + ("the root; dropout as one process draws it" if compile_block is None else "the root, compiled")
             + (" (per-shard: in distribution only)" if opts.random == "per-shard" else "")
         )
         return module, compiled

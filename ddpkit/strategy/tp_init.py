@@ -182,10 +182,10 @@ def cut(module: nn.Module, dims: dict[str, int | None], where: Piece) -> fsdp_in
     """A model the user built whole: this rank's pieces of it, then the module moved to `meta` (ties kept)."""
     shards = fsdp_init.Shards()
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for name, p in fsdp_init._named(module.named_parameters()):  # state_dict's names, as fill's
             shards.sums[name] = fsdp_init.checksum(p)
             shards.chunks[name] = where.keep(p.detach().cpu(), dims.get(name))
-        for name, b in module.named_buffers():
+        for name, b in fsdp_init._named(module.named_buffers()):
             shards.buffers[name] = b.detach().cpu().clone()
             shards.sums[f"buffer:{name}"] = fsdp_init.checksum(b)
     ties = list(hf.tied_owners(module).values())

@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from ddpkit.errors import problem
-from ddpkit.strategy import hf
+from ddpkit.strategy import checkpointing, hf, tp_loss
 
 ALIASES = {
     "sequence": "sequence_parallel",
@@ -52,8 +52,9 @@ EXAMPLE = (
 Plan = dict[str, Any]  # module pattern -> torch ParallelStyle
 
 
-def _style(name: str, sequence_parallel: bool) -> Any:
-    """The torch style for one of transformers' (and ddpkit's) style names; None: left whole."""
+def _style(name: str, sequence_parallel: bool, loss_parallel: bool = False) -> Any:
+    """The torch style for one of transformers' (and ddpkit's) style names; None: left whole. Under loss
+    parallel a head that would gather its logits keeps them sharded on the vocabulary (`tp_loss`)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
@@ -64,8 +65,10 @@ def _style(name: str, sequence_parallel: bool) -> Any:
         "rowwise": lambda: (
             RowwiseParallel(output_layouts=seq, use_local_output=False) if sp else RowwiseParallel()
         ),
-        "colwise_gather_output": lambda: ColwiseParallel(
-            input_layouts=seq if sp else Replicate(), output_layouts=Replicate()
+        "colwise_gather_output": lambda: (
+            tp_loss.head_style(seq if sp else Replicate())
+            if loss_parallel
+            else ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Replicate())
         ),
         "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
         "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
@@ -139,6 +142,7 @@ def read(
     *,
     degree: int,
     sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> Plan:
     """{module pattern: torch ParallelStyle} from "auto", a short mapping or torch styles; refused with
     the fix: no plan, an unknown style, an entry that matches no module, a layer torch cannot split that
@@ -171,13 +175,15 @@ def read(
                 "(torch.distributed.tensor.parallel.ColwiseParallel(...), ...)",
             )
         names[pattern] = name
-        made = _style(name, sequence_parallel)
+        made = _style(name, sequence_parallel, loss_parallel)
         if made is not None:
             out[pattern] = made
     if sequence_parallel and names:
         out.update(_sequence_extras(model, names))
     out = retarget_adapters(model, out)
     check(model, out, degree)
+    if loss_parallel:
+        tp_loss.heads(model, matches(model, out), out)  # a plan with no sharded head refused
     return out
 
 
@@ -211,27 +217,44 @@ def gather_sequence() -> Any:
 def _sequence_extras(model: nn.Module, names: Mapping[str, str]) -> Plan:
     """What sequence parallelism adds to a plan of style names: the parents of column-wise layers gather
     their input; every norm not in the plan becomes SequenceParallel (a norm left whole would see a
-    DTensor it cannot multiply: torch stops at the first forward, never silently)."""
-    from torch.distributed.tensor.parallel import SequenceParallel
+    DTensor it cannot multiply: torch stops at the first forward, never silently); every embedding the
+    plan leaves whole (a Hugging Face model's embed_tokens) hands the stream on sharded along the
+    sequence (its whole output cut, no communication), where the first norm expects it. Keyed by the
+    names without activation checkpointing's wrappers, as the plan's own entries are."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel
 
     found = matches(model, names)
     parents = sorted({n.rpartition(".")[0] for n, p in found.items() if names[p] == "colwise"})
-    extras: Plan = {p: gather_sequence() for p in parents if p}
+    extras: Plan = {_plain_module(p): gather_sequence() for p in parents if p}
     for name, module in model.named_modules():
-        if name and name not in found and _is_norm(module):
-            extras[name] = SequenceParallel(use_local_output=False)
+        if not name or name in found:
+            continue
+        if _is_norm(module):
+            extras[_plain_module(name)] = SequenceParallel(use_local_output=False)
+        elif isinstance(module, nn.Embedding):
+            extras[_plain_module(name)] = PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+            )
     return extras
 
 
 def matches(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, str]:
     """{module name: the first pattern naming it} (fnmatch over dotted names, as parallelize_module reads
-    "*")."""
+    "*"; over the names without activation checkpointing's wrappers)."""
     found: dict[str, str] = {}
     for name, _ in model.named_modules():
+        plain = _plain_module(name)
         for pattern in plan:
-            if fnmatch.fnmatchcase(name, pattern):
+            if fnmatch.fnmatchcase(plain, pattern):
                 found.setdefault(name, pattern)
     return found
+
+
+def _plain_module(name: str) -> str:
+    """A module's name without activation checkpointing's wrapper segments: a plan names the model's own
+    layers ("blocks.*.attn.q"), whether or not `s.model(activation_checkpointing=...)` wrapped them."""
+    return checkpointing.plain_name(f"{name}.").removesuffix(".") if name else name
 
 
 def check(model: nn.Module, plan: Plan, degree: int) -> None:
@@ -299,7 +322,8 @@ def check_heads(model: nn.Module, degree: int) -> None:
 def tp_dims(model: nn.Module, plan: Plan) -> dict[str, int | None]:
     """{parameter name: the dimension the plan splits it on over the tensor ranks, or None (whole)} for
     every parameter a style places (Colwise: Linear dim 0, Embedding dim 1; Rowwise: Linear weight dim 1,
-    its bias whole, Embedding dim 0; other styles whole), every name a tied parameter has."""
+    its bias whole, Embedding dim 0; other styles whole), every name a tied parameter has; names as
+    `state_dict` gives them (no activation checkpointing wrapper), as ddpkit's shards are keyed."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     out: dict[str, int | None] = {}
@@ -308,7 +332,7 @@ def tp_dims(model: nn.Module, plan: Plan) -> dict[str, int | None]:
         style = plan.get(found[name]) if name in found else None
         embedding = isinstance(module, nn.Embedding)
         for attr in module._parameters:
-            full = f"{name}.{attr}" if name else attr
+            full = checkpointing.plain_name(f"{name}.{attr}" if name else attr)
             if isinstance(style, ColwiseParallel):
                 out[full] = 1 if embedding else 0
             elif isinstance(style, RowwiseParallel):
@@ -340,7 +364,8 @@ def apply(model: nn.Module, mesh: Any, plan: Plan) -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
     ties = list(hf.tied_owners(model).values())
-    parallelize_module(model, mesh, plan)
+    found = matches(model, plan)  # each module by its real name: the patterns may skip wrappers
+    parallelize_module(model, mesh, {name: plan[pattern] for name, pattern in found.items()})
     retie(model, ties)
     return model
 

@@ -150,3 +150,30 @@ def _closer(mode: OneProcessDraws) -> Callable[..., None]:
         mode.region = None
 
     return closed
+
+
+def refuse_compiled_draws(model: nn.Module, policy: str) -> None:
+    """Under `compile=` the draws cannot be one process's: torch.compile runs a compiled block eagerly
+    whenever a TorchDispatchMode is active, so `OneProcessDraws` would switch compilation off silently,
+    and without it a compiled dropout draws the same mask on every shard. A model with a dropout
+    probability above 0 (an `nn.Dropout`, or a module attribute or config field named like a dropout) is
+    refused unless `random="per-shard"` accepts torch's draws."""
+    if policy != "one-process":
+        return
+    found = [name or type(model).__name__ for name, module in model.named_modules() if _drops(module)]
+    if found:
+        raise problem(
+            f"compile= with tensor parallelism, and {found[0]!r} has a dropout probability above 0: "
+            "ddpkit's one-process draws cannot run inside compiled code (torch.compile runs eagerly under "
+            "the dispatch mode that draws them), so the masks would not be one process's",
+            "Set the dropouts to 0 to compile, leave compile= out to keep one process's masks, or pass "
+            'TPOptions(random="per-shard") to accept torch\'s draws (equal in distribution only)',
+        )
+
+
+def _drops(module: nn.Module) -> bool:
+    if isinstance(module, nn.Dropout) and module.p > 0:
+        return True
+    config = getattr(module, "config", None)
+    fields = {**vars(module), **(vars(config) if config is not None and hasattr(config, "__dict__") else {})}
+    return any("dropout" in key and isinstance(value, float) and value > 0 for key, value in fields.items())

@@ -3,6 +3,10 @@
 Evaluation runs on the strategy's evaluation module: DDP's inner module (its forward may broadcast
 buffers, a collective, and evaluation shards may differ by one batch), or under FSDP the model itself,
 whose forward all-gathers, so the ranks evaluate in lockstep.
+
+Under tensor parallelism the ranks of one tensor group evaluate the same batch (the loader splits by
+the data-parallel rank): only the group's first rank counts its updates, the others run the same
+forwards into scratch metrics, so a sum (samples, tokens, a summed loss) counts each batch once.
 """
 
 from __future__ import annotations
@@ -33,16 +37,17 @@ def evaluate(
     """
     metric_set = metrics if isinstance(metrics, MetricSet) else MetricSet(s, **metrics)
     metric_set.reset()
+    counted = metric_set if _counts(s) else _scratch(s, metric_set)  # a tensor group's batch once
     module = s.strategy.eval_module(model)
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad(), s.autocast():
             if s.strategy.collective_forward and s.distributed:
-                _in_lockstep(s, module, loader, eval_step, metric_set)
+                _in_lockstep(s, module, loader, eval_step, counted)
             else:
                 for batch in loader:
-                    eval_step(module, batch, metric_set)
+                    eval_step(module, batch, counted)
     finally:
         module.train(was_training)
     return metric_set.compute()
@@ -53,7 +58,7 @@ def _in_lockstep(
 ) -> None:
     """Evaluate a model whose forward is a collective (FSDP): every rank runs as many forwards as the
     rank with the most batches; a rank out of batches repeats its last one into scratch metrics."""
-    scratch = MetricSet(s, **{n: type(m)() for n, m in metrics.metrics.items()})
+    scratch = _scratch(s, metrics)
     batches, last = iter(loader), None
     while True:
         batch = next(batches, None)
@@ -70,3 +75,17 @@ def _in_lockstep(
             )
         else:
             eval_step(module, last, scratch)
+
+
+def _counts(s: Session) -> bool:
+    """Whether this rank's evaluation updates count: not on the second and later ranks of a tensor group,
+    which evaluate their group's batch again (their sums would count it `tensor` times)."""
+    if not s.distributed:
+        return True
+    layout = s.layout
+    return layout is None or layout.coordinate(s.rank, "tensor") == 0
+
+
+def _scratch(s: Session, metrics: MetricSet) -> MetricSet:
+    """Fresh metrics of the same kinds, updated and never computed (what a rank runs that does not count)."""
+    return MetricSet(s, **{n: type(m)() for n, m in metrics.metrics.items()})
