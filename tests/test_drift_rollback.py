@@ -49,7 +49,9 @@ class _Saver(ddpkit.Callback):
             self.saved.append(state.step)
 
 
-def _train(root: str, flip: str | None, after: int = 7, on_drift: str = "rollback") -> dict:
+def _train(
+    root: str, flip: str | None, after: int = 7, on_drift: str = "rollback", saves: bool = True
+) -> dict:
     """STEPS steps of one shuffled epoch under fit; `flip` after step `after`: None, "once" or "always"."""
     with ddpkit.session(seed=0, verbose=False, log_to=None, fingerprint_every=EVERY) as s:
         torch.manual_seed(0)
@@ -75,7 +77,7 @@ def _train(root: str, flip: str | None, after: int = 7, on_drift: str = "rollbac
         try:
             result = ddpkit.fit(
                 s, model, opt, loader, train_step, epochs=1, progress=False, flops=None,
-                callbacks=[flipper, saver] if flip else [saver], on_drift=on_drift,
+                callbacks=[*([flipper] if flip else []), *([saver] if saves else [])], on_drift=on_drift,
             )  # fmt: skip
             out.update(steps=result.steps, losses=result.losses, flips=flipper.flips)
         except ReplicaDrift as drift:
@@ -118,7 +120,9 @@ def test_a_bit_flip_under_fit_rolls_back_to_the_last_agreeing_checkpoint_and_end
     assert [r["agreed"] for r in flipped] == [STEPS, STEPS]  # the fingerprints were on to the end
 
 
-def test_a_drift_that_replays_stops_and_on_drift_stop_stops_at_once(pool2, tmp_path) -> None:
+def test_a_drift_that_replays_or_has_no_checkpoint_stops_and_on_drift_stop_stops_at_once(
+    pool2, tmp_path
+) -> None:
     again = pool2.run(_train, str(tmp_path / "again"), "always", 5, timeout=180)
     for r in again:
         assert r["at"] == 6 and "drifted again at optimizer step 6" in r["error"], r["error"]
@@ -128,5 +132,9 @@ def test_a_drift_that_replays_stops_and_on_drift_stop_stops_at_once(pool2, tmp_p
     for r in stop:
         assert r["at"] == 6 and "did not roll back" not in r["error"] and r["tensor"] == "blocks.2.weight"
         assert not any("drifted" in line for line in r["printed"]) and r["saved"] == [4]
+    unsaved = pool2.run(_train, str(tmp_path / "none"), "once", 5, "rollback", False, timeout=180)
+    for r in unsaved:  # nothing to roll back to: the drift, saying why and what to do
+        assert r["at"] == 6 and "did not roll back: no checkpoint was saved or loaded" in r["error"], r
+        assert "s.save(root, model=, optimizer=, stepper=s.stepper, loader=)" in r["error"]
     with pytest.raises(ddpkit.DdpkitError, match="on_drift='stop'"):
         ddpkit.fit(None, None, None, [], None, epochs=1, on_drift="never")  # type: ignore[arg-type]

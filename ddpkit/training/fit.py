@@ -59,7 +59,7 @@ from ddpkit.training.callbacks import Callback, FitResult, FitState
 from ddpkit.training.evaluation import EvalStep, evaluate
 from ddpkit.training.fit_plan import FitPlan, TrainStep, batch_len, check, total_steps
 from ddpkit.training.oom_retry import SplitBlocks
-from ddpkit.training.rollback import Rollback, Undone
+from ddpkit.training.rollback import Rollback, Undone, not_rolled_back
 from ddpkit.training.session import Session
 
 __all__ = ["Callback", "FitResult", "FitState", "TrainStep", "evaluate", "fit"]  # the loop and its types
@@ -354,13 +354,10 @@ class _Loop:
         if self.on_drift == "stop":
             raise drift
         if not isinstance(train_loader, ShardedLoader):
-            raise ReplicaDrift(
-                f"{str(drift).rstrip('.')}. ddpkit.fit did not roll back: the training loader is a "
-                f"{type(train_loader).__name__}, whose position a checkpoint cannot restore. Build it with "
-                "s.loader(dataset, batch_size=...)",
-                step=drift.step,
-                last_agreed=drift.last_agreed,
-                ranks=drift.ranks,
+            raise not_rolled_back(
+                drift,
+                f"the training loader is a {type(train_loader).__name__}, whose position a checkpoint cannot "
+                "restore. Build it with s.loader(dataset, batch_size=...)",
             )
         if self.drift_undo is None:
             self.drift_undo = self.undo if self.undo is not None else Rollback(self.s, train_loader)

@@ -22,7 +22,7 @@ from torch import nn
 
 from ddpkit.data import ShardedLoader
 from ddpkit.errors import problem
-from ddpkit.step.fingerprint import ReplicaDrift
+from ddpkit.step.fingerprint import ReplicaDrift, ReplicaFingerprints
 from ddpkit.step.spikes import Spike
 from ddpkit.training.session import Session
 
@@ -118,16 +118,13 @@ class Rollback:
         transient fault (one flipped bit) leaves no trace: the run ends where it would have ended. Raises
         the drift, with the reason, where rolling back cannot help or cannot be done."""
         s = self.s
-        stop = f"{str(drift).rstrip('.')}. ddpkit.fit did not roll back: "
         target = s.last_checkpoint
         if target is None:
-            raise ReplicaDrift(
-                stop + "no checkpoint was saved or loaded in this session. Save checkpoints during the run "
-                "(a callback calling s.save(root, model=, optimizer=, stepper=s.stepper, loader=)) so that a "
+            raise not_rolled_back(
+                drift,
+                "no checkpoint was saved or loaded in this session. Save checkpoints during the run (a "
+                "callback calling s.save(root, model=, optimizer=, stepper=s.stepper, loader=)) so that a "
                 "drift rolls back to the last one",
-                step=drift.step,
-                last_agreed=drift.last_agreed,
-                ranks=drift.ranks,
             )
         root, objects = target
         missing = _missing(needed, objects)
@@ -151,7 +148,7 @@ class Rollback:
                 "rank(s) named out of the job, then resume from the last checkpoint"
             )
         if why:
-            raise ReplicaDrift(stop + why, step=drift.step, last_agreed=drift.last_agreed, ranks=drift.ranks)
+            raise not_rolled_back(drift, why)
         self.drifts.append(drift.step)
         undone = self._load(root, objects, s.stepper.steps, lambda: None)
         model, optimizer = needed["model"], needed["optimizer"]
@@ -168,8 +165,8 @@ class Rollback:
             f"ddpkit: the replicas drifted at optimizer step {drift.step} (first in {drift.tensor}; {odd}; "
             f"the last agreement at step {drift.last_agreed}): rolled back every rank to the last "
             f"checkpoint in {root} (optimizer step {s.stepper.steps}, written while they agreed; "
-            f"{undone.steps} step(s) undone), the replicas compared equal again at step {prints_at(prints)}, "
-            "training goes on"
+            f"{undone.steps} step(s) undone), the replicas compared equal again at step "
+            f"{_agreed_at(prints)}, training goes on"
         )
         s.log({"drift/rolled_back": float(undone.steps)}, step=drift.step)
         return undone
@@ -187,9 +184,20 @@ class Rollback:
         return Undone(max(0, done - s.stepper.steps), back)
 
 
-def prints_at(prints: object) -> str:
+def not_rolled_back(drift: ReplicaDrift, why: str) -> ReplicaDrift:
+    """The drift raised again (every rank, the same fields), its message saying why fit did not roll back."""
+    return ReplicaDrift(
+        f"{str(drift).rstrip('.')}. ddpkit.fit did not roll back: {why}",
+        step=drift.step,
+        last_agreed=drift.last_agreed,
+        ranks=drift.ranks,
+        tensor=drift.tensor,
+    )
+
+
+def _agreed_at(prints: ReplicaFingerprints | None) -> str:
     """The last step at which the fingerprints saw the replicas agree, for a report."""
-    agreed = getattr(prints, "last_agreed", None)
+    agreed = None if prints is None else prints.last_agreed
     return "?" if agreed is None else str(agreed)
 
 
