@@ -144,3 +144,19 @@ def test_plan_with_a_tensor_degree_reports_its_flags_and_collectives(capsys, tmp
 def test_plan_refuses_a_tensor_degree_that_cannot_work(capsys, tmp_path, args: list[str], says: str) -> None:
     code, err = _cli(capsys, tmp_path, *args)
     assert code == 2 and isinstance(err, str) and says in err, err
+
+
+LLAMA = (
+    "hf:llama,hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
+    "num_key_value_heads=2,vocab_size=256,max_position_embeddings=64"
+)
+
+
+def test_a_llama_by_its_own_plan_reduces_each_shared_input_once() -> None:
+    """LlamaForCausalLM's own plan at 64 tokens, d 64, vocabulary 256: forward, the embedding's
+    row-wise lookup and each layer's o_proj and down_proj all-reduced, the head's logits gathered;
+    backward, one all-reduce per column-wise input (q, k and v read one tensor, gate and up another)."""
+    fwd, bwd = tp_time.collectives(LLAMA, "auto", degree=2)
+    act = 64 * 64 * 4.0
+    assert sorted(fwd) == sorted((("allreduce", act),) * (1 + 2 * 2) + (("allgather", 64 * 256 * 4.0),))
+    assert bwd == (("allreduce", act),) * (2 * 2 + 1)
