@@ -34,8 +34,9 @@ class _Flip(ddpkit.Callback):
 
     def on_step_end(self, state: ddpkit.FitState) -> None:
         if state.step == self.after and state.s.rank == 1 and (self.always or not self.flips):
-            weight = ddpkit.unwrap(self.model).blocks[2].weight.data
-            weight.view(-1).view(torch.int32)[7] ^= 1 << 3
+            weight = ddpkit.unwrap(self.model).blocks[2].weight
+            local = weight.to_local() if hasattr(weight, "to_local") else weight.data  # HSDP: its shard
+            local.view(-1).view(torch.int32)[7] ^= 1 << 3
             self.flips += 1
 
 
@@ -50,15 +51,23 @@ class _Saver(ddpkit.Callback):
 
 
 def _train(
-    root: str, flip: str | None, after: int = 7, on_drift: str = "rollback", saves: bool = True
+    root: str,
+    flip: str | None,
+    after: int = 7,
+    on_drift: str = "rollback",
+    saves: bool = True,
+    strategy: str = "ddp",
 ) -> dict:
-    """STEPS steps of one shuffled epoch under fit; `flip` after step `after`: None, "once" or "always"."""
+    """STEPS steps of one shuffled epoch under fit; `flip` after step `after`: None, "once" or "always";
+    `strategy` "hsdp": 2 replicas x 2 shards (4 ranks), the checkpoints through DCP."""
+    from ddpkit.strategy.hsdp_options import HSDPOptions
+
     with ddpkit.session(seed=0, verbose=False, log_to=None, fingerprint_every=EVERY) as s:
         torch.manual_seed(0)
         net = nn.Sequential()
         net.add_module("blocks", nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh()))
         net.add_module("head", nn.Linear(16, 3))
-        model = s.model(net)
+        model = s.model(net, strategy=HSDPOptions(replicate=2, shard=2) if strategy == "hsdp" else "ddp")
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         g = torch.Generator().manual_seed(1)
         data = TensorDataset(
@@ -82,7 +91,10 @@ def _train(
             out.update(steps=result.steps, losses=result.losses, flips=flipper.flips)
         except ReplicaDrift as drift:
             out.update(error=str(drift), at=drift.step, tensor=drift.tensor)
-        out["weights"] = {k: v.clone() for k, v in ddpkit.unwrap(model).state_dict().items()}
+        out["weights"] = {  # this rank's copy (HSDP: its shard)
+            k: (v.to_local() if hasattr(v, "to_local") else v).clone()
+            for k, v in ddpkit.unwrap(model).state_dict().items()
+        }
         out["session_steps"], out["agreed"] = s.stepper.steps, s.stepper.fingerprints.last_agreed
         return out
 
@@ -101,7 +113,7 @@ def test_a_bit_flip_under_fit_rolls_back_to_the_last_agreeing_checkpoint_and_end
     for r in flipped:
         assert r["error"] == "" and r["flips"] == (1 if r is flipped[1] else 0), r["error"]
         assert r["steps"] == r["session_steps"] == STEPS
-    said = [line for line in flipped[0]["printed"] if "drifted" in line]
+    said = [line for line in flipped[0]["printed"] if "the replicas drifted" in line]
     assert len(said) == 1, flipped[0]["printed"]
     # seen at the first check after the flip, the save of step 8 (within EVERY steps), which wrote nothing:
     # the newest checkpoint, the rollback's target, is still step 4's; named; compared again there
@@ -131,10 +143,23 @@ def test_a_drift_that_replays_or_has_no_checkpoint_stops_and_on_drift_stop_stops
     stop = pool2.run(_train, str(tmp_path / "stop"), "once", 5, "stop", timeout=180)
     for r in stop:
         assert r["at"] == 6 and "did not roll back" not in r["error"] and r["tensor"] == "blocks.2.weight"
-        assert not any("drifted" in line for line in r["printed"]) and r["saved"] == [4]
+        assert not any("the replicas drifted" in line for line in r["printed"]) and r["saved"] == [4]
     unsaved = pool2.run(_train, str(tmp_path / "none"), "once", 5, "rollback", False, timeout=180)
     for r in unsaved:  # nothing to roll back to: the drift, saying why and what to do
         assert r["at"] == 6 and "did not roll back: no checkpoint was saved or loaded" in r["error"], r
         assert "s.save(root, model=, optimizer=, stepper=s.stepper, loader=)" in r["error"]
     with pytest.raises(ddpkit.DdpkitError, match="on_drift='stop'"):
         ddpkit.fit(None, None, None, [], None, epochs=1, on_drift="never")  # type: ignore[arg-type]
+
+
+def test_under_hsdp_the_drifted_replica_group_rolls_back_every_rank_and_ends_bitwise_equal(
+    pool4, tmp_path
+) -> None:
+    clean = pool4.run(_train, str(tmp_path / "clean"), None, 7, "rollback", True, "hsdp", timeout=240)
+    flipped = pool4.run(_train, str(tmp_path / "flipped"), "once", 7, "rollback", True, "hsdp", timeout=240)
+    said = [line for line in flipped[0]["printed"] if "the replicas drifted" in line]
+    assert len(said) == 1 and "drifted at optimizer step 8 (first in blocks.2.weight;" in said[0], said
+    assert "(optimizer step 4, written while they agreed" in said[0], said
+    for r, c in zip(flipped, clean, strict=True):  # every rank, its own shard: as the run that never flipped
+        assert r["error"] == "" and r["steps"] == STEPS and r["saved"] == [4, 8, 12]
+        assert all(torch.equal(r["weights"][k], v) for k, v in c["weights"].items())
