@@ -71,3 +71,21 @@ def test_a_meeting_that_times_out_names_who_never_came_and_where(tmp_path) -> No
     assert "but rank(s) 1 of the 2 never joined the process group" in late, late
     for text in (host, client, late):
         assert "ddpkit.session(rendezvous_timeout=SECONDS)" in text and "reachable from every host" in text
+
+
+def test_a_taken_store_port_and_an_unknown_failure_are_said_as_such() -> None:
+    from ddpkit.cluster import rendezvous_report
+
+    taken = RuntimeError(
+        "The server socket has failed to listen on any local network address. port: 29500, useIpv6: false, "
+        "code: -98, name: EADDRINUSE, message: address already in use"
+    )
+    said = str(rendezvous_report.explain(taken, rank=0, world_size=2, address="10.0.0.1:29500", timeout=600))
+    assert said.startswith("rank 0 cannot host the rendezvous store at 10.0.0.1:29500: the port is taken"), (
+        said
+    )
+    assert "ddpkit run --port P" in said and "did not meet" not in said
+    other = rendezvous_report.explain(RuntimeError("boom"), rank=1, world_size=4, address="h:1", timeout=5)
+    assert str(other).startswith("the ranks could not meet at h:1 (rendezvous_timeout=5 s): boom."), str(
+        other
+    )

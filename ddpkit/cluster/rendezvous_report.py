@@ -15,7 +15,8 @@ torch tells each of the three ways the meeting fails in its own terms, one trace
   /ddpkit/attempt-0/0//cpu//0/1`, the key's last part being the rank waited for.
 
 `explain` turns each into one paragraph naming the rendezvous_timeout, the address and the ranks (or the
-count) that never came, ending with the fix; anything else it keeps torch's words for.
+count) that never came, ending with the fix; a store port already taken (`EADDRINUSE`) is said as such;
+anything else keeps torch's words.
 """
 
 from __future__ import annotations
@@ -68,4 +69,11 @@ def explain(err: BaseException, *, rank: int, world_size: int, address: str, tim
             "before ddpkit.session)",
             fix,
         )
-    return problem(f"the ranks did not meet within {limit} at {address}: {text}", fix)
+    if "EADDRINUSE" in text or "failed to listen" in text:
+        return problem(
+            f"rank {rank} cannot host the rendezvous store at {address}: the port is taken (another job, or "
+            "an earlier run still alive)",
+            "Pass a free port (MASTER_PORT, or `ddpkit run --port P`), or leave it to `ddpkit run`, which "
+            "lets the OS pick one on a single node",
+        )
+    return problem(f"the ranks could not meet at {address} (rendezvous_timeout={timeout:g} s): {text}", fix)
