@@ -323,3 +323,7 @@ def test_trace_ranks_buckets_steps_and_warmup(tmp_path: Path, capsys, monkeypatc
 def test_trace_hook_is_the_hook_run(tmp_path: Path, on_pools) -> None:
     with pytest.raises(ddpkit.DdpkitError, match="--hook 'no-such-hook' is not a known"):  # before the ranks
         trace.main(["--workload", SPEC, "--hook", "no-such-hook", "--steps", "1", "--out", str(tmp_path)])
+    argv = ["--workload", SPEC, "--hook", "fp16", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)]
+    assert trace.main(argv) == 0
+    ranks = json.loads((tmp_path / "ranks.json").read_text())
+    assert [r["hook"] for r in ranks] == ["fp16_compress_hook"] * 2, [r["hook"] for r in ranks]

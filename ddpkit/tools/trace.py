@@ -111,6 +111,7 @@ def _rank(
             model = s.model(module)
             return _fsdp_steps(s, wl, model, rec, warmup, steps)
         model = s.model(module, bucket_cap_mb=bucket_cap_mb)
+        ran = ""  # the hook's function, as DDP runs it (ranks.json: which hook was traced)
         if s.world_size > 1:
             if hook == "allreduce":
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -119,6 +120,7 @@ def _rank(
             else:
                 inner = comm_hooks.resolve(hook)(None)
             model.register_comm_hook(TracedHook(*inner, rec, names), traced_hook)  # type: ignore[operator]
+            ran = getattr(inner[1], "__name__", type(inner[1]).__name__)
         opt = wl.optimizer(model.parameters())
         per_rank = plan_batch(wl.global_batch, None, world_size=s.world_size).per_rank  # the loader's split
         x, y = wl.sample(torch.Generator().manual_seed(1 + s.rank), per_rank)
@@ -142,7 +144,13 @@ def _rank(
             rec.add("forward", "compute", t0, t1)
             rec.add("backward", "compute", t1, t2)
             rec.add("optimizer step", "compute", t2, t3)
-        return {"rank": s.rank, "world": s.world_size, "events": rec.events, "buckets": rec.buckets}
+        return {
+            "rank": s.rank,
+            "world": s.world_size,
+            "events": rec.events,
+            "buckets": rec.buckets,
+            "hook": ran,
+        }
 
 
 _FSDP_KINDS = {"all_gather": "all-gather", "post_backward_reduce": "reduce-scatter"}
