@@ -176,10 +176,12 @@ class Options:
     tp_backward: tuple[tuple[str, float], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        """The options a plan reports (the dims are the strategy's, named by it; the collectives by
-        their count and bytes per sample)."""
-        out = {k: v for k, v in self.__dict__.items() if k not in ("dims", "tp_forward", "tp_backward")}
+        """The options a plan reports (the dims are the strategy's, named by it; with a tensor degree,
+        the degree and the collectives by their count and bytes per sample)."""
+        tp = ("tensor", "tp_forward", "tp_backward")
+        out = {k: v for k, v in self.__dict__.items() if k != "dims" and k not in tp}
         if self.tensor > 1:
+            out["tensor"] = self.tensor
             every = (*self.tp_forward, *self.tp_backward)
             out["tp_collectives"] = {"count": len(every), "bytes_per_sample": sum(b for _, b in every)}
         return out
