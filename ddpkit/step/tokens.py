@@ -28,6 +28,12 @@ averages its sharded gradients over the ranks as DDP does, so the same factor ap
 ddpkit's sharded optimizer step sees the rescaled gradients like the plain one. A step whose
 micro-batches hold no valid token anywhere is skipped on every rank (the decision comes from the all-reduced
 count) and reported.
+
+Under tensor parallelism the T ranks of a tensor group back-propagate the same tokens (they read one
+batch) and the gradients are averaged over the D = W/T data-parallel ranks only: the count all-reduced
+over the W ranks is T·N_total and the factor W·unit/(T·N_total) = D·unit/N_total, the global token mean
+over the data-parallel world, as above (the tensor degree cancels; tests/test_tp_training.py).
+`last_total` is then T·N_total, which only its being set is read from.
 """
 
 from __future__ import annotations
