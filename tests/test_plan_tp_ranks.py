@@ -42,5 +42,8 @@ def test_the_estimate_is_what_real_tp_and_fsdp_x_tp_ranks_hold(pool2, pool4) -> 
         for part in ("parameters", "optimizer_state"):
             assert est[part] == real[part], (world, part, est, real)
         why = (world, est["total"], real["total"], got["allocator"])
+        print(
+            f"world {world} layout {layout}: estimate {est['total']} B, tracked {real['total']} B, allocator {got['allocator']} B"
+        )
         assert abs(est["total"] / real["total"] - 1) <= 0.02, why
         assert abs(est["total"] / got["allocator"] - 1) <= ALLOCATOR, why

@@ -167,3 +167,11 @@ def test_plan_memory_refuses_a_tensor_layout_that_cannot_work_in_one_paragraph(
     code, err = _plan(capsys, *args, "--global-batch", "12", "--json", "-")
     assert code == 2 and isinstance(err, str), err
     assert says in err and "Traceback" not in err, err
+
+
+def test_when_nothing_fits_twice_the_tensor_degree_is_among_the_alternatives(capsys) -> None:
+    args = ["--strategy", "tp", "--world", "4", "--tensor-degree", "2", "--tp-plan", PLAN]
+    code, plan = _plan(capsys, *args, "--device-memory", "1e-4", "--global-batch", "8", "--json", "-")
+    assert code == 0 and isinstance(plan, dict) and plan["largest_fit"] is None, plan
+    tried = [alt["job"] for alt in plan["alternatives"]]
+    assert any(job.startswith("TP 4 x FSDP2 (replicate 1 x shard 1) over 4 rank(s)") for job in tried), tried

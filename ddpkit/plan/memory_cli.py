@@ -6,7 +6,7 @@ what is the largest micro-batch that does?
         --global-batch 64 --device cpu --activation-checkpointing auto
     ddpkit plan --memory --model gpt --device-memory 0.2 --device cpu --world 2 --global-batch 64 --json -
     ddpkit plan --memory --model hf:llama --strategy tp --tensor-degree 8 --world 64 --global-batch 256 \\
-        --precision bf16 --seq-len 4096 --device h100
+        --precision bf16 --seq-len 2048 --device h100
 
 One steady-state training step of rank 0 runs on fake tensors on this CPU (`ddpkit.plan.memory`):
 the peak per rank, by category, for the asked micro-batch (default: the whole per-rank batch, no

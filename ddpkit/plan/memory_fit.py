@@ -72,8 +72,9 @@ def largest_fit(
 
 
 def alternatives(job: MemoryJob) -> list[MemoryJob]:
-    """What to try when micro-batch 1 does not fit, most effective first: FSDP (model state / N),
-    activation checkpointing, bf16 (activations halved)."""
+    """What to try when micro-batch 1 does not fit, most effective first: FSDP (model state / N), under
+    TP twice the tensor degree (when it divides the world), activation checkpointing, bf16
+    (activations halved)."""
     out: list[MemoryJob] = []
     if job.strategy in ("ddp", "zero1") and job.world > 1:
         out.append(
@@ -84,6 +85,10 @@ def alternatives(job: MemoryJob) -> list[MemoryJob]:
                 precision="bf16" if job.precision == "fp16" else job.precision,
             )
         )
+    tensor = job.layout.tensor
+    if tensor > 1 and job.world % (2 * tensor * (job.shard_degree or 1)) == 0:  # TP: the layers split finer
+        degrees = tuple((d, v) for d, v in job.other_degrees if d != "tensor")
+        out.append(replace(job, other_degrees=(*degrees, ("tensor", 2 * tensor)), micro_batch=1))
     if not job.activation_checkpointing:
         out.append(replace(job, activation_checkpointing="auto", micro_batch=1))
     if job.precision == "fp32":
