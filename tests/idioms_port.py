@@ -1,5 +1,6 @@
 """A training loop of the shape of a widely used GPT script, ported to ddpkit, in four variants
-(`--shape`), for `ddpkit verify --resume-script` (tests/test_verify_script_resume.py):
+(`--shape`), for `ddpkit verify --resume-script` (tests/test_verify_script_resume.py), stopped as kill -9
+or as a preemption (`s.save(..., every=)` after every iteration: a preemption saves the current state):
 
     good      each micro-step draws its batch; the evaluation draws from a generator of its own
     prefetch  the next batch is drawn inside the micro-step (before the save point) and never saved
@@ -40,13 +41,16 @@ with ddpkit.session(seed=1, accumulation=2, verbose=False) as s:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     X, Y = get_batch()
     kept = {"X": X, "Y": Y} if a.shape == "per-rank" else {}
-    values = s.load(a.out, model=model, optimizer=opt, it=0, **kept)
-    it = values["it"]
+    values = s.load(a.out, model=model, optimizer=opt, step=0, **kept)
+    it = values["step"]
     X, Y = (values["X"], values["Y"]) if kept else (X, Y)
     while it < a.iters:
         if it % a.every == 0:
             s.print(f"it {it}: val {float(evaluate(model)):.4f}")
-            s.save(a.out, model=model, optimizer=opt, it=it, **({"X": X, "Y": Y} if kept else {}))
+        # called every iteration, written every `every`: what a preemption saves is the current state
+        s.save(
+            a.out, model=model, optimizer=opt, step=it, every=a.every, **({"X": X, "Y": Y} if kept else {})
+        )
         for _micro in range(2):
             with s.accumulate(model):
                 if not PREFETCH:
@@ -57,4 +61,4 @@ with ddpkit.session(seed=1, accumulation=2, verbose=False) as s:
                 s.backward(loss)
             s.step(opt)  # after every block: it steps on the last of the 2
         it += 1
-    s.save(a.out, model=model, optimizer=opt, it=it, **({"X": X, "Y": Y} if kept else {}))
+    s.save(a.out, model=model, optimizer=opt, step=it, **({"X": X, "Y": Y} if kept else {}))

@@ -20,6 +20,9 @@ checkpoint resumed from are walked in both records to the first one that differs
 - the generators agree but the weights after the step differ: the step's inputs were not what the
   uninterrupted run had (a batch drawn before the save point and not saved: a prefetched batch);
 - and each saved value or object that differs at the first save both runs made after the resume.
+A run after the stop that loaded no checkpoint did not resume (no s.load, or a root s.save does not write):
+refused as such, even when its last checkpoint agrees (a deterministic run that starts over). Under
+`how="signal"` a state without `step=` is named: the preemption advances only `step=`.
 """
 
 from __future__ import annotations
@@ -100,16 +103,18 @@ def _launch(
         timeout=run.timeout,
     )
     if (done.returncode != 0) != stopped or (stopped and run.how == "signal" and done.returncode != 75):
-        what = (
-            "was not stopped"
-            if stopped and done.returncode == 0
-            else f"ended with exit code {done.returncode}"
-        )
+        if stopped and done.returncode == 0:
+            steps = sum(e["event"] == "step" for e in _read(records / "rank-0.jsonl"))  # never saved: said
+            raise problem(
+                f"the script was not stopped at its optimizer step {run.stop_at}: it ended after {steps}",
+                f"Pass --save-at {max(1, steps - 1)} or less (an optimizer step the script reaches, before "
+                "its last save), or arguments that make it train longer",
+            )
         raise problem(
-            f"the script {what} ({'stopped at step ' + str(run.stop_at) if stopped else 'uninterrupted'}): "
+            f"the script ended with exit code {done.returncode} "
+            f"({'stopped at step ' + str(run.stop_at) if stopped else 'uninterrupted'}): "
             + (done.stderr.strip().splitlines() or ["no output"])[-1],
-            "Run it once by hand with ddpkit run; a script that ends before its step "
-            f"{run.stop_at} needs a smaller --stop-at",
+            "Run it once by hand with ddpkit run, with the same arguments, and fix what it says",
         )
     return [_read(records / f"rank-{r}.jsonl") for r in range(run.nproc)]
 
@@ -137,6 +142,8 @@ def compare(
     last_resumed = [_saves(r)[-1] if _saves(r) else None for r in second]
     if any(s is None for s in last_resumed):
         return ScriptReport(False, [head, "  the resumed run saved nothing: nothing to compare"])
+    if not any(e["event"] == "load" and e.get("checkpoint") for e in second[0]):
+        return ScriptReport(False, [f"{head}: FAILED, it did not resume: {_started_over(second[0])}"])
     differ = [
         f"rank {r}: {part}"
         for r, (a, b) in enumerate(zip(last_full, last_resumed, strict=True))
@@ -148,7 +155,39 @@ def compare(
         f"{head}: FAILED, the last checkpoint differs from the uninterrupted run's: " + "; ".join(differ)
     ]
     lines += _explain(full, first, second)
+    if run.how == "signal":
+        lines += _preempted(first[0])
     return ScriptReport(False, lines)
+
+
+def _started_over(events: list[dict[str, Any]]) -> str:
+    """Why the run after the stop trained from the start: no s.load, or one that found nothing."""
+    if not any(e["event"] == "load" for e in events):
+        return (
+            "the script never calls s.load, so after the stop it trains again from the start (its last "
+            "checkpoint agrees only because the run is deterministic, and the work is done twice). Call "
+            '`step = s.load(root, model=model, optimizer=opt, step=0)["step"]` before the loop, with the '
+            "root s.save writes"
+        )
+    return (
+        "s.load found no checkpoint in its root, so after the stop it trains again from the start. Load "
+        "from the root s.save writes (a relative root is relative to the folder the script runs in)"
+    )
+
+
+def _preempted(events: list[dict[str, Any]]) -> list[str]:
+    """On a failure under --stop signal: the preemption saves the state given to the script's last s.save
+    (or s.load) as it stands, with only `step=` advanced by the optimizer steps since; without `step=`, the
+    script's own counter is saved as it was then (`events`: the stopped run's record)."""
+    saves = _saves(events)
+    if not saves or saves[-1].get("step") is not None:
+        return []
+    return [
+        "  the checkpoint resumed from was written by the preemption, and the state given to s.save has no "
+        "step=: ddpkit advances only step= by the optimizer steps since that call, so a counter under "
+        "another name (it=, iter_num=) was saved as it was then and the resumed run repeats those steps. "
+        "Pass the optimizer step count as step="
+    ]
 
 
 def _saves(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
