@@ -1,7 +1,7 @@
-"""Sequence parallelism on a Hugging Face Llama from its config (its own tensor-parallel plan, the norms
-and the stream between blocks derived by ddpkit), 2 gloo ranks: the embedding hands the stream on
-sharded along the sequence, every norm runs on its rank's positions (its weight a DTensor over the
-tensor ranks), and training equals one process within verify's floor. Rank functions:
+"""Sequence parallelism on a Hugging Face Llama from its config, 2 gloo ranks: its own tensor-parallel
+plan names only the embedding and the linear layers; ddpkit derives the rest (each norm SequenceParallel
+on its rank's positions, its weight a DTensor over the tensor ranks; each attention and MLP gathering the
+sequence-sharded stream first), and training equals one process within verify's floor. Rank functions:
 tests/tp_training_ranks.py."""
 
 from __future__ import annotations

@@ -16,9 +16,12 @@ the same batch: the data is split by the data-parallel rank (`Layout.coordinate`
 What ddpkit adds to torch's styles: the plan read in three forms and refused before any collective where
 it cannot work (`ddpkit.strategy.tp_plan`); tied weights tied again after the split; one process's initial
 weights, bitwise, built piece by piece (`ddpkit.strategy.tp_init`); one process's dropout, or a refusal
-(`ddpkit.strategy.tp_random`); the gradient norm over gradients of several meshes (`FSDP.clip`, grouped by
-mesh; torch's `clip_grad_norm_` refuses them). Checkpoints are FSDP's: DCP shards of DTensors, which load
-into any layout (TP, FSDP, HSDP, DDP, one process) and convert to one safetensors file.
+(`ddpkit.strategy.tp_random`; under `compile=` the draws' dispatch mode is not held, since torch.compile
+runs a block eagerly under one, and a dropout is refused instead); the gradient norm over gradients of
+several meshes (`FSDP.clip`, grouped by mesh; torch's `clip_grad_norm_` refuses them); loss parallel, the
+head's logits kept sharded for torch's `loss_parallel()` (`ddpkit.strategy.tp_loss`). Checkpoints are
+FSDP's: DCP shards of DTensors, which load into any layout (TP, FSDP, HSDP, DDP, one process) and
+convert to one safetensors file.
 """
 
 from __future__ import annotations
@@ -164,7 +167,7 @@ class TP(FSDP):
         fsdp_init.fill(module, shards, device)
         tp_plan.guard_shapes(module, plan)  # a wrong plan's shape error names the layer
         heads = tp_loss.heads(module, tp_plan.matches(module, plan), plan) if opts.loss_parallel else []
-        tp_loss.guard(module, heads)  # a backward outside loss_parallel() refused
+        tp_loss.guard(module, heads)  # a training forward outside loss_parallel() refused
         columns, rows = tp_plan.column_layers(module, plan)
         if compile_block is None:  # compiled code would run eagerly under its dispatch mode
             self.draws.append(tp_random.install(module, columns, rows, opts.random))

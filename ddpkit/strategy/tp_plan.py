@@ -217,25 +217,16 @@ def gather_sequence() -> Any:
 def _sequence_extras(model: nn.Module, names: Mapping[str, str]) -> Plan:
     """What sequence parallelism adds to a plan of style names: the parents of column-wise layers gather
     their input; every norm not in the plan becomes SequenceParallel (a norm left whole would see a
-    DTensor it cannot multiply: torch stops at the first forward, never silently); every embedding the
-    plan leaves whole (a Hugging Face model's embed_tokens) hands the stream on sharded along the
-    sequence (its whole output cut, no communication), where the first norm expects it. Keyed by the
-    names without activation checkpointing's wrappers, as the plan's own entries are."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel
+    DTensor it cannot multiply: torch stops at the first forward, never silently). Keyed by the names
+    without activation checkpointing's wrappers, as the plan's own entries are."""
+    from torch.distributed.tensor.parallel import SequenceParallel
 
     found = matches(model, names)
     parents = sorted({n.rpartition(".")[0] for n, p in found.items() if names[p] == "colwise"})
     extras: Plan = {_plain_module(p): gather_sequence() for p in parents if p}
     for name, module in model.named_modules():
-        if not name or name in found:
-            continue
-        if _is_norm(module):
+        if name and name not in found and _is_norm(module):
             extras[_plain_module(name)] = SequenceParallel(use_local_output=False)
-        elif isinstance(module, nn.Embedding):
-            extras[_plain_module(name)] = PrepareModuleOutput(
-                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
-            )
     return extras
 
 
