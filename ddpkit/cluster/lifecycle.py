@@ -208,8 +208,8 @@ class Membership:
             gone = self._left(peers)  # named or not, every rank still here reads it before this one ends:
             beats = [f"{self.prefix}/call/verdict/seen/{r}" for r in peers if r not in gone]  # else the
             # backend's error (this rank's end breaks their collective) would speak first
-            if self.watchdog is not None:
-                end = time.monotonic() + 2 * self.watchdog.poll + 1
+            if self.watchdog is not None:  # seconds at most: each watchdog polls every `poll`
+                end = time.monotonic() + 4 * self.watchdog.poll + 2
                 while time.monotonic() < end and not self.store.check(beats):
                     time.sleep(0.05)
         raise err
@@ -406,8 +406,8 @@ def wait_for_keys(
 
 def on_failure(exc: BaseException, rank: int, group: Membership | None) -> None:
     """Record a failure for `ddpkit run`; when a collective failed, raise a report of every rank."""
-    verdict = getattr(group.watchdog, "verdict", None) if group is not None else None
-    if verdict is not None and not isinstance(exc, DdpkitError):  # a peer named the calls that parted
+    verdict = _verdict(group) if group is not None and not isinstance(exc, DdpkitError) else None
+    if verdict is not None:  # a peer named the calls that parted
         err = DdpkitError(f"rank {rank}: {verdict}")
         failures.record_failure(err, rank, user_error=True)
         failures.hush(err)
@@ -434,6 +434,20 @@ def on_failure(exc: BaseException, rank: int, group: Membership | None) -> None:
     err._ddpkit_time = failures.raised_at(exc)  # type: ignore[attr-defined]
     failures.record_failure(err, rank, when=failures.raised_at(exc), stalled=report.headline)
     raise err from exc
+
+
+def _verdict(group: Membership) -> str | None:
+    """The verdict a peer left at a tagged call: as this rank's watchdog read it, or else from the store
+    itself (a starved watchdog thread may not have polled before the peer's end broke this rank's
+    collective); None when there is none, or no store left to ask."""
+    verdict = getattr(group.watchdog, "verdict", None)
+    if verdict is None:
+        key = f"{group.prefix}/call/verdict"
+        with contextlib.suppress(Exception):
+            verdict = group.store.get(key).decode() if group.store.check([key]) else None
+        if verdict is not None:  # said on this rank too, as its watchdog would have
+            print(f"ddpkit: rank {group.rank}: {verdict}", file=sys.stderr, flush=True)
+    return verdict
 
 
 def _ranks(ranks: Any) -> str:
