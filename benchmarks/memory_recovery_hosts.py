@@ -10,7 +10,7 @@ interleaved, the order alternating); a replacement host 1 starts 0.5 s later wit
 "memory": `s.load(..., memory=1)`: each host's keeper copies its rank's snapshots to the other's (wired
 through the job's store); the replacement's rank fetches its own from host 0's keeper. "disk": today's
 `s.load` with `s.save(every=4)`. Per run: recovery = the loss to the first step finished after the
-agent's restart (rank 0's log), steps redone = the step in flight - the step restored (the loss between
+restore (rank 0's log), steps redone = the step in flight - the step restored (the loss between
 a step's end and its snapshot, or with its copy in flight, costs that step too), and whether every
 rank's final state (weights, optimizer, RNG, LR, step) is bitwise the uninterrupted 2-rank run's.
 Medians [min..max]; the load average is printed. The time is mostly the agents' rendezvous (a lost
@@ -76,7 +76,7 @@ def _one(net, root: Path, kind: str, lose_after: int, reference: list[dict]) -> 
             time.sleep(0.02)
         lost = time.time()
         net.lose(1)
-        done_before, attempt = max((step, restart) for _, step, restart in _steps(out))
+        done_before = max(step for _, step, _ in _steps(out))
         time.sleep(0.5)
         procs.append(_host(net, port, out, 1, "host1-replacement.log", kind))
         rc = procs[0].wait(timeout=300), procs[-1].wait(timeout=60)
@@ -88,8 +88,11 @@ def _one(net, root: Path, kind: str, lose_after: int, reference: list[dict]) -> 
             proc.wait(timeout=20)
     if rc != (0, 0) or not (out / "resumed.txt").exists():
         return {"failed": f"exit codes {rc}: see {out}"}
-    back = min(t for t, _, restart in _steps(out) if restart != attempt)  # the next attempt's first step
-    restored = int((out / "resumed.txt").read_text().split()[1])
+    resumed_at, restored = (out / "resumed.txt").read_text().split()  # rank 0, after the restore
+    after = [t for t, _, _ in _steps(out) if t > float(resumed_at)]  # the restart count may stay 0
+    if not after:
+        return {"failed": f"no step after the restore: see {out}"}
+    back, restored = min(after), int(restored)
     bitwise = _bitwise(_final(out, 2), reference)
     return {"recover_s": back - lost, "redone": done_before + 1 - restored, "bitwise": bitwise}
 
