@@ -160,3 +160,18 @@ def test_a_llama_by_its_own_plan_reduces_each_shared_input_once() -> None:
     act = 64 * 64 * 4.0
     assert sorted(fwd) == sorted((("allreduce", act),) * (1 + 2 * 2) + (("allgather", 64 * 256 * 4.0),))
     assert bwd == (("allreduce", act),) * (2 * 2 + 1)
+
+
+def test_on_shared_cores_every_rank_of_every_tensor_group_competes_for_them() -> None:
+    """CPU ranks on one machine of 2 cores: TP(2) on 4 ranks computes half the step at the speed of 4
+    ranks on 2 cores (twice slower), not of the 2 data ranks the data-parallel part spans."""
+    shared = links.Link(
+        name="cpu",
+        intra=links.Level(name="in", alpha_s=5e-6, beta_Bps=1e9, source="test"),
+        shares_cores=True,
+        cores=2,
+    )
+    cluster = Cluster(n=4, per_node=4, link=shared, algorithm="ring")
+    got = step(_profile(), cluster, Options(strategy="tp", tensor=2, tp_forward=ACT[0], tp_backward=ACT[1]))
+    assert got.forward_s == pytest.approx(_profile().forward_s / 2 * 2)
+    assert got.backward_s == pytest.approx(_profile().backward_s / 2 * 2)

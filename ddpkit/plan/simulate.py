@@ -376,16 +376,20 @@ def tensor_step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction
     k = max(1, opts.accumulation)
     fwd = sum(_tp_cost(group, kind, b * profile.batch) for kind, b in opts.tp_forward)
     bwd = sum(_tp_cost(group, kind, b * profile.batch) for kind, b in opts.tp_backward)
-    p = profile.scaled(1 / t)
-    stretch = (p.backward_s + bwd) / p.backward_s if p.backward_s > 0 else 1.0
-    p = replace(
+    data = replace(cluster, n=n // t, per_node=max(1, local // t))
+    # CPU ranks sharing cores: all n ranks compute at once, not only the n / T the data step below sees
+    # (it applies its own slowdown, or none for a profile measured with n / T ranks beside): the rest here
+    full = 1.0 if profile.ranks == n else cluster.compute_slowdown(profile.threads)
+    seen = 1.0 if data.n > 1 and profile.ranks == data.n else data.compute_slowdown(profile.threads)
+    p = profile.scaled(full / seen / t)
+    stretch = (p.backward_s + bwd / seen) / p.backward_s if p.backward_s > 0 else 1.0
+    p = replace(  # the collectives in line with the compute (over `seen`: the data step scales it back)
         p,
-        forward_s=p.forward_s + fwd,
-        backward_s=p.backward_s + bwd,
+        forward_s=p.forward_s + fwd / seen,
+        backward_s=p.backward_s + bwd / seen,
         params=tuple(replace(q, bytes=q.bytes // t, ready_s=q.ready_s * stretch) for q in p.params),
         state_bytes=p.state_bytes // t,
     )
-    data = replace(cluster, n=n // t, per_node=max(1, local // t))
     # shard 1: FSDP2's replicate mesh, one all-reduce of the gradients (DDP's arithmetic)
     inner = ("hsdp" if layout.replicate > 1 else "fsdp") if layout.shard > 1 else "ddp"
     got = step(p, data, replace(opts, tensor=1, strategy=inner, dims=(), tp_forward=(), tp_backward=()))
