@@ -142,6 +142,9 @@ def test_a_script_that_never_loads_did_not_resume_even_when_its_checkpoints_agre
     found_nothing = [[{"event": "load", "checkpoint": None}, *again[0]]] * 2
     report = compare(full, first, found_nothing, ScriptRun(script="train.py", stop_at=2))
     assert not report.passed and "s.load found no checkpoint in its root" in report.render(), report.render()
+    too_early = [[{"event": "load", "checkpoint": None}, _step("a"), _step("b")]] * 2  # stopped before a save
+    report = compare(full, too_early, found_nothing, ScriptRun(script="train.py", stop_at=2))
+    assert not report.passed and "had written no checkpoint yet. Pass a later --save-at" in report.render()
 
 
 def test_a_preempted_state_without_step_is_named() -> None:

@@ -142,6 +142,14 @@ def compare(
     last_resumed = [_saves(r)[-1] if _saves(r) else None for r in second]
     if any(s is None for s in last_resumed):
         return ScriptReport(False, [head, "  the resumed run saved nothing: nothing to compare"])
+    if not _saves(first[0]):
+        return ScriptReport(
+            False,
+            [
+                f"{head}: nothing to resume from: the run stopped at step {run.stop_at} had written no "
+                "checkpoint yet. Pass a later --save-at (after the script's first s.save that writes)"
+            ],
+        )
     if not any(e["event"] == "load" and e.get("checkpoint") for e in second[0]):
         return ScriptReport(False, [f"{head}: FAILED, it did not resume: {_started_over(second[0])}"])
     differ = [
