@@ -105,8 +105,17 @@ def _launch(
     if (done.returncode != 0) != stopped or (stopped and run.how == "signal" and done.returncode != 75):
         if stopped and done.returncode == 0:
             steps = sum(e["event"] == "step" for e in _read(records / "rank-0.jsonl"))  # never saved: said
+            if not steps:
+                raise problem(
+                    f"the script was not stopped at its optimizer step {run.stop_at}: it took no optimizer "
+                    "step through s.step (the steps counted; a loop of loss.backward() and opt.step() is "
+                    "never stopped)",
+                    "Step with s.backward(loss) and s.step(opt) (README, Accumulation), or check the "
+                    "training with ddpkit verify --resume --setup module:setup",
+                )
             raise problem(
-                f"the script was not stopped at its optimizer step {run.stop_at}: it ended after {steps}",
+                f"the script was not stopped at its optimizer step {run.stop_at}: it ended after {steps} "
+                "optimizer step(s)",
                 f"Pass --save-at {max(1, steps - 1)} or less (an optimizer step the script reaches, before "
                 "its last save), or arguments that make it train longer",
             )
