@@ -329,7 +329,7 @@ class MemorySnapshots:
         """At most `lag` snapshots committed here that the buddy does not hold (`BUDDY_LAG`): beyond it
         the training thread waits for the buddy's acknowledgement, at most `lag_wait` seconds; then one
         line says the copy is behind and training goes on without waiting until it catches up."""
-        self.commits = [s for s in self.commits if s > acked]
+        self.commits = [s for s in self.commits if s > acked][-(self.lag + 2) :]  # a buddy gone: no growth
         if len(self.commits) <= self.lag:
             self.buddy_behind = False
             return
