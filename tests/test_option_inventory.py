@@ -5,8 +5,8 @@ someone names the test that shows its effect:
 
 - the Python API: the keywords with a default (and keyword-only ones) of `ddpkit.session`, `Session.model`,
   `Session.loader`, `Session.save`, `Session.load`, `Session.export` and `ddpkit.fit`, and the fields of the
-  options dataclasses `DDPOptions`, `FSDPOptions`, `HSDPOptions` and `SpikeGuard`. `Session.save` and
-  `Session.load` pass their keywords on to the checkpoint wing (`**state`), so the keywords of
+  options dataclasses `DDPOptions`, `FSDPOptions`, `HSDPOptions`, `TPOptions` and `SpikeGuard`.
+  `Session.save` and `Session.load` pass their keywords on to the checkpoint wing (`**state`), so the keywords of
   `Checkpoints.save` / `Checkpoints.load` count as theirs. Required arguments (the module, the data set, the
   path) are no options; `**dataloader_kwargs` belong to torch's DataLoader.
 - the command line: every argument of every `ddpkit` subcommand, found by walking the parser `ddpkit/cli.py`
@@ -78,6 +78,7 @@ def api_options() -> set[Option]:
     from ddpkit.step.spikes import SpikeGuard
     from ddpkit.strategy import DDPOptions, FSDPOptions
     from ddpkit.strategy.hsdp_options import HSDPOptions
+    from ddpkit.strategy.tp_options import TPOptions
     from ddpkit.training.session import Session
 
     callables: dict[str, tuple[Callable[..., Any], ...]] = {
@@ -91,6 +92,7 @@ def api_options() -> set[Option]:
     }
     classes = {"DDPOptions": DDPOptions, "FSDPOptions": FSDPOptions, "HSDPOptions": HSDPOptions}
     classes["SpikeGuard"] = SpikeGuard
+    classes["TPOptions"] = TPOptions
     found = set().union(*(keyword_options(w, *fns) for w, fns in callables.items()))
     return found.union(*(field_options(w, cls) for w, cls in classes.items()))
 

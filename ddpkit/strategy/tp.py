@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.errors import problem
+from ddpkit.errors import DdpkitError, problem
 from ddpkit.parallel.compiling import CompileBlock
 from ddpkit.parallel.layout import Layout
 from ddpkit.parallel.precision import PrecisionPlan, resolve_precision
@@ -74,6 +74,7 @@ class TP(FSDP):
         self.shape = MeshNamed(**{f.name: getattr(self.shape, f.name) for f in dataclasses.fields(Shape)})
         self.tp_options = opts
         self._mesh: Any = None
+        self._factories: dict[int, tuple[Callable[[], nn.Module], torch.Tensor]] = {}  # to cut again
         self.draws: list[tp_random.OneProcessDraws] = []  # each wrapped model's mode (tests count its draws)
 
     # -- the layout ---------------------------------------------------------------------------------
@@ -115,13 +116,23 @@ class TP(FSDP):
 
     def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
         """The factory on the meta device, keeping this rank's pieces of one process's initial weights
-        (`ddpkit.strategy.tp_init`); `wrap` splits, shards and fills the meta module."""
+        (`ddpkit.strategy.tp_init`); `wrap` splits, shards and fills the meta module.
+
+        The pieces are cut by the session's plan (s.model's own options reach only `wrap`): a model
+        whose own TPOptions split it otherwise is built again there, from the generator's state of this
+        build (`_pieces`). A session plan this model cannot take (the default "auto" on a model without
+        a plan of its own) is refused there only if the model brings no plan either."""
 
         def dims_of(probe: nn.Module) -> dict[str, int | None]:
-            return tp_plan.tp_dims(probe, self.plan(probe))
+            try:
+                return tp_plan.tp_dims(probe, self.plan(probe))
+            except DdpkitError:  # the session's plan does not fit: the model's own options may (wrap)
+                return {}
 
+        state = torch.get_rng_state()
         module, shards, peak = tp_init.build(factory, dims_of, self.piece())
         self._built[id(module)] = shards
+        self._factories[id(module)] = (factory, state)
         self.notes.append(
             f"TP: built {type(module).__name__} piece by piece (at most {peak / 2**20:.0f} MiB of full "
             "tensors at once)"
@@ -135,7 +146,7 @@ class TP(FSDP):
         plan = self.plan(module, opts)  # every refusal before any collective
         if compile_block is not None:  # no one-process draws inside compiled code: a dropout refused
             tp_random.refuse_compiled_draws(module, opts.random)
-        shards = self._built.pop(id(module), None)
+        shards = self._pieces(module, opts)
         if shards is None:
             if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
                 raise problem(
@@ -152,6 +163,7 @@ class TP(FSDP):
         tp_plan.apply(module, self.mesh()["tensor"], plan)
         fsdp = opts.fsdp()
         units = fsdp_units.choose_units(module, fsdp)
+        offload = self._offload(fsdp, device)
         compiled: list[str] = []
         if compile_block is not None:  # after the split, before fully_shard: torchtitan's order
             compiled = units or [""]
@@ -163,6 +175,7 @@ class TP(FSDP):
             mesh=self.data_mesh(),
             mp_policy=self.precision.fsdp_policy(),
             reshard_after_forward=fsdp.reshard_after_forward,
+            offload_policy=offload,
         )
         fsdp_init.fill(module, shards, device)
         tp_plan.guard_shapes(module, plan)  # a wrong plan's shape error names the layer
@@ -181,6 +194,39 @@ class TP(FSDP):
             + (" (per-shard: in distribution only)" if opts.random == "per-shard" else "")
         )
         return module, compiled
+
+    def _pieces(self, module: nn.Module, opts: TPOptions) -> fsdp_init.Shards | None:
+        """The pieces `build` kept for `module` (None: the user built it whole), cut again by this
+        model's own plan when it is not the session's: the factory replayed from the generator's state
+        it first ran from (the same draws: one process's initial weights), the state after put back."""
+        shards = self._built.pop(id(module), None)
+        made = self._factories.pop(id(module), None)
+        ours = (opts.plan, opts.sequence_parallel, opts.loss_parallel)
+        session = self.tp_options
+        if made is None or ours == (session.plan, session.sequence_parallel, session.loss_parallel):
+            return shards
+        factory, state = made
+        after = torch.get_rng_state()
+        torch.set_rng_state(state)
+        try:
+            _, shards, _ = tp_init.build(
+                factory, lambda probe: tp_plan.tp_dims(probe, self.plan(probe, opts)), self.piece()
+            )
+        finally:
+            torch.set_rng_state(after)
+        return shards
+
+    def _offload(self, fsdp: FSDPOptions, device: torch.device) -> Any:
+        """FSDP2's offload policy for the data dimensions: `cpu_offload` keeps the shards, their
+        gradients and the optimizer step on the CPU of accelerator ranks, as FSDP's does; on CPU ranks
+        it changes nothing (the shards are on the CPU already), which the start-up lines say."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        if fsdp.cpu_offload and device.type != "cpu":
+            return CPUOffloadPolicy()
+        if fsdp.cpu_offload:
+            self.notes.append("cpu_offload=True changes nothing on CPU ranks (the shards are on the CPU)")
+        return OffloadPolicy()
 
     def _options(self, options: object) -> TPOptions:
         """This model's TP options: its own (the degrees must be the session's), else the session's."""
