@@ -30,6 +30,10 @@ from ddpkit.errors import problem
 from ddpkit.parallel.modules import unwrap
 from ddpkit.strategy import adapters
 
+# A module's attribute, set when it is wrapped, naming the context its training step must run in (the
+# forward, the loss and the backward) and its evaluation's forward and loss: `Strategy.loss_context`.
+LOSS_CONTEXT = "_ddpkit_loss_context"
+
 
 class Strategy:
     """The single-device behaviour; DDP and FSDP override what differs."""
@@ -92,6 +96,14 @@ class Strategy:
         return unwrap(model)
 
     # -- a training step ----------------------------------------------------------------------------
+    def loss_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """The context `model`'s forward, loss and backward run in (`fit` enters it for its step and its
+        evaluation): the one its wrapping asked for, else none. Per model, since a model's own options
+        may differ from the session's: tensor parallelism's loss parallel asks for torch's
+        `loss_parallel()` (`ddpkit.strategy.tp_loss`)."""
+        made = getattr(unwrap(model), LOSS_CONTEXT, None)
+        return made() if made is not None else contextlib.nullcontext()
+
     def skip_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Inside: backward accumulates gradients locally (micro-batches 1..k-1)."""
         return contextlib.nullcontext()

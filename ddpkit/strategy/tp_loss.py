@@ -9,11 +9,15 @@ the tensor ranks instead.
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         s.backward(loss)                                # the backward inside the context too
 
+    ddpkit.fit(s, model, opt, loader, step)             # or fit: it enters the context itself (`entered`)
+
 What ddpkit adds to torch's context: with `TPOptions(loss_parallel=True)` the head's style (a Hugging Face
 model's `lm_head: colwise_gather_output`, or the same name in a user's plan) leaves its output a DTensor
 sharded on the vocabulary (`head_style`) instead of gathering it; a plan with no such head is refused
 before any collective (`heads`); and a training forward outside `loss_parallel()` is refused in one
-paragraph (`guard`), where torch would fail later inside the loss in its own words.
+paragraph (`guard`), where torch would fail later inside the loss in its own words. The head's model is
+marked with the context its step needs (`Strategy.loss_context`), so that `fit` runs its train_step and
+s.backward, and `evaluate` its eval_step, inside `loss_parallel()` without knowing of tensor parallelism.
 
 What torch's `loss_parallel()` cannot do, and torch refuses itself: a loss other than cross entropy /
 negative log-likelihood on the sharded logits (any other op gathers them, or fails on mixing a DTensor
@@ -24,11 +28,14 @@ mesh).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
 from ddpkit.errors import problem
+from ddpkit.strategy.base import LOSS_CONTEXT
 
 HEAD_STYLE = "colwise_gather_output"  # the name Hugging Face gives a head that gathers its logits
 
@@ -78,6 +85,26 @@ def active() -> bool:
     return torch.ops.aten._log_softmax.default in handlers
 
 
+@contextlib.contextmanager
+def entered() -> Iterator[None]:
+    """torch's `loss_parallel()`, unless it is entered already; left only if still entered at the end.
+    torch's context is not re-entrant (its exit removes the handlers, a second removal fails) and does
+    not leave on an error: a train_step that enters it itself, inside fit's, keeps working (fit enters
+    this again for the backward), and an error inside leaves no handler behind."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    if active():
+        yield
+        return
+    context = loss_parallel()
+    context.__enter__()
+    try:
+        yield
+    finally:
+        if active():
+            context.__exit__(None, None, None)
+
+
 def guard(model: nn.Module, names: list[str]) -> None:
     """Each head refuses, in one paragraph, a training forward outside `loss_parallel()`: the cross
     entropy on its sharded logits would fail inside torch (a sharded DTensor mixed with plain targets).
@@ -93,9 +120,12 @@ def guard(model: nn.Module, names: list[str]) -> None:
                 "training forward ran outside torch's loss_parallel() context: the cross entropy on them "
                 "would fail inside torch (a sharded DTensor mixed with plain targets)",
                 "Run the forward, the loss and s.backward(loss) inside `with loss_parallel():` (from "
-                "torch.distributed.tensor.parallel); evaluation without gradients may read the logits "
-                "outside it (logits.full_tensor()); or set loss_parallel=False to gather the logits",
+                "torch.distributed.tensor.parallel), or train with ddpkit.fit, which enters it; evaluation "
+                "without gradients may read the logits outside it (logits.full_tensor()); or set "
+                "loss_parallel=False to gather the logits",
             )
 
     for name in names:
         model.get_submodule(name).register_forward_hook(hook)
+    if names:  # fit's step and evaluation run inside loss_parallel() (`Strategy.loss_context`)
+        setattr(model, LOSS_CONTEXT, entered)

@@ -6,7 +6,9 @@ whose forward all-gathers, so the ranks evaluate in lockstep.
 
 Under tensor parallelism the ranks of one tensor group evaluate the same batch (the loader splits by
 the data-parallel rank): only the group's first rank counts its updates, the others run the same
-forwards into scratch metrics, so a sum (samples, tokens, a summed loss) counts each batch once.
+forwards into scratch metrics, so a sum (samples, tokens, a summed loss) counts each batch once. Under
+loss parallel eval_step runs inside torch's `loss_parallel()` (`Strategy.loss_context`), so a cross
+entropy on the sharded logits works there as in training (and `logits.full_tensor()` as anywhere).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def evaluate(
     was_training = module.training
     module.eval()
     try:
-        with torch.no_grad(), s.autocast():
+        with torch.no_grad(), s.autocast(), s.strategy.loss_context(model):
             if s.strategy.collective_forward and s.distributed:
                 _in_lockstep(s, module, loader, eval_step, counted)
             else:

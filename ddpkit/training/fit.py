@@ -5,7 +5,7 @@
         on_epoch_start
         for batch in train_loader:                       # one micro-batch; k of them per optimizer step
             on_step_start                                # before the first micro-batch of a step
-            with s.accumulate(model):
+            with s.accumulate(model), the model's loss context (loss parallel: loss_parallel()):
                 s.backward(train_step(model, batch))
             on the k-th micro-batch, ONE all-reduce of [non-finite flag per rank, stop request, loss]:
                 a non-finite loss on any rank -> DdpkitError on every rank, naming the step and rank(s),
@@ -386,11 +386,20 @@ class _Loop:
         return self.monitor.counting(lambda b: self.forward_backward(b, weight), batch)
 
     def forward_backward(self, batch: object, weight: float = 1.0) -> torch.Tensor:
-        loss = self.plan.train_step(self.state.model, batch)
+        """train_step and s.backward, each inside the model's loss context (`Strategy.loss_context`:
+        loss parallel's `loss_parallel()`, entered again for the backward in case a train_step entered
+        and left it itself); the loss as a plain tensor (a DTensor's: replicated, read without a
+        collective), which fit sums and all-reduces with plain tensors."""
+        model = self.state.model
+        context = self.s.strategy.loss_context
+        with context(model):
+            loss = self.plan.train_step(model, batch)
         self.mark("forward")
-        self.s.backward(loss if weight == 1.0 else loss * weight)
+        with context(model):
+            self.s.backward(loss if weight == 1.0 else loss * weight)
         self.mark("backward")
-        return loss
+        full = getattr(loss, "full_tensor", None)  # a DTensor loss (loss parallel's cross entropy)
+        return full() if full is not None else loss
 
     def after_step(self, mean_loss: float, info: StepInfo, counted: bool = True) -> None:
         """Throughput and step time; the log row, the trackers and the progress line. A skipped step that
