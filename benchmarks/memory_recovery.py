@@ -24,10 +24,14 @@ torchft: the side-by-side run of torchft's own recovery (its README's set-up: tw
 kill -9 of one) from the prototype in TORCHFT_BENCH (default /tmp/mem-proto: ft_recovery.py, and
 torchft installed into its ftlib/ with `pip install --target`; never into ddpkit's environment).
 
-cost: on each rank, blocks of steps with and without a snapshot after the step, interleaved (the order
-rotated every round, a warm-up round first that also faults in the slots' pages); the step time per
-mode (median of rank 0's steps), the overhead per round (with / without - 1: median [min..max]) and
-the copy time alone (measured around the snapshot), with the bytes a rank copies.
+cost: on each rank, blocks of steps in four modes, interleaved (the order rotated every round, a
+warm-up round first that also faults in the slots' pages): "none" (no snapshot), "memory" (a snapshot
+after each step, no buddy), "behind" and "before-next-step" (the snapshot, and its copy to a buddy
+keeper in that `s.load(..., buddy=)` mode: each rank's own home keeper and buddy keeper on this host,
+over loopback TCP, not a link between hosts). Per mode: the step time (median of rank 0's steps), the
+overhead per round (mode / none - 1: median [min..max]), the training thread's wait for the buddy per
+step (median [min..max]) and the bytes sent per step; and the copy time alone, with the bytes a rank
+copies.
 """
 
 from __future__ import annotations
@@ -157,29 +161,42 @@ def torchft(reps: int) -> None:
     print(f"memory_recovery torchft: {reps} kills, load {os.getloadavg()[0]:.1f}")
 
 
+COST_MODES = ("none", "memory", "behind", "before-next-step")
+
+
 def cost(spec: str, rounds: int, per_block: int) -> None:
     """Run under `ddpkit run --nproc N`: see the module docstring."""
     import torch
 
     import ddpkit
     from ddpkit.checkpoint.memory import MemorySnapshots
+    from ddpkit.cluster.keeper import Keeper
     from ddpkit.tools import workloads
 
     torch.set_num_threads(1)
     wl = workloads.load(spec)
+    keepers = [Keeper.start() for _ in range(2)] + [Keeper.start(tcp="127.0.0.1:0") for _ in range(2)]
     with ddpkit.session(seed=0, verbose=False) as s:
         model = s.model(wl.build())
         opt = wl.optimizer(model.parameters())
         loader = s.loader(wl.dataset(batches=4), batch_size=wl.global_batch, shuffle=True)
-        snaps = MemorySnapshots(None, f"w{s.world_size}/r{s.rank}")
+        key = f"w{s.world_size}/r{s.rank}"
+        snaps = {"memory": MemorySnapshots(None, key)}
+        for i, mode in enumerate(("behind", "before-next-step")):  # each its home keeper and its buddy
+            snaps[mode] = MemorySnapshots.attach(keepers[i].name, s.rank, s.world_size)
+            snaps[mode].strict = mode == "before-next-step"
+            snaps[mode].wire(str(keepers[2 + i].tcp), keepers[2 + i].token)
         owner = s.checkpoints._ctx.strategy
         batches = iter(loader)
-        times: dict[str, list[float]] = {"none": [], "memory": []}
-        overhead, copies = [], []
+        times: dict[str, list[float]] = {m: [] for m in COST_MODES}
+        waits: dict[str, list[float]] = {m: [] for m in COST_MODES}
+        overhead: dict[str, list[float]] = {m: [] for m in COST_MODES[1:]}
+        copies: list[float] = []
         step = 0
         for r in range(-1, rounds):  # round -1: warm-up
             block: dict[str, float] = {}
-            for mode in ("none", "memory") if r % 2 else ("memory", "none"):
+            order = COST_MODES[r % 4 :] + COST_MODES[: r % 4]  # rotated every round
+            for mode in order:
                 ts = []
                 for _ in range(per_block):
                     s.barrier()
@@ -188,35 +205,54 @@ def cost(spec: str, rounds: int, per_block: int) -> None:
                     if batch is None:
                         batches = iter(loader)
                         batch = next(batches)
+                    waited = sum(x.waited_s for x in snaps.values())
+                    if mode != "none":
+                        snaps[mode].settle()  # what the product's forward pre-hook does (strict mode)
                     s.backward(wl.step_loss(model, batch))
                     s.step(opt)
                     step += 1
-                    if mode == "memory":
+                    if mode != "none":
                         t1 = time.perf_counter()
-                        snaps.save(
-                            step, owner, {"model": model, "optimizer": opt, "loader": loader, "step": step}
-                        )
-                        copies.append(time.perf_counter() - t1)
+                        state = {"model": model, "optimizer": opt, "loader": loader, "step": step}
+                        snaps[mode].save(step, owner, state)
+                        if mode == "memory":
+                            copies.append(time.perf_counter() - t1)
                     ts.append(time.perf_counter() - t0)
+                    if r >= 0:
+                        waits[mode].append(sum(x.waited_s for x in snaps.values()) - waited)
+                if mode != "none":
+                    snaps[mode].settle()  # the block's last copy: not charged to the next mode
                 block[mode] = statistics.median(ts)
                 if r >= 0:
                     times[mode] += ts
             if r >= 0:
-                overhead.append(block["memory"] / block["none"] - 1)
+                for mode in COST_MODES[1:]:
+                    overhead[mode].append(block[mode] / block["none"] - 1)
         if s.rank == 0:
             none = statistics.median(times["none"])
             copy = statistics.median(copies[per_block:])
-            with_snapshot = statistics.median(times["memory"])
+            nbytes = snaps["memory"].last_bytes
             print(
-                f"memory_recovery cost: {spec}, {s.world_size} ranks, {rounds} rounds x {per_block} steps, "
-                f"load {os.getloadavg()[0]:.1f}\n  state per rank {snaps.last_bytes / 1e6:.1f} MB; "
-                f"step without a snapshot {none:.3f} s, with {with_snapshot:.3f} s; "
-                f"overhead per round {_spread([o * 100 for o in overhead], 1)} %; the copy alone "
-                f"{copy:.3f} s = {copy / none * 100:.1f}% of a step "
-                f"({snaps.last_bytes / copy / 1e9:.2f} GB/s)",
+                f"memory_recovery cost: {spec}, {s.world_size} ranks, {rounds} rounds x {per_block} steps "
+                f"per mode, load {os.getloadavg()[0]:.1f}\n  state per rank {nbytes / 1e6:.2f} MB; step "
+                f"without a snapshot {none:.4f} s; the copy alone {copy:.4f} s = {copy / none * 100:.1f}% "
+                f"of a step ({nbytes / copy / 1e9:.2f} GB/s)",
                 flush=True,
             )
-        snaps.close()
+            for mode in COST_MODES[1:]:
+                sent = snaps[mode].sent_bytes / max(1, snaps[mode].copies)
+                print(
+                    f"  {mode:16s} step {statistics.median(times[mode]):.4f} s, overhead per round "
+                    f"{_spread([o * 100 for o in overhead[mode]], 1)} %; the training thread's wait for the "
+                    f"buddy per step {_spread([w * 1e3 for w in waits[mode]], 2)} ms; "
+                    f"{sent / 1e6:.2f} MB sent per step",
+                    flush=True,
+                )
+        for each in snaps.values():
+            each.drop()
+            each.close()
+    for keeper in keepers:
+        keeper.stop()
 
 
 def main() -> None:

@@ -120,13 +120,14 @@ def train(
     step_sleep: float = 0.0,
     memory: int | str = 0,
     fit_loop: bool = False,
+    buddy: str = "behind",
 ) -> dict[str, Any]:
     """Train 12 steps; with `keeper`, restore the newest snapshot all ranks hold first; with `ckpt`
     (today's disk path, for the benchmark), `s.load` it first and `s.save` every `disk_every` steps.
     `peers`: other hosts' keepers ((TCP HOST:PORT, job token)), asked when this host's keeper lacks this rank's snapshots (a
     replacement host); `step_sleep`: seconds added to every step (a fault from outside lands mid-run);
     `memory`: the product's way instead, `s.load(ckpt, ..., memory=N)` under `ddpkit run` (its keeper;
-    across hosts its buddy wiring; "auto" too);
+    across hosts its buddy wiring; "auto" too), `buddy` its copy mode (`s.load(..., buddy=)`);
     `fit_loop`: the same steps under `ddpkit.fit` instead of the plain loop.
     Returns this rank's final state (full weights, its optimizer state, RNG, step, LR)."""
     torch.set_num_threads(1)
@@ -147,7 +148,8 @@ def train(
         if kill_mid is not None and s.rank == kill_rank and not _restarted():
             kill_mid_copy(kill_mid, out)
         if memory:
-            values = s.load(ckpt or str(Path(out or ".", "ckpt")), **state, **values, memory=memory)
+            root = ckpt or str(Path(out or ".", "ckpt"))
+            values = s.load(root, **state, **values, memory=memory, buddy=buddy)
         elif ckpt:
             values = s.load(ckpt, **state, **values)
         if out and (values["step"] or _restarted()) and s.rank == 0:  # a restart, or a new host restored
@@ -161,6 +163,9 @@ def train(
                 if random.random() < 0.5:
                     x = x * 1.01
                 loss = F.cross_entropy(model(x), y)
+                if out and s.rank == 0:  # under FSDP every rank has begun this step (its all-gather)
+                    with open(Path(out, "forward.txt"), "a") as f:
+                        f.write(f"{time.time()} {step + 1}\n")
                 s.backward(loss)
                 if kill_at == step + 1 and s.rank == kill_rank and not _restarted():
                     Path(out or ".", "killed.txt").write_text(f"{time.time()} {step + 1}")
@@ -210,7 +215,20 @@ if __name__ == "__main__":
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--memory", type=lambda v: v if v == "auto" else int(v), default=0)
     p.add_argument("--fit", action="store_true")
+    p.add_argument("--buddy", default="behind")
     a = p.parse_args()
     peers = tuple(tuple(p.split("@")[::-1]) for p in filter(None, a.peers.split(",")))  # TOKEN@HOST:PORT
     fault = (a.kill_at, a.kill_rank, a.kill_mid_snapshot)
-    train(a.keeper, a.out, a.strategy, *fault, a.ckpt, a.disk_every, peers, a.step_sleep, a.memory, a.fit)
+    train(
+        a.keeper,
+        a.out,
+        a.strategy,
+        *fault,
+        a.ckpt,
+        a.disk_every,
+        peers,
+        a.step_sleep,
+        a.memory,
+        a.fit,
+        a.buddy,
+    )

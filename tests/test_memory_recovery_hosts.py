@@ -34,18 +34,32 @@ def namespaces(tmp_path_factory):
     made.close()
 
 
-def _steps(out: Path) -> list[tuple[float, int]]:
-    path = out / "steps.txt"
+def _steps(out: Path, name: str = "steps.txt") -> list[tuple[float, int]]:
+    """Rank 0's log: the steps finished (steps.txt), or those whose forward ran (forward.txt)."""
+    path = out / name
     lines = path.read_text().splitlines() if path.exists() else []
-    return [(float(t), int(step)) for t, step, _ in (line.split() for line in lines)]
+    return [(float(t), int(step)) for t, step, *_ in (line.split() for line in lines)]
 
 
-def _host(net: _Hosts, port: int, out: Path, i: int, log: str, nodes: str, strategy: str) -> subprocess.Popen:
-    """Host i's `ddpkit run` (one rank, `s.load(..., memory=1)`), its output in OUT/log."""
+def _host(
+    net: _Hosts, port: int, out: Path, i: int, log: str, nodes: str, strategy: str, buddy: str = "behind"
+) -> subprocess.Popen:
+    """Host i's `ddpkit run` (one rank, `s.load(..., memory=1, buddy=...)`), its output in OUT/log."""
     run = ["run", "--nnodes", nodes, "--nproc", "1", "--max-restarts", "3"]
     run += ["--rdzv-endpoint", f"10.77.0.1:{port}", "--local-addr", f"10.77.0.{i + 1}"]
     run += ["--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5"]
-    script = [TRAIN, str(out), "--strategy", strategy, "--memory", "1", "--step-sleep", "0.3"]
+    script = [
+        TRAIN,
+        str(out),
+        "--strategy",
+        strategy,
+        "--memory",
+        "1",
+        "--step-sleep",
+        "0.3",
+        "--buddy",
+        buddy,
+    ]
     cmd = [*net.enter(i), sys.executable, "-m", "ddpkit.cli", *run, *script]
     with open(out / log, "w") as file:
         return subprocess.Popen(
@@ -53,36 +67,43 @@ def _host(net: _Hosts, port: int, out: Path, i: int, log: str, nodes: str, strat
         )
 
 
-def _lose_host_1_after(net: _Hosts, out: Path, first: subprocess.Popen, seed: int) -> int:
-    """SIGKILL host 1 whole once rank 0 has logged a random step from 3 to 9; the last step finished."""
+def _lose_host_1_after(
+    net: _Hosts, out: Path, first: subprocess.Popen, seed: int, log: str = "steps.txt"
+) -> int:
+    """SIGKILL host 1 whole once rank 0 has logged (in `log`) a random step from 3 to 9; the newest step
+    logged before the loss."""
     lose_after = random.Random(seed).randint(3, 9)
-    print(f"\nseed {seed}: host 1 lost after step {lose_after}")
+    print(f"\nseed {seed}: host 1 lost after step {lose_after} ({log})")
     deadline = time.monotonic() + 90
-    while not any(step >= lose_after for _, step in _steps(out)):
+    while not any(step >= lose_after for _, step in _steps(out, log)):
         logs = "".join(p.read_text()[-2000:] for p in out.glob("host*.log"))
         assert time.monotonic() < deadline and first.poll() is None, f"no progress\n{logs}"
         time.sleep(0.02)
+    newest = max(step for _, step in _steps(out, log))
     net.lose(1)  # the agent, the rank and the keeper of host 1: its memory is gone
-    return max(step for _, step in _steps(out))
+    return newest
 
 
 @pytest.mark.timeout(240)
 def test_a_lost_host_recovers_from_its_buddys_memory_with_one_step_redone_bitwise(
     namespaces: _Hosts, pool2, tmp_path: Path
 ) -> None:
+    # buddy="before-next-step": each rank's snapshot of step k is acknowledged by the other host's keeper
+    # before its forward of step k+1, and under FSDP rank 0's forward of k+1 (logged) waits for rank 1's
+    # (the all-gather): host 1 lost during step k+1 leaves step k on host 0, whenever the loss lands.
     net, port = namespaces, next(namespaces.ports)
     out = tmp_path / "out"
     out.mkdir()
     procs: list[subprocess.Popen] = []
 
     def start(i: int, log: str) -> subprocess.Popen:
-        procs.append(_host(net, port, out, i, log, "2", "fsdp"))
+        procs.append(_host(net, port, out, i, log, "2", "fsdp", "before-next-step"))
         return procs[-1]
 
     try:
         first = start(0, "host0.log")
         start(1, "host1.log")
-        done_before = _lose_host_1_after(net, out, first, random.randrange(1 << 30))
+        in_flight = _lose_host_1_after(net, out, first, random.randrange(1 << 30), "forward.txt")
         time.sleep(0.5)
         start(1, "host1-replacement.log")
         assert first.wait(timeout=150) == 0, (out / "host0.log").read_text()[-3000:]
@@ -95,9 +116,10 @@ def test_a_lost_host_recovers_from_its_buddys_memory_with_one_step_redone_bitwis
             proc.wait(timeout=20)
     logs = "".join(p.read_text() for p in sorted(out.glob("host*.log")))
     assert "ddpkit: resumed from memory at step" in logs, logs[-3000:]
+    assert "the buddy copy (buddy='before-next-step') took" in logs, logs[-3000:]  # its cost, said
     restored = int((out / "resumed.txt").read_text().split()[1])
-    assert restored >= done_before, (
-        f"restored step {restored}; step {done_before} had finished before the loss"
+    assert restored >= in_flight - 1, (
+        f"restored step {restored}; step {in_flight} was in flight at the loss: more than it redone"
     )
     reference = pool2.run(train, None, None, "fsdp", timeout=120)
     for rank in range(2):

@@ -323,3 +323,86 @@ def test_a_sharded_state_at_another_world_size_is_refused_by_name() -> None:
         "under FSDP and HSDP each rank's snapshot holds its shards at that world size"
     )
     assert resize_refusal(_Single(), {"model": nn.Linear(2, 2), "g": torch.Generator()}) == ""
+
+
+def _slow_acks(target: str, delay: float) -> tuple[str, threading.Event]:
+    """A relay to the keeper at `target` that holds each of its acknowledgements ("stored") `delay`
+    seconds: a buddy host that stalls (the pushes reach it at once; it answers late)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+    host, _, port = target.rpartition(":")
+
+    def relay(conn: socket.socket) -> None:
+        with conn, socket.create_connection((host, int(port))) as up, up.makefile("rb") as answers:
+            threading.Thread(target=lambda: _pipe(conn, up), daemon=True).start()
+            while not done.is_set() and (line := answers.readline()):
+                if b"stored" in line:
+                    time.sleep(delay)
+                conn.sendall(line)
+
+    def serve() -> None:
+        while not done.is_set():
+            conn, _ = srv.accept()
+            threading.Thread(target=relay, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{srv.getsockname()[1]}", done
+
+
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while chunk := src.recv(1 << 16):
+            dst.sendall(chunk)
+
+
+def _train_beside_a_stalled_buddy(strict: bool) -> tuple[list[tuple[int, int, float]], list[str]]:
+    """Four steps of 0.5 s with a snapshot each through `MemoryRecovery` (as `s.load(..., memory=1,
+    buddy=...)` arms it), the buddy's acknowledgements 0.35 s late; for each forward after a snapshot:
+    (the step snapshotted, the newest step the buddy had acknowledged as the forward began, the wait
+    before it)."""
+    home, buddy = Keeper.start(), Keeper.start(tcp="127.0.0.1:0")
+    assert buddy.tcp is not None
+    address, done = _slow_acks(buddy.tcp, 0.35)
+    snaps = MemorySnapshots.attach(home.name, 0, 1)
+    snaps.strict = strict
+    snaps.wire(address, buddy.token)
+    said: list[str] = []
+    recovery, model = MemoryRecovery(snaps, Cadence.of(1), say=said.append), nn.Linear(64, 64)
+    seen: list[tuple[int, int, float]] = []
+    asks = KeeperClient.connect(home.name)
+    model.register_forward_pre_hook(  # after the product's own pre-hook (it is first): what the forward sees
+        lambda *_: seen.append((step, asks.acked("w1/r0"), time.monotonic() - at))
+    )
+    try:
+        for step in range(1, 5):
+            recovery.at_boundary(step, _Single(), {"model": model})
+            at = time.monotonic()
+            model(torch.randn(2, 64)).sum().backward()
+            time.sleep(0.5)
+        recovery.close(drop=True)
+    finally:
+        asks.close()
+        done.set()
+        home.stop()
+        buddy.stop()
+    return seen, said
+
+
+def test_before_next_step_the_buddy_holds_each_snapshot_before_the_next_forward_and_behind_does_not_wait(
+    tmp_path: Path,
+) -> None:
+    seen, said = _train_beside_a_stalled_buddy(strict=True)
+    for step, acked, waited in seen:  # the forward of step k+1 began with step k held by the buddy
+        assert acked == step and waited >= 0.25, seen
+    assert len(said) == 1 and "the buddy copy (buddy='before-next-step') took 4 snapshots" in said[0], said
+    assert "MB sent per snapshot; training waited 1." in said[0], said  # 4 x 0.35 s
+    seen, said = _train_beside_a_stalled_buddy(strict=False)
+    assert all(acked < step and waited < 0.1 for step, acked, waited in seen), seen  # copied behind
+    assert "(buddy='behind') took 4 snapshots" in said[0] and "training waited 0.0" in said[0], said
+    import ddpkit
+
+    with (
+        ddpkit.session(seed=0) as s,
+        pytest.raises(Exception, match="buddy='strict' is not a buddy copy mode"),
+    ):
+        s.load(str(tmp_path / "ckpt"), model=s.model(nn.Linear(2, 2)), memory=1, buddy="strict")

@@ -51,7 +51,7 @@ from ddpkit.checkpoint import files, resuming
 from ddpkit.checkpoint import retention as keeping
 from ddpkit.checkpoint.background import NICE, Background, writer_group
 from ddpkit.checkpoint.files import CheckpointError, Tensors
-from ddpkit.checkpoint.memory import MemoryRecovery
+from ddpkit.checkpoint.memory import BUDDY_MODES, MemoryRecovery
 from ddpkit.checkpoint.remote import Remote, export_target, export_via
 from ddpkit.checkpoint.resuming import latest, local_path, not_a_root
 from ddpkit.checkpoint.sync import CheckpointContext
@@ -357,7 +357,13 @@ class Checkpoints:
 
     # -- load -----------------------------------------------------------------------------------
     def load(
-        self, path: str | Path, *, strict: bool = True, memory: int | bool | str = False, **state: Any
+        self,
+        path: str | Path,
+        *,
+        strict: bool = True,
+        memory: int | bool | str = False,
+        buddy: str = "behind",
+        **state: Any,
     ) -> dict[str, Any]:
         """Restore the objects passed as keywords from the newest valid checkpoint; return the values.
 
@@ -372,20 +378,33 @@ class Checkpoints:
         the step in flight, not the steps since the last save. Keep saving to disk (less often) for what
         memory cannot survive: the whole job lost. `memory="auto"`: N chosen from the measured cost of
         the first snapshots, so a snapshot stays under 5% of the steps it covers (said at the start).
+
+        `buddy=` (across hosts, where each host's keeper copies its snapshots to the next host's):
+        "behind" (the default) copies behind training, at most one snapshot behind, so a lost host
+        recomputes up to two steps; "before-next-step" has the buddy acknowledge step k's snapshot before
+        step k+1's first forward (the copy overlaps the next batch's loading), so a lost host recomputes
+        at most the step in flight. What the copy cost is said at the end (the wait, the bytes sent).
         """
         self.agree("s.load")
-        before, values = self.last, self._load(path, strict, state, memory)
+        if buddy not in BUDDY_MODES or (buddy != "behind" and not memory):
+            raise problem(
+                f"buddy={buddy!r} is not a buddy copy mode here: it takes "
+                f"{' or '.join(map(repr, BUDDY_MODES))}, and only with memory snapshots (memory=N)",
+                'Pass s.load(..., memory=N, buddy="before-next-step") for a lost host to recompute at most '
+                "one step, or leave buddy= out (the copy runs behind training)",
+            )
+        before, values = self.last, self._load(path, strict, state, memory, buddy)
         self.found = (str(path), state) if self.last is not None and self.last != before else self.found
         self._remember(path, keeping.Retention(), {**state, **{n: values[n] for n in state if n in values}})
         return values
 
     def _from_memory(
-        self, path: str | Path, memory: int | bool | str, state: dict[str, Any]
+        self, path: str | Path, memory: int | bool | str, state: dict[str, Any], buddy: str = "behind"
     ) -> dict[str, Any] | None:
         """`load(..., memory=N)`: the newest snapshot every rank holds, when newer than the disk's; None:
         the disk decides (every rank agrees which, in one collective)."""
         if self._memory is None:
-            self._memory = MemoryRecovery.attach(memory, self._ctx)
+            self._memory = MemoryRecovery.attach(memory, self._ctx, buddy)
         if self._memory is None:
             return None
         remote = Remote.parse(path)
@@ -394,12 +413,20 @@ class Checkpoints:
         )
 
     def _load(
-        self, path: str | Path, strict: bool, state: dict[str, Any], memory: int | bool | str = False
+        self,
+        path: str | Path,
+        strict: bool,
+        state: dict[str, Any],
+        memory: int | bool | str = False,
+        buddy: str = "behind",
     ) -> dict[str, Any]:
         _require_safe_torch()
         self._background.wait()
         registered = {n: o for n, o in self._registered.items() if hasattr(o, "state_dict")}
-        if memory and (restored := self._from_memory(path, memory, {**registered, **state})) is not None:
+        if (
+            memory
+            and (restored := self._from_memory(path, memory, {**registered, **state}, buddy)) is not None
+        ):
             return restored
         found, values = resuming.restore(self._ctx, path, strict, {**registered, **state})
         self.last = found if found is not None else self.last

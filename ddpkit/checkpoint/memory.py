@@ -34,6 +34,7 @@ import struct
 import sys
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,12 @@ ALIGN = 64
 # recovers from disk (the recovery names it: no step every rank holds).
 BUDDY_LAG = 1
 BUDDY_WAIT = 30.0
-__all__ = ["MemoryRecovery", "MemorySnapshots", "SnapshotMismatch", "choose"]
+# `s.load(..., buddy=)`: "behind" (the lag bound above: a host lost between a commit and its copy recomputes
+# two steps), or "before-next-step": the buddy acknowledges step k's snapshot before step k+1's first forward
+# (a forward pre-hook on the modules waits; the copy overlaps the next batch's loading and whatever the loop
+# does before its forward), so a lost host recomputes at most the step in flight.
+BUDDY_MODES = ("behind", "before-next-step")
+__all__ = ["BUDDY_MODES", "MemoryRecovery", "MemorySnapshots", "SnapshotMismatch", "choose"]
 
 
 class SnapshotMismatch(DdpkitError):
@@ -203,6 +209,11 @@ class MemorySnapshots:
         self.commits: list[int] = []  # steps committed here the buddy has not acknowledged yet
         self.buddy_behind = False  # the lag bound was passed and said: waiting stops until it catches up
         self.waited_s = 0.0  # time the training thread waited for the buddy copy
+        self.strict = False  # buddy="before-next-step": every commit acknowledged before the next forward
+        self.awaiting = False  # strict: a commit whose acknowledgement `settle` has not waited for yet
+        self.waits: deque[float] = deque(maxlen=4096)  # the training thread's wait, per snapshot copied
+        self.copies = 0  # snapshots handed to the buddy copy
+        self.sent_bytes = 0  # their bytes (the keeper sends a slot's used bytes; superseded ones dropped)
 
     @classmethod
     def attach(
@@ -305,6 +316,7 @@ class MemorySnapshots:
     # -- save -------------------------------------------------------------------------------------
     def save(self, step: int, strategy: StateOwner, state: Mapping[str, Any]) -> None:
         """Snapshot `state` as step `step` into the slot not holding the newest complete one."""
+        self.settle()  # strict, and no forward since the last commit: its acknowledgement first
         tensors: dict[str, torch.Tensor] = {}
         tree = files.encode(_locals(capture(strategy, state)), tensors, "")
         offsets, end = {}, HEADER
@@ -323,29 +335,46 @@ class MemorySnapshots:
         reply = self._tell(lambda client: client.committed(self.key, index))
         if reply and reply.get("buddy"):
             self.commits.append(step)
-            self._bound_lag(int(reply["buddy_step"]))
+            self.copies += 1
+            self.sent_bytes += self.last_bytes
+            if self.strict:
+                self.awaiting = (
+                    True  # waited for at the next forward (`settle`): the copy overlaps until then
+                )
+            else:
+                self._bound_lag(int(reply["buddy_step"]), self.lag)
 
-    def _bound_lag(self, acked: int) -> None:
-        """At most `lag` snapshots committed here that the buddy does not hold (`BUDDY_LAG`): beyond it
-        the training thread waits for the buddy's acknowledgement, at most `lag_wait` seconds; then one
-        line says the copy is behind and training goes on without waiting until it catches up."""
-        self.commits = [s for s in self.commits if s > acked][-(self.lag + 2) :]  # a buddy gone: no growth
-        if len(self.commits) <= self.lag:
-            self.buddy_behind = False
-            return
-        if self.buddy_behind:
+    def settle(self) -> None:
+        """buddy="before-next-step": wait until the buddy holds the last commit (at most `lag_wait`
+        seconds, then said as the lag bound says it). Called before each forward (a pre-hook,
+        `MemoryRecovery.at_boundary`) and before the next snapshot; a no-op otherwise."""
+        if self.awaiting:
+            self.awaiting = False
+            acked = self._tell(lambda client: client.acked(self.key))
+            self._bound_lag(-1 if acked is None else acked, 0)
+
+    def _bound_lag(self, acked: int, lag: int) -> None:
+        """At most `lag` snapshots committed here that the buddy does not hold (`BUDDY_LAG`; 0 in the
+        strict mode): beyond it the training thread waits for the buddy's acknowledgement, at most
+        `lag_wait` seconds; then one line says the copy is behind and training goes on without waiting
+        until it catches up."""
+        self.commits = [s for s in self.commits if s > acked][-(lag + 2) :]  # a buddy gone: no growth
+        if len(self.commits) <= lag or self.buddy_behind:
+            self.buddy_behind = self.buddy_behind and len(self.commits) > lag
+            self.waits.append(0.0)
             return
         start = time.monotonic()
-        while len(self.commits) > self.lag and time.monotonic() - start < self.lag_wait:
+        while len(self.commits) > lag and time.monotonic() - start < self.lag_wait:
             time.sleep(0.001)
             acked = self._tell(lambda client: client.acked(self.key))
             self.commits = [s for s in self.commits if acked is not None and s > acked]
         self.waited_s += time.monotonic() - start
-        if len(self.commits) > self.lag:
+        self.waits.append(time.monotonic() - start)
+        if len(self.commits) > lag:
             self.buddy_behind = True
             print(
                 f"ddpkit: {self.key}: the buddy host's keeper holds no copy of this rank's snapshots of "
-                f"steps {self.commits} after {self.lag_wait:g} s ({len(self.commits)} behind, {self.lag} "
+                f"steps {self.commits} after {self.lag_wait:g} s ({len(self.commits)} behind, {lag} "
                 "allowed): training goes on; a host lost before the copy catches up recovers from disk",
                 file=sys.stderr,
                 flush=True,
@@ -471,12 +500,15 @@ class MemoryRecovery:
     step (inside the optimizer step the scheduler would be one step behind). `memory="auto"`: N from
     the measured cost of the first snapshots (`memory_cadence.Cadence`)."""
 
-    def __init__(self, snaps: MemorySnapshots, cadence: Cadence) -> None:
-        self.snaps, self.cadence = snaps, cadence
+    def __init__(self, snaps: MemorySnapshots, cadence: Cadence, say: Callable[[str], None] = print) -> None:
+        self.snaps, self.cadence, self.say = snaps, cadence, say
         self.last_step: int | None = None
+        self.hooked: dict[int, Any] = {}  # id(module) -> its forward pre-hook's handle (strict mode)
 
     @classmethod
-    def attach(cls, every: int | bool | str, ctx: CheckpointContext) -> MemoryRecovery | None:
+    def attach(
+        cls, every: int | bool | str, ctx: CheckpointContext, buddy: str = "behind"
+    ) -> MemoryRecovery | None:
         """This rank's slots in the keeper `ddpkit run` started on this host (KEEPER_ENV names it); None,
         said, where none runs (plain torchrun, one process, not Linux): recovery is from disk. Across
         hosts the ranks meet through the job's store (`memory_hosts.meet`, a collective): this host's
@@ -495,7 +527,8 @@ class MemoryRecovery:
             snaps.fetch_from(peers)
         except KeeperRefused as err:
             print(f"ddpkit: rank {ctx.rank}: {err}; recovery is from disk", file=sys.stderr, flush=True)
-        return cls(snaps, cadence)
+        snaps.strict = buddy == "before-next-step"
+        return cls(snaps, cadence, ctx.say)
 
     def restore(self, ctx: CheckpointContext, root: Path | None, state: Mapping[str, Any]) -> dict | None:
         """Collective: the values of the snapshot restored, or None (disk decides, as without memory)."""
@@ -535,13 +568,45 @@ class MemoryRecovery:
         if not isinstance(step, int) or isinstance(step, bool) or step == self.last_step:
             return
         if self.cadence.due(step, time.perf_counter()):
+            if self.snaps.strict:
+                self._hook(state)
             start = time.perf_counter()
             self.snaps.save(step, strategy, {**state, "step": step})
             self.cadence.took(time.perf_counter() - start, self.snaps.last_bytes, time.perf_counter())
             self.last_step = step
 
+    def _hook(self, state: Mapping[str, Any]) -> None:
+        """buddy="before-next-step": before each module's forward, the last snapshot's acknowledgement
+        (`MemorySnapshots.settle`); first, so the copy overlaps all the loop does before its forward."""
+        for module in checkpoint_state.split(state)["modules"].values():
+            if id(module) not in self.hooked:
+                self.hooked[id(module)] = module.register_forward_pre_hook(
+                    lambda *_: self.snaps.settle(), prepend=True
+                )
+
+    def report(self) -> str:
+        """One line: what the buddy copy cost this rank (the training thread's wait, the bytes sent)."""
+        snaps = self.snaps
+        if not snaps.copies:
+            return ""
+        mode = "before-next-step" if snaps.strict else "behind"
+        waits = sorted(snaps.waits) or [0.0]
+        return (
+            f"ddpkit: memory snapshots: the buddy copy (buddy={mode!r}) took {snaps.copies} snapshots, "
+            f"{snaps.sent_bytes / snaps.copies / 1e6:.2f} MB sent per snapshot; training waited "
+            f"{snaps.waited_s:.3f} s in all (median {waits[len(waits) // 2] * 1e3:.1f} ms, "
+            f"max {waits[-1] * 1e3:.1f} ms per snapshot of the last {len(waits)})"
+        )
+
     def close(self, *, drop: bool) -> None:
-        """At the session's end; `drop` (a clean end): the keeper frees this rank's memory now."""
+        """At the session's end; `drop` (a clean end): the keeper frees this rank's memory now. The buddy
+        copy's cost is said (`report`)."""
+        self.snaps.settle()
+        if line := self.report():
+            self.say(line)
+        for handle in self.hooked.values():
+            handle.remove()
+        self.hooked = {}
         if drop:
             self.snaps.drop()
         self.snaps.close()
