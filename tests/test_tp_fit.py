@@ -82,7 +82,6 @@ def fit_gpt(options: TPOptions | None) -> dict:
             metrics={"loss": Mean(), "tokens": Sum()},
             callbacks=[Keep()],
             progress=False,
-            flops=None,
         )
 
         def own_context(m: torch.nn.Module, batch: Any) -> torch.Tensor:
