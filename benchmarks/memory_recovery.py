@@ -217,11 +217,11 @@ def cost(spec: str, rounds: int, per_block: int) -> None:
                         snaps[mode].save(step, owner, state)
                         if mode == "memory":
                             copies.append(time.perf_counter() - t1)
+                        if len(ts) == per_block - 1:
+                            snaps[mode].settle()  # the block's last copy, charged to its last step
                     ts.append(time.perf_counter() - t0)
                     if r >= 0:
                         waits[mode].append(sum(x.waited_s for x in snaps.values()) - waited)
-                if mode != "none":
-                    snaps[mode].settle()  # the block's last copy: not charged to the next mode
                 block[mode] = statistics.median(ts)
                 if r >= 0:
                     times[mode] += ts

@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hmac
+import io
 import json
 import mmap
 import os
@@ -282,20 +283,31 @@ class Held:
             return [mmap.mmap(fd, 0) for fd in fds]
 
 
-def store(held: Held, key: str, data: bytes) -> int:
-    """A copy from another host into the slot not holding the newest step: step -1, the bytes, the step;
-    returns the step now held."""
-    slots = held.slots_for(key, len(data))
+def receive(held: Held, key: str, n: int, f: io.BufferedReader) -> int:
+    """One push's `n` bytes read from `f` straight into the slot not holding the newest step (no copy in
+    between: its step -1 first, the bytes, then the step, last), and the sender's {"ok": b} line after
+    them; the step now held, or -1 when the push was torn or not ok (the slot written stays incomplete:
+    it held the older step, the other one stays whole)."""
+    slots = held.slots_for(key, n)
     steps = [header(m)[0] for m in slots]
     target = slots[1 - steps.index(max(steps))] if max(steps) >= 0 else slots[0]
-    struct.pack_into("<q", target, STEP_AT, -1)
-    target[STEP_AT + 8 : len(data)] = data[STEP_AT + 8 :]
-    target[0:STEP_AT] = data[0:STEP_AT]
-    target[STEP_AT : STEP_AT + 8] = data[STEP_AT : STEP_AT + 8]  # the step, last
-    for m in slots:
-        m.close()
-    held.stats["received"] += 1
-    return int(struct.unpack_from("<q", data, STEP_AT)[0])
+    view = memoryview(target)
+    body = view[STEP_AT + 8 : max(n, STEP_AT + 8)]
+    try:
+        struct.pack_into("<q", target, STEP_AT, -1)
+        head = f.read(STEP_AT + 8)
+        got = f.readinto(body)
+        if not (_line(f).get("ok") and len(head) == STEP_AT + 8 and got == n - STEP_AT - 8):
+            return -1
+        target[0:STEP_AT] = head[:STEP_AT]
+        target[STEP_AT : STEP_AT + 8] = head[STEP_AT:]  # the step, last
+        held.stats["received"] += 1
+        return int(struct.unpack_from("<q", head, STEP_AT)[0])
+    finally:
+        body.release()
+        view.release()
+        for m in slots:
+            m.close()
 
 
 def push(held: Held, conn: socket.socket, f: BinaryIO, key: str, slot: int) -> None:
@@ -367,10 +379,7 @@ def serve_tcp(held: Held, conn: socket.socket) -> None:
         while True:
             req = _line(f)
             if req["op"] == "push":
-                data = f.read(req["n"])
-                stored = -1
-                if _line(f).get("ok") and len(data) == req["n"]:
-                    stored = store(held, req["key"], data)
+                stored = receive(held, req["key"], int(req["n"]), f)
                 conn.sendall(json.dumps({"stored": stored}).encode() + b"\n")
             elif req["op"] == "fetch":
                 maps = held.maps(req["key"])
