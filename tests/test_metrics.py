@@ -145,3 +145,30 @@ def test_empty_metrics_and_bad_shapes() -> None:
         assert math.isnan(MetricSet(s, accuracy=Accuracy()).compute()["accuracy"])  # no samples: NaN, not 0
         with pytest.raises(DdpkitError, match=r"predictions of shape \(3,\) for targets of shape \(4,\)"):
             Accuracy().update(torch.zeros(3), torch.zeros(4))
+
+
+def dtensor_updates() -> dict[str, float]:
+    """A loss parallel's values reach the metrics as DTensors: replicated (the loss) or sharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    with ddpkit.session(verbose=False) as s:
+        mesh = init_device_mesh("cpu", (s.world_size,))
+        per_sample = torch.arange(6.0)  # the same values on both ranks, as a tensor group holds them
+        replicated = DTensor.from_local(per_sample, mesh, [Replicate()])
+        sharded = DTensor.from_local(per_sample.chunk(2)[s.rank], mesh, [Shard(0)])
+        logits = DTensor.from_local(torch.eye(4)[[0, 1, 2, 3]], mesh, [Replicate()])
+        metrics = MetricSet(s, replicated=Mean(), sharded=Sum(), weighted=Mean(), accuracy=Accuracy())
+        metrics["replicated"].update(replicated)
+        metrics["sharded"].update(sharded)
+        metrics["weighted"].update(replicated.mean(), weight=6)
+        metrics["accuracy"].update(logits, torch.tensor([0, 1, 2, 0]))
+        return metrics.compute()
+
+
+def test_dtensor_values_count_as_their_whole_value(pool2) -> None:
+    r0, r1 = pool2.run(dtensor_updates, timeout=60)
+    assert r0 == r1
+    assert r0["replicated"] == pytest.approx(2.5) and r0["weighted"] == pytest.approx(2.5)
+    assert r0["sharded"] == pytest.approx(2 * 15.0)  # each rank's update is the whole 0..5; two ranks add
+    assert r0["accuracy"] == pytest.approx(0.75)

@@ -15,17 +15,31 @@ process only by the order of float64 additions. Before the all-reduce, the ranks
 kinds of their metrics; a mismatch is an error on every rank rather than a silent mix-up or a hang.
 
 `compute` is a collective: call it on every rank, the same number of times. The reductions, gathers
-and stop flags it builds on live in `ddpkit.parallel.collectives`.
+and stop flags it builds on live in `ddpkit.parallel.collectives`. A DTensor update (a loss computed on
+logits sharded over the vocabulary, under tensor parallelism's loss parallel) counts as its whole value.
 """
 
 from __future__ import annotations
 
+import sys
 import zlib
 
 import torch
 
 from ddpkit.errors import problem
 from ddpkit.parallel.collectives import Ranks, all_reduce, gather_object
+
+
+def _whole(value: float | torch.Tensor) -> torch.Tensor:
+    """A value as a plain tensor: a DTensor becomes its whole value (torch refuses to add a DTensor to the
+    plain float64 sums; a replicated one, as loss parallel's loss is, needs no collective)."""
+    value = torch.as_tensor(value)
+    dtensor = sys.modules.get(
+        "torch.distributed.tensor"
+    )  # not loaded: no DTensor exists (nor its import cost)
+    if dtensor is not None and isinstance(value, dtensor.DTensor):
+        value = value.full_tensor()
+    return value.detach()
 
 
 # -- metric accumulators -----------------------------------------------------------------------------
@@ -44,7 +58,7 @@ class Metric:
         raise NotImplementedError
 
     def _add(self, *values: float | torch.Tensor) -> None:
-        parts = [torch.as_tensor(v).detach() for v in values]
+        parts = [_whole(v) for v in values]
         device = next((p.device for p in parts if p.device.type != "cpu"), self.state.device)
         if self.state.device != device:  # stay on the GPU: no host sync per batch
             self.state = self.state.to(device)
@@ -57,7 +71,7 @@ class Mean(Metric):
     size = 2
 
     def update(self, value: float | torch.Tensor, weight: float | None = None) -> None:
-        v = torch.as_tensor(value).detach()
+        v = _whole(value)
         if weight is None:
             self._add(v.double().sum(), v.numel())
         else:
@@ -71,7 +85,7 @@ class Sum(Metric):
     """A plain sum over every rank's updates."""
 
     def update(self, value: float | torch.Tensor) -> None:
-        self._add(torch.as_tensor(value).detach().double().sum())
+        self._add(_whole(value).double().sum())
 
     def value(self, totals: torch.Tensor) -> float:
         return totals[0].item()
@@ -83,6 +97,7 @@ class Accuracy(Metric):
     size = 2
 
     def update(self, predictions: torch.Tensor, targets: torch.Tensor) -> None:
+        predictions, targets = _whole(predictions), _whole(targets)
         if predictions.dim() == targets.dim() + 1:
             predictions = predictions.argmax(-1)
         if predictions.shape != targets.shape:
