@@ -33,13 +33,12 @@ from ddpkit.parallel.collectives import Ranks, all_reduce, gather_object
 def _whole(value: float | torch.Tensor) -> torch.Tensor:
     """A value as a plain tensor: a DTensor becomes its whole value (torch refuses to add a DTensor to the
     plain float64 sums; a replicated one, as loss parallel's loss is, needs no collective)."""
-    value = torch.as_tensor(value)
-    dtensor = sys.modules.get(
-        "torch.distributed.tensor"
-    )  # not loaded: no DTensor exists (nor its import cost)
-    if dtensor is not None and isinstance(value, dtensor.DTensor):
-        value = value.full_tensor()
-    return value.detach()
+    tensor = torch.as_tensor(value)
+    # torch.distributed.tensor not loaded: no DTensor can exist (and its import is not paid here)
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(tensor, dtensor.DTensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach()
 
 
 # -- metric accumulators -----------------------------------------------------------------------------
