@@ -337,10 +337,8 @@ class MemorySnapshots:
             self.commits.append(step)
             self.copies += 1
             self.sent_bytes += self.last_bytes
-            if self.strict:
-                self.awaiting = (
-                    True  # waited for at the next forward (`settle`): the copy overlaps until then
-                )
+            if self.strict:  # waited for at the next forward (`settle`): the copy overlaps until then
+                self.awaiting = True
             else:
                 self._bound_lag(int(reply["buddy_step"]), self.lag)
 
