@@ -45,7 +45,7 @@ import torch.distributed as dist
 from ddpkit.checkpoint import dcp as checkpoint_dcp
 from ddpkit.checkpoint import files
 from ddpkit.checkpoint import state as checkpoint_state
-from ddpkit.checkpoint.memory_cadence import Cadence
+from ddpkit.checkpoint.memory_cadence import Cadence, buddy_report
 from ddpkit.checkpoint.memory_hosts import meet, resize_refusal, why_disk
 from ddpkit.checkpoint.owners import StateOwner
 from ddpkit.checkpoint.staging import Arena
@@ -63,10 +63,8 @@ ALIGN = 64
 # recovers from disk (the recovery names it: no step every rank holds).
 BUDDY_LAG = 1
 BUDDY_WAIT = 30.0
-# `s.load(..., buddy=)`: "behind" (the lag bound above: a host lost between a commit and its copy recomputes
-# two steps), or "before-next-step": the buddy acknowledges step k's snapshot before step k+1's first forward
-# (a forward pre-hook on the modules waits; the copy overlaps the next batch's loading and whatever the loop
-# does before its forward), so a lost host recomputes at most the step in flight.
+# `s.load(..., buddy=)`: "behind" (the bound above), or "before-next-step": step k's copy acknowledged before
+# step k+1's first forward (`MemorySnapshots.settle`), so a lost host recomputes at most the step in flight.
 BUDDY_MODES = ("behind", "before-next-step")
 __all__ = ["BUDDY_MODES", "MemoryRecovery", "MemorySnapshots", "SnapshotMismatch", "choose"]
 
@@ -343,9 +341,8 @@ class MemorySnapshots:
                 self._bound_lag(int(reply["buddy_step"]), self.lag)
 
     def settle(self) -> None:
-        """buddy="before-next-step": wait until the buddy holds the last commit (at most `lag_wait`
-        seconds, then said as the lag bound says it). Called before each forward (a pre-hook,
-        `MemoryRecovery.at_boundary`) and before the next snapshot; a no-op otherwise."""
+        """buddy="before-next-step", before each forward (a pre-hook) and the next snapshot: wait until
+        the buddy holds the last commit (the lag bound at 0); the copy overlaps all that runs until then."""
         if self.awaiting:
             self.awaiting = False
             acked = self._tell(lambda client: client.acked(self.key))
@@ -574,34 +571,20 @@ class MemoryRecovery:
             self.last_step = step
 
     def _hook(self, state: Mapping[str, Any]) -> None:
-        """buddy="before-next-step": before each module's forward, the last snapshot's acknowledgement
-        (`MemorySnapshots.settle`); first, so the copy overlaps all the loop does before its forward."""
+        """buddy="before-next-step": `MemorySnapshots.settle` first before each module's forward."""
         for module in checkpoint_state.split(state)["modules"].values():
             if id(module) not in self.hooked:
                 self.hooked[id(module)] = module.register_forward_pre_hook(
                     lambda *_: self.snaps.settle(), prepend=True
                 )
 
-    def report(self) -> str:
-        """One line: what the buddy copy cost this rank (the training thread's wait, the bytes sent)."""
-        snaps = self.snaps
-        if not snaps.copies:
-            return ""
-        mode = "before-next-step" if snaps.strict else "behind"
-        waits = sorted(snaps.waits) or [0.0]
-        return (
-            f"ddpkit: memory snapshots: the buddy copy (buddy={mode!r}) took {snaps.copies} snapshots, "
-            f"{snaps.sent_bytes / snaps.copies / 1e6:.2f} MB sent per snapshot; training waited "
-            f"{snaps.waited_s:.3f} s in all (median {waits[len(waits) // 2] * 1e3:.1f} ms, "
-            f"max {waits[-1] * 1e3:.1f} ms per snapshot of the last {len(waits)})"
-        )
-
     def close(self, *, drop: bool) -> None:
-        """At the session's end; `drop` (a clean end): the keeper frees this rank's memory now. The buddy
-        copy's cost is said (`report`)."""
+        """At the session's end (the buddy copy's cost said); `drop` (a clean end): the keeper frees this
+        rank's memory now."""
         self.snaps.settle()
-        if line := self.report():
-            self.say(line)
+        snaps = self.snaps
+        if snaps.copies:
+            self.say(buddy_report(snaps.strict, snaps.copies, snaps.sent_bytes, snaps.waited_s, snaps.waits))
         for handle in self.hooked.values():
             handle.remove()
         self.hooked = {}

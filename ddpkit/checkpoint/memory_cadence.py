@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +35,7 @@ from ddpkit.errors import problem
 
 BUDGET = 0.05  # the share of the training time a snapshot may take under memory="auto"
 PROBE = 3  # steps timed (each between two snapshots) before "auto" decides
-__all__ = ["BUDGET", "PROBE", "Cadence", "every_for"]
+__all__ = ["BUDGET", "PROBE", "Cadence", "buddy_report", "every_for"]
 
 
 def every_for(copy_s: float, step_s: float, budget: float = BUDGET) -> int:
@@ -43,6 +43,18 @@ def every_for(copy_s: float, step_s: float, budget: float = BUDGET) -> int:
     if step_s <= 0:
         return 1
     return max(1, math.ceil(copy_s / (budget * step_s) - 1e-9))
+
+
+def buddy_report(strict: bool, copies: int, sent: int, waited_s: float, waits: Collection[float]) -> str:
+    """The line said at the end: what the copy of `copies` snapshots (`sent` bytes) to the buddy host cost
+    the training thread (`waits`: its wait per snapshot, the last few thousand)."""
+    mode, each = "before-next-step" if strict else "behind", sorted(waits) or [0.0]
+    return (
+        f"ddpkit: memory snapshots: the buddy copy (buddy={mode!r}) took {copies} snapshots, "
+        f"{sent / max(1, copies) / 1e6:.2f} MB sent per snapshot; training waited {waited_s:.3f} s in all "
+        f"(median {each[len(each) // 2] * 1e3:.1f} ms, max {each[-1] * 1e3:.1f} ms per snapshot of the last "
+        f"{len(each)})"
+    )
 
 
 @dataclass
