@@ -42,10 +42,10 @@ PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
 
 
 class Pair(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.up = nn.Linear(D, HIDDEN)
-        self.down = nn.Linear(HIDDEN, D)
+        self.up = nn.Linear(D, hidden)
+        self.down = nn.Linear(hidden, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.nn.functional.gelu(self.up(x)))
@@ -62,6 +62,29 @@ class Stack(nn.Module):
         return x
 
 
+class HalfStack(Stack):
+    """One tensor rank's share of `Stack` as a plain model: the hidden width halved (what TP(2) computes)."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.blocks = nn.ModuleList(Pair(HIDDEN // 2) for _ in range(BLOCKS))
+
+
+def torch_tp(world: int) -> nn.Module:
+    """torch's tensor parallelism alone (`parallelize_module` on a 1-D mesh, no FSDP2, no dispatch mode)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    styles = {
+        f"blocks.{i}.{k}": (ColwiseParallel() if k == "up" else RowwiseParallel())
+        for i in range(BLOCKS)
+        for k in ("up", "down")
+    }
+    return parallelize_module(Stack(), mesh, styles)
+
+
 def strategy(name: str) -> object:
     if name == "tp":
         return TPOptions(tensor=2, plan=PLAN, min_block_params=1)
@@ -72,33 +95,50 @@ def timed(name: str, batch: int, steps: int) -> list[float]:
     """One session of `name`: a warm-up step, then `steps` timed ones (rank 0's seconds)."""
     import torch.distributed as dist
 
+    x = torch.randn(batch, D, generator=torch.Generator().manual_seed(1))
+    if name in LOCAL:  # no session: each rank alone, every rank computing at once (the plan's profile)
+        torch.manual_seed(0)
+        model = torch_tp(dist.get_world_size()) if name == "torch-tp" else LOCAL[name]()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        return _steps(
+            model, opt, x, steps, lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad())
+        )
     chosen = strategy(name)
     with ddpkit.session(seed=0, verbose=False, strategy=chosen) as s:
         model = s.model(Stack, strategy=chosen if name == "tp" else None)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        x = torch.randn(batch, D, generator=torch.Generator().manual_seed(1))
         mine = x if name == "tp" else x.chunk(s.world_size)[s.rank]  # TP: the tensor group's one batch
-        times = []
-        for i in range(steps + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            s.backward(model(mine).square().mean())
-            s.step(opt)
-            dist.barrier()
-            if i:
-                times.append(time.perf_counter() - start)
+        return _steps(model, opt, mine, steps, s.backward, lambda: s.step(opt))
+
+
+def _steps(model: nn.Module, opt: Any, x: torch.Tensor, steps: int, backward: Any, step: Any) -> list[float]:
+    import torch.distributed as dist
+
+    times = []
+    for i in range(steps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        backward(model(x).square().mean())
+        step()
+        dist.barrier()
+        if i:
+            times.append(time.perf_counter() - start)
     return times
 
 
-def rank_main(batches: list[int], rounds: int, steps: int) -> dict[str, Any]:
+# plain models timed beside the strategies: "local" the whole model on the whole batch (what `ddpkit plan`
+# profiles, n ranks at once), "half" one tensor rank's share of it, "torch-tp" torch's TP without ddpkit's
+LOCAL: dict[str, Any] = {"local": Stack, "half": HalfStack, "torch-tp": None}
+
+
+def rank_main(batches: list[int], rounds: int, steps: int, names: list[str]) -> dict[str, Any]:
     import torch.distributed as dist
 
     if not dist.is_initialized():  # one group for every session of the rank (each leaves it alone)
         dist.init_process_group("gloo")
-    names = ["tp", "fsdp", "ddp"]
     medians: dict[str, dict[str, list[float]]] = {str(b): {n: [] for n in names} for b in batches}
     for r in range(rounds):
-        order = names[r % 3 :] + names[: r % 3]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for batch in batches:
             for name in order:
                 medians[str(batch)][name].append(statistics.median(timed(name, batch, steps)) * 1e3)
@@ -111,10 +151,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batches", default="64,2048")
     p.add_argument("--json", default=None)
+    p.add_argument("--names", default="tp,fsdp,ddp", help="tp,fsdp,ddp and the plain local,half,torch-tp")
     ns = p.parse_args()
     batches = [int(b) for b in ns.batches.split(",")]
     load_before = os.getloadavg()
-    result = ddpkit.spawn(rank_main, 2, args=(batches, ns.rounds, ns.steps), threads=1, timeout=900)[0]
+    result = ddpkit.spawn(
+        rank_main, 2, args=(batches, ns.rounds, ns.steps, ns.names.split(",")), threads=1, timeout=900
+    )[0]
     load_after = os.getloadavg()
     rows = {}
     for batch, by_name in result.items():

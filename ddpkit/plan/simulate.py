@@ -349,6 +349,21 @@ def _tp_cost(group: Cluster, kind: str, nbytes: float) -> float:
     return group.allreduce(nbytes)[0]
 
 
+# Host time of one split layer's DTensor ops per step on a CPU rank, counted per activation collective
+# (a Megatron pair has one each way per layer): measured as torch's TP of benchmarks/tp_vs_fsdp.py's
+# model on a one-rank mesh (no communication, the same matmuls) against the plain model, 37.7 against
+# 18.4 ms per step for 8 split layers (docs/planning.md, TP validation). On CUDA the host runs ahead of
+# the kernels and this overlaps them: not charged.
+TP_DISPATCH_CPU_S = 2.4e-3
+
+
+def tp_host_s(profile: Profile, opts: Options) -> tuple[float, float]:
+    """(forward, backward) host seconds of DTensor's dispatch that a CPU rank adds to its compute."""
+    if profile.device != "cpu":
+        return 0.0, 0.0
+    return len(opts.tp_forward) * TP_DISPATCH_CPU_S, len(opts.tp_backward) * TP_DISPATCH_CPU_S
+
+
 def tensor_step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
     """One step under tensor parallelism: `opts.tensor` ranks split each planned layer, the data
     dimensions (replicate x shard, FSDP2's; shard 1: an all-reduce, DDP's arithmetic) over the rest.
@@ -357,7 +372,8 @@ def tensor_step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction
     bound on the gain, since norms, attention's softmax and the loss are not divided by every plan) and
     steps the optimizer over 1/T of the parameters; the split layers' activation collectives run on the
     tensor group's link (a node's, unless T exceeds a node) in line with the compute that needs them, so
-    nothing hides them (torch's async TP overlaps them on CUDA; not modelled); the data dimensions
+    nothing hides them (torch's async TP overlaps them on CUDA; not modelled); on CPU ranks DTensor's
+    dispatch of each split layer adds host time (`tp_host_s`); the data dimensions
     then move 1/T of the gradients (and, sharded, the parameters) on their own ranks."""
     t, n = opts.tensor, cluster.n
     if n % t:
@@ -376,17 +392,20 @@ def tensor_step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction
     k = max(1, opts.accumulation)
     fwd = sum(_tp_cost(group, kind, b * profile.batch) for kind, b in opts.tp_forward)
     bwd = sum(_tp_cost(group, kind, b * profile.batch) for kind, b in opts.tp_backward)
+    host_fwd, host_bwd = tp_host_s(profile, opts)
     data = replace(cluster, n=n // t, per_node=max(1, local // t))
     # CPU ranks sharing cores: all n ranks compute at once, not only the n / T the data step below sees
     # (it applies its own slowdown, or none for a profile measured with n / T ranks beside): the rest here
     full = 1.0 if profile.ranks == n else cluster.compute_slowdown(profile.threads)
     seen = 1.0 if data.n > 1 and profile.ranks == data.n else data.compute_slowdown(profile.threads)
     p = profile.scaled(full / seen / t)
-    stretch = (p.backward_s + bwd / seen) / p.backward_s if p.backward_s > 0 else 1.0
+    # DTensor's dispatch on a CPU rank: host time, not divided by T, slowed by the shared cores as compute
+    host_fwd, host_bwd = host_fwd * full / seen, host_bwd * full / seen
+    stretch = (p.backward_s + host_bwd + bwd / seen) / p.backward_s if p.backward_s > 0 else 1.0
     p = replace(  # the collectives in line with the compute (over `seen`: the data step scales it back)
         p,
-        forward_s=p.forward_s + fwd / seen,
-        backward_s=p.backward_s + bwd / seen,
+        forward_s=p.forward_s + host_fwd + fwd / seen,
+        backward_s=p.backward_s + host_bwd + bwd / seen,
         params=tuple(replace(q, bytes=q.bytes // t, ready_s=q.ready_s * stretch) for q in p.params),
         state_bytes=p.state_bytes // t,
     )

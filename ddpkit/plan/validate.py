@@ -13,6 +13,15 @@ divisible by 1, 2, 3 and 4:
 HSDP across two hosts (benchmarks/hsdp_step.py measures and predicts; `two_hosts` gives its rows):
 
     python -m ddpkit.plan.validate runs/hsdp_step.json
+
+Tensor parallelism against FSDP and DDP on 2 ranks (benchmarks/tp_vs_fsdp.py measures; `stack64` is
+its model as a workload, one plan per strategy and global batch; `side_by_side` gives the rows):
+
+    ddpkit plan --workload ddpkit.plan.validate:stack64 --strategy tp --tensor-degree 2 \
+        --tp-plan '{"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}' --counts 1,2 \
+        --global-batch 64 --link measured:runs/coll/collectives.json --json runs/plan-tp64.json
+    python benchmarks/tp_vs_fsdp.py --batches 64,512 --json runs/tp_vs_fsdp.json
+    python -m ddpkit.plan.validate runs/tp_vs_fsdp.json runs/plan-tp64.json runs/plan-ddp64.json ...
 """
 
 from __future__ import annotations
@@ -21,6 +30,10 @@ import json
 import sys
 from dataclasses import replace
 from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from ddpkit.tools import workloads
 
@@ -35,6 +48,57 @@ def mlp48() -> workloads.Workload:
 
 def gpt24() -> workloads.Workload:
     return replace(workloads.NAMED["gpt"], name="gpt24", global_batch=24)
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(STACK_D, STACK_HIDDEN)
+        self.down = nn.Linear(STACK_HIDDEN, STACK_D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class Stack(nn.Module):
+    """benchmarks/tp_vs_fsdp.py's model: 4 x (Linear 512->2048, GELU, Linear 2048->512) with residuals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Pair() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+STACK_D, STACK_HIDDEN = 512, 2048
+STACK_PLAN = {
+    "blocks.*.up": "colwise",
+    "blocks.*.down": "rowwise",
+}  # Megatron's pair: one all-reduce each way
+
+
+def _stack_sample(g: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, STACK_D, generator=g), torch.zeros(n)
+
+
+def _mean_square(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()  # the benchmark's loss; the target is a placeholder
+
+
+def stack64() -> workloads.Workload:
+    """The tensor-parallel validation's workload: `Stack`, SGD, the loss mean(out^2) (the benchmark's),
+    global batch 64 (TP(2): 64 per tensor group)."""
+    return workloads.Workload(
+        name="stack64",
+        build=Stack,
+        optimizer=lambda p: torch.optim.SGD(p, lr=1e-3),
+        sample=_stack_sample,
+        global_batch=64,
+        loss=_mean_square,
+    )
 
 
 def compare(plans: dict[str, dict[str, Any]], scaling: dict[str, Any]) -> list[dict[str, Any]]:
@@ -83,6 +147,33 @@ def two_hosts(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def side_by_side(result: dict[str, Any], plans: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of benchmarks/tp_vs_fsdp.py's JSON (TP(2), FSDP(2), DDP(2) of `stack64`'s model, each
+    global batch measured) against the plans made for them, in `compare`'s form, labelled "plan": each
+    plan is matched to the measurement by its strategy and global batch, at its largest N."""
+    rows = []
+    for plan in plans:
+        strategy = plan["options"]["strategy"]
+        last = max(plan["curve"], key=lambda r: r["n"])
+        t = plan["options"].get("tensor", 1)
+        batch = last["per_rank_batch"] * last["n"] // t  # TP: one batch per tensor group
+        m = result["ms_per_step"].get(str(batch), {}).get(strategy)
+        if m is None:
+            continue
+        low, high = m["spread_ms"]
+        label = f"TP({t})" if strategy == "tp" else f"{strategy.upper()}({last['n']})"
+        rows.append(
+            {
+                "workload": f"{plan['workload']} batch {batch} {label}",
+                "n": last["n"],
+                "measured_ms": m["median_ms"],
+                "spread": (high - low) / m["median_ms"],
+                "plan": {"ms": last["step_s"] * 1e3, "error": last["step_s"] * 1e3 / m["median_ms"] - 1},
+            }
+        )
+    return rows
+
+
 def markdown(rows: list[dict[str, Any]], labels: list[str]) -> str:
     head = (
         "| workload | N | measured ms (spread) | " + " | ".join(f"{lb}: ms (error)" for lb in labels) + " |"
@@ -105,6 +196,13 @@ if (
         scaling_data = json.load(f)
     if "links" in scaling_data:  # python -m ddpkit.plan.validate hsdp_step.json (benchmarks/hsdp_step.py)
         print(markdown(two_hosts(scaling_data), ["plan"]))
+        sys.exit(0)
+    if "ms_per_step" in scaling_data:  # tp_vs_fsdp.json plan.json ... (benchmarks/tp_vs_fsdp.py)
+        given = []
+        for path in sys.argv[2:]:
+            with open(path) as f:
+                given.append(json.load(f))
+        print(markdown(side_by_side(scaling_data, given), ["plan"]))
         sys.exit(0)
     plans = {}
     for arg in sys.argv[2:]:
