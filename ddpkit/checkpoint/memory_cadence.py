@@ -4,6 +4,7 @@
     if cadence.due(step, now):            # at the loader's next batch after each optimizer step
         ...the snapshot...
         cadence.took(seconds, nbytes, now)
+    say(buddy_report(strict, copies, sent, waited_s, waits))    # at the end: the buddy copy's cost
 
 A snapshot is a copy of the rank's whole state on the training thread, so its cost is a fraction of a
 step that depends on the state's size against the step's time: every step is cheap for a small model
