@@ -2,6 +2,14 @@
 
     .venv/bin/python benchmarks/tp_vs_fsdp.py                       # 2 ranks x 1 thread, batches 64 and 2048
     .venv/bin/python benchmarks/tp_vs_fsdp.py --rounds 5 --json runs/tp_vs_fsdp.json
+    .venv/bin/python benchmarks/tp_vs_fsdp.py --batches 64 --rounds 5 --names tp,torch-tp,half,local,ddp
+
+`--names` adds plain models timed the same way, without ddpkit's session, to take TP's step apart (the
+validation of `ddpkit plan --strategy tp`, docs/planning.md): "local" the whole model on the whole
+batch on each rank (what the plan profiles, the ranks computing at once), "half" one tensor rank's
+share of it (the hidden width halved: does the compute divide by T?), "torch-tp" torch's
+`parallelize_module` alone on a 1-D mesh (DTensor and the activations' all-reduces, without ddpkit's
+FSDP2 over the data mesh and its dropout dispatch mode).
 
 A stack of 4 x (Linear 512->2048, GELU, Linear 2048->512) with residuals: 32 MiB of fp32 weights. TP(2)
 splits each pair (up column-wise, down row-wise: one all-reduce of the activations per block in forward

@@ -196,3 +196,34 @@ def test_on_cpu_ranks_each_split_layer_adds_dtensor_dispatch_to_the_step_not_div
     t4 = replace(opts, tensor=4)
     added = step(replace(_profile(), device="cpu"), wide, t4).step_s - step(_profile(), wide, t4).step_s
     assert added == pytest.approx(16 * TP_DISPATCH_CPU_S)  # the same at T = 4: not divided by T
+
+
+def test_validation_rows_match_each_plan_to_the_benchmarks_measurement_by_strategy_and_batch() -> None:
+    """benchmarks/tp_vs_fsdp.py's JSON against a TP(2) plan of global batch 64: one row against
+    ddpkit's TP, one against torch's TP alone, each with the plan's error."""
+    from ddpkit.plan import validate
+
+    measured = {
+        "ms_per_step": {
+            "64": {
+                "tp": {"median_ms": 80.0, "spread_ms": [72.0, 88.0]},
+                "torch-tp": {"median_ms": 50.0, "spread_ms": [45.0, 55.0]},
+            }
+        }
+    }
+    plan = {
+        "workload": "stack64",
+        "options": {"strategy": "tp", "tensor": 2},
+        "curve": [
+            {"n": 1, "per_rank_batch": 64, "step_s": 0.04},
+            {"n": 2, "per_rank_batch": 64, "step_s": 0.05},
+        ],
+    }
+    rows = validate.side_by_side(measured, [plan])
+    assert [(r["workload"], r["n"]) for r in rows] == [
+        ("stack64 batch 64 TP(2)", 2),
+        ("stack64 batch 64 torch's TP(2) alone", 2),
+    ]
+    assert rows[0]["plan"]["error"] == pytest.approx(50 / 80 - 1) and rows[0]["spread"] == pytest.approx(0.2)
+    assert rows[1]["plan"]["error"] == pytest.approx(0.0)
+    assert "50.0 (+0%)" in validate.markdown(rows, ["plan"])

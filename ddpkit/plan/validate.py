@@ -20,8 +20,9 @@ its model as a workload, one plan per strategy and global batch; `side_by_side` 
     ddpkit plan --workload ddpkit.plan.validate:stack64 --strategy tp --tensor-degree 2 \
         --tp-plan '{"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}' --counts 1,2 \
         --global-batch 64 --link measured:runs/coll/collectives.json --json runs/plan-tp64.json
-    python benchmarks/tp_vs_fsdp.py --batches 64,512 --json runs/tp_vs_fsdp.json
-    python -m ddpkit.plan.validate runs/tp_vs_fsdp.json runs/plan-tp64.json runs/plan-ddp64.json ...
+    python benchmarks/tp_vs_fsdp.py --batches 64 --rounds 5 --names tp,torch-tp,half,local,ddp \
+        --json runs/tp_vs_fsdp.json
+    python -m ddpkit.plan.validate runs/tp_vs_fsdp.json runs/plan-tp64.json [runs/plan-ddp64.json ...]
 """
 
 from __future__ import annotations
@@ -150,27 +151,32 @@ def two_hosts(result: dict[str, Any]) -> list[dict[str, Any]]:
 def side_by_side(result: dict[str, Any], plans: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows of benchmarks/tp_vs_fsdp.py's JSON (TP(2), FSDP(2), DDP(2) of `stack64`'s model, each
     global batch measured) against the plans made for them, in `compare`'s form, labelled "plan": each
-    plan is matched to the measurement by its strategy and global batch, at its largest N."""
+    plan is matched to the measurement by its strategy and global batch, at its largest N; a TP plan
+    also to torch's TP alone where the benchmark timed it (`--names ...,torch-tp`)."""
     rows = []
     for plan in plans:
         strategy = plan["options"]["strategy"]
         last = max(plan["curve"], key=lambda r: r["n"])
         t = plan["options"].get("tensor", 1)
         batch = last["per_rank_batch"] * last["n"] // t  # TP: one batch per tensor group
-        m = result["ms_per_step"].get(str(batch), {}).get(strategy)
-        if m is None:
-            continue
-        low, high = m["spread_ms"]
+        by_name = result["ms_per_step"].get(str(batch), {})
         label = f"TP({t})" if strategy == "tp" else f"{strategy.upper()}({last['n']})"
-        rows.append(
-            {
-                "workload": f"{plan['workload']} batch {batch} {label}",
-                "n": last["n"],
-                "measured_ms": m["median_ms"],
-                "spread": (high - low) / m["median_ms"],
-                "plan": {"ms": last["step_s"] * 1e3, "error": last["step_s"] * 1e3 / m["median_ms"] - 1},
-            }
-        )
+        # a TP plan also against torch's TP alone (no FSDP2 over the data mesh, no dispatch mode)
+        against = [(strategy, label)] + ([("torch-tp", f"torch's TP({t}) alone")] if strategy == "tp" else [])
+        for name, text in against:
+            m = by_name.get(name)
+            if m is None:
+                continue
+            low, high = m["spread_ms"]
+            rows.append(
+                {
+                    "workload": f"{plan['workload']} batch {batch} {text}",
+                    "n": last["n"],
+                    "measured_ms": m["median_ms"],
+                    "spread": (high - low) / m["median_ms"],
+                    "plan": {"ms": last["step_s"] * 1e3, "error": last["step_s"] * 1e3 / m["median_ms"] - 1},
+                }
+            )
     return rows
 
 
