@@ -1,6 +1,6 @@
 """A lost host recovered from its buddy's memory, through `ddpkit run` itself: two hosts (network
-namespaces, tests/test_elastic.py's `_Hosts`), one FSDP rank each, `s.load(..., memory=1)` (the lost host's test with `buddy="before-next-step"`). Each host's
-`ddpkit run` starts its keeper with a TCP port and a job token; the ranks meet through the job's store
+namespaces, tests/test_elastic.py's `_Hosts`), one FSDP rank each, `s.load(..., memory=1)` (the lost
+host's test with `buddy="before-next-step"`). Each host's `ddpkit run` starts its keeper with a TCP port and a job token; the ranks meet through the job's store
 and wire each keeper to the other host's (`ddpkit.checkpoint.memory_hosts`), which copies every
 committed snapshot. Host 1 is SIGKILLed whole at a random step: its agent, its rank and its keeper (its
 memory gone). A replacement host 1 starts with an empty keeper; its rank fetches its shards, optimizer
