@@ -9,7 +9,9 @@ validation of `ddpkit plan --strategy tp`, docs/planning.md): "local" the whole 
 batch on each rank (what the plan profiles, the ranks computing at once), "half" one tensor rank's
 share of it (the hidden width halved: does the compute divide by T?), "torch-tp" torch's
 `parallelize_module` alone on a 1-D mesh (DTensor and the activations' all-reduces, without ddpkit's
-FSDP2 over the data mesh and its dropout dispatch mode).
+FSDP2 over the data mesh and its dropout dispatch mode). `--nproc 1 --names local,torch-tp` times
+torch's TP on a one-rank mesh against the plain model: the same matmuls, no communication, so the
+difference is DTensor's own host time per step.
 
 A stack of 4 x (Linear 512->2048, GELU, Linear 2048->512) with residuals: 32 MiB of fp32 weights. TP(2)
 splits each pair (up column-wise, down row-wise: one all-reduce of the activations per block in forward
@@ -159,6 +161,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batches", default="64,2048")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--nproc", type=int, default=2, help="ranks (1: --names local,torch-tp, DTensor's own cost)"
+    )
     p.add_argument("--names", default="tp,fsdp,ddp", help="tp,fsdp,ddp and the plain local,half,torch-tp")
     ns = p.parse_args()
     batches = [int(b) for b in ns.batches.split(",")]
@@ -178,7 +183,7 @@ def main() -> None:
         }
     out = {
         "model": f"{BLOCKS} x (Linear {D}->{HIDDEN}, GELU, Linear {HIDDEN}->{D}), 32 MiB fp32, SGD",
-        "ranks": "2 gloo CPU ranks x 1 thread",
+        "ranks": f"{ns.nproc} gloo CPU rank(s) x 1 thread",
         "rounds": ns.rounds,
         "steps": ns.steps,
         "load_before": [round(x, 2) for x in load_before],
@@ -189,7 +194,7 @@ def main() -> None:
     print(json.dumps(out, indent=1))
     for batch, by_name in rows.items():
         line = ", ".join(
-            f"{n.upper()}(2) {v['median_ms']} ms ({v['spread_ms'][0]}-{v['spread_ms'][1]})"
+            f"{n.upper()}({ns.nproc}) {v['median_ms']} ms ({v['spread_ms'][0]}-{v['spread_ms'][1]})"
             for n, v in by_name.items()
         )
         print(f"global batch {batch}: {line}")

@@ -177,25 +177,25 @@ def test_on_shared_cores_every_rank_of_every_tensor_group_competes_for_them() ->
     assert got.backward_s == pytest.approx(_profile().backward_s / 2 * 2)
 
 
-def test_on_cpu_ranks_each_split_layer_adds_dtensor_dispatch_to_the_step_not_divided_by_t() -> None:
-    """A CPU rank is its own host: DTensor's dispatch of every split layer runs in line with the
-    compute, TP_DISPATCH_CPU_S per activation collective, whatever the tensor degree; on CUDA the host
-    runs ahead of the kernels and nothing is added."""
+def test_on_cpu_ranks_each_activation_collective_adds_host_time_not_divided_by_t() -> None:
+    """A CPU rank is its own host: DTensor's dispatch around every activation collective and the wait
+    for the peer run in line with the compute, TP_HOST_CPU_S each, whatever the tensor degree; on
+    CUDA the host runs ahead of the kernels and nothing is added."""
     from dataclasses import replace
 
-    from ddpkit.plan.simulate import TP_DISPATCH_CPU_S
+    from ddpkit.plan.simulate import TP_HOST_CPU_S
 
     cluster = Cluster(n=2, per_node=8, link=_link(2e9), algorithm="ring")
     opts = Options(strategy="tp", tensor=2, tp_forward=ACT[0], tp_backward=ACT[1])
     gpu = step(_profile(), cluster, opts)
     cpu = step(replace(_profile(), device="cpu"), cluster, opts)
-    assert cpu.step_s - gpu.step_s == pytest.approx(16 * TP_DISPATCH_CPU_S)
-    assert cpu.forward_s - gpu.forward_s == pytest.approx(8 * TP_DISPATCH_CPU_S)
+    assert cpu.step_s - gpu.step_s == pytest.approx(16 * TP_HOST_CPU_S)
+    assert cpu.forward_s - gpu.forward_s == pytest.approx(8 * TP_HOST_CPU_S)
     assert cpu.comm_s == pytest.approx(gpu.comm_s)  # host time, not communication
     wide = Cluster(n=4, per_node=8, link=_link(2e9), algorithm="ring")
     t4 = replace(opts, tensor=4)
     added = step(replace(_profile(), device="cpu"), wide, t4).step_s - step(_profile(), wide, t4).step_s
-    assert added == pytest.approx(16 * TP_DISPATCH_CPU_S)  # the same at T = 4: not divided by T
+    assert added == pytest.approx(16 * TP_HOST_CPU_S)  # the same at T = 4: not divided by T
 
 
 def test_validation_rows_match_each_plan_to_the_benchmarks_measurement_by_strategy_and_batch() -> None:

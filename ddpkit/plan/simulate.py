@@ -349,19 +349,21 @@ def _tp_cost(group: Cluster, kind: str, nbytes: float) -> float:
     return group.allreduce(nbytes)[0]
 
 
-# Host time of one split layer's DTensor ops per step on a CPU rank, counted per activation collective
-# (a Megatron pair has one each way per layer): measured as torch's TP of benchmarks/tp_vs_fsdp.py's
-# model on a one-rank mesh (no communication, the same matmuls) against the plain model, 37.7 against
-# 18.4 ms per step for 8 split layers (docs/planning.md, TP validation). On CUDA the host runs ahead of
-# the kernels and this overlaps them: not charged.
-TP_DISPATCH_CPU_S = 2.4e-3
+# Host time per activation collective on a CPU rank, beyond the link's figure for it: DTensor's dispatch
+# of the split layer's ops and the wait for the peer tensor rank at each of these in-line rendezvous,
+# whose compute shares the cores. Fitted on benchmarks/tp_vs_fsdp.py's model (docs/planning.md, tensor
+# parallelism on 2 CPU ranks): torch's TP(2) step less one tensor rank's share of the compute less the
+# link's 8 all-reduces left 16-24 ms per step (2.0-2.9 ms each) in three windows; the one-rank mesh
+# alone (no peer) showed 2-19 ms of dispatch per step. On CUDA the host runs ahead of the kernels and
+# the waits are the link's: not charged.
+TP_HOST_CPU_S = 2.4e-3
 
 
 def tp_host_s(profile: Profile, opts: Options) -> tuple[float, float]:
-    """(forward, backward) host seconds of DTensor's dispatch that a CPU rank adds to its compute."""
+    """(forward, backward) host seconds a CPU rank adds to its compute around the activation collectives."""
     if profile.device != "cpu":
         return 0.0, 0.0
-    return len(opts.tp_forward) * TP_DISPATCH_CPU_S, len(opts.tp_backward) * TP_DISPATCH_CPU_S
+    return len(opts.tp_forward) * TP_HOST_CPU_S, len(opts.tp_backward) * TP_HOST_CPU_S
 
 
 def tensor_step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction:
@@ -372,9 +374,9 @@ def tensor_step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction
     bound on the gain, since norms, attention's softmax and the loss are not divided by every plan) and
     steps the optimizer over 1/T of the parameters; the split layers' activation collectives run on the
     tensor group's link (a node's, unless T exceeds a node) in line with the compute that needs them, so
-    nothing hides them (torch's async TP overlaps them on CUDA; not modelled); on CPU ranks DTensor's
-    dispatch of each split layer adds host time (`tp_host_s`); the data dimensions
-    then move 1/T of the gradients (and, sharded, the parameters) on their own ranks."""
+    nothing hides them (torch's async TP overlaps them on CUDA; not modelled); on CPU ranks each
+    collective adds host time, DTensor's dispatch and the wait for the peer (`tp_host_s`); the data
+    dimensions then move 1/T of the gradients (and, sharded, the parameters) on their own ranks."""
     t, n = opts.tensor, cluster.n
     if n % t:
         raise problem(
@@ -399,7 +401,7 @@ def tensor_step(profile: Profile, cluster: Cluster, opts: Options) -> Prediction
     full = 1.0 if profile.ranks == n else cluster.compute_slowdown(profile.threads)
     seen = 1.0 if data.n > 1 and profile.ranks == data.n else data.compute_slowdown(profile.threads)
     p = profile.scaled(full / seen / t)
-    # DTensor's dispatch on a CPU rank: host time, not divided by T, slowed by the shared cores as compute
+    # CPU ranks: host time around each collective, not divided by T, slowed by the shared cores as compute
     host_fwd, host_bwd = host_fwd * full / seen, host_bwd * full / seen
     stretch = (p.backward_s + host_bwd + bwd / seen) / p.backward_s if p.backward_s > 0 else 1.0
     p = replace(  # the collectives in line with the compute (over `seen`: the data step scales it back)
