@@ -36,6 +36,10 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, try again": preempt
 # What `ddpkit run` tells its ranks, and the switches a user sets (README).
 WARM_START_ENV = "DDPKIT_WARM_START"  # a warm-start server's directory: `ddpkit run` forks its ranks from it
 KEEPER_ENV = "DDPKIT_KEEPER"  # this host's snapshot keeper (`ddpkit run`): s.load(..., memory=N) holds there
+KEEPER_TOKEN_ENV = (
+    "DDPKIT_KEEPER_TOKEN"  # this host's keeper's job token (`ddpkit run`; never on a command line)
+)
+KEEPER_ADDRESS_ENV = "DDPKIT_KEEPER_ADDRESS"  # HOST:PORT where the other hosts reach this host's keeper (TCP)
 RUN_ENV = "DDPKIT_RUN"  # "1" in a rank of `ddpkit run`: the launcher reports user errors itself
 DEVICE_ENV = "DDPKIT_DEVICE"  # `ddpkit run --device`: read by `cluster.topology` when device="auto"
 SHARE_GPU_ENV = "DDPKIT_SHARE_GPU"  # `ddpkit run --share-gpu`: more local ranks than GPUs

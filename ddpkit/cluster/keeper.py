@@ -74,13 +74,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ddpkit import names  # torch-free: the keeper, run by path, imports no torch
+
 HEAD = struct.Struct("<8sqqqqq")  # a slot's header: magic, step (-1 while written), seq, tree off, len, crc
 MAGIC = b"DDPKSNP1"
 STEP_AT = 8  # the byte offset of the step in the header: the commit is one aligned 8-byte store there
 _LENGTH = struct.Struct("<I")
 _MAX_FDS = 16
-TOKEN_ENV = "DDPKIT_KEEPER_TOKEN"  # this host's keeper's job token (`ddpkit run`; never on a command line)
-ADDRESS_ENV = "DDPKIT_KEEPER_ADDRESS"  # HOST:PORT where the other hosts reach this host's keeper (TCP)
+TOKEN_ENV = names.KEEPER_TOKEN_ENV  # this host's keeper's job token (`ddpkit run`; never on a command line)
+ADDRESS_ENV = names.KEEPER_ADDRESS_ENV  # HOST:PORT where the other hosts reach this host's keeper (TCP)
 
 
 class KeeperRefused(PermissionError):
