@@ -114,7 +114,9 @@ class Membership:
         script's s.all_reduce, s.gather, s.any_rank, ...) such a rank lets the call go on into its
         collective after a second or two, where the collective limit and its stall report apply as before.
         A rank that has left its session (`leave`) cannot come either: refused at once, naming the line its
-        session ended at."""
+        session ended at. A rank whose watchdog gives no answer (its process or its host is gone) is left to
+        the collective (a script's call: gloo sees the reset connection at once) or, for a save, load or
+        export, to their own waits once it has been silent for SILENT_AFTER (their heartbeats name it)."""
         self._calls += 1
         n, where = self._calls, _user_line()
         base = f"{self.prefix}/call/{n}"
@@ -125,7 +127,7 @@ class Membership:
         start, delay, seen = time.monotonic(), 0.0002, {}
         end = start + (limit if limit is not None else self.limits.save)
         last: dict[int, str] = {}  # a missing rank -> its position at the previous look
-        looked = start
+        looked, silent_since = start, None  # when a waited rank first gave no answer
         while waiting:
             for r, key in list(waiting.items()):
                 if self.store.check([key]):
@@ -148,11 +150,14 @@ class Membership:
                 self._refuse(call, where, n, "; ".join(gone.values()), list(gone))
             if isinstance(self.watchdog, CallWatchdog) and look:
                 looked = now
-                stuck, running = self._positions(call, where, waiting, last)
+                stuck, running, silent = self._positions(call, where, waiting, last)
                 if stuck:
                     self._refuse(call, where, n, "; ".join(stuck.values()), list(stuck))
                 if running and not patient:
                     return  # only slow: the collective's own limit and its stall report take over
+                silent_since = (silent_since or now) if silent else None
+                if silent_since is not None and (not patient or now - silent_since > SILENT_AFTER):
+                    return  # gone, not elsewhere: what follows fails on its own, naming the lost rank
             elif self.watchdog is None and not patient and now - start > GRACE:
                 return
             elif look:
@@ -171,24 +176,26 @@ class Membership:
 
     def _positions(
         self, call: str, where: str, waiting: dict[int, str], last: dict[int, str]
-    ) -> tuple[dict[int, str], bool]:
+    ) -> tuple[dict[int, str], bool, bool]:
         """Where each rank that has not tagged the call stands: those in a collective at the same place
-        as at the previous look (they cannot come), and whether any is still running."""
+        as at the previous look (they cannot come), whether any is still running, and whether any gave no
+        answer at all (its process, or its host, is gone)."""
         assert isinstance(self.watchdog, CallWatchdog)  # `join` makes this one
         at = where.split(" in ")[0].rsplit("/", 1)[-1]
         mine = {"state": f"in {call}", "collective": False, "where": where, "at": at}
         answers = self.watchdog.gather_answers(mine, deadline=3 * self.watchdog.poll + 2)
-        stuck, running = {}, False
+        stuck, running, silent = {}, False, False
         for r in waiting:
             a = answers.get(r)
             if a is None:
+                silent = True
                 continue
             spot = f"{a['state']} at {a['where']}"
             if a.get("collective") and last.get(r) == spot:
                 stuck[r] = f"rank {r} is {spot}"
             running = running or not a.get("collective")
             last[r] = spot
-        return stuck, running
+        return stuck, running, silent
 
     def _refuse(self, call: str, where: str, n: int, others: str, ranks: list[int]) -> None:
         """One paragraph on this rank; the same left in the store for the ranks named (their watchdog
