@@ -39,6 +39,11 @@ def test_trace_refuses_an_unknown_hook_once_naming_the_known_ones(capsys, monkey
     assert "allreduce, bf16, fp16, powersgd, shm" in err, err
     for known in ("allreduce", "fp16", "bf16", "powersgd", "shm"):
         trace._check_hook(known)
+    assert cli.main(["trace", "--hook", "fp16", "--strategy", "fsdp", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()  # ignored under FSDP before: refused, naming both flags
+    assert "\n" not in err and "--strategy fsdp has no communication hook" in err, err
+    assert "Drop --hook" in err, err
+    trace._check_hook("allreduce", "fsdp")  # the default hook is no choice: FSDP is traced as it is
 
 
 def test_the_reference_and_the_inventory_read_the_parsers_through_one_walk(monkeypatch) -> None:

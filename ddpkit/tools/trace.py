@@ -311,8 +311,9 @@ def explain(rank0: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _check_hook(hook: str) -> None:
-    """Refuse an unknown --hook once, here, before any rank starts: in the ranks each would fail alone."""
+def _check_hook(hook: str, strategy: str = "ddp") -> None:
+    """Refuse an unknown --hook once, here, before any rank starts: in the ranks each would fail alone; and a
+    hook under a strategy that has none (FSDP's collectives are not DDP's buckets: it would be ignored)."""
     from ddpkit.parallel import comm_hooks
 
     known = ["allreduce", *sorted(comm_hooks.HOOKS)]
@@ -320,6 +321,12 @@ def _check_hook(hook: str) -> None:
         raise problem(
             f"--hook {hook!r} is not a known communication hook",
             f"Use one of {', '.join(known)} (allreduce: DDP's default)",
+        )
+    if hook != "allreduce" and strategy != "ddp":
+        raise problem(
+            f"--hook {hook} traces DDP's buckets, but --strategy {strategy} has no communication hook (its "
+            "all-gathers and reduce-scatters are traced as they are)",
+            f"Drop --hook to trace {strategy}, or use --strategy ddp to trace the {hook} hook",
         )
 
 
@@ -347,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.nproc < 2:
         print("ddpkit trace: --nproc must be 2 or more: with one process there is no all-reduce to trace")
         return 2
-    _check_hook(ns.hook)
+    _check_hook(ns.hook, ns.strategy)
     if ns.ranks:
         from ddpkit.tools import trace_ranks
 
